@@ -1,0 +1,56 @@
+"""psrt: a Cython-accelerated parameter-server runtime on ZeroMQ.
+
+Workers embed a :class:`Client` in their training loop; it pushes gradients to shard servers, which sum them
+and apply a named optimizer with compiled kernels, and pulls fresh parameters back.
+
+Importing psrt starts no threads and opens no sockets.
+"""
+
+from __future__ import annotations
+
+try:
+    from psrt import _core  # noqa: F401  (the compiled kernels; everything below needs them)
+except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+    raise ImportError(
+        "psrt's compiled core (psrt._core) is missing or failed to load: "
+        f"{exc}. Build it with `pip install -e .` from the source tree (needs a C compiler and Cython>=3), "
+        "or install a built wheel. psrt has no pure-Python fallback."
+    ) from exc
+
+from psrt.client import Client, Handle
+from psrt.errors import (
+    ConfigError,
+    ConnectionLostError,
+    KernelArgumentError,
+    KernelTypeError,
+    ProtocolError,
+    PsrtError,
+    PsrtTimeoutError,
+    PsrtTypeError,
+    ServerError,
+    ShardTimeoutError,
+)
+from psrt.optim import SGD, AdaGrad, Adam, AdamW, Optimizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client",
+    "Handle",
+    "Optimizer",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "AdaGrad",
+    "PsrtError",
+    "ConfigError",
+    "KernelArgumentError",
+    "KernelTypeError",
+    "ProtocolError",
+    "ServerError",
+    "PsrtTimeoutError",
+    "PsrtTypeError",
+    "ShardTimeoutError",
+    "ConnectionLostError",
+    "__version__",
+]

@@ -1,0 +1,439 @@
+"""The client a worker embeds in its training loop: push gradients, pull parameters.
+
+A :class:`Client` holds one DEALER socket per shard. Its tensors are spread over the shards by
+:class:`~psrt.partition.PartitionMap`; every call turns into per-shard messages that are all sent at once, so the
+shards work in parallel and a split tensor's chunks stream through a shard one after the other. Replies are
+received straight into the output arrays (no intermediate copies).
+
+Every call has a non-blocking form returning a :class:`Handle`; ZeroMQ's I/O thread moves the bytes while the
+caller computes, and :meth:`Handle.wait` collects the replies. A client is not thread-safe: use it from the
+thread that created it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from psrt import transport, wire
+from psrt.config import ClientConfig
+from psrt.errors import (
+    ConfigError,
+    ConnectionLostError,
+    ProtocolError,
+    PsrtError,
+    PsrtTypeError,
+    ServerError,
+    ShardTimeoutError,
+)
+from psrt.optim import SGD, Optimizer
+from psrt.partition import Chunk, PartitionMap
+
+__all__ = ["Client", "Handle"]
+
+Key = tuple[str, int]
+
+
+@dataclass
+class _Pending:
+    handle: Handle
+    shard: int
+    chunks: list[Chunk]
+
+
+class Handle:
+    """A call in flight. :meth:`wait` returns its result: parameters for pulls, None for pushes."""
+
+    def __init__(self, client: Client, op: str, outputs: Optional[dict[str, np.ndarray]]) -> None:
+        self._client = client
+        self.op = op
+        self._outputs = outputs
+        self._outstanding: set[int] = set()
+        self._error: Optional[BaseException] = None
+        self._conflicts: list[str] = []
+        self._shard_info: dict[int, dict[str, Any]] = {}
+
+    def done(self) -> bool:
+        """True when every reply has arrived (takes in any replies already queued, never blocks)."""
+        if self._outstanding and not self._client._closed:
+            self._client._progress(self, 0.0)
+        return not self._outstanding
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[dict[str, np.ndarray]]:
+        """Wait for every reply of this call and return its result.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait; the client's configured timeout when omitted.
+
+        Returns
+        -------
+        dict of str to numpy.ndarray or None
+            The parameters for ``pull``/``push_pull``/``init``, None for ``push``.
+
+        Raises
+        ------
+        ShardTimeoutError
+            Naming the shard(s) that did not answer in time.
+        ServerError
+            When a shard answered with an error.
+        """
+        client = self._client
+        client._wait(self, client.config.timeout if timeout is None else timeout)
+        if self._error is not None:
+            raise self._error
+        return self._outputs
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+
+
+class Client:
+    """A worker's connection to the shard servers.
+
+    Parameters
+    ----------
+    servers : sequence of str
+        The shard endpoints, e.g. ``["tcp://127.0.0.1:5701", "tcp://127.0.0.1:5702"]``. Every worker must list
+        them in the same order: the order decides which shard holds which chunk.
+    rank : int
+        This worker's rank in ``[0, num_workers)``; it identifies its pushes.
+    num_workers : int
+        W, which must match the shards' ``--workers``.
+    config : ClientConfig, optional
+        Timeouts, partition size and limits; defaults come from the environment (``PSRT_TIMEOUT``, ...).
+
+    Examples
+    --------
+    >>> client = psrt.Client(servers=["tcp://127.0.0.1:5701"], rank=0, num_workers=1)  # doctest: +SKIP
+    >>> client.init({"w": np.zeros(10, np.float32)}, optimizer=psrt.SGD(lr=0.1))         # doctest: +SKIP
+    >>> params = client.push_pull({"w": np.ones(10, np.float32)})                         # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[str],
+        rank: int = 0,
+        num_workers: int = 1,
+        *,
+        config: Optional[ClientConfig] = None,
+    ) -> None:
+        if isinstance(servers, str) or not isinstance(servers, Sequence) or not servers:
+            raise ConfigError("servers must be a non-empty list of endpoints such as ['tcp://127.0.0.1:5701']")
+        for ep in servers:
+            if not isinstance(ep, str) or "://" not in ep:
+                raise ConfigError(f"server endpoint {ep!r} is not a ZeroMQ endpoint such as tcp://127.0.0.1:5701")
+        if len(set(servers)) != len(servers):
+            raise ConfigError(f"servers lists an endpoint twice: {list(servers)}")
+        if type(num_workers) is not int or num_workers < 1:
+            raise ConfigError(f"num_workers must be a positive integer, got {num_workers!r}")
+        if type(rank) is not int or not 0 <= rank < num_workers:
+            raise ConfigError(f"rank must be an integer in [0, num_workers={num_workers}), got {rank!r}")
+        self.config = config if config is not None else ClientConfig()
+        self.servers = list(servers)
+        self._rank = rank
+        self._num_workers = num_workers
+        self._ctx = transport.new_context()
+        self._channels = [transport.DealerChannel(self._ctx, ep, self.config.hwm) for ep in self.servers]
+        self._poller = transport.Poller(self._channels)
+        self._map = PartitionMap(len(self.servers), self.config.partition_bytes)
+        # A fresh session per client: a restarted worker's sequence numbers are not mistaken for replays.
+        self._session = secrets.randbits(63)
+        self._seq = [0] * len(self.servers)
+        self._next_id = 1
+        self._pending: dict[int, _Pending] = {}
+        self._versions: dict[Key, int] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def rank(self) -> int:
+        """This worker's rank."""
+        return self._rank
+
+    @property
+    def num_workers(self) -> int:
+        """W, the number of workers in the job."""
+        return self._num_workers
+
+    @property
+    def partition(self) -> PartitionMap:
+        """The shard map of the initialized tensors."""
+        return self._map
+
+    # ------------------------------------------------------------------ public API
+    def init(self, params: Mapping[str, Any], optimizer: Optional[Optimizer] = None,
+             timeout: Optional[float] = None) -> dict[str, np.ndarray]:
+        """Register tensors with their initial values and the optimizer the shards apply to them.
+
+        The first initialization of a key wins: workers that initialize it later get the stored value back,
+        so all workers start from identical parameters.
+
+        Parameters
+        ----------
+        params : mapping of str to array
+            Initial values (float32 or float64).
+        optimizer : Optimizer, optional
+            A named optimizer (:class:`psrt.SGD`, :class:`psrt.Adam`, ...); ``SGD(lr=0.01)`` when omitted.
+        timeout : float, optional
+            Seconds to wait for the shards.
+
+        Returns
+        -------
+        dict of str to numpy.ndarray
+            The values the shards hold after the call (which may be another worker's).
+
+        Raises
+        ------
+        ConfigError
+            When a tensor exists with another optimizer, or the shards run with another W.
+        """
+        self._check_open()
+        optimizer = SGD() if optimizer is None else optimizer
+        if not isinstance(optimizer, Optimizer):
+            raise PsrtTypeError(f"optimizer must be psrt.SGD, psrt.Adam, psrt.AdamW or psrt.AdaGrad, "
+                                f"got {type(optimizer).__name__}")
+        if not isinstance(params, Mapping) or not params:
+            raise ConfigError("params must be a non-empty dict of name -> array")
+        arrays = {}
+        for name, value in params.items():
+            if not isinstance(name, str) or not 0 < len(name) <= self.config.limits.max_name_len:
+                raise ConfigError(f"tensor names must be non-empty strings, got {name!r}")
+            a = np.ascontiguousarray(value)
+            if a.dtype not in (np.float32, np.float64):
+                raise PsrtTypeError(f"tensor {name!r} has dtype {a.dtype}; psrt holds float32 or float64 "
+                                    f"(use .astype(np.float32))")
+            arrays[name] = a
+        chunks = self._map.add({n: (a.shape, a.dtype) for n, a in arrays.items()})
+        chunks.sort(key=lambda c: (c.name, c.part))
+        outputs = {n: np.empty(a.shape, a.dtype) for n, a in arrays.items()}
+        handle = Handle(self, "init", outputs)
+        spec = optimizer.to_wire()
+        for shard, messages in self._map.messages(chunks).items():
+            for msg in messages:
+                self._send(handle, shard, msg, {"op": "init", "worker": self._rank, "session": self._session,
+                                                "optimizer": spec}, arrays)
+        result = handle.wait(timeout)
+        for shard, info in handle._shard_info.items():
+            if info.get("num_workers") != self._num_workers:
+                raise ConfigError(f"shard {self.servers[shard]} runs with --workers {info.get('num_workers')} "
+                                  f"but this client has num_workers={self._num_workers}")
+        if handle._conflicts:
+            raise ConfigError(f"tensors {sorted(set(handle._conflicts))} were initialized by another worker with "
+                              "a different optimizer; every worker must pass the same optimizer")
+        return result  # type: ignore[return-value]
+
+    def push(self, grads: Mapping[str, Any], timeout: Optional[float] = None) -> None:
+        """Push gradients and wait until every shard has taken them (summed into the round, or applied).
+
+        Parameters
+        ----------
+        grads : mapping of str to numpy.ndarray
+            Gradients of initialized tensors, each with the tensor's shape and dtype.
+        timeout : float, optional
+            Seconds to wait.
+        """
+        self.push_async(grads).wait(timeout)
+
+    def pull(self, names: Optional[Iterable[str]] = None, timeout: Optional[float] = None) -> dict[str, np.ndarray]:
+        """Pull parameters: all tensors, or those named.
+
+        In sync mode, after a push the pull waits for the round that push joined, so it returns parameters
+        that include this worker's gradient.
+        """
+        return self.pull_async(names).wait(timeout)  # type: ignore[return-value]
+
+    def push_pull(self, grads: Mapping[str, Any], timeout: Optional[float] = None) -> dict[str, np.ndarray]:
+        """Push gradients and return the parameters they updated, once updated (the round in sync mode)."""
+        return self.push_pull_async(grads).wait(timeout)  # type: ignore[return-value]
+
+    def push_async(self, grads: Mapping[str, Any]) -> Handle:
+        """Start a push; returns a :class:`Handle`. Do not modify ``grads`` until the handle is done."""
+        return self._push(grads, "push")
+
+    def pull_async(self, names: Optional[Iterable[str]] = None) -> Handle:
+        """Start a pull; returns a :class:`Handle` whose ``wait()`` gives the parameters."""
+        self._check_open()
+        names = list(self._map.tensors) if names is None else list(names)
+        chunks = self._map.chunks_of(names)
+        outputs = {n: np.empty(*self._map.tensors[n]) for n in names}
+        handle = Handle(self, "pull", outputs)
+        for shard, messages in self._map.messages(chunks).items():
+            for msg in messages:
+                keys = [[c.name, c.part, self._versions.get(c.key, 0)] for c in msg]
+                self._send(handle, shard, msg, {"op": "pull", "worker": self._rank, "keys": keys}, None)
+        return handle
+
+    def push_pull_async(self, grads: Mapping[str, Any]) -> Handle:
+        """Start a push_pull; returns a :class:`Handle` whose ``wait()`` gives the updated parameters."""
+        return self._push(grads, "push_pull")
+
+    def stats(self, timeout: Optional[float] = None) -> list[dict[str, Any]]:
+        """Each shard's counters (keys, bytes, pushes, pulls, rounds, queue depths, ...), in shard order."""
+        self._check_open()
+        handle = Handle(self, "stats", None)
+        for shard in range(len(self.servers)):
+            self._send(handle, shard, [], {"op": "stats"}, None)
+        handle.wait(timeout)
+        return [handle._shard_info[s] for s in range(len(self.servers))]
+
+    def close(self) -> None:
+        """Close the sockets; replies still in flight are discarded."""
+        if self._closed:
+            return
+        self._closed = True
+        for ch in self._channels:
+            ch.close()
+        self._ctx.term()
+        self._pending.clear()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a forgotten close() must not leave a context behind
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ sending
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectionLostError("this client is closed")
+
+    def _push(self, grads: Mapping[str, Any], op: str) -> Handle:
+        self._check_open()
+        if not isinstance(grads, Mapping) or not grads:
+            raise ConfigError("grads must be a non-empty dict of name -> array")
+        arrays = {}
+        for name, g in grads.items():
+            spec = self._map.tensors.get(name)
+            if spec is None:
+                raise ConfigError(f"tensor {name!r} was never initialized; call client.init() with it first")
+            shape, dtype = spec
+            a = np.ascontiguousarray(g)
+            if a.dtype != dtype:
+                raise PsrtTypeError(f"gradient {name!r} has dtype {a.dtype} but the tensor is {dtype}; "
+                                    f"cast it with .astype(np.{dtype.name})")
+            if a.shape != shape:
+                raise ConfigError(f"gradient {name!r} has shape {a.shape} but the tensor has shape {shape}")
+            arrays[name] = a
+        outputs = {n: np.empty(*self._map.tensors[n]) for n in arrays} if op == "push_pull" else None
+        handle = Handle(self, op, outputs)
+        for shard, messages in self._map.messages(self._map.chunks_of(arrays)).items():
+            for msg in messages:
+                header = {"op": op, "worker": self._rank, "session": self._session, "seq": self._seq[shard]}
+                self._seq[shard] += 1
+                self._send(handle, shard, msg, header, arrays)
+        return handle
+
+    def _send(self, handle: Handle, shard: int, chunks: list[Chunk], header: dict[str, Any],
+              arrays: Optional[Mapping[str, np.ndarray]]) -> None:
+        rid = self._next_id
+        self._next_id += 1
+        header = {**header, "id": rid}
+        payload: list[np.ndarray] = []
+        if arrays is not None:
+            header["tensors"] = [[c.name, c.part, wire.dtype_name(c.dtype), [c.count]] for c in chunks]
+            payload = [arrays[c.name].reshape(-1)[c.start:c.start + c.count] for c in chunks]
+        self._pending[rid] = _Pending(handle, shard, chunks)
+        handle._outstanding.add(rid)
+        try:
+            self._channels[shard].send(wire.encode(header, payload), self.config.timeout)
+        except PsrtError:
+            del self._pending[rid]
+            handle._outstanding.discard(rid)
+            raise
+
+    # ------------------------------------------------------------------ receiving
+    def _wait(self, handle: Handle, timeout: float) -> None:
+        self._check_open()
+        deadline = time.monotonic() + timeout
+        while handle._outstanding:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                late = sorted({self._pending[r].shard for r in handle._outstanding})
+                names = ", ".join(self.servers[s] for s in late)
+                for rid in handle._outstanding:
+                    del self._pending[rid]
+                handle._outstanding.clear()
+                handle._fail(ShardTimeoutError(
+                    f"shard {names} did not answer {handle.op} within {timeout:g}s", shard=self.servers[late[0]]
+                ))
+                return
+            self._progress(handle, remaining)
+
+    def _progress(self, handle: Handle, timeout: float) -> None:
+        for index in self._poller.wait(timeout):
+            ch = self._channels[index]
+            # Take every reply already queued on this socket, whichever handle it belongs to.
+            while ch.sock.poll(0):
+                self._receive(index)
+
+    def _receive(self, shard: int) -> None:
+        ch = self._channels[shard]
+        endpoint = self.servers[shard]
+        head = ch.recv_frame()
+        try:
+            reply = wire.decode_reply_header(head, self.config.limits)
+        except ProtocolError as exc:
+            ch.discard_rest()
+            raise ProtocolError(f"shard {endpoint} sent a malformed reply: {exc}") from None
+        pending = self._pending.pop(reply.id, None)
+        if pending is None or pending.shard != shard:
+            ch.discard_rest()  # a late reply to a call that already timed out
+            return
+        handle = pending.handle
+        handle._outstanding.discard(reply.id)
+        h = reply.header
+        if reply.op == "error":
+            ch.discard_rest()
+            handle._fail(ServerError(f"shard {endpoint} refused {handle.op}: [{h['code']}] {h['message']}",
+                                     shard=endpoint, code=h["code"]))
+        elif reply.op == "params":
+            try:
+                self._receive_params(ch, reply, pending)
+            except ProtocolError as exc:
+                ch.discard_rest()
+                handle._fail(ProtocolError(f"shard {endpoint}: {exc}"))
+            if "conflicts" in h:
+                handle._conflicts.extend(pending.chunks[i].name for i in h["conflicts"]
+                                         if type(i) is int and 0 <= i < len(pending.chunks))
+                handle._shard_info[shard] = {"mode": h.get("mode"), "num_workers": h.get("num_workers")}
+        elif reply.op == "ack":
+            ch.discard_rest()
+            for chunk, version in zip(pending.chunks, h["versions"]):
+                self._versions[chunk.key] = max(self._versions.get(chunk.key, 0), version)
+        else:  # stats
+            ch.discard_rest()
+            stats = h.get("stats")
+            handle._shard_info[shard] = stats if isinstance(stats, dict) else {}
+
+    def _receive_params(self, ch: transport.DealerChannel, reply: wire.Reply, pending: _Pending) -> None:
+        chunks = pending.chunks
+        outputs = pending.handle._outputs
+        if outputs is None or len(reply.tensors) != len(chunks):
+            raise ProtocolError(f"reply carries {len(reply.tensors)} tensors, expected {len(chunks)}")
+        for meta, chunk in zip(reply.tensors, chunks):
+            if meta.key != chunk.key or meta.dtype != chunk.dtype or meta.count != chunk.count:
+                raise ProtocolError(f"reply tensor {meta.name!r} part {meta.part} does not match the request")
+        for meta, chunk, version in zip(reply.tensors, chunks, reply.header["versions"]):
+            if not ch.more():
+                raise ProtocolError("reply has fewer buffer frames than tensors")
+            dest = outputs[chunk.name].reshape(-1)[chunk.start:chunk.start + chunk.count]
+            got = ch.recv_into(memoryview(dest).cast("B") if dest.size else bytearray())
+            if got != meta.nbytes:
+                raise ProtocolError(f"tensor {meta.name!r} part {meta.part}: frame has {got} bytes, "
+                                    f"expected {meta.nbytes}")
+            self._versions[chunk.key] = max(self._versions.get(chunk.key, 0), version)
+        if ch.more():
+            raise ProtocolError("reply has more buffer frames than tensors")

@@ -1,0 +1,77 @@
+"""The one error tree of psrt.
+
+Every error is a :class:`PsrtError` and also the builtin that matches its meaning, so ``except ValueError``
+keeps working for callers that do not know psrt.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PsrtError",
+    "ConfigError",
+    "PsrtTypeError",
+    "KernelArgumentError",
+    "KernelTypeError",
+    "ProtocolError",
+    "ServerError",
+    "PsrtTimeoutError",
+    "ShardTimeoutError",
+    "ConnectionLostError",
+]
+
+
+class PsrtError(Exception):
+    """Base class of every error psrt raises."""
+
+
+class ConfigError(PsrtError, ValueError):
+    """A configuration value or argument is invalid; the message says which and what to use instead."""
+
+
+class PsrtTypeError(PsrtError, TypeError):
+    """An argument has the wrong type or dtype; the message says what to pass instead."""
+
+
+class KernelArgumentError(PsrtError, ValueError):
+    """A kernel was called with arrays of the wrong shape, length, layout or writability."""
+
+
+class KernelTypeError(PsrtTypeError):
+    """A kernel was called with arrays of an unsupported or mismatched dtype."""
+
+
+class ProtocolError(PsrtError, ValueError):
+    """A message broke the wire protocol: bad framing, header, schema, dtype, shape or byte count."""
+
+
+class ServerError(PsrtError, RuntimeError):
+    """A shard answered a request with an error reply.
+
+    Attributes
+    ----------
+    shard : str
+        The endpoint of the shard that answered.
+    code : str
+        The machine-readable error code from the reply (``"protocol"``, ``"unknown_key"``, ...).
+    """
+
+    def __init__(self, message: str, *, shard: str = "", code: str = "error") -> None:
+        super().__init__(message)
+        self.shard = shard
+        self.code = code
+
+
+class PsrtTimeoutError(PsrtError, TimeoutError):
+    """A wait ran past its deadline."""
+
+
+class ShardTimeoutError(PsrtTimeoutError):
+    """A shard did not answer in time; ``shard`` names it."""
+
+    def __init__(self, message: str, *, shard: str = "") -> None:
+        super().__init__(message)
+        self.shard = shard
+
+
+class ConnectionLostError(PsrtError, ConnectionError):
+    """A socket could not send or receive: the peer is gone or the client was closed."""

@@ -1,0 +1,195 @@
+"""Validated entry points to the compiled kernels in :mod:`psrt._core`.
+
+The kernels themselves never raise; these wrappers check what a kernel cannot (dtype, contiguity, equal
+lengths, writable outputs) and raise :class:`~psrt.errors.KernelTypeError` or
+:class:`~psrt.errors.KernelArgumentError` with a message that says what to pass instead. Each function works on
+1-D views of its arguments (``reshape(-1)`` of a C-contiguous array is free), updates its outputs in place and
+returns ``None``. :mod:`psrt.reference` holds the NumPy twin of each, used as the test oracle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from psrt import _core
+from psrt.errors import KernelArgumentError, KernelTypeError
+
+__all__ = ["accumulate", "sgd_step", "momentum_step", "adam_step", "adagrad_step", "all_finite", "DTYPES"]
+
+#: The dtypes the kernels are compiled for.
+DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _flat(name: str, a: object, *, writable: bool) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise KernelTypeError(f"{name} must be a numpy.ndarray, got {type(a).__name__}")
+    if a.dtype not in DTYPES:
+        raise KernelTypeError(f"{name} has dtype {a.dtype}; the kernels take float32 or float64")
+    if not a.flags.c_contiguous:
+        raise KernelArgumentError(f"{name} is not C-contiguous; pass numpy.ascontiguousarray({name})")
+    if writable and not a.flags.writeable:
+        raise KernelArgumentError(f"{name} is read-only but is updated in place; pass a writable array")
+    if not a.dtype.isnative:
+        raise KernelTypeError(f"{name} is not in native byte order; pass {name}.astype({name}.dtype.newbyteorder('='))")
+    return a.reshape(-1)
+
+
+def _check(outputs: dict[str, object], inputs: dict[str, object]) -> list[np.ndarray]:
+    arrays = [_flat(k, v, writable=True) for k, v in outputs.items()]
+    arrays += [_flat(k, v, writable=False) for k, v in inputs.items()]
+    names = list(outputs) + list(inputs)
+    first = arrays[0]
+    for name, a in zip(names[1:], arrays[1:]):
+        if a.dtype != first.dtype:
+            raise KernelTypeError(f"{name} has dtype {a.dtype} but {names[0]} has {first.dtype}; use one dtype")
+        if a.shape[0] != first.shape[0]:
+            raise KernelArgumentError(
+                f"{name} has {a.shape[0]} elements but {names[0]} has {first.shape[0]}; they must be equal"
+            )
+    return arrays
+
+
+def _finite(name: str, value: float) -> float:
+    value = float(value)
+    if not np.isfinite(value):
+        raise KernelArgumentError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def accumulate(dst: np.ndarray, src: np.ndarray) -> None:
+    """Add ``src`` into ``dst`` in place (``dst += src``).
+
+    Parameters
+    ----------
+    dst : numpy.ndarray
+        Writable, C-contiguous float32 or float64 array.
+    src : numpy.ndarray
+        C-contiguous array of the same dtype and size; may be read-only.
+    """
+    d, s = _check({"dst": dst}, {"src": src})
+    _core.accumulate(d, s)
+
+
+def sgd_step(param: np.ndarray, grad: np.ndarray, lr: float, scale: float = 1.0, weight_decay: float = 0.0) -> None:
+    """One plain SGD step in place: ``param -= lr * (scale*grad + weight_decay*param)``.
+
+    Parameters
+    ----------
+    param : numpy.ndarray
+        Parameters, updated in place.
+    grad : numpy.ndarray
+        Gradient (or the sum of W gradients, with ``scale=1/W`` to average them).
+    lr, scale, weight_decay : float
+        Learning rate, gradient scale, L2 weight decay (torch.optim.SGD semantics).
+    """
+    p, g = _check({"param": param}, {"grad": grad})
+    _core.sgd_step(p, g, _finite("lr", lr), _finite("scale", scale), _finite("weight_decay", weight_decay))
+
+
+def momentum_step(
+    param: np.ndarray,
+    buf: np.ndarray,
+    grad: np.ndarray,
+    lr: float,
+    momentum: float,
+    scale: float = 1.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+) -> None:
+    """One SGD-with-momentum step in place, as torch.optim.SGD with dampening 0.
+
+    Parameters
+    ----------
+    param, buf : numpy.ndarray
+        Parameters and momentum buffer (zero before the first step), updated in place.
+    grad : numpy.ndarray
+        Gradient; ``scale*grad`` is used.
+    lr, momentum, scale, weight_decay : float
+        Hyperparameters.
+    nesterov : bool
+        Use Nesterov momentum.
+    """
+    p, b, g = _check({"param": param, "buf": buf}, {"grad": grad})
+    _core.momentum_step(
+        p, b, g, _finite("lr", lr), _finite("momentum", momentum), _finite("scale", scale),
+        _finite("weight_decay", weight_decay), bool(nesterov),
+    )
+
+
+def adam_step(
+    param: np.ndarray,
+    m: np.ndarray,
+    v: np.ndarray,
+    grad: np.ndarray,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    step: int,
+    scale: float = 1.0,
+    weight_decay: float = 0.0,
+    l2: float = 0.0,
+) -> None:
+    """One Adam step in place, as torch.optim.AdamW (decoupled ``weight_decay``, bias correction).
+
+    Parameters
+    ----------
+    param, m, v : numpy.ndarray
+        Parameters and first/second moment estimates (zero before the first step), updated in place.
+    grad : numpy.ndarray
+        Gradient; ``scale*grad`` is used.
+    lr, beta1, beta2, eps : float
+        Adam hyperparameters.
+    step : int
+        The step number, counting from 1 (used for bias correction).
+    scale : float
+        Gradient scale.
+    weight_decay : float
+        Decoupled weight decay (AdamW).
+    l2 : float
+        Coupled L2 decay added to the gradient (torch.optim.Adam's ``weight_decay``).
+    """
+    p, mm, vv, g = _check({"param": param, "m": m, "v": v}, {"grad": grad})
+    if type(step) is bool or not isinstance(step, (int, np.integer)) or step < 1:
+        raise KernelArgumentError(f"step must be an integer >= 1 (the step number), got {step!r}")
+    _core.adam_step(
+        p, mm, vv, g, _finite("lr", lr), _finite("beta1", beta1), _finite("beta2", beta2), _finite("eps", eps),
+        int(step), _finite("scale", scale), _finite("weight_decay", weight_decay), _finite("l2", l2),
+    )
+
+
+def adagrad_step(
+    param: np.ndarray,
+    acc: np.ndarray,
+    grad: np.ndarray,
+    lr: float,
+    eps: float,
+    scale: float = 1.0,
+    weight_decay: float = 0.0,
+) -> None:
+    """One Adagrad step in place, as torch.optim.Adagrad (fold ``lr_decay`` into ``lr`` before calling).
+
+    Parameters
+    ----------
+    param, acc : numpy.ndarray
+        Parameters and the running sum of squared gradients, updated in place.
+    grad : numpy.ndarray
+        Gradient; ``scale*grad`` is used.
+    lr, eps, scale, weight_decay : float
+        Hyperparameters.
+    """
+    p, a, g = _check({"param": param, "acc": acc}, {"grad": grad})
+    _core.adagrad_step(
+        p, a, g, _finite("lr", lr), _finite("eps", eps), _finite("scale", scale), _finite("weight_decay", weight_decay)
+    )
+
+
+def all_finite(x: np.ndarray) -> bool:
+    """Return True when ``x`` holds no NaN or infinity.
+
+    Parameters
+    ----------
+    x : numpy.ndarray
+        C-contiguous float32 or float64 array (may be read-only).
+    """
+    return bool(_core.all_finite(_flat("x", x, writable=False)))

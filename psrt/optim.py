@@ -1,0 +1,234 @@
+"""Named server-side optimizers.
+
+An optimizer travels to the shards by name with its hyperparameters (``{"name": "adamw", "lr": 0.001, ...}``),
+never as a pickle, and each shard rebuilds it with :func:`from_wire`, which validates every field. Update rules
+and defaults follow torch.optim: :class:`SGD` (momentum, Nesterov, L2 weight decay), :class:`Adam` (L2 weight
+decay), :class:`AdamW` (decoupled weight decay) and :class:`AdaGrad`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from psrt import kernels
+from psrt.errors import ConfigError
+
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "AdaGrad", "from_wire", "OPTIMIZERS"]
+
+
+def _nonneg(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
+    return value
+
+
+def _unit(name: str, value: float) -> float:
+    value = _nonneg(name, value)
+    if not value < 1.0:
+        raise ConfigError(f"{name} must be in [0, 1), got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """Base class of the named optimizers.
+
+    Subclasses declare their state ``slots`` (arrays shaped like the parameter, zero at the start) and
+    implement :meth:`step`, which calls one fused kernel from :mod:`psrt.kernels`.
+    """
+
+    name: ClassVar[str] = ""
+    slots: ClassVar[tuple[str, ...]] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        """Return the optimizer as a msgpack-able mapping: its name and every hyperparameter."""
+        out: dict[str, Any] = {"name": self.name}
+        for f in dataclasses.fields(self):
+            out[f.name] = getattr(self, f.name)
+        return out
+
+    def init_slots(self, param: np.ndarray) -> dict[str, np.ndarray]:
+        """Allocate this optimizer's state for one parameter array."""
+        return {s: np.zeros_like(param) for s in self.slots}
+
+    def step(self, param: np.ndarray, slots: dict[str, np.ndarray], grad: np.ndarray, scale: float, step: int) -> None:
+        """Apply one update in place; the gradient used is ``scale * grad``; ``step`` counts from 1."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SGD(Optimizer):
+    """Stochastic gradient descent with optional momentum, as torch.optim.SGD (dampening 0).
+
+    Parameters
+    ----------
+    lr : float
+        Learning rate.
+    momentum : float
+        Momentum factor; 0 disables the momentum buffer.
+    weight_decay : float
+        L2 penalty added to the gradient.
+    nesterov : bool
+        Use Nesterov momentum (needs ``momentum > 0``).
+    """
+
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    name: ClassVar[str] = "sgd"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lr", _nonneg("lr", self.lr))
+        object.__setattr__(self, "momentum", _nonneg("momentum", self.momentum))
+        object.__setattr__(self, "weight_decay", _nonneg("weight_decay", self.weight_decay))
+        if not isinstance(self.nesterov, bool):
+            raise ConfigError(f"nesterov must be True or False, got {self.nesterov!r}")
+        if self.nesterov and self.momentum == 0:
+            raise ConfigError("nesterov=True needs momentum > 0")
+
+    @property
+    def slots(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("momentum_buffer",) if self.momentum else ()
+
+    def step(self, param, slots, grad, scale, step) -> None:  # noqa: D102
+        if self.momentum:
+            kernels.momentum_step(
+                param, slots["momentum_buffer"], grad, self.lr, self.momentum, scale, self.weight_decay, self.nesterov
+            )
+        else:
+            kernels.sgd_step(param, grad, self.lr, scale, self.weight_decay)
+
+
+@dataclass(frozen=True)
+class Adam(Optimizer):
+    """Adam, as torch.optim.Adam: ``weight_decay`` is an L2 penalty added to the gradient.
+
+    Parameters
+    ----------
+    lr : float
+        Learning rate.
+    beta1, beta2 : float
+        Decay rates of the first and second moment estimates.
+    eps : float
+        Added to the denominator for numerical stability.
+    weight_decay : float
+        L2 penalty (coupled); use :class:`AdamW` for decoupled decay.
+    """
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    name: ClassVar[str] = "adam"
+    slots: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lr", _nonneg("lr", self.lr))
+        object.__setattr__(self, "beta1", _unit("beta1", self.beta1))
+        object.__setattr__(self, "beta2", _unit("beta2", self.beta2))
+        object.__setattr__(self, "eps", _nonneg("eps", self.eps))
+        object.__setattr__(self, "weight_decay", _nonneg("weight_decay", self.weight_decay))
+
+    def _decays(self) -> tuple[float, float]:
+        return 0.0, self.weight_decay  # (decoupled, coupled L2)
+
+    def step(self, param, slots, grad, scale, step) -> None:  # noqa: D102
+        decoupled, l2 = self._decays()
+        kernels.adam_step(
+            param, slots["exp_avg"], slots["exp_avg_sq"], grad, self.lr, self.beta1, self.beta2, self.eps,
+            step, scale, decoupled, l2,
+        )
+
+
+@dataclass(frozen=True)
+class AdamW(Adam):
+    """AdamW, as torch.optim.AdamW: decoupled weight decay (``param *= 1 - lr*weight_decay``).
+
+    Parameters are those of :class:`Adam`; ``weight_decay`` defaults to 0.01 as in torch.
+    """
+
+    weight_decay: float = 1e-2
+    name: ClassVar[str] = "adamw"
+
+    def _decays(self) -> tuple[float, float]:
+        return self.weight_decay, 0.0
+
+
+@dataclass(frozen=True)
+class AdaGrad(Optimizer):
+    """Adagrad, as torch.optim.Adagrad.
+
+    Parameters
+    ----------
+    lr : float
+        Learning rate.
+    lr_decay : float
+        The learning rate at step t is ``lr / (1 + (t-1)*lr_decay)``.
+    weight_decay : float
+        L2 penalty added to the gradient.
+    initial_accumulator_value : float
+        Starting value of the sum of squared gradients.
+    eps : float
+        Added to the denominator for numerical stability.
+    """
+
+    lr: float = 1e-2
+    lr_decay: float = 0.0
+    weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+    name: ClassVar[str] = "adagrad"
+    slots: ClassVar[tuple[str, ...]] = ("sum",)
+
+    def __post_init__(self) -> None:
+        for f in ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
+            object.__setattr__(self, f, _nonneg(f, getattr(self, f)))
+
+    def init_slots(self, param: np.ndarray) -> dict[str, np.ndarray]:  # noqa: D102
+        return {"sum": np.full_like(param, self.initial_accumulator_value)}
+
+    def step(self, param, slots, grad, scale, step) -> None:  # noqa: D102
+        clr = self.lr / (1.0 + (step - 1) * self.lr_decay)
+        kernels.adagrad_step(param, slots["sum"], grad, clr, self.eps, scale, self.weight_decay)
+
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {cls.name: cls for cls in (SGD, Adam, AdamW, AdaGrad)}
+
+
+def from_wire(spec: object) -> Optimizer:
+    """Rebuild an optimizer from its wire form, checking the name and the exact set of fields.
+
+    Raises
+    ------
+    ConfigError
+        When the name is unknown, a field is missing, extra or of the wrong type, or a value is out of range.
+    """
+    if not isinstance(spec, dict):
+        raise ConfigError("optimizer must be a map with a 'name' and its hyperparameters")
+    name = spec.get("name")
+    cls = OPTIMIZERS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ConfigError(f"unknown optimizer {name!r}; known: {', '.join(sorted(OPTIMIZERS))}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    given = set(spec) - {"name"}
+    if given != set(fields):
+        missing, extra = sorted(set(fields) - given), sorted(given - set(fields))
+        raise ConfigError(f"optimizer {name!r}: missing fields {missing}, unexpected fields {extra}")
+    kwargs = {}
+    for key, f in fields.items():
+        value = spec[key]
+        want = bool if f.type in (bool, "bool") else float
+        if type(value) is not want and not (want is float and type(value) is int):
+            raise ConfigError(f"optimizer {name!r}: field {key!r} must be {want.__name__}, got {type(value).__name__}")
+        kwargs[key] = value
+    return cls(**kwargs)

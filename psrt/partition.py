@@ -1,0 +1,135 @@
+"""The shard map: which shard holds which contiguous piece of which tensor.
+
+Tensors larger than ``partition_bytes`` are split into the fewest contiguous chunks of at most that size, of
+near-equal length (BytePS found ~4 MB partitions spread over servers balance load and let transfers pipeline).
+Chunks and whole small tensors are then assigned to shards largest first, each to the shard holding the fewest
+bytes so far (ties to the lowest shard index). The result depends only on the tensors' names, shapes and dtypes,
+the number of shards and the partition size — never on dict order — so every worker computes the same map.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from psrt.errors import ConfigError
+
+__all__ = ["Chunk", "PartitionMap"]
+
+#: Most chunks sent in one message (keeps headers far below the decode limits).
+MAX_CHUNKS_PER_MESSAGE = 4096
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A contiguous piece ``[start, start+count)`` of the flattened tensor ``name``, held by ``shard``."""
+
+    name: str
+    part: int
+    start: int
+    count: int
+    dtype: np.dtype
+    shard: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The key this chunk has on its shard."""
+        return (self.name, self.part)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the chunk in bytes."""
+        return self.count * self.dtype.itemsize
+
+
+class PartitionMap:
+    """A deterministic assignment of tensor chunks to ``num_shards`` shards.
+
+    Parameters
+    ----------
+    num_shards : int
+        How many shards share the parameters.
+    partition_bytes : int
+        Largest chunk, in bytes; larger tensors are split.
+    """
+
+    def __init__(self, num_shards: int, partition_bytes: int) -> None:
+        if num_shards < 1:
+            raise ConfigError(f"need at least one shard, got {num_shards}")
+        if partition_bytes < 8:
+            raise ConfigError(f"partition_bytes must be at least 8, got {partition_bytes}")
+        self.num_shards = num_shards
+        self.partition_bytes = partition_bytes
+        self.shard_bytes = [0] * num_shards
+        self.tensors: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        self.chunks: dict[str, list[Chunk]] = {}
+
+    def add(self, specs: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> list[Chunk]:
+        """Partition and assign new tensors, given as ``name -> (shape, dtype)``; returns their chunks.
+
+        Raises
+        ------
+        ConfigError
+            When a name is already in the map.
+        """
+        pieces: list[tuple[str, int, int, int, np.dtype]] = []
+        for name in sorted(specs):
+            if name in self.tensors:
+                raise ConfigError(f"tensor {name!r} is already initialized")
+            shape, dtype = specs[name]
+            dtype = np.dtype(dtype)
+            count = math.prod(shape)
+            per_chunk = max(1, self.partition_bytes // dtype.itemsize)
+            parts = max(1, -(-count // per_chunk))
+            base, extra = divmod(count, parts)
+            start = 0
+            for part in range(parts):
+                n = base + (1 if part < extra else 0)
+                pieces.append((name, part, start, n, dtype))
+                start += n
+            self.tensors[name] = (tuple(shape), dtype)
+        # Largest first, then by name and part: a total order, so every worker assigns identically.
+        pieces.sort(key=lambda p: (-p[3] * p[4].itemsize, p[0], p[1]))
+        out: list[Chunk] = []
+        for name, part, start, count, dtype in pieces:
+            shard = min(range(self.num_shards), key=lambda s: (self.shard_bytes[s], s))
+            chunk = Chunk(name, part, start, count, dtype, shard)
+            self.shard_bytes[shard] += chunk.nbytes
+            self.chunks.setdefault(name, []).append(chunk)
+            out.append(chunk)
+        for name in specs:
+            self.chunks[name].sort(key=lambda c: c.part)
+        return out
+
+    def chunks_of(self, names: Iterable[str]) -> list[Chunk]:
+        """All chunks of the given tensors, in order of the names then parts."""
+        out = []
+        for name in names:
+            try:
+                out.extend(self.chunks[name])
+            except KeyError:
+                raise ConfigError(f"tensor {name!r} was never initialized; call client.init() with it first") from None
+        return out
+
+    def messages(self, chunks: Iterable[Chunk]) -> dict[int, list[list[Chunk]]]:
+        """Group chunks into per-shard messages of at most ``partition_bytes`` (a lone larger chunk goes alone).
+
+        Small tensors share a message; a split tensor's chunks each travel in their own, so a shard can apply
+        one while the next is still on the wire.
+        """
+        out: dict[int, list[list[Chunk]]] = {}
+        open_msg: dict[int, tuple[list[Chunk], int]] = {}
+        for chunk in chunks:
+            msg, size = open_msg.get(chunk.shard, ([], 0))
+            if msg and (size + chunk.nbytes > self.partition_bytes or len(msg) >= MAX_CHUNKS_PER_MESSAGE):
+                out.setdefault(chunk.shard, []).append(msg)
+                msg, size = [], 0
+            msg.append(chunk)
+            open_msg[chunk.shard] = (msg, size + chunk.nbytes)
+        for shard, (msg, _) in open_msg.items():
+            if msg:
+                out.setdefault(shard, []).append(msg)
+        return out

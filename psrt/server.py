@@ -1,0 +1,400 @@
+"""The shard server: one process owning a disjoint part of the parameters, serving workers on a ROUTER socket.
+
+The loop is single-threaded: it receives a message, validates it completely, and only then changes state, so a
+malformed or inconsistent request gets an error reply and leaves every parameter as it was. The optimizer
+kernels release the GIL and ZeroMQ moves bytes on its own I/O thread, so transfers overlap the arithmetic.
+
+Sync mode (BSP)
+    A push is summed into its key's accumulator on arrival; when all W workers are in, the optimizer steps once
+    with ``scale = 1/W`` and the key's version goes up by one. A worker's push for the next round, arriving
+    before the current one completes, waits (queued, in arrival order) until it can join. A pull asking for a
+    version that does not exist yet waits, queued, until the round that makes it completes.
+Async mode
+    Every push is applied on arrival with ``scale = 1``.
+
+Every push carries ``(worker, session, seq)``; a push already applied is acknowledged again but not re-applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from psrt import kernels, optim, transport, wire
+from psrt.config import ServerConfig
+from psrt.errors import ConfigError, ProtocolError
+from psrt.store import Entry, Key, Store
+
+__all__ = ["Server", "RequestError"]
+
+log = logging.getLogger("psrt.server")
+
+#: Messages handled per wake-up before the loop checks for a stop request again.
+_BATCH = 256
+
+
+class RequestError(Exception):
+    """A well-formed request the shard must refuse; ``code`` goes into the error reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Waiter:
+    """A pull (or the pull half of a push_pull) waiting for keys to reach versions."""
+
+    identity: bytes
+    request_id: int
+    keys: list[Key]
+    want: dict[Key, int]
+    remaining: int = 0
+
+
+@dataclass
+class Counters:
+    """What a shard counts; :meth:`Server.stats` reports them."""
+
+    pushes: int = 0
+    pulls: int = 0
+    inits: int = 0
+    rounds: int = 0
+    duplicates: int = 0
+    errors: int = 0
+    dropped_replies: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    started: float = field(default_factory=time.time)
+
+
+class Server:
+    """A shard server bound to ``config.bind``.
+
+    Parameters
+    ----------
+    config : ServerConfig
+        Endpoint, W, mode and limits.
+
+    Examples
+    --------
+    >>> server = Server(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2))  # doctest: +SKIP
+    >>> server.serve()  # until server.stop() or SIGTERM             # doctest: +SKIP
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self._ctx = transport.new_context()
+        try:
+            self._chan = transport.RouterChannel(self._ctx, config.bind, config.hwm, config.send_timeout)
+        except Exception:
+            self._ctx.term()
+            raise
+        self.endpoint: str = self._chan.endpoint
+        self.store = Store()
+        self.counters = Counters()
+        self._stop = threading.Event()
+        self._waiters: dict[Key, list[_Waiter]] = {}
+        self._deferred: dict[int, deque[tuple[bytes, wire.Request]]] = {}
+        self._draining = False
+
+    # ------------------------------------------------------------------ loop
+    def serve(self) -> None:
+        """Serve requests until :meth:`stop` is called (from a signal handler or another thread)."""
+        poll = self.config.poll_interval
+        while not self._stop.is_set():
+            if not self._chan.poll(poll):
+                continue
+            for _ in range(_BATCH):
+                msg = self._chan.recv()
+                if msg is None:
+                    break
+                self.handle(*msg)
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return after the message in hand."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Close the socket and the ZeroMQ context."""
+        self._chan.close()
+        self._ctx.term()
+
+    def handle(self, identity: bytes, frames: list[Any]) -> None:
+        """Handle one message from ``identity``; never raises."""
+        self.counters.bytes_in += sum(len(f) for f in frames)
+        try:
+            req = wire.decode_request(frames, self.config.limits)
+        except ProtocolError as exc:
+            rid = getattr(exc, "request_id", None)
+            self._error(identity, rid if rid is not None else 0, "protocol", str(exc))
+            return
+        try:
+            if req.op == "init":
+                self._init(identity, req)
+            elif req.op in ("push", "push_pull"):
+                self._push(identity, req)
+            elif req.op == "pull":
+                self._pull(identity, req)
+            else:
+                self._reply(identity, {"op": "stats", "id": req.id, "stats": self.stats()})
+        except RequestError as exc:
+            self._error(identity, req.id, exc.code, str(exc))
+        except ConfigError as exc:
+            self._error(identity, req.id, "config", str(exc))
+        except Exception as exc:  # a bug must not take the shard down; say what happened
+            log.exception("internal error handling %s", req.op)
+            self._error(identity, req.id, "internal", f"{type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ ops
+    def _init(self, identity: bytes, req: wire.Request) -> None:
+        opt = optim.from_wire(req.header["optimizer"])
+        for i, meta in enumerate(req.tensors):
+            entry = self.store.get(meta.key)
+            if entry is not None:
+                self._check_shape(entry, meta)
+            elif self.config.nonfinite == "reject" and not kernels.all_finite(req.array(i)):
+                raise RequestError("nonfinite", f"initial value of {meta.name!r} part {meta.part} has NaN or Inf")
+        conflicts = []
+        entries = []
+        for i, meta in enumerate(req.tensors):
+            entry = self.store.get(meta.key)
+            if entry is None:  # the first initialization of a key wins
+                entry = self.store.create(meta.key, req.array(i), opt)
+            elif entry.optimizer != opt:
+                conflicts.append(i)
+            entries.append(entry)
+        self.counters.inits += 1
+        extra = {"mode": self.config.mode, "num_workers": self.config.num_workers, "conflicts": conflicts}
+        self._send_params(identity, req.id, req.tensors_keys(), entries, extra)
+
+    def _push(self, identity: bytes, req: wire.Request) -> None:
+        worker = req.header["worker"]
+        entries = self._validate_push(req)
+        if self.config.mode == "sync" and (
+            self._deferred.get(worker) or any(worker in e.contributors for e in entries)
+        ):
+            # This worker is a round ahead on some key: hold the whole message until it can join.
+            self._deferred.setdefault(worker, deque()).append((identity, req))
+            return
+        self._accept(identity, req, entries)
+
+    def _accept(self, identity: bytes, req: wire.Request, entries: list[Entry]) -> None:
+        h = req.header
+        worker, session, seq = h["worker"], h["session"], h["seq"]
+        keys = req.tensors_keys()
+        if self.store.is_duplicate(worker, session, seq):
+            self.counters.duplicates += 1
+            targets = [e.version + (1 if worker in e.contributors else 0) for e in entries]
+            self._answer_push(identity, req, keys, targets, duplicate=True)
+            return
+        completed: list[Key] = []
+        targets = []
+        w = self.config.num_workers
+        for i, (key, entry) in enumerate(zip(keys, entries)):
+            grad = req.array(i)
+            if self.config.mode == "async" or w == 1:
+                entry.apply(grad, 1.0)
+                self.counters.rounds += 1
+                completed.append(key)
+                targets.append(entry.version)
+            else:
+                entry.add_to_round(worker, grad)
+                targets.append(entry.version + 1)
+                if len(entry.contributors) == w:
+                    entry.apply(entry.acc, 1.0 / w)
+                    entry.contributors.clear()
+                    self.counters.rounds += 1
+                    completed.append(key)
+        self.store.record(worker, session, seq)
+        self.counters.pushes += 1
+        self._answer_push(identity, req, keys, targets, duplicate=False)
+        for key in completed:
+            self._wake(key)
+        if completed and self._deferred:
+            self._drain_deferred()
+
+    def _answer_push(self, identity: bytes, req: wire.Request, keys: list[Key], targets: list[int],
+                     duplicate: bool) -> None:
+        if req.op == "push":
+            self._reply(identity, {"op": "ack", "id": req.id, "versions": targets, "duplicate": duplicate})
+        else:
+            self._wait_for(identity, req.id, dict(zip(keys, targets)), keys)
+
+    def _drain_deferred(self) -> None:
+        """Admit queued early pushes whose keys have moved on to a round they can join."""
+        if self._draining:
+            return  # the outer call's loop will see what this one would have
+        self._draining = True
+        try:
+            progress = True
+            while progress:
+                progress = False
+                for worker in list(self._deferred):
+                    queue = self._deferred[worker]
+                    while queue:
+                        identity, req = queue[0]
+                        try:
+                            entries = self._validate_push(req)
+                        except RequestError as exc:
+                            queue.popleft()
+                            self._error(identity, req.id, exc.code, str(exc))
+                            continue
+                        if any(worker in e.contributors for e in entries):
+                            break
+                        queue.popleft()
+                        self._accept(identity, req, entries)
+                        progress = True
+                    if not queue:
+                        del self._deferred[worker]
+        finally:
+            self._draining = False
+
+    def _pull(self, identity: bytes, req: wire.Request) -> None:
+        worker = req.header["worker"]
+        want: dict[Key, int] = {}
+        keys: list[Key] = []
+        ahead = len(self._deferred.get(worker, ()))
+        for name, part, min_version in req.header["keys"]:
+            key = (name, part)
+            entry = self._entry(key)
+            reachable = entry.version + (1 + ahead if self.config.mode == "sync" else 0)
+            if min_version > reachable:
+                raise RequestError(
+                    "version",
+                    f"pull of {name!r} part {part} asks for version {min_version} but the key is at "
+                    f"{entry.version}; no push of this worker will produce it",
+                )
+            keys.append(key)
+            want[key] = max(want.get(key, 0), min_version)
+        self.counters.pulls += 1
+        self._wait_for(identity, req.id, want, keys)
+
+    # ------------------------------------------------------------------ waiting pulls
+    def _wait_for(self, identity: bytes, request_id: int, want: dict[Key, int], keys: list[Key]) -> None:
+        waiter = _Waiter(identity, request_id, keys, want)
+        for key, version in want.items():
+            if self.store.entries[key].version < version:
+                waiter.remaining += 1
+                self._waiters.setdefault(key, []).append(waiter)
+        if waiter.remaining == 0:
+            self._send_params(identity, request_id, keys, [self.store.entries[k] for k in keys])
+
+    def _wake(self, key: Key) -> None:
+        waiters = self._waiters.get(key)
+        if not waiters:
+            return
+        version = self.store.entries[key].version
+        still = []
+        for waiter in waiters:
+            if version >= waiter.want[key]:
+                waiter.remaining -= 1
+                if waiter.remaining == 0:
+                    self._send_params(waiter.identity, waiter.request_id, waiter.keys,
+                                      [self.store.entries[k] for k in waiter.keys])
+            else:
+                still.append(waiter)
+        if still:
+            self._waiters[key] = still
+        else:
+            del self._waiters[key]
+
+    # ------------------------------------------------------------------ validation
+    def _entry(self, key: Key) -> Entry:
+        entry = self.store.get(key)
+        if entry is None:
+            raise RequestError("unknown_key", f"tensor {key[0]!r} part {key[1]} is not initialized on this shard")
+        return entry
+
+    @staticmethod
+    def _check_shape(entry: Entry, meta: wire.TensorMeta) -> None:
+        if entry.param.dtype != meta.dtype or entry.param.size != meta.count:
+            raise RequestError(
+                "mismatch",
+                f"tensor {meta.name!r} part {meta.part} holds {entry.param.size} x {entry.param.dtype} but the "
+                f"message has {meta.count} x {meta.dtype}",
+            )
+
+    def _validate_push(self, req: wire.Request) -> list[Entry]:
+        entries = []
+        for i, meta in enumerate(req.tensors):
+            entry = self._entry(meta.key)
+            self._check_shape(entry, meta)
+            if self.config.nonfinite == "reject" and not kernels.all_finite(req.array(i)):
+                raise RequestError(
+                    "nonfinite", f"gradient of {meta.name!r} part {meta.part} has NaN or Inf; nothing was applied"
+                )
+            entries.append(entry)
+        return entries
+
+    # ------------------------------------------------------------------ replies
+    def _send_params(self, identity: bytes, request_id: int, keys: list[Key], entries: list[Entry],
+                     extra: Optional[dict[str, Any]] = None) -> None:
+        header: dict[str, Any] = {
+            "op": "params",
+            "id": request_id,
+            "tensors": [[k[0], k[1], wire.dtype_name(e.param.dtype), [e.param.size]] for k, e in zip(keys, entries)],
+            "versions": [e.version for e in entries],
+        }
+        if extra:
+            header.update(extra)
+        frames = wire.encode(header, [e.param for e in entries])
+        try:
+            trackers = self._chan.send(identity, frames, track=True)
+        except transport.SendDropped as exc:
+            self.counters.dropped_replies += 1
+            log.warning("reply to a worker dropped: %s", exc)
+            return
+        self.counters.bytes_out += sum(len(f) for f in frames)
+        if trackers:
+            # Frames and entries line up after the header; only zero-copy frames have trackers.
+            big = [e for e in entries if e.param.nbytes >= transport.ZERO_COPY_BYTES]
+            for entry, tracker in zip(big, trackers):
+                entry.trackers.append(tracker)
+
+    def _reply(self, identity: bytes, header: dict[str, Any]) -> None:
+        frames = wire.encode(header)
+        try:
+            self._chan.send(identity, frames)
+        except transport.SendDropped as exc:
+            self.counters.dropped_replies += 1
+            log.warning("reply to a worker dropped: %s", exc)
+            return
+        self.counters.bytes_out += len(frames[0])
+
+    def _error(self, identity: bytes, request_id: int, code: str, message: str) -> None:
+        self.counters.errors += 1
+        log.info("error reply (%s): %s", code, message)
+        self._reply(identity, {"op": "error", "id": request_id, "code": code, "message": message})
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        """The shard's counters and state sizes, as a flat mapping of numbers and strings."""
+        c = self.counters
+        n_acc, acc_bytes = self.store.accumulators()
+        return {
+            "endpoint": self.endpoint,
+            "mode": self.config.mode,
+            "num_workers": self.config.num_workers,
+            "keys": len(self.store.entries),
+            "param_bytes": self.store.nbytes(),
+            "accumulators": n_acc,
+            "accumulator_bytes": acc_bytes,
+            "inits": c.inits,
+            "pushes": c.pushes,
+            "pulls": c.pulls,
+            "rounds": c.rounds,
+            "duplicates": c.duplicates,
+            "errors": c.errors,
+            "dropped_replies": c.dropped_replies,
+            "queued_pulls": sum(len(w) for w in self._waiters.values()),
+            "deferred_pushes": sum(len(q) for q in self._deferred.values()),
+            "bytes_in": c.bytes_in,
+            "bytes_out": c.bytes_out,
+            "uptime_s": time.time() - c.started,
+        }
+
