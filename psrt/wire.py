@@ -137,12 +137,12 @@ def pack_header(header: dict[str, Any]) -> bytes:
 
 
 def unpack_header(data: Any, limits: WireLimits) -> dict[str, Any]:
-    """Unpack an untrusted header frame with explicit limits and check its protocol version.
+    """Unpack an untrusted header frame with explicit limits (the caller checks the fields).
 
     Raises
     ------
     ProtocolError
-        When the frame is too large, is not valid msgpack, is not a map, or has the wrong version.
+        When the frame is too large, is not valid msgpack, or is not a map.
     """
     n = len(data)
     if n > limits.max_header_bytes:
@@ -163,10 +163,13 @@ def unpack_header(data: Any, limits: WireLimits) -> dict[str, Any]:
         raise ProtocolError(f"header is not a valid msgpack map: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    return header
+
+
+def _check_version(header: dict[str, Any]) -> None:
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r} is not supported; this peer speaks {PROTOCOL_VERSION}")
-    return header
 
 
 def _uint(header: dict[str, Any], key: str, hi: int = _MAX_U63) -> int:
@@ -239,6 +242,7 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         header = unpack_header(frames[0], limits)
         if type(header.get("id")) is int and 0 <= header["id"] <= _MAX_U63:
             request_id = header["id"]
+        _check_version(header)
         op = header.get("op")
         fields = _REQUEST_FIELDS.get(op) if type(op) is str else None
         if fields is None:
@@ -294,6 +298,7 @@ def decode_reply_header(data: Any, limits: WireLimits) -> Reply:
         When the header is malformed.
     """
     header = unpack_header(data, limits)
+    _check_version(header)
     op = header.get("op")
     if op not in _REPLY_OPS:
         raise ProtocolError(f"unknown reply op {op!r}")

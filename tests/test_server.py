@@ -1,0 +1,345 @@
+"""Integration tests: real shard server processes, real ZeroMQ sockets, workers in their own processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+import psrt
+from psrt import wire
+from psrt.config import ClientConfig
+
+WORKERS = Path(__file__).with_name("_workers.py")
+
+
+def run_workers(role: str, args: list[dict], timeout: float = 120) -> list[dict]:
+    """Run one worker process per args dict, all at once; return their JSON results in order."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, str(WORKERS), role, json.dumps(a)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for a in args]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, err
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return results
+
+
+def small(timeout: float = 20, partition_bytes: int = 4 << 20) -> ClientConfig:
+    return ClientConfig(timeout=timeout, partition_bytes=partition_bytes)
+
+
+# ---------------------------------------------------------------------------------------------- correctness
+def test_async_exact_sum(shards):
+    """W workers x T pushes of integer-valued gradients with SGD lr=1 give exactly -(sum of all gradients)."""
+    workers, steps, size = 4, 40, 10_001
+    group = shards(2, workers=workers, mode="async")
+    args = [dict(servers=group.endpoints, rank=r, workers=workers, steps=steps, size=size, partition_bytes=16_384)
+            for r in range(workers)]
+    run_workers("async_pusher", args)
+    expected = np.zeros(size, np.float64)
+    for r in range(workers):
+        for step in range(steps):
+            g = np.full(size, float((r + 1 + step) % 7))
+            g[::3] = -1.0
+            expected -= g
+    with psrt.Client(group.endpoints, rank=0, num_workers=workers, config=small(partition_bytes=16_384)) as c:
+        got = c.init({"w": np.ones(size, np.float32)}, optimizer=psrt.SGD(lr=1.0))["w"]
+        stats = c.stats()
+    np.testing.assert_array_equal(got, expected.astype(np.float32))
+    assert sum(s["pushes"] for s in stats) == workers * steps * 3  # 40 KB split in 3 chunks of <= 16 KiB
+    assert all(s["keys"] > 0 for s in stats), "both shards hold part of the tensor"
+
+
+@pytest.mark.parametrize("optimizer", [
+    psrt.SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    psrt.AdamW(lr=0.01, weight_decay=0.1),
+    psrt.AdaGrad(lr=0.1, lr_decay=0.01),
+], ids=["sgd-nesterov", "adamw", "adagrad"])
+def test_sync_equals_single_process(shards, optimizer):
+    """W workers on slices of a batch end with the parameters of one process doing the whole batch."""
+    workers, steps, seed = 3, 25, 7
+    group = shards(2, workers=workers, mode="sync")
+    args = [dict(servers=group.endpoints, rank=r, workers=workers, steps=steps, seed=seed,
+                 optimizer=optimizer.to_wire()) for r in range(workers)]
+    results = run_workers("sync_slice", args)
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((workers * 16, 40))
+    y = rng.standard_normal(workers * 16)
+    w, b = np.zeros(40), np.zeros(1)
+    slots_w, slots_b = optimizer.init_slots(w), optimizer.init_slots(b)
+    for step in range(1, steps + 1):
+        # The server averages per-worker mean gradients; equal slices make that the full-batch mean.
+        gw, gb = np.zeros(40), np.zeros(1)
+        for r in range(workers):
+            xs, ys = x[r::workers], y[r::workers]
+            res = xs @ w + b[0] - ys
+            gw += xs.T @ res / len(ys)
+            gb += res.mean()
+        optimizer.step(w, slots_w, gw, 1.0 / workers, step)
+        optimizer.step(b, slots_b, gb, 1.0 / workers, step)
+    for res in results:
+        np.testing.assert_allclose(res["w"], w, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(res["b"], b, rtol=1e-9, atol=1e-12)
+    # Every worker ends on identical parameters.
+    assert all(res["w"] == results[0]["w"] for res in results)
+    # One accumulator per key at most, whatever W: accumulator bytes never exceed parameter bytes.
+    for shard in results[0]["stats"]:
+        assert shard["accumulators"] <= shard["keys"]
+        assert shard["accumulator_bytes"] <= shard["param_bytes"]
+        assert shard["rounds"] == steps * shard["keys"]
+
+
+def test_large_tensor_over_three_shards_roundtrips_bit_exact(shards):
+    group = shards(3)
+    rng = np.random.default_rng(3)
+    big = rng.standard_normal(3_000_001).astype(np.float32)
+    big[::1000] = np.float32(np.nextafter(np.float32(0), np.float32(1)))  # subnormals survive too
+    odd = rng.standard_normal((7, 11, 13))  # float64, not split
+    with psrt.Client(group.endpoints, config=small(partition_bytes=1 << 20)) as c:
+        c.init({"big": big, "odd": odd})
+        got = c.pull()
+        stats = c.stats()
+        chunks = c.partition.chunks["big"]
+    assert got["big"].tobytes() == big.tobytes()
+    assert got["odd"].tobytes() == odd.tobytes() and got["odd"].shape == odd.shape
+    assert len(chunks) == math.ceil(big.nbytes / (1 << 20))
+    assert {ch.shard for ch in chunks} == {0, 1, 2}
+    loads = [s["param_bytes"] for s in stats]
+    assert max(loads) - min(loads) <= (1 << 20) + odd.nbytes
+
+
+def test_sync_round_waits_for_all_workers_and_queues_early_pushes(shards):
+    """A pull for the next version waits; a worker's push for round r+1 waits until round r completes."""
+    group = shards(1, workers=2)
+    cfg = small(timeout=10)
+    with psrt.Client(group.endpoints, 0, 2, config=cfg) as a, psrt.Client(group.endpoints, 1, 2, config=cfg) as b:
+        a.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        b.init({"w": np.ones(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))  # first init wins: zeros
+        a.push({"w": np.full(4, 2.0, np.float32)})        # round 1: accumulated, not applied
+        early = a.push_pull_async({"w": np.full(4, 10.0, np.float32)})  # round 2: queued behind round 1
+        pending_pull = a.pull_async()                      # wants round 1's result
+        assert not pending_pull.done()
+        with pytest.raises(psrt.ShardTimeoutError):
+            a.pull(timeout=0.3)
+        stats = a.stats()[0]
+        assert stats["deferred_pushes"] == 1 and stats["queued_pulls"] >= 1
+        b.push({"w": np.full(4, 4.0, np.float32)})        # completes round 1: w = -(2+4)/2 = -3
+        np.testing.assert_array_equal(pending_pull.wait()["w"], np.full(4, -3.0, np.float32))
+        b.push({"w": np.full(4, 0.0, np.float32)})        # completes round 2: w = -3 - (10+0)/2 = -8
+        np.testing.assert_array_equal(early.wait()["w"], np.full(4, -8.0, np.float32))
+        np.testing.assert_array_equal(b.pull()["w"], np.full(4, -8.0, np.float32))
+        assert a.stats()[0]["rounds"] == 2
+
+
+def test_init_conflicts_are_refused(shards):
+    group = shards(1, workers=2)
+    cfg = small()
+    with psrt.Client(group.endpoints, 0, 2, config=cfg) as a, psrt.Client(group.endpoints, 1, 2, config=cfg) as b:
+        a.init({"w": np.zeros(3, np.float32)}, optimizer=psrt.SGD(lr=0.1))
+        with pytest.raises(psrt.ConfigError, match="different optimizer"):
+            b.init({"w": np.zeros(3, np.float32)}, optimizer=psrt.Adam())
+    with psrt.Client(group.endpoints, 0, 3, config=small()) as c:
+        with pytest.raises(psrt.ConfigError, match="--workers 2"):
+            c.init({"v": np.zeros(3, np.float32)})
+    with psrt.Client(group.endpoints, 0, 2, config=small()) as d:
+        with pytest.raises(psrt.ServerError, match="mismatch"):
+            d.init({"w": np.zeros(5, np.float32)})
+
+
+def test_client_argument_errors(shards):
+    group = shards(1)
+    with pytest.raises(psrt.ConfigError, match="rank"):
+        psrt.Client(group.endpoints, rank=2, num_workers=2)
+    with pytest.raises(psrt.ConfigError, match="endpoint"):
+        psrt.Client(["localhost:5701"])
+    with psrt.Client(group.endpoints, config=small()) as c:
+        c.init({"w": np.zeros(3, np.float32)})
+        with pytest.raises(psrt.PsrtTypeError, match="float32"):
+            c.init({"i": np.zeros(3, np.int32)})
+        with pytest.raises(TypeError, match="astype"):
+            c.push({"w": np.zeros(3, np.float64)})
+        with pytest.raises(ValueError, match="shape"):
+            c.push({"w": np.zeros(4, np.float32)})
+        with pytest.raises(psrt.ConfigError, match="never initialized"):
+            c.push({"nope": np.zeros(3, np.float32)})
+        np.testing.assert_array_equal(c.pull()["w"], np.zeros(3, np.float32))
+    with pytest.raises(psrt.ConnectionLostError):
+        c.pull()
+
+
+def test_timeout_names_the_shard(shards):
+    group = shards(2)
+    with psrt.Client(group.endpoints, config=small(timeout=5)) as c:
+        c.init({"a": np.zeros(1000, np.float32), "b": np.zeros(1000, np.float32)})
+        group.procs[1].kill()
+        group.procs[1].wait(10)
+        with pytest.raises(psrt.ShardTimeoutError) as info:
+            c.pull(timeout=0.5)
+        assert group.endpoints[1] in str(info.value) and info.value.shard == group.endpoints[1]
+        assert isinstance(info.value, TimeoutError)
+
+
+def test_nobody_listening_times_out():
+    with zmq.Context() as ctx:
+        s = ctx.socket(zmq.ROUTER)
+        port = s.bind_to_random_port("tcp://127.0.0.1")
+        s.close(linger=0)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    with psrt.Client([endpoint], config=small(timeout=0.3)) as c:
+        with pytest.raises(psrt.ShardTimeoutError, match=endpoint):
+            c.init({"w": np.zeros(3, np.float32)})
+
+
+# ---------------------------------------------------------------------------------------------- hostile input
+class RawPeer:
+    """A bare DEALER speaking the wire protocol by hand."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def ask(self, frames: list, timeout: float = 5.0) -> tuple[dict, list[bytes]]:
+        self.sock.send_multipart(frames)
+        assert self.sock.poll(int(timeout * 1000)), "the shard did not answer"
+        reply = self.sock.recv_multipart()
+        return msgpack.unpackb(reply[0]), reply[1:]
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+def header(**fields) -> bytes:
+    return msgpack.packb({"v": 1, **fields})
+
+
+def push_header(**over) -> dict:
+    base = dict(op="push", id=9, worker=0, session=1, seq=0, tensors=[["w", 0, "<f4", [4]]])
+    base.update(over)
+    return base
+
+
+MALFORMED = {
+    "empty": [b""],
+    "random-bytes": [os.urandom(64)],
+    "truncated-header": [header(**push_header())[:-5], np.ones(4, np.float32).tobytes()],
+    "not-a-map": [msgpack.packb([1, 2, 3])],
+    "wrong-version": [msgpack.packb({"v": 99, **push_header()}), np.ones(4, np.float32).tobytes()],
+    "unknown-op": [header(op="explode", id=1)],
+    "missing-field": [header(op="push", id=1, worker=0, tensors=[]), b""],
+    "bool-as-int": [header(**push_header(seq=True)), np.ones(4, np.float32).tobytes()],
+    "wrong-frame-count": [header(**push_header())],
+    "extra-frame": [header(**push_header()), np.ones(4, np.float32).tobytes(), b"x"],
+    "unknown-dtype": [header(**push_header(tensors=[["w", 0, "<i4", [4]]])), np.ones(4, np.int32).tobytes()],
+    "object-dtype": [header(**push_header(tensors=[["w", 0, "O", [4]]])), b"\0" * 32],
+    "big-endian-dtype": [header(**push_header(tensors=[["w", 0, ">f4", [4]]])), np.ones(4, ">f4").tobytes()],
+    "wrong-byte-count": [header(**push_header()), np.ones(3, np.float32).tobytes()],
+    "huge-shape": [header(**push_header(tensors=[["w", 0, "<f4", [2**40, 2**40, 2**40]]])), b"\0" * 16],
+    "negative-dim": [header(**push_header(tensors=[["w", 0, "<f4", [-4]]])), b"\0" * 16],
+    "bin-in-header": [msgpack.packb({"v": 1, **push_header(), "x": b"\0" * 8}, use_bin_type=True)],
+    "unknown-key": [header(**push_header(tensors=[["nope", 0, "<f4", [4]]])), np.ones(4, np.float32).tobytes()],
+    "size-mismatch": [header(**push_header(tensors=[["w", 0, "<f4", [2]]])), np.ones(2, np.float32).tobytes()],
+    "dtype-mismatch": [header(**push_header(tensors=[["w", 0, "<f8", [4]]])), np.ones(4, np.float64).tobytes()],
+    "nan-gradient": [header(**push_header()), np.array([1, np.nan, 1, 1], np.float32).tobytes()],
+    "inf-gradient": [header(**push_header()), np.array([1, 1, -np.inf, 1], np.float32).tobytes()],
+    "bad-optimizer": [header(op="init", id=3, worker=0, session=1, optimizer={"name": "pickle"},
+                             tensors=[["z", 0, "<f4", [1]]]), np.ones(1, np.float32).tobytes()],
+    "pull-unreachable": [header(op="pull", id=4, worker=0, keys=[["w", 0, 99]])],
+    "pull-bad-keys": [header(op="pull", id=4, worker=0, keys=[["w", "0", 0]])],
+}
+
+
+def test_malformed_flood_leaves_shard_alive_and_parameters_unchanged(shards):
+    group = shards(1, workers=1)
+    w0 = np.arange(4, dtype=np.float32)
+    with psrt.Client(group.endpoints, config=small()) as c:
+        c.init({"w": w0}, optimizer=psrt.SGD(lr=1.0))
+        peer = RawPeer(group.endpoints[0])
+        try:
+            for _ in range(3):  # a flood, not a single probe
+                for name, frames in MALFORMED.items():
+                    reply, rest = peer.ask(frames)
+                    assert reply["op"] == "error", name
+                    assert reply["message"], name
+                    assert rest == [], name
+                    if name not in ("empty", "random-bytes", "truncated-header", "not-a-map", "bin-in-header"):
+                        assert reply["id"] in (1, 3, 4, 9), name
+            assert group.alive() == [True]
+            np.testing.assert_array_equal(c.pull()["w"], w0)
+            stats = c.stats()[0]
+            assert stats["errors"] == 3 * len(MALFORMED) and stats["rounds"] == 0
+            # ... and it still serves good requests.
+            np.testing.assert_array_equal(c.push_pull({"w": np.ones(4, np.float32)})["w"], w0 - 1)
+        finally:
+            peer.close()
+
+
+def test_error_reply_says_what_was_wrong(shards):
+    group = shards(1)
+    with psrt.Client(group.endpoints, config=small()) as c:
+        c.init({"w": np.zeros(4, np.float32)})
+        peer = RawPeer(group.endpoints[0])
+        try:
+            reply, _ = peer.ask(MALFORMED["wrong-byte-count"])
+            assert reply["code"] == "protocol" and "12 bytes" in reply["message"] and "needs 16" in reply["message"]
+            reply, _ = peer.ask(MALFORMED["unknown-dtype"])
+            assert "'<i4' is not allowed" in reply["message"]
+            reply, _ = peer.ask(MALFORMED["nan-gradient"])
+            assert reply["code"] == "nonfinite"
+            reply, _ = peer.ask(MALFORMED["unknown-key"])
+            assert reply["code"] == "unknown_key"
+        finally:
+            peer.close()
+
+
+def test_duplicate_push_is_acknowledged_but_applied_once(shards):
+    group = shards(1, workers=1, mode="async")
+    with psrt.Client(group.endpoints, config=small()) as c:
+        c.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        peer = RawPeer(group.endpoints[0])
+        try:
+            frames = wire.encode(push_header(worker=5, session=77, seq=0), [np.ones(4, np.float32)])
+            first, _ = peer.ask([bytes(f) for f in frames])
+            again, _ = peer.ask([bytes(f) for f in frames])
+            assert first["op"] == again["op"] == "ack"
+            assert first["duplicate"] is False and again["duplicate"] is True
+            np.testing.assert_array_equal(c.pull()["w"], -np.ones(4, np.float32))
+            # A new session of the same worker (a restart) starts a fresh sequence.
+            frames = wire.encode(push_header(worker=5, session=78, seq=0), [np.ones(4, np.float32)])
+            restarted, _ = peer.ask([bytes(f) for f in frames])
+            assert restarted["duplicate"] is False
+            np.testing.assert_array_equal(c.pull()["w"], np.full(4, -2.0, np.float32))
+            assert c.stats()[0]["duplicates"] == 1
+        finally:
+            peer.close()
+
+
+def test_push_pull_async_overlaps(shards):
+    group = shards(2, workers=1)
+    with psrt.Client(group.endpoints, config=small(partition_bytes=1 << 16)) as c:
+        c.init({"a": np.zeros(50_000, np.float32), "b": np.zeros(7, np.float32)}, optimizer=psrt.SGD(lr=0.5))
+        handles = [c.push_pull_async({"a": np.ones(50_000, np.float32), "b": np.ones(7, np.float32)})
+                   for _ in range(5)]
+        results = [h.wait(timeout=10) for h in handles]
+        for i, r in enumerate(results, start=1):
+            np.testing.assert_array_equal(r["a"], np.full(50_000, -0.5 * i, np.float32))
+            np.testing.assert_array_equal(r["b"], np.full(7, -0.5 * i, np.float32))
