@@ -1,41 +1,124 @@
-"""The ``psrt`` command line: ``psrt server`` runs a shard; ``psrt demo`` trains a model on a local cluster."""
+"""The ``psrt`` command line.
+
+``psrt scheduler``   the job's control plane
+``psrt server``      one shard (standalone with ``--bind``, or joining a job with ``--scheduler``)
+``psrt launch``      a whole job on this machine: scheduler, S servers, W copies of a command
+``psrt run``         become scheduler, server or worker as the environment says (srun, mpirun, Kubernetes)
+``psrt stats``       a live per-shard table of a running job
+``psrt demo``        train a classifier on scikit-learn's digits on a local job
+"""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import signal
+import socket
 import sys
+import time
 from typing import Optional, Sequence
+from urllib.parse import urlsplit
 
-from psrt.config import MODES, ServerConfig
-from psrt.errors import PsrtError
+from psrt.config import MODES, ClusterConfig, ServerConfig
+from psrt.errors import ConfigError, PsrtError
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
+
+
+def _host_towards(endpoint: str) -> str:
+    """The local address that reaches ``endpoint``'s host (loopback stays loopback); no packet is sent."""
+    host = urlsplit(endpoint).hostname or "127.0.0.1"
+    try:
+        addr = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+    except OSError:
+        raise ConfigError(f"cannot resolve the scheduler host {host!r}") from None
+    if ipaddress.ip_address(addr).is_loopback:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((addr, 9))  # UDP connect only picks a route and a source address
+        return s.getsockname()[0]
+
+
+def _on_signals(stop) -> None:
+    def handler(signum: int, frame: object) -> None:
+        stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 def _server(args: argparse.Namespace) -> int:
+    from psrt.scheduler import SchedulerLink
     from psrt.server import Server
 
-    config = ServerConfig(bind=args.bind, num_workers=args.workers, mode=args.mode, nonfinite=args.nonfinite)
+    link = None
+    if args.scheduler:
+        host = args.host or _host_towards(args.scheduler)
+        config = ServerConfig(bind=args.bind or f"tcp://{host}:*", nonfinite=args.nonfinite)
+    else:
+        config = ServerConfig(bind=args.bind or "tcp://127.0.0.1:5701", num_workers=args.workers, mode=args.mode,
+                              nonfinite=args.nonfinite)
     server = Server(config)
-
-    def _stop(signum: int, frame: object) -> None:
-        server.stop()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    # One machine-readable line: launchers and tests read the bound endpoint from it.
-    print(f"psrt-server ready endpoint={server.endpoint} mode={config.mode} workers={config.num_workers}",
-          flush=True)
+    _on_signals(server.stop)
+    metrics = None
     try:
-        server.serve()
+        if args.scheduler:
+            announce = server.endpoint.replace("0.0.0.0", host)
+            link = SchedulerLink(server.context, args.scheduler)
+            timeout = ClusterConfig.from_env().start_timeout + 10.0
+            table = link.register("server", endpoint=announce, host=host, timeout=timeout)
+            server.set_job(table.num_workers, table.mode)
+        if args.metrics_port is not None:
+            from psrt.metrics import serve_metrics
+
+            metrics = serve_metrics(server, args.metrics_port, args.metrics_host)
+        # One machine-readable line: launchers and tests read the bound endpoint from it.
+        print(f"psrt-server ready endpoint={server.endpoint} mode={server.config.mode} "
+              f"workers={server.config.num_workers}" + (f" rank={link.rank}" if link else ""), flush=True)
+        server.serve(control=link)
     finally:
         stats = server.stats()
+        if metrics is not None:
+            metrics.shutdown()
+        if link is not None:
+            link.close()
         server.close()
         print(f"psrt-server stopped endpoint={stats['endpoint']} pushes={stats['pushes']} pulls={stats['pulls']} "
               f"rounds={stats['rounds']} errors={stats['errors']}", flush=True)
     return 0
+
+
+def _scheduler(args: argparse.Namespace) -> int:
+    from psrt.scheduler import Scheduler
+
+    sched = Scheduler(args.bind, args.servers, args.workers, args.mode, start_timeout=args.timeout)
+    _on_signals(sched.stop)
+    print(f"psrt-scheduler ready endpoint={sched.endpoint} servers={args.servers} workers={args.workers} "
+          f"mode={args.mode}", flush=True)
+    code = sched.serve()
+    print(f"psrt-scheduler stopped code={code}", flush=True)
+    return code
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from psrt.launch import launch
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return launch(args.servers, args.workers, command, mode=args.mode, host=args.host, start_timeout=args.timeout)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from psrt.launch import run_role
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return run_role(command)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from psrt.stats import watch
+
+    return watch(args.scheduler, interval=args.interval, count=args.count)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -52,17 +135,56 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="psrt", description="psrt: a parameter-server runtime on ZeroMQ")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
+    defaults = ServerConfig()
 
     s = sub.add_parser("server", help="run one shard server")
-    s.add_argument("--bind", default="tcp://127.0.0.1:5701",
-                   help="ZeroMQ endpoint to bind; tcp://HOST:* picks a free port (default %(default)s)")
-    s.add_argument("--workers", type=int, default=ServerConfig().num_workers,
-                   help="W: pushes that complete a sync round (default: $PSRT_NUM_WORKERS or 1)")
-    s.add_argument("--mode", choices=MODES, default=ServerConfig().mode,
-                   help="sync (BSP) or async (default: $PSRT_MODE or sync)")
-    s.add_argument("--nonfinite", choices=("reject", "allow"), default=ServerConfig().nonfinite,
+    s.add_argument("--bind", default=None,
+                   help="ZeroMQ endpoint to bind; tcp://HOST:* picks a free port (default tcp://127.0.0.1:5701, "
+                        "or an ephemeral port on --host with --scheduler)")
+    s.add_argument("--scheduler", default=None, help="join the job of the scheduler at tcp://HOST:PORT")
+    s.add_argument("--host", default=None,
+                   help="with --scheduler: the address to bind and announce (default: $PSRT_NODE_HOST, or the "
+                        "local address that reaches the scheduler)")
+    s.add_argument("--workers", type=int, default=defaults.num_workers,
+                   help="W: pushes that complete a sync round (default: $PSRT_NUM_WORKERS or 1; from the "
+                        "scheduler with --scheduler)")
+    s.add_argument("--mode", choices=MODES, default=defaults.mode,
+                   help="sync (BSP) or async (default: $PSRT_MODE or sync; from the scheduler with --scheduler)")
+    s.add_argument("--nonfinite", choices=("reject", "allow"), default=defaults.nonfinite,
                    help="what to do with NaN/Inf gradients (default: reject)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (needs prometheus_client)")
+    s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     s.set_defaults(func=_server)
+
+    c = sub.add_parser("scheduler", help="run the job's scheduler")
+    env = ClusterConfig.from_env()
+    c.add_argument("--bind", default="tcp://127.0.0.1:5700", help="endpoint to bind (default %(default)s)")
+    c.add_argument("--servers", type=int, default=env.num_servers or 1, help="S (default: $PSRT_NUM_SERVERS or 1)")
+    c.add_argument("--workers", type=int, default=env.num_workers or 1, help="W (default: $PSRT_NUM_WORKERS or 1)")
+    c.add_argument("--mode", choices=MODES, default=env.mode, help="sync or async (default: $PSRT_MODE or sync)")
+    c.add_argument("--timeout", type=float, default=env.start_timeout,
+                   help="seconds for everyone to register and for each barrier (default: $PSRT_START_TIMEOUT or 120)")
+    c.set_defaults(func=_scheduler)
+
+    la = sub.add_parser("launch", help="run a scheduler, S servers and W copies of CMD on this machine")
+    la.add_argument("-s", "--servers", type=int, required=True, help="number of servers S")
+    la.add_argument("-w", "--workers", type=int, required=True, help="number of workers W")
+    la.add_argument("--mode", choices=MODES, default="sync", help="sync or async (default %(default)s)")
+    la.add_argument("--host", default="127.0.0.1", help="address to bind on (default %(default)s)")
+    la.add_argument("--timeout", type=float, default=60.0, help="seconds for the job to form (default %(default)s)")
+    la.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS: the worker program")
+    la.set_defaults(func=_launch)
+
+    r = sub.add_parser("run", help="become scheduler, server or worker (running CMD) as the environment says")
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS: the worker program")
+    r.set_defaults(func=_run)
+
+    st = sub.add_parser("stats", help="print a live per-shard table of a running job")
+    st.add_argument("scheduler", help="the scheduler's endpoint, tcp://HOST:PORT")
+    st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default %(default)s)")
+    st.add_argument("--count", type=int, default=0, help="stop after this many tables (default: until Ctrl-C)")
+    st.set_defaults(func=_stats)
 
     d = sub.add_parser("demo", help="train a classifier on scikit-learn's digits with local shards and workers")
     d.add_argument("-s", "--servers", type=int, default=2, help="number of shard servers (default %(default)s)")
@@ -78,7 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``psrt`` console script."""
-    args = build_parser().parse_args(argv)
+    started = time.monotonic()
+    try:
+        args = build_parser().parse_args(argv)
+    except PsrtError as exc:  # a bad PSRT_* environment variable feeding a default
+        print(f"psrt: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -86,6 +213,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except PsrtError as exc:
         print(f"psrt: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        logging.getLogger("psrt.cli").info("%s finished in %.2fs", args.command, time.monotonic() - started)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from psrt import transport, wire
-from psrt.config import ClientConfig
+from psrt.config import ClientConfig, ClusterConfig
 from psrt.errors import (
     ConfigError,
     ConnectionLostError,
@@ -32,6 +32,7 @@ from psrt.errors import (
 )
 from psrt.optim import SGD, Optimizer
 from psrt.partition import Chunk, PartitionMap
+from psrt.scheduler import SchedulerLink
 
 __all__ = ["Client", "Handle"]
 
@@ -99,15 +100,22 @@ class Client:
 
     Parameters
     ----------
-    servers : sequence of str
+    servers : sequence of str, optional
         The shard endpoints, e.g. ``["tcp://127.0.0.1:5701", "tcp://127.0.0.1:5702"]``. Every worker must list
-        them in the same order: the order decides which shard holds which chunk.
-    rank : int
-        This worker's rank in ``[0, num_workers)``; it identifies its pushes.
-    num_workers : int
-        W, which must match the shards' ``--workers``.
+        them in the same order: the order decides which shard holds which chunk. When omitted, the client
+        registers with the scheduler (``scheduler`` or the environment: ``PSRT_SCHEDULER``, ``DMLC_PS_ROOT_URI``
+        and ``DMLC_PS_ROOT_PORT``) and gets the shards, its rank and W from the job's table.
+    rank : int, optional
+        This worker's rank in ``[0, num_workers)``; it identifies its pushes. With a scheduler: a requested rank
+        (default: ``PSRT_WORKER_ID``/``DMLC_WORKER_ID``, else assigned).
+    num_workers : int, optional
+        W, which must match the shards' ``--workers`` (with a scheduler: checked against the job's W).
+    scheduler : str, optional
+        The scheduler's endpoint, overriding the environment.
     config : ClientConfig, optional
         Timeouts, partition size and limits; defaults come from the environment (``PSRT_TIMEOUT``, ...).
+    cluster : ClusterConfig, optional
+        The job's configuration; :meth:`ClusterConfig.from_env` when omitted.
 
     Examples
     --------
@@ -118,12 +126,46 @@ class Client:
 
     def __init__(
         self,
-        servers: Sequence[str],
-        rank: int = 0,
-        num_workers: int = 1,
+        servers: Optional[Sequence[str]] = None,
+        rank: Optional[int] = None,
+        num_workers: Optional[int] = None,
         *,
+        scheduler: Optional[str] = None,
         config: Optional[ClientConfig] = None,
+        cluster: Optional[ClusterConfig] = None,
     ) -> None:
+        self.config = config if config is not None else ClientConfig()
+        self._closed = True  # until the sockets exist
+        self._link: Optional[SchedulerLink] = None
+        self._barriers = 0
+        if servers is None:
+            cluster = cluster if cluster is not None else ClusterConfig.from_env()
+            scheduler = scheduler or cluster.scheduler
+            if scheduler is None:
+                raise ConfigError("no servers and no scheduler: pass servers=[...] or scheduler='tcp://HOST:PORT', "
+                                  "or set PSRT_SCHEDULER (or DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT)")
+            self._start_timeout = cluster.start_timeout
+            self._ctx = transport.new_context()
+            self._link = SchedulerLink(self._ctx, scheduler)
+            requested = rank if rank is not None else cluster.worker_id
+            try:
+                table = self._link.register("worker", host=cluster.node_host or "",
+                                            rank=-1 if requested is None else requested,
+                                            timeout=cluster.start_timeout + 10.0)
+            except BaseException:
+                self._link.close()
+                self._ctx.term()
+                raise
+            if num_workers is not None and num_workers != table.num_workers:
+                self._link.close()
+                self._ctx.term()
+                raise ConfigError(f"num_workers={num_workers} but the scheduler's job has {table.num_workers}")
+            servers, rank, num_workers = table.servers, table.rank, table.num_workers
+        else:
+            rank = 0 if rank is None else rank
+            num_workers = 1 if num_workers is None else num_workers
+            self._start_timeout = self.config.timeout
+            self._ctx = None
         if isinstance(servers, str) or not isinstance(servers, Sequence) or not servers:
             raise ConfigError("servers must be a non-empty list of endpoints such as ['tcp://127.0.0.1:5701']")
         for ep in servers:
@@ -135,11 +177,11 @@ class Client:
             raise ConfigError(f"num_workers must be a positive integer, got {num_workers!r}")
         if type(rank) is not int or not 0 <= rank < num_workers:
             raise ConfigError(f"rank must be an integer in [0, num_workers={num_workers}), got {rank!r}")
-        self.config = config if config is not None else ClientConfig()
         self.servers = list(servers)
         self._rank = rank
         self._num_workers = num_workers
-        self._ctx = transport.new_context()
+        if self._ctx is None:
+            self._ctx = transport.new_context()
         self._channels = [transport.DealerChannel(self._ctx, ep, self.config.hwm) for ep in self.servers]
         self._poller = transport.Poller(self._channels)
         self._map = PartitionMap(len(self.servers), self.config.partition_bytes)
@@ -283,13 +325,36 @@ class Client:
         handle.wait(timeout)
         return [handle._shard_info[s] for s in range(len(self.servers))]
 
+    def barrier(self, timeout: Optional[float] = None) -> None:
+        """Wait until every worker of the job has reached this barrier (needs a scheduler when W > 1).
+
+        Raises
+        ------
+        ServerError
+            When the scheduler's deadline passes first; the message names the ranks that never arrived.
+        """
+        self._check_open()
+        if self._link is None:
+            if self._num_workers == 1:
+                return
+            raise ConfigError("barrier() needs a scheduler: create the client with psrt.Client() under "
+                              "`psrt launch` or with PSRT_SCHEDULER set")
+        self._barriers += 1
+        self._link.barrier(f"barrier-{self._barriers}", self._start_timeout + 10.0 if timeout is None else timeout)
+
     def close(self) -> None:
-        """Close the sockets; replies still in flight are discarded."""
+        """Close the sockets (telling the scheduler this worker is done); replies in flight are discarded."""
         if self._closed:
             return
         self._closed = True
         for ch in self._channels:
             ch.close()
+        if self._link is not None:
+            try:
+                self._link.done()
+            except PsrtError:
+                pass  # the job is ending either way; the scheduler may already be gone
+            self._link.close()
         self._ctx.term()
         self._pending.clear()
 
@@ -301,7 +366,8 @@ class Client:
 
     def __del__(self) -> None:  # a forgotten close() must not leave a context behind
         try:
-            self.close()
+            if getattr(self, "_channels", None) is not None:
+                self.close()
         except Exception:
             pass
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 from psrt.errors import ConfigError
 
-__all__ = ["WireLimits", "ServerConfig", "ClientConfig", "MODES"]
+__all__ = ["WireLimits", "ServerConfig", "ClientConfig", "ClusterConfig", "MODES", "ROLES"]
 
 MODES = ("sync", "async")
 
@@ -156,3 +157,122 @@ class ClientConfig:
         if self.partition_bytes < 8:
             raise ConfigError(f"partition_bytes must be at least 8, got {self.partition_bytes}")
         _positive("hwm", self.hwm)
+
+
+ROLES = ("scheduler", "server", "worker")
+
+#: Environment variables that give a process's global rank and the job size under MPI or Slurm.
+_LAUNCHER_RANK = ("PSRT_GLOBAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+_LAUNCHER_SIZE = ("PSRT_WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where a process sits in a job: its role, the scheduler, and the job's shape.
+
+    Read from the environment by :meth:`from_env`, which understands psrt's own ``PSRT_*`` names, the
+    ``DMLC_*`` names that ps-lite/MXNet/BytePS cluster tooling sets, and the rank variables of Slurm
+    (``SLURM_PROCID``/``SLURM_NTASKS``) and MPI (``OMPI_COMM_WORLD_RANK``/``PMI_RANK``/...). Under a launcher
+    rank, global rank 0 is the scheduler, ranks 1..S the servers and the rest the workers.
+
+    Parameters
+    ----------
+    role : str or None
+        ``"scheduler"``, ``"server"`` or ``"worker"``; None when the environment does not say.
+    scheduler : str or None
+        The scheduler's endpoint, ``tcp://HOST:PORT``.
+    num_servers, num_workers : int or None
+        S and W, when known.
+    mode : str
+        ``"sync"`` or ``"async"``.
+    worker_id : int or None
+        A worker's requested rank (otherwise the scheduler assigns one in order of registration).
+    node_host : str or None
+        The address other hosts reach this process at.
+    start_timeout : float
+        Seconds the scheduler waits for everyone to register (and a barrier for everyone to arrive).
+    """
+
+    role: Optional[str] = None
+    scheduler: Optional[str] = None
+    num_servers: Optional[int] = None
+    num_workers: Optional[int] = None
+    mode: str = "sync"
+    worker_id: Optional[int] = None
+    node_host: Optional[str] = None
+    start_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.role is not None and self.role not in ROLES:
+            raise ConfigError(f"role must be one of {ROLES}, got {self.role!r} (set PSRT_ROLE or DMLC_ROLE)")
+        if self.scheduler is not None and "://" not in self.scheduler:
+            raise ConfigError(f"scheduler must be an endpoint such as tcp://10.0.0.1:5700, got {self.scheduler!r}")
+        for name in ("num_servers", "num_workers"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive(name, value)
+        if self.worker_id is not None and (type(self.worker_id) is not int or self.worker_id < 0):
+            raise ConfigError(f"worker_id must be a non-negative integer, got {self.worker_id!r}")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be 'sync' or 'async', got {self.mode!r} (PSRT_MODE)")
+        _positive("start_timeout", self.start_timeout, float)
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> ClusterConfig:
+        """Build the configuration from environment variables (``os.environ`` by default)."""
+        env = os.environ if env is None else env
+
+        def get(*names: str) -> Optional[str]:
+            for n in names:
+                if env.get(n):
+                    return env[n]
+            return None
+
+        def get_int(*names: str) -> Optional[int]:
+            raw = get(*names)
+            if raw is None:
+                return None
+            try:
+                return int(raw)
+            except ValueError:
+                raise ConfigError(f"environment variable {names[0]} (or {', '.join(names[1:])}) = {raw!r} "
+                                  "must be an integer") from None
+
+        scheduler = get("PSRT_SCHEDULER")
+        if scheduler is None and get("DMLC_PS_ROOT_URI"):
+            port = get("DMLC_PS_ROOT_PORT")
+            if port is None:
+                raise ConfigError("DMLC_PS_ROOT_URI is set but DMLC_PS_ROOT_PORT is not")
+            scheduler = f"tcp://{get('DMLC_PS_ROOT_URI')}:{port}"
+        num_servers = get_int("PSRT_NUM_SERVERS", "DMLC_NUM_SERVER")
+        num_workers = get_int("PSRT_NUM_WORKERS", "DMLC_NUM_WORKER")
+        role = get("PSRT_ROLE", "DMLC_ROLE")
+        worker_id = get_int("PSRT_WORKER_ID", "DMLC_WORKER_ID")
+        rank, size = get_int(*_LAUNCHER_RANK), get_int(*_LAUNCHER_SIZE)
+        if rank is not None and role is None:
+            if num_servers is None:
+                raise ConfigError("started under a launcher (rank variable set) but the number of servers is "
+                                  "unknown: set PSRT_NUM_SERVERS (or DMLC_NUM_SERVER)")
+            if rank == 0:
+                role = "scheduler"
+            elif rank <= num_servers:
+                role = "server"
+            else:
+                role = "worker"
+                if worker_id is None:
+                    worker_id = rank - 1 - num_servers
+            if num_workers is None and size is not None:
+                num_workers = size - 1 - num_servers
+                if num_workers < 1:
+                    raise ConfigError(f"{size} processes leave no workers after 1 scheduler and {num_servers} "
+                                      "servers; start more processes")
+        return cls(
+            role=role,
+            scheduler=scheduler,
+            num_servers=num_servers,
+            num_workers=num_workers,
+            mode=get("PSRT_MODE") or "sync",
+            worker_id=worker_id,
+            node_host=get("PSRT_NODE_HOST", "DMLC_NODE_HOST"),
+            start_timeout=float(get("PSRT_START_TIMEOUT") or 120.0),
+        )

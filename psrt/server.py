@@ -17,17 +17,21 @@ Every push carries ``(worker, session, seq)``; a push already applied is acknowl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from psrt import kernels, optim, transport, wire
 from psrt.config import ServerConfig
 from psrt.errors import ConfigError, ProtocolError
 from psrt.store import Entry, Key, Store
+
+if TYPE_CHECKING:
+    from psrt.scheduler import SchedulerLink
 
 __all__ = ["Server", "RequestError"]
 
@@ -103,17 +107,28 @@ class Server:
         self._draining = False
 
     # ------------------------------------------------------------------ loop
-    def serve(self) -> None:
-        """Serve requests until :meth:`stop` is called (from a signal handler or another thread)."""
+    @property
+    def context(self):
+        """The server's ZeroMQ context (its scheduler link shares it)."""
+        return self._ctx
+
+    def set_job(self, num_workers: int, mode: str) -> None:
+        """Adopt W and the mode the scheduler's table gives (before serving)."""
+        self.config = dataclasses.replace(self.config, num_workers=num_workers, mode=mode)
+
+    def serve(self, control: Optional[SchedulerLink] = None) -> None:
+        """Serve requests until :meth:`stop` is called or, with ``control``, the scheduler ends the job."""
         poll = self.config.poll_interval
         while not self._stop.is_set():
-            if not self._chan.poll(poll):
-                continue
-            for _ in range(_BATCH):
-                msg = self._chan.recv()
-                if msg is None:
-                    break
-                self.handle(*msg)
+            if self._chan.poll(poll):
+                for _ in range(_BATCH):
+                    msg = self._chan.recv()
+                    if msg is None:
+                        break
+                    self.handle(*msg)
+            if control is not None and control.shutdown_requested():
+                log.info("the scheduler ended the job")
+                return
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return after the message in hand."""

@@ -46,6 +46,7 @@ __all__ = [
     "Reply",
     "pack_header",
     "unpack_header",
+    "check_version",
     "dtype_name",
     "encode",
     "decode_request",
@@ -166,7 +167,8 @@ def unpack_header(data: Any, limits: WireLimits) -> dict[str, Any]:
     return header
 
 
-def _check_version(header: dict[str, Any]) -> None:
+def check_version(header: dict[str, Any]) -> None:
+    """Raise :class:`ProtocolError` unless the header speaks this protocol version."""
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r} is not supported; this peer speaks {PROTOCOL_VERSION}")
@@ -242,7 +244,7 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         header = unpack_header(frames[0], limits)
         if type(header.get("id")) is int and 0 <= header["id"] <= _MAX_U63:
             request_id = header["id"]
-        _check_version(header)
+        check_version(header)
         op = header.get("op")
         fields = _REQUEST_FIELDS.get(op) if type(op) is str else None
         if fields is None:
@@ -298,7 +300,7 @@ def decode_reply_header(data: Any, limits: WireLimits) -> Reply:
         When the header is malformed.
     """
     header = unpack_header(data, limits)
-    _check_version(header)
+    check_version(header)
     op = header.get("op")
     if op not in _REPLY_OPS:
         raise ProtocolError(f"unknown reply op {op!r}")

@@ -1,0 +1,212 @@
+"""Several hosts on one machine: Linux network namespaces joined by veth pairs to a bridge.
+
+Each host is a namespace with its own address on a private subnet that exists only inside these namespaces;
+its link can be shaped in both directions with ``tc ... tbf`` (one qdisc on each end of its veth pair), which
+emulates a cluster whose hosts have a given NIC bandwidth. Used by the multi-host tests and the scaling
+benchmark. Needs root and iproute2.
+
+Every name carries the creating process's pid (``psrt<pid>-<host>``, bridge ``psbr<pid>``), so a run that
+crashed before cleaning up is recognised and removed by the next one (:func:`remove_leftovers`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+from typing import Any, Optional, Sequence
+
+from psrt.errors import ConfigError, PsrtError
+
+__all__ = ["VirtualCluster", "remove_leftovers", "parse_rate", "check_available"]
+
+_NS = re.compile(r"^psrt(\d+)-[A-Za-z0-9_.-]+$")
+_BR = re.compile(r"^psbr(\d+)$")
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+def parse_rate(rate: str) -> int:
+    """Bits per second of a tc-style rate such as ``1gbit``, ``500mbit`` or ``100kbit``."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?bit)\s*", rate.lower())
+    if not m:
+        raise ConfigError(f"link rate {rate!r} is not a rate such as 1gbit, 500mbit or 100kbit")
+    bits = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if bits <= 0:
+        raise ConfigError(f"link rate {rate!r} must be positive")
+    return bits
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise PsrtError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
+    return proc
+
+
+def check_available() -> None:
+    """Raise :class:`ConfigError` saying what is missing unless we are root with iproute2 installed."""
+    if os.geteuid() != 0:
+        raise ConfigError("an emulated cluster needs root (network namespaces, veth, bridges, tc): run as root, "
+                          "or use plain loopback instead")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise ConfigError(f"`{tool}` not found: install iproute2 (apt-get install iproute2)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_leftovers() -> list[str]:
+    """Delete namespaces and bridges left by psrt runs whose process is gone; returns what was removed."""
+    removed = []
+    listing = _ip("netns", "list", check=False).stdout.split("\n")
+    for line in listing:
+        name = line.split(" ")[0].strip()
+        m = _NS.match(name)
+        if m and not _alive(int(m.group(1))):
+            for pid in _ip("netns", "pids", name, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _ip("netns", "del", name, check=False)
+            removed.append(name)
+    for line in _ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
+        parts = line.split(":")
+        name = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
+        m = _BR.match(name)
+        if m and not _alive(int(m.group(1))):
+            _ip("link", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
+class VirtualCluster:
+    """Hosts in network namespaces on one bridge, optionally with shaped links.
+
+    Parameters
+    ----------
+    hosts : sequence of str
+        Host names (letters, digits, ``_.-``); each gets a namespace and an address.
+    link : str, optional
+        Bandwidth of every host's link in each direction, e.g. ``"1gbit"``; unshaped when None.
+    subnet : int, optional
+        Third octet of the private ``10.213.N.0/24`` subnet (default: derived from the pid).
+
+    Examples
+    --------
+    >>> with VirtualCluster(["a", "b"], link="1gbit") as vc:   # doctest: +SKIP
+    ...     vc.run("a", ["ping", "-c1", vc.address("b")])
+    """
+
+    def __init__(self, hosts: Sequence[str], link: Optional[str] = None, subnet: Optional[int] = None) -> None:
+        check_available()
+        if not hosts or len(hosts) > 250 or len(set(hosts)) != len(hosts):
+            raise ConfigError("hosts must be 1 to 250 distinct names")
+        for h in hosts:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,20}", h):
+                raise ConfigError(f"host name {h!r} may only use letters, digits and _.- (at most 20)")
+        self.rate_bits = parse_rate(link) if link else None
+        self.hosts = list(hosts)
+        self.pid = os.getpid()
+        self.subnet = subnet if subnet is not None else 10 + self.pid % 240
+        self.bridge = f"psbr{self.pid}"
+        self._procs: list[subprocess.Popen] = []
+        self._created_ns: list[str] = []
+        self._bridge_made = False
+        remove_leftovers()
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+
+    def namespace(self, host: str) -> str:
+        """The namespace name of ``host``."""
+        return f"psrt{self.pid}-{host}"
+
+    def address(self, host: str) -> str:
+        """The IPv4 address of ``host``."""
+        return f"10.213.{self.subnet}.{self.hosts.index(host) + 1}"
+
+    def _tbf(self) -> list[str]:
+        assert self.rate_bits is not None
+        rate_bytes = self.rate_bits / 8
+        # The bucket must hold at least one timer tick of traffic (HZ may be 100) plus a full-size frame.
+        burst = max(int(rate_bytes / 100), 16 * 1024)
+        return ["tbf", "rate", f"{self.rate_bits}bit", "burst", str(burst), "latency", "100ms"]
+
+    def _create(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self._bridge_made = True
+        _ip("link", "set", self.bridge, "up")
+        for i, host in enumerate(self.hosts):
+            ns = self.namespace(host)
+            outer, inner = f"pv{self.pid}h{i}", f"pn{self.pid}h{i}"
+            _ip("netns", "add", ns)
+            self._created_ns.append(ns)
+            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            _ip("link", "set", inner, "netns", ns)
+            _ip("-n", ns, "link", "set", inner, "name", "eth0")
+            _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("link", "set", outer, "master", self.bridge)
+            _ip("link", "set", outer, "up")
+            if self.rate_bits:
+                tbf = self._tbf()
+                for args in (["tc", "qdisc", "add", "dev", outer, "root", *tbf],
+                             ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *tbf]):
+                    proc = subprocess.run(args, capture_output=True, text=True, timeout=30)
+                    if proc.returncode:
+                        raise PsrtError(f"`{' '.join(args)}` failed: {proc.stderr.strip()}")
+
+    def popen(self, host: str, cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        """Start ``cmd`` inside ``host``'s namespace; it is killed by :meth:`close` if still running."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(host), *cmd], **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, host: str, cmd: Sequence[str], timeout: float = 60.0) -> subprocess.CompletedProcess:
+        """Run ``cmd`` inside ``host``'s namespace to completion."""
+        return subprocess.run(["ip", "netns", "exec", self.namespace(host), *cmd], capture_output=True, text=True,
+                              timeout=timeout)
+
+    def close(self) -> None:
+        """Stop every process started here and remove the namespaces, links and bridge."""
+        for p in self._procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self._procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        self._procs.clear()
+        for ns in self._created_ns:
+            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _ip("netns", "del", ns, check=False)  # removes the veth pair with it
+        self._created_ns.clear()
+        if self._bridge_made:
+            _ip("link", "del", self.bridge, check=False)
+            self._bridge_made = False
+
+    def __enter__(self) -> VirtualCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

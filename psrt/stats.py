@@ -1,0 +1,64 @@
+"""``psrt stats``: a live table of every shard of a running job, found through the scheduler."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import IO, Any, Optional
+
+from psrt import transport
+from psrt.client import Client
+from psrt.errors import PsrtError
+from psrt.scheduler import SchedulerLink
+
+__all__ = ["watch", "format_table"]
+
+COLUMNS = ("shard", "keys", "MB", "pushes", "pulls", "rounds", "queued", "deferred", "errors", "MB/s in",
+           "MB/s out")
+
+
+def format_table(rows: list[dict[str, Any]], previous: Optional[list[dict[str, Any]]], seconds: float) -> str:
+    """Render per-shard stats (and rates against the previous sample) as a fixed-width text table."""
+    lines = [" ".join(f"{c:>10}" if i else f"{c:<24}" for i, c in enumerate(COLUMNS))]
+    for i, r in enumerate(rows):
+        prev = previous[i] if previous and i < len(previous) else None
+        rate_in = (r["bytes_in"] - prev["bytes_in"]) / seconds / 1e6 if prev and seconds > 0 else 0.0
+        rate_out = (r["bytes_out"] - prev["bytes_out"]) / seconds / 1e6 if prev and seconds > 0 else 0.0
+        cells = [r["endpoint"], r["keys"], f"{r['param_bytes'] / 1e6:.1f}", r["pushes"], r["pulls"], r["rounds"],
+                 r["queued_pulls"], r["deferred_pushes"], r["errors"], f"{rate_in:.1f}", f"{rate_out:.1f}"]
+        lines.append(" ".join(f"{c:>10}" if j else f"{c:<24}" for j, c in enumerate(map(str, cells))))
+    return "\n".join(lines)
+
+
+def watch(scheduler: str, interval: float = 1.0, count: int = 0, out: IO[str] = sys.stdout) -> int:
+    """Print the table every ``interval`` seconds, ``count`` times (0: until interrupted)."""
+    ctx = transport.new_context()
+    link = SchedulerLink(ctx, scheduler)
+    try:
+        table = link.table()
+    finally:
+        link.close()
+        ctx.term()
+    if not table["servers"]:
+        out.write(f"scheduler {scheduler}: no servers have joined yet "
+                  f"(expecting {table['num_servers']} servers, {table['num_workers']} workers)\n")
+        return 1
+    previous, last, shown = None, time.monotonic(), 0
+    with Client(table["servers"], rank=0, num_workers=table["num_workers"]) as client:
+        try:
+            while True:
+                try:
+                    rows = client.stats(timeout=max(2.0, interval))
+                except PsrtError as exc:
+                    out.write(f"psrt stats: {exc}\n")
+                    return 1
+                now = time.monotonic()
+                out.write(f"\n{time.strftime('%H:%M:%S')}  {table['mode']}  W={table['num_workers']}  "
+                          f"S={table['num_servers']}\n{format_table(rows, previous, now - last)}\n")
+                out.flush()
+                previous, last, shown = rows, now, shown + 1
+                if count and shown >= count:
+                    return 0
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            return 0

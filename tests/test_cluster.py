@@ -1,0 +1,206 @@
+"""The cluster: scheduler, daemons, launcher, role dispatch from the environment, stats and metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import psrt
+from psrt.config import ClusterConfig
+from psrt.launch import SCHEDULER_READY
+from psrt.local import READY_LINE
+
+WORKER = str(Path(__file__).with_name("_cluster_worker.py"))
+PSRT = [sys.executable, "-m", "psrt.cli"]
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    """Pids whose environment holds ``marker`` (to prove nothing outlived a job)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker.encode() in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+def launch(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, str]:
+    marker = f"PSRT_TEST_MARK={uuid.uuid4().hex}"
+    key, value = marker.split("=")
+    proc = subprocess.run([*PSRT, "launch", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, key: value})
+    return proc, marker
+
+
+def results(stdout: str) -> list[dict]:
+    return sorted((json.loads(line.split("] ", 1)[1]) for line in stdout.splitlines()
+                   if line.startswith("[worker") and "{" in line), key=lambda r: r["rank"])
+
+
+def test_launch_runs_a_job_and_leaves_nothing_behind():
+    proc, marker = launch("-s", "2", "-w", "3", "--", sys.executable, WORKER, "4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = results(proc.stdout)
+    assert [r["rank"] for r in res] == [0, 1, 2]
+    # Sync mode, SGD lr=1, 4 rounds of the averaged gradient (1+2+3)/3 = 2 on w and 1 on b.
+    assert all(r["w0"] == -8.0 and r["b0"] == -4.0 and r["num_workers"] == 3 for r in res)
+    assert all(r["servers"] == res[0]["servers"] and len(r["servers"]) == 2 for r in res)
+    for label in ("[scheduler]", "[server 0]", "[server 1]", "[worker 2]"):
+        assert label in proc.stdout
+    assert "psrt-scheduler stopped code=0" in proc.stdout
+    assert processes_with_marker(marker) == []
+
+
+def test_launch_stops_everything_when_a_worker_fails():
+    proc, marker = launch("-s", "1", "-w", "3", "--timeout", "20", "--", sys.executable, WORKER, "2", "7")
+    assert proc.returncode == 7
+    assert "worker 1 exited with code 7" in proc.stdout
+    assert processes_with_marker(marker) == []
+
+
+def test_launch_rejects_a_missing_command():
+    proc = subprocess.run([*PSRT, "launch", "-s", "1", "-w", "1"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "no worker command" in proc.stderr
+
+
+def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def read_match(proc: subprocess.Popen, pattern: re.Pattern, timeout: float = 30) -> re.Match:
+    deadline = time.monotonic() + timeout
+    seen = ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        seen += line
+        m = pattern.search(line)
+        if m:
+            return m
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"pattern not seen; output so far: {seen!r}")
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+        if p.stdout:
+            p.stdout.close()
+
+
+def test_missing_processes_are_named_at_the_start_deadline():
+    procs = [start([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "2", "--workers", "2",
+                    "--timeout", "1.5"])]
+    try:
+        endpoint = read_match(procs[0], SCHEDULER_READY).group(1)
+        procs.append(start([*PSRT, "server", "--scheduler", endpoint], env={"PSRT_START_TIMEOUT": "1.5"}))
+        cluster = ClusterConfig(scheduler=endpoint, start_timeout=1.5)
+        with pytest.raises(psrt.ServerError, match=r"missing 1 of 2 servers and 1 of 2 workers"):
+            psrt.Client(cluster=cluster)
+        assert procs[0].wait(10) == 1
+        assert procs[1].wait(10) == 2  # the server was told too, and said why
+        assert "did not form" in procs[1].stdout.read()
+    finally:
+        stop_all(procs)
+
+
+def test_daemons_by_hand_with_stats_and_metrics(tmp_path):
+    procs = [start([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "2", "--workers", "1"])]
+    try:
+        endpoint = read_match(procs[0], SCHEDULER_READY).group(1)
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs.append(start([*PSRT, "server", "--scheduler", endpoint, "--metrics-port", str(port)]))
+        procs.append(start([*PSRT, "server", "--scheduler", endpoint]))
+        with psrt.Client(scheduler=endpoint) as client:
+            assert (client.rank, client.num_workers, len(client.servers)) == (0, 1, 2)
+            client.init({"w": np.zeros(10, np.float32)})
+            client.push_pull({"w": np.ones(10, np.float32)})
+            client.barrier()
+            for p in procs[1:]:
+                read_match(p, READY_LINE)
+            stats = subprocess.run([*PSRT, "stats", endpoint, "--count", "2", "--interval", "0.2"],
+                                   capture_output=True, text=True, timeout=30)
+            assert stats.returncode == 0, stats.stderr
+            assert "pushes" in stats.stdout and "MB/s in" in stats.stdout
+            assert sum(client.servers[0] in line or client.servers[1] in line
+                       for line in stats.stdout.splitlines()) == 4
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            m = re.search(r'psrt_server_pushes_total\{endpoint="([^"]+)"\} (\d+)\.0', body)
+            assert m, body
+            holds_w = client.servers.index(m.group(1)) == client.partition.chunks["w"][0].shard
+            assert int(m.group(2)) == (1 if holds_w else 0)
+        # The worker is done: the scheduler ends the job and every daemon exits cleanly.
+        assert [p.wait(15) for p in procs] == [0, 0, 0]
+    finally:
+        stop_all(procs)
+
+
+def test_psrt_run_takes_roles_from_dmlc_environment():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port), "DMLC_NUM_SERVER": "1",
+            "DMLC_NUM_WORKER": "2", "DMLC_NODE_HOST": "127.0.0.1"}
+    procs = [start([*PSRT, "run"], env={**base, "DMLC_ROLE": "scheduler"}),
+             start([*PSRT, "run"], env={**base, "DMLC_ROLE": "server"})]
+    procs += [start([*PSRT, "run", "--", sys.executable, WORKER, "2"],
+                    env={**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i)}) for i in (1, 0)]
+    try:
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0, 0, 0], outs
+        res = [json.loads(line) for out in outs[2:] for line in out.splitlines() if line.startswith("{")]
+        assert sorted(r["rank"] for r in res) == [0, 1]
+        assert {r["rank"] for r in res if r["servers"]} == {0, 1}
+        assert [r["rank"] for r in res] == [1, 0]  # DMLC_WORKER_ID was honoured
+        assert all(r["w0"] == -3.0 for r in res)  # 2 rounds of the averaged gradient (1+2)/2
+    finally:
+        stop_all(procs)
+
+
+@pytest.mark.parametrize("env, role, worker_id, workers", [
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "7", "PSRT_NUM_SERVERS": "2"}, "scheduler", None, 4),
+    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "7", "PSRT_NUM_SERVERS": "2"}, "server", None, 4),
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "7", "PSRT_NUM_SERVERS": "2"}, "worker", 2, 4),
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "DMLC_NUM_SERVER": "1"}, "worker", 1, 2),
+    ({"PMI_RANK": "1", "PMI_SIZE": "3", "PSRT_NUM_SERVERS": "1"}, "server", None, 1),
+    ({"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "4", "DMLC_NUM_WORKER": "8"}, "worker", 4, 8),
+])
+def test_roles_from_launcher_environment(env, role, worker_id, workers):
+    cfg = ClusterConfig.from_env({**env, "PSRT_SCHEDULER": "tcp://10.0.0.1:5700"})
+    assert (cfg.role, cfg.worker_id, cfg.num_workers) == (role, worker_id, workers)
+
+
+def test_cluster_environment_errors_say_what_to_set():
+    with pytest.raises(psrt.ConfigError, match="PSRT_NUM_SERVERS"):
+        ClusterConfig.from_env({"SLURM_PROCID": "1", "SLURM_NTASKS": "4"})
+    with pytest.raises(psrt.ConfigError, match="DMLC_PS_ROOT_PORT"):
+        ClusterConfig.from_env({"DMLC_PS_ROOT_URI": "10.0.0.1"})
+    with pytest.raises(psrt.ConfigError, match="PSRT_ROLE"):
+        ClusterConfig.from_env({"PSRT_ROLE": "boss"})
+    with pytest.raises(psrt.ConfigError, match="PSRT_SCHEDULER"):
+        psrt.Client(cluster=ClusterConfig())
+    cfg = ClusterConfig.from_env({"DMLC_PS_ROOT_URI": "10.1.2.3", "DMLC_PS_ROOT_PORT": "9000"})
+    assert cfg.scheduler == "tcp://10.1.2.3:9000"
