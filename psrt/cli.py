@@ -5,6 +5,7 @@
 ``psrt launch``      a whole job on this machine: scheduler, S servers, W copies of a command
 ``psrt run``         become scheduler, server or worker as the environment says (srun, mpirun, Kubernetes)
 ``psrt stats``       a live per-shard table of a running job
+``psrt worker``      a synthetic load-test worker
 ``psrt demo``        train a classifier on scikit-learn's digits on a local job
 """
 
@@ -121,6 +122,15 @@ def _stats(args: argparse.Namespace) -> int:
     return watch(args.scheduler, interval=args.interval, count=args.count)
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from psrt.worker import run_worker
+
+    servers = args.servers.split(",") if args.servers else None
+    run_worker(args.model, args.compute_ms, args.steps, warmup=args.warmup, compute=args.compute, servers=servers,
+               rank=args.rank, num_workers=args.workers, lr=args.lr)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from psrt.examples import digits
 
@@ -185,6 +195,21 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default %(default)s)")
     st.add_argument("--count", type=int, default=0, help="stop after this many tables (default: until Ctrl-C)")
     st.set_defaults(func=_stats)
+
+    wk = sub.add_parser("worker", help="a synthetic load-test worker reporting its steps/s")
+    wk.add_argument("--model", required=True,
+                    help="model size (e.g. 4MB, 100MiB) or a shipped network: resnet50, vgg16, bert-base")
+    wk.add_argument("--compute-ms", type=float, default=0.0, help="emulated compute per step (default 0)")
+    wk.add_argument("--steps", type=int, default=20, help="timed steps (default %(default)s)")
+    wk.add_argument("--warmup", type=int, default=2, help="untimed steps first (default %(default)s)")
+    wk.add_argument("--compute", choices=("sleep", "numpy"), default="sleep",
+                    help="emulate compute by sleeping or with real NumPy work (default %(default)s)")
+    wk.add_argument("--servers", default=None,
+                    help="comma-separated shard endpoints (default: find them through the scheduler)")
+    wk.add_argument("--rank", type=int, default=None, help="worker rank (with --servers, or requested)")
+    wk.add_argument("--workers", type=int, default=None, help="W (with --servers)")
+    wk.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default %(default)s)")
+    wk.set_defaults(func=_worker)
 
     d = sub.add_parser("demo", help="train a classifier on scikit-learn's digits with local shards and workers")
     d.add_argument("-s", "--servers", type=int, default=2, help="number of shard servers (default %(default)s)")
