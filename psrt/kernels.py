@@ -16,6 +16,9 @@ from psrt.errors import KernelArgumentError, KernelTypeError
 
 __all__ = ["accumulate", "sgd_step", "momentum_step", "adam_step", "adagrad_step", "all_finite", "DTYPES"]
 
+#: Largest step number: fits the kernels' C integer on every platform.
+_MAX_STEP = 2**31 - 1
+
 #: The dtypes the kernels are compiled for.
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -50,7 +53,12 @@ def _check(outputs: dict[str, object], inputs: dict[str, object]) -> list[np.nda
 
 
 def _finite(name: str, value: float) -> float:
-    value = float(value)
+    if isinstance(value, bool):
+        raise KernelArgumentError(f"{name} must be a number, got {value!r}")
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise KernelArgumentError(f"{name} must be a number, got {value!r}") from None
     if not np.isfinite(value):
         raise KernelArgumentError(f"{name} must be a finite number, got {value}")
     return value
@@ -150,8 +158,8 @@ def adam_step(
         Coupled L2 decay added to the gradient (torch.optim.Adam's ``weight_decay``).
     """
     p, mm, vv, g = _check({"param": param, "m": m, "v": v}, {"grad": grad})
-    if type(step) is bool or not isinstance(step, (int, np.integer)) or step < 1:
-        raise KernelArgumentError(f"step must be an integer >= 1 (the step number), got {step!r}")
+    if type(step) is bool or not isinstance(step, (int, np.integer)) or not 1 <= step <= _MAX_STEP:
+        raise KernelArgumentError(f"step must be an integer in [1, {_MAX_STEP}] (the step number), got {step!r}")
     _core.adam_step(
         p, mm, vv, g, _finite("lr", lr), _finite("beta1", beta1), _finite("beta2", beta2), _finite("eps", eps),
         int(step), _finite("scale", scale), _finite("weight_decay", weight_decay), _finite("l2", l2),

@@ -80,7 +80,7 @@ class SGD(Optimizer):
         Use Nesterov momentum (needs ``momentum > 0``).
     """
 
-    lr: float = 0.01
+    lr: float = 1e-3
     momentum: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
@@ -215,6 +215,8 @@ def from_wire(spec: object) -> Optimizer:
     """
     if not isinstance(spec, dict):
         raise ConfigError("optimizer must be a map with a 'name' and its hyperparameters")
+    if any(type(k) is not str for k in spec):
+        raise ConfigError("optimizer field names must be strings")
     name = spec.get("name")
     cls = OPTIMIZERS.get(name) if isinstance(name, str) else None
     if cls is None:

@@ -75,10 +75,11 @@ class PartitionMap:
         ConfigError
             When a name is already in the map.
         """
-        pieces: list[tuple[str, int, int, int, np.dtype]] = []
-        for name in sorted(specs):
+        for name in specs:  # check everything first: a refused call leaves the map as it was
             if name in self.tensors:
                 raise ConfigError(f"tensor {name!r} is already initialized")
+        pieces: list[tuple[str, int, int, int, np.dtype]] = []
+        for name in sorted(specs):
             shape, dtype = specs[name]
             dtype = np.dtype(dtype)
             count = math.prod(shape)

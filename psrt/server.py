@@ -148,6 +148,10 @@ class Server:
             rid = getattr(exc, "request_id", None)
             self._error(identity, rid if rid is not None else 0, "protocol", str(exc))
             return
+        except Exception as exc:  # a decoder bug must not take the shard down either
+            log.exception("internal error decoding a message")
+            self._error(identity, 0, "internal", f"{type(exc).__name__}: {exc}")
+            return
         try:
             if req.op == "init":
                 self._init(identity, req)

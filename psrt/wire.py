@@ -164,6 +164,8 @@ def unpack_header(data: Any, limits: WireLimits) -> dict[str, Any]:
         raise ProtocolError(f"header is not a valid msgpack map: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    if any(type(k) is not str for k in header):
+        raise ProtocolError("header keys must all be strings")
     return header
 
 

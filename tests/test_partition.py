@@ -1,0 +1,288 @@
+"""The shard map: splitting, deterministic balanced assignment and message grouping."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from psrt.errors import ConfigError
+from psrt.partition import MAX_CHUNKS_PER_MESSAGE, Chunk, PartitionMap
+
+MiB = 1 << 20
+HSETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+names = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=8)
+shapes = st.lists(st.integers(0, 14), max_size=2).map(tuple) | st.tuples(st.integers(0, 300))
+dtypes = st.sampled_from([np.dtype(np.float32), np.dtype(np.float64)])
+spec_maps = st.dictionaries(names, st.tuples(shapes, dtypes), min_size=1, max_size=8)
+partition_sizes = st.integers(8, 2400)
+
+
+def assert_exact_cover(pmap: PartitionMap, specs) -> None:
+    """Each tensor's chunks are contiguous, in part order, near-equal, within partition_bytes, and cover it once."""
+    for name, (shape, dtype) in specs.items():
+        dtype = np.dtype(dtype)
+        count = math.prod(shape)
+        chunks = pmap.chunks_of([name])
+        assert [c.part for c in chunks] == list(range(len(chunks)))
+        start = 0
+        for c in chunks:
+            assert (c.name, c.dtype) == (name, dtype)
+            assert c.start == start
+            assert c.count >= 0
+            assert 0 <= c.shard < pmap.num_shards
+            assert c.key == (name, c.part)
+            assert c.nbytes == c.count * dtype.itemsize
+            start += c.count
+        assert start == count
+        counts = [c.count for c in chunks]
+        assert max(counts) - min(counts) <= 1  # near-equal
+        if count * dtype.itemsize <= pmap.partition_bytes:
+            assert len(chunks) == 1
+        else:
+            assert all(c.nbytes <= pmap.partition_bytes for c in chunks)
+            # the fewest chunks that respect the limit
+            per_chunk = pmap.partition_bytes // dtype.itemsize
+            assert len(chunks) == -(-count // per_chunk)
+
+
+def assignment(pmap: PartitionMap) -> dict[tuple[str, int], tuple[int, int, int]]:
+    return {c.key: (c.start, c.count, c.shard) for chunks in pmap.chunks.values() for c in chunks}
+
+
+def assert_balanced(pmap: PartitionMap) -> None:
+    all_chunks = [c for chunks in pmap.chunks.values() for c in chunks]
+    loads = [0] * pmap.num_shards
+    for c in all_chunks:
+        loads[c.shard] += c.nbytes
+    assert loads == pmap.shard_bytes
+    largest = max((c.nbytes for c in all_chunks), default=0)
+    assert max(loads) <= min(loads) + largest
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Splitting
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("count", "dtype", "partition_bytes", "expected_counts"),
+    [
+        (10, np.float32, 40, [10]),  # exactly partition_bytes: one chunk
+        (11, np.float32, 40, [6, 5]),  # just above: two near-equal chunks
+        (21, np.float32, 40, [7, 7, 7]),
+        (23, np.float32, 40, [8, 8, 7]),
+        (0, np.float32, 40, [0]),
+        (1, np.float64, 8, [1]),
+        (3, np.float64, 8, [1, 1, 1]),
+        (3, np.float32, 10, [2, 1]),  # partition_bytes not a multiple of the item size
+        (1000, np.float64, 4096, [500, 500]),
+    ],
+)
+def test_split_counts(count, dtype, partition_bytes, expected_counts):
+    pmap = PartitionMap(1, partition_bytes)
+    chunks = pmap.add({"t": ((count,), dtype)})
+    assert [c.count for c in sorted(chunks, key=lambda c: c.part)] == expected_counts
+    assert_exact_cover(pmap, {"t": ((count,), dtype)})
+
+
+@HSETTINGS
+@given(specs=spec_maps, num_shards=st.integers(1, 7), partition_bytes=partition_sizes)
+def test_chunks_cover_every_tensor_exactly_once(specs, num_shards, partition_bytes):
+    pmap = PartitionMap(num_shards, partition_bytes)
+    out = pmap.add(specs)
+    assert sorted(c.key for c in out) == sorted(assignment(pmap))
+    assert_exact_cover(pmap, specs)
+    assert_balanced(pmap)
+
+
+def test_multidimensional_and_scalar_shapes():
+    pmap = PartitionMap(2, 64)
+    specs = {"m": ((4, 5, 3), np.float32), "s": ((), np.float64), "e": ((0, 7), np.float32)}
+    pmap.add(specs)
+    assert_exact_cover(pmap, specs)
+    assert pmap.tensors["m"] == ((4, 5, 3), np.dtype(np.float32))
+    assert [c.count for c in pmap.chunks_of(["s"])] == [1]
+    assert [c.count for c in pmap.chunks_of(["e"])] == [0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Deterministic assignment
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@HSETTINGS
+@given(specs=spec_maps, num_shards=st.integers(1, 5), partition_bytes=partition_sizes, seed=st.integers(0, 999))
+def test_assignment_is_independent_of_insertion_order(specs, num_shards, partition_bytes, seed):
+    items = list(specs.items())
+    shuffled = items[:]
+    random.Random(seed).shuffle(shuffled)
+    a, b = PartitionMap(num_shards, partition_bytes), PartitionMap(num_shards, partition_bytes)
+    a.add(dict(items))
+    b.add(dict(shuffled))
+    assert assignment(a) == assignment(b)
+    assert a.shard_bytes == b.shard_bytes
+    for name in specs:
+        assert a.chunks_of([name]) == b.chunks_of([name])
+
+
+def test_assignment_is_deterministic_across_instances():
+    specs = {f"layer{i}.w": ((i * 37 + 5, 11), np.float32) for i in range(20)}
+    specs["emb"] = ((3000, 16), np.float64)
+    maps = [PartitionMap(3, 4096) for _ in range(3)]
+    for m in maps:
+        m.add(specs)
+    assert assignment(maps[0]) == assignment(maps[1]) == assignment(maps[2])
+
+
+def test_largest_first_lowest_shard_on_ties():
+    pmap = PartitionMap(3, 1 << 20)
+    pmap.add({"small": ((1,), np.float32), "big": ((100,), np.float32), "mid": ((10,), np.float32)})
+    shards = {name: pmap.chunks_of([name])[0].shard for name in ("big", "mid", "small")}
+    assert shards == {"big": 0, "mid": 1, "small": 2}
+    pmap2 = PartitionMap(2, 1 << 20)
+    pmap2.add({"b": ((5,), np.float32), "a": ((5,), np.float32)})  # equal sizes: by name
+    assert pmap2.chunks_of(["a"])[0].shard == 0 and pmap2.chunks_of(["b"])[0].shard == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Balance
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@HSETTINGS
+@given(
+    batches=st.lists(spec_maps, min_size=1, max_size=3), num_shards=st.integers(1, 6),
+    partition_bytes=partition_sizes,
+)
+def test_bytes_are_balanced_across_successive_adds(batches, num_shards, partition_bytes):
+    pmap = PartitionMap(num_shards, partition_bytes)
+    seen: dict = {}
+    for batch in batches:
+        batch = {k: v for k, v in batch.items() if k not in seen}
+        if not batch:
+            continue
+        pmap.add(batch)
+        seen.update(batch)
+        assert_balanced(pmap)
+    assert_exact_cover(pmap, seen)
+
+
+def test_ten_million_float32_over_two_shards_lands_half_on_each():
+    n = 10_000_000
+    pmap = PartitionMap(2, 4 * MiB)
+    chunks = pmap.add({"big": ((n,), np.float32)})
+    assert len(chunks) == math.ceil(n * 4 / (4 * MiB)) == 10
+    assert all(c.nbytes <= 4 * MiB for c in chunks)
+    total = n * 4
+    assert sum(pmap.shard_bytes) == total
+    for load in pmap.shard_bytes:
+        assert abs(load - total / 2) <= 4 * MiB / 2  # within half a chunk of an even split
+    assert {c.shard for c in chunks} == {0, 1}
+    assert sum(1 for c in chunks if c.shard == 0) == sum(1 for c in chunks if c.shard == 1) == 5
+
+
+def test_many_equal_tensors_spread_evenly():
+    pmap = PartitionMap(4, 1 << 20)
+    pmap.add({f"t{i:02d}": ((256,), np.float32) for i in range(40)})
+    assert pmap.shard_bytes == [10 * 1024] * 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# messages()
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def assert_messages_ok(pmap: PartitionMap, chunks: list[Chunk]) -> dict[int, list[list[Chunk]]]:
+    msgs = pmap.messages(chunks)
+    flat = [c for shard_msgs in msgs.values() for msg in shard_msgs for c in msg]
+    assert sorted(flat, key=lambda c: c.key) == sorted(chunks, key=lambda c: c.key)  # each chunk exactly once
+    for shard, shard_msgs in msgs.items():
+        for msg in shard_msgs:
+            assert msg, "no empty messages"
+            assert all(c.shard == shard for c in msg)
+            assert len(msg) <= MAX_CHUNKS_PER_MESSAGE
+            size = sum(c.nbytes for c in msg)
+            assert size <= pmap.partition_bytes or len(msg) == 1
+        # order within a shard is the order the chunks were given in
+        given_order = [c.key for c in chunks if c.shard == shard]
+        assert [c.key for msg in shard_msgs for c in msg] == given_order
+    return msgs
+
+
+@HSETTINGS
+@given(specs=spec_maps, num_shards=st.integers(1, 5), partition_bytes=partition_sizes)
+def test_messages_group_chunks_within_partition_bytes(specs, num_shards, partition_bytes):
+    pmap = PartitionMap(num_shards, partition_bytes)
+    pmap.add(specs)
+    chunks = pmap.chunks_of(sorted(specs))
+    msgs = assert_messages_ok(pmap, chunks)
+    # a split tensor's chunks never share a message (any two of them exceed partition_bytes together)
+    for shard_msgs in msgs.values():
+        for msg in shard_msgs:
+            names_in_msg = [c.name for c in msg]
+            for name in set(names_in_msg):
+                if len(pmap.chunks[name]) > 1:
+                    assert names_in_msg.count(name) == 1
+
+
+def test_small_tensors_share_a_message():
+    pmap = PartitionMap(1, 100)
+    pmap.add({f"t{i}": ((5,), np.float32) for i in range(10)})  # 20 bytes each
+    msgs = assert_messages_ok(pmap, pmap.chunks_of(sorted(pmap.tensors)))
+    assert [len(m) for m in msgs[0]] == [5, 5]
+
+
+def test_message_chunk_count_is_capped():
+    n = MAX_CHUNKS_PER_MESSAGE + 10
+    pmap = PartitionMap(1, 1 << 30)
+    pmap.add({f"t{i:05d}": ((0,), np.float32) for i in range(n)})  # zero bytes each: only the count limit binds
+    msgs = assert_messages_ok(pmap, pmap.chunks_of(sorted(pmap.tensors)))
+    assert [len(m) for m in msgs[0]] == [MAX_CHUNKS_PER_MESSAGE, 10]
+
+
+def test_messages_of_nothing():
+    assert PartitionMap(2, 64).messages([]) == {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("num_shards", "partition_bytes"), [(0, 64), (-1, 64), (1, 7), (1, 0)])
+def test_bad_construction_raises_config_error(num_shards, partition_bytes):
+    with pytest.raises(ConfigError) as info:
+        PartitionMap(num_shards, partition_bytes)
+    assert isinstance(info.value, ValueError)
+
+
+def test_adding_a_name_twice_raises():
+    pmap = PartitionMap(2, 64)
+    pmap.add({"a": ((4,), np.float32)})
+    with pytest.raises(ConfigError, match="'a' is already initialized"):
+        pmap.add({"a": ((4,), np.float32)})
+
+
+def test_failed_add_leaves_the_map_unchanged():
+    # add() must be all-or-nothing: a rejected batch may not leave some of its tensors half-registered
+    # (in ``tensors`` but without chunks), or a later add()/chunks_of() of those names misbehaves.
+    pmap = PartitionMap(2, 64)
+    pmap.add({"b": ((4,), np.float32)})
+    before = (dict(pmap.tensors), assignment(pmap), list(pmap.shard_bytes))
+    with pytest.raises(ConfigError, match="'b' is already initialized"):
+        pmap.add({"a": ((4,), np.float32), "b": ((4,), np.float32)})
+    assert (dict(pmap.tensors), assignment(pmap), list(pmap.shard_bytes)) == before
+    pmap.add({"a": ((4,), np.float32)})  # "a" was never added, so this must work
+    assert [c.count for c in pmap.chunks_of(["a"])] == [4]
+
+
+def test_chunks_of_unknown_name_raises():
+    pmap = PartitionMap(1, 64)
+    with pytest.raises(ConfigError, match="'nope' was never initialized"):
+        pmap.chunks_of(["nope"])
