@@ -6,6 +6,7 @@
 ``psrt run``         become scheduler, server or worker as the environment says (srun, mpirun, Kubernetes)
 ``psrt stats``       a live per-shard table of a running job
 ``psrt worker``      a synthetic load-test worker
+``psrt model``       the performance model's predictions, extrapolated to thousands of workers
 ``psrt demo``        train a classifier on scikit-learn's digits on a local job
 """
 
@@ -131,6 +132,47 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model(args: argparse.Namespace) -> int:
+    from psrt import perfmodel
+    from psrt.models import model_tensors
+    from psrt.netns import parse_rate
+
+    cal = perfmodel.calibrate() if args.calibrate else perfmodel.Calibration(
+        agg_bytes_per_s=args.agg_rate, msg_overhead_s=args.msg_overhead_us * 1e-6, rtt_s=args.rtt_us * 1e-6)
+    tensors = model_tensors(args.model, args.partition_bytes)
+    link = parse_rate(args.link)
+    server_link = parse_rate(args.server_link) if args.server_link else link
+    print(f"model {args.model}: {4 * sum(__import__('math').prod(s) for _, s in tensors) / 1e6:.1f} MB in "
+          f"{len(tensors)} tensors; links: worker {args.link}, server {args.server_link or args.link}; compute "
+          f"{args.compute_ms:g} ms; {args.mode}")
+    print(f"calibration: aggregation {cal.agg_bytes_per_s / 1e9:.2f} GB/s, message overhead "
+          f"{cal.msg_overhead_s * 1e6:.0f} us, round trip {cal.rtt_s * 1e6:.0f} us")
+    for servers in args.servers:
+        base = perfmodel.scenario_for(1, servers, tensors, link, args.compute_ms / 1000, args.mode,
+                                      args.partition_bytes, server_link)
+        knee, plateau = perfmodel.saturation_point(base, cal)
+        print(f"\nS={servers}: busiest shard holds {base.shard_bytes / 1e6:.2f} MB; the shards' links saturate "
+              f"at W ~ {knee:.1f}; throughput plateau {plateau:.1f} worker-steps/s")
+        print(f"{'W':>8} {'step ms':>10} {'worker-steps/s':>15} {'per worker':>11}  bottleneck")
+        for workers in args.workers:
+            sc = perfmodel.scenario_for(workers, servers, tensors, link, args.compute_ms / 1000, args.mode,
+                                        args.partition_bytes, server_link)
+            p = perfmodel.predict(sc, cal)
+            print(f"{workers:>8} {p.step_s * 1000:>10.1f} {p.steps_per_s:>15.1f} {p.steps_per_s / workers:>11.2f}"
+                  f"  {p.bottleneck}")
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("values must be positive integers")
+    return values
+
+
 def _demo(args: argparse.Namespace) -> int:
     from psrt.examples import digits
 
@@ -210,6 +252,23 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--workers", type=int, default=None, help="W (with --servers)")
     wk.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default %(default)s)")
     wk.set_defaults(func=_worker)
+
+    mo = sub.add_parser("model", help="predict step time and throughput with the performance model")
+    mo.add_argument("--model", default="resnet50", help="size (100MB) or network (resnet50, vgg16, bert-base)")
+    mo.add_argument("--workers", type=_ints, default=[1, 2, 4, 8, 16, 64, 256, 1024, 4096],
+                    help="comma-separated W values (default 1,2,4,...,4096)")
+    mo.add_argument("--servers", type=_ints, default=[1, 4, 16, 64, 256], help="comma-separated S values")
+    mo.add_argument("--link", default="10gbit", help="worker link bandwidth, e.g. 10gbit (default %(default)s)")
+    mo.add_argument("--server-link", default=None, help="server link bandwidth (default: as --link)")
+    mo.add_argument("--compute-ms", type=float, default=100.0, help="compute per step (default %(default)s)")
+    mo.add_argument("--mode", choices=MODES, default="sync")
+    mo.add_argument("--partition-bytes", type=int, default=4 << 20, help="partition size (default 4 MiB)")
+    mo.add_argument("--calibrate", action="store_true", help="measure this machine's aggregation rate and "
+                    "message overhead first (starts a local shard)")
+    mo.add_argument("--agg-rate", type=float, default=2e9, help="shard aggregation bytes/s if not calibrating")
+    mo.add_argument("--msg-overhead-us", type=float, default=100.0, help="per-message cost if not calibrating")
+    mo.add_argument("--rtt-us", type=float, default=300.0, help="small round trip if not calibrating")
+    mo.set_defaults(func=_model)
 
     d = sub.add_parser("demo", help="train a classifier on scikit-learn's digits with local shards and workers")
     d.add_argument("-s", "--servers", type=int, default=2, help="number of shard servers (default %(default)s)")

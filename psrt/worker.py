@@ -85,7 +85,7 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
         for _ in range(warmup):
             step(client)
         client.barrier()
-        cpu0, t0 = _cpu_seconds(), time.perf_counter()
+        cpu0, t0, started_at = _cpu_seconds(), time.perf_counter(), time.time()
         for _ in range(steps):
             step(client)
         elapsed = time.perf_counter() - t0
@@ -101,6 +101,8 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
             "seconds": elapsed,
             "steps_per_s": steps / elapsed,
             "cpu_percent": 100.0 * cpu / elapsed,
+            "started_at": started_at,
+            "ended_at": started_at + elapsed,
             "pid": os.getpid(),
         }
         client.barrier()  # nobody leaves (and ends the job) while others are still timing

@@ -1,0 +1,277 @@
+"""Reproduce the single-server bottleneck and show how sharding removes it, against the performance model.
+
+Every server, worker and the scheduler run in their own network namespace with their own address, joined by
+veth pairs to a bridge, and every host's link is shaped in both directions with ``tc ... tbf`` to ``--link``
+(default 200 Mbit/s). The sweep runs W workers x S servers; each run is a real job (``psrt scheduler``,
+``psrt server``, ``psrt worker`` processes) whose workers report their steps/s. Each point is compared with
+:func:`psrt.perfmodel.predict` (calibrated on this machine first).
+
+The defaults (1 MB model in 4 chunks, 200 Mbit/s links, 20 ms compute) keep the total traffic under ~100 MB/s,
+so two CPU cores are not the bottleneck: the script reports the machine's CPU use during each run's timed
+window and flags any run above 85 %.
+
+Usage::
+
+    python bench/scaling.py --quick --json scaling.json --csv scaling.csv --plot scaling.png
+    python bench/scaling.py --modes sync,async          # the full sweep: W 1,2,4,8,16 x S 1,2,4
+    python bench/scaling.py --loopback --quick          # no namespaces, no shaping (no root needed)
+
+Targets: S=1 throughput stops growing past the predicted saturation point; at W=8, S=4 gives >= 3.2x S=1;
+every point within 15 % of the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+from psrt import perfmodel
+from psrt.models import model_tensors, parse_size
+from psrt.netns import VirtualCluster, check_available, parse_rate
+
+PSRT = [sys.executable, "-m", "psrt.cli"]
+RESULT = "psrt-worker-result "
+
+
+class CpuSampler:
+    """Samples the machine's busy CPU fraction from /proc/stat every 0.1 s in a background thread."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]
+        return sum(fields), idle
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            total, idle = self._read()
+            self.samples.append((time.time(), total, idle))
+            time.sleep(0.1)
+
+    def busy_percent(self, start: float, end: float) -> float:
+        """Machine CPU use (% of all cores) between two wall-clock times."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2:
+            return float("nan")
+        (_, t0, i0), (_, t1, i1) = inside[0], inside[-1]
+        return 100.0 * (1 - (i1 - i0) / max(1, t1 - t0))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+
+def run_point(vc: Optional[VirtualCluster], port: int, mode: str, servers: int, workers: int, model: str,
+              compute_ms: float, steps: int, partition: int, timeout: float = 180.0) -> list[dict]:
+    """One job; returns the workers' result records."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PSRT_PARTITION_BYTES": str(partition),
+           "PSRT_START_TIMEOUT": "60"}
+    host = vc.address("sched") if vc else "127.0.0.1"
+    endpoint = f"tcp://{host}:{port}"
+
+    def spawn(name: str, cmd: list[str], extra: Optional[dict] = None) -> subprocess.Popen:
+        kwargs = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**env, **(extra or {})})
+        return vc.popen(name, cmd, **kwargs) if vc else subprocess.Popen(cmd, **kwargs)
+
+    procs = [spawn("sched", [*PSRT, "scheduler", "--bind", endpoint, "--servers", str(servers), "--workers",
+                             str(workers), "--mode", mode, "--timeout", "60"])]
+    try:
+        procs += [spawn(f"s{i}", [*PSRT, "server", "--scheduler", endpoint]) for i in range(servers)]
+        wprocs = [spawn(f"w{i}", [*PSRT, "worker", "--model", model, "--compute-ms", str(compute_ms),
+                                  "--steps", str(steps), "--warmup", "2"], {"PSRT_SCHEDULER": endpoint})
+                  for i in range(workers)]
+        procs += wprocs
+        results = []
+        deadline = time.monotonic() + timeout
+        for p in wprocs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if p.returncode != 0:
+                raise RuntimeError(f"a worker failed ({p.returncode}):\n{out[-2000:]}")
+            results += [json.loads(line[len(RESULT):]) for line in out.splitlines() if line.startswith(RESULT)]
+        for p in procs[:servers + 1]:
+            p.wait(30)
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+def plan_steps(predicted_per_worker: float, seconds: float) -> int:
+    """Steps that take about ``seconds`` at the predicted per-worker rate (5 to 60)."""
+    return int(min(60, max(5, round(predicted_per_worker * seconds))))
+
+
+def plot(records: list[dict], path: str, title: str) -> None:
+    """Throughput vs W, one line per (mode, S): measured points and the model's curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    keys = sorted({(r["mode"], r["servers"]) for r in records})
+    for i, (mode, servers) in enumerate(keys):
+        rows = sorted((r for r in records if r["mode"] == mode and r["servers"] == servers), key=lambda r: r["workers"])
+        color = f"C{i}"
+        label = f"S={servers}" + (f" {mode}" if len({k[0] for k in keys}) > 1 else "")
+        ax.plot([r["workers"] for r in rows], [r["steps_per_s"] for r in rows], "o", color=color,
+                label=f"{label} measured")
+        curve_w = [r["workers"] for r in rows]
+        ax.plot(curve_w, [r["predicted_steps_per_s"] for r in rows], "-", color=color, alpha=0.6,
+                label=f"{label} model")
+        if rows and rows[0].get("saturation_w"):
+            ax.axvline(rows[0]["saturation_w"], color=color, ls=":", alpha=0.4)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers W")
+    ax.set_ylabel("throughput (worker-steps/s)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    """Run the sweep; print the table; write JSON, CSV and the plot."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", default="1,2,4,8,16", help="comma-separated W values")
+    parser.add_argument("--servers", default="1,2,4", help="comma-separated S values")
+    parser.add_argument("--modes", default="sync", help="sync, async or sync,async")
+    parser.add_argument("--quick", action="store_true", help="W 1,4,8,16 x S 1,4, sync, short runs (< 5 min)")
+    parser.add_argument("--link", default="200mbit", help="every host's link, each direction (default %(default)s)")
+    parser.add_argument("--model", default="1MB", help="model size or network name (default %(default)s)")
+    parser.add_argument("--partition-bytes", type=int, default=256 * 1024,
+                        help="partition size, so the model splits over the shards (default 256 KiB)")
+    parser.add_argument("--compute-ms", type=float, default=20.0, help="emulated compute per step (default 20)")
+    parser.add_argument("--seconds", type=float, default=4.0, help="target timed seconds per run (default 4)")
+    parser.add_argument("--loopback", action="store_true", help="plain loopback: no namespaces, no shaping")
+    parser.add_argument("--json", default=None, help="write one record per run to this file")
+    parser.add_argument("--csv", default=None, help="write the same records as CSV")
+    parser.add_argument("--plot", default=None, help="write a PNG plot of throughput vs W")
+    args = parser.parse_args()
+
+    if args.quick:
+        args.workers, args.servers, args.modes, args.seconds = "1,4,8,16", "1,4", "sync", min(args.seconds, 3.0)
+    wlist = [int(v) for v in args.workers.split(",")]
+    slist = [int(v) for v in args.servers.split(",")]
+    modes = args.modes.split(",")
+    if not args.loopback:
+        check_available()
+    link_bits = parse_rate(args.link)
+    tensors = model_tensors(args.model)
+    model_bytes = 4 * sum(int(__import__("math").prod(s)) for _, s in tensors)
+    if args.model not in ("resnet50", "vgg16", "bert-base"):
+        parse_size(args.model)
+
+    print("calibrating on this machine (aggregation rate, message overhead) ...", flush=True)
+    cal = perfmodel.calibrate()
+    print(f"  aggregation {cal.agg_bytes_per_s / 1e9:.2f} GB/s, message overhead {cal.msg_overhead_s * 1e6:.0f} us, "
+          f"round trip {cal.rtt_s * 1e6:.0f} us", flush=True)
+    if args.loopback:
+        link_bits = 8 * 1e9  # nominal; loopback is CPU-bound, so predictions there are only indicative
+
+    from tqdm import tqdm
+
+    hosts = ["sched"] + [f"s{i}" for i in range(max(slist))] + [f"w{i}" for i in range(max(wlist))]
+    vc = None if args.loopback else VirtualCluster(hosts, link=args.link)
+    burst = vc.burst_bytes if vc else 0
+    sampler = CpuSampler()
+    records: list[dict] = []
+    runs = [(m, s, w) for m in modes for s in slist for w in wlist]
+    started = time.monotonic()
+    try:
+        for index, (mode, servers, workers) in enumerate(tqdm(runs, desc="runs", unit="run")):
+            sc = perfmodel.scenario_for(workers, servers, tensors, link_bits, args.compute_ms / 1000, mode,
+                                        args.partition_bytes, burst_bytes=burst)
+            pred = perfmodel.predict(sc, cal)
+            knee, plateau = perfmodel.saturation_point(sc, cal)
+            steps = plan_steps(pred.steps_per_s / workers, args.seconds)
+            results = run_point(vc, 5700 + index, mode, servers, workers, args.model, args.compute_ms, steps,
+                                args.partition_bytes)
+            window = (max(r["started_at"] for r in results), min(r["ended_at"] for r in results))
+            measured = sum(r["steps_per_s"] for r in results)
+            records.append({
+                "workers": workers, "servers": servers, "mode": mode,
+                "link_mbit": link_bits / 1e6 if not args.loopback else None,
+                "model": args.model, "model_bytes": model_bytes, "compute_ms": args.compute_ms, "steps": steps,
+                "steps_per_s": measured,
+                "predicted_steps_per_s": pred.steps_per_s,
+                "error_percent": 100.0 * (measured - pred.steps_per_s) / pred.steps_per_s,
+                "cpu_percent": sampler.busy_percent(*window),
+                "worker_cpu_percent": sum(r["cpu_percent"] for r in results) / len(results),
+                "bottleneck": pred.bottleneck,
+                "saturation_w": knee, "plateau_steps_per_s": plateau,
+                "shard_bytes": sc.shard_bytes,
+            })
+    finally:
+        sampler.stop()
+        if vc is not None:
+            vc.close()
+    elapsed = time.monotonic() - started
+
+    where = "loopback (unshaped)" if args.loopback else f"emulated cluster, every link {args.link} each way (tbf)"
+    print(f"\n{where}; model {args.model} ({model_bytes / 1e6:.2f} MB, partitions of {args.partition_bytes} B); "
+          f"compute {args.compute_ms:g} ms/step; {elapsed:.0f} s in all")
+    print(f"{'mode':>5} {'S':>3} {'W':>3} {'measured':>10} {'predicted':>10} {'error':>8} {'CPU%':>6}  bottleneck")
+    for r in records:
+        flag = "  <- CPU-bound?" if r["cpu_percent"] > 85 else ""
+        print(f"{r['mode']:>5} {r['servers']:>3} {r['workers']:>3} {r['steps_per_s']:>10.2f} "
+              f"{r['predicted_steps_per_s']:>10.2f} {r['error_percent']:>+7.1f}% {r['cpu_percent']:>6.0f}  "
+              f"{r['bottleneck']}{flag}")
+    worst_cpu = max(r["cpu_percent"] for r in records)
+    print(f"machine CPU use during the timed windows: at most {worst_cpu:.0f}% of 2 cores"
+          + (" -- the CPUs, not the links, may limit some runs" if worst_cpu > 85 else
+             " -- the CPUs are not the bottleneck"))
+
+    verdicts = []
+    worst = max(abs(r["error_percent"]) for r in records)
+    verdicts.append(("every point within 15% of the model", worst <= 15, f"worst {worst:.1f}%"))
+    for mode in modes:
+        by = {(r["servers"], r["workers"]): r for r in records if r["mode"] == mode}
+        if (1, 8) in by and (4, 8) in by:
+            ratio = by[(4, 8)]["steps_per_s"] / by[(1, 8)]["steps_per_s"]
+            verdicts.append((f"{mode}: W=8, S=4 >= 3.2x S=1", ratio >= 3.2, f"{ratio:.2f}x"))
+        s1 = sorted((r for r in records if r["mode"] == mode and r["servers"] == 1), key=lambda r: r["workers"])
+        past = [r for r in s1 if r["workers"] >= 2 * s1[0]["saturation_w"]] if s1 else []
+        if len(past) >= 2:
+            growth = past[-1]["steps_per_s"] / past[0]["steps_per_s"]
+            flat = growth <= 1.0 + 0.15 * (1 if mode == "sync" else 2)
+            verdicts.append((f"{mode}: S=1 plateau past W~{s1[0]['saturation_w']:.1f}", flat,
+                             f"W={past[0]['workers']}->{past[-1]['workers']}: x{growth:.2f} "
+                             f"(plateau {s1[0]['plateau_steps_per_s']:.1f})"))
+    for name, ok, detail in verdicts:
+        print(f"{'PASS' if ok else 'MISS'}  {name}: {detail}")
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"calibration": cal.__dict__, "link": args.link, "records": records}, f, indent=1)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(records[0]))
+            w.writeheader()
+            w.writerows(records)
+    if args.plot:
+        plot(records, args.plot, f"psrt sync/async throughput, {where}\nmodel {args.model}, compute "
+             f"{args.compute_ms:g} ms; points measured, lines predicted")
+        print(f"plot written to {args.plot}")
+    return 0 if all(ok for _, ok, _ in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
