@@ -4,19 +4,18 @@ Each worker process trains on its own slice of the training set: it computes gra
 ``client.push_pull`` every step; the shard servers average the workers' gradients (sync) or apply each as it
 comes (async) and return fresh parameters. Rank 0 prints progress and the final test accuracy.
 
-Run one worker by hand::
+Run a whole job on this machine::
+
+    psrt launch -s 2 -w 2 -- python -m psrt.examples.digits
+
+(``psrt demo`` does the same), or one worker against shards started by hand::
 
     python -m psrt.examples.digits --servers tcp://127.0.0.1:5701,tcp://127.0.0.1:5702 --rank 0 --workers 2
-
-or everything at once with ``psrt demo``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import time
 from typing import Optional, Sequence
@@ -24,13 +23,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 import psrt
-from psrt.local import LocalShards
 
 __all__ = ["load_data", "MLP", "train_worker", "run_local"]
 
 HIDDEN = 64
-#: Final line every worker prints: launchers parse it.
-RESULT_PREFIX = "psrt-demo-result "
 
 
 def load_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -90,16 +86,24 @@ class MLP:
         return float((cls.forward(p, x)[1].argmax(axis=1) == y).mean())
 
 
-def train_worker(servers: Sequence[str], rank: int, num_workers: int, epochs: int = 30, lr: float = 0.1,
-                 batch: int = 32, seed: int = 0, verbose: bool = True) -> float:
-    """Train as worker ``rank`` of ``num_workers`` against the given shards; returns the final test accuracy."""
+def train_worker(servers: Optional[Sequence[str]] = None, rank: Optional[int] = None,
+                 num_workers: Optional[int] = None, epochs: int = 30, lr: float = 0.1, batch: int = 32,
+                 seed: int = 0, verbose: bool = True) -> float:
+    """Train as one worker; returns the final test accuracy.
+
+    With ``servers`` omitted the client finds the scheduler, its rank and W in the environment (``psrt launch``).
+    """
     x_train, y_train, x_test, y_test = load_data(seed)
-    mine = np.arange(rank, len(x_train), num_workers)
-    # Every worker takes the same number of steps per epoch, or a sync round would wait forever for the others.
-    steps = (len(x_train) // num_workers) // batch
-    rng = np.random.default_rng(seed + 1000 + rank)
-    with psrt.Client(list(servers), rank=rank, num_workers=num_workers) as client:
+    with psrt.Client(servers, rank=rank, num_workers=num_workers) as client:
+        rank, num_workers = client.rank, client.num_workers
+        mine = np.arange(rank, len(x_train), num_workers)
+        # Every worker takes the same number of steps per epoch, or a sync round would wait forever for the others.
+        steps = (len(x_train) // num_workers) // batch
+        rng = np.random.default_rng(seed + 1000 + rank)
         params = client.init(MLP.init(seed + rank), optimizer=psrt.SGD(lr=lr, momentum=0.9))
+        if verbose and rank == 0:
+            print(f"training an MLP 64-{HIDDEN}-10 on scikit-learn digits: {num_workers} worker(s), "
+                  f"{len(client.servers)} shard(s), {steps} steps/epoch", flush=True)
         start = time.perf_counter()
         for epoch in range(1, epochs + 1):
             order = rng.permutation(mine)
@@ -114,68 +118,38 @@ def train_worker(servers: Sequence[str], rank: int, num_workers: int, epochs: in
                       f"test accuracy {MLP.accuracy(params, x_test, y_test):.4f}", flush=True)
         elapsed = time.perf_counter() - start
         params = client.pull()
+        client.barrier()
     accuracy = MLP.accuracy(params, x_test, y_test)
-    result = {"rank": rank, "accuracy": accuracy, "steps": steps * epochs, "seconds": round(elapsed, 3)}
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    if verbose and rank == 0:
+        print(f"final test accuracy {accuracy:.4f} ({steps * epochs * num_workers} worker-steps in "
+              f"{elapsed:.1f}s)", flush=True)
     return accuracy
 
 
 def run_local(servers: int = 2, workers: int = 2, mode: str = "sync", epochs: int = 30, lr: float = 0.1,
-              batch: int = 32, seed: int = 0, timeout: float = 600.0) -> int:
-    """Start ``servers`` shards and ``workers`` worker processes on this machine, train, and report.
+              batch: int = 32, seed: int = 0) -> int:
+    """``psrt launch`` a scheduler, ``servers`` shards and ``workers`` copies of this trainer; returns the exit code."""
+    from psrt.launch import launch
 
-    Returns the process exit code: 0 when every worker succeeded.
-    """
-    print(f"psrt demo: {servers} shard server(s), {workers} worker process(es), {mode} mode, "
-          f"MLP 64-{HIDDEN}-10 on scikit-learn digits", flush=True)
-    procs: list[subprocess.Popen] = []
-    with LocalShards(servers, workers, mode) as shards:
-        print("shards: " + ", ".join(shards.endpoints), flush=True)
-        try:
-            for rank in range(workers):
-                cmd = [sys.executable, "-m", "psrt.examples.digits", "--servers", ",".join(shards.endpoints),
-                       "--rank", str(rank), "--workers", str(workers), "--epochs", str(epochs), "--lr", str(lr),
-                       "--batch", str(batch), "--seed", str(seed)]
-                procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                                              env={**os.environ, "PYTHONUNBUFFERED": "1"}))
-            results = []
-            deadline = time.monotonic() + timeout
-            for rank, proc in enumerate(procs):
-                assert proc.stdout is not None
-                for line in proc.stdout:
-                    if line.startswith(RESULT_PREFIX):
-                        results.append(json.loads(line[len(RESULT_PREFIX):]))
-                    else:
-                        print(f"[worker {rank}] {line}", end="", flush=True)
-                proc.wait(max(1.0, deadline - time.monotonic()))
-            codes = [p.returncode for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(10)
-    if any(codes) or len(results) != workers:
-        print(f"psrt demo: FAILED (worker exit codes {codes})", flush=True)
-        return next((c for c in codes if c), 1)
-    steps = sum(r["steps"] for r in results)
-    seconds = max(r["seconds"] for r in results)
-    print(f"psrt demo: done. final test accuracy {results[0]['accuracy']:.4f} "
-          f"({steps} worker-steps in {seconds:.1f}s, {steps / seconds:.0f} worker-steps/s)", flush=True)
-    return 0
+    cmd = [sys.executable, "-m", "psrt.examples.digits", "--epochs", str(epochs), "--lr", str(lr),
+           "--batch", str(batch), "--seed", str(seed)]
+    return launch(servers, workers, cmd, mode=mode)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one worker (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--servers", required=True, help="comma-separated shard endpoints")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--workers", type=int, required=True)
+    parser.add_argument("--servers", default=None,
+                        help="comma-separated shard endpoints (default: from the scheduler in the environment)")
+    parser.add_argument("--rank", type=int, default=None)
+    parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    train_worker(args.servers.split(","), args.rank, args.workers, args.epochs, args.lr, args.batch, args.seed)
+    servers = args.servers.split(",") if args.servers else None
+    train_worker(servers, args.rank, args.workers, args.epochs, args.lr, args.batch, args.seed)
     return 0
 
 
