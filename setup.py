@@ -20,8 +20,10 @@ directives = {
 }
 compile_args = []
 if sys.platform != "win32":
-    # -fno-math-errno lets the compiler vectorise sqrt in the Adam/AdaGrad loops; -O3 turns on the vectoriser.
-    compile_args = ["-O0", "-g"] if debug else ["-O3", "-fno-math-errno"]
+    # -O3 turns on the vectoriser; -fno-math-errno lets it vectorise sqrt in the Adam/AdaGrad loops;
+    # -ffp-contract=off keeps a*b+c from being fused into an FMA in the AVX2 variants of the kernels (see
+    # psrt/_core.pyx), so every variant rounds exactly like the baseline build and like NumPy.
+    compile_args = ["-O0", "-g"] if debug else ["-O3", "-fno-math-errno", "-ffp-contract=off"]
 
 ext = Extension(
     "psrt._core",
