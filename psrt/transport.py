@@ -142,9 +142,8 @@ class DealerChannel:
         self.endpoint = endpoint
         self.sock = context.socket(zmq.DEALER)
         _common(self.sock, hwm)
-        # A large kernel buffer per connection keeps big frames streaming on loopback and fast links.
-        self.sock.setsockopt(zmq.SNDBUF, 4 << 20)
-        self.sock.setsockopt(zmq.RCVBUF, 4 << 20)
+        # Socket buffers are left to the kernel's autotuning: setting SO_SNDBUF/SO_RCVBUF turns autotuning off and
+        # is capped by net.core.[rw]mem_max (often 208 KiB), which would starve a high bandwidth-delay link.
         self.sock.connect(endpoint)
 
     def send(self, frames: Sequence[Any], timeout: float) -> None:

@@ -79,12 +79,16 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
             _busy(seconds, scratch)
         client.push_pull(grads)
 
+    def barrier(client: psrt.Client) -> None:
+        if servers is None:  # with explicit shards there is no scheduler to meet at; sync rounds keep step
+            client.barrier()
+
     with psrt.Client(servers, rank=rank, num_workers=num_workers) as client:
         client.init(params, optimizer=psrt.SGD(lr=lr))
-        client.barrier()
+        barrier(client)
         for _ in range(warmup):
             step(client)
-        client.barrier()
+        barrier(client)
         cpu0, t0, started_at = _cpu_seconds(), time.perf_counter(), time.time()
         for _ in range(steps):
             step(client)
@@ -105,6 +109,6 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
             "ended_at": started_at + elapsed,
             "pid": os.getpid(),
         }
-        client.barrier()  # nobody leaves (and ends the job) while others are still timing
+        barrier(client)  # nobody leaves (and ends the job) while others are still timing
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return result
