@@ -283,28 +283,48 @@ class Client:
         """
         self.push_async(grads).wait(timeout)
 
-    def pull(self, names: Optional[Iterable[str]] = None, timeout: Optional[float] = None) -> dict[str, np.ndarray]:
+    def pull(self, names: Optional[Iterable[str]] = None, timeout: Optional[float] = None,
+             out: Optional[Mapping[str, np.ndarray]] = None) -> dict[str, np.ndarray]:
         """Pull parameters: all tensors, or those named.
 
         In sync mode, after a push the pull waits for the round that push joined, so it returns parameters
         that include this worker's gradient.
-        """
-        return self.pull_async(names).wait(timeout)  # type: ignore[return-value]
 
-    def push_pull(self, grads: Mapping[str, Any], timeout: Optional[float] = None) -> dict[str, np.ndarray]:
-        """Push gradients and return the parameters they updated, once updated (the round in sync mode)."""
-        return self.push_pull_async(grads).wait(timeout)  # type: ignore[return-value]
+        Parameters
+        ----------
+        names : iterable of str, optional
+            Tensors to pull (default: all).
+        timeout : float, optional
+            Seconds to wait.
+        out : mapping of str to numpy.ndarray, optional
+            Arrays to receive into (each C-contiguous, writable, of the tensor's shape and dtype), e.g. the
+            previous step's parameters: the bytes land there straight from the socket, with no allocation.
+            Tensors not in ``out`` get fresh arrays.
+        """
+        return self.pull_async(names, out=out).wait(timeout)  # type: ignore[return-value]
+
+    def push_pull(self, grads: Mapping[str, Any], timeout: Optional[float] = None,
+                  out: Optional[Mapping[str, np.ndarray]] = None) -> dict[str, np.ndarray]:
+        """Push gradients and return the parameters they updated, once updated (the round in sync mode).
+
+        ``out`` is as for :meth:`pull`.
+        """
+        return self.push_pull_async(grads, out=out).wait(timeout)  # type: ignore[return-value]
 
     def push_async(self, grads: Mapping[str, Any]) -> Handle:
         """Start a push; returns a :class:`Handle`. Do not modify ``grads`` until the handle is done."""
         return self._push(grads, "push")
 
-    def pull_async(self, names: Optional[Iterable[str]] = None) -> Handle:
-        """Start a pull; returns a :class:`Handle` whose ``wait()`` gives the parameters."""
+    def pull_async(self, names: Optional[Iterable[str]] = None,
+                   out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:
+        """Start a pull; returns a :class:`Handle` whose ``wait()`` gives the parameters.
+
+        Do not read or write ``out`` arrays until the handle is done.
+        """
         self._check_open()
         names = list(self._map.tensors) if names is None else list(names)
         chunks = self._map.chunks_of(names)
-        outputs = {n: np.empty(*self._map.tensors[n]) for n in names}
+        outputs = self._outputs(names, out)
         handle = Handle(self, "pull", outputs)
         for shard, messages in self._map.messages(chunks).items():
             for msg in messages:
@@ -312,9 +332,12 @@ class Client:
                 self._send(handle, shard, msg, {"op": "pull", "worker": self._rank, "keys": keys}, None)
         return handle
 
-    def push_pull_async(self, grads: Mapping[str, Any]) -> Handle:
-        """Start a push_pull; returns a :class:`Handle` whose ``wait()`` gives the updated parameters."""
-        return self._push(grads, "push_pull")
+    def push_pull_async(self, grads: Mapping[str, Any], out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:
+        """Start a push_pull; returns a :class:`Handle` whose ``wait()`` gives the updated parameters.
+
+        Do not modify ``grads`` nor touch ``out`` arrays until the handle is done.
+        """
+        return self._push(grads, "push_pull", out)
 
     def stats(self, timeout: Optional[float] = None) -> list[dict[str, Any]]:
         """Each shard's counters (keys, bytes, pushes, pulls, rounds, queue depths, ...), in shard order."""
@@ -376,7 +399,23 @@ class Client:
         if self._closed:
             raise ConnectionLostError("this client is closed")
 
-    def _push(self, grads: Mapping[str, Any], op: str) -> Handle:
+    def _outputs(self, names: Iterable[str], out: Optional[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """Destination arrays: the caller's ``out`` where given (checked), fresh ones elsewhere."""
+        outputs = {}
+        for name in names:
+            shape, dtype = self._map.tensors[name]
+            given = None if out is None else out.get(name)
+            if given is None:
+                outputs[name] = np.empty(shape, dtype)
+                continue
+            if not isinstance(given, np.ndarray) or given.shape != shape or given.dtype != dtype:
+                raise ConfigError(f"out[{name!r}] must be a numpy array of shape {shape} and dtype {dtype}")
+            if not given.flags.c_contiguous or not given.flags.writeable:
+                raise ConfigError(f"out[{name!r}] must be C-contiguous and writable")
+            outputs[name] = given
+        return outputs
+
+    def _push(self, grads: Mapping[str, Any], op: str, out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:
         self._check_open()
         if not isinstance(grads, Mapping) or not grads:
             raise ConfigError("grads must be a non-empty dict of name -> array")
@@ -393,7 +432,7 @@ class Client:
             if a.shape != shape:
                 raise ConfigError(f"gradient {name!r} has shape {a.shape} but the tensor has shape {shape}")
             arrays[name] = a
-        outputs = {n: np.empty(*self._map.tensors[n]) for n in arrays} if op == "push_pull" else None
+        outputs = self._outputs(arrays, out) if op == "push_pull" else None
         handle = Handle(self, op, outputs)
         for shard, messages in self._map.messages(self._map.chunks_of(arrays)).items():
             for msg in messages:

@@ -343,3 +343,21 @@ def test_push_pull_async_overlaps(shards):
         for i, r in enumerate(results, start=1):
             np.testing.assert_array_equal(r["a"], np.full(50_000, -0.5 * i, np.float32))
             np.testing.assert_array_equal(r["b"], np.full(7, -0.5 * i, np.float32))
+
+
+def test_pull_into_caller_arrays(shards):
+    group = shards(2, workers=1)
+    with psrt.Client(group.endpoints, config=small(partition_bytes=1 << 16)) as c:
+        c.init({"a": np.zeros(50_000, np.float32), "b": np.zeros((3, 4))}, optimizer=psrt.SGD(lr=1.0))
+        buf = {"a": np.full(50_000, 7, np.float32)}
+        got = c.push_pull({"a": np.ones(50_000, np.float32), "b": np.ones((3, 4))}, out=buf)
+        assert got["a"] is buf["a"]
+        np.testing.assert_array_equal(buf["a"], -np.ones(50_000, np.float32))
+        np.testing.assert_array_equal(got["b"], -np.ones((3, 4)))
+        assert c.pull(out=got)["b"] is got["b"]
+        with pytest.raises(psrt.ConfigError, match="shape"):
+            c.pull(out={"a": np.zeros(10, np.float32)})
+        with pytest.raises(psrt.ConfigError, match="writable"):
+            ro = np.zeros(50_000, np.float32)
+            ro.setflags(write=False)
+            c.pull(out={"a": ro})
