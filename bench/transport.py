@@ -8,7 +8,8 @@ psrt
     ``psrt server --workers 1 --mode sync`` child process on an ephemeral loopback port, whose tensors use
     ``psrt.SGD``. A round trip is the whole call: the client partitions the tensor (``--chunk``, 4 MiB, per
     message), the shard validates every message (including its NaN/Inf check), applies the gradient and sends
-    the parameters back, and the client receives them into a fresh array.
+    the parameters back, and the client receives them into a fresh array ("psrt") or, as a training loop that
+    overwrites its parameters would, into the same array every time (``out=``, "psrt out=").
 raw
     A DEALER socket in this process and a ROUTER echo in a separate child process (this script with
     ``--echo-server``), both plain pyzmq with their default options except high-water marks and linger. The
@@ -284,12 +285,18 @@ class RawDealer:
         self.sock.close(linger=0)
 
 
-def psrt_op(client: psrt.Client, name: str, grad: np.ndarray, counter: list[int]) -> Callable[[], None]:
-    """One push_pull of ``grad``; counts the calls so the result can be checked."""
+def psrt_op(client: psrt.Client, name: str, grad: np.ndarray, counter: list[int],
+            reuse: bool = False) -> Callable[[], None]:
+    """One push_pull of ``grad``; counts the calls so the result can be checked.
+
+    With ``reuse`` the parameters are received into the same array every time (``out=``), as a training loop
+    that overwrites its parameters does; otherwise into a fresh array per call.
+    """
     tensors = {name: grad}
+    out = {name: np.empty_like(grad)} if reuse else None
 
     def op() -> None:
-        client.push_pull(tensors)
+        client.push_pull(tensors, out=out)
         counter[0] += 1
     return op
 
@@ -315,7 +322,8 @@ def measure_size(size: int, client: psrt.Client, raw: RawDealer, args: argparse.
     grad = np.full(n, GRAD, np.float32)
     payload = memoryview(np.full(n, GRAD, np.float32)).cast("B")
     calls = [0]
-    sides = [Series("psrt", size, psrt_op(client, name, grad, calls))]
+    sides = [Series("psrt", size, psrt_op(client, name, grad, calls)),
+             Series("psrt out=", size, psrt_op(client, name, grad, calls, reuse=True))]
     raws = [Series("raw one message", size, raw.one(payload))]
     if size > args.chunk:
         raws.append(Series(f"raw {size // args.chunk} x {human(args.chunk)} in flight", size,
@@ -345,11 +353,15 @@ def measure_size(size: int, client: psrt.Client, raw: RawDealer, args: argparse.
         raw.check(payload, args.chunk)
     best = min(raws, key=lambda s: statistics.median(s.samples))
     ps = sides[0].summary()
+    po = sides[1].summary()
     bs = best.summary()
     return {
         "size": size,
         "round_trips_per_side": total,
         "psrt": ps,
+        "psrt_out": po,
+        "throughput_ratio_out": po["gbps_p50"] / bs["gbps_p50"],
+        "p50_ratio_out": po["p50_s"] / bs["p50_s"],
         "raw": [s.summary() for s in raws],
         "raw_best": bs["name"],
         "throughput_ratio": ps["gbps_p50"] / bs["gbps_p50"],
@@ -375,6 +387,9 @@ def print_table(rows: list[dict], latency_max: int) -> None:
                     f"{r['p99_ratio']:>5.2f}x")
         print(f"{human(r['size']):>8} | {fmt_time(p['p50_s']):>10} {p['gbps_p50']:>9.3f} | {fmt_time(b['p50_s']):>10} "
               f"{b['gbps_p50']:>9.3f} {r['raw_best']:<24} | {r['throughput_ratio']:>5.2f}x | {tail}")
+        o = r["psrt_out"]
+        print(f"{'':>8} | {fmt_time(o['p50_s']):>10} {o['gbps_p50']:>9.3f} {'(psrt, out= reused)':<24}"
+              f"{'':>12} | {r['throughput_ratio_out']:>5.2f}x | p50 {r['p50_ratio_out']:.2f}x")
         for other in r["raw"]:
             if other["name"] != r["raw_best"]:
                 print(f"{'':>8} | {'':>10} {'':>9} | {fmt_time(other['p50_s']):>10} {other['gbps_p50']:>9.3f} "
@@ -396,6 +411,12 @@ def check_targets(rows: list[dict]) -> list[dict]:
               f"target >= {target:g}x [from minimum times: {r['throughput_ratio_best']:.2f}x]")
         out.append({"target": f"{human(size)} throughput ratio >= {target:g}", "ratio": r["throughput_ratio"],
                     "ratio_best": r["throughput_ratio_best"], "pass": ok})
+        ok_out = r["throughput_ratio_out"] >= target
+        print(f"{'PASS' if ok_out else 'MISS'}  {human(size)} push_pull into reused arrays (out=) "
+              f"{r['psrt_out']['gbps_p50']:.3f} GB/s = {r['throughput_ratio_out']:.2f}x the best raw echo, "
+              f"target >= {target:g}x")
+        out.append({"target": f"{human(size)} throughput ratio (out=) >= {target:g}",
+                    "ratio": r["throughput_ratio_out"], "pass": ok_out})
     else:
         print(f"(no {human(size)} size measured: throughput target not checked)")
     size, target = SMALL_TARGET
@@ -407,6 +428,11 @@ def check_targets(rows: list[dict]) -> list[dict]:
               f"{r['p50_ratio']:.2f}x the raw echo p50 {fmt_time(best['p50_s'])}, target <= {target:g}x "
               f"[p99: {fmt_time(r['psrt']['p99_s'])} vs {fmt_time(best['p99_s'])}, {r['p99_ratio']:.2f}x]")
         out.append({"target": f"{human(size)} p50 ratio <= {target:g}", "ratio": r["p50_ratio"], "pass": ok})
+        ok_out = r["p50_ratio_out"] <= target
+        print(f"{'PASS' if ok_out else 'MISS'}  {human(size)} push_pull (out=) p50 {fmt_time(r['psrt_out']['p50_s'])}"
+              f" = {r['p50_ratio_out']:.2f}x the raw echo p50, target <= {target:g}x")
+        out.append({"target": f"{human(size)} p50 ratio (out=) <= {target:g}", "ratio": r["p50_ratio_out"],
+                    "pass": ok_out})
     else:
         print(f"(no {human(size)} size measured: latency target not checked)")
     return out
