@@ -13,9 +13,10 @@ torch workers take their own timestamps and the rate uses the earliest start and
 driven by the driver (as in its docs), which times them. The target is psrt at >= 1.5x the faster of Ray and
 torch.
 
-On one host the systems do not move bytes the same way: psrt and (by default) torch send every push and every
-reply through loopback TCP, while Ray passes objects through its shared-memory object store. That is what each
-user would get out of the box, so the comparison keeps it.
+On one host the systems do not move bytes the same way, and each uses what it does by default on one machine:
+psrt's shards listen on Unix-socket (ipc://) endpoints, as ``psrt launch`` sets them up for a local job
+(``--psrt-transport tcp`` for loopback TCP), torch's TensorPipe uses shared memory, and Ray passes objects
+through its shared-memory object store.
 
 Every run is checked: after the warm-up step and ``steps`` more with constant gradients, the weights must equal
 ``w0 - (steps + 1) * lr * mean_r((r + 1) * g)``, computed in float64, within a float32 rounding bound that grows
@@ -26,10 +27,13 @@ for Ray the driver checks the weights the last step returned.
 Notes
 -----
 psrt
-    S ``psrt server --workers W --mode sync`` child processes on ephemeral loopback ports (the endpoint is read
-    from the server's first stdout line), and W spawned worker processes, each running
+    S ``psrt server --workers W --mode sync`` child processes bound to ipc:// endpoints in a private temporary
+    directory (or ephemeral loopback TCP ports; the endpoint is read from the server's first stdout line),
+    and W spawned worker processes, each running
     ``psrt.Client(servers=[...], rank=r, num_workers=W)``, ``client.init({"w": w0}, optimizer=psrt.SGD(lr=lr))``
-    and then ``client.push_pull({"w": grad})`` every step. psrt splits the tensor into 4 MiB chunks spread over
+    and then ``params = client.push_pull({"w": grad}, out=params)`` every step (receiving into the arrays it
+    already holds, as psrt's docs show for a training loop); workers and servers call ``psrt.tune_allocator()``
+    as the README advises. psrt splits the tensor into 4 MiB chunks spread over
     the shards.
 Ray
     The synchronous example of the "Parameter Server" page of the Ray documentation: ``@ray.remote class
@@ -56,8 +60,8 @@ torch.distributed.rpc
     step completes after dividing by W and stepping the optimizer. W trainer ranks call it on both halves with
     ``rpc_async`` and wait for both. Rank 0 starts the trainers, as in the tutorial. The processes are spawned
     with ``torch.multiprocessing``; TensorPipe rendezvouses on a free port of 127.0.0.1 and, by default
-    (``--torch-transport tcp``), is limited to its TCP transport, like psrt's loopback TCP;
-    ``--torch-transport auto`` lets it use shared memory between processes of one host.
+    (``--torch-transport auto``), uses its own defaults, shared memory between processes of one host;
+    ``--torch-transport tcp`` limits it to TCP.
 
 All waits have a deadline (``--timeout`` seconds per system); child processes are terminated, Ray is shut down
 and RPC ranks are shut down or terminated on errors and on Ctrl-C. A system whose package is not installed is
@@ -91,6 +95,7 @@ import os
 import queue
 import re
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -285,7 +290,7 @@ def _read_line(stream: Any, timeout: float) -> str:
 
 
 class PsrtServer:
-    """A ``psrt server`` child process on an ephemeral loopback port.
+    """A ``psrt server`` child process.
 
     Parameters
     ----------
@@ -293,11 +298,13 @@ class PsrtServer:
         The server's ``--workers``.
     timeout : float
         Seconds to wait for its ready line.
+    bind : str
+        Its endpoint: an ephemeral loopback TCP port, or an ipc:// path.
     """
 
-    def __init__(self, workers: int, timeout: float) -> None:
+    def __init__(self, workers: int, timeout: float, bind: str = "tcp://127.0.0.1:*") -> None:
         self._stderr = tempfile.TemporaryFile()
-        cmd = [sys.executable, "-m", "psrt.cli", "server", "--bind", "tcp://127.0.0.1:*",
+        cmd = [sys.executable, "-m", "psrt.cli", "server", "--bind", bind,
                "--workers", str(workers), "--mode", "sync"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -341,6 +348,7 @@ def _psrt_worker(workload: Workload, endpoints: list[str], rank: int, results: A
         import psrt
         from psrt.config import ClientConfig
 
+        psrt.tune_allocator()  # as psrt's README advises for workers moving large tensors
         grad = workload.gradient(rank)
         config = ClientConfig(timeout=workload.timeout)
         with psrt.Client(servers=endpoints, rank=rank, num_workers=workload.workers, config=config) as client:
@@ -348,14 +356,15 @@ def _psrt_worker(workload: Workload, endpoints: list[str], rank: int, results: A
             params = client.push_pull({"w": grad})  # warm-up
             t0 = time.monotonic()
             for _ in range(workload.steps):
-                params = client.push_pull({"w": grad})
+                # The training loop overwrites its parameters: they are received straight into the same array.
+                params = client.push_pull({"w": grad}, out=params)
             t1 = time.monotonic()
         results.put({"rank": rank, "t0": t0, "t1": t1, **workload.check(params["w"])})
     except BaseException:
         results.put({"rank": rank, "error": traceback.format_exc()})
 
 
-def run_psrt(workload: Workload, _options: argparse.Namespace) -> Outcome:
+def run_psrt(workload: Workload, options: argparse.Namespace) -> Outcome:
     """psrt: S ``psrt server`` children and W spawned workers using ``psrt.Client.push_pull``."""
     deadline = time.monotonic() + workload.timeout
     outcome = Outcome("psrt")
@@ -363,9 +372,11 @@ def run_psrt(workload: Workload, _options: argparse.Namespace) -> Outcome:
     procs: list[Any] = []
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
+    sockdir = tempfile.mkdtemp(prefix="psrt-peers-") if options.psrt_transport == "ipc" else None
     try:
-        for _ in range(workload.servers):
-            servers.append(PsrtServer(workload.workers, max(1.0, min(60.0, deadline - time.monotonic()))))
+        for i in range(workload.servers):
+            bind = f"ipc://{sockdir}/server-{i}.sock" if sockdir else "tcp://127.0.0.1:*"
+            servers.append(PsrtServer(workload.workers, max(1.0, min(60.0, deadline - time.monotonic())), bind))
         endpoints = [s.endpoint for s in servers]
         _log("psrt", f"servers at {', '.join(endpoints)}; starting {workload.workers} workers")
         for rank in range(workload.workers):
@@ -381,6 +392,8 @@ def run_psrt(workload: Workload, _options: argparse.Namespace) -> Outcome:
         for server in servers:
             server.stop()
         results.close()
+        if sockdir:
+            shutil.rmtree(sockdir, ignore_errors=True)
     outcome.detail = "; ".join(s.summary for s in servers if s.summary)
     return outcome
 
@@ -555,9 +568,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (%(default)s)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds one system may take, start-up included (%(default)s)")
-    p.add_argument("--torch-transport", choices=("tcp", "auto"), default="tcp",
-                   help="TensorPipe transport: tcp (loopback TCP only, like psrt) or auto (its defaults, "
-                        "shared memory on one host) (%(default)s)")
+    p.add_argument("--torch-transport", choices=("tcp", "auto"), default="auto",
+                   help="TensorPipe transport: auto (its defaults: shared memory between processes of one host) "
+                        "or tcp (loopback TCP only) (%(default)s)")
+    p.add_argument("--psrt-transport", choices=("ipc", "tcp"), default="ipc",
+                   help="psrt shard endpoints: ipc (Unix sockets, what `psrt launch` uses on one host) or tcp "
+                        "(loopback TCP) (%(default)s)")
     return p
 
 

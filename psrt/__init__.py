@@ -30,6 +30,7 @@ from psrt.errors import (
     ServerError,
     ShardTimeoutError,
 )
+from psrt.memory import tune_allocator
 from psrt.optim import SGD, AdaGrad, Adam, AdamW, Optimizer
 
 __version__ = "0.1.0"
@@ -52,5 +53,6 @@ __all__ = [
     "PsrtTypeError",
     "ShardTimeoutError",
     "ConnectionLostError",
+    "tune_allocator",
     "__version__",
 ]

@@ -51,9 +51,11 @@ def _on_signals(stop) -> None:
 
 
 def _server(args: argparse.Namespace) -> int:
+    from psrt.memory import tune_allocator
     from psrt.scheduler import SchedulerLink
     from psrt.server import Server
 
+    tune_allocator()
     link = None
     if args.scheduler:
         host = args.host or _host_towards(args.scheduler)
@@ -66,7 +68,8 @@ def _server(args: argparse.Namespace) -> int:
     metrics = None
     try:
         if args.scheduler:
-            announce = server.endpoint.replace("0.0.0.0", host)
+            announce = server.endpoint.replace("0.0.0.0", host) if server.endpoint.startswith("tcp://") \
+                else server.endpoint
             link = SchedulerLink(server.context, args.scheduler)
             timeout = ClusterConfig.from_env().start_timeout + 10.0
             table = link.register("server", endpoint=announce, host=host, timeout=timeout)
@@ -107,7 +110,8 @@ def _launch(args: argparse.Namespace) -> int:
     from psrt.launch import launch
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    return launch(args.servers, args.workers, command, mode=args.mode, host=args.host, start_timeout=args.timeout)
+    return launch(args.servers, args.workers, command, mode=args.mode, host=args.host, start_timeout=args.timeout,
+                  transport=args.transport)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -225,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--mode", choices=MODES, default="sync", help="sync or async (default %(default)s)")
     la.add_argument("--host", default="127.0.0.1", help="address to bind on (default %(default)s)")
     la.add_argument("--timeout", type=float, default=60.0, help="seconds for the job to form (default %(default)s)")
+    la.add_argument("--transport", choices=("auto", "tcp", "ipc"), default="auto",
+                    help="worker-to-shard transport: ipc (Unix sockets) or tcp; auto: ipc on loopback "
+                         "(default %(default)s)")
     la.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS: the worker program")
     la.set_defaults(func=_launch)
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import IO, Optional, Sequence
@@ -109,7 +111,7 @@ def _teardown(procs: list[_Proc], grace: float = 5.0) -> None:
 
 def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str = "sync",
            host: str = "127.0.0.1", start_timeout: float = 60.0, out: IO[str] = sys.stdout,
-           extra_env: Optional[dict[str, str]] = None) -> int:
+           extra_env: Optional[dict[str, str]] = None, transport: str = "auto") -> int:
     """Run a whole job on this machine; returns the exit code (the first failure's, else 0).
 
     Parameters
@@ -129,7 +131,14 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         Where the prefixed output goes.
     extra_env : dict, optional
         More environment for every process.
+    transport : str
+        How workers reach the shards: ``"tcp"``, ``"ipc"`` (Unix sockets in a private temporary directory:
+        no TCP stack between processes of one machine), or ``"auto"``: ipc when ``host`` is loopback.
     """
+    if transport not in ("auto", "tcp", "ipc"):
+        raise ConfigError(f"transport must be auto, tcp or ipc, got {transport!r}")
+    if transport == "auto":
+        transport = "ipc" if host in ("127.0.0.1", "localhost") and os.name == "posix" else "tcp"
     if num_servers < 1 or num_workers < 1:
         raise ConfigError(f"need -s >= 1 and -w >= 1, got -s {num_servers} -w {num_workers}")
     if not command:
@@ -141,6 +150,7 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     me = [sys.executable, "-m", "psrt.cli"]
     procs: list[_Proc] = []
+    sockdir = tempfile.mkdtemp(prefix="psrt-") if transport == "ipc" else None
     try:
         sched = _Proc("scheduler", [*me, "scheduler", "--bind", f"tcp://{host}:*", "--servers", str(num_servers),
                                     "--workers", str(num_workers), "--mode", mode, "--timeout", str(start_timeout)],
@@ -149,7 +159,10 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         endpoint = sched.wait_for_match(30.0).group(1)
         job_env = {**env, "PSRT_SCHEDULER": endpoint, "PSRT_NUM_SERVERS": str(num_servers),
                    "PSRT_NUM_WORKERS": str(num_workers), "PSRT_MODE": mode, "PSRT_START_TIMEOUT": str(start_timeout)}
-        servers = [_Proc(f"server {i}", [*me, "server", "--scheduler", endpoint, "--host", host],
+        def bind(i: int) -> list[str]:
+            return ["--bind", f"ipc://{sockdir}/server-{i}.sock"] if sockdir else []
+
+        servers = [_Proc(f"server {i}", [*me, "server", "--scheduler", endpoint, "--host", host, *bind(i)],
                          {**job_env, "PSRT_ROLE": "server"}, out, lock) for i in range(num_servers)]
         procs.extend(servers)
         workers = [_Proc(f"worker {i}", command, {**job_env, "PSRT_ROLE": "worker", "PSRT_WORKER_ID": str(i)},
@@ -162,6 +175,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         return 130
     finally:
         _teardown(procs)
+        if sockdir:
+            shutil.rmtree(sockdir, ignore_errors=True)
 
 
 def _supervise(sched: _Proc, servers: list[_Proc], workers: list[_Proc], procs: list[_Proc], out: IO[str],
