@@ -191,6 +191,7 @@ class Client:
         self._next_id = 1
         self._pending: dict[int, _Pending] = {}
         self._versions: dict[Key, int] = {}
+        self._plans: dict[tuple[str, ...], dict[int, list[list[Chunk]]]] = {}
         self._closed = False
 
     # ------------------------------------------------------------------ properties
@@ -323,10 +324,9 @@ class Client:
         """
         self._check_open()
         names = list(self._map.tensors) if names is None else list(names)
-        chunks = self._map.chunks_of(names)
         outputs = self._outputs(names, out)
         handle = Handle(self, "pull", outputs)
-        for shard, messages in self._map.messages(chunks).items():
+        for shard, messages in self._plan(tuple(names)).items():
             for msg in messages:
                 keys = [[c.name, c.part, self._versions.get(c.key, 0)] for c in msg]
                 self._send(handle, shard, msg, {"op": "pull", "worker": self._rank, "keys": keys}, None)
@@ -399,6 +399,15 @@ class Client:
         if self._closed:
             raise ConnectionLostError("this client is closed")
 
+    def _plan(self, names: tuple[str, ...]) -> dict[int, list[list[Chunk]]]:
+        """The per-shard messages for a set of tensors; computed once per set (a training loop repeats it)."""
+        plan = self._plans.get(names)
+        if plan is None:
+            plan = self._map.messages(self._map.chunks_of(names))
+            if len(self._plans) < 64:
+                self._plans[names] = plan
+        return plan
+
     def _outputs(self, names: Iterable[str], out: Optional[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """Destination arrays: the caller's ``out`` where given (checked), fresh ones elsewhere."""
         outputs = {}
@@ -434,7 +443,7 @@ class Client:
             arrays[name] = a
         outputs = self._outputs(arrays, out) if op == "push_pull" else None
         handle = Handle(self, op, outputs)
-        for shard, messages in self._map.messages(self._map.chunks_of(arrays)).items():
+        for shard, messages in self._plan(tuple(arrays)).items():
             for msg in messages:
                 header = {"op": op, "worker": self._rank, "session": self._session, "seq": self._seq[shard]}
                 self._seq[shard] += 1
@@ -481,7 +490,7 @@ class Client:
         for index in self._poller.wait(timeout):
             ch = self._channels[index]
             # Take every reply already queued on this socket, whichever handle it belongs to.
-            while ch.sock.poll(0):
+            while ch.readable():
                 self._receive(index)
 
     def _receive(self, shard: int) -> None:

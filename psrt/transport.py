@@ -140,6 +140,7 @@ class DealerChannel:
 
     def __init__(self, context: zmq.Context, endpoint: str, hwm: int) -> None:
         self.endpoint = endpoint
+        self._sndtimeo = -1
         self.sock = context.socket(zmq.DEALER)
         _common(self.sock, hwm)
         # Socket buffers are left to the kernel's autotuning: setting SO_SNDBUF/SO_RCVBUF turns autotuning off and
@@ -156,7 +157,10 @@ class DealerChannel:
         ConnectionLostError
             When the socket is closed.
         """
-        self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
+        timeout_ms = max(1, int(timeout * 1000))
+        if timeout_ms != self._sndtimeo:
+            self.sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+            self._sndtimeo = timeout_ms
         try:
             _send_frames(self.sock, frames, track=False)
         except zmq.Again:
@@ -166,6 +170,10 @@ class DealerChannel:
             ) from None
         except zmq.ZMQError as exc:
             raise ConnectionLostError(f"cannot send to shard {self.endpoint}: {exc}") from None
+
+    def readable(self) -> bool:
+        """True when a message is waiting (no system call beyond reading the socket's event flags)."""
+        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def recv_frame(self) -> bytes:
         """Receive the next frame (the header of a reply); a message must be ready (see :class:`Poller`)."""

@@ -117,19 +117,26 @@ class Reply:
     tensors: list[TensorMeta]
 
 
+_NAMES: dict[np.dtype, str] = {np.dtype("float32"): "<f4", np.dtype("float64"): "<f8"}
+
+
 def dtype_name(dtype: np.dtype) -> str:
     """The wire name of a dtype from the allow-list.
 
     Raises
     ------
     ProtocolError
-        When the dtype is not float32 or float64.
+        When the dtype is not float32 or float64 (in this machine's byte order).
     """
-    dt = np.dtype(dtype).newbyteorder("<")
-    for name, allowed in DTYPES.items():
-        if allowed == dt:
-            return name
-    raise ProtocolError(f"dtype {dtype} cannot be sent; psrt tensors are float32 or float64")
+    name = _NAMES.get(dtype) if isinstance(dtype, np.dtype) else None
+    if name is None:  # a type object or string: normalise it (the slow path)
+        try:
+            name = _NAMES.get(np.dtype(dtype))
+        except TypeError:
+            name = None
+    if name is None:
+        raise ProtocolError(f"dtype {dtype} cannot be sent; psrt tensors are float32 or float64")
+    return name
 
 
 def pack_header(header: dict[str, Any]) -> bytes:
