@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import subprocess
@@ -117,8 +118,8 @@ def plan_steps(predicted_per_worker: float, seconds: float) -> int:
     return int(min(60, max(5, round(predicted_per_worker * seconds))))
 
 
-def plot(records: list[dict], path: str, title: str) -> None:
-    """Throughput vs W, one line per (mode, S): measured points and the model's curve."""
+def plot(records: list[dict], curves: dict, path: str, title: str) -> None:
+    """Throughput vs W, one colour per (mode, S): measured points, the model's curve and its plateau."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,11 +133,12 @@ def plot(records: list[dict], path: str, title: str) -> None:
         label = f"S={servers}" + (f" {mode}" if len({k[0] for k in keys}) > 1 else "")
         ax.plot([r["workers"] for r in rows], [r["steps_per_s"] for r in rows], "o", color=color,
                 label=f"{label} measured")
-        curve_w = [r["workers"] for r in rows]
-        ax.plot(curve_w, [r["predicted_steps_per_s"] for r in rows], "-", color=color, alpha=0.6,
-                label=f"{label} model")
-        if rows and rows[0].get("saturation_w"):
-            ax.axvline(rows[0]["saturation_w"], color=color, ls=":", alpha=0.4)
+        ws, preds = zip(*curves[(mode, servers)])
+        ax.plot(ws, preds, "-", color=color, alpha=0.6, label=f"{label} model")
+        if rows:
+            ax.axhline(rows[0]["plateau_steps_per_s"], color=color, ls=":", alpha=0.5)
+            if rows[0]["saturation_w"] >= 1:
+                ax.axvline(rows[0]["saturation_w"], color=color, ls=":", alpha=0.4)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("workers W")
     ax.set_ylabel("throughput (worker-steps/s)")
@@ -156,11 +158,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="W 1,4,8,16 x S 1,4, sync, short runs (< 5 min)")
     parser.add_argument("--link", default="200mbit", help="every host's link, each direction (default %(default)s)")
     parser.add_argument("--model", default="1MB", help="model size or network name (default %(default)s)")
-    parser.add_argument("--partition-bytes", type=int, default=256 * 1024,
-                        help="partition size, so the model splits over the shards (default 256 KiB)")
-    parser.add_argument("--compute-ms", type=float, default=20.0, help="emulated compute per step (default 20)")
+    parser.add_argument("--partition-bytes", type=int, default=64 * 1024,
+                        help="partition size, so the model splits over the shards (default 64 KiB)")
+    parser.add_argument("--compute-ms", type=float, default=10.0, help="emulated compute per step (default 10)")
     parser.add_argument("--seconds", type=float, default=4.0, help="target timed seconds per run (default 4)")
     parser.add_argument("--loopback", action="store_true", help="plain loopback: no namespaces, no shaping")
+    parser.add_argument("--ideal-pipelining", action="store_true",
+                        help="skip the reply-tail calibration job and predict with ideal pipelining")
     parser.add_argument("--json", default=None, help="write one record per run to this file")
     parser.add_argument("--csv", default=None, help="write the same records as CSV")
     parser.add_argument("--plot", default=None, help="write a PNG plot of throughput vs W")
@@ -188,7 +192,10 @@ def main() -> int:
 
     from tqdm import tqdm
 
-    hosts = ["sched"] + [f"s{i}" for i in range(max(slist))] + [f"w{i}" for i in range(max(wlist))]
+    # The calibration job sits in the middle of the swept range, and is not itself a sweep point.
+    calib_s, calib_w = 2, 6
+    hosts = ["sched"] + [f"s{i}" for i in range(max(max(slist), calib_s))] + [
+        f"w{i}" for i in range(max(max(wlist), calib_w))]
     vc = None if args.loopback else VirtualCluster(hosts, link=args.link)
     burst = vc.burst_bytes if vc else 0
     sampler = CpuSampler()
@@ -196,6 +203,18 @@ def main() -> int:
     runs = [(m, s, w) for m in modes for s in slist for w in wlist]
     started = time.monotonic()
     try:
+        if not args.ideal_pipelining:
+            # One job that is not a sweep point (S=2, W=6) measures how much of a round's replies a shared shard
+            # link still has to send when the round's last push lands; every sweep point is then a prediction.
+            sc = perfmodel.scenario_for(calib_w, calib_s, tensors, link_bits, args.compute_ms / 1000, "sync",
+                                        args.partition_bytes, burst_bytes=burst)
+            steps = plan_steps(perfmodel.predict(sc, cal).steps_per_s / calib_w, args.seconds)
+            res = run_point(vc, 5699, "sync", calib_s, calib_w, args.model, args.compute_ms, steps,
+                            args.partition_bytes)
+            tail = perfmodel.tail_from_run(sc, cal, sum(r["steps_per_s"] for r in res))
+            cal = dataclasses.replace(cal, contended_tail=tail)
+            print(f"  reply tail on a shared shard link (calibration job S={calib_s}, W={calib_w}): {tail:.2f} of a "
+                  f"round (ideal pipelining: {1 / sc.messages:.2f})", flush=True)
         for index, (mode, servers, workers) in enumerate(tqdm(runs, desc="runs", unit="run")):
             sc = perfmodel.scenario_for(workers, servers, tensors, link_bits, args.compute_ms / 1000, mode,
                                         args.partition_bytes, burst_bytes=burst)
@@ -267,8 +286,15 @@ def main() -> int:
             w.writeheader()
             w.writerows(records)
     if args.plot:
-        plot(records, args.plot, f"psrt sync/async throughput, {where}\nmodel {args.model}, compute "
-             f"{args.compute_ms:g} ms; points measured, lines predicted")
+        curves = {}
+        for mode, servers in {(r["mode"], r["servers"]) for r in records}:
+            curves[(mode, servers)] = [
+                (w, perfmodel.predict(perfmodel.scenario_for(w, servers, tensors, link_bits, args.compute_ms / 1000,
+                                                             mode, args.partition_bytes, burst_bytes=burst),
+                                      cal).steps_per_s)
+                for w in range(1, max(wlist) + 1)]
+        plot(records, curves, args.plot, f"psrt sync/async throughput, {where}\nmodel {args.model}, compute "
+             f"{args.compute_ms:g} ms; points measured, lines predicted, dotted: predicted plateaus")
         print(f"plot written to {args.plot}")
     return 0 if all(ok for _, ok, _ in verdicts) else 1
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import logging
 import signal
@@ -143,6 +144,10 @@ def _model(args: argparse.Namespace) -> int:
 
     cal = perfmodel.calibrate() if args.calibrate else perfmodel.Calibration(
         agg_bytes_per_s=args.agg_rate, msg_overhead_s=args.msg_overhead_us * 1e-6, rtt_s=args.rtt_us * 1e-6)
+    if args.reply_tail is not None:
+        if not 0 <= args.reply_tail <= 1:
+            raise ConfigError(f"--reply-tail must be in [0, 1], got {args.reply_tail}")
+        cal = dataclasses.replace(cal, contended_tail=args.reply_tail)
     tensors = model_tensors(args.model, args.partition_bytes)
     link = parse_rate(args.link)
     server_link = parse_rate(args.server_link) if args.server_link else link
@@ -275,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     mo.add_argument("--agg-rate", type=float, default=2e9, help="shard aggregation bytes/s if not calibrating")
     mo.add_argument("--msg-overhead-us", type=float, default=100.0, help="per-message cost if not calibrating")
     mo.add_argument("--rtt-us", type=float, default=300.0, help="small round trip if not calibrating")
+    mo.add_argument("--reply-tail", type=float, default=None,
+                    help="fraction of a round's replies sent after its last push on a shared shard link "
+                         "(default: ideal pipelining; bench/scaling.py measures it, docs/perfmodel.md explains)")
     mo.set_defaults(func=_model)
 
     d = sub.add_parser("demo", help="train a classifier on scikit-learn's digits with local shards and workers")

@@ -24,7 +24,7 @@ from psrt.errors import ConfigError
 from psrt.partition import PartitionMap
 
 __all__ = ["Calibration", "Scenario", "Prediction", "predict", "saturation_point", "calibrate", "shard_split",
-           "TCP_OVERHEAD"]
+           "tail_from_run", "scenario_for", "TCP_OVERHEAD"]
 
 #: Bytes on the wire per payload byte for TCP/IPv4 over Ethernet with timestamps: (1448 + 66) / 1448.
 TCP_OVERHEAD = (1448 + 66) / 1448
@@ -42,11 +42,16 @@ class Calibration:
         Fixed cost of one request/reply at a shard (decode, dispatch, reply), in seconds.
     rtt_s : float
         Latency of one small push_pull round trip with nothing else going on, in seconds.
+    contended_tail : float, optional
+        When several workers share a shard's link: the fraction of a round's replies that is still to be sent
+        when the round's last push arrives (measured on the network at hand, see :func:`tail_from_run`).
+        None assumes ideal pipelining (only the last message's replies remain, a fraction 1/k).
     """
 
     agg_bytes_per_s: float = 2e9
     msg_overhead_s: float = 100e-6
     rtt_s: float = 300e-6
+    contended_tail: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,24 @@ def _xfer(nbytes: float, link: float, sc: Scenario) -> float:
     return max(0.0, nbytes * sc.wire_overhead - sc.burst_bytes) / link
 
 
+def _tail_fraction(sc: Scenario, cal: Calibration) -> float:
+    """Fraction of a round's replies not hidden behind its pushes at the busiest shard's link."""
+    ideal = 1.0 / sc.messages
+    if sc.workers < 2 or cal.contended_tail is None:
+        return ideal
+    return min(1.0, max(ideal, cal.contended_tail))
+
+
+def tail_from_run(sc: Scenario, cal: Calibration, measured_steps_per_s: float) -> float:
+    """Solve a measured sync run (W >= 2, shard link the bottleneck) for :attr:`Calibration.contended_tail`."""
+    step = sc.workers / measured_steps_per_s
+    t_cpu = sc.workers * (sc.messages * cal.msg_overhead_s + sc.shard_bytes / cal.agg_bytes_per_s)
+    t_push = max(_xfer(sc.model_bytes, sc.worker_link, sc), _xfer(sc.workers * sc.shard_bytes, sc.server_link, sc))
+    tail_s = step - sc.compute_s - cal.rtt_s - max(t_push, t_cpu)
+    wire_bytes = (tail_s * sc.server_link + sc.burst_bytes) / sc.wire_overhead
+    return min(1.0, max(0.0, wire_bytes / (sc.workers * sc.shard_bytes)))
+
+
 def predict(sc: Scenario, cal: Calibration) -> Prediction:
     """Predict the step time and throughput (worker-steps/s summed over workers) of a scenario.
 
@@ -137,7 +160,7 @@ def predict(sc: Scenario, cal: Calibration) -> Prediction:
 
         t_push   = max(xfer(M, B_w), xfer(W*M_s, B_s))        # the slower of a worker's uplink and the shard's
         t_cpu    = W * (k * o + M_s / R)                       # shard CPU for one round (k messages per worker)
-        t_pull   = max(xfer(M/k, B_w), xfer(W*M_s/k, B_s))    # only the last message's replies are not overlapped
+        t_pull   = max(xfer(M/k, B_w), xfer(W*M_s*f, B_s))    # f = 1/k: only the last message's replies remain
         step     = C + rtt + max(t_push, t_cpu) + t_pull
         X        = W / step
 
@@ -153,7 +176,7 @@ def predict(sc: Scenario, cal: Calibration) -> Prediction:
     # Pipelining: a shard answers message i while message i+1 is still arriving, so only the last of the k
     # messages' replies is not hidden behind the push.
     worker_tail = _xfer(sc.model_bytes / k, sc.worker_link, sc)
-    server_tail = _xfer(W * sc.shard_bytes / k, sc.server_link, sc)
+    server_tail = _xfer(W * sc.shard_bytes * _tail_fraction(sc, cal), sc.server_link, sc)
     terms = {"worker_xfer_s": worker_x, "server_xfer_s": server_x, "worker_tail_s": worker_tail,
              "server_tail_s": server_tail}
     if sc.mode == "sync":
@@ -193,7 +216,8 @@ def saturation_point(sc: Scenario, cal: Calibration) -> tuple[float, float]:
     k = sc.messages
     single = sc.compute_s + cal.rtt_s + _xfer(sc.model_bytes, sc.worker_link, sc) + _xfer(
         sc.model_bytes / k, sc.worker_link, sc)
-    factor = 1.0 + 1.0 / k if sc.mode == "sync" else 1.0
+    contended = Scenario(**{**asdict(sc), "workers": max(2, sc.workers)})
+    factor = 1.0 + _tail_fraction(contended, cal) if sc.mode == "sync" else 1.0
     plateau = sc.server_link / (factor * sc.shard_bytes * sc.wire_overhead)
     return plateau * single, plateau
 
