@@ -64,6 +64,10 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
+#: The kernel specialised per dtype, so the hot path skips Cython's fused-type dispatch.
+_ACCUMULATE = {np.dtype(np.float32): _core.accumulate["float"], np.dtype(np.float64): _core.accumulate["double"]}
+
+
 def accumulate(dst: np.ndarray, src: np.ndarray) -> None:
     """Add ``src`` into ``dst`` in place (``dst += src``).
 
@@ -74,6 +78,14 @@ def accumulate(dst: np.ndarray, src: np.ndarray) -> None:
     src : numpy.ndarray
         C-contiguous array of the same dtype and size; may be read-only.
     """
+    # The shard calls this for every push: the common case (1-D, same dtype, contiguous, writable) is checked
+    # in a few attribute reads; anything else takes the full validation below, which explains what is wrong.
+    if type(dst) is np.ndarray and type(src) is np.ndarray and dst.ndim == 1 and src.ndim == 1:
+        kernel = _ACCUMULATE.get(dst.dtype)
+        if (kernel is not None and src.dtype == dst.dtype and dst.shape == src.shape
+                and dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
+            kernel(dst, src)
+            return
     d, s = _check({"dst": dst}, {"src": src})
     _core.accumulate(d, s)
 
