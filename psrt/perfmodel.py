@@ -43,9 +43,9 @@ class Calibration:
     rtt_s : float
         Latency of one small push_pull round trip with nothing else going on, in seconds.
     contended_tail : float, optional
-        When several workers share a shard's link: the fraction of a round's replies that is still to be sent
-        when the round's last push arrives (measured on the network at hand, see :func:`tail_from_run`).
-        None assumes ideal pipelining (only the last message's replies remain, a fraction 1/k).
+        When W >= 2 workers share a shard's link, the fraction of a round's replies still to be sent when the
+        round's last push arrives is ``contended_tail * (W-1)/W`` (at least the ideal 1/k); measured on the
+        network at hand (:func:`tail_from_run`). None assumes ideal pipelining.
     """
 
     agg_bytes_per_s: float = 2e9
@@ -136,11 +136,16 @@ def _xfer(nbytes: float, link: float, sc: Scenario) -> float:
 
 
 def _tail_fraction(sc: Scenario, cal: Calibration) -> float:
-    """Fraction of a round's replies not hidden behind its pushes at the busiest shard's link."""
+    """Fraction of a round's replies not hidden behind its pushes at the busiest shard's link.
+
+    Ideally 1/k. On FIFO links the reply streams stall while the shard's incoming queue is deep, and that queue
+    holds (W-1)/W of a round when W workers push at once into a link no faster than each of theirs; the
+    calibrated ``contended_tail`` is the stall per unit of that share.
+    """
     ideal = 1.0 / sc.messages
     if sc.workers < 2 or cal.contended_tail is None:
         return ideal
-    return min(1.0, max(ideal, cal.contended_tail))
+    return min(1.0, max(ideal, cal.contended_tail * (sc.workers - 1) / sc.workers))
 
 
 def tail_from_run(sc: Scenario, cal: Calibration, measured_steps_per_s: float) -> float:
@@ -150,7 +155,8 @@ def tail_from_run(sc: Scenario, cal: Calibration, measured_steps_per_s: float) -
     t_push = max(_xfer(sc.model_bytes, sc.worker_link, sc), _xfer(sc.workers * sc.shard_bytes, sc.server_link, sc))
     tail_s = step - sc.compute_s - cal.rtt_s - max(t_push, t_cpu)
     wire_bytes = (tail_s * sc.server_link + sc.burst_bytes) / sc.wire_overhead
-    return min(1.0, max(0.0, wire_bytes / (sc.workers * sc.shard_bytes)))
+    share = (sc.workers - 1) / sc.workers
+    return min(1.0, max(0.0, wire_bytes / (sc.workers * sc.shard_bytes) / share))
 
 
 def predict(sc: Scenario, cal: Calibration) -> Prediction:
