@@ -54,3 +54,33 @@ def test_job_across_namespaces():
     assert not any(vc.namespace(h) in namespaces() for h in hosts), "namespaces were not removed"
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10).stdout
     assert vc.bridge not in links
+
+
+def test_leftovers_of_a_crashed_run_are_removed_at_the_next_start():
+    dead = 4_000_000  # beyond any live pid here (pid_max is at most 4194304): its owner is surely gone
+    while True:
+        try:
+            os.kill(dead, 0)
+            dead -= 1
+        except ProcessLookupError:
+            break
+        except PermissionError:
+            dead -= 1
+    name = f"psrt{dead}-ghost"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
+    try:
+        with VirtualCluster(["a", "b"], link="100mbit") as vc:
+            assert name not in namespaces()
+            probe = f"import socket; socket.create_connection(('{vc.address('b')}', 9), 2)"
+            ping = vc.run("a", [sys.executable, "-c", probe])
+            assert "refused" in ping.stderr.lower()  # the link works: b answered with a reset
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+
+
+def test_shaped_links_carry_the_configured_rate():
+    with VirtualCluster(["a", "b"], link="50mbit") as vc:
+        assert vc.rate_bits == 50_000_000
+        qdisc = subprocess.run(["ip", "netns", "exec", vc.namespace("a"), "tc", "qdisc", "show", "dev", "eth0"],
+                               capture_output=True, text=True, timeout=10).stdout
+        assert "tbf" in qdisc and "50Mbit" in qdisc

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from psrt import errors as psrt_errors
 from psrt import perfmodel
 from psrt.models import MODELS, model_tensors, parse_size
 
@@ -94,3 +95,14 @@ def test_load_worker_under_launch_reports_steps_per_second():
                if "psrt-worker-result " in line]
     assert sorted(r["rank"] for r in results) == [0, 1]
     assert all(r["steps_per_s"] > 0 and r["model_bytes"] == 4 * 25557032 and r["num_servers"] == 2 for r in results)
+
+
+def test_emulated_cluster_needs_root(monkeypatch):
+    from psrt import netns
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    with pytest.raises(psrt_errors.ConfigError, match="needs root"):
+        netns.check_available()
+    with pytest.raises(psrt_errors.ConfigError, match="1gbit"):
+        netns.parse_rate("fast")
+    assert netns.parse_rate("1gbit") == 10**9 and netns.parse_rate("250mbit") == 250 * 10**6
