@@ -2,16 +2,27 @@
 
 Environment variables only feed defaults: a value passed explicitly (argument or command-line flag) wins.
 
-=========================  ==========================================  =================
-variable                   meaning                                     default
-=========================  ==========================================  =================
-``PSRT_MODE``              ``sync`` (BSP) or ``async`` update mode      ``sync``
-``PSRT_NUM_WORKERS``       number of workers W                          1
-``PSRT_TIMEOUT``           seconds any single network wait may take     60
-``PSRT_PARTITION_BYTES``   tensors larger than this are split           4194304 (4 MiB)
-``PSRT_NONFINITE``         ``reject`` or ``allow`` NaN/Inf gradients    ``reject``
-=========================  ==========================================  =================
+=========================  =============================  ==========================================  ==========
+variable                   also read                      meaning                                     default
+=========================  =============================  ==========================================  ==========
+``PSRT_ROLE``              ``DMLC_ROLE``                  scheduler, server or worker (``psrt run``)
+``PSRT_SCHEDULER``         ``DMLC_PS_ROOT_URI`` + ``_PORT``  the scheduler's ``tcp://HOST:PORT``
+``PSRT_NUM_SERVERS``       ``DMLC_NUM_SERVER``            S
+``PSRT_NUM_WORKERS``       ``DMLC_NUM_WORKER``            W                                           1
+``PSRT_WORKER_ID``         ``DMLC_WORKER_ID``             a worker's requested rank
+``PSRT_NODE_HOST``         ``DMLC_NODE_HOST``             the address this host is reached at
+``PSRT_MODE``                                             ``sync`` (BSP) or ``async``                 ``sync``
+``PSRT_START_TIMEOUT``                                    seconds for a job to form / a barrier        120
+``PSRT_TIMEOUT``                                          seconds any single network wait may take    60
+``PSRT_PARTITION_BYTES``                                  tensors larger than this are split          4 MiB
+``PSRT_NONFINITE``                                        ``reject`` or ``allow`` NaN/Inf gradients   ``reject``
+=========================  =============================  ==========================================  ==========
+
+Under ``srun`` or ``mpirun`` the role and worker rank also follow from ``SLURM_PROCID``/``SLURM_NTASKS``,
+``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE``, ``PMI_RANK``/``PMI_SIZE`` or ``PMIX_RANK`` (see
+:class:`ClusterConfig`).
 """
+
 
 from __future__ import annotations
 
