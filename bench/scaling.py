@@ -224,7 +224,10 @@ def main() -> int:
             results = run_point(vc, 5700 + index, mode, servers, workers, args.model, args.compute_ms, steps,
                                 args.partition_bytes)
             window = (max(r["started_at"] for r in results), min(r["ended_at"] for r in results))
-            measured = sum(r["steps_per_s"] for r in results)
+            # The job's throughput: all steps over the span from the first worker's start to the last one's end
+            # (summing per-worker rates would overstate async runs, whose workers finish at different times).
+            span = max(r["ended_at"] for r in results) - min(r["started_at"] for r in results)
+            measured = sum(r["steps"] for r in results) / span
             records.append({
                 "workers": workers, "servers": servers, "mode": mode,
                 "link_mbit": link_bits / 1e6 if not args.loopback else None,
