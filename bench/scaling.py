@@ -119,34 +119,33 @@ def plan_steps(predicted_per_worker: float, seconds: float) -> int:
 
 
 def plot(records: list[dict], curves: dict, path: str, title: str) -> None:
-    """Throughput vs W, one colour per (mode, S): measured points, the model's curve and its plateau."""
+    """Throughput vs W, one panel per mode, one colour per S: measured points, the model's curve, its plateau."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    keys = sorted({(r["mode"], r["servers"]) for r in records})
-    for i, (mode, servers) in enumerate(keys):
-        rows = sorted((r for r in records if r["mode"] == mode and r["servers"] == servers), key=lambda r: r["workers"])
-        color = f"C{i}"
-        label = f"S={servers}" + (f" {mode}" if len({k[0] for k in keys}) > 1 else "")
-        ax.plot([r["workers"] for r in rows], [r["steps_per_s"] for r in rows], "o", color=color,
-                label=f"{label} measured")
-        ws, preds = zip(*curves[(mode, servers)])
-        ax.plot(ws, preds, "-", color=color, alpha=0.6, label=f"{label} model")
-        if rows:
+    modes = sorted({r["mode"] for r in records}, key=lambda m: m != "sync")
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 5), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        for i, servers in enumerate(sorted({r["servers"] for r in records if r["mode"] == mode})):
+            rows = sorted((r for r in records if r["mode"] == mode and r["servers"] == servers),
+                          key=lambda r: r["workers"])
+            color = f"C{i}"
+            ax.plot([r["workers"] for r in rows], [r["steps_per_s"] for r in rows], "o", color=color,
+                    label=f"S={servers} measured")
+            ws, preds = zip(*curves[(mode, servers)])
+            ax.plot(ws, preds, "-", color=color, alpha=0.6, label=f"S={servers} model")
             ax.axhline(rows[0]["plateau_steps_per_s"], color=color, ls=":", alpha=0.5)
-            if rows[0]["saturation_w"] >= 1:
-                ax.axvline(rows[0]["saturation_w"], color=color, ls=":", alpha=0.4)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("workers W")
-    ax.set_ylabel("throughput (worker-steps/s)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("workers W")
+        ax.set_ylabel("throughput (worker-steps/s)")
+        ax.set_title(mode, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> int:

@@ -222,8 +222,8 @@ def saturation_point(sc: Scenario, cal: Calibration) -> tuple[float, float]:
     k = sc.messages
     single = sc.compute_s + cal.rtt_s + _xfer(sc.model_bytes, sc.worker_link, sc) + _xfer(
         sc.model_bytes / k, sc.worker_link, sc)
-    contended = Scenario(**{**asdict(sc), "workers": max(2, sc.workers)})
-    factor = 1.0 + _tail_fraction(contended, cal) if sc.mode == "sync" else 1.0
+    many = Scenario(**{**asdict(sc), "workers": 1 << 30})  # the plateau is the limit W -> infinity
+    factor = 1.0 + _tail_fraction(many, cal) if sc.mode == "sync" else 1.0
     plateau = sc.server_link / (factor * sc.shard_bytes * sc.wire_overhead)
     return plateau * single, plateau
 
