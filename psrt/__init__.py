@@ -14,7 +14,8 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
     raise ImportError(
         "psrt's compiled core (psrt._core) is missing or failed to load: "
         f"{exc}. Build it with `pip install -e .` from the source tree (needs a C compiler and Cython>=3), "
-        "or install a built wheel. psrt has no pure-Python fallback."
+        "or install a built wheel. If psrt is installed and you are inside its source tree, Python is importing "
+        "the uncompiled sources from the current directory: run from elsewhere. psrt has no pure-Python fallback."
     ) from exc
 
 from psrt.client import Client, Handle
