@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
@@ -312,6 +313,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except PsrtError as exc:
         print(f"psrt: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     finally:
         logging.getLogger("psrt.cli").info("%s finished in %.2fs", args.command, time.monotonic() - started)
 
