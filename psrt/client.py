@@ -502,10 +502,11 @@ class Client:
         except ProtocolError as exc:
             ch.discard_rest()
             raise ProtocolError(f"shard {endpoint} sent a malformed reply: {exc}") from None
-        pending = self._pending.pop(reply.id, None)
+        pending = self._pending.get(reply.id)
         if pending is None or pending.shard != shard:
-            ch.discard_rest()  # a late reply to a call that already timed out
+            ch.discard_rest()  # a late reply to a call that timed out, or one this shard was never asked
             return
+        del self._pending[reply.id]
         handle = pending.handle
         handle._outstanding.discard(reply.id)
         h = reply.header
