@@ -103,7 +103,7 @@ class Server:
         self.counters = Counters()
         self._stop = threading.Event()
         self._waiters: dict[Key, list[_Waiter]] = {}
-        self._deferred: dict[int, deque[tuple[bytes, wire.Request]]] = {}
+        self._deferred: dict[int, deque[tuple[bytes, wire.Request, list[Entry]]]] = {}
         self._draining = False
 
     # ------------------------------------------------------------------ loop
@@ -197,8 +197,8 @@ class Server:
         if self.config.mode == "sync" and (
             self._deferred.get(worker) or any(worker in e.contributors for e in entries)
         ):
-            # This worker is a round ahead on some key: hold the whole message until it can join.
-            self._deferred.setdefault(worker, deque()).append((identity, req))
+            # This worker is a round ahead on some key: hold the whole (validated) message until it can join.
+            self._deferred.setdefault(worker, deque()).append((identity, req, entries))
             return
         self._accept(identity, req, entries)
 
@@ -256,13 +256,8 @@ class Server:
                 for worker in list(self._deferred):
                     queue = self._deferred[worker]
                     while queue:
-                        identity, req = queue[0]
-                        try:
-                            entries = self._validate_push(req)
-                        except RequestError as exc:
-                            queue.popleft()
-                            self._error(identity, req.id, exc.code, str(exc))
-                            continue
+                        # Validated on arrival; keys are never removed or reshaped, so that still holds.
+                        identity, req, entries = queue[0]
                         if any(worker in e.contributors for e in entries):
                             break
                         queue.popleft()
