@@ -75,43 +75,26 @@ def test_sgd_matches_torch(dtype, kw):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "kw",
+    "name, kw",
     [
-        {},
-        {"lr": 0.01, "weight_decay": 0.1},
-        {"lr": 0.005, "beta1": 0.5, "beta2": 0.9, "eps": 1e-6, "weight_decay": 0.01},
-        {"lr": 0.01, "beta1": 0.0, "beta2": 0.99},
+        # Adam: weight_decay is the L2 penalty added to the gradient.
+        ("Adam", {}),
+        ("Adam", {"lr": 0.01, "weight_decay": 0.1}),
+        ("Adam", {"lr": 0.005, "beta1": 0.5, "beta2": 0.9, "eps": 1e-6, "weight_decay": 0.01}),
+        ("Adam", {"lr": 0.01, "beta1": 0.0, "beta2": 0.99}),
+        # AdamW: weight_decay is decoupled.
+        ("AdamW", {}),
+        ("AdamW", {"lr": 0.01, "weight_decay": 0.1}),
+        ("AdamW", {"lr": 0.003, "beta1": 0.8, "beta2": 0.95, "eps": 1e-7, "weight_decay": 0.0}),
     ],
     ids=str,
 )
-def test_adam_matches_torch_with_l2_weight_decay(dtype, kw):
+def test_adam_and_adamw_match_torch(dtype, name, kw):
     torch = pytest.importorskip("torch")
-    opt = psrt.Adam(**kw)
+    opt = getattr(psrt, name)(**kw)
 
     def make(p):
-        return torch.optim.Adam(
-            p, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay, foreach=False
-        )
-
-    _run_against_torch(opt, make, dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "kw",
-    [
-        {},
-        {"lr": 0.01, "weight_decay": 0.1},
-        {"lr": 0.003, "beta1": 0.8, "beta2": 0.95, "eps": 1e-7, "weight_decay": 0.0},
-    ],
-    ids=str,
-)
-def test_adamw_matches_torch(dtype, kw):
-    torch = pytest.importorskip("torch")
-    opt = psrt.AdamW(**kw)
-
-    def make(p):
-        return torch.optim.AdamW(
+        return getattr(torch.optim, name)(
             p, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay, foreach=False
         )
 
