@@ -341,6 +341,16 @@ class PsrtServer:
         self._stderr.close()
 
 
+def _spawn(ctx: Any, target: Callable[..., None], argsets: list[tuple], name: str) -> list[Any]:
+    """Start one daemon process per argument tuple, named ``name-i``."""
+    procs = []
+    for i, args in enumerate(argsets):
+        p = ctx.Process(target=target, args=args, name=f"{name}-{i}", daemon=True)
+        p.start()
+        procs.append(p)
+    return procs
+
+
 # ---------------------------------------------------------------------------------------------------- psrt
 def _psrt_worker(workload: Workload, endpoints: list[str], rank: int, results: Any) -> None:
     """One psrt worker process: init, one warm-up push_pull, ``steps`` timed push_pulls, check the weights."""
@@ -379,11 +389,8 @@ def run_psrt(workload: Workload, options: argparse.Namespace) -> Outcome:
             servers.append(PsrtServer(workload.workers, max(1.0, min(60.0, deadline - time.monotonic())), bind))
         endpoints = [s.endpoint for s in servers]
         _log("psrt", f"servers at {', '.join(endpoints)}; starting {workload.workers} workers")
-        for rank in range(workload.workers):
-            p = ctx.Process(target=_psrt_worker, args=(workload, endpoints, rank, results),
-                            name=f"psrt-worker-{rank}", daemon=True)
-            p.start()
-            procs.append(p)
+        procs += _spawn(ctx, _psrt_worker, [(workload, endpoints, rank, results) for rank in range(workload.workers)],
+                        "psrt-worker")
         got = _collect(results, procs, workload.workers, deadline, "psrt")
         outcome.rate, outcome.timed_s = _rate(workload, got)
         _merge_checks(outcome, got)
@@ -494,11 +501,8 @@ def run_torch(workload: Workload, options: argparse.Namespace) -> Outcome:
     try:
         _log("torch", f"spawning {world} RPC ranks (rendezvous 127.0.0.1:{port}, "
                       f"transport {'TCP only' if tcp_only else 'TensorPipe default'})")
-        for rank in range(world):
-            p = ctx.Process(target=_torch_ps.run_rank, args=(rank, workload, port, tcp_only, results),
-                            name=f"torch-rank-{rank}", daemon=True)
-            p.start()
-            procs.append(p)
+        procs += _spawn(ctx, _torch_ps.run_rank, [(rank, workload, port, tcp_only, results) for rank in range(world)],
+                        "torch-rank")
         got = _collect(results, procs, workload.workers, deadline, "torch")
         outcome.rate, outcome.timed_s = _rate(workload, got)
         _merge_checks(outcome, got)
