@@ -20,6 +20,7 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
 
 from psrt.client import Client, Handle
 from psrt.errors import (
+    BindError,
     ConfigError,
     ConnectionLostError,
     KernelArgumentError,
@@ -45,6 +46,7 @@ __all__ = [
     "AdamW",
     "AdaGrad",
     "PsrtError",
+    "BindError",
     "ConfigError",
     "KernelArgumentError",
     "KernelTypeError",

@@ -12,6 +12,7 @@ thread that created it.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from psrt.partition import Chunk, PartitionMap
 from psrt.scheduler import SchedulerLink
 
 __all__ = ["Client", "Handle"]
+
+log = logging.getLogger("psrt.client")
 
 Key = tuple[str, int]
 
@@ -146,7 +149,7 @@ class Client:
                                   "or set PSRT_SCHEDULER (or DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT)")
             self._start_timeout = cluster.start_timeout
             self._ctx = transport.new_context()
-            self._link = SchedulerLink(self._ctx, scheduler)
+            self._link = SchedulerLink(self._ctx, scheduler, warn_after=self.config.warn_after)
             requested = rank if rank is not None else cluster.worker_id
             try:
                 table = self._link.register("worker", host=cluster.node_host or "",
@@ -254,7 +257,20 @@ class Client:
                                     f"(use .astype(np.float32))")
             arrays[name] = a
         chunks = self._map.add({n: (a.shape, a.dtype) for n, a in arrays.items()})
-        chunks.sort(key=lambda c: (c.name, c.part))
+        # The tensors count as initialized only once every shard has accepted them: whatever goes wrong below,
+        # the client forgets them again, so a corrected retry starts from the state before this call.
+        try:
+            return self._init_chunks(chunks, arrays, optimizer, timeout)
+        except BaseException:
+            self._map.remove(arrays)
+            for chunk in chunks:
+                self._versions.pop(chunk.key, None)
+            self._plans.clear()
+            raise
+
+    def _init_chunks(self, chunks: list[Chunk], arrays: dict[str, np.ndarray], optimizer: Optimizer,
+                     timeout: Optional[float]) -> dict[str, np.ndarray]:
+        chunks = sorted(chunks, key=lambda c: (c.name, c.part))
         outputs = {n: np.empty(a.shape, a.dtype) for n, a in arrays.items()}
         handle = Handle(self, "init", outputs)
         spec = optimizer.to_wire()
@@ -324,6 +340,9 @@ class Client:
         """
         self._check_open()
         names = list(self._map.tensors) if names is None else list(names)
+        if not names:
+            raise ConfigError("nothing to pull: this client has initialized no tensors; call client.init({...}) "
+                              "first" if not self._map.tensors else "nothing to pull: names is empty")
         outputs = self._outputs(names, out)
         handle = Handle(self, "pull", outputs)
         for shard, messages in self._plan(tuple(names)).items():
@@ -412,7 +431,10 @@ class Client:
         """Destination arrays: the caller's ``out`` where given (checked), fresh ones elsewhere."""
         outputs = {}
         for name in names:
-            shape, dtype = self._map.tensors[name]
+            spec = self._map.tensors.get(name)
+            if spec is None:
+                raise ConfigError(f"tensor {name!r} was never initialized; call client.init() with it first")
+            shape, dtype = spec
             given = None if out is None else out.get(name)
             if given is None:
                 outputs[name] = np.empty(shape, dtype)
@@ -471,9 +493,18 @@ class Client:
     # ------------------------------------------------------------------ receiving
     def _wait(self, handle: Handle, timeout: float) -> None:
         self._check_open()
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
+        warn_at = start + self.config.warn_after if self.config.warn_after < timeout else None
         while handle._outstanding:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            if warn_at is not None and now >= warn_at:
+                warn_at = None  # once per call: a slow shard is worth one line, not one per poll
+                late = sorted({self._pending[r].shard for r in handle._outstanding})
+                log.warning("still waiting for %s to answer %s after %.0fs (timeout %gs); is a psrt server "
+                            "running there, and is it reachable from this host?",
+                            ", ".join(self.servers[s] for s in late), handle.op, now - start, timeout)
+            remaining = deadline - now
             if remaining <= 0:
                 late = sorted({self._pending[r].shard for r in handle._outstanding})
                 names = ", ".join(self.servers[s] for s in late)
@@ -484,7 +515,7 @@ class Client:
                     f"shard {names} did not answer {handle.op} within {timeout:g}s", shard=self.servers[late[0]]
                 ))
                 return
-            self._progress(handle, remaining)
+            self._progress(handle, remaining if warn_at is None else min(remaining, warn_at - now))
 
     def _progress(self, handle: Handle, timeout: float) -> None:
         for index in self._poller.wait(timeout):

@@ -14,6 +14,7 @@ variable                   also read                      meaning               
 ``PSRT_MODE``                                             ``sync`` (BSP) or ``async``                 ``sync``
 ``PSRT_START_TIMEOUT``                                    seconds for a job to form / a barrier        120
 ``PSRT_TIMEOUT``                                          seconds any single network wait may take    60
+``PSRT_WARN_AFTER``                                       seconds before a slow wait logs a warning   5
 ``PSRT_PARTITION_BYTES``                                  tensors larger than this are split          4 MiB
 ``PSRT_NONFINITE``                                        ``reject`` or ``allow`` NaN/Inf gradients   ``reject``
 =========================  =============================  ==========================================  ==========
@@ -155,15 +156,20 @@ class ClientConfig:
         ZeroMQ send/receive high-water marks, in messages.
     limits : WireLimits
         Decode limits for replies.
+    warn_after : float
+        Seconds a call may wait for a shard (or the scheduler) before the client logs, once, a warning naming
+        what it waits for and where; the call itself keeps waiting until ``timeout``.
     """
 
     timeout: float = field(default_factory=lambda: _env_float("PSRT_TIMEOUT", 60.0))
     partition_bytes: int = field(default_factory=lambda: _env_int("PSRT_PARTITION_BYTES", 4 << 20))
     hwm: int = 100_000
     limits: WireLimits = field(default_factory=WireLimits)
+    warn_after: float = field(default_factory=lambda: _env_float("PSRT_WARN_AFTER", 5.0))
 
     def __post_init__(self) -> None:
         _positive("timeout", self.timeout, float)
+        _positive("warn_after", self.warn_after, float)
         _positive("partition_bytes", self.partition_bytes)
         if self.partition_bytes < 8:
             raise ConfigError(f"partition_bytes must be at least 8, got {self.partition_bytes}")

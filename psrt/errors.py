@@ -17,6 +17,7 @@ __all__ = [
     "PsrtTimeoutError",
     "ShardTimeoutError",
     "ConnectionLostError",
+    "BindError",
 ]
 
 
@@ -75,3 +76,7 @@ class ShardTimeoutError(PsrtTimeoutError):
 
 class ConnectionLostError(PsrtError, ConnectionError):
     """A socket could not send or receive: the peer is gone or the client was closed."""
+
+
+class BindError(PsrtError, OSError):
+    """A socket could not bind its endpoint (address in use, no such interface, ...); the message names it."""

@@ -105,6 +105,16 @@ class PartitionMap:
             self.chunks[name].sort(key=lambda c: c.part)
         return out
 
+    def remove(self, names: Iterable[str]) -> None:
+        """Forget tensors added by the last :meth:`add` (a refused ``init`` undoes its addition this way).
+
+        Removing exactly what the last ``add`` returned restores the map as it was before that call.
+        """
+        for name in names:
+            self.tensors.pop(name, None)
+            for chunk in self.chunks.pop(name, ()):
+                self.shard_bytes[chunk.shard] -= chunk.nbytes
+
     def chunks_of(self, names: Iterable[str]) -> list[Chunk]:
         """All chunks of the given tensors, in order of the names then parts."""
         out = []

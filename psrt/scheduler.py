@@ -111,7 +111,11 @@ class Scheduler:
         self.num_servers, self.num_workers, self.mode = num_servers, num_workers, mode
         self.start_timeout = start_timeout
         self._ctx = transport.new_context()
-        self._chan = transport.RouterChannel(self._ctx, bind, hwm=10_000, send_timeout=5.0)
+        try:
+            self._chan = transport.RouterChannel(self._ctx, bind, hwm=10_000, send_timeout=5.0)
+        except BaseException:
+            self._ctx.term()
+            raise
         self.endpoint = self._chan.endpoint
         self._stop = threading.Event()
         # Registrations waiting for the table: (identity, request id, role, requested rank, endpoint, host).
@@ -283,24 +287,40 @@ class SchedulerLink:
         The ZeroMQ context to open the DEALER socket in.
     endpoint : str
         The scheduler's endpoint.
+    warn_after : float
+        Seconds a request may go unanswered before a warning saying what is awaited, and where, is logged once.
     """
 
-    def __init__(self, context: zmq.Context, endpoint: str) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, warn_after: float = 5.0) -> None:
         self.endpoint = endpoint
         self.channel = transport.DealerChannel(context, endpoint, hwm=1000)
         self._next_id = 1
         self.rank = -1
+        self.warn_after = warn_after
 
     def _ask(self, header: dict[str, Any], timeout: float) -> dict[str, Any]:
         rid = self._next_id
         self._next_id += 1
         self.channel.send(wire.encode({**header, "id": rid}), timeout)
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
+        warn_at = start + self.warn_after if self.warn_after < timeout else None
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.channel.sock.poll(int(remaining * 1000) + 1):
+            now = time.monotonic()
+            if warn_at is not None and now >= warn_at:
+                warn_at = None
+                why = (" (the job forms once every server and worker has registered)"
+                       if header["op"] == "register" else "")
+                log.warning("still waiting for the scheduler at %s to answer %s after %.0fs (timeout %gs)%s; "
+                            "is a psrt scheduler running there, and is it reachable from this host?",
+                            self.endpoint, header["op"], now - start, timeout, why)
+            remaining = deadline - now
+            wait = remaining if warn_at is None else min(remaining, warn_at - now)
+            if remaining <= 0:
                 raise PsrtTimeoutError(f"the scheduler at {self.endpoint} did not answer {header['op']} "
                                        f"within {timeout:g}s")
+            if not self.channel.sock.poll(int(wait * 1000) + 1):
+                continue
             reply = self._recv()
             if reply.get("id") != rid:
                 continue  # a stale reply to an earlier, timed-out request

@@ -242,6 +242,7 @@ class Server:
         if req.op == "push":
             self._reply(identity, {"op": "ack", "id": req.id, "versions": targets, "duplicate": duplicate})
         else:
+            self.counters.pulls += 1  # the pull half of a push_pull is a pull too
             self._wait_for(identity, req.id, dict(zip(keys, targets)), keys)
 
     def _drain_deferred(self) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import zmq
 
-from psrt.errors import ConnectionLostError, ShardTimeoutError
+from psrt.errors import BindError, ConnectionLostError, ShardTimeoutError
 
 __all__ = ["ZERO_COPY_BYTES", "new_context", "RouterChannel", "DealerChannel", "Poller", "SendDropped"]
 
@@ -64,6 +64,17 @@ def _send_frames(sock: zmq.Socket, frames: Sequence[Any], track: bool) -> list[z
     return trackers
 
 
+def _bind_advice(endpoint: str, exc: zmq.ZMQError) -> str:
+    """A one-line explanation of a failed bind that says what to do instead."""
+    message = f"cannot bind {endpoint}: {zmq.strerror(exc.errno)}"
+    if exc.errno == zmq.EADDRINUSE and endpoint.startswith("tcp://"):
+        host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+        return f"{message} (another process holds it); use another port, or tcp://{host}:* for a free one"
+    if exc.errno == zmq.EADDRNOTAVAIL:
+        return f"{message}; the host part must be an address of this machine (or * for all of them)"
+    return message
+
+
 class RouterChannel:
     """A shard's ROUTER socket, bound to ``endpoint`` (``tcp://HOST:*`` picks a free port).
 
@@ -77,6 +88,11 @@ class RouterChannel:
         High-water marks, in messages.
     send_timeout : float
         Seconds a reply may block on a full peer queue before it is dropped and counted.
+
+    Raises
+    ------
+    BindError
+        When the endpoint cannot be bound (e.g. the port is taken); the message names it and says what to do.
     """
 
     def __init__(self, context: zmq.Context, endpoint: str, hwm: int, send_timeout: float) -> None:
@@ -85,7 +101,13 @@ class RouterChannel:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout * 1000)))
-        self.sock.bind(endpoint)
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            # Close the socket now: a context cannot terminate while one of its sockets is open, so a caller
+            # cleaning up after this error would otherwise hang and swallow it.
+            self.sock.close(linger=0)
+            raise BindError(_bind_advice(endpoint, exc)) from None
         last = self.sock.getsockopt(zmq.LAST_ENDPOINT)
         self.endpoint: str = last.decode() if isinstance(last, bytes) else str(last)
 

@@ -1,0 +1,134 @@
+"""What a new user runs into: a busy port, a refused init, an empty pull, a silent peer, the pull counters.
+
+Each test here reproduces a defect seen by following the README on a fresh machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+import psrt
+from psrt import transport
+from psrt.config import ClientConfig
+from psrt.scheduler import Scheduler, SchedulerLink
+from psrt.server import Server, ServerConfig
+
+PSRT = [sys.executable, "-m", "psrt.cli"]
+
+
+@pytest.fixture
+def busy_port():
+    """A loopback TCP port held by a listening socket for the whole test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", [["server", "--workers", "2"], ["scheduler"]])
+def test_a_busy_port_is_a_one_line_error_naming_the_address(busy_port, command):
+    address = f"tcp://127.0.0.1:{busy_port}"
+    started = time.monotonic()
+    proc = subprocess.run([*PSRT, *command, "--bind", address], capture_output=True, text=True, timeout=30)
+    assert time.monotonic() - started < 10
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert address in lines[0] and "in use" in lines[0] and "tcp://127.0.0.1:*" in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_a_busy_port_raises_bind_error_in_process_and_leaves_no_socket(busy_port):
+    address = f"tcp://127.0.0.1:{busy_port}"
+    for make in (lambda: Server(ServerConfig(bind=address)), lambda: Scheduler(address, 1, 1)):
+        with pytest.raises(psrt.BindError, match="in use") as info:
+            make()
+        assert isinstance(info.value, OSError) and isinstance(info.value, psrt.PsrtError)
+    # The channel closed its socket, so the context it was made in can terminate (it used to hang here).
+    ctx = transport.new_context()
+    with pytest.raises(psrt.BindError):
+        transport.RouterChannel(ctx, address, hwm=10, send_timeout=1.0)
+    ctx.term()
+
+
+def test_a_refused_init_leaves_the_client_as_it_was(shards):
+    group = shards(1, workers=1)
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as first:
+        first.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
+        with pytest.raises(psrt.ServerError, match="holds 4"):
+            c.init({"w": np.zeros(5, np.float32), "v": np.zeros(2, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        assert c.partition.tensors == {} and c.partition.shard_bytes == [0]
+        got = c.init({"w": np.full(4, 9.0, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        np.testing.assert_array_equal(got["w"], np.zeros(4, np.float32))  # the stored value wins
+        params = c.push_pull({"w": np.ones(4, np.float32)})
+        np.testing.assert_array_equal(params["w"], np.full(4, -1.0, np.float32))
+
+
+def test_pull_of_nothing_says_to_call_init(shards):
+    group = shards(1)
+    with psrt.Client(group.endpoints) as c:
+        with pytest.raises(psrt.PsrtError, match=r"call client\.init"):
+            c.pull()
+        c.init({"w": np.zeros(3, np.float32)})
+        with pytest.raises(psrt.ConfigError, match="never initialized"):
+            c.pull(["nope"])
+        with pytest.raises(psrt.ConfigError, match="empty"):
+            c.pull([])
+
+
+def test_a_silent_shard_is_named_in_one_warning_before_the_timeout(caplog):
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # accepts connections and never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    try:
+        with psrt.Client([endpoint], config=ClientConfig(timeout=2.0, warn_after=0.3)) as c:
+            with caplog.at_level(logging.WARNING, logger="psrt.client"):
+                with pytest.raises(psrt.ShardTimeoutError):
+                    c.init({"w": np.zeros(3, np.float32)})
+        warnings = [r.getMessage() for r in caplog.records if r.name == "psrt.client"]
+        assert len(warnings) == 1, warnings
+        assert endpoint in warnings[0] and "init" in warnings[0]
+    finally:
+        silent.close(0)
+        ctx.term()
+
+
+def test_a_silent_scheduler_is_named_in_one_warning_before_the_timeout(caplog):
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    link = SchedulerLink(ctx, endpoint, warn_after=0.3)
+    try:
+        with caplog.at_level(logging.WARNING, logger="psrt.scheduler"):
+            with pytest.raises(psrt.PsrtTimeoutError, match=endpoint):
+                link.register("worker", timeout=1.5)
+        warnings = [r.getMessage() for r in caplog.records if r.name == "psrt.scheduler"]
+        assert len(warnings) == 1, warnings
+        assert endpoint in warnings[0] and "register" in warnings[0]
+    finally:
+        link.close()
+        silent.close(0)
+        ctx.term()
+
+
+def test_the_pull_half_of_push_pull_is_counted(shards):
+    group = shards(1)
+    with psrt.Client(group.endpoints) as c:
+        c.init({"w": np.zeros(3, np.float32)})
+        for _ in range(5):
+            c.push_pull({"w": np.ones(3, np.float32)})
+        c.push({"w": np.ones(3, np.float32)})
+        c.pull()
+        (stats,) = c.stats()
+    assert stats["pushes"] == 6 and stats["pulls"] == 6
