@@ -200,11 +200,12 @@ def momentum_step(real[::1] param, real[::1] buf, const real[::1] grad, double l
 
 
 def adam_step(real[::1] param, real[::1] m, real[::1] v, const real[::1] grad, double lr, double beta1,
-              double beta2, double eps, long step, double scale, double weight_decay, double l2=0.0):
+              double beta2, double eps, long step, double scale, double decoupled_weight_decay,
+              double l2=0.0):
     """One Adam/AdamW step as torch.optim.AdamW, with bias correction; ``step`` counts from 1.
 
-    ``weight_decay`` is decoupled (AdamW: ``param *= 1 - lr*weight_decay``); ``l2`` is torch.optim.Adam's
-    coupled decay (``g += l2*param``).
+    ``decoupled_weight_decay`` is AdamW's (``param *= 1 - lr*decoupled_weight_decay``); ``l2`` is
+    torch.optim.Adam's coupled decay (``g += l2*param``).
     """
     cdef Py_ssize_t n = _min2(_min2(param.shape[0], m.shape[0]), _min2(v.shape[0], grad.shape[0]))
     cdef double bc1 = 1.0 - pow(beta1, <double>step)
@@ -212,7 +213,7 @@ def adam_step(real[::1] param, real[::1] m, real[::1] v, const real[::1] grad, d
     cdef real step_size = <real>(lr / bc1) if bc1 != 0 else <real>0
     cdef real inv_bc2_sqrt = <real>(1.0 / sqrt(bc2)) if bc2 > 0 else <real>0
     cdef real b1 = <real>beta1, b2 = <real>beta2, omb1 = <real>(1.0 - beta1), omb2 = <real>(1.0 - beta2)
-    cdef real eps_ = <real>eps, s = <real>scale, decay = <real>(1.0 - lr * weight_decay), l2_ = <real>l2
+    cdef real eps_ = <real>eps, s = <real>scale, decay = <real>(1.0 - lr * decoupled_weight_decay), l2_ = <real>l2
     if n == 0:
         return
     with nogil:

@@ -155,10 +155,10 @@ def adam_step(
     eps: float,
     step: int,
     scale: float = 1.0,
-    weight_decay: float = 0.0,
+    decoupled_weight_decay: float = 0.0,
     l2: float = 0.0,
 ) -> None:
-    """One Adam step in place, as torch.optim.AdamW (decoupled ``weight_decay``, bias correction).
+    """One Adam step in place, as torch.optim.AdamW (decoupled weight decay, bias correction).
 
     Parameters
     ----------
@@ -172,8 +172,9 @@ def adam_step(
         The step number, counting from 1 (used for bias correction).
     scale : float
         Gradient scale.
-    weight_decay : float
-        Decoupled weight decay (AdamW).
+    decoupled_weight_decay : float
+        AdamW's weight decay, applied to the parameters apart from the gradient: ``param *= 1 - lr*wd``
+        (torch.optim.AdamW's ``weight_decay``).
     l2 : float
         Coupled L2 decay added to the gradient (torch.optim.Adam's ``weight_decay``).
     """
@@ -182,7 +183,8 @@ def adam_step(
         raise KernelArgumentError(f"step must be an integer in [1, {_MAX_STEP}] (the step number), got {step!r}")
     _core.adam_step(
         p, mm, vv, g, _finite("lr", lr), _finite("beta1", beta1), _finite("beta2", beta2), _finite("eps", eps),
-        int(step), _finite("scale", scale), _finite("weight_decay", weight_decay), _finite("l2", l2),
+        int(step), _finite("scale", scale), _finite("decoupled_weight_decay", decoupled_weight_decay),
+        _finite("l2", l2),
     )
 
 

@@ -34,11 +34,12 @@ def momentum_step(param, buf, grad, lr, momentum, scale=1.0, weight_decay=0.0, n
     param -= t(lr) * (d + t(momentum) * buf if nesterov else buf)
 
 
-def adam_step(param, m, v, grad, lr, beta1, beta2, eps, step, scale=1.0, weight_decay=0.0, l2=0.0) -> None:
-    """torch.optim.AdamW (decoupled ``weight_decay``), with torch.optim.Adam's coupled ``l2``."""
+def adam_step(param, m, v, grad, lr, beta1, beta2, eps, step, scale=1.0, decoupled_weight_decay=0.0,
+              l2=0.0) -> None:
+    """torch.optim.AdamW (``decoupled_weight_decay``), with torch.optim.Adam's coupled ``l2``."""
     t = param.dtype.type
     g = t(scale) * grad + t(l2) * param
-    param *= t(1.0 - lr * weight_decay)
+    param *= t(1.0 - lr * decoupled_weight_decay)
     m *= t(beta1)
     m += t(1.0 - beta1) * g
     v *= t(beta2)

@@ -466,8 +466,8 @@ def _hyper_calls():
         ("adam_step", "beta2"): lambda x: kernels.adam_step(p(), p(), p(), p(), 0.1, 0.9, x, 1e-8, 1),
         ("adam_step", "eps"): lambda x: kernels.adam_step(p(), p(), p(), p(), 0.1, 0.9, 0.999, x, 1),
         ("adam_step", "scale"): lambda x: kernels.adam_step(p(), p(), p(), p(), 0.1, 0.9, 0.999, 1e-8, 1, scale=x),
-        ("adam_step", "weight_decay"): lambda x: kernels.adam_step(
-            p(), p(), p(), p(), 0.1, 0.9, 0.999, 1e-8, 1, weight_decay=x
+        ("adam_step", "decoupled_weight_decay"): lambda x: kernels.adam_step(
+            p(), p(), p(), p(), 0.1, 0.9, 0.999, 1e-8, 1, decoupled_weight_decay=x
         ),
         ("adam_step", "l2"): lambda x: kernels.adam_step(p(), p(), p(), p(), 0.1, 0.9, 0.999, 1e-8, 1, l2=x),
         ("adagrad_step", "lr"): lambda x: kernels.adagrad_step(p(), p(), p(), x, 1e-10),
