@@ -16,11 +16,11 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from psrt import transport, wire
+from psrt import dtypes, transport, wire
 from psrt.config import ClientConfig, ClusterConfig
 from psrt.errors import (
     ConfigError,
@@ -59,7 +59,8 @@ class Handle:
         self._outstanding: set[int] = set()
         self._error: Optional[BaseException] = None
         self._conflicts: list[str] = []
-        self._shard_info: dict[int, dict[str, Any]] = {}
+        self._jobs: dict[int, wire.JobInfo] = {}  # init: what each shard said about the job
+        self._stats: dict[int, dict[str, Any]] = {}  # stats: each shard's counters
 
     def done(self) -> bool:
         """True when every reply has arrived (takes in any replies already queued, never blocks)."""
@@ -252,8 +253,8 @@ class Client:
             if not isinstance(name, str) or not 0 < len(name) <= self.config.limits.max_name_len:
                 raise ConfigError(f"tensor names must be non-empty strings, got {name!r}")
             a = np.ascontiguousarray(value)
-            if a.dtype not in (np.float32, np.float64):
-                raise PsrtTypeError(f"tensor {name!r} has dtype {a.dtype}; psrt holds float32 or float64 "
+            if a.dtype not in dtypes.SUPPORTED:
+                raise PsrtTypeError(f"tensor {name!r} has dtype {a.dtype}; psrt holds {dtypes.describe()} "
                                     f"(use .astype(np.float32))")
             arrays[name] = a
         chunks = self._map.add({n: (a.shape, a.dtype) for n, a in arrays.items()})
@@ -276,12 +277,13 @@ class Client:
         spec = optimizer.to_wire()
         for shard, messages in self._map.messages(chunks).items():
             for msg in messages:
-                self._send(handle, shard, msg, {"op": "init", "worker": self._rank, "session": self._session,
-                                                "optimizer": spec}, arrays)
+                entries, payload = self._payload(msg, arrays)
+                self._send(handle, shard, msg, lambda rid, e=entries, p=payload: wire.encode_init(
+                    rid, self._rank, self._session, spec, e, p))
         result = handle.wait(timeout)
-        for shard, info in handle._shard_info.items():
-            if info.get("num_workers") != self._num_workers:
-                raise ConfigError(f"shard {self.servers[shard]} runs with --workers {info.get('num_workers')} "
+        for shard, job in handle._jobs.items():
+            if job.num_workers != self._num_workers:
+                raise ConfigError(f"shard {self.servers[shard]} runs with --workers {job.num_workers} "
                                   f"but this client has num_workers={self._num_workers}")
         if handle._conflicts:
             raise ConfigError(f"tensors {sorted(set(handle._conflicts))} were initialized by another worker with "
@@ -348,7 +350,7 @@ class Client:
         for shard, messages in self._plan(tuple(names)).items():
             for msg in messages:
                 keys = [[c.name, c.part, self._versions.get(c.key, 0)] for c in msg]
-                self._send(handle, shard, msg, {"op": "pull", "worker": self._rank, "keys": keys}, None)
+                self._send(handle, shard, msg, lambda rid, k=keys: wire.encode_pull(rid, self._rank, k))
         return handle
 
     def push_pull_async(self, grads: Mapping[str, Any], out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:
@@ -363,9 +365,9 @@ class Client:
         self._check_open()
         handle = Handle(self, "stats", None)
         for shard in range(len(self.servers)):
-            self._send(handle, shard, [], {"op": "stats"}, None)
+            self._send(handle, shard, [], wire.encode_stats_request)
         handle.wait(timeout)
-        return [handle._shard_info[s] for s in range(len(self.servers))]
+        return [handle._stats[s] for s in range(len(self.servers))]
 
     def barrier(self, timeout: Optional[float] = None) -> None:
         """Wait until every worker of the job has reached this barrier (needs a scheduler when W > 1).
@@ -465,26 +467,30 @@ class Client:
             arrays[name] = a
         outputs = self._outputs(arrays, out) if op == "push_pull" else None
         handle = Handle(self, op, outputs)
+        pull = op == "push_pull"
         for shard, messages in self._plan(tuple(arrays)).items():
             for msg in messages:
-                header = {"op": op, "worker": self._rank, "session": self._session, "seq": self._seq[shard]}
+                seq = self._seq[shard]
                 self._seq[shard] += 1
-                self._send(handle, shard, msg, header, arrays)
+                entries, payload = self._payload(msg, arrays)
+                self._send(handle, shard, msg, lambda rid, q=seq, e=entries, p=payload: wire.encode_push(
+                    rid, self._rank, self._session, q, e, p, pull))
         return handle
 
-    def _send(self, handle: Handle, shard: int, chunks: list[Chunk], header: dict[str, Any],
-              arrays: Optional[Mapping[str, np.ndarray]]) -> None:
+    @staticmethod
+    def _payload(chunks: list[Chunk], arrays: Mapping[str, np.ndarray]) -> tuple[list[list[Any]], list[np.ndarray]]:
+        """The header entries of a message's chunks and their bytes (views of the caller's arrays, no copy)."""
+        entries = [wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)) for c in chunks]
+        return entries, [arrays[c.name].reshape(-1)[c.start:c.start + c.count] for c in chunks]
+
+    def _send(self, handle: Handle, shard: int, chunks: list[Chunk], encode: Callable[[int], list[Any]]) -> None:
+        """Send one request to ``shard``, its frames made by ``encode(request_id)``; the reply goes to ``handle``."""
         rid = self._next_id
         self._next_id += 1
-        header = {**header, "id": rid}
-        payload: list[np.ndarray] = []
-        if arrays is not None:
-            header["tensors"] = [[c.name, c.part, wire.dtype_name(c.dtype), [c.count]] for c in chunks]
-            payload = [arrays[c.name].reshape(-1)[c.start:c.start + c.count] for c in chunks]
         self._pending[rid] = _Pending(handle, shard, chunks)
         handle._outstanding.add(rid)
         try:
-            self._channels[shard].send(wire.encode(header, payload), self.config.timeout)
+            self._channels[shard].send(encode(rid), self.config.timeout)
         except PsrtError:
             del self._pending[rid]
             handle._outstanding.discard(rid)
@@ -529,7 +535,7 @@ class Client:
         endpoint = self.servers[shard]
         head = ch.recv_frame()
         try:
-            reply = wire.decode_reply_header(head, self.config.limits)
+            reply = wire.decode_reply(head, self.config.limits)
         except ProtocolError as exc:
             ch.discard_rest()
             raise ProtocolError(f"shard {endpoint} sent a malformed reply: {exc}") from None
@@ -540,31 +546,32 @@ class Client:
         del self._pending[reply.id]
         handle = pending.handle
         handle._outstanding.discard(reply.id)
-        h = reply.header
-        if reply.op == "error":
-            ch.discard_rest()
-            handle._fail(ServerError(f"shard {endpoint} refused {handle.op}: [{h['code']}] {h['message']}",
-                                     shard=endpoint, code=h["code"]))
-        elif reply.op == "params":
+        if isinstance(reply, wire.ParamsReply):
             try:
                 self._receive_params(ch, reply, pending)
             except ProtocolError as exc:
                 ch.discard_rest()
                 handle._fail(ProtocolError(f"shard {endpoint}: {exc}"))
-            if "conflicts" in h:
-                handle._conflicts.extend(pending.chunks[i].name for i in h["conflicts"]
-                                         if type(i) is int and 0 <= i < len(pending.chunks))
-                handle._shard_info[shard] = {"mode": h.get("mode"), "num_workers": h.get("num_workers")}
-        elif reply.op == "ack":
-            ch.discard_rest()
-            for chunk, version in zip(pending.chunks, h["versions"]):
+            if reply.job is not None:
+                handle._conflicts.extend(pending.chunks[i].name for i in reply.job.conflicts
+                                         if i < len(pending.chunks))
+                handle._jobs[shard] = reply.job
+            return
+        ch.discard_rest()
+        if isinstance(reply, wire.ErrorReply):
+            handle._fail(ServerError(f"shard {endpoint} refused {handle.op}: [{reply.code}] {reply.message}",
+                                     shard=endpoint, code=reply.code))
+        elif isinstance(reply, wire.AckReply):
+            if len(reply.versions) != len(pending.chunks):
+                handle._fail(ProtocolError(f"shard {endpoint}: ack lists {len(reply.versions)} versions for "
+                                           f"{len(pending.chunks)} tensors"))
+                return
+            for chunk, version in zip(pending.chunks, reply.versions):
                 self._versions[chunk.key] = max(self._versions.get(chunk.key, 0), version)
-        else:  # stats
-            ch.discard_rest()
-            stats = h.get("stats")
-            handle._shard_info[shard] = stats if isinstance(stats, dict) else {}
+        else:
+            handle._stats[shard] = reply.stats
 
-    def _receive_params(self, ch: transport.DealerChannel, reply: wire.Reply, pending: _Pending) -> None:
+    def _receive_params(self, ch: transport.DealerChannel, reply: wire.ParamsReply, pending: _Pending) -> None:
         chunks = pending.chunks
         outputs = pending.handle._outputs
         if outputs is None or len(reply.tensors) != len(chunks):
@@ -572,7 +579,7 @@ class Client:
         for meta, chunk in zip(reply.tensors, chunks):
             if meta.key != chunk.key or meta.dtype != chunk.dtype or meta.count != chunk.count:
                 raise ProtocolError(f"reply tensor {meta.name!r} part {meta.part} does not match the request")
-        for meta, chunk, version in zip(reply.tensors, chunks, reply.header["versions"]):
+        for meta, chunk, version in zip(reply.tensors, chunks, reply.versions):
             if not ch.more():
                 raise ProtocolError("reply has fewer buffer frames than tensors")
             dest = outputs[chunk.name].reshape(-1)[chunk.start:chunk.start + chunk.count]

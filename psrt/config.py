@@ -245,6 +245,9 @@ class ClusterConfig:
                     return env[n]
             return None
 
+        def named(names: tuple[str, ...]) -> str:
+            return names[0] + (f" (or {', '.join(names[1:])})" if len(names) > 1 else "")
+
         def get_int(*names: str) -> Optional[int]:
             raw = get(*names)
             if raw is None:
@@ -252,8 +255,16 @@ class ClusterConfig:
             try:
                 return int(raw)
             except ValueError:
-                raise ConfigError(f"environment variable {names[0]} (or {', '.join(names[1:])}) = {raw!r} "
-                                  "must be an integer") from None
+                raise ConfigError(f"environment variable {named(names)} = {raw!r} must be an integer") from None
+
+        def get_float(name: str, default: float) -> float:
+            raw = get(name)
+            if raw is None:
+                return default
+            try:
+                return float(raw)
+            except ValueError:
+                raise ConfigError(f"environment variable {name} = {raw!r} must be a number of seconds") from None
 
         scheduler = get("PSRT_SCHEDULER")
         if scheduler is None and get("DMLC_PS_ROOT_URI"):
@@ -291,5 +302,5 @@ class ClusterConfig:
             mode=get("PSRT_MODE") or "sync",
             worker_id=worker_id,
             node_host=get("PSRT_NODE_HOST", "DMLC_NODE_HOST"),
-            start_timeout=float(get("PSRT_START_TIMEOUT") or 120.0),
+            start_timeout=get_float("PSRT_START_TIMEOUT", 120.0),
         )

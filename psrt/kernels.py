@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from psrt import _core
+from psrt import _core, dtypes
 from psrt.errors import KernelArgumentError, KernelTypeError
 
 __all__ = ["accumulate", "sgd_step", "momentum_step", "adam_step", "adagrad_step", "all_finite", "DTYPES"]
@@ -19,15 +19,15 @@ __all__ = ["accumulate", "sgd_step", "momentum_step", "adam_step", "adagrad_step
 #: Largest step number: fits the kernels' C integer on every platform.
 _MAX_STEP = 2**31 - 1
 
-#: The dtypes the kernels are compiled for.
-DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+#: The dtypes the kernels are compiled for (the one table in :mod:`psrt.dtypes`).
+DTYPES = dtypes.SUPPORTED
 
 
 def _flat(name: str, a: object, *, writable: bool) -> np.ndarray:
     if not isinstance(a, np.ndarray):
         raise KernelTypeError(f"{name} must be a numpy.ndarray, got {type(a).__name__}")
     if a.dtype not in DTYPES:
-        raise KernelTypeError(f"{name} has dtype {a.dtype}; the kernels take float32 or float64")
+        raise KernelTypeError(f"{name} has dtype {a.dtype}; the kernels take {dtypes.describe()}")
     if not a.flags.c_contiguous:
         raise KernelArgumentError(f"{name} is not C-contiguous; pass numpy.ascontiguousarray({name})")
     if writable and not a.flags.writeable:

@@ -9,10 +9,8 @@ Workers call ``barrier`` (all W must arrive before any is released, within the d
 the missing ranks) and ``done`` when they finish; once all W are done the scheduler tells the servers to shut
 down and exits.
 
-Control messages are single msgpack frames with the data plane's framing rules (``v``, ``op``, ``id``; decoded
-with the same limits). Requests: ``register {role, endpoint, host, rank}``, ``barrier {rank, name}``,
-``done {rank}``, ``table {}``. Replies: ``table``, ``ok``, ``error {code, message}``; servers also receive an
-unsolicited ``shutdown``.
+Control messages are single header frames with the data plane's framing and decode rules; their records and
+encoders live in :mod:`psrt.wire.control`, which lists every field.
 """
 
 from __future__ import annotations
@@ -23,34 +21,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import zmq
-
 from psrt import transport, wire
-from psrt.config import MODES, WireLimits
+from psrt.config import MODES
 from psrt.errors import ConfigError, ConnectionLostError, ProtocolError, PsrtTimeoutError, ServerError
 
 __all__ = ["Scheduler", "SchedulerLink", "Table"]
 
 log = logging.getLogger("psrt.scheduler")
 
-_FIELDS = {
-    "register": frozenset({"v", "op", "id", "role", "endpoint", "host", "rank"}),
-    "barrier": frozenset({"v", "op", "id", "rank", "name"}),
-    "done": frozenset({"v", "op", "id", "rank"}),
-    "table": frozenset({"v", "op", "id"}),
-}
-_CONTROL_LIMITS = WireLimits(max_header_bytes=1 << 16, max_tensors=1 << 12)
-
-
-@dataclass(frozen=True)
-class Table:
-    """What the scheduler tells each registered process about the job."""
-
-    rank: int
-    num_servers: int
-    num_workers: int
-    mode: str
-    servers: list[str]
+#: What the scheduler tells a registered process about the job (the decoded ``table`` reply).
+Table = wire.Table
 
 
 @dataclass
@@ -59,32 +39,12 @@ class _Barrier:
     arrived: dict[int, tuple[bytes, int]] = field(default_factory=dict)
 
 
-def _decode(frames: list[Any]) -> dict[str, Any]:
-    if len(frames) != 1:
-        raise ProtocolError(f"control messages are one frame, got {len(frames)}")
-    header = wire.unpack_header(frames[0], _CONTROL_LIMITS)
-    rid = header.get("id")
-    wire.check_version(header)
-    op = header.get("op")
-    fields = _FIELDS.get(op) if type(op) is str else None
-    if fields is None:
-        raise ProtocolError(f"unknown control op {op!r}; known: {sorted(_FIELDS)}")
-    if set(header) != fields:
-        raise ProtocolError(f"control op {op!r}: expected fields {sorted(fields)}, got {sorted(header)}")
-    if type(rid) is not int or rid < 0:
-        raise ProtocolError("field 'id' must be a non-negative integer")
-    if op == "register":
-        if header["role"] not in ("server", "worker"):
-            raise ProtocolError(f"role must be 'server' or 'worker', got {header['role']!r}")
-        if type(header["endpoint"]) is not str or type(header["host"]) is not str:
-            raise ProtocolError("endpoint and host must be strings")
-        if header["role"] == "server" and "://" not in header["endpoint"]:
-            raise ProtocolError(f"a server must announce an endpoint like tcp://HOST:PORT, got {header['endpoint']!r}")
-    if op in ("register", "barrier", "done") and (type(header["rank"]) is not int or header["rank"] < -1):
-        raise ProtocolError("field 'rank' must be an integer >= -1 (-1: let the scheduler assign one)")
-    if op == "barrier" and (type(header["name"]) is not str or len(header["name"]) > 256):
-        raise ProtocolError("barrier name must be a string of at most 256 characters")
-    return header
+@dataclass(frozen=True)
+class _Pending:
+    """A registration waiting for the job to form."""
+
+    identity: bytes
+    request: wire.Register
 
 
 class Scheduler:
@@ -100,6 +60,11 @@ class Scheduler:
         ``"sync"`` or ``"async"``, handed to the servers in the table.
     start_timeout : float
         Seconds from start for everyone to register, and for each barrier to fill.
+
+    Raises
+    ------
+    BindError
+        When ``bind`` cannot be bound (e.g. the port is taken).
     """
 
     def __init__(self, bind: str, num_servers: int, num_workers: int, mode: str = "sync",
@@ -118,8 +83,7 @@ class Scheduler:
             raise
         self.endpoint = self._chan.endpoint
         self._stop = threading.Event()
-        # Registrations waiting for the table: (identity, request id, role, requested rank, endpoint, host).
-        self._pending: list[tuple[bytes, int, str, int, str, str]] = []
+        self._pending: list[_Pending] = []  # registrations waiting for the table, in arrival order
         self.servers: list[tuple[bytes, str]] = []  # (identity, endpoint) in shard order, once formed
         self.workers: dict[int, bytes] = {}  # rank -> identity, once formed
         self._formed = False
@@ -149,84 +113,86 @@ class Scheduler:
             return self.exit_code if self.exit_code is not None else 0
         finally:
             # Give queued shutdown/error messages a moment to leave before the socket goes.
-            self._chan.sock.close(linger=1000)
+            self._chan.close(linger=1.0)
             self._ctx.term()
 
     # ------------------------------------------------------------------ handlers
     def _handle(self, identity: bytes, frames: list[Any]) -> None:
         try:
-            h = _decode(frames)
+            req = wire.decode_control_request(frames)
         except ProtocolError as exc:
-            self._send(identity, {"op": "error", "id": 0, "code": "protocol", "message": str(exc)})
+            rid = getattr(exc, "request_id", None)
+            self._error(identity, rid if rid is not None else 0, "protocol", str(exc))
             return
-        op, rid = h["op"], h["id"]
-        if op == "table":
-            self._send(identity, {"op": "table", "id": rid, **self._table_fields(-1)})
-        elif op == "register":
-            self._register(identity, rid, h)
-        elif op == "barrier":
-            self._barrier(identity, rid, h["rank"], h["name"])
+        if isinstance(req, wire.TableQuery):
+            self._send_table(identity, req.id, -1)
+        elif isinstance(req, wire.Register):
+            self._register(identity, req)
+        elif isinstance(req, wire.Barrier):
+            self._barrier(identity, req)
         else:
-            self._finish(identity, rid, h["rank"])
+            self._finish(identity, req)
 
-    def _register(self, identity: bytes, rid: int, h: dict[str, Any]) -> None:
-        role, rank = h["role"], h["rank"]
+    def _register(self, identity: bytes, req: wire.Register) -> None:
+        role, rank = req.role, req.rank
         if self._formed:
             # A restarted worker re-registering under its rank gets the table again.
             if role == "worker" and rank in self.workers:
                 self.workers[rank] = identity
-                self._send(identity, {"op": "table", "id": rid, **self._table_fields(rank)})
+                self._send_table(identity, req.id, rank)
             else:
-                self._error(identity, rid, "formed", f"the job has already formed with {self.num_servers} servers "
-                                                     f"and {self.num_workers} workers; a new {role} cannot join")
+                self._error(identity, req.id, "formed", f"the job has already formed with {self.num_servers} "
+                                                        f"servers and {self.num_workers} workers; a new {role} "
+                                                        "cannot join")
             return
         if role == "worker" and rank >= self.num_workers:
-            self._error(identity, rid, "rank", f"worker rank {rank} is out of range for {self.num_workers} workers")
+            self._error(identity, req.id, "rank", f"worker rank {rank} is out of range for {self.num_workers} "
+                                                  "workers")
             return
-        taken = {p[3] for p in self._pending if p[2] == role and p[3] >= 0}
+        taken = {p.request.rank for p in self._pending if p.request.role == role and p.request.rank >= 0}
         if rank >= 0 and rank in taken:
-            self._error(identity, rid, "rank", f"{role} rank {rank} is already registered")
+            self._error(identity, req.id, "rank", f"{role} rank {rank} is already registered")
             return
-        self._pending = [p for p in self._pending if p[0] != identity]  # a resend replaces the first
-        self._pending.append((identity, rid, role, rank, h["endpoint"], h["host"]))
-        log.info("registered %s %s (%d/%d servers, %d/%d workers)", role, h["endpoint"] or h["host"],
-                 *self._counts())
+        self._pending = [p for p in self._pending if p.identity != identity]  # a resend replaces the first
+        self._pending.append(_Pending(identity, req))
+        log.info("registered %s %s (%d/%d servers, %d/%d workers)", role, req.endpoint or req.host, *self._counts())
         n_servers, _, n_workers, _ = self._counts()
         if n_servers == self.num_servers and n_workers == self.num_workers:
             self._form()
         elif n_servers > self.num_servers or n_workers > self.num_workers:
             self._pending.pop()
-            self._error(identity, rid, "full", f"the job expects {self.num_servers} servers and {self.num_workers} "
-                                               f"workers; this {role} is one too many")
+            self._error(identity, req.id, "full", f"the job expects {self.num_servers} servers and "
+                                                  f"{self.num_workers} workers; this {role} is one too many")
+
+    def _registered(self, role: str) -> list[_Pending]:
+        return [p for p in self._pending if p.request.role == role]
 
     def _counts(self) -> tuple[int, int, int, int]:
-        servers = sum(1 for p in self._pending if p[2] == "server")
-        workers = sum(1 for p in self._pending if p[2] == "worker")
-        return servers, self.num_servers, workers, self.num_workers
+        return (len(self._registered("server")), self.num_servers, len(self._registered("worker")),
+                self.num_workers)
 
     def _form(self) -> None:
-        servers = [p for p in self._pending if p[2] == "server"]
-        workers = [p for p in self._pending if p[2] == "worker"]
-        self.servers = [(p[0], p[4]) for p in servers]
-        free = iter(sorted(set(range(self.num_workers)) - {p[3] for p in workers if p[3] >= 0}))
-        ranks = [p[3] if p[3] >= 0 else next(free) for p in workers]
-        self.workers = {rank: p[0] for rank, p in zip(ranks, workers)}
+        servers, workers = self._registered("server"), self._registered("worker")
+        self.servers = [(p.identity, p.request.endpoint) for p in servers]
+        free = iter(sorted(set(range(self.num_workers)) - {p.request.rank for p in workers if p.request.rank >= 0}))
+        ranks = [p.request.rank if p.request.rank >= 0 else next(free) for p in workers]
+        self.workers = {rank: p.identity for rank, p in zip(ranks, workers)}
         self._formed = True
         for index, p in enumerate(servers):
-            self._send(p[0], {"op": "table", "id": p[1], **self._table_fields(index)})
+            self._send_table(p.identity, p.request.id, index)
         for rank, p in zip(ranks, workers):
-            self._send(p[0], {"op": "table", "id": p[1], **self._table_fields(rank)})
+            self._send_table(p.identity, p.request.id, rank)
         self._pending = []
         log.info("job formed: %d servers, %d workers", self.num_servers, self.num_workers)
 
-    def _table_fields(self, rank: int) -> dict[str, Any]:
-        return {"rank": rank, "num_servers": self.num_servers, "num_workers": self.num_workers,
-                "mode": self.mode, "servers": [ep for _, ep in self.servers]}
+    def _send_table(self, identity: bytes, rid: int, rank: int) -> None:
+        self._send(identity, wire.encode_table(rid, rank, self.num_servers, self.num_workers, self.mode,
+                                               [ep for _, ep in self.servers]))
 
     def _fail_start(self) -> None:
         n_servers, _, n_workers, _ = self._counts()
-        have_w = sorted(p[3] for p in self._pending if p[2] == "worker")
-        have_s = [p[4] for p in self._pending if p[2] == "server"]
+        have_w = sorted(p.request.rank for p in self._registered("worker"))
+        have_s = [p.request.endpoint for p in self._registered("server")]
         message = (f"the job did not form within {self.start_timeout:g}s: missing "
                    f"{self.num_servers - n_servers} of {self.num_servers} servers and "
                    f"{self.num_workers - n_workers} of {self.num_workers} workers "
@@ -234,20 +200,20 @@ class Scheduler:
                    f"{' with requested ranks ' + str([r for r in have_w if r >= 0]) if have_w else ''})")
         log.error(message)
         for p in self._pending:
-            self._error(p[0], p[1], "start_timeout", message)
+            self._error(p.identity, p.request.id, "start_timeout", message)
         self._pending = []
         self.exit_code = 1
 
-    def _barrier(self, identity: bytes, rid: int, rank: int, name: str) -> None:
-        if not self._formed or rank not in self.workers:
-            self._error(identity, rid, "rank", f"barrier from rank {rank}, which is not a registered worker")
+    def _barrier(self, identity: bytes, req: wire.Barrier) -> None:
+        if not self._formed or req.rank not in self.workers:
+            self._error(identity, req.id, "rank", f"barrier from rank {req.rank}, which is not a registered worker")
             return
-        b = self._barriers.setdefault(name, _Barrier(time.monotonic() + self.start_timeout))
-        b.arrived[rank] = (identity, rid)
+        b = self._barriers.setdefault(req.name, _Barrier(time.monotonic() + self.start_timeout))
+        b.arrived[req.rank] = (identity, req.id)
         if len(b.arrived) == self.num_workers:
             for ident, r in b.arrived.values():
-                self._send(ident, {"op": "ok", "id": r})
-            del self._barriers[name]
+                self._send(ident, wire.encode_ok(r))
+            del self._barriers[req.name]
 
     def _expire_barriers(self, now: float) -> None:
         for name, b in list(self._barriers.items()):
@@ -258,24 +224,24 @@ class Scheduler:
                     self._error(ident, r, "barrier_timeout", message)
                 del self._barriers[name]
 
-    def _finish(self, identity: bytes, rid: int, rank: int) -> None:
-        self._done.add(rank)
-        self._send(identity, {"op": "ok", "id": rid})
+    def _finish(self, identity: bytes, req: wire.Done) -> None:
+        self._done.add(req.rank)
+        self._send(identity, wire.encode_ok(req.id))
         if self._formed and self._done >= set(self.workers):
             for ident, _ in self.servers:
-                self._send(ident, {"op": "shutdown", "id": 0})
+                self._send(ident, wire.encode_shutdown())
             log.info("all %d workers done; servers told to shut down", self.num_workers)
             self.exit_code = 0
 
     # ------------------------------------------------------------------ sending
-    def _send(self, identity: bytes, header: dict[str, Any]) -> None:
+    def _send(self, identity: bytes, frames: list[Any]) -> None:
         try:
-            self._chan.send(identity, wire.encode(header))
+            self._chan.send(identity, frames)
         except transport.SendDropped as exc:
             log.warning("control message to a departed peer dropped: %s", exc)
 
     def _error(self, identity: bytes, rid: int, code: str, message: str) -> None:
-        self._send(identity, {"op": "error", "id": rid, "code": code, "message": message})
+        self._send(identity, wire.encode_control_error(rid, code, message))
 
 
 class SchedulerLink:
@@ -284,57 +250,63 @@ class SchedulerLink:
     Parameters
     ----------
     context : zmq.Context
-        The ZeroMQ context to open the DEALER socket in.
+        The ZeroMQ context to open the DEALER socket in (:func:`psrt.transport.new_context`).
     endpoint : str
         The scheduler's endpoint.
     warn_after : float
         Seconds a request may go unanswered before a warning saying what is awaited, and where, is logged once.
     """
 
-    def __init__(self, context: zmq.Context, endpoint: str, warn_after: float = 5.0) -> None:
+    def __init__(self, context: Any, endpoint: str, warn_after: float = 5.0) -> None:
         self.endpoint = endpoint
         self.channel = transport.DealerChannel(context, endpoint, hwm=1000)
         self._next_id = 1
         self.rank = -1
         self.warn_after = warn_after
 
-    def _ask(self, header: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def _ask(self, op: str, encode: Any, timeout: float) -> wire.ControlReply:
         rid = self._next_id
         self._next_id += 1
-        self.channel.send(wire.encode({**header, "id": rid}), timeout)
+        self.channel.send(encode(rid), timeout)
         start = time.monotonic()
         deadline = start + timeout
         warn_at = start + self.warn_after if self.warn_after < timeout else None
         while True:
             now = time.monotonic()
             if warn_at is not None and now >= warn_at:
-                warn_at = None
-                why = (" (the job forms once every server and worker has registered)"
-                       if header["op"] == "register" else "")
+                warn_at = None  # once per request: one line says it all
+                why = " (the job forms once every server and worker has registered)" if op == "register" else ""
                 log.warning("still waiting for the scheduler at %s to answer %s after %.0fs (timeout %gs)%s; "
                             "is a psrt scheduler running there, and is it reachable from this host?",
-                            self.endpoint, header["op"], now - start, timeout, why)
+                            self.endpoint, op, now - start, timeout, why)
             remaining = deadline - now
-            wait = remaining if warn_at is None else min(remaining, warn_at - now)
             if remaining <= 0:
-                raise PsrtTimeoutError(f"the scheduler at {self.endpoint} did not answer {header['op']} "
-                                       f"within {timeout:g}s")
-            if not self.channel.sock.poll(int(wait * 1000) + 1):
+                raise PsrtTimeoutError(f"the scheduler at {self.endpoint} did not answer {op} within {timeout:g}s")
+            if not self.channel.poll(remaining if warn_at is None else min(remaining, warn_at - now)):
                 continue
             reply = self._recv()
-            if reply.get("id") != rid:
-                continue  # a stale reply to an earlier, timed-out request
-            if reply.get("op") == "error":
-                raise ServerError(f"scheduler {self.endpoint}: [{reply.get('code')}] {reply.get('message')}",
-                                  shard=self.endpoint, code=str(reply.get("code")))
+            if reply.id != rid:
+                continue  # a stale reply to an earlier, timed-out request (or an unprompted notice)
+            if isinstance(reply, wire.ControlError):
+                raise ServerError(f"scheduler {self.endpoint}: [{reply.code}] {reply.message}",
+                                  shard=self.endpoint, code=reply.code)
             return reply
 
-    def _recv(self) -> dict[str, Any]:
+    def _recv(self) -> wire.ControlReply:
         frame = self.channel.recv_frame()
+        more = self.channel.more()
         self.channel.discard_rest()
-        header = wire.unpack_header(frame, _CONTROL_LIMITS)
-        wire.check_version(header)
-        return header
+        try:
+            if more:
+                raise ProtocolError("control messages are one frame")
+            return wire.decode_control_reply([frame])
+        except ProtocolError as exc:
+            raise ProtocolError(f"the scheduler at {self.endpoint} sent a malformed message: {exc}") from None
+
+    def _expect(self, reply: wire.ControlReply, kind: type, op: str) -> Any:
+        if not isinstance(reply, kind):
+            raise ProtocolError(f"the scheduler at {self.endpoint} answered {op} with {reply.op!r}")
+        return reply
 
     def register(self, role: str, endpoint: str = "", host: str = "", rank: int = -1,
                  timeout: float = 130.0) -> Table:
@@ -347,32 +319,29 @@ class SchedulerLink:
         PsrtTimeoutError
             When the scheduler does not answer within ``timeout`` seconds.
         """
-        h = self._ask({"op": "register", "role": role, "endpoint": endpoint, "host": host, "rank": rank}, timeout)
-        try:
-            table = Table(rank=h["rank"], num_servers=h["num_servers"], num_workers=h["num_workers"],
-                          mode=h["mode"], servers=list(h["servers"]))
-        except (KeyError, TypeError):
-            raise ProtocolError(f"scheduler {self.endpoint} sent a malformed table") from None
+        reply = self._ask("register", lambda rid: wire.encode_register(rid, role, endpoint, host, rank), timeout)
+        table: Table = self._expect(reply, wire.Table, "register")
         self.rank = table.rank
         return table
 
     def barrier(self, name: str, timeout: float) -> None:
         """Wait until every worker has reached the barrier ``name``."""
-        self._ask({"op": "barrier", "rank": self.rank, "name": name}, timeout)
+        self._expect(self._ask("barrier", lambda rid: wire.encode_barrier(rid, self.rank, name), timeout),
+                     wire.Ok, "barrier")
 
     def done(self, timeout: float = 5.0) -> None:
         """Tell the scheduler this worker has finished."""
-        self._ask({"op": "done", "rank": self.rank}, timeout)
+        self._expect(self._ask("done", lambda rid: wire.encode_done(rid, self.rank), timeout), wire.Ok, "done")
 
-    def table(self, timeout: float = 5.0) -> dict[str, Any]:
+    def table(self, timeout: float = 5.0) -> Table:
         """The scheduler's current view of the job (for monitoring; does not register)."""
-        return self._ask({"op": "table"}, timeout)
+        return self._expect(self._ask("table", wire.encode_table_query, timeout), wire.Table, "table")
 
     def shutdown_requested(self) -> bool:
         """Take in queued control messages; True once the scheduler has said the job is over."""
         try:
-            while self.channel.sock.poll(0):
-                if self._recv().get("op") == "shutdown":
+            while self.channel.poll(0):
+                if isinstance(self._recv(), wire.Shutdown):
                     return True
         except (ProtocolError, ConnectionLostError):
             return False

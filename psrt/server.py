@@ -99,11 +99,11 @@ class Server:
             self._ctx.term()
             raise
         self.endpoint: str = self._chan.endpoint
-        self.store = Store()
+        self.store = Store(config.mode, config.num_workers)
         self.counters = Counters()
         self._stop = threading.Event()
         self._waiters: dict[Key, list[_Waiter]] = {}
-        self._deferred: dict[int, deque[tuple[bytes, wire.Request, list[Entry]]]] = {}
+        self._deferred: dict[int, deque[tuple[bytes, wire.PushRequest, list[Entry]]]] = {}
         self._draining = False
 
     # ------------------------------------------------------------------ loop
@@ -115,6 +115,7 @@ class Server:
     def set_job(self, num_workers: int, mode: str) -> None:
         """Adopt W and the mode the scheduler's table gives (before serving)."""
         self.config = dataclasses.replace(self.config, num_workers=num_workers, mode=mode)
+        self.store.set_job(mode, num_workers)
 
     def serve(self, control: Optional[SchedulerLink] = None) -> None:
         """Serve requests until :meth:`stop` is called or, with ``control``, the scheduler ends the job."""
@@ -153,14 +154,14 @@ class Server:
             self._error(identity, 0, "internal", f"{type(exc).__name__}: {exc}")
             return
         try:
-            if req.op == "init":
-                self._init(identity, req)
-            elif req.op in ("push", "push_pull"):
+            if isinstance(req, wire.PushRequest):
                 self._push(identity, req)
-            elif req.op == "pull":
+            elif isinstance(req, wire.PullRequest):
                 self._pull(identity, req)
+            elif isinstance(req, wire.InitRequest):
+                self._init(identity, req)
             else:
-                self._reply(identity, {"op": "stats", "id": req.id, "stats": self.stats()})
+                self._reply(identity, wire.encode_stats(req.id, self.stats()))
         except RequestError as exc:
             self._error(identity, req.id, exc.code, str(exc))
         except ConfigError as exc:
@@ -170,8 +171,8 @@ class Server:
             self._error(identity, req.id, "internal", f"{type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ ops
-    def _init(self, identity: bytes, req: wire.Request) -> None:
-        opt = optim.from_wire(req.header["optimizer"])
+    def _init(self, identity: bytes, req: wire.InitRequest) -> None:
+        opt = optim.from_wire(req.optimizer)
         for i, meta in enumerate(req.tensors):
             entry = self.store.get(meta.key)
             if entry is not None:
@@ -188,59 +189,38 @@ class Server:
                 conflicts.append(i)
             entries.append(entry)
         self.counters.inits += 1
-        extra = {"mode": self.config.mode, "num_workers": self.config.num_workers, "conflicts": conflicts}
-        self._send_params(identity, req.id, req.tensors_keys(), entries, extra)
+        job = wire.JobInfo(self.config.mode, self.config.num_workers, conflicts)
+        self._send_params(identity, req.id, req.keys(), entries, job)
 
-    def _push(self, identity: bytes, req: wire.Request) -> None:
-        worker = req.header["worker"]
+    def _push(self, identity: bytes, req: wire.PushRequest) -> None:
         entries = self._validate_push(req)
-        if self.config.mode == "sync" and (
-            self._deferred.get(worker) or any(worker in e.contributors for e in entries)
-        ):
+        if self._deferred.get(req.worker) or not self.store.can_join(req.worker, entries):
             # This worker is a round ahead on some key: hold the whole (validated) message until it can join.
-            self._deferred.setdefault(worker, deque()).append((identity, req, entries))
+            self._deferred.setdefault(req.worker, deque()).append((identity, req, entries))
             return
         self._accept(identity, req, entries)
 
-    def _accept(self, identity: bytes, req: wire.Request, entries: list[Entry]) -> None:
-        h = req.header
-        worker, session, seq = h["worker"], h["session"], h["seq"]
-        keys = req.tensors_keys()
-        if self.store.is_duplicate(worker, session, seq):
+    def _accept(self, identity: bytes, req: wire.PushRequest, entries: list[Entry]) -> None:
+        keys = req.keys()
+        if self.store.is_duplicate(req.worker, req.session, req.seq):
             self.counters.duplicates += 1
-            targets = [e.version + (1 if worker in e.contributors else 0) for e in entries]
-            self._answer_push(identity, req, keys, targets, duplicate=True)
+            self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), duplicate=True)
             return
-        completed: list[Key] = []
-        targets = []
-        w = self.config.num_workers
-        for i, (key, entry) in enumerate(zip(keys, entries)):
-            grad = req.array(i)
-            if self.config.mode == "async" or w == 1:
-                entry.apply(grad, 1.0)
-                self.counters.rounds += 1
-                completed.append(key)
-                targets.append(entry.version)
-            else:
-                entry.add_to_round(worker, grad)
-                targets.append(entry.version + 1)
-                if len(entry.contributors) == w:
-                    entry.apply(entry.acc, 1.0 / w)
-                    entry.contributors.clear()
-                    self.counters.rounds += 1
-                    completed.append(key)
-        self.store.record(worker, session, seq)
+        grads = [req.array(i) for i in range(len(entries))]
+        targets, completed = self.store.admit(req.worker, entries, grads)
+        self.store.record(req.worker, req.session, req.seq)
         self.counters.pushes += 1
+        self.counters.rounds += len(completed)
         self._answer_push(identity, req, keys, targets, duplicate=False)
-        for key in completed:
-            self._wake(key)
+        for i in completed:
+            self._wake(keys[i])
         if completed and self._deferred:
             self._drain_deferred()
 
-    def _answer_push(self, identity: bytes, req: wire.Request, keys: list[Key], targets: list[int],
+    def _answer_push(self, identity: bytes, req: wire.PushRequest, keys: list[Key], targets: list[int],
                      duplicate: bool) -> None:
-        if req.op == "push":
-            self._reply(identity, {"op": "ack", "id": req.id, "versions": targets, "duplicate": duplicate})
+        if not req.pull:
+            self._reply(identity, wire.encode_ack(req.id, targets, duplicate))
         else:
             self.counters.pulls += 1  # the pull half of a push_pull is a pull too
             self._wait_for(identity, req.id, dict(zip(keys, targets)), keys)
@@ -259,7 +239,7 @@ class Server:
                     while queue:
                         # Validated on arrival; keys are never removed or reshaped, so that still holds.
                         identity, req, entries = queue[0]
-                        if any(worker in e.contributors for e in entries):
+                        if not self.store.can_join(worker, entries):
                             break
                         queue.popleft()
                         self._accept(identity, req, entries)
@@ -269,23 +249,20 @@ class Server:
         finally:
             self._draining = False
 
-    def _pull(self, identity: bytes, req: wire.Request) -> None:
-        worker = req.header["worker"]
+    def _pull(self, identity: bytes, req: wire.PullRequest) -> None:
         want: dict[Key, int] = {}
         keys: list[Key] = []
-        ahead = len(self._deferred.get(worker, ()))
-        for name, part, min_version in req.header["keys"]:
-            key = (name, part)
-            entry = self._entry(key)
-            reachable = entry.version + (1 + ahead if self.config.mode == "sync" else 0)
-            if min_version > reachable:
+        queued = len(self._deferred.get(req.worker, ()))
+        for pk in req.keys:
+            entry = self._entry(pk.key)
+            if pk.min_version > self.store.reachable(entry, queued):
                 raise RequestError(
                     "version",
-                    f"pull of {name!r} part {part} asks for version {min_version} but the key is at "
+                    f"pull of {pk.name!r} part {pk.part} asks for version {pk.min_version} but the key is at "
                     f"{entry.version}; no push of this worker will produce it",
                 )
-            keys.append(key)
-            want[key] = max(want.get(key, 0), min_version)
+            keys.append(pk.key)
+            want[pk.key] = max(want.get(pk.key, 0), pk.min_version)
         self.counters.pulls += 1
         self._wait_for(identity, req.id, want, keys)
 
@@ -334,7 +311,7 @@ class Server:
                 f"message has {meta.count} x {meta.dtype}",
             )
 
-    def _validate_push(self, req: wire.Request) -> list[Entry]:
+    def _validate_push(self, req: wire.PushRequest) -> list[Entry]:
         entries = []
         for i, meta in enumerate(req.tensors):
             entry = self._entry(meta.key)
@@ -348,16 +325,14 @@ class Server:
 
     # ------------------------------------------------------------------ replies
     def _send_params(self, identity: bytes, request_id: int, keys: list[Key], entries: list[Entry],
-                     extra: Optional[dict[str, Any]] = None) -> None:
-        header: dict[str, Any] = {
-            "op": "params",
-            "id": request_id,
-            "tensors": [[k[0], k[1], wire.dtype_name(e.param.dtype), [e.param.size]] for k, e in zip(keys, entries)],
-            "versions": [e.version for e in entries],
-        }
-        if extra:
-            header.update(extra)
-        frames = wire.encode(header, [e.param for e in entries])
+                     job: Optional[wire.JobInfo] = None) -> None:
+        frames = wire.encode_params(
+            request_id,
+            [wire.tensor_entry(k[0], k[1], e.param.dtype, (e.param.size,)) for k, e in zip(keys, entries)],
+            [e.version for e in entries],
+            [e.param for e in entries],
+            job,
+        )
         try:
             trackers = self._chan.send(identity, frames, track=True)
         except transport.SendDropped as exc:
@@ -365,14 +340,12 @@ class Server:
             log.warning("reply to a worker dropped: %s", exc)
             return
         self.counters.bytes_out += sum(len(f) for f in frames)
-        if trackers:
-            # Frames and entries line up after the header; only zero-copy frames have trackers.
-            big = [e for e in entries if e.param.nbytes >= transport.ZERO_COPY_BYTES]
-            for entry, tracker in zip(big, trackers):
+        # One tracker per frame (None where the frame was copied); the parameters' frames follow the header.
+        for entry, tracker in zip(entries, trackers[1:]):
+            if tracker is not None:
                 entry.trackers.append(tracker)
 
-    def _reply(self, identity: bytes, header: dict[str, Any]) -> None:
-        frames = wire.encode(header)
+    def _reply(self, identity: bytes, frames: list[Any]) -> None:
         try:
             self._chan.send(identity, frames)
         except transport.SendDropped as exc:
@@ -384,7 +357,7 @@ class Server:
     def _error(self, identity: bytes, request_id: int, code: str, message: str) -> None:
         self.counters.errors += 1
         log.info("error reply (%s): %s", code, message)
-        self._reply(identity, {"op": "error", "id": request_id, "code": code, "message": message})
+        self._reply(identity, wire.encode_error(request_id, code, message))
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

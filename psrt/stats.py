@@ -39,12 +39,12 @@ def watch(scheduler: str, interval: float = 1.0, count: int = 0, out: IO[str] = 
     finally:
         link.close()
         ctx.term()
-    if not table["servers"]:
+    if not table.servers:
         out.write(f"scheduler {scheduler}: no servers have joined yet "
-                  f"(expecting {table['num_servers']} servers, {table['num_workers']} workers)\n")
+                  f"(expecting {table.num_servers} servers, {table.num_workers} workers)\n")
         return 1
     previous, last, shown = None, time.monotonic(), 0
-    with Client(table["servers"], rank=0, num_workers=table["num_workers"]) as client:
+    with Client(table.servers, rank=0, num_workers=table.num_workers) as client:
         try:
             while True:
                 try:
@@ -53,8 +53,8 @@ def watch(scheduler: str, interval: float = 1.0, count: int = 0, out: IO[str] = 
                     out.write(f"psrt stats: {exc}\n")
                     return 1
                 now = time.monotonic()
-                out.write(f"\n{time.strftime('%H:%M:%S')}  {table['mode']}  W={table['num_workers']}  "
-                          f"S={table['num_servers']}\n{format_table(rows, previous, now - last)}\n")
+                out.write(f"\n{time.strftime('%H:%M:%S')}  {table.mode}  W={table.num_workers}  "
+                          f"S={table.num_servers}\n{format_table(rows, previous, now - last)}\n")
                 out.flush()
                 previous, last, shown = rows, now, shown + 1
                 if count and shown >= count:

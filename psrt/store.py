@@ -2,8 +2,11 @@
 numbers.
 
 A key is ``(name, part)``: one chunk of a tensor, held flat. Its ``version`` counts the optimizer steps applied
-to it. In sync mode a round's pushes are summed into the key's single accumulator as they arrive, whatever W
-is, and the optimizer steps once with ``scale = 1/W`` when the last of the W arrives.
+to it. The store also owns the rules of a round, since they read nothing but its state: in sync mode a round's
+pushes are summed into the key's single accumulator as they arrive, whatever W is, and the optimizer steps once
+with ``scale = 1/W`` when the last of the W arrives (:meth:`Store.admit`); a worker already in a key's round must
+wait for it to complete before pushing again (:meth:`Store.can_join`); and a pull may only ask for a version
+that this worker's pushes can still produce (:meth:`Store.reachable`). In async mode every push is one step.
 
 Replies send parameters zero-copy; the store remembers the send trackers and, before a step would overwrite a
 buffer ZeroMQ is still sending, swaps in a copy (copy-on-write). In BSP the previous round's replies are long
@@ -18,6 +21,8 @@ from typing import Any, Optional
 import numpy as np
 
 from psrt import kernels
+from psrt.config import MODES
+from psrt.errors import ConfigError
 from psrt.optim import Optimizer
 
 __all__ = ["Entry", "Store", "WorkerLog"]
@@ -74,11 +79,75 @@ class WorkerLog:
 
 
 class Store:
-    """All keys of one shard, and the per-worker sequence numbers that make pushes exactly-once."""
+    """All keys of one shard, the round rules, and the per-worker sequence numbers that make pushes exactly-once.
 
-    def __init__(self) -> None:
+    Parameters
+    ----------
+    mode : str
+        ``"sync"`` (a round of W pushes, one step) or ``"async"`` (a step per push).
+    num_workers : int
+        W.
+    """
+
+    def __init__(self, mode: str = "sync", num_workers: int = 1) -> None:
         self.entries: dict[Key, Entry] = {}
         self.workers: dict[int, WorkerLog] = {}
+        self.mode, self.num_workers = "sync", 1
+        self.set_job(mode, num_workers)
+
+    def set_job(self, mode: str, num_workers: int) -> None:
+        """Adopt the job's mode and W (before any push)."""
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+        if type(num_workers) is not int or num_workers < 1:
+            raise ConfigError(f"num_workers must be a positive integer, got {num_workers!r}")
+        self.mode, self.num_workers = mode, num_workers
+
+    @property
+    def rounds(self) -> bool:
+        """True when pushes gather into rounds of W (sync mode with W > 1)."""
+        return self.mode == "sync" and self.num_workers > 1
+
+    # ------------------------------------------------------------------ the round
+    def can_join(self, worker: int, entries: list[Entry]) -> bool:
+        """Whether a push of ``worker`` to these keys can be taken now (else it waits for their rounds)."""
+        return not self.rounds or not any(worker in e.contributors for e in entries)
+
+    def admit(self, worker: int, entries: list[Entry], grads: list[np.ndarray]) -> tuple[list[int], list[int]]:
+        """Take one push: sum it into each key's round (sync) or apply it (async, or W = 1).
+
+        The caller has checked :meth:`can_join` and validated every gradient, so nothing here can fail halfway.
+
+        Returns
+        -------
+        targets : list of int
+            Per key, the version that will include this push.
+        completed : list of int
+            Indices of the keys whose version moved (a round completed, or the push was applied).
+        """
+        targets, completed = [], []
+        w = self.num_workers
+        for i, (entry, grad) in enumerate(zip(entries, grads)):
+            if not self.rounds:
+                entry.apply(grad, 1.0)
+                completed.append(i)
+                targets.append(entry.version)
+                continue
+            entry.add_to_round(worker, grad)
+            targets.append(entry.version + 1)
+            if len(entry.contributors) == w:
+                entry.apply(entry.acc, 1.0 / w)
+                entry.contributors.clear()
+                completed.append(i)
+        return targets, completed
+
+    def targets(self, worker: int, entries: list[Entry]) -> list[int]:
+        """Per key, the version that includes everything ``worker`` has pushed so far (for a replayed push)."""
+        return [e.version + (1 if worker in e.contributors else 0) for e in entries]
+
+    def reachable(self, entry: Entry, queued: int) -> int:
+        """The highest version of ``entry`` a worker with ``queued`` pushes waiting to join can still cause."""
+        return entry.version + (1 + queued if self.mode == "sync" else 0)
 
     def get(self, key: Key) -> Optional[Entry]:
         """The entry of ``key``, or None."""

@@ -50,17 +50,17 @@ def _common(sock: zmq.Socket, hwm: int) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TTL, _HEARTBEAT_TIMEOUT_MS)
 
 
-def _send_frames(sock: zmq.Socket, frames: Sequence[Any], track: bool) -> list[zmq.MessageTracker]:
-    trackers = []
+def _send_frames(sock: zmq.Socket, frames: Sequence[Any], track: bool) -> list[Optional[zmq.MessageTracker]]:
+    trackers: list[Optional[zmq.MessageTracker]] = []
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         flags = zmq.SNDMORE if i < last else 0
         if len(frame) >= ZERO_COPY_BYTES:
             tracker = sock.send(frame, flags, copy=False, track=track)
-            if track:
-                trackers.append(tracker)
+            trackers.append(tracker if track else None)
         else:
             sock.send(frame, flags, copy=True)
+            trackers.append(None)  # copied: the caller's buffer is free at once
     return trackers
 
 
@@ -126,8 +126,10 @@ class RouterChannel:
             return None
         return parts[0].bytes, parts[1:]
 
-    def send(self, identity: bytes, frames: Sequence[Any], track: bool = False) -> list[zmq.MessageTracker]:
-        """Send a reply to ``identity``; returns trackers of the zero-copy frames when ``track``.
+    def send(self, identity: bytes, frames: Sequence[Any],
+             track: bool = False) -> list[Optional[zmq.MessageTracker]]:
+        """Send a reply to ``identity``; returns one entry per frame: its tracker when it went zero-copy and
+        ``track`` is set (the buffer must not change until ``tracker.done``), else None (the buffer is free).
 
         Raises
         ------
@@ -142,9 +144,9 @@ class RouterChannel:
                 raise SendDropped(str(exc)) from None
             raise
 
-    def close(self) -> None:
-        """Close the socket without lingering."""
-        self.sock.close(linger=0)
+    def close(self, linger: float = 0.0) -> None:
+        """Close the socket, giving queued messages at most ``linger`` seconds to leave."""
+        self.sock.close(linger=int(linger * 1000))
 
 
 class DealerChannel:
@@ -192,6 +194,10 @@ class DealerChannel:
             ) from None
         except zmq.ZMQError as exc:
             raise ConnectionLostError(f"cannot send to shard {self.endpoint}: {exc}") from None
+
+    def poll(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a message to arrive."""
+        return bool(self.sock.poll(max(0, int(timeout * 1000)), zmq.POLLIN))
 
     def readable(self) -> bool:
         """True when a message is waiting (no system call beyond reading the socket's event flags)."""

@@ -1,0 +1,115 @@
+"""The wire protocol, written once: framing, decode limits, and one typed record per message of either plane.
+
+A message is a multipart ZeroMQ message ``[header, buf_0, ..., buf_{n-1}]``. The header is a msgpack map;
+tensor bytes never pass through msgpack, so large buffers travel zero-copy. Each tensor in a message is
+described by one entry ``[name, part, dtype, shape]`` in the header's ``tensors`` list, and its bytes are the
+buffer frame at the same position. ``part`` numbers the contiguous chunks of a tensor split by
+:mod:`psrt.partition` (0 for a whole tensor); ``dtype`` is a name from :mod:`psrt.dtypes` (``<f4``, ``<f8``).
+Every header carries ``v`` (the protocol version, :data:`PROTOCOL_VERSION`), ``op``, and ``id`` (the request
+id, echoed in the reply). Untrusted bytes are decoded with explicit limits and an exact field set per op
+(:mod:`psrt.wire.codec`); any violation is a :class:`~psrt.errors.ProtocolError`.
+
+Data plane (:mod:`psrt.wire.data`), worker to shard and back:
+
+==============  =======================================================  =====================================
+request         fields (besides ``v, op, id``)                           reply
+==============  =======================================================  =====================================
+``init``        ``worker, session, optimizer, tensors`` + buffers         ``params`` + ``mode, num_workers,
+                (set values unless the key exists)                         conflicts``
+``push``        ``worker, session, seq, tensors`` + buffers (gradients)   ``ack``
+``push_pull``   as ``push``                                               ``params`` once the push's round
+                                                                          is applied
+``pull``        ``worker, keys``: ``[[name, part, min_version], ...]``    ``params``
+``stats``       (none)                                                    ``stats``
+==============  =======================================================  =====================================
+
+Replies: ``params {tensors, versions}`` + buffers (after ``init`` also ``mode, num_workers, conflicts``: the
+shard's mode and W, and the indices of tensors that exist with another optimizer); ``ack {versions,
+duplicate}``; ``stats {stats}``; ``error {code, message}``, to any request.
+
+Control plane (:mod:`psrt.wire.control`), one header frame each, no buffers:
+
+==============  =======================================================  =====================================
+request         fields                                                   reply
+==============  =======================================================  =====================================
+``register``    ``role`` (server, worker), ``endpoint, host, rank``      ``table`` once the job forms
+``barrier``     ``rank, name``                                           ``ok`` once every worker arrived
+``done``        ``rank``                                                 ``ok``
+``table``       (none)                                                   ``table`` (rank -1)
+==============  =======================================================  =====================================
+
+Replies: ``table {rank, num_servers, num_workers, mode, servers}``, ``ok {}``, ``error {code, message}``; and
+``shutdown {}`` (id 0), sent unprompted to the servers when every worker is done.
+"""
+
+from psrt.wire.codec import (
+    PROTOCOL_VERSION,
+    Key,
+    TensorMeta,
+    check_version,
+    dtype_name,
+    encode,
+    pack_header,
+    tensor_entry,
+    unpack_header,
+)
+from psrt.wire.control import (
+    CONTROL_LIMITS,
+    Barrier,
+    ControlError,
+    ControlReply,
+    ControlRequest,
+    Done,
+    Ok,
+    Register,
+    Shutdown,
+    Table,
+    TableQuery,
+    decode_control_reply,
+    decode_control_request,
+    encode_barrier,
+    encode_control_error,
+    encode_done,
+    encode_ok,
+    encode_register,
+    encode_shutdown,
+    encode_table,
+    encode_table_query,
+)
+from psrt.wire.data import (
+    AckReply,
+    ErrorReply,
+    InitRequest,
+    JobInfo,
+    ParamsReply,
+    PullKey,
+    PullRequest,
+    PushRequest,
+    Reply,
+    Request,
+    StatsReply,
+    StatsRequest,
+    decode_reply,
+    decode_request,
+    encode_ack,
+    encode_error,
+    encode_init,
+    encode_params,
+    encode_pull,
+    encode_push,
+    encode_stats,
+    encode_stats_request,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION", "Key", "TensorMeta", "check_version", "dtype_name", "encode", "pack_header",
+    "tensor_entry", "unpack_header",
+    "InitRequest", "PushRequest", "PullKey", "PullRequest", "StatsRequest", "Request",
+    "JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "Reply",
+    "decode_request", "decode_reply", "encode_init", "encode_push", "encode_pull", "encode_stats_request",
+    "encode_params", "encode_ack", "encode_stats", "encode_error",
+    "CONTROL_LIMITS", "Register", "Barrier", "Done", "TableQuery", "ControlRequest", "Table", "Ok",
+    "ControlError", "Shutdown", "ControlReply", "decode_control_request", "decode_control_reply",
+    "encode_register", "encode_barrier", "encode_done", "encode_table_query", "encode_table", "encode_ok",
+    "encode_control_error", "encode_shutdown",
+]

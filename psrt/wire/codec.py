@@ -1,0 +1,233 @@
+"""The framing both planes share: a msgpack header frame, decoded from untrusted bytes with explicit limits.
+
+Everything a peer sends is decoded as hostile: the header is unpacked with explicit msgpack limits (no binary,
+no extension types, string map keys), then checked against a strict per-op schema (exact key set, ``type(v) is
+int`` so booleans are not integers); dtypes come from the allow-list in :mod:`psrt.dtypes`; element counts are
+computed with Python integers with every dimension capped, and each buffer frame must hold exactly
+``count * itemsize`` bytes. Any violation raises :class:`~psrt.errors.ProtocolError` saying what was wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import msgpack
+import numpy as np
+
+from psrt import dtypes
+from psrt.config import WireLimits
+from psrt.errors import ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Key",
+    "TensorMeta",
+    "pack_header",
+    "unpack_header",
+    "check_version",
+    "check_fields",
+    "uint",
+    "string",
+    "tensor_metas",
+    "check_buffers",
+    "encode",
+    "dtype_name",
+    "tensor_entry",
+]
+
+PROTOCOL_VERSION = 1
+
+Key = tuple[str, int]
+
+MAX_DIM = 1 << 40
+MAX_U63 = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor entry of a header: its key, dtype, shape, element count and byte size."""
+
+    name: str
+    part: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    count: int
+    nbytes: int
+
+    @property
+    def key(self) -> Key:
+        """The shard-side key: ``(name, part)``."""
+        return (self.name, self.part)
+
+
+def pack_header(header: dict[str, Any]) -> bytes:
+    """Pack a header map with msgpack (strings as str, no binary fields)."""
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def encode(header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[Any]:
+    """The frames of a message: the packed header (``v`` added first) and one raw buffer per array.
+
+    Arrays must be C-contiguous; they are passed as memoryviews so the transport can send them zero-copy. The
+    typed encoders of :mod:`psrt.wire.data` and :mod:`psrt.wire.control` build every header psrt sends; this
+    is the one place headers become bytes.
+    """
+    frames: list[Any] = [pack_header({"v": PROTOCOL_VERSION, **header})]
+    for a in arrays:
+        frames.append(memoryview(a.reshape(-1)).cast("B") if a.size else b"")
+    return frames
+
+
+def unpack_header(data: Any, limits: WireLimits) -> dict[str, Any]:
+    """Unpack an untrusted header frame with explicit limits (the caller checks the fields).
+
+    Raises
+    ------
+    ProtocolError
+        When the frame is too large, is not valid msgpack, or is not a map with string keys.
+    """
+    n = len(data)
+    if n > limits.max_header_bytes:
+        raise ProtocolError(f"header frame is {n} bytes; the limit is {limits.max_header_bytes}")
+    try:
+        header = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_str_len=max(limits.max_name_len, 4096),
+            max_bin_len=0,
+            max_ext_len=0,
+            max_array_len=limits.max_tensors,
+            max_map_len=64,
+        )
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise ProtocolError(f"header is not a valid msgpack map: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    if any(type(k) is not str for k in header):
+        raise ProtocolError("header keys must all be strings")
+    return header
+
+
+def check_version(header: dict[str, Any]) -> None:
+    """Raise :class:`ProtocolError` unless the header speaks this protocol version."""
+    version = header.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r} is not supported; this peer speaks {PROTOCOL_VERSION}")
+
+
+def op_of(header: dict[str, Any], known: dict[str, frozenset[str]], what: str) -> str:
+    """The header's ``op``, checked to be a string naming one of ``known``, with exactly its fields."""
+    op = header.get("op")
+    fields = known.get(op) if type(op) is str else None
+    if fields is None:
+        raise ProtocolError(f"unknown op {op!r} in a {what}; known: {sorted(known)}")
+    check_fields(op, header, fields)
+    return op
+
+
+def check_fields(op: str, header: dict[str, Any], fields: frozenset[str]) -> None:
+    """Raise :class:`ProtocolError` unless the header has exactly ``fields``."""
+    if header.keys() != fields:
+        missing, extra = sorted(fields - set(header)), sorted(set(header) - fields)
+        raise ProtocolError(f"op {op!r}: missing fields {missing}, unexpected fields {extra}")
+
+
+def uint(header: dict[str, Any], key: str, hi: int = MAX_U63, lo: int = 0) -> int:
+    """The integer field ``key``, checked to lie in ``[lo, hi]`` (booleans are not integers)."""
+    value = header.get(key)
+    if type(value) is not int or not lo <= value <= hi:
+        raise ProtocolError(f"field {key!r} must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def string(header: dict[str, Any], key: str, max_len: int = 4096, allowed: Optional[Sequence[str]] = None) -> str:
+    """The string field ``key``, at most ``max_len`` characters, one of ``allowed`` when given."""
+    value = header.get(key)
+    if type(value) is not str or len(value) > max_len:
+        raise ProtocolError(f"field {key!r} must be a string of at most {max_len} characters, got {value!r:.80}")
+    if allowed is not None and value not in allowed:
+        raise ProtocolError(f"field {key!r} must be one of {list(allowed)}, got {value!r}")
+    return value
+
+
+def uint_list(header: dict[str, Any], key: str, length: Optional[int] = None) -> list[int]:
+    """The field ``key`` as a list of non-negative integers (of ``length`` items when given)."""
+    value = header.get(key)
+    if (type(value) is not list or (length is not None and len(value) != length)
+            or any(type(v) is not int or not 0 <= v <= MAX_U63 for v in value)):
+        count = "" if length is None else f" of {length}"
+        raise ProtocolError(f"field {key!r} must be a list{count} non-negative integers")
+    return value
+
+
+def tensor_metas(entries: Any, limits: WireLimits) -> list[TensorMeta]:
+    """Check a ``tensors`` field, ``[[name, part, dtype, shape], ...]``, and describe each entry."""
+    if type(entries) is not list:
+        raise ProtocolError("field 'tensors' must be a list of [name, part, dtype, shape]")
+    if len(entries) > limits.max_tensors:
+        raise ProtocolError(f"{len(entries)} tensors in one message; the limit is {limits.max_tensors}")
+    metas = []
+    for i, entry in enumerate(entries):
+        if type(entry) is not list or len(entry) != 4:
+            raise ProtocolError(f"tensor entry {i} must be [name, part, dtype, shape]")
+        name, part, dname, shape = entry
+        if type(name) is not str or not 0 < len(name) <= limits.max_name_len:
+            raise ProtocolError(f"tensor entry {i}: name must be a non-empty string of at most "
+                                f"{limits.max_name_len} characters")
+        if type(part) is not int or not 0 <= part <= MAX_U63:
+            raise ProtocolError(f"tensor {name!r}: part must be a non-negative integer, got {part!r}")
+        dtype = dtypes.from_wire_name(dname)
+        if dtype is None:
+            raise ProtocolError(f"tensor {name!r}: dtype {dname!r} is not allowed; use one of "
+                                f"{sorted(dtypes.BY_WIRE_NAME)}")
+        if type(shape) is not list or len(shape) > limits.max_dims:
+            raise ProtocolError(f"tensor {name!r}: shape must be a list of at most {limits.max_dims} dimensions")
+        for d in shape:
+            if type(d) is not int or not 0 <= d <= MAX_DIM:
+                raise ProtocolError(f"tensor {name!r}: dimension {d!r} must be an integer in [0, 2**40]")
+        count = math.prod(shape)  # Python integers: cannot overflow
+        nbytes = count * dtype.itemsize
+        if nbytes > limits.max_tensor_bytes:
+            raise ProtocolError(f"tensor {name!r}: shape {shape} is {nbytes} bytes; the limit is "
+                                f"{limits.max_tensor_bytes}")
+        metas.append(TensorMeta(name, part, dtype, tuple(shape), count, nbytes))
+    return metas
+
+
+def check_buffers(metas: list[TensorMeta], buffers: Sequence[Any]) -> None:
+    """Raise :class:`ProtocolError` unless there is one buffer per tensor, each of exactly its byte size."""
+    if len(buffers) != len(metas):
+        raise ProtocolError(f"header lists {len(metas)} tensors but {len(buffers)} buffer frames follow")
+    for meta, buf in zip(metas, buffers):
+        if len(buf) != meta.nbytes:
+            raise ProtocolError(f"tensor {meta.name!r} part {meta.part}: frame has {len(buf)} bytes, "
+                                f"shape {list(meta.shape)} of {meta.dtype.str} needs {meta.nbytes}")
+
+
+def tensor_entry(name: str, part: int, dtype: np.dtype, shape: Sequence[int]) -> list[Any]:
+    """The header entry ``[name, part, dtype, shape]`` of one tensor.
+
+    Raises
+    ------
+    ProtocolError
+        When the dtype is not one psrt moves (:mod:`psrt.dtypes`).
+    """
+    return [name, part, dtype_name(dtype), list(shape)]
+
+
+def dtype_name(dtype: Any) -> str:
+    """The wire name of a dtype psrt moves.
+
+    Raises
+    ------
+    ProtocolError
+        When the dtype is not float32 or float64 (in this machine's byte order).
+    """
+    name = dtypes.wire_name(dtype)
+    if name is None:
+        raise ProtocolError(f"dtype {dtype} cannot be sent; psrt tensors are {dtypes.describe()}")
+    return name

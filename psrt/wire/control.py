@@ -1,0 +1,257 @@
+"""The control plane: messages between the scheduler and its servers and workers, as typed records.
+
+Control messages are single header frames with the data plane's framing and decode rules (``v``, ``op``, ``id``;
+msgpack with limits; exact field sets). No tensor bytes travel here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence, Union
+
+from psrt.config import MODES, WireLimits
+from psrt.errors import ProtocolError
+from psrt.wire.codec import MAX_U63, check_version, encode, op_of, string, uint, unpack_header
+
+__all__ = [
+    "CONTROL_LIMITS",
+    "ROLES",
+    "Register",
+    "Barrier",
+    "Done",
+    "TableQuery",
+    "ControlRequest",
+    "Table",
+    "Ok",
+    "ControlError",
+    "Shutdown",
+    "ControlReply",
+    "decode_control_request",
+    "decode_control_reply",
+    "encode_register",
+    "encode_barrier",
+    "encode_done",
+    "encode_table_query",
+    "encode_table",
+    "encode_ok",
+    "encode_control_error",
+    "encode_shutdown",
+]
+
+#: Control messages are small: tighter limits than the data plane's.
+CONTROL_LIMITS = WireLimits(max_header_bytes=1 << 16, max_tensors=1 << 12)
+
+#: Roles that register with the scheduler.
+ROLES = ("server", "worker")
+
+_MAX_ENDPOINT = 1024
+_MAX_BARRIER_NAME = 256
+
+_REQUEST_FIELDS: dict[str, frozenset[str]] = {
+    "register": frozenset({"v", "op", "id", "role", "endpoint", "host", "rank"}),
+    "barrier": frozenset({"v", "op", "id", "rank", "name"}),
+    "done": frozenset({"v", "op", "id", "rank"}),
+    "table": frozenset({"v", "op", "id"}),
+}
+_REPLY_FIELDS: dict[str, frozenset[str]] = {
+    "table": frozenset({"v", "op", "id", "rank", "num_servers", "num_workers", "mode", "servers"}),
+    "ok": frozenset({"v", "op", "id"}),
+    "error": frozenset({"v", "op", "id", "code", "message"}),
+    "shutdown": frozenset({"v", "op", "id"}),
+}
+
+
+# ---------------------------------------------------------------------------------------------- requests
+@dataclass(frozen=True)
+class Register:
+    """``register``: a server (with the endpoint it serves on) or a worker joins; rank -1 lets the scheduler choose."""
+
+    id: int
+    role: str
+    endpoint: str
+    host: str
+    rank: int
+    op: ClassVar[str] = "register"
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """``barrier``: worker ``rank`` arrived at the barrier ``name``."""
+
+    id: int
+    rank: int
+    name: str
+    op: ClassVar[str] = "barrier"
+
+
+@dataclass(frozen=True)
+class Done:
+    """``done``: worker ``rank`` has finished."""
+
+    id: int
+    rank: int
+    op: ClassVar[str] = "done"
+
+
+@dataclass(frozen=True)
+class TableQuery:
+    """``table``: the scheduler's current view of the job (monitoring; does not register)."""
+
+    id: int
+    op: ClassVar[str] = "table"
+
+
+ControlRequest = Union[Register, Barrier, Done, TableQuery]
+
+
+def _rank(h: dict[str, Any]) -> int:
+    value = h.get("rank")
+    if type(value) is not int or not -1 <= value <= MAX_U63:
+        raise ProtocolError("field 'rank' must be an integer >= -1 (-1: let the scheduler assign one)")
+    return value
+
+
+def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_LIMITS) -> ControlRequest:
+    """Decode a message a server or worker sent the scheduler.
+
+    Raises
+    ------
+    ProtocolError
+        With ``request_id`` set when the header got that far.
+    """
+    request_id = None
+    try:
+        if len(frames) != 1:
+            raise ProtocolError(f"control messages are one frame, got {len(frames)}")
+        h = unpack_header(frames[0], limits)
+        if type(h.get("id")) is int and 0 <= h["id"] <= MAX_U63:
+            request_id = h["id"]
+        check_version(h)
+        op = op_of(h, _REQUEST_FIELDS, "control")
+        rid = uint(h, "id")
+        if op == "register":
+            role = string(h, "role", allowed=ROLES)
+            endpoint = string(h, "endpoint", _MAX_ENDPOINT)
+            if role == "server" and "://" not in endpoint:
+                raise ProtocolError(f"a server must announce an endpoint like tcp://HOST:PORT, got {endpoint!r}")
+            return Register(rid, role, endpoint, string(h, "host", _MAX_ENDPOINT), _rank(h))
+        if op == "barrier":
+            return Barrier(rid, _rank(h), string(h, "name", _MAX_BARRIER_NAME))
+        if op == "done":
+            return Done(rid, _rank(h))
+        return TableQuery(rid)
+    except ProtocolError as exc:
+        exc.request_id = request_id  # type: ignore[attr-defined]
+        raise
+
+
+def encode_register(rid: int, role: str, endpoint: str, host: str, rank: int) -> list[Any]:
+    """Frames of a ``register`` request."""
+    return encode({"op": "register", "id": rid, "role": role, "endpoint": endpoint, "host": host, "rank": rank})
+
+
+def encode_barrier(rid: int, rank: int, name: str) -> list[Any]:
+    """Frames of a ``barrier`` request."""
+    return encode({"op": "barrier", "id": rid, "rank": rank, "name": name})
+
+
+def encode_done(rid: int, rank: int) -> list[Any]:
+    """Frames of a ``done`` request."""
+    return encode({"op": "done", "id": rid, "rank": rank})
+
+
+def encode_table_query(rid: int) -> list[Any]:
+    """Frames of a ``table`` request."""
+    return encode({"op": "table", "id": rid})
+
+
+# ---------------------------------------------------------------------------------------------- replies
+@dataclass(frozen=True)
+class Table:
+    """``table``: what the scheduler tells a registered process (or a monitor, with rank -1) about the job."""
+
+    id: int
+    rank: int
+    num_servers: int
+    num_workers: int
+    mode: str
+    #: Shard endpoints in shard order (empty until the job has formed).
+    servers: list[str]
+    op: ClassVar[str] = "table"
+
+
+@dataclass(frozen=True)
+class Ok:
+    """``ok``: a barrier was passed, or ``done`` was taken."""
+
+    id: int
+    op: ClassVar[str] = "ok"
+
+
+@dataclass(frozen=True)
+class ControlError:
+    """``error``: the scheduler refused a request, or the job failed; ``code`` is machine-readable."""
+
+    id: int
+    code: str
+    message: str
+    op: ClassVar[str] = "error"
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """``shutdown``: sent unprompted to the servers when every worker is done."""
+
+    id: int
+    op: ClassVar[str] = "shutdown"
+
+
+ControlReply = Union[Table, Ok, ControlError, Shutdown]
+
+
+def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIMITS) -> ControlReply:
+    """Decode a message the scheduler sent.
+
+    Raises
+    ------
+    ProtocolError
+        When it is malformed, whatever is wrong with it.
+    """
+    if len(frames) != 1:
+        raise ProtocolError(f"control messages are one frame, got {len(frames)}")
+    h = unpack_header(frames[0], limits)
+    check_version(h)
+    op = op_of(h, _REPLY_FIELDS, "control reply")
+    rid = uint(h, "id")
+    if op == "table":
+        servers = h["servers"]
+        if type(servers) is not list or any(type(s) is not str or "://" not in s or len(s) > _MAX_ENDPOINT
+                                            for s in servers):
+            raise ProtocolError("table: 'servers' must be a list of endpoints")
+        return Table(rid, _rank(h), uint(h, "num_servers", lo=1), uint(h, "num_workers", lo=1),
+                     string(h, "mode", allowed=MODES), list(servers))
+    if op == "error":
+        return ControlError(rid, string(h, "code", 64), string(h, "message", 1 << 16))
+    return Ok(rid) if op == "ok" else Shutdown(rid)
+
+
+def encode_table(rid: int, rank: int, num_servers: int, num_workers: int, mode: str,
+                 servers: list[str]) -> list[Any]:
+    """Frames of a ``table`` reply."""
+    return encode({"op": "table", "id": rid, "rank": rank, "num_servers": num_servers, "num_workers": num_workers,
+                   "mode": mode, "servers": servers})
+
+
+def encode_ok(rid: int) -> list[Any]:
+    """Frames of an ``ok`` reply."""
+    return encode({"op": "ok", "id": rid})
+
+
+def encode_control_error(rid: int, code: str, message: str) -> list[Any]:
+    """Frames of an ``error`` reply."""
+    return encode({"op": "error", "id": rid, "code": code, "message": message})
+
+
+def encode_shutdown() -> list[Any]:
+    """Frames of the ``shutdown`` notice (id 0: it answers no request)."""
+    return encode({"op": "shutdown", "id": 0})

@@ -1,0 +1,361 @@
+"""The data plane: requests from a worker's client to a shard, and the shard's replies, as typed records.
+
+Each op has one record type and one encoder; :func:`decode_request` and :func:`decode_reply` turn untrusted
+frames into those records (or raise :class:`~psrt.errors.ProtocolError`), so the server and the client never
+index a raw header. The fields of each op are listed in :mod:`psrt.wire`'s docstring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Sequence, Union
+
+import numpy as np
+
+from psrt.config import MODES, WireLimits
+from psrt.errors import ProtocolError
+from psrt.wire.codec import (
+    MAX_U63,
+    Key,
+    TensorMeta,
+    check_buffers,
+    check_fields,
+    check_version,
+    encode,
+    op_of,
+    string,
+    tensor_metas,
+    uint,
+    uint_list,
+    unpack_header,
+)
+
+__all__ = [
+    "InitRequest",
+    "PushRequest",
+    "PullKey",
+    "PullRequest",
+    "StatsRequest",
+    "Request",
+    "JobInfo",
+    "ParamsReply",
+    "AckReply",
+    "StatsReply",
+    "ErrorReply",
+    "Reply",
+    "decode_request",
+    "decode_reply",
+    "encode_init",
+    "encode_push",
+    "encode_pull",
+    "encode_stats_request",
+    "encode_params",
+    "encode_ack",
+    "encode_stats",
+    "encode_error",
+]
+
+#: Largest worker rank on the wire.
+MAX_WORKER = 1 << 31
+
+_REQUEST_FIELDS: dict[str, frozenset[str]] = {
+    "init": frozenset({"v", "op", "id", "worker", "session", "optimizer", "tensors"}),
+    "push": frozenset({"v", "op", "id", "worker", "session", "seq", "tensors"}),
+    "push_pull": frozenset({"v", "op", "id", "worker", "session", "seq", "tensors"}),
+    "pull": frozenset({"v", "op", "id", "worker", "keys"}),
+    "stats": frozenset({"v", "op", "id"}),
+}
+_PARAMS = frozenset({"v", "op", "id", "tensors", "versions"})
+_JOB = frozenset({"mode", "num_workers", "conflicts"})
+_REPLY_FIELDS: dict[str, frozenset[str]] = {
+    "params": _PARAMS,
+    "ack": frozenset({"v", "op", "id", "versions", "duplicate"}),
+    "stats": frozenset({"v", "op", "id", "stats"}),
+    "error": frozenset({"v", "op", "id", "code", "message"}),
+}
+
+
+# ---------------------------------------------------------------------------------------------- requests
+@dataclass
+class _WithTensors:
+    """A message carrying tensors: ``buffers[i]`` holds the bytes of ``tensors[i]``."""
+
+    tensors: list[TensorMeta]
+    buffers: list[Any]
+
+    def array(self, i: int) -> np.ndarray:
+        """The i-th buffer as a flat array of its declared dtype (no copy; read-only if received)."""
+        return np.frombuffer(self.buffers[i], dtype=self.tensors[i].dtype)
+
+    def keys(self) -> list[Key]:
+        """The ``(name, part)`` key of every tensor, in message order."""
+        return [m.key for m in self.tensors]
+
+
+@dataclass
+class InitRequest(_WithTensors):
+    """``init``: register tensors with initial values and the optimizer (by name) that updates them."""
+
+    id: int
+    worker: int
+    session: int
+    optimizer: dict[str, Any]
+    op: ClassVar[str] = "init"
+
+
+@dataclass
+class PushRequest(_WithTensors):
+    """``push`` or ``push_pull`` (``pull`` true): gradients, with the sequence number that makes them exactly-once."""
+
+    id: int
+    worker: int
+    session: int
+    seq: int
+    pull: bool
+
+    @property
+    def op(self) -> str:
+        """``"push_pull"`` or ``"push"``."""
+        return "push_pull" if self.pull else "push"
+
+
+@dataclass(frozen=True)
+class PullKey:
+    """One key a pull asks for, and the least version the answer must have."""
+
+    name: str
+    part: int
+    min_version: int
+
+    @property
+    def key(self) -> Key:
+        """``(name, part)``."""
+        return (self.name, self.part)
+
+
+@dataclass
+class PullRequest:
+    """``pull``: parameters of ``keys``, each at least at its ``min_version``."""
+
+    id: int
+    worker: int
+    keys: list[PullKey]
+    op: ClassVar[str] = "pull"
+
+
+@dataclass
+class StatsRequest:
+    """``stats``: the shard's counters."""
+
+    id: int
+    op: ClassVar[str] = "stats"
+
+
+Request = Union[InitRequest, PushRequest, PullRequest, StatsRequest]
+
+
+def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
+    """Decode and validate a request ``[header, buffers...]`` (the frames after the ROUTER identity).
+
+    Parameters
+    ----------
+    frames : sequence of buffer-like
+        The message frames (``zmq.Frame``, ``bytes`` or ``memoryview``).
+    limits : WireLimits
+        Decode limits.
+
+    Raises
+    ------
+    ProtocolError
+        With ``request_id`` set to the request's id when the header got that far, else ``None``.
+    """
+    request_id = None
+    try:
+        if len(frames) < 1:
+            raise ProtocolError("empty message: expected a header frame")
+        h = unpack_header(frames[0], limits)
+        if type(h.get("id")) is int and 0 <= h["id"] <= MAX_U63:
+            request_id = h["id"]
+        check_version(h)
+        op = op_of(h, _REQUEST_FIELDS, "request")
+        rid = uint(h, "id")
+        buffers = list(frames[1:])
+        if op == "stats" or op == "pull":
+            if buffers:
+                raise ProtocolError(f"op {op!r} takes no buffer frames, got {len(buffers)}")
+            if op == "stats":
+                return StatsRequest(rid)
+            return PullRequest(rid, uint(h, "worker", MAX_WORKER), _pull_keys(h["keys"], limits))
+        worker, session = uint(h, "worker", MAX_WORKER), uint(h, "session")
+        seq = uint(h, "seq") if op != "init" else 0
+        if op == "init" and type(h["optimizer"]) is not dict:
+            raise ProtocolError("field 'optimizer' must be a map")
+        metas = tensor_metas(h["tensors"], limits)
+        check_buffers(metas, buffers)
+        if len({m.key for m in metas}) != len(metas):
+            raise ProtocolError("a tensor key appears twice in one message")
+        if op == "init":
+            return InitRequest(metas, buffers, rid, worker, session, h["optimizer"])
+        return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull")
+    except ProtocolError as exc:
+        exc.request_id = request_id  # type: ignore[attr-defined]
+        raise
+
+
+def _pull_keys(keys: Any, limits: WireLimits) -> list[PullKey]:
+    if type(keys) is not list or len(keys) > limits.max_tensors:
+        raise ProtocolError(f"field 'keys' must be a list of at most {limits.max_tensors} [name, part, min_version]")
+    out = []
+    for i, entry in enumerate(keys):
+        if (type(entry) is not list or len(entry) != 3 or type(entry[0]) is not str
+                or not 0 < len(entry[0]) <= limits.max_name_len
+                or type(entry[1]) is not int or not 0 <= entry[1] <= MAX_U63
+                or type(entry[2]) is not int or not 0 <= entry[2] <= MAX_U63):
+            raise ProtocolError(f"pull key {i} must be [name, part, min_version] with a non-empty name "
+                                "and non-negative integers")
+        out.append(PullKey(entry[0], entry[1], entry[2]))
+    return out
+
+
+def encode_init(rid: int, worker: int, session: int, optimizer: dict[str, Any], entries: list[list[Any]],
+                payload: Sequence[np.ndarray]) -> list[Any]:
+    """Frames of an ``init`` request; ``entries`` are :func:`~psrt.wire.codec.tensor_entry` lists."""
+    return encode({"op": "init", "id": rid, "worker": worker, "session": session, "optimizer": optimizer,
+                   "tensors": entries}, payload)
+
+
+def encode_push(rid: int, worker: int, session: int, seq: int, entries: list[list[Any]],
+                payload: Sequence[np.ndarray], pull: bool) -> list[Any]:
+    """Frames of a ``push`` (or, with ``pull``, a ``push_pull``) request."""
+    return encode({"op": "push_pull" if pull else "push", "id": rid, "worker": worker, "session": session,
+                   "seq": seq, "tensors": entries}, payload)
+
+
+def encode_pull(rid: int, worker: int, keys: list[list[Any]]) -> list[Any]:
+    """Frames of a ``pull`` request; ``keys`` are ``[name, part, min_version]`` lists."""
+    return encode({"op": "pull", "id": rid, "worker": worker, "keys": keys})
+
+
+def encode_stats_request(rid: int) -> list[Any]:
+    """Frames of a ``stats`` request."""
+    return encode({"op": "stats", "id": rid})
+
+
+# ---------------------------------------------------------------------------------------------- replies
+@dataclass(frozen=True)
+class JobInfo:
+    """What a shard says about the job in its answer to ``init``: its mode and W, and the refused tensors."""
+
+    mode: str
+    num_workers: int
+    #: Indices (into the request's tensors) of keys that exist with a different optimizer.
+    conflicts: list[int]
+
+
+@dataclass
+class ParamsReply:
+    """``params``: parameters (their buffers follow the header) and the version of each."""
+
+    id: int
+    tensors: list[TensorMeta]
+    versions: list[int]
+    job: Optional[JobInfo] = None
+    op: ClassVar[str] = "params"
+
+
+@dataclass
+class AckReply:
+    """``ack``: a push was taken; ``versions`` says which version of each key will include it."""
+
+    id: int
+    versions: list[int]
+    duplicate: bool
+    op: ClassVar[str] = "ack"
+
+
+@dataclass
+class StatsReply:
+    """``stats``: the shard's counters, a flat map of numbers and strings."""
+
+    id: int
+    stats: dict[str, Any]
+    op: ClassVar[str] = "stats"
+
+
+@dataclass
+class ErrorReply:
+    """``error``: the request was refused; ``code`` is machine-readable, ``message`` says what to do."""
+
+    id: int
+    code: str
+    message: str
+    op: ClassVar[str] = "error"
+
+
+Reply = Union[ParamsReply, AckReply, StatsReply, ErrorReply]
+
+
+def decode_reply(data: Any, limits: WireLimits) -> Reply:
+    """Decode a reply's header frame from a shard; a ``params`` reply's buffers follow as separate frames.
+
+    Raises
+    ------
+    ProtocolError
+        When the header is malformed, whatever is wrong with it.
+    """
+    h = unpack_header(data, limits)
+    check_version(h)
+    op = h.get("op")
+    if type(op) is str and op == "params" and h.keys() == _PARAMS | _JOB:
+        fields = _PARAMS | _JOB
+    else:
+        fields = _REPLY_FIELDS.get(op) if type(op) is str else None
+        if fields is None:
+            raise ProtocolError(f"unknown op {op!r} in a reply; known: {sorted(_REPLY_FIELDS)}")
+    check_fields(op, h, fields)
+    rid = uint(h, "id")
+    if op == "params":
+        metas = tensor_metas(h["tensors"], limits)
+        versions = uint_list(h, "versions", len(metas))
+        job = None
+        if "mode" in h:
+            conflicts = uint_list(h, "conflicts")
+            if any(i >= len(metas) for i in conflicts):
+                raise ProtocolError("params reply: 'conflicts' must index the reply's tensors")
+            job = JobInfo(string(h, "mode", allowed=MODES), uint(h, "num_workers", MAX_WORKER, lo=1), conflicts)
+        return ParamsReply(rid, metas, versions, job)
+    if op == "ack":
+        if type(h["duplicate"]) is not bool:
+            raise ProtocolError("ack reply: 'duplicate' must be true or false")
+        return AckReply(rid, uint_list(h, "versions"), h["duplicate"])
+    if op == "stats":
+        stats = h["stats"]
+        if type(stats) is not dict or any(type(k) is not str or type(v) not in (int, float, str)
+                                          for k, v in stats.items()):
+            raise ProtocolError("stats reply: 'stats' must map names to numbers or strings")
+        return StatsReply(rid, stats)
+    return ErrorReply(rid, string(h, "code", 64), string(h, "message", 1 << 16))
+
+
+def encode_params(rid: int, entries: list[list[Any]], versions: list[int], payload: Sequence[np.ndarray],
+                  job: Optional[JobInfo] = None) -> list[Any]:
+    """Frames of a ``params`` reply (with the job's mode, W and conflicts when answering ``init``)."""
+    header: dict[str, Any] = {"op": "params", "id": rid, "tensors": entries, "versions": versions}
+    if job is not None:
+        header.update(mode=job.mode, num_workers=job.num_workers, conflicts=job.conflicts)
+    return encode(header, payload)
+
+
+def encode_ack(rid: int, versions: list[int], duplicate: bool) -> list[Any]:
+    """Frames of an ``ack`` reply."""
+    return encode({"op": "ack", "id": rid, "versions": versions, "duplicate": duplicate})
+
+
+def encode_stats(rid: int, stats: dict[str, Any]) -> list[Any]:
+    """Frames of a ``stats`` reply."""
+    return encode({"op": "stats", "id": rid, "stats": stats})
+
+
+def encode_error(rid: int, code: str, message: str) -> list[Any]:
+    """Frames of an ``error`` reply."""
+    return encode({"op": "error", "id": rid, "code": code, "message": message})
