@@ -6,97 +6,27 @@ shards work in parallel and a split tensor's chunks stream through a shard one a
 received straight into the output arrays (no intermediate copies).
 
 Every call has a non-blocking form returning a :class:`Handle`; ZeroMQ's I/O thread moves the bytes while the
-caller computes, and :meth:`Handle.wait` collects the replies. A client is not thread-safe: use it from the
-thread that created it.
+caller computes, and :meth:`Handle.wait` collects the replies (:mod:`psrt.calls` routes them). A client is not
+thread-safe: use it from the thread that created it.
 """
 
 from __future__ import annotations
 
-import logging
 import secrets
-import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from psrt import dtypes, transport, wire
+from psrt.calls import Handle, ShardCalls
 from psrt.config import ClientConfig, ClusterConfig
-from psrt.errors import (
-    ConfigError,
-    ConnectionLostError,
-    ProtocolError,
-    PsrtError,
-    PsrtTypeError,
-    ServerError,
-    ShardTimeoutError,
-)
+from psrt.errors import ConfigError, ConnectionLostError, PsrtError, PsrtTypeError
 from psrt.optim import SGD, Optimizer
 from psrt.partition import Chunk, PartitionMap
 from psrt.scheduler import SchedulerLink
 
 __all__ = ["Client", "Handle"]
 
-log = logging.getLogger("psrt.client")
-
-Key = tuple[str, int]
-
-
-@dataclass
-class _Pending:
-    handle: Handle
-    shard: int
-    chunks: list[Chunk]
-
-
-class Handle:
-    """A call in flight. :meth:`wait` returns its result: parameters for pulls, None for pushes."""
-
-    def __init__(self, client: Client, op: str, outputs: Optional[dict[str, np.ndarray]]) -> None:
-        self._client = client
-        self.op = op
-        self._outputs = outputs
-        self._outstanding: set[int] = set()
-        self._error: Optional[BaseException] = None
-        self._conflicts: list[str] = []
-        self._jobs: dict[int, wire.JobInfo] = {}  # init: what each shard said about the job
-        self._stats: dict[int, dict[str, Any]] = {}  # stats: each shard's counters
-
-    def done(self) -> bool:
-        """True when every reply has arrived (takes in any replies already queued, never blocks)."""
-        if self._outstanding and not self._client._closed:
-            self._client._progress(self, 0.0)
-        return not self._outstanding
-
-    def wait(self, timeout: Optional[float] = None) -> Optional[dict[str, np.ndarray]]:
-        """Wait for every reply of this call and return its result.
-
-        Parameters
-        ----------
-        timeout : float, optional
-            Seconds to wait; the client's configured timeout when omitted.
-
-        Returns
-        -------
-        dict of str to numpy.ndarray or None
-            The parameters for ``pull``/``push_pull``/``init``, None for ``push``.
-
-        Raises
-        ------
-        ShardTimeoutError
-            Naming the shard(s) that did not answer in time.
-        ServerError
-            When a shard answered with an error.
-        """
-        client = self._client
-        client._wait(self, client.config.timeout if timeout is None else timeout)
-        if self._error is not None:
-            raise self._error
-        return self._outputs
-
-    def _fail(self, error: BaseException) -> None:
-        if self._error is None:
-            self._error = error
 
 
 class Client:
@@ -186,15 +116,11 @@ class Client:
         self._num_workers = num_workers
         if self._ctx is None:
             self._ctx = transport.new_context()
-        self._channels = [transport.DealerChannel(self._ctx, ep, self.config.hwm) for ep in self.servers]
-        self._poller = transport.Poller(self._channels)
+        self._calls = ShardCalls(self._ctx, self.servers, self.config)
         self._map = PartitionMap(len(self.servers), self.config.partition_bytes)
         # A fresh session per client: a restarted worker's sequence numbers are not mistaken for replays.
         self._session = secrets.randbits(63)
         self._seq = [0] * len(self.servers)
-        self._next_id = 1
-        self._pending: dict[int, _Pending] = {}
-        self._versions: dict[Key, int] = {}
         self._plans: dict[tuple[str, ...], dict[int, list[list[Chunk]]]] = {}
         self._closed = False
 
@@ -265,7 +191,7 @@ class Client:
         except BaseException:
             self._map.remove(arrays)
             for chunk in chunks:
-                self._versions.pop(chunk.key, None)
+                self._calls.versions.pop(chunk.key, None)
             self._plans.clear()
             raise
 
@@ -273,12 +199,12 @@ class Client:
                      timeout: Optional[float]) -> dict[str, np.ndarray]:
         chunks = sorted(chunks, key=lambda c: (c.name, c.part))
         outputs = {n: np.empty(a.shape, a.dtype) for n, a in arrays.items()}
-        handle = Handle(self, "init", outputs)
+        handle = Handle(self._calls, "init", outputs)
         spec = optimizer.to_wire()
         for shard, messages in self._map.messages(chunks).items():
             for msg in messages:
                 entries, payload = self._payload(msg, arrays)
-                self._send(handle, shard, msg, lambda rid, e=entries, p=payload: wire.encode_init(
+                self._calls.send(handle, shard, msg, lambda rid, e=entries, p=payload: wire.encode_init(
                     rid, self._rank, self._session, spec, e, p))
         result = handle.wait(timeout)
         for shard, job in handle._jobs.items():
@@ -346,11 +272,11 @@ class Client:
             raise ConfigError("nothing to pull: this client has initialized no tensors; call client.init({...}) "
                               "first" if not self._map.tensors else "nothing to pull: names is empty")
         outputs = self._outputs(names, out)
-        handle = Handle(self, "pull", outputs)
+        handle = Handle(self._calls, "pull", outputs)
         for shard, messages in self._plan(tuple(names)).items():
             for msg in messages:
-                keys = [[c.name, c.part, self._versions.get(c.key, 0)] for c in msg]
-                self._send(handle, shard, msg, lambda rid, k=keys: wire.encode_pull(rid, self._rank, k))
+                keys = [[c.name, c.part, self._calls.versions.get(c.key, 0)] for c in msg]
+                self._calls.send(handle, shard, msg, lambda rid, k=keys: wire.encode_pull(rid, self._rank, k))
         return handle
 
     def push_pull_async(self, grads: Mapping[str, Any], out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:
@@ -363,9 +289,9 @@ class Client:
     def stats(self, timeout: Optional[float] = None) -> list[dict[str, Any]]:
         """Each shard's counters (keys, bytes, pushes, pulls, rounds, queue depths, ...), in shard order."""
         self._check_open()
-        handle = Handle(self, "stats", None)
+        handle = Handle(self._calls, "stats", None)
         for shard in range(len(self.servers)):
-            self._send(handle, shard, [], wire.encode_stats_request)
+            self._calls.send(handle, shard, [], wire.encode_stats_request)
         handle.wait(timeout)
         return [handle._stats[s] for s in range(len(self.servers))]
 
@@ -391,8 +317,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        for ch in self._channels:
-            ch.close()
+        self._calls.close()
         if self._link is not None:
             try:
                 self._link.done()
@@ -400,7 +325,6 @@ class Client:
                 pass  # the job is ending either way; the scheduler may already be gone
             self._link.close()
         self._ctx.term()
-        self._pending.clear()
 
     def __enter__(self) -> Client:
         return self
@@ -410,7 +334,7 @@ class Client:
 
     def __del__(self) -> None:  # a forgotten close() must not leave a context behind
         try:
-            if getattr(self, "_channels", None) is not None:
+            if getattr(self, "_calls", None) is not None:
                 self.close()
         except Exception:
             pass
@@ -466,14 +390,14 @@ class Client:
                 raise ConfigError(f"gradient {name!r} has shape {a.shape} but the tensor has shape {shape}")
             arrays[name] = a
         outputs = self._outputs(arrays, out) if op == "push_pull" else None
-        handle = Handle(self, op, outputs)
+        handle = Handle(self._calls, op, outputs)
         pull = op == "push_pull"
         for shard, messages in self._plan(tuple(arrays)).items():
             for msg in messages:
                 seq = self._seq[shard]
                 self._seq[shard] += 1
                 entries, payload = self._payload(msg, arrays)
-                self._send(handle, shard, msg, lambda rid, q=seq, e=entries, p=payload: wire.encode_push(
+                self._calls.send(handle, shard, msg, lambda rid, q=seq, e=entries, p=payload: wire.encode_push(
                     rid, self._rank, self._session, q, e, p, pull))
         return handle
 
@@ -482,111 +406,3 @@ class Client:
         """The header entries of a message's chunks and their bytes (views of the caller's arrays, no copy)."""
         entries = [wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)) for c in chunks]
         return entries, [arrays[c.name].reshape(-1)[c.start:c.start + c.count] for c in chunks]
-
-    def _send(self, handle: Handle, shard: int, chunks: list[Chunk], encode: Callable[[int], list[Any]]) -> None:
-        """Send one request to ``shard``, its frames made by ``encode(request_id)``; the reply goes to ``handle``."""
-        rid = self._next_id
-        self._next_id += 1
-        self._pending[rid] = _Pending(handle, shard, chunks)
-        handle._outstanding.add(rid)
-        try:
-            self._channels[shard].send(encode(rid), self.config.timeout)
-        except PsrtError:
-            del self._pending[rid]
-            handle._outstanding.discard(rid)
-            raise
-
-    # ------------------------------------------------------------------ receiving
-    def _wait(self, handle: Handle, timeout: float) -> None:
-        self._check_open()
-        start = time.monotonic()
-        deadline = start + timeout
-        warn_at = start + self.config.warn_after if self.config.warn_after < timeout else None
-        while handle._outstanding:
-            now = time.monotonic()
-            if warn_at is not None and now >= warn_at:
-                warn_at = None  # once per call: a slow shard is worth one line, not one per poll
-                late = sorted({self._pending[r].shard for r in handle._outstanding})
-                log.warning("still waiting for %s to answer %s after %.0fs (timeout %gs); is a psrt server "
-                            "running there, and is it reachable from this host?",
-                            ", ".join(self.servers[s] for s in late), handle.op, now - start, timeout)
-            remaining = deadline - now
-            if remaining <= 0:
-                late = sorted({self._pending[r].shard for r in handle._outstanding})
-                names = ", ".join(self.servers[s] for s in late)
-                for rid in handle._outstanding:
-                    del self._pending[rid]
-                handle._outstanding.clear()
-                handle._fail(ShardTimeoutError(
-                    f"shard {names} did not answer {handle.op} within {timeout:g}s", shard=self.servers[late[0]]
-                ))
-                return
-            self._progress(handle, remaining if warn_at is None else min(remaining, warn_at - now))
-
-    def _progress(self, handle: Handle, timeout: float) -> None:
-        for index in self._poller.wait(timeout):
-            ch = self._channels[index]
-            # Take every reply already queued on this socket, whichever handle it belongs to.
-            while ch.readable():
-                self._receive(index)
-
-    def _receive(self, shard: int) -> None:
-        ch = self._channels[shard]
-        endpoint = self.servers[shard]
-        head = ch.recv_frame()
-        try:
-            reply = wire.decode_reply(head, self.config.limits)
-        except ProtocolError as exc:
-            ch.discard_rest()
-            raise ProtocolError(f"shard {endpoint} sent a malformed reply: {exc}") from None
-        pending = self._pending.get(reply.id)
-        if pending is None or pending.shard != shard:
-            ch.discard_rest()  # a late reply to a call that timed out, or one this shard was never asked
-            return
-        del self._pending[reply.id]
-        handle = pending.handle
-        handle._outstanding.discard(reply.id)
-        if isinstance(reply, wire.ParamsReply):
-            try:
-                self._receive_params(ch, reply, pending)
-            except ProtocolError as exc:
-                ch.discard_rest()
-                handle._fail(ProtocolError(f"shard {endpoint}: {exc}"))
-            if reply.job is not None:
-                handle._conflicts.extend(pending.chunks[i].name for i in reply.job.conflicts
-                                         if i < len(pending.chunks))
-                handle._jobs[shard] = reply.job
-            return
-        ch.discard_rest()
-        if isinstance(reply, wire.ErrorReply):
-            handle._fail(ServerError(f"shard {endpoint} refused {handle.op}: [{reply.code}] {reply.message}",
-                                     shard=endpoint, code=reply.code))
-        elif isinstance(reply, wire.AckReply):
-            if len(reply.versions) != len(pending.chunks):
-                handle._fail(ProtocolError(f"shard {endpoint}: ack lists {len(reply.versions)} versions for "
-                                           f"{len(pending.chunks)} tensors"))
-                return
-            for chunk, version in zip(pending.chunks, reply.versions):
-                self._versions[chunk.key] = max(self._versions.get(chunk.key, 0), version)
-        else:
-            handle._stats[shard] = reply.stats
-
-    def _receive_params(self, ch: transport.DealerChannel, reply: wire.ParamsReply, pending: _Pending) -> None:
-        chunks = pending.chunks
-        outputs = pending.handle._outputs
-        if outputs is None or len(reply.tensors) != len(chunks):
-            raise ProtocolError(f"reply carries {len(reply.tensors)} tensors, expected {len(chunks)}")
-        for meta, chunk in zip(reply.tensors, chunks):
-            if meta.key != chunk.key or meta.dtype != chunk.dtype or meta.count != chunk.count:
-                raise ProtocolError(f"reply tensor {meta.name!r} part {meta.part} does not match the request")
-        for meta, chunk, version in zip(reply.tensors, chunks, reply.versions):
-            if not ch.more():
-                raise ProtocolError("reply has fewer buffer frames than tensors")
-            dest = outputs[chunk.name].reshape(-1)[chunk.start:chunk.start + chunk.count]
-            got = ch.recv_into(memoryview(dest).cast("B") if dest.size else bytearray())
-            if got != meta.nbytes:
-                raise ProtocolError(f"tensor {meta.name!r} part {meta.part}: frame has {got} bytes, "
-                                    f"expected {meta.nbytes}")
-            self._versions[chunk.key] = max(self._versions.get(chunk.key, 0), version)
-        if ch.more():
-            raise ProtocolError("reply has more buffer frames than tensors")

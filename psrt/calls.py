@@ -1,0 +1,228 @@
+"""Calls in flight from a client to its shards: one DEALER socket per shard, request ids, and replies.
+
+:class:`ShardCalls` sends each request with a fresh id, remembers which :class:`Handle` (one user-level call,
+possibly many requests) it belongs to, and routes every reply back by that id, receiving a ``params`` reply's
+buffers straight into the handle's output arrays. It also keeps the versions each key is known to have reached,
+which a later pull asks for. A reply that answers nothing pending (a late one, after a timeout) is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from psrt import transport, wire
+from psrt.config import ClientConfig
+from psrt.errors import ConnectionLostError, ProtocolError, PsrtError, ServerError, ShardTimeoutError
+from psrt.partition import Chunk
+
+__all__ = ["Handle", "ShardCalls"]
+
+log = logging.getLogger("psrt.client")
+
+Key = tuple[str, int]
+
+
+@dataclass
+class _Pending:
+    handle: Handle
+    shard: int
+    chunks: list[Chunk]
+
+
+class Handle:
+    """A call in flight. :meth:`wait` returns its result: parameters for pulls, None for pushes."""
+
+    def __init__(self, calls: ShardCalls, op: str, outputs: Optional[dict[str, np.ndarray]]) -> None:
+        self._calls = calls
+        self.op = op
+        self._outputs = outputs
+        self._outstanding: set[int] = set()
+        self._error: Optional[BaseException] = None
+        self._conflicts: list[str] = []
+        self._jobs: dict[int, wire.JobInfo] = {}  # init: what each shard said about the job
+        self._stats: dict[int, dict[str, Any]] = {}  # stats: each shard's counters
+
+    def done(self) -> bool:
+        """True when every reply has arrived (takes in any replies already queued, never blocks)."""
+        if self._outstanding and not self._calls.closed:
+            self._calls.progress(self, 0.0)
+        return not self._outstanding
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[dict[str, np.ndarray]]:
+        """Wait for every reply of this call and return its result.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait; the client's configured timeout when omitted.
+
+        Returns
+        -------
+        dict of str to numpy.ndarray or None
+            The parameters for ``pull``/``push_pull``/``init``, None for ``push``.
+
+        Raises
+        ------
+        ShardTimeoutError
+            Naming the shard(s) that did not answer in time.
+        ServerError
+            When a shard answered with an error.
+        """
+        calls = self._calls
+        calls.wait(self, calls.config.timeout if timeout is None else timeout)
+        if self._error is not None:
+            raise self._error
+        return self._outputs
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+
+
+class ShardCalls:
+    """Requests in flight to the shards ``servers``, over one DEALER socket each.
+
+    Parameters
+    ----------
+    context : zmq.Context
+        From :func:`psrt.transport.new_context`.
+    servers : sequence of str
+        Shard endpoints, in shard order.
+    config : ClientConfig
+        Timeouts, high-water marks and decode limits.
+    """
+
+    def __init__(self, context: Any, servers: Sequence[str], config: ClientConfig) -> None:
+        self.servers = list(servers)
+        self.config = config
+        self.channels = [transport.DealerChannel(context, ep, config.hwm) for ep in self.servers]
+        self._poller = transport.Poller(self.channels)
+        self._next_id = 1
+        self._pending: dict[int, _Pending] = {}
+        #: The highest version each key is known to have reached (from acks and params replies).
+        self.versions: dict[Key, int] = {}
+        self.closed = False
+
+    def close(self) -> None:
+        """Close the sockets; replies in flight are discarded."""
+        if not self.closed:
+            self.closed = True
+            for ch in self.channels:
+                ch.close()
+            self._pending.clear()
+
+    def send(self, handle: Handle, shard: int, chunks: list[Chunk], encode: Callable[[int], list[Any]]) -> None:
+        """Send one request to ``shard``, its frames made by ``encode(request_id)``; the reply goes to ``handle``."""
+        rid = self._next_id
+        self._next_id += 1
+        self._pending[rid] = _Pending(handle, shard, chunks)
+        handle._outstanding.add(rid)
+        try:
+            self.channels[shard].send(encode(rid), self.config.timeout)
+        except PsrtError:
+            del self._pending[rid]
+            handle._outstanding.discard(rid)
+            raise
+
+    # ------------------------------------------------------------------ receiving
+    def wait(self, handle: Handle, timeout: float) -> None:
+        """Take in replies until every request of ``handle`` is answered or ``timeout`` seconds pass."""
+        if self.closed:
+            raise ConnectionLostError("this client is closed")
+        start = time.monotonic()
+        deadline = start + timeout
+        warn_at = start + self.config.warn_after if self.config.warn_after < timeout else None
+        while handle._outstanding:
+            now = time.monotonic()
+            if warn_at is not None and now >= warn_at:
+                warn_at = None  # once per call: a slow shard is worth one line, not one per poll
+                late = sorted({self._pending[r].shard for r in handle._outstanding})
+                log.warning("still waiting for %s to answer %s after %.0fs (timeout %gs); is a psrt server "
+                            "running there, and is it reachable from this host?",
+                            ", ".join(self.servers[s] for s in late), handle.op, now - start, timeout)
+            remaining = deadline - now
+            if remaining <= 0:
+                late = sorted({self._pending[r].shard for r in handle._outstanding})
+                names = ", ".join(self.servers[s] for s in late)
+                for rid in handle._outstanding:
+                    del self._pending[rid]
+                handle._outstanding.clear()
+                handle._fail(ShardTimeoutError(
+                    f"shard {names} did not answer {handle.op} within {timeout:g}s", shard=self.servers[late[0]]
+                ))
+                return
+            self.progress(handle, remaining if warn_at is None else min(remaining, warn_at - now))
+
+    def progress(self, handle: Handle, timeout: float) -> None:
+        """Take in every reply that arrives within ``timeout`` seconds, whichever handle it answers."""
+        for index in self._poller.wait(timeout):
+            ch = self.channels[index]
+            # Take every reply already queued on this socket, whichever handle it belongs to.
+            while ch.readable():
+                self._receive(index)
+
+    def _receive(self, shard: int) -> None:
+        ch = self.channels[shard]
+        endpoint = self.servers[shard]
+        head = ch.recv_frame()
+        try:
+            reply = wire.decode_reply(head, self.config.limits)
+        except ProtocolError as exc:
+            ch.discard_rest()
+            raise ProtocolError(f"shard {endpoint} sent a malformed reply: {exc}") from None
+        pending = self._pending.get(reply.id)
+        if pending is None or pending.shard != shard:
+            ch.discard_rest()  # a late reply to a call that timed out, or one this shard was never asked
+            return
+        del self._pending[reply.id]
+        handle = pending.handle
+        handle._outstanding.discard(reply.id)
+        if isinstance(reply, wire.ParamsReply):
+            try:
+                self._receive_params(ch, reply, pending)
+            except ProtocolError as exc:
+                ch.discard_rest()
+                handle._fail(ProtocolError(f"shard {endpoint}: {exc}"))
+            if reply.job is not None:
+                handle._conflicts.extend(pending.chunks[i].name for i in reply.job.conflicts
+                                         if i < len(pending.chunks))
+                handle._jobs[shard] = reply.job
+            return
+        ch.discard_rest()
+        if isinstance(reply, wire.ErrorReply):
+            handle._fail(ServerError(f"shard {endpoint} refused {handle.op}: [{reply.code}] {reply.message}",
+                                     shard=endpoint, code=reply.code))
+        elif isinstance(reply, wire.AckReply):
+            if len(reply.versions) != len(pending.chunks):
+                handle._fail(ProtocolError(f"shard {endpoint}: ack lists {len(reply.versions)} versions for "
+                                           f"{len(pending.chunks)} tensors"))
+                return
+            for chunk, version in zip(pending.chunks, reply.versions):
+                self.versions[chunk.key] = max(self.versions.get(chunk.key, 0), version)
+        else:
+            handle._stats[shard] = reply.stats
+
+    def _receive_params(self, ch: transport.DealerChannel, reply: wire.ParamsReply, pending: _Pending) -> None:
+        chunks = pending.chunks
+        outputs = pending.handle._outputs
+        if outputs is None or len(reply.tensors) != len(chunks):
+            raise ProtocolError(f"reply carries {len(reply.tensors)} tensors, expected {len(chunks)}")
+        for meta, chunk in zip(reply.tensors, chunks):
+            if meta.key != chunk.key or meta.dtype != chunk.dtype or meta.count != chunk.count:
+                raise ProtocolError(f"reply tensor {meta.name!r} part {meta.part} does not match the request")
+        for meta, chunk, version in zip(reply.tensors, chunks, reply.versions):
+            if not ch.more():
+                raise ProtocolError("reply has fewer buffer frames than tensors")
+            dest = outputs[chunk.name].reshape(-1)[chunk.start:chunk.start + chunk.count]
+            got = ch.recv_into(memoryview(dest).cast("B") if dest.size else bytearray())
+            if got != meta.nbytes:
+                raise ProtocolError(f"tensor {meta.name!r} part {meta.part}: frame has {got} bytes, "
+                                    f"expected {meta.nbytes}")
+            self.versions[chunk.key] = max(self.versions.get(chunk.key, 0), version)
+        if ch.more():
+            raise ProtocolError("reply has more buffer frames than tensors")
