@@ -95,9 +95,13 @@ class ShardCalls:
         Shard endpoints, in shard order.
     config : ClientConfig
         Timeouts, high-water marks and decode limits.
+    check : callable, optional
+        Called while waiting; raises to end every wait at once (the job failed: :meth:`psrt.link.Heartbeat.check`).
     """
 
-    def __init__(self, context: Any, servers: Sequence[str], config: ClientConfig) -> None:
+    def __init__(self, context: Any, servers: Sequence[str], config: ClientConfig,
+                 check: Optional[Callable[[], None]] = None) -> None:
+        self._check = check
         self.servers = list(servers)
         self.config = config
         self.channels = [transport.DealerChannel(context, ep, config.hwm) for ep in self.servers]
@@ -138,6 +142,12 @@ class ShardCalls:
         deadline = start + timeout
         warn_at = start + self.config.warn_after if self.config.warn_after < timeout else None
         while handle._outstanding:
+            if self._check is not None:
+                try:
+                    self._check()
+                except PsrtError:
+                    self._forget(handle)
+                    raise
             now = time.monotonic()
             if warn_at is not None and now >= warn_at:
                 warn_at = None  # once per call: a slow shard is worth one line, not one per poll
@@ -156,7 +166,15 @@ class ShardCalls:
                     f"shard {names} did not answer {handle.op} within {timeout:g}s", shard=self.servers[late[0]]
                 ))
                 return
-            self.progress(handle, remaining if warn_at is None else min(remaining, warn_at - now))
+            wait = remaining if warn_at is None else min(remaining, warn_at - now)
+            # With a job to watch, wait in short slices so that news of a dead peer ends the wait promptly.
+            self.progress(handle, wait if self._check is None else min(wait, 0.25))
+
+    def _forget(self, handle: Handle) -> None:
+        """Stop waiting for ``handle``'s replies: any that still come are dropped as late."""
+        for rid in handle._outstanding:
+            self._pending.pop(rid, None)
+        handle._outstanding.clear()
 
     def progress(self, handle: Handle, timeout: float) -> None:
         """Take in every reply that arrives within ``timeout`` seconds, whichever handle it answers."""

@@ -72,8 +72,10 @@ def _server(args: argparse.Namespace) -> int:
         if args.scheduler:
             announce = server.endpoint.replace("0.0.0.0", host) if server.endpoint.startswith("tcp://") \
                 else server.endpoint
-            link = SchedulerLink(server.context, args.scheduler)
-            timeout = ClusterConfig.from_env().start_timeout + 10.0
+            cluster = ClusterConfig.from_env()
+            link = SchedulerLink(server.context, args.scheduler, heartbeat_interval=cluster.heartbeat_interval,
+                                 heartbeat_timeout=cluster.heartbeat_timeout)
+            timeout = cluster.start_timeout + 10.0
             table = link.register("server", endpoint=announce, host=host, timeout=timeout)
             server.set_job(table.num_workers, table.mode)
         if args.metrics_port is not None:
@@ -99,7 +101,8 @@ def _server(args: argparse.Namespace) -> int:
 def _scheduler(args: argparse.Namespace) -> int:
     from psrt.scheduler import Scheduler
 
-    sched = Scheduler(args.bind, args.servers, args.workers, args.mode, start_timeout=args.timeout)
+    sched = Scheduler(args.bind, args.servers, args.workers, args.mode, start_timeout=args.timeout,
+                      heartbeat_timeout=ClusterConfig.from_env().heartbeat_timeout)
     _on_signals(sched.stop)
     print(f"psrt-scheduler ready endpoint={sched.endpoint} servers={args.servers} workers={args.workers} "
           f"mode={args.mode}", flush=True)

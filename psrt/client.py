@@ -21,9 +21,9 @@ from psrt import dtypes, transport, wire
 from psrt.calls import Handle, ShardCalls
 from psrt.config import ClientConfig, ClusterConfig
 from psrt.errors import ConfigError, ConnectionLostError, PsrtError, PsrtTypeError
+from psrt.link import Heartbeat, SchedulerLink
 from psrt.optim import SGD, Optimizer
 from psrt.partition import Chunk, PartitionMap
-from psrt.scheduler import SchedulerLink
 
 __all__ = ["Client", "Handle"]
 
@@ -71,6 +71,7 @@ class Client:
         self.config = config if config is not None else ClientConfig()
         self._closed = True  # until the sockets exist
         self._link: Optional[SchedulerLink] = None
+        self._heartbeat: Optional[Heartbeat] = None
         self._barriers = 0
         if servers is None:
             cluster = cluster if cluster is not None else ClusterConfig.from_env()
@@ -95,6 +96,10 @@ class Client:
                 self._ctx.term()
                 raise ConfigError(f"num_workers={num_workers} but the scheduler's job has {table.num_workers}")
             servers, rank, num_workers = table.servers, table.rank, table.num_workers
+            # From here on the scheduler watches this worker: heartbeat, and hear at once if a peer dies.
+            self._heartbeat = Heartbeat(self._ctx, scheduler, rank, cluster.heartbeat_interval,
+                                        cluster.heartbeat_timeout)
+            self._link.check = self._heartbeat.check
         else:
             rank = 0 if rank is None else rank
             num_workers = 1 if num_workers is None else num_workers
@@ -116,7 +121,8 @@ class Client:
         self._num_workers = num_workers
         if self._ctx is None:
             self._ctx = transport.new_context()
-        self._calls = ShardCalls(self._ctx, self.servers, self.config)
+        self._calls = ShardCalls(self._ctx, self.servers, self.config,
+                                 check=self._heartbeat.check if self._heartbeat is not None else None)
         self._map = PartitionMap(len(self.servers), self.config.partition_bytes)
         # A fresh session per client: a restarted worker's sequence numbers are not mistaken for replays.
         self._session = secrets.randbits(63)
@@ -323,6 +329,8 @@ class Client:
                 self._link.done()
             except PsrtError:
                 pass  # the job is ending either way; the scheduler may already be gone
+            if self._heartbeat is not None:
+                self._heartbeat.stop()  # after done: until then the scheduler still expects heartbeats
             self._link.close()
         self._ctx.term()
 

@@ -15,6 +15,8 @@ variable                   also read                      meaning               
 ``PSRT_START_TIMEOUT``                                    seconds for a job to form / a barrier        120
 ``PSRT_TIMEOUT``                                          seconds any single network wait may take    60
 ``PSRT_WARN_AFTER``                                       seconds before a slow wait logs a warning   5
+``PSRT_HEARTBEAT_INTERVAL``                               seconds between heartbeats to the scheduler  0.5
+``PSRT_HEARTBEAT_TIMEOUT``                                silence after which a process is dead        2
 ``PSRT_PARTITION_BYTES``                                  tensors larger than this are split          4 MiB
 ``PSRT_NONFINITE``                                        ``reject`` or ``allow`` NaN/Inf gradients   ``reject``
 =========================  =============================  ==========================================  ==========
@@ -208,6 +210,10 @@ class ClusterConfig:
         The address other hosts reach this process at.
     start_timeout : float
         Seconds the scheduler waits for everyone to register (and a barrier for everyone to arrive).
+    heartbeat_interval : float
+        Seconds between the heartbeats each registered process sends the scheduler.
+    heartbeat_timeout : float
+        Seconds of silence after which the scheduler takes a process for dead (and a process the scheduler).
     """
 
     role: Optional[str] = None
@@ -218,6 +224,8 @@ class ClusterConfig:
     worker_id: Optional[int] = None
     node_host: Optional[str] = None
     start_timeout: float = 120.0
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 2.0
 
     def __post_init__(self) -> None:
         if self.role is not None and self.role not in ROLES:
@@ -233,6 +241,12 @@ class ClusterConfig:
         if self.mode not in MODES:
             raise ConfigError(f"mode must be 'sync' or 'async', got {self.mode!r} (PSRT_MODE)")
         _positive("start_timeout", self.start_timeout, float)
+        _positive("heartbeat_interval", self.heartbeat_interval, float)
+        _positive("heartbeat_timeout", self.heartbeat_timeout, float)
+        if self.heartbeat_timeout < 2 * self.heartbeat_interval:
+            raise ConfigError(f"heartbeat_timeout ({self.heartbeat_timeout:g}s, PSRT_HEARTBEAT_TIMEOUT) must be at "
+                              f"least twice heartbeat_interval ({self.heartbeat_interval:g}s, "
+                              "PSRT_HEARTBEAT_INTERVAL), or a live process could be taken for dead")
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> ClusterConfig:
@@ -303,4 +317,6 @@ class ClusterConfig:
             worker_id=worker_id,
             node_host=get("PSRT_NODE_HOST", "DMLC_NODE_HOST"),
             start_timeout=get_float("PSRT_START_TIMEOUT", 120.0),
+            heartbeat_interval=get_float("PSRT_HEARTBEAT_INTERVAL", 0.5),
+            heartbeat_timeout=get_float("PSRT_HEARTBEAT_TIMEOUT", 2.0),
         )

@@ -18,6 +18,7 @@ __all__ = [
     "ShardTimeoutError",
     "ConnectionLostError",
     "BindError",
+    "PeerFailedError",
 ]
 
 
@@ -80,3 +81,17 @@ class ConnectionLostError(PsrtError, ConnectionError):
 
 class BindError(PsrtError, OSError):
     """A socket could not bind its endpoint (address in use, no such interface, ...); the message names it."""
+
+
+class PeerFailedError(PsrtError, ConnectionError):
+    """A process of the job died or stopped answering: the job cannot go on.
+
+    Attributes
+    ----------
+    peer : str
+        Who failed, e.g. ``"worker 2 (10.0.0.3, pid 4242)"`` or ``"the scheduler at tcp://10.0.0.1:5700"``.
+    """
+
+    def __init__(self, message: str, *, peer: str = "") -> None:
+        super().__init__(message)
+        self.peer = peer

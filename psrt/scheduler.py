@@ -9,6 +9,10 @@ Workers call ``barrier`` (all W must arrive before any is released, within the d
 the missing ranks) and ``done`` when they finish; once all W are done the scheduler tells the servers to shut
 down and exits.
 
+Liveness: once the job has formed, every server and worker heartbeats (:mod:`psrt.link`). A process silent for
+``heartbeat_timeout`` seconds (dead, stopped, or cut off) is named in an ``abort`` notice to every other process,
+whose waits then raise :class:`~psrt.errors.PeerFailedError`, and the scheduler exits non-zero.
+
 Control messages are single header frames with the data plane's framing and decode rules; their records and
 encoders live in :mod:`psrt.wire.control`, which lists every field.
 """
@@ -23,20 +27,29 @@ from typing import Any, Optional
 
 from psrt import transport, wire
 from psrt.config import MODES
-from psrt.errors import ConfigError, ConnectionLostError, ProtocolError, PsrtTimeoutError, ServerError
+from psrt.errors import ConfigError, ProtocolError
+from psrt.link import SchedulerLink, Table
 
 __all__ = ["Scheduler", "SchedulerLink", "Table"]
 
 log = logging.getLogger("psrt.scheduler")
 
-#: What the scheduler tells a registered process about the job (the decoded ``table`` reply).
-Table = wire.Table
+Peer = tuple[str, int]  # (role, rank)
 
 
 @dataclass
 class _Barrier:
     deadline: float
     arrived: dict[int, tuple[bytes, int]] = field(default_factory=dict)
+
+
+@dataclass
+class _Member:
+    """A process the scheduler watches: where to send it notices, how to name it, and when it was last heard."""
+
+    identity: bytes
+    name: str
+    last_seen: float
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,8 @@ class Scheduler:
         ``"sync"`` or ``"async"``, handed to the servers in the table.
     start_timeout : float
         Seconds from start for everyone to register, and for each barrier to fill.
+    heartbeat_timeout : float
+        Seconds of silence after which a registered process is taken for dead.
 
     Raises
     ------
@@ -68,13 +83,14 @@ class Scheduler:
     """
 
     def __init__(self, bind: str, num_servers: int, num_workers: int, mode: str = "sync",
-                 start_timeout: float = 120.0) -> None:
+                 start_timeout: float = 120.0, heartbeat_timeout: float = 2.0) -> None:
         if num_servers < 1 or num_workers < 1:
             raise ConfigError(f"need at least one server and one worker, got S={num_servers}, W={num_workers}")
         if mode not in MODES:
             raise ConfigError(f"mode must be 'sync' or 'async', got {mode!r}")
         self.num_servers, self.num_workers, self.mode = num_servers, num_workers, mode
         self.start_timeout = start_timeout
+        self.heartbeat_timeout = heartbeat_timeout
         self._ctx = transport.new_context()
         try:
             self._chan = transport.RouterChannel(self._ctx, bind, hwm=10_000, send_timeout=5.0)
@@ -89,6 +105,7 @@ class Scheduler:
         self._formed = False
         self._barriers: dict[str, _Barrier] = {}
         self._done: set[int] = set()
+        self._members: dict[Peer, _Member] = {}  # watched once the job forms
         self.exit_code: Optional[int] = None
 
     def stop(self) -> None:
@@ -110,6 +127,7 @@ class Scheduler:
                 if not self._formed and now > deadline:
                     self._fail_start()
                 self._expire_barriers(now)
+                self._watch(now)
             return self.exit_code if self.exit_code is not None else 0
         finally:
             # Give queued shutdown/error messages a moment to leave before the socket goes.
@@ -124,7 +142,9 @@ class Scheduler:
             rid = getattr(exc, "request_id", None)
             self._error(identity, rid if rid is not None else 0, "protocol", str(exc))
             return
-        if isinstance(req, wire.TableQuery):
+        if isinstance(req, wire.Heartbeat):
+            self._heartbeat(identity, req, frames[0])
+        elif isinstance(req, wire.TableQuery):
             self._send_table(identity, req.id, -1)
         elif isinstance(req, wire.Register):
             self._register(identity, req)
@@ -183,6 +203,12 @@ class Scheduler:
         for rank, p in zip(ranks, workers):
             self._send_table(p.identity, p.request.id, rank)
         self._pending = []
+        now = time.monotonic()
+        for index, p in enumerate(servers):
+            self._members[("server", index)] = _Member(p.identity, f"server {index} ({p.request.endpoint})", now)
+        for rank, p in zip(ranks, workers):
+            where = p.request.host or "host unknown"
+            self._members[("worker", rank)] = _Member(p.identity, f"worker {rank} ({where})", now)
         log.info("job formed: %d servers, %d workers", self.num_servers, self.num_workers)
 
     def _send_table(self, identity: bytes, rid: int, rank: int) -> None:
@@ -226,12 +252,45 @@ class Scheduler:
 
     def _finish(self, identity: bytes, req: wire.Done) -> None:
         self._done.add(req.rank)
+        self._members.pop(("worker", req.rank), None)  # a worker that is done may stop heartbeating
         self._send(identity, wire.encode_ok(req.id))
         if self._formed and self._done >= set(self.workers):
             for ident, _ in self.servers:
                 self._send(ident, wire.encode_shutdown())
             log.info("all %d workers done; servers told to shut down", self.num_workers)
             self.exit_code = 0
+
+    # ------------------------------------------------------------------ liveness
+    def _heartbeat(self, identity: bytes, req: wire.Heartbeat, frame: Any) -> None:
+        member = self._members.get((req.role, req.rank))
+        if member is None:
+            self._error(identity, req.id, "not_member", f"{req.role} {req.rank} is not a member of the job")
+            return
+        if member.identity != identity and req.role == "worker":
+            # A worker heartbeats from its own socket: notices go there from now on, named by its address.
+            member.identity = identity
+            member.name = f"worker {req.rank} ({transport.peer_address(frame) or 'local'}, pid {req.pid})"
+        member.last_seen = time.monotonic()
+        self._send(identity, wire.encode_ok(req.id))
+
+    def _watch(self, now: float) -> None:
+        if self.exit_code is not None:
+            return
+        dead = [(peer, m) for peer, m in self._members.items() if now - m.last_seen > self.heartbeat_timeout]
+        if not dead:
+            return
+        names = "; ".join(f"{m.name} stopped heartbeating {now - m.last_seen:.1f}s ago" for _, m in dead)
+        message = f"{names}; the job cannot go on"
+        log.error(message)
+        for peer, _ in dead:
+            del self._members[peer]
+        for m in self._members.values():
+            self._send(m.identity, wire.encode_abort("peer_failed", message))
+        for b in self._barriers.values():
+            for ident, r in b.arrived.values():
+                self._error(ident, r, "peer_failed", message)
+        self._barriers.clear()
+        self.exit_code = 1
 
     # ------------------------------------------------------------------ sending
     def _send(self, identity: bytes, frames: list[Any]) -> None:
@@ -242,111 +301,3 @@ class Scheduler:
 
     def _error(self, identity: bytes, rid: int, code: str, message: str) -> None:
         self._send(identity, wire.encode_control_error(rid, code, message))
-
-
-class SchedulerLink:
-    """A server's or worker's connection to the scheduler.
-
-    Parameters
-    ----------
-    context : zmq.Context
-        The ZeroMQ context to open the DEALER socket in (:func:`psrt.transport.new_context`).
-    endpoint : str
-        The scheduler's endpoint.
-    warn_after : float
-        Seconds a request may go unanswered before a warning saying what is awaited, and where, is logged once.
-    """
-
-    def __init__(self, context: Any, endpoint: str, warn_after: float = 5.0) -> None:
-        self.endpoint = endpoint
-        self.channel = transport.DealerChannel(context, endpoint, hwm=1000)
-        self._next_id = 1
-        self.rank = -1
-        self.warn_after = warn_after
-
-    def _ask(self, op: str, encode: Any, timeout: float) -> wire.ControlReply:
-        rid = self._next_id
-        self._next_id += 1
-        self.channel.send(encode(rid), timeout)
-        start = time.monotonic()
-        deadline = start + timeout
-        warn_at = start + self.warn_after if self.warn_after < timeout else None
-        while True:
-            now = time.monotonic()
-            if warn_at is not None and now >= warn_at:
-                warn_at = None  # once per request: one line says it all
-                why = " (the job forms once every server and worker has registered)" if op == "register" else ""
-                log.warning("still waiting for the scheduler at %s to answer %s after %.0fs (timeout %gs)%s; "
-                            "is a psrt scheduler running there, and is it reachable from this host?",
-                            self.endpoint, op, now - start, timeout, why)
-            remaining = deadline - now
-            if remaining <= 0:
-                raise PsrtTimeoutError(f"the scheduler at {self.endpoint} did not answer {op} within {timeout:g}s")
-            if not self.channel.poll(remaining if warn_at is None else min(remaining, warn_at - now)):
-                continue
-            reply = self._recv()
-            if reply.id != rid:
-                continue  # a stale reply to an earlier, timed-out request (or an unprompted notice)
-            if isinstance(reply, wire.ControlError):
-                raise ServerError(f"scheduler {self.endpoint}: [{reply.code}] {reply.message}",
-                                  shard=self.endpoint, code=reply.code)
-            return reply
-
-    def _recv(self) -> wire.ControlReply:
-        frame = self.channel.recv_frame()
-        more = self.channel.more()
-        self.channel.discard_rest()
-        try:
-            if more:
-                raise ProtocolError("control messages are one frame")
-            return wire.decode_control_reply([frame])
-        except ProtocolError as exc:
-            raise ProtocolError(f"the scheduler at {self.endpoint} sent a malformed message: {exc}") from None
-
-    def _expect(self, reply: wire.ControlReply, kind: type, op: str) -> Any:
-        if not isinstance(reply, kind):
-            raise ProtocolError(f"the scheduler at {self.endpoint} answered {op} with {reply.op!r}")
-        return reply
-
-    def register(self, role: str, endpoint: str = "", host: str = "", rank: int = -1,
-                 timeout: float = 130.0) -> Table:
-        """Register and wait until the job forms; returns this process's :class:`Table`.
-
-        Raises
-        ------
-        ServerError
-            When the scheduler refuses (the job did not form in time, the rank is taken, ...).
-        PsrtTimeoutError
-            When the scheduler does not answer within ``timeout`` seconds.
-        """
-        reply = self._ask("register", lambda rid: wire.encode_register(rid, role, endpoint, host, rank), timeout)
-        table: Table = self._expect(reply, wire.Table, "register")
-        self.rank = table.rank
-        return table
-
-    def barrier(self, name: str, timeout: float) -> None:
-        """Wait until every worker has reached the barrier ``name``."""
-        self._expect(self._ask("barrier", lambda rid: wire.encode_barrier(rid, self.rank, name), timeout),
-                     wire.Ok, "barrier")
-
-    def done(self, timeout: float = 5.0) -> None:
-        """Tell the scheduler this worker has finished."""
-        self._expect(self._ask("done", lambda rid: wire.encode_done(rid, self.rank), timeout), wire.Ok, "done")
-
-    def table(self, timeout: float = 5.0) -> Table:
-        """The scheduler's current view of the job (for monitoring; does not register)."""
-        return self._expect(self._ask("table", wire.encode_table_query, timeout), wire.Table, "table")
-
-    def shutdown_requested(self) -> bool:
-        """Take in queued control messages; True once the scheduler has said the job is over."""
-        try:
-            while self.channel.poll(0):
-                if isinstance(self._recv(), wire.Shutdown):
-                    return True
-        except (ProtocolError, ConnectionLostError):
-            return False
-        return False
-
-    def close(self) -> None:
-        """Close the socket."""
-        self.channel.close()

@@ -31,7 +31,7 @@ from psrt.errors import ConfigError, ProtocolError
 from psrt.store import Entry, Key, Store
 
 if TYPE_CHECKING:
-    from psrt.scheduler import SchedulerLink
+    from psrt.link import SchedulerLink
 
 __all__ = ["Server", "RequestError"]
 

@@ -9,7 +9,7 @@ from typing import IO, Any, Optional
 from psrt import transport
 from psrt.client import Client
 from psrt.errors import PsrtError
-from psrt.scheduler import SchedulerLink
+from psrt.link import SchedulerLink
 
 __all__ = ["watch", "format_table"]
 

@@ -23,7 +23,8 @@ import zmq
 
 from psrt.errors import BindError, ConnectionLostError, ShardTimeoutError
 
-__all__ = ["ZERO_COPY_BYTES", "new_context", "RouterChannel", "DealerChannel", "Poller", "SendDropped"]
+__all__ = ["ZERO_COPY_BYTES", "new_context", "RouterChannel", "DealerChannel", "Poller", "SendDropped",
+           "peer_address"]
 
 #: Frames at least this large go zero-copy (pyzmq copies smaller frames anyway).
 ZERO_COPY_BYTES = 1 << 16
@@ -73,6 +74,14 @@ def _bind_advice(endpoint: str, exc: zmq.ZMQError) -> str:
     if exc.errno == zmq.EADDRNOTAVAIL:
         return f"{message}; the host part must be an address of this machine (or * for all of them)"
     return message
+
+
+def peer_address(frame: Any) -> str:
+    """The IP address a received frame came from ("" for ipc/inproc peers or a copied frame)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (AttributeError, zmq.ZMQError):
+        return ""
 
 
 class RouterChannel:

@@ -36,10 +36,12 @@ request         fields                                                   reply
 ``barrier``     ``rank, name``                                           ``ok`` once every worker arrived
 ``done``        ``rank``                                                 ``ok``
 ``table``       (none)                                                   ``table`` (rank -1)
+``heartbeat``   ``role, rank, pid``: sent every heartbeat interval        ``ok``
 ==============  =======================================================  =====================================
 
-Replies: ``table {rank, num_servers, num_workers, mode, servers}``, ``ok {}``, ``error {code, message}``; and
-``shutdown {}`` (id 0), sent unprompted to the servers when every worker is done.
+Replies: ``table {rank, num_servers, num_workers, mode, servers}``, ``ok {}``, ``error {code, message}``; and,
+unprompted (id 0): ``shutdown {}`` to the servers when every worker is done, ``abort {code, message}`` to every
+process when the job fails (the message names the dead peer).
 """
 
 from psrt.wire.codec import (
@@ -55,11 +57,13 @@ from psrt.wire.codec import (
 )
 from psrt.wire.control import (
     CONTROL_LIMITS,
+    Abort,
     Barrier,
     ControlError,
     ControlReply,
     ControlRequest,
     Done,
+    Heartbeat,
     Ok,
     Register,
     Shutdown,
@@ -67,9 +71,11 @@ from psrt.wire.control import (
     TableQuery,
     decode_control_reply,
     decode_control_request,
+    encode_abort,
     encode_barrier,
     encode_control_error,
     encode_done,
+    encode_heartbeat,
     encode_ok,
     encode_register,
     encode_shutdown,
@@ -109,7 +115,7 @@ __all__ = [
     "decode_request", "decode_reply", "encode_init", "encode_push", "encode_pull", "encode_stats_request",
     "encode_params", "encode_ack", "encode_stats", "encode_error",
     "CONTROL_LIMITS", "Register", "Barrier", "Done", "TableQuery", "ControlRequest", "Table", "Ok",
-    "ControlError", "Shutdown", "ControlReply", "decode_control_request", "decode_control_reply",
+    "ControlError", "Shutdown", "Abort", "Heartbeat", "ControlReply", "decode_control_request", "decode_control_reply",
     "encode_register", "encode_barrier", "encode_done", "encode_table_query", "encode_table", "encode_ok",
-    "encode_control_error", "encode_shutdown",
+    "encode_control_error", "encode_shutdown", "encode_abort", "encode_heartbeat",
 ]

@@ -20,11 +20,13 @@ __all__ = [
     "Barrier",
     "Done",
     "TableQuery",
+    "Heartbeat",
     "ControlRequest",
     "Table",
     "Ok",
     "ControlError",
     "Shutdown",
+    "Abort",
     "ControlReply",
     "decode_control_request",
     "decode_control_reply",
@@ -32,10 +34,12 @@ __all__ = [
     "encode_barrier",
     "encode_done",
     "encode_table_query",
+    "encode_heartbeat",
     "encode_table",
     "encode_ok",
     "encode_control_error",
     "encode_shutdown",
+    "encode_abort",
 ]
 
 #: Control messages are small: tighter limits than the data plane's.
@@ -52,12 +56,14 @@ _REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "barrier": frozenset({"v", "op", "id", "rank", "name"}),
     "done": frozenset({"v", "op", "id", "rank"}),
     "table": frozenset({"v", "op", "id"}),
+    "heartbeat": frozenset({"v", "op", "id", "role", "rank", "pid"}),
 }
 _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "table": frozenset({"v", "op", "id", "rank", "num_servers", "num_workers", "mode", "servers"}),
     "ok": frozenset({"v", "op", "id"}),
     "error": frozenset({"v", "op", "id", "code", "message"}),
     "shutdown": frozenset({"v", "op", "id"}),
+    "abort": frozenset({"v", "op", "id", "code", "message"}),
 }
 
 
@@ -101,7 +107,18 @@ class TableQuery:
     op: ClassVar[str] = "table"
 
 
-ControlRequest = Union[Register, Barrier, Done, TableQuery]
+@dataclass(frozen=True)
+class Heartbeat:
+    """``heartbeat``: a registered process is alive; answered with ``ok`` so it knows the scheduler is too."""
+
+    id: int
+    role: str
+    rank: int
+    pid: int
+    op: ClassVar[str] = "heartbeat"
+
+
+ControlRequest = Union[Register, Barrier, Done, TableQuery, Heartbeat]
 
 
 def _rank(h: dict[str, Any]) -> int:
@@ -139,6 +156,8 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
             return Barrier(rid, _rank(h), string(h, "name", _MAX_BARRIER_NAME))
         if op == "done":
             return Done(rid, _rank(h))
+        if op == "heartbeat":
+            return Heartbeat(rid, string(h, "role", allowed=ROLES), _rank(h), uint(h, "pid", 1 << 32))
         return TableQuery(rid)
     except ProtocolError as exc:
         exc.request_id = request_id  # type: ignore[attr-defined]
@@ -163,6 +182,11 @@ def encode_done(rid: int, rank: int) -> list[Any]:
 def encode_table_query(rid: int) -> list[Any]:
     """Frames of a ``table`` request."""
     return encode({"op": "table", "id": rid})
+
+
+def encode_heartbeat(rid: int, role: str, rank: int, pid: int) -> list[Any]:
+    """Frames of a ``heartbeat`` request."""
+    return encode({"op": "heartbeat", "id": rid, "role": role, "rank": rank, "pid": pid})
 
 
 # ---------------------------------------------------------------------------------------------- replies
@@ -206,7 +230,17 @@ class Shutdown:
     op: ClassVar[str] = "shutdown"
 
 
-ControlReply = Union[Table, Ok, ControlError, Shutdown]
+@dataclass(frozen=True)
+class Abort:
+    """``abort``: sent unprompted to every process when the job fails (a peer died); ``message`` names it."""
+
+    id: int
+    code: str
+    message: str
+    op: ClassVar[str] = "abort"
+
+
+ControlReply = Union[Table, Ok, ControlError, Shutdown, Abort]
 
 
 def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIMITS) -> ControlReply:
@@ -232,6 +266,8 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
                      string(h, "mode", allowed=MODES), list(servers))
     if op == "error":
         return ControlError(rid, string(h, "code", 64), string(h, "message", 1 << 16))
+    if op == "abort":
+        return Abort(rid, string(h, "code", 64), string(h, "message", 1 << 16))
     return Ok(rid) if op == "ok" else Shutdown(rid)
 
 
@@ -255,3 +291,8 @@ def encode_control_error(rid: int, code: str, message: str) -> list[Any]:
 def encode_shutdown() -> list[Any]:
     """Frames of the ``shutdown`` notice (id 0: it answers no request)."""
     return encode({"op": "shutdown", "id": 0})
+
+
+def encode_abort(code: str, message: str) -> list[Any]:
+    """Frames of the ``abort`` notice (id 0)."""
+    return encode({"op": "abort", "id": 0, "code": code, "message": message})

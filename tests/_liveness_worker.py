@@ -1,0 +1,29 @@
+"""A worker for the liveness tests: trains until told otherwise, then reports how its job ended, as JSON.
+
+Prints ``training`` once its first step is done, then pushes and pulls every ``step_s`` seconds until
+``steps`` steps are done or psrt raises. The last line is ``{"error": type, "message": ..., "at": time.time()}``.
+"""
+
+import json
+import sys
+import time
+
+import numpy as np
+
+import psrt
+
+steps, step_s = int(sys.argv[1]), float(sys.argv[2])
+result = {"error": None, "message": "", "at": 0.0, "steps": 0}
+try:
+    with psrt.Client() as client:
+        client.init({"w": np.zeros(1000, np.float32)}, optimizer=psrt.SGD(lr=0.1))
+        for step in range(steps):
+            client.push_pull({"w": np.ones(1000, np.float32)})
+            result["steps"] = step + 1
+            if step == 0:
+                print("training", flush=True)
+            time.sleep(step_s)
+except psrt.PsrtError as exc:
+    result.update(error=type(exc).__name__, message=str(exc), at=time.time())
+print(json.dumps(result), flush=True)
+sys.exit(1 if result["error"] else 0)

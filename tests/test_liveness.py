@@ -1,0 +1,168 @@
+"""Liveness: a process that dies, stops or goes silent is named to every other process within seconds.
+
+Each test runs a real job (``psrt scheduler``, ``psrt server`` and worker processes on loopback), hurts one
+process with a signal, and checks who learned what, and when.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+PSRT = [sys.executable, "-m", "psrt.cli"]
+WORKER = str(Path(__file__).with_name("_liveness_worker.py"))
+
+#: The issue's bound: every waiting process hears of a death within this many seconds.
+NAMED_WITHIN_S = 5.0
+
+
+class Proc:
+    """A child process whose output lines are collected by a thread (so reading never blocks the test)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+        self.popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                      start_new_session=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.put(line)
+
+    def expect(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            self.seen.append(line)
+            m = re.search(pattern, line)
+            if m:
+                return m
+        raise AssertionError(f"no line matching {pattern!r} within {timeout}s; got {self.seen}")
+
+    def exit_code(self, timeout: float) -> int:
+        code = self.popen.wait(timeout)
+        time.sleep(0.05)
+        while not self.lines.empty():
+            self.seen.append(self.lines.get())
+        return code
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+class Job:
+    """A scheduler, S servers and W liveness workers on loopback."""
+
+    def __init__(self, servers: int, workers: int, steps: int = 100_000, step_s: float = 0.01) -> None:
+        self.procs: list[Proc] = []
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PSRT_TIMEOUT": "30"}
+        self.scheduler = self._start([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", str(servers),
+                                      "--workers", str(workers), "--timeout", "60"], env)
+        endpoint = self.scheduler.expect(r"psrt-scheduler ready endpoint=(\S+)", 30).group(1)
+        env["PSRT_SCHEDULER"] = endpoint
+        self.servers = [self._start([*PSRT, "server", "--scheduler", endpoint], env) for _ in range(servers)]
+        self.workers = [self._start([sys.executable, WORKER, str(steps), str(step_s)],
+                                    {**env, "PSRT_WORKER_ID": str(r)}) for r in range(workers)]
+        for w in self.workers:
+            w.expect("^training", 60)
+
+    def _start(self, cmd: list[str], env: dict[str, str]) -> Proc:
+        p = Proc(cmd, env)
+        self.procs.append(p)
+        return p
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.popen.wait(10)
+
+    @staticmethod
+    def result(worker: Proc, timeout: float) -> dict:
+        line = worker.expect(r"^\{", timeout).string
+        return json.loads(line)
+
+
+@pytest.fixture
+def job():
+    jobs: list[Job] = []
+
+    def start(servers: int, workers: int, **kw) -> Job:
+        jobs.append(Job(servers, workers, **kw))
+        return jobs[-1]
+
+    yield start
+    for j in jobs:
+        j.close()
+
+
+def _survivors_named(job: Job, survivors: list[Proc], who: str, killed_at: float) -> None:
+    for w in survivors:
+        res = Job.result(w, NAMED_WITHIN_S + 5)
+        assert res["error"] == "PeerFailedError", res
+        assert who in res["message"], res
+        print(f"{who}: named to a survivor after {res['at'] - killed_at:.2f}s")
+        assert res["at"] - killed_at < NAMED_WITHIN_S, f"named after {res['at'] - killed_at:.1f}s: {res}"
+        assert w.exit_code(10) != 0
+
+
+def test_a_killed_worker_is_named_to_every_process_and_the_job_fails(job):
+    j = job(1, 3)
+    killed_at = time.time()
+    j.workers[2].kill(signal.SIGKILL)
+    _survivors_named(j, j.workers[:2], "worker 2", killed_at)
+    assert j.scheduler.exit_code(10) != 0
+    assert any("worker 2" in line for line in j.scheduler.seen), j.scheduler.seen
+    assert j.servers[0].exit_code(10) != 0
+    assert any("worker 2" in line for line in j.servers[0].seen), j.servers[0].seen
+
+
+def test_a_stopped_server_is_named_to_the_workers(job):
+    j = job(2, 2)
+    stopped_at = time.time()
+    j.servers[1].kill(signal.SIGSTOP)
+    try:
+        _survivors_named(j, j.workers, "server 1", stopped_at)
+        assert j.scheduler.exit_code(10) != 0
+        assert j.servers[0].exit_code(10) != 0
+    finally:
+        j.servers[1].kill(signal.SIGKILL)
+
+
+def test_a_dead_scheduler_is_noticed_by_servers_and_workers(job):
+    j = job(1, 2)
+    killed_at = time.time()
+    j.scheduler.kill(signal.SIGKILL)
+    _survivors_named(j, j.workers, "scheduler", killed_at)
+    assert j.servers[0].exit_code(NAMED_WITHIN_S + 5) != 0
+    assert any("scheduler" in line and "heartbeat" in line for line in j.servers[0].seen), j.servers[0].seen
+
+
+def test_a_healthy_job_is_not_disturbed_by_heartbeats(job):
+    """Workers that compute longer than the heartbeat timeout between calls are not taken for dead."""
+    j = job(1, 2, steps=3, step_s=3.0)  # 3 s between pushes > the 2 s heartbeat timeout
+    for w in j.workers:
+        res = Job.result(w, 30)
+        assert res["error"] is None and res["steps"] == 3, res
+        assert w.exit_code(10) == 0
+    assert j.scheduler.exit_code(10) == 0
+    assert j.servers[0].exit_code(10) == 0
