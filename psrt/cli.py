@@ -102,7 +102,7 @@ def _scheduler(args: argparse.Namespace) -> int:
     from psrt.scheduler import Scheduler
 
     sched = Scheduler(args.bind, args.servers, args.workers, args.mode, start_timeout=args.timeout,
-                      heartbeat_timeout=ClusterConfig.from_env().heartbeat_timeout)
+                      heartbeat_timeout=ClusterConfig.from_env().heartbeat_timeout, elastic=args.elastic)
     _on_signals(sched.stop)
     print(f"psrt-scheduler ready endpoint={sched.endpoint} servers={args.servers} workers={args.workers} "
           f"mode={args.mode}", flush=True)
@@ -230,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mode", choices=MODES, default=env.mode, help="sync or async (default: $PSRT_MODE or sync)")
     c.add_argument("--timeout", type=float, default=env.start_timeout,
                    help="seconds for everyone to register and for each barrier (default: $PSRT_START_TIMEOUT or 120)")
+    c.add_argument("--elastic", action="store_true", default=env.elastic,
+                   help="workers may leave (die or finish) and join while the job runs (default: $PSRT_ELASTIC)")
     c.set_defaults(func=_scheduler)
 
     la = sub.add_parser("launch", help="run a scheduler, S servers and W copies of CMD on this machine")

@@ -72,6 +72,7 @@ class Client:
         self._closed = True  # until the sockets exist
         self._link: Optional[SchedulerLink] = None
         self._heartbeat: Optional[Heartbeat] = None
+        self._elastic = False
         self._barriers = 0
         if servers is None:
             cluster = cluster if cluster is not None else ClusterConfig.from_env()
@@ -96,6 +97,7 @@ class Client:
                 self._ctx.term()
                 raise ConfigError(f"num_workers={num_workers} but the scheduler's job has {table.num_workers}")
             servers, rank, num_workers = table.servers, table.rank, table.num_workers
+            self._elastic = table.elastic
             # From here on the scheduler watches this worker: heartbeat, and hear at once if a peer dies.
             self._heartbeat = Heartbeat(self._ctx, scheduler, rank, cluster.heartbeat_interval,
                                         cluster.heartbeat_timeout)
@@ -214,7 +216,7 @@ class Client:
                     rid, self._rank, self._session, spec, e, p))
         result = handle.wait(timeout)
         for shard, job in handle._jobs.items():
-            if job.num_workers != self._num_workers:
+            if not self._elastic and job.num_workers != self._num_workers:
                 raise ConfigError(f"shard {self.servers[shard]} runs with --workers {job.num_workers} "
                                   f"but this client has num_workers={self._num_workers}")
         if handle._conflicts:

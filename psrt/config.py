@@ -16,7 +16,8 @@ variable                   also read                      meaning               
 ``PSRT_TIMEOUT``                                          seconds any single network wait may take    60
 ``PSRT_WARN_AFTER``                                       seconds before a slow wait logs a warning   5
 ``PSRT_HEARTBEAT_INTERVAL``                               seconds between heartbeats to the scheduler  0.5
-``PSRT_HEARTBEAT_TIMEOUT``                                silence after which a process is dead        2
+``PSRT_HEARTBEAT_TIMEOUT``                                silence after which a process is dead        2.5
+``PSRT_ELASTIC``                                          ``1``: workers may leave and join a job      ``0``
 ``PSRT_PARTITION_BYTES``                                  tensors larger than this are split          4 MiB
 ``PSRT_NONFINITE``                                        ``reject`` or ``allow`` NaN/Inf gradients   ``reject``
 =========================  =============================  ==========================================  ==========
@@ -214,6 +215,8 @@ class ClusterConfig:
         Seconds between the heartbeats each registered process sends the scheduler.
     heartbeat_timeout : float
         Seconds of silence after which the scheduler takes a process for dead (and a process the scheduler).
+    elastic : bool
+        Workers may leave and join a running job (``PSRT_ELASTIC=1``); see docs/elastic.md.
     """
 
     role: Optional[str] = None
@@ -225,7 +228,8 @@ class ClusterConfig:
     node_host: Optional[str] = None
     start_timeout: float = 120.0
     heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 2.0
+    heartbeat_timeout: float = 2.5
+    elastic: bool = False
 
     def __post_init__(self) -> None:
         if self.role is not None and self.role not in ROLES:
@@ -270,6 +274,12 @@ class ClusterConfig:
                 return int(raw)
             except ValueError:
                 raise ConfigError(f"environment variable {named(names)} = {raw!r} must be an integer") from None
+
+        def get_flag(name: str) -> bool:
+            raw = (get(name) or "0").lower()
+            if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                raise ConfigError(f"environment variable {name} = {raw!r} must be 1 or 0")
+            return raw in ("1", "true", "yes", "on")
 
         def get_float(name: str, default: float) -> float:
             raw = get(name)
@@ -318,5 +328,6 @@ class ClusterConfig:
             node_host=get("PSRT_NODE_HOST", "DMLC_NODE_HOST"),
             start_timeout=get_float("PSRT_START_TIMEOUT", 120.0),
             heartbeat_interval=get_float("PSRT_HEARTBEAT_INTERVAL", 0.5),
-            heartbeat_timeout=get_float("PSRT_HEARTBEAT_TIMEOUT", 2.0),
+            heartbeat_timeout=get_float("PSRT_HEARTBEAT_TIMEOUT", 2.5),
+            elastic=get_flag("PSRT_ELASTIC"),
         )

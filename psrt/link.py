@@ -71,7 +71,7 @@ class SchedulerLink:
     """
 
     def __init__(self, context: Any, endpoint: str, warn_after: float = 5.0, heartbeat_interval: float = 0.5,
-                 heartbeat_timeout: float = 2.0) -> None:
+                 heartbeat_timeout: float = 2.5) -> None:
         self.endpoint = endpoint
         self.channel = transport.DealerChannel(context, endpoint, hwm=1000)
         self._next_id = 1
@@ -81,6 +81,8 @@ class SchedulerLink:
         self.heartbeat_interval, self.heartbeat_timeout = heartbeat_interval, heartbeat_timeout
         self._next_beat = 0.0
         self._last_answer = time.monotonic()
+        #: The newest membership of an elastic job this process has adopted.
+        self.epoch = 0
         #: Called while a request waits; raises to end the wait (a worker passes :meth:`Heartbeat.check`).
         self.check: Callable[[], None] = lambda: None
 
@@ -152,8 +154,14 @@ class SchedulerLink:
         """The scheduler's current view of the job (for monitoring; does not register)."""
         return self._expect(self._ask("table", wire.encode_table_query, timeout), wire.Table, "table")
 
-    def tick(self) -> bool:
+    def tick(self, on_members: Optional[Callable[[list[int]], None]] = None) -> bool:
         """A server's heartbeat, from its serving loop: send one when due and take in the scheduler's notices.
+
+        Parameters
+        ----------
+        on_members : callable, optional
+            Called with the worker ranks of an elastic job whenever they change; the next heartbeat (sent at
+            once) tells the scheduler this server has adopted them.
 
         Returns
         -------
@@ -166,12 +174,6 @@ class SchedulerLink:
             When the scheduler aborted the job (naming the process that died), or stopped answering.
         """
         now = time.monotonic()
-        if self.role and now >= self._next_beat:
-            self._next_beat = now + self.heartbeat_interval
-            try:
-                self.channel.send(wire.encode_heartbeat(0, self.role, self.rank, os.getpid()), 1.0)
-            except PsrtError:
-                pass  # a full queue: the scheduler is not reading; its silence is judged below
         try:
             while self.channel.poll(0):
                 notice = _recv(self.channel, self.endpoint)
@@ -180,8 +182,19 @@ class SchedulerLink:
                     return True
                 if isinstance(notice, wire.Abort):
                     raise _aborted(self.endpoint, notice)
+                if isinstance(notice, wire.Members) and notice.epoch > self.epoch:
+                    if on_members is not None:
+                        on_members(notice.workers)
+                    self.epoch = notice.epoch
+                    self._next_beat = 0.0  # confirm at once: a joining worker waits for every server's word
         except (ProtocolError, ConnectionLostError) as exc:
             log.warning("ignoring a control message: %s", exc)
+        if self.role and now >= self._next_beat:
+            self._next_beat = now + self.heartbeat_interval
+            try:
+                self.channel.send(wire.encode_heartbeat(0, self.role, self.rank, os.getpid(), self.epoch), 1.0)
+            except PsrtError:
+                pass  # a full queue: the scheduler is not reading; its silence is judged below
         if self.role and now - self._last_answer > self.heartbeat_timeout:
             raise _silent(self.endpoint, now - self._last_answer)
         return False
@@ -214,7 +227,7 @@ class Heartbeat:
         Seconds between heartbeats, and of silence after which the scheduler is taken for dead.
     """
 
-    def __init__(self, context: Any, endpoint: str, rank: int, interval: float = 0.5, timeout: float = 2.0) -> None:
+    def __init__(self, context: Any, endpoint: str, rank: int, interval: float = 0.5, timeout: float = 2.5) -> None:
         self.endpoint, self.rank = endpoint, rank
         self.interval, self.timeout = interval, timeout
         self.failure: Optional[PeerFailedError] = None

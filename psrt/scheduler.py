@@ -13,6 +13,12 @@ Liveness: once the job has formed, every server and worker heartbeats (:mod:`psr
 ``heartbeat_timeout`` seconds (dead, stopped, or cut off) is named in an ``abort`` notice to every other process,
 whose waits then raise :class:`~psrt.errors.PeerFailedError`, and the scheduler exits non-zero.
 
+Elastic jobs (``elastic=True``): a worker that dies or says ``done`` leaves the job instead, and a worker may
+register after the job formed (a free rank, or the rank of one that left). Every change is sent to the servers
+as a ``members`` notice with a new epoch; a joining worker gets its table only once every server's heartbeat
+confirms that epoch, so its first push finds it a member everywhere. The job ends when its last worker leaves
+with ``done``. The semantics are written out in docs/elastic.md.
+
 Control messages are single header frames with the data plane's framing and decode rules; their records and
 encoders live in :mod:`psrt.wire.control`, which lists every field.
 """
@@ -53,6 +59,17 @@ class _Member:
 
 
 @dataclass(frozen=True)
+class _Join:
+    """A worker joining an elastic job: its table waits until every server has adopted ``epoch``."""
+
+    identity: bytes
+    rid: int
+    rank: int
+    epoch: int
+    deadline: float
+
+
+@dataclass(frozen=True)
 class _Pending:
     """A registration waiting for the job to form."""
 
@@ -75,6 +92,8 @@ class Scheduler:
         Seconds from start for everyone to register, and for each barrier to fill.
     heartbeat_timeout : float
         Seconds of silence after which a registered process is taken for dead.
+    elastic : bool
+        Let workers leave (by dying or ``done``) and join while the job runs, instead of failing the job.
 
     Raises
     ------
@@ -83,7 +102,7 @@ class Scheduler:
     """
 
     def __init__(self, bind: str, num_servers: int, num_workers: int, mode: str = "sync",
-                 start_timeout: float = 120.0, heartbeat_timeout: float = 2.0) -> None:
+                 start_timeout: float = 120.0, heartbeat_timeout: float = 2.5, elastic: bool = False) -> None:
         if num_servers < 1 or num_workers < 1:
             raise ConfigError(f"need at least one server and one worker, got S={num_servers}, W={num_workers}")
         if mode not in MODES:
@@ -91,6 +110,11 @@ class Scheduler:
         self.num_servers, self.num_workers, self.mode = num_servers, num_workers, mode
         self.start_timeout = start_timeout
         self.heartbeat_timeout = heartbeat_timeout
+        self.elastic = elastic
+        self._epoch = 0  # elastic: membership changes so far
+        self._server_epochs: dict[int, int] = {}
+        self._joins: list[_Join] = []
+        self._emptied_at: Optional[float] = None  # elastic: when the last worker died (none left)
         self._ctx = transport.new_context()
         try:
             self._chan = transport.RouterChannel(self._ctx, bind, hwm=10_000, send_timeout=5.0)
@@ -128,6 +152,8 @@ class Scheduler:
                     self._fail_start()
                 self._expire_barriers(now)
                 self._watch(now)
+                if self.elastic:
+                    self._expire_joins(now)
             return self.exit_code if self.exit_code is not None else 0
         finally:
             # Give queued shutdown/error messages a moment to leave before the socket goes.
@@ -160,6 +186,8 @@ class Scheduler:
             if role == "worker" and rank in self.workers:
                 self.workers[rank] = identity
                 self._send_table(identity, req.id, rank)
+            elif role == "worker" and self.elastic:
+                self._join(identity, req)
             else:
                 self._error(identity, req.id, "formed", f"the job has already formed with {self.num_servers} "
                                                         f"servers and {self.num_workers} workers; a new {role} "
@@ -212,8 +240,9 @@ class Scheduler:
         log.info("job formed: %d servers, %d workers", self.num_servers, self.num_workers)
 
     def _send_table(self, identity: bytes, rid: int, rank: int) -> None:
-        self._send(identity, wire.encode_table(rid, rank, self.num_servers, self.num_workers, self.mode,
-                                               [ep for _, ep in self.servers]))
+        workers = len(self.workers) if self.elastic and self._formed else self.num_workers
+        self._send(identity, wire.encode_table(rid, rank, self.num_servers, workers, self.mode,
+                                               [ep for _, ep in self.servers], self.elastic))
 
     def _fail_start(self) -> None:
         n_servers, _, n_workers, _ = self._counts()
@@ -236,15 +265,19 @@ class Scheduler:
             return
         b = self._barriers.setdefault(req.name, _Barrier(time.monotonic() + self.start_timeout))
         b.arrived[req.rank] = (identity, req.id)
-        if len(b.arrived) == self.num_workers:
-            for ident, r in b.arrived.values():
-                self._send(ident, wire.encode_ok(r))
-            del self._barriers[req.name]
+        self._release_barriers()
+
+    def _release_barriers(self) -> None:
+        for name, b in list(self._barriers.items()):
+            if set(self.workers) <= set(b.arrived):
+                for ident, r in b.arrived.values():
+                    self._send(ident, wire.encode_ok(r))
+                del self._barriers[name]
 
     def _expire_barriers(self, now: float) -> None:
         for name, b in list(self._barriers.items()):
             if now > b.deadline:
-                missing = sorted(set(range(self.num_workers)) - set(b.arrived))
+                missing = sorted(set(self.workers) - set(b.arrived))
                 message = f"barrier {name!r} timed out after {self.start_timeout:g}s waiting for worker ranks {missing}"
                 for ident, r in b.arrived.values():
                     self._error(ident, r, "barrier_timeout", message)
@@ -254,7 +287,9 @@ class Scheduler:
         self._done.add(req.rank)
         self._members.pop(("worker", req.rank), None)  # a worker that is done may stop heartbeating
         self._send(identity, wire.encode_ok(req.id))
-        if self._formed and self._done >= set(self.workers):
+        if self.elastic and req.rank in self.workers:
+            self._leave([req.rank], "said done")
+        if self._formed and self._done >= set(self.workers) and not self._joins:
             for ident, _ in self.servers:
                 self._send(ident, wire.encode_shutdown())
             log.info("all %d workers done; servers told to shut down", self.num_workers)
@@ -272,18 +307,32 @@ class Scheduler:
             member.name = f"worker {req.rank} ({transport.peer_address(frame) or 'local'}, pid {req.pid})"
         member.last_seen = time.monotonic()
         self._send(identity, wire.encode_ok(req.id))
+        if req.role == "server" and self._joins:
+            self._server_epochs[req.rank] = req.epoch
+            self._admit_joins()
 
     def _watch(self, now: float) -> None:
         if self.exit_code is not None:
             return
         dead = [(peer, m) for peer, m in self._members.items() if now - m.last_seen > self.heartbeat_timeout]
-        if not dead:
-            return
-        names = "; ".join(f"{m.name} stopped heartbeating {now - m.last_seen:.1f}s ago" for _, m in dead)
-        message = f"{names}; the job cannot go on"
+        if self.elastic and dead and all(role == "worker" for (role, _), _ in dead):
+            for (_, rank), m in dead:
+                log.warning("%s stopped heartbeating %.1fs ago; it leaves the job", m.name, now - m.last_seen)
+                del self._members[("worker", rank)]
+            self._leave([rank for (_, rank), _ in dead], "stopped heartbeating")
+            if not self.workers:
+                self._emptied_at = now
+        elif dead:
+            for peer, _ in dead:
+                del self._members[peer]
+            self._abort("; ".join(f"{m.name} stopped heartbeating {now - m.last_seen:.1f}s ago" for _, m in dead)
+                        + "; the job cannot go on")
+        elif self._emptied_at is not None and not self.workers and now - self._emptied_at > self.start_timeout:
+            self._abort(f"every worker of the elastic job died and none joined within {self.start_timeout:g}s")
+
+    def _abort(self, message: str) -> None:
+        """End the job: every process still in it hears why, and the scheduler exits non-zero."""
         log.error(message)
-        for peer, _ in dead:
-            del self._members[peer]
         for m in self._members.values():
             self._send(m.identity, wire.encode_abort("peer_failed", message))
         for b in self._barriers.values():
@@ -291,6 +340,51 @@ class Scheduler:
                 self._error(ident, r, "peer_failed", message)
         self._barriers.clear()
         self.exit_code = 1
+
+    # ------------------------------------------------------------------ elastic membership
+    def _join(self, identity: bytes, req: wire.Register) -> None:
+        joining = {j.rank for j in self._joins}
+        rank = req.rank
+        if rank < 0:
+            rank = next(r for r in range(len(self.workers) + len(joining) + 1)
+                        if r not in self.workers and r not in joining)
+        elif rank in joining:
+            self._error(identity, req.id, "rank", f"worker rank {rank} is already joining")
+            return
+        now = time.monotonic()
+        self.workers[rank] = identity
+        self._done.discard(rank)
+        self._emptied_at = None
+        self._members[("worker", rank)] = _Member(identity, f"worker {rank} ({req.host or 'host unknown'})", now)
+        self._broadcast_members(f"worker {rank} joins")
+        self._joins.append(_Join(identity, req.id, rank, self._epoch, now + 10.0))
+        self._admit_joins()
+
+    def _leave(self, ranks: list[int], why: str) -> None:
+        for rank in ranks:
+            self.workers.pop(rank, None)
+        self._broadcast_members(f"worker{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} {why}")
+        self._release_barriers()
+
+    def _broadcast_members(self, why: str) -> None:
+        self._epoch += 1
+        log.info("members, epoch %d (%s): workers %s", self._epoch, why, sorted(self.workers))
+        for ident, _ in self.servers:
+            self._send(ident, wire.encode_members(self._epoch, sorted(self.workers)))
+
+    def _admit_joins(self) -> None:
+        confirmed = min((self._server_epochs.get(i, 0) for i in range(len(self.servers))), default=0)
+        for join in [j for j in self._joins if j.epoch <= confirmed]:
+            self._joins.remove(join)
+            self._send_table(join.identity, join.rid, join.rank)
+
+    def _expire_joins(self, now: float) -> None:
+        for join in [j for j in self._joins if now > j.deadline]:
+            self._joins.remove(join)
+            self._error(join.identity, join.rid, "join_timeout", "the servers did not confirm this worker's joining "
+                                                                 "within 10s")
+            self._members.pop(("worker", join.rank), None)
+            self._leave([join.rank], "could not join")
 
     # ------------------------------------------------------------------ sending
     def _send(self, identity: bytes, frames: list[Any]) -> None:

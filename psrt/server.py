@@ -127,9 +127,25 @@ class Server:
                     if msg is None:
                         break
                     self.handle(*msg)
-            if control is not None and control.shutdown_requested():
+            if control is not None and control.tick(self.set_members):
                 log.info("the scheduler ended the job")
                 return
+
+    def set_members(self, workers: list[int]) -> None:
+        """Adopt an elastic job's workers: rounds in progress stop waiting for those who left.
+
+        Queued early pushes of workers that left are dropped; pulls waiting for a round this completes are
+        answered.
+        """
+        members = frozenset(workers)
+        log.info("members: workers %s", sorted(members))
+        for worker in [w for w in self._deferred if w not in members]:
+            del self._deferred[worker]
+        for key in self.store.set_members(members):
+            self.counters.rounds += 1
+            self._wake(key)
+        if self._deferred:
+            self._drain_deferred()
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return after the message in hand."""
@@ -189,7 +205,8 @@ class Server:
                 conflicts.append(i)
             entries.append(entry)
         self.counters.inits += 1
-        job = wire.JobInfo(self.config.mode, self.config.num_workers, conflicts)
+        members = self.store.members
+        job = wire.JobInfo(self.config.mode, self.config.num_workers if members is None else len(members), conflicts)
         self._send_params(identity, req.id, req.keys(), entries, job)
 
     def _push(self, identity: bytes, req: wire.PushRequest) -> None:
@@ -312,6 +329,9 @@ class Server:
             )
 
     def _validate_push(self, req: wire.PushRequest) -> list[Entry]:
+        if not self.store.is_member(req.worker):
+            raise RequestError("not_member", f"worker {req.worker} is not a member of this elastic job (it left, "
+                                             "or was taken for dead): register again to rejoin")
         entries = []
         for i, meta in enumerate(req.tensors):
             entry = self._entry(meta.key)

@@ -42,6 +42,8 @@ class Entry:
     acc: Optional[np.ndarray] = None
     #: Sync mode: workers whose push is in the current round's accumulator.
     contributors: set[int] = field(default_factory=set)
+    #: Elastic sync: the members when the current round began (a worker that joins later is not waited for).
+    expected: frozenset[int] = frozenset()
     #: Zero-copy sends of ``param`` that may still be reading it.
     trackers: list[Any] = field(default_factory=list)
 
@@ -93,6 +95,8 @@ class Store:
         self.entries: dict[Key, Entry] = {}
         self.workers: dict[int, WorkerLog] = {}
         self.mode, self.num_workers = "sync", 1
+        #: Elastic jobs: the current member ranks (None: a fixed job of ranks 0..W-1).
+        self.members: Optional[frozenset[int]] = None
         self.set_job(mode, num_workers)
 
     def set_job(self, mode: str, num_workers: int) -> None:
@@ -105,8 +109,37 @@ class Store:
 
     @property
     def rounds(self) -> bool:
-        """True when pushes gather into rounds of W (sync mode with W > 1)."""
-        return self.mode == "sync" and self.num_workers > 1
+        """True when pushes gather into rounds (sync mode with W > 1, or any elastic sync job)."""
+        return self.mode == "sync" and (self.num_workers > 1 or self.members is not None)
+
+    def is_member(self, worker: int) -> bool:
+        """Whether ``worker`` may push (always, in a fixed job)."""
+        return self.members is None or worker in self.members
+
+    def set_members(self, workers: frozenset[int]) -> list[Key]:
+        """Adopt an elastic job's new member set; returns the keys whose round it completed.
+
+        A round in progress completes once every member it was waiting for has pushed: a worker that left is no
+        longer waited for, and the round's step averages over the workers that did push.
+        """
+        self.members = frozenset(workers)
+        completed = []
+        for key, entry in self.entries.items():
+            if entry.contributors and self._round_done(entry):
+                self._step_round(entry)
+                completed.append(key)
+        return completed
+
+    def _round_done(self, entry: Entry) -> bool:
+        if self.members is None:
+            return len(entry.contributors) == self.num_workers
+        return entry.contributors >= (entry.expected & self.members)
+
+    @staticmethod
+    def _step_round(entry: Entry) -> None:
+        assert entry.acc is not None
+        entry.apply(entry.acc, 1.0 / len(entry.contributors))  # the mean of the pushes in the round
+        entry.contributors.clear()
 
     # ------------------------------------------------------------------ the round
     def can_join(self, worker: int, entries: list[Entry]) -> bool:
@@ -126,18 +159,18 @@ class Store:
             Indices of the keys whose version moved (a round completed, or the push was applied).
         """
         targets, completed = [], []
-        w = self.num_workers
         for i, (entry, grad) in enumerate(zip(entries, grads)):
             if not self.rounds:
                 entry.apply(grad, 1.0)
                 completed.append(i)
                 targets.append(entry.version)
                 continue
+            if not entry.contributors and self.members is not None:
+                entry.expected = self.members  # who this round waits for
             entry.add_to_round(worker, grad)
             targets.append(entry.version + 1)
-            if len(entry.contributors) == w:
-                entry.apply(entry.acc, 1.0 / w)
-                entry.contributors.clear()
+            if self._round_done(entry):
+                self._step_round(entry)
                 completed.append(i)
         return targets, completed
 

@@ -13,13 +13,21 @@ import numpy as np
 import psrt
 
 steps, step_s = int(sys.argv[1]), float(sys.argv[2])
-result = {"error": None, "message": "", "at": 0.0, "steps": 0}
+result = {"error": None, "message": "", "at": 0.0, "steps": 0, "max_gap": 0.0, "rank": -1}
 try:
     with psrt.Client() as client:
-        client.init({"w": np.zeros(1000, np.float32)}, optimizer=psrt.SGD(lr=0.1))
+        result["rank"] = client.rank
+        start = client.init({"w": np.zeros(1000, np.float32)}, optimizer=psrt.SGD(lr=0.1))
+        result["init_w0"] = float(start["w"][0])
+        last = None
         for step in range(steps):
-            client.push_pull({"w": np.ones(1000, np.float32)})
+            params = client.push_pull({"w": np.ones(1000, np.float32)})
+            now = time.monotonic()
+            if last is not None:  # the longest wait for one step: a stall shows here
+                result["max_gap"] = max(result["max_gap"], now - last)
+            last = now
             result["steps"] = step + 1
+            result["w0"] = float(params["w"][0])
             if step == 0:
                 print("training", flush=True)
             time.sleep(step_s)

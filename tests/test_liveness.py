@@ -72,18 +72,24 @@ class Proc:
 class Job:
     """A scheduler, S servers and W liveness workers on loopback."""
 
-    def __init__(self, servers: int, workers: int, steps: int = 100_000, step_s: float = 0.01) -> None:
+    def __init__(self, servers: int, workers: int, steps: int = 100_000, step_s: float = 0.01,
+                 elastic: bool = False) -> None:
         self.procs: list[Proc] = []
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PSRT_TIMEOUT": "30"}
+        self.env = env = {**os.environ, "PYTHONUNBUFFERED": "1", "PSRT_TIMEOUT": "30"}
         self.scheduler = self._start([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", str(servers),
-                                      "--workers", str(workers), "--timeout", "60"], env)
+                                      "--workers", str(workers), "--timeout", "60",
+                                      *(["--elastic"] if elastic else [])], env)
         endpoint = self.scheduler.expect(r"psrt-scheduler ready endpoint=(\S+)", 30).group(1)
         env["PSRT_SCHEDULER"] = endpoint
         self.servers = [self._start([*PSRT, "server", "--scheduler", endpoint], env) for _ in range(servers)]
-        self.workers = [self._start([sys.executable, WORKER, str(steps), str(step_s)],
-                                    {**env, "PSRT_WORKER_ID": str(r)}) for r in range(workers)]
+        self.workers = [self.worker(r, steps, step_s) for r in range(workers)]
         for w in self.workers:
             w.expect("^training", 60)
+
+    def worker(self, rank: int, steps: int, step_s: float) -> Proc:
+        """Start one more worker process (rank -1: let the scheduler choose)."""
+        env = {**self.env, "PSRT_WORKER_ID": str(rank)} if rank >= 0 else self.env
+        return self._start([sys.executable, WORKER, str(steps), str(step_s)], env)
 
     def _start(self, cmd: list[str], env: dict[str, str]) -> Proc:
         p = Proc(cmd, env)
@@ -138,10 +144,12 @@ def test_a_killed_worker_is_named_to_every_process_and_the_job_fails(job):
 
 def test_a_stopped_server_is_named_to_the_workers(job):
     j = job(2, 2)
+    # Shard indices follow registration order: read the stopped server's from its ready line.
+    rank = j.servers[1].expect(r"psrt-server ready .* rank=(\d+)", 10).group(1)
     stopped_at = time.time()
     j.servers[1].kill(signal.SIGSTOP)
     try:
-        _survivors_named(j, j.workers, "server 1", stopped_at)
+        _survivors_named(j, j.workers, f"server {rank}", stopped_at)
         assert j.scheduler.exit_code(10) != 0
         assert j.servers[0].exit_code(10) != 0
     finally:
@@ -166,3 +174,27 @@ def test_a_healthy_job_is_not_disturbed_by_heartbeats(job):
         assert w.exit_code(10) == 0
     assert j.scheduler.exit_code(10) == 0
     assert j.servers[0].exit_code(10) == 0
+
+
+# ---------------------------------------------------------------------------------------------- elastic
+def test_elastic_survivors_ride_through_a_killed_worker_and_a_new_worker_joins(job):
+    j = job(2, 3, steps=400, step_s=0.02, elastic=True)
+    killed_at = time.time()
+    j.workers[2].kill(signal.SIGKILL)
+    time.sleep(4.0)  # the survivors train on without worker 2
+    joiner = j.worker(2, 20, 0.02)  # the dead worker's rank, as a restarted worker would ask
+    res_joiner = Job.result(joiner, 60)
+    assert res_joiner["error"] is None and res_joiner["rank"] == 2 and res_joiner["steps"] == 20, res_joiner
+    # Its init returned the job's current parameters, not its own zeros: it joined a job in progress.
+    assert res_joiner["init_w0"] < -1.0, res_joiner
+    assert joiner.exit_code(10) == 0
+    for w in j.workers[:2]:
+        res = Job.result(w, 120)
+        assert res["error"] is None and res["steps"] == 400, res
+        print(f"elastic: a survivor's longest stall {res['max_gap']:.2f}s")
+        assert res["max_gap"] < 8.0, res  # the issue's bound on the survivors' longest stall
+        assert w.exit_code(10) == 0
+    assert j.scheduler.exit_code(20) == 0, j.scheduler.seen
+    for s in j.servers:
+        assert s.exit_code(20) == 0, s.seen
+    assert time.time() - killed_at > 4.0

@@ -105,12 +105,16 @@ def test_control_requests_and_replies_round_trip():
         (wire.encode_barrier(2, 3, "epoch-1"), wire.Barrier(2, 3, "epoch-1")),
         (wire.encode_done(3, 0), wire.Done(3, 0)),
         (wire.encode_table_query(4), wire.TableQuery(4)),
+        (wire.encode_heartbeat(5, "worker", 2, 4242, 3), wire.Heartbeat(5, "worker", 2, 4242, 3)),
     ]
     for frames, record in cases:
         assert wire.decode_control_request(frames) == record
     replies = [
         (wire.encode_table(5, 1, 2, 3, "sync", ["tcp://a:1", "ipc:///tmp/x"]),
          wire.Table(5, 1, 2, 3, "sync", ["tcp://a:1", "ipc:///tmp/x"])),
+        (wire.encode_table(5, 1, 2, 3, "async", [], elastic=True), wire.Table(5, 1, 2, 3, "async", [], True)),
+        (wire.encode_abort("peer_failed", "worker 2 died"), wire.Abort(0, "peer_failed", "worker 2 died")),
+        (wire.encode_members(4, [0, 2, 7]), wire.Members(0, 4, [0, 2, 7])),
         (wire.encode_ok(6), wire.Ok(6)),
         (wire.encode_control_error(7, "rank", "taken"), wire.ControlError(7, "rank", "taken")),
         (wire.encode_shutdown(), wire.Shutdown(0)),
@@ -138,11 +142,19 @@ def test_malformed_control_requests_are_refused_with_their_id(header, match):
 
 
 @pytest.mark.parametrize("header, match", [
-    ({"op": "table", "id": 1, "rank": 0, "num_servers": 1, "num_workers": 1, "mode": "sync", "servers": ["x"]},
-     "servers"),
-    ({"op": "table", "id": 1, "rank": 0, "num_servers": 0, "num_workers": 1, "mode": "sync", "servers": []},
-     "num_servers"),
-    ({"op": "table", "id": 1, "rank": 0, "num_servers": 1, "num_workers": 1, "mode": "x", "servers": []}, "mode"),
+    ({"op": "table", "id": 1, "rank": 0, "num_servers": 1, "num_workers": 1, "mode": "sync", "servers": ["x"],
+      "elastic": False}, "servers"),
+    ({"op": "table", "id": 1, "rank": 0, "num_servers": 0, "num_workers": 1, "mode": "sync", "servers": [],
+      "elastic": False}, "num_servers"),
+    ({"op": "table", "id": 1, "rank": 0, "num_servers": 1, "num_workers": 1, "mode": "x", "servers": [],
+      "elastic": False}, "mode"),
+    ({"op": "table", "id": 1, "rank": 0, "num_servers": 1, "num_workers": 1, "mode": "sync", "servers": [],
+      "elastic": 1}, "elastic"),
+    ({"op": "table", "id": 1, "rank": 0, "num_servers": 1, "num_workers": 1, "mode": "sync", "servers": []},
+     "missing fields"),
+    ({"op": "members", "id": 0, "epoch": 1, "workers": [0, -1]}, "workers"),
+    ({"op": "members", "id": 0, "epoch": -1, "workers": [0]}, "epoch"),
+    ({"op": "abort", "id": 0, "code": "x"}, "missing fields"),
     ({"op": "ok", "id": "1"}, "id"),
     ({"op": {"ok": 1}, "id": 1}, "unknown op"),
     ({"op": "register", "id": 1}, "unknown op"),

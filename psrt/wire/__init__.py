@@ -36,12 +36,13 @@ request         fields                                                   reply
 ``barrier``     ``rank, name``                                           ``ok`` once every worker arrived
 ``done``        ``rank``                                                 ``ok``
 ``table``       (none)                                                   ``table`` (rank -1)
-``heartbeat``   ``role, rank, pid``: sent every heartbeat interval        ``ok``
+``heartbeat``   ``role, rank, pid, epoch``: every heartbeat interval      ``ok``
 ==============  =======================================================  =====================================
 
-Replies: ``table {rank, num_servers, num_workers, mode, servers}``, ``ok {}``, ``error {code, message}``; and,
-unprompted (id 0): ``shutdown {}`` to the servers when every worker is done, ``abort {code, message}`` to every
-process when the job fails (the message names the dead peer).
+Replies: ``table {rank, num_servers, num_workers, mode, servers, elastic}``, ``ok {}``, ``error {code,
+message}``; and, unprompted (id 0): ``shutdown {}`` to the servers when every worker is done, ``abort {code,
+message}`` to every process when the job fails (the message names the dead peer), and, in an elastic job,
+``members {epoch, workers}`` to the servers whenever the workers change.
 """
 
 from psrt.wire.codec import (
@@ -64,6 +65,7 @@ from psrt.wire.control import (
     ControlRequest,
     Done,
     Heartbeat,
+    Members,
     Ok,
     Register,
     Shutdown,
@@ -76,6 +78,7 @@ from psrt.wire.control import (
     encode_control_error,
     encode_done,
     encode_heartbeat,
+    encode_members,
     encode_ok,
     encode_register,
     encode_shutdown,
@@ -115,7 +118,8 @@ __all__ = [
     "decode_request", "decode_reply", "encode_init", "encode_push", "encode_pull", "encode_stats_request",
     "encode_params", "encode_ack", "encode_stats", "encode_error",
     "CONTROL_LIMITS", "Register", "Barrier", "Done", "TableQuery", "ControlRequest", "Table", "Ok",
-    "ControlError", "Shutdown", "Abort", "Heartbeat", "ControlReply", "decode_control_request", "decode_control_reply",
+    "ControlError", "Shutdown", "Abort", "Heartbeat", "Members", "ControlReply", "decode_control_request",
+    "decode_control_reply",
     "encode_register", "encode_barrier", "encode_done", "encode_table_query", "encode_table", "encode_ok",
-    "encode_control_error", "encode_shutdown", "encode_abort", "encode_heartbeat",
+    "encode_control_error", "encode_shutdown", "encode_abort", "encode_heartbeat", "encode_members",
 ]

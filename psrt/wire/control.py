@@ -27,6 +27,7 @@ __all__ = [
     "ControlError",
     "Shutdown",
     "Abort",
+    "Members",
     "ControlReply",
     "decode_control_request",
     "decode_control_reply",
@@ -40,6 +41,7 @@ __all__ = [
     "encode_control_error",
     "encode_shutdown",
     "encode_abort",
+    "encode_members",
 ]
 
 #: Control messages are small: tighter limits than the data plane's.
@@ -56,14 +58,15 @@ _REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "barrier": frozenset({"v", "op", "id", "rank", "name"}),
     "done": frozenset({"v", "op", "id", "rank"}),
     "table": frozenset({"v", "op", "id"}),
-    "heartbeat": frozenset({"v", "op", "id", "role", "rank", "pid"}),
+    "heartbeat": frozenset({"v", "op", "id", "role", "rank", "pid", "epoch"}),
 }
 _REPLY_FIELDS: dict[str, frozenset[str]] = {
-    "table": frozenset({"v", "op", "id", "rank", "num_servers", "num_workers", "mode", "servers"}),
+    "table": frozenset({"v", "op", "id", "rank", "num_servers", "num_workers", "mode", "servers", "elastic"}),
     "ok": frozenset({"v", "op", "id"}),
     "error": frozenset({"v", "op", "id", "code", "message"}),
     "shutdown": frozenset({"v", "op", "id"}),
     "abort": frozenset({"v", "op", "id", "code", "message"}),
+    "members": frozenset({"v", "op", "id", "epoch", "workers"}),
 }
 
 
@@ -109,12 +112,16 @@ class TableQuery:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """``heartbeat``: a registered process is alive; answered with ``ok`` so it knows the scheduler is too."""
+    """``heartbeat``: a registered process is alive; answered with ``ok`` so it knows the scheduler is too.
+
+    ``epoch`` is the newest membership a server has adopted (:class:`Members`); workers send 0.
+    """
 
     id: int
     role: str
     rank: int
     pid: int
+    epoch: int
     op: ClassVar[str] = "heartbeat"
 
 
@@ -157,7 +164,8 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
         if op == "done":
             return Done(rid, _rank(h))
         if op == "heartbeat":
-            return Heartbeat(rid, string(h, "role", allowed=ROLES), _rank(h), uint(h, "pid", 1 << 32))
+            return Heartbeat(rid, string(h, "role", allowed=ROLES), _rank(h), uint(h, "pid", 1 << 32),
+                             uint(h, "epoch"))
         return TableQuery(rid)
     except ProtocolError as exc:
         exc.request_id = request_id  # type: ignore[attr-defined]
@@ -184,9 +192,9 @@ def encode_table_query(rid: int) -> list[Any]:
     return encode({"op": "table", "id": rid})
 
 
-def encode_heartbeat(rid: int, role: str, rank: int, pid: int) -> list[Any]:
+def encode_heartbeat(rid: int, role: str, rank: int, pid: int, epoch: int = 0) -> list[Any]:
     """Frames of a ``heartbeat`` request."""
-    return encode({"op": "heartbeat", "id": rid, "role": role, "rank": rank, "pid": pid})
+    return encode({"op": "heartbeat", "id": rid, "role": role, "rank": rank, "pid": pid, "epoch": epoch})
 
 
 # ---------------------------------------------------------------------------------------------- replies
@@ -201,6 +209,9 @@ class Table:
     mode: str
     #: Shard endpoints in shard order (empty until the job has formed).
     servers: list[str]
+    #: Whether workers may leave and join while the job runs (``--elastic``); ``num_workers`` is then the
+    #: number of members when this table was sent.
+    elastic: bool = False
     op: ClassVar[str] = "table"
 
 
@@ -240,7 +251,20 @@ class Abort:
     op: ClassVar[str] = "abort"
 
 
-ControlReply = Union[Table, Ok, ControlError, Shutdown, Abort]
+@dataclass(frozen=True)
+class Members:
+    """``members``: sent unprompted to the servers of an elastic job whenever its workers change.
+
+    ``epoch`` counts the changes; a server confirms it adopted one in its next heartbeat.
+    """
+
+    id: int
+    epoch: int
+    workers: list[int]
+    op: ClassVar[str] = "members"
+
+
+ControlReply = Union[Table, Ok, ControlError, Shutdown, Abort, Members]
 
 
 def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIMITS) -> ControlReply:
@@ -262,8 +286,15 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
         if type(servers) is not list or any(type(s) is not str or "://" not in s or len(s) > _MAX_ENDPOINT
                                             for s in servers):
             raise ProtocolError("table: 'servers' must be a list of endpoints")
-        return Table(rid, _rank(h), uint(h, "num_servers", lo=1), uint(h, "num_workers", lo=1),
-                     string(h, "mode", allowed=MODES), list(servers))
+        if type(h["elastic"]) is not bool:
+            raise ProtocolError("table: 'elastic' must be true or false")
+        return Table(rid, _rank(h), uint(h, "num_servers", lo=1), uint(h, "num_workers"),
+                     string(h, "mode", allowed=MODES), list(servers), h["elastic"])
+    if op == "members":
+        workers = h["workers"]
+        if type(workers) is not list or any(type(r) is not int or not 0 <= r <= MAX_U63 for r in workers):
+            raise ProtocolError("members: 'workers' must be a list of ranks")
+        return Members(rid, uint(h, "epoch"), list(workers))
     if op == "error":
         return ControlError(rid, string(h, "code", 64), string(h, "message", 1 << 16))
     if op == "abort":
@@ -272,10 +303,15 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
 
 
 def encode_table(rid: int, rank: int, num_servers: int, num_workers: int, mode: str,
-                 servers: list[str]) -> list[Any]:
+                 servers: list[str], elastic: bool = False) -> list[Any]:
     """Frames of a ``table`` reply."""
     return encode({"op": "table", "id": rid, "rank": rank, "num_servers": num_servers, "num_workers": num_workers,
-                   "mode": mode, "servers": servers})
+                   "mode": mode, "servers": servers, "elastic": elastic})
+
+
+def encode_members(epoch: int, workers: list[int]) -> list[Any]:
+    """Frames of the ``members`` notice (id 0)."""
+    return encode({"op": "members", "id": 0, "epoch": epoch, "workers": workers})
 
 
 def encode_ok(rid: int) -> list[Any]:
