@@ -46,6 +46,7 @@ class Handle:
         self._conflicts: list[str] = []
         self._jobs: dict[int, wire.JobInfo] = {}  # init: what each shard said about the job
         self._stats: dict[int, dict[str, Any]] = {}  # stats: each shard's counters
+        self._saved: dict[int, str] = {}  # checkpoint: each shard's file
 
     def done(self) -> bool:
         """True when every reply has arrived (takes in any replies already queued, never blocks)."""
@@ -222,6 +223,8 @@ class ShardCalls:
                 return
             for chunk, version in zip(pending.chunks, reply.versions):
                 self.versions[chunk.key] = max(self.versions.get(chunk.key, 0), version)
+        elif isinstance(reply, wire.SavedReply):
+            handle._saved[shard] = reply.path
         else:
             handle._stats[shard] = reply.stats
 

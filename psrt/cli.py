@@ -59,12 +59,14 @@ def _server(args: argparse.Namespace) -> int:
 
     tune_allocator()
     link = None
+    ckpt = dict(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                checkpoint_secs=args.checkpoint_secs, restore=args.restore)
     if args.scheduler:
         host = args.host or _host_towards(args.scheduler)
-        config = ServerConfig(bind=args.bind or f"tcp://{host}:*", nonfinite=args.nonfinite)
+        config = ServerConfig(bind=args.bind or f"tcp://{host}:*", nonfinite=args.nonfinite, **ckpt)
     else:
         config = ServerConfig(bind=args.bind or "tcp://127.0.0.1:5701", num_workers=args.workers, mode=args.mode,
-                              nonfinite=args.nonfinite)
+                              nonfinite=args.nonfinite, **ckpt)
     server = Server(config)
     _on_signals(server.stop)
     metrics = None
@@ -217,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sync (BSP) or async (default: $PSRT_MODE or sync; from the scheduler with --scheduler)")
     s.add_argument("--nonfinite", choices=("reject", "allow"), default=defaults.nonfinite,
                    help="what to do with NaN/Inf gradients (default: reject)")
+    s.add_argument("--checkpoint-dir", default=None, help="write checkpoints (parameters, optimizer state, "
+                   "versions, sequence numbers) in this directory")
+    s.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="a checkpoint every N rounds (sync: at versions that are multiples of N; async: N pushes)")
+    s.add_argument("--checkpoint-secs", type=float, default=0.0, metavar="T",
+                   help="a checkpoint every T seconds while the parameters change")
+    s.add_argument("--restore", action="store_true",
+                   help="start from the newest complete checkpoint in --checkpoint-dir (none: start fresh)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (needs prometheus_client)")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")

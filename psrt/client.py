@@ -303,6 +303,21 @@ class Client:
         handle.wait(timeout)
         return [handle._stats[s] for s in range(len(self.servers))]
 
+    def checkpoint(self, timeout: Optional[float] = None) -> list[str]:
+        """Ask every shard to write a checkpoint now; returns each one's file, in shard order.
+
+        Raises
+        ------
+        ServerError
+            When a shard has no checkpoint directory (``psrt server --checkpoint-dir``) or cannot write.
+        """
+        self._check_open()
+        handle = Handle(self._calls, "checkpoint", None)
+        for shard in range(len(self.servers)):
+            self._calls.send(handle, shard, [], wire.encode_checkpoint_request)
+        handle.wait(timeout)
+        return [handle._saved[s] for s in range(len(self.servers))]
+
     def barrier(self, timeout: Optional[float] = None) -> None:
         """Wait until every worker of the job has reached this barrier (needs a scheduler when W > 1).
 

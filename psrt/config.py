@@ -121,6 +121,16 @@ class ServerConfig:
         Seconds between housekeeping checks (stop requests) while idle.
     limits : WireLimits
         Decode limits for incoming messages.
+    checkpoint_dir : str or None
+        Where the shard writes its checkpoints (None: no checkpoints).
+    checkpoint_every : int
+        Write a checkpoint every this many rounds (sync: when every key reaches a multiple of it, so all shards'
+        checkpoints line up; async: every this many pushes); 0: not by rounds.
+    checkpoint_secs : float
+        Write a checkpoint when this many seconds have passed since the last one and something changed; 0: not
+        by time.
+    restore : bool
+        Start from the newest complete checkpoint in ``checkpoint_dir`` (none there: start fresh and say so).
     """
 
     bind: str = "tcp://127.0.0.1:5701"
@@ -131,8 +141,19 @@ class ServerConfig:
     send_timeout: float = 10.0
     poll_interval: float = 0.1
     limits: WireLimits = field(default_factory=WireLimits)
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    checkpoint_secs: float = 0.0
+    restore: bool = False
 
     def __post_init__(self) -> None:
+        if type(self.checkpoint_every) is not int or self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every must be a whole number of rounds >= 0, got {self.checkpoint_every!r}")
+        if isinstance(self.checkpoint_secs, bool) or not isinstance(self.checkpoint_secs, (int, float)) \
+                or not self.checkpoint_secs >= 0:
+            raise ConfigError(f"checkpoint_secs must be a number of seconds >= 0, got {self.checkpoint_secs!r}")
+        if self.checkpoint_dir is None and (self.checkpoint_every or self.checkpoint_secs or self.restore):
+            raise ConfigError("--checkpoint-every, --checkpoint-secs and --restore need --checkpoint-dir DIR")
         if not isinstance(self.bind, str) or "://" not in self.bind:
             raise ConfigError(f"bind must be a ZeroMQ endpoint such as tcp://127.0.0.1:5701, got {self.bind!r}")
         _positive("num_workers", self.num_workers)

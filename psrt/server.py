@@ -13,6 +13,11 @@ Async mode
     Every push is applied on arrival with ``scale = 1``.
 
 Every push carries ``(worker, session, seq)``; a push already applied is acknowledged again but not re-applied.
+
+Checkpoints (``config.checkpoint_dir``): the whole state, sequence numbers included, is written by
+:mod:`psrt.checkpoint` every ``checkpoint_every`` rounds (sync: when every key has reached a multiple of it),
+every ``checkpoint_secs`` seconds, and on a ``checkpoint`` request; with ``config.restore`` the shard starts from
+the newest complete one.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from psrt import kernels, optim, transport, wire
+from psrt import checkpoint, kernels, optim, transport, wire
 from psrt.config import ServerConfig
 from psrt.errors import ConfigError, ProtocolError
 from psrt.store import Entry, Key, Store
@@ -71,6 +77,7 @@ class Counters:
     duplicates: int = 0
     errors: int = 0
     dropped_replies: int = 0
+    checkpoints: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
     started: float = field(default_factory=time.time)
@@ -105,12 +112,54 @@ class Server:
         self._waiters: dict[Key, list[_Waiter]] = {}
         self._deferred: dict[int, deque[tuple[bytes, wire.PushRequest, list[Entry]]]] = {}
         self._draining = False
+        self._ckpt = checkpoint.Checkpointer(config, self.endpoint)
+        self.restored_from: Optional[Path] = None
+        if config.restore:
+            self._restore()
 
     # ------------------------------------------------------------------ loop
     @property
     def context(self):
         """The server's ZeroMQ context (its scheduler link shares it)."""
         return self._ctx
+
+    # ------------------------------------------------------------------ checkpoints
+    def _restore(self) -> None:
+        found = self._ckpt.restore()
+        if found is None:
+            return
+        store, path = found
+        if (store.mode, store.num_workers) != (self.config.mode, self.config.num_workers):
+            log.warning("checkpoint %s was taken in %s mode with W=%d; resuming so (this shard was started with "
+                        "%s, W=%d)", path, store.mode, store.num_workers, self.config.mode, self.config.num_workers)
+            self.config = dataclasses.replace(self.config, mode=store.mode, num_workers=store.num_workers)
+        self.store, self.restored_from = store, path
+
+    def checkpoint(self) -> Path:
+        """Write a checkpoint now; returns its path.
+
+        Raises
+        ------
+        RequestError
+            When the shard has no checkpoint directory.
+        CheckpointError
+            When the file cannot be written.
+        """
+        if not self._ckpt.enabled:
+            raise RequestError("no_checkpoint_dir", "this shard was started without --checkpoint-dir")
+        path = self._ckpt.save(self.store, self.counters.pushes)
+        self.counters.checkpoints += 1
+        return path
+
+    def _after_rounds(self) -> None:
+        if self._ckpt.due_after_rounds(self.store, self.counters.pushes):
+            self._checkpoint_quietly()
+
+    def _checkpoint_quietly(self) -> None:
+        try:
+            self.checkpoint()
+        except checkpoint.CheckpointError as exc:
+            log.error("%s; training goes on", exc)
 
     def set_job(self, num_workers: int, mode: str) -> None:
         """Adopt W and the mode the scheduler's table gives (before serving)."""
@@ -127,6 +176,8 @@ class Server:
                     if msg is None:
                         break
                     self.handle(*msg)
+            if self._ckpt.due_by_time():
+                self._checkpoint_quietly()
             if control is not None and control.tick(self.set_members):
                 log.info("the scheduler ended the job")
                 return
@@ -141,11 +192,14 @@ class Server:
         log.info("members: workers %s", sorted(members))
         for worker in [w for w in self._deferred if w not in members]:
             del self._deferred[worker]
-        for key in self.store.set_members(members):
+        completed = self.store.set_members(members)
+        for key in completed:
             self.counters.rounds += 1
             self._wake(key)
         if self._deferred:
             self._drain_deferred()
+        if completed:
+            self._after_rounds()
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return after the message in hand."""
@@ -176,12 +230,16 @@ class Server:
                 self._pull(identity, req)
             elif isinstance(req, wire.InitRequest):
                 self._init(identity, req)
+            elif isinstance(req, wire.CheckpointRequest):
+                self._reply(identity, wire.encode_saved(req.id, str(self.checkpoint())))
             else:
                 self._reply(identity, wire.encode_stats(req.id, self.stats()))
         except RequestError as exc:
             self._error(identity, req.id, exc.code, str(exc))
         except ConfigError as exc:
             self._error(identity, req.id, "config", str(exc))
+        except checkpoint.CheckpointError as exc:
+            self._error(identity, req.id, "checkpoint", str(exc))
         except Exception as exc:  # a bug must not take the shard down; say what happened
             log.exception("internal error handling %s", req.op)
             self._error(identity, req.id, "internal", f"{type(exc).__name__}: {exc}")
@@ -233,6 +291,8 @@ class Server:
             self._wake(keys[i])
         if completed and self._deferred:
             self._drain_deferred()
+        if completed:
+            self._after_rounds()
 
     def _answer_push(self, identity: bytes, req: wire.PushRequest, keys: list[Key], targets: list[int],
                      duplicate: bool) -> None:
@@ -399,6 +459,7 @@ class Server:
             "duplicates": c.duplicates,
             "errors": c.errors,
             "dropped_replies": c.dropped_replies,
+            "checkpoints": c.checkpoints,
             "queued_pulls": sum(len(w) for w in self._waiters.values()),
             "deferred_pushes": sum(len(q) for q in self._deferred.values()),
             "bytes_in": c.bytes_in,

@@ -54,10 +54,10 @@ def header_for(op: str, req_id: int = 42) -> tuple[dict[str, Any], list[np.ndarr
         return h, [a for _, _, a in arrs]
     if op == "pull":
         return {"op": op, "id": req_id, "worker": 0, "keys": [["w", 0, 0], ["w", 1, 5], ["bias", 0, 2**40]]}, []
-    return {"op": "stats", "id": req_id}, []
+    return {"op": op, "id": req_id}, []
 
 
-ALL_OPS = ["init", "push", "push_pull", "pull", "stats"]
+ALL_OPS = ["init", "push", "push_pull", "pull", "stats", "checkpoint"]
 
 
 def frames_of(header: dict[str, Any], arrays=(), *, version: int = wire.PROTOCOL_VERSION) -> list[bytes]:

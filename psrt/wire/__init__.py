@@ -21,11 +21,12 @@ request         fields (besides ``v, op, id``)                           reply
                                                                           is applied
 ``pull``        ``worker, keys``: ``[[name, part, min_version], ...]``    ``params``
 ``stats``       (none)                                                    ``stats``
+``checkpoint``  (none): write a checkpoint now                            ``saved``
 ==============  =======================================================  =====================================
 
 Replies: ``params {tensors, versions}`` + buffers (after ``init`` also ``mode, num_workers, conflicts``: the
 shard's mode and W, and the indices of tensors that exist with another optimizer); ``ack {versions,
-duplicate}``; ``stats {stats}``; ``error {code, message}``, to any request.
+duplicate}``; ``stats {stats}``; ``saved {path}``; ``error {code, message}``, to any request.
 
 Control plane (:mod:`psrt.wire.control`), one header frame each, no buffers:
 
@@ -87,6 +88,7 @@ from psrt.wire.control import (
 )
 from psrt.wire.data import (
     AckReply,
+    CheckpointRequest,
     ErrorReply,
     InitRequest,
     JobInfo,
@@ -96,16 +98,19 @@ from psrt.wire.data import (
     PushRequest,
     Reply,
     Request,
+    SavedReply,
     StatsReply,
     StatsRequest,
     decode_reply,
     decode_request,
     encode_ack,
+    encode_checkpoint_request,
     encode_error,
     encode_init,
     encode_params,
     encode_pull,
     encode_push,
+    encode_saved,
     encode_stats,
     encode_stats_request,
 )
@@ -113,10 +118,10 @@ from psrt.wire.data import (
 __all__ = [
     "PROTOCOL_VERSION", "Key", "TensorMeta", "check_version", "dtype_name", "encode", "pack_header",
     "tensor_entry", "unpack_header",
-    "InitRequest", "PushRequest", "PullKey", "PullRequest", "StatsRequest", "Request",
-    "JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "Reply",
+    "InitRequest", "PushRequest", "PullKey", "PullRequest", "StatsRequest", "CheckpointRequest", "Request",
+    "JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "SavedReply", "Reply",
     "decode_request", "decode_reply", "encode_init", "encode_push", "encode_pull", "encode_stats_request",
-    "encode_params", "encode_ack", "encode_stats", "encode_error",
+    "encode_checkpoint_request", "encode_params", "encode_ack", "encode_stats", "encode_error", "encode_saved",
     "CONTROL_LIMITS", "Register", "Barrier", "Done", "TableQuery", "ControlRequest", "Table", "Ok",
     "ControlError", "Shutdown", "Abort", "Heartbeat", "Members", "ControlReply", "decode_control_request",
     "decode_control_reply",

@@ -36,12 +36,14 @@ __all__ = [
     "PullKey",
     "PullRequest",
     "StatsRequest",
+    "CheckpointRequest",
     "Request",
     "JobInfo",
     "ParamsReply",
     "AckReply",
     "StatsReply",
     "ErrorReply",
+    "SavedReply",
     "Reply",
     "decode_request",
     "decode_reply",
@@ -49,10 +51,12 @@ __all__ = [
     "encode_push",
     "encode_pull",
     "encode_stats_request",
+    "encode_checkpoint_request",
     "encode_params",
     "encode_ack",
     "encode_stats",
     "encode_error",
+    "encode_saved",
 ]
 
 #: Largest worker rank on the wire.
@@ -64,6 +68,7 @@ _REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "push_pull": frozenset({"v", "op", "id", "worker", "session", "seq", "tensors"}),
     "pull": frozenset({"v", "op", "id", "worker", "keys"}),
     "stats": frozenset({"v", "op", "id"}),
+    "checkpoint": frozenset({"v", "op", "id"}),
 }
 _PARAMS = frozenset({"v", "op", "id", "tensors", "versions"})
 _JOB = frozenset({"mode", "num_workers", "conflicts"})
@@ -72,6 +77,7 @@ _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "ack": frozenset({"v", "op", "id", "versions", "duplicate"}),
     "stats": frozenset({"v", "op", "id", "stats"}),
     "error": frozenset({"v", "op", "id", "code", "message"}),
+    "saved": frozenset({"v", "op", "id", "path"}),
 }
 
 
@@ -151,7 +157,15 @@ class StatsRequest:
     op: ClassVar[str] = "stats"
 
 
-Request = Union[InitRequest, PushRequest, PullRequest, StatsRequest]
+@dataclass
+class CheckpointRequest:
+    """``checkpoint``: write a checkpoint now (the shard must have a checkpoint directory)."""
+
+    id: int
+    op: ClassVar[str] = "checkpoint"
+
+
+Request = Union[InitRequest, PushRequest, PullRequest, StatsRequest, CheckpointRequest]
 
 
 def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
@@ -180,11 +194,13 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         op = op_of(h, _REQUEST_FIELDS, "request")
         rid = uint(h, "id")
         buffers = list(frames[1:])
-        if op == "stats" or op == "pull":
+        if op in ("stats", "pull", "checkpoint"):
             if buffers:
                 raise ProtocolError(f"op {op!r} takes no buffer frames, got {len(buffers)}")
             if op == "stats":
                 return StatsRequest(rid)
+            if op == "checkpoint":
+                return CheckpointRequest(rid)
             return PullRequest(rid, uint(h, "worker", MAX_WORKER), _pull_keys(h["keys"], limits))
         worker, session = uint(h, "worker", MAX_WORKER), uint(h, "session")
         seq = uint(h, "seq") if op != "init" else 0
@@ -241,6 +257,11 @@ def encode_stats_request(rid: int) -> list[Any]:
     return encode({"op": "stats", "id": rid})
 
 
+def encode_checkpoint_request(rid: int) -> list[Any]:
+    """Frames of a ``checkpoint`` request."""
+    return encode({"op": "checkpoint", "id": rid})
+
+
 # ---------------------------------------------------------------------------------------------- replies
 @dataclass(frozen=True)
 class JobInfo:
@@ -292,7 +313,16 @@ class ErrorReply:
     op: ClassVar[str] = "error"
 
 
-Reply = Union[ParamsReply, AckReply, StatsReply, ErrorReply]
+@dataclass
+class SavedReply:
+    """``saved``: the checkpoint a ``checkpoint`` request wrote, by its path on the shard's host."""
+
+    id: int
+    path: str
+    op: ClassVar[str] = "saved"
+
+
+Reply = Union[ParamsReply, AckReply, StatsReply, ErrorReply, SavedReply]
 
 
 def decode_reply(data: Any, limits: WireLimits) -> Reply:
@@ -334,6 +364,8 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
                                           for k, v in stats.items()):
             raise ProtocolError("stats reply: 'stats' must map names to numbers or strings")
         return StatsReply(rid, stats)
+    if op == "saved":
+        return SavedReply(rid, string(h, "path"))
     return ErrorReply(rid, string(h, "code", 64), string(h, "message", 1 << 16))
 
 
@@ -359,3 +391,8 @@ def encode_stats(rid: int, stats: dict[str, Any]) -> list[Any]:
 def encode_error(rid: int, code: str, message: str) -> list[Any]:
     """Frames of an ``error`` reply."""
     return encode({"op": "error", "id": rid, "code": code, "message": message})
+
+
+def encode_saved(rid: int, path: str) -> list[Any]:
+    """Frames of a ``saved`` reply."""
+    return encode({"op": "saved", "id": rid, "path": path})

@@ -1,0 +1,161 @@
+"""Shard checkpoints: exact round trips, atomic writes, torn or corrupt files never loaded, the policy."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import psrt
+from psrt import checkpoint
+from psrt.config import ServerConfig
+from psrt.store import Store
+
+
+def busy_store() -> Store:
+    """A store with every kind of state: two optimizers with slots, a round in progress, sequence numbers."""
+    s = Store("sync", 3)
+    rng = np.random.default_rng(0)
+    a = s.create(("w", 0), rng.standard_normal(1000).astype(np.float32), psrt.Adam(lr=0.01))
+    b = s.create(("w", 1), rng.standard_normal(7), psrt.SGD(lr=0.1, momentum=0.9))
+    s.create(("empty", 0), np.zeros(0, np.float32), psrt.AdaGrad(lr=0.1))
+    for _ in range(3):
+        for worker in range(3):
+            s.admit(worker, [a, b], [rng.standard_normal(1000).astype(np.float32), rng.standard_normal(7)])
+    s.admit(1, [a], [np.ones(1000, np.float32)])  # round 4 of key a in progress: worker 1 is in it
+    for worker in range(3):
+        s.record(worker, 1000 + worker, 3 + worker)
+    s.set_members(frozenset({0, 1, 2}))
+    return s
+
+
+def same(x: Store, y: Store) -> None:
+    assert (x.mode, x.num_workers, x.members) == (y.mode, y.num_workers, y.members)
+    assert {w: (log.session, log.last_seq) for w, log in x.workers.items()} == \
+        {w: (log.session, log.last_seq) for w, log in y.workers.items()}
+    assert x.entries.keys() == y.entries.keys()
+    for key, e in x.entries.items():
+        f = y.entries[key]
+        assert (e.version, e.optimizer, e.contributors, e.expected) == (f.version, f.optimizer, f.contributors,
+                                                                        f.expected)
+        np.testing.assert_array_equal(e.param, f.param)
+        assert e.param.dtype == f.param.dtype and e.param.flags.writeable
+        assert e.slots.keys() == f.slots.keys()
+        for name in e.slots:
+            np.testing.assert_array_equal(e.slots[name], f.slots[name])
+        if e.contributors:
+            np.testing.assert_array_equal(e.acc, f.acc)
+
+
+def test_a_checkpoint_restores_everything_exactly(tmp_path):
+    s = busy_store()
+    path = checkpoint.save(s, tmp_path, "shard-x", {"endpoint": "tcp://h:1"})
+    restored, meta, got = checkpoint.load_latest(tmp_path, "shard-x")
+    assert got == path and meta == {"endpoint": "tcp://h:1"}
+    same(s, restored)
+    # It goes on exactly as the original: the round in progress completes the same way in both.
+    for store in (s, restored):
+        for worker in (0, 2):
+            store.admit(worker, [store.entries[("w", 0)]], [np.full(1000, 2.0, np.float32)])
+    same(s, restored)
+    assert restored.entries[("w", 0)].version == 4
+
+
+def test_the_newest_complete_checkpoint_wins_and_torn_or_corrupt_ones_are_skipped(tmp_path, caplog):
+    s = busy_store()
+    first = checkpoint.save(s, tmp_path, "shard-x", {})
+    s.admit(0, [s.entries[("w", 1)]], [np.ones(7)])
+    second = checkpoint.save(s, tmp_path, "shard-x", {})
+    assert checkpoint.load_latest(tmp_path, "shard-x")[2] == second
+    data = second.read_bytes()
+    second.write_bytes(data[: len(data) // 2])  # torn: the trailer is gone
+    assert checkpoint.load_latest(tmp_path, "shard-x")[2] == first
+    flipped = bytearray(data)
+    flipped[len(flipped) // 2] ^= 0xFF
+    second.write_bytes(bytes(flipped))  # corrupt: the checksum disagrees
+    assert checkpoint.load_latest(tmp_path, "shard-x")[2] == first
+    assert any("checksum" in r.getMessage() for r in caplog.records)
+    first.write_bytes(b"junk")
+    assert checkpoint.load_latest(tmp_path, "shard-x") is None
+    assert checkpoint.load_latest(tmp_path / "nowhere", "shard-x") is None
+
+
+def test_writes_are_atomic_and_old_checkpoints_are_pruned(tmp_path, monkeypatch):
+    s = busy_store()
+    for _ in range(4):
+        checkpoint.save(s, tmp_path, "shard-x", {})
+    assert len(list(tmp_path.glob("shard-x-*"))) == checkpoint.KEEP
+    # A crash in the middle of writing leaves no file a loader would read, and the old ones untouched.
+    before = sorted(tmp_path.iterdir())
+
+    def boom(*args: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", boom)
+    with pytest.raises(checkpoint.CheckpointError, match="disk full"):
+        checkpoint.save(s, tmp_path, "shard-x", {})
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def test_other_shards_files_are_not_mistaken_for_ours(tmp_path):
+    checkpoint.save(busy_store(), tmp_path, checkpoint.file_prefix("tcp://127.0.0.1:5701"), {})
+    assert checkpoint.load_latest(tmp_path, checkpoint.file_prefix("tcp://127.0.0.1:57010")) is None
+    assert checkpoint.load_latest(tmp_path, checkpoint.file_prefix("tcp://127.0.0.1:5701")) is not None
+
+
+def test_sync_checkpoints_fall_on_multiples_of_every(tmp_path):
+    config = ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    policy = checkpoint.Checkpointer(config, "tcp://127.0.0.1:1")
+    s = Store("sync", 1)
+    a, b = s.create(("a", 0), np.zeros(2), psrt.SGD()), s.create(("b", 0), np.zeros(2), psrt.SGD())
+    due = []
+    for step in range(1, 8):
+        a.version = step
+        due.append(policy.due_after_rounds(s, step))  # b lags: no key set is at a multiple of 3 yet
+        b.version = step
+        due.append(policy.due_after_rounds(s, step))
+    # Due exactly when the last key reaches 3 and 6.
+    assert [i for i, d in enumerate(due) if d] == [5, 11]
+
+
+def test_checkpoint_options_need_a_directory():
+    with pytest.raises(psrt.ConfigError, match="--checkpoint-dir"):
+        ServerConfig(checkpoint_every=5)
+    with pytest.raises(psrt.ConfigError, match="--checkpoint-dir"):
+        ServerConfig(restore=True)
+
+
+def _serve_one(config: ServerConfig):
+    from psrt.server import Server
+
+    return Server(config)
+
+
+def test_a_server_restores_its_state_and_answers_a_checkpoint_request(tmp_path, shards):
+    group = shards(1, workers=1, extra=("--checkpoint-dir", str(tmp_path)))
+    with psrt.Client(group.endpoints) as c:
+        c.init({"w": np.zeros(5, np.float32)}, optimizer=psrt.Adam(lr=0.1))
+        for _ in range(3):
+            c.push_pull({"w": np.ones(5, np.float32)})
+        paths = c.checkpoint()
+        assert len(paths) == 1 and Path(paths[0]).exists()
+        before = c.pull()["w"]
+    group.close()
+    server = _serve_one(ServerConfig(bind=group.endpoints[0], num_workers=1, checkpoint_dir=str(tmp_path),
+                                     restore=True))
+    try:
+        assert server.restored_from == Path(paths[0])
+        entry = server.store.entries[("w", 0)]
+        np.testing.assert_array_equal(entry.param, before)
+        assert entry.version == 3 and set(entry.slots) == {"exp_avg", "exp_avg_sq"}
+    finally:
+        server.close()
+
+
+def test_a_shard_without_a_directory_refuses_a_checkpoint_request(shards):
+    group = shards(1)
+    with psrt.Client(group.endpoints) as c:
+        with pytest.raises(psrt.ServerError, match="checkpoint-dir"):
+            c.checkpoint()
