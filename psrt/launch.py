@@ -28,7 +28,7 @@ from typing import IO, Optional, Sequence
 from psrt.config import ClusterConfig
 from psrt.errors import ConfigError, PsrtTimeoutError
 
-__all__ = ["launch", "run_role", "SCHEDULER_READY"]
+__all__ = ["launch", "run_role", "exit_status", "SCHEDULER_READY"]
 
 SCHEDULER_READY = re.compile(r"psrt-scheduler ready endpoint=(\S+)")
 _PR_SET_PDEATHSIG = 1
@@ -44,6 +44,25 @@ def _resolve_prctl():  # looked up once in the parent: the child must do as litt
 
 
 _prctl = _resolve_prctl()
+
+
+def exit_status(returncode: int) -> int:
+    """The exit status a shell reports for a child's ``returncode``: 128 + N for a child killed by signal N.
+
+    :class:`subprocess.Popen` gives -N for a child killed by signal N; returned from ``main`` as is, -N would
+    become 256 - N (247 for SIGKILL), which shells and supervisors do not read as a signal.
+    """
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "an unknown signal"
+        return f"was killed by signal {-returncode} ({name})"
+    return f"exited with code {returncode}"
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -183,8 +202,8 @@ def _supervise(sched: _Proc, servers: list[_Proc], workers: list[_Proc], procs: 
                lock: threading.Lock) -> int:
     def report(p: _Proc, code: int) -> int:
         with lock:
-            out.write(f"psrt launch: {p.label} exited with code {code}; stopping every process\n")
-        return code
+            out.write(f"psrt launch: {p.label} {_describe(code)}; stopping every process\n")
+        return exit_status(code)
 
     while True:
         for p in procs:
@@ -239,4 +258,4 @@ def run_role(command: Sequence[str], cluster: Optional[ClusterConfig] = None) ->
         env["PSRT_WORKER_ID"] = str(cluster.worker_id)
     if cluster.num_workers is not None:
         env["PSRT_NUM_WORKERS"] = str(cluster.num_workers)
-    return subprocess.call(list(command), env=env)
+    return exit_status(subprocess.call(list(command), env=env))

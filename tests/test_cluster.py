@@ -72,6 +72,23 @@ def test_launch_stops_everything_when_a_worker_fails():
     assert processes_with_marker(marker) == []
 
 
+KILL_SELF = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+
+
+def test_launch_exits_128_plus_n_for_a_worker_killed_by_signal_n():
+    proc, marker = launch("-s", "1", "-w", "2", "--timeout", "20", "--", sys.executable, "-c", KILL_SELF)
+    assert proc.returncode == 128 + 9, proc.stdout + proc.stderr  # as a shell reports it, not 247
+    assert "was killed by signal 9 (SIGKILL)" in proc.stdout
+    assert processes_with_marker(marker) == []
+
+
+def test_psrt_run_exits_128_plus_n_for_a_worker_killed_by_signal_n():
+    env = {**os.environ, "PSRT_ROLE": "worker", "PSRT_SCHEDULER": "tcp://127.0.0.1:5700"}
+    proc = subprocess.run([*PSRT, "run", "--", sys.executable, "-c", KILL_SELF], capture_output=True, text=True,
+                          env=env, timeout=30)
+    assert proc.returncode == 137, proc.stderr
+
+
 def test_launch_rejects_a_missing_command():
     proc = subprocess.run([*PSRT, "launch", "-s", "1", "-w", "1"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "no worker command" in proc.stderr
