@@ -24,6 +24,7 @@ import time
 from typing import Optional, Sequence
 from urllib.parse import urlsplit
 
+from psrt import __version__
 from psrt.config import MODES, ClusterConfig, ServerConfig
 from psrt.errors import ConfigError, PsrtError
 
@@ -199,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``psrt`` command."""
     parser = argparse.ArgumentParser(prog="psrt", description="psrt: a parameter-server runtime on ZeroMQ")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     defaults = ServerConfig()
 
