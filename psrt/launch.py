@@ -76,8 +76,11 @@ class _Proc:
     def __init__(self, label: str, cmd: Sequence[str], env: dict[str, str], out: IO[str], lock: threading.Lock,
                  watch: Optional[re.Pattern] = None) -> None:
         self.label = label
-        self.proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                     text=True, bufsize=1, start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            self.proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                         text=True, bufsize=1, start_new_session=True, preexec_fn=_die_with_parent)
+        except OSError as exc:  # a mistyped or missing program: the user's error, said in one line
+            raise ConfigError(f"cannot start {label}: {cmd[0]}: {exc.strerror or exc}") from None
         self.match: Optional[re.Match] = None
         self._seen = threading.Event()
         self._watch = watch
@@ -129,7 +132,7 @@ def _teardown(procs: list[_Proc], grace: float = 5.0) -> None:
 
 
 def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str = "sync",
-           host: str = "127.0.0.1", start_timeout: float = 60.0, out: IO[str] = sys.stdout,
+           host: str = "127.0.0.1", start_timeout: Optional[float] = None, out: IO[str] = sys.stdout,
            extra_env: Optional[dict[str, str]] = None, transport: str = "auto") -> int:
     """Run a whole job on this machine; returns the exit code (the first failure's, else 0).
 
@@ -144,8 +147,9 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         ``"sync"`` or ``"async"``.
     host : str
         Address the scheduler and servers bind on.
-    start_timeout : float
-        Seconds for the job to form.
+    start_timeout : float, optional
+        Seconds for the job to form and for each barrier (default: ``PSRT_START_TIMEOUT`` or 120, as the
+        scheduler's).
     out : text stream
         Where the prefixed output goes.
     extra_env : dict, optional
@@ -162,6 +166,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         raise ConfigError(f"need -s >= 1 and -w >= 1, got -s {num_servers} -w {num_workers}")
     if not command:
         raise ConfigError("no worker command: use psrt launch -s S -w W -- CMD ARGS")
+    if start_timeout is None:
+        start_timeout = ClusterConfig.from_env().start_timeout
     lock = threading.Lock()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     if threading.current_thread() is threading.main_thread():
@@ -258,4 +264,7 @@ def run_role(command: Sequence[str], cluster: Optional[ClusterConfig] = None) ->
         env["PSRT_WORKER_ID"] = str(cluster.worker_id)
     if cluster.num_workers is not None:
         env["PSRT_NUM_WORKERS"] = str(cluster.num_workers)
-    return exit_status(subprocess.call(list(command), env=env))
+    try:
+        return exit_status(subprocess.call(list(command), env=env))
+    except OSError as exc:
+        raise ConfigError(f"psrt run: cannot start {command[0]}: {exc.strerror or exc}") from None
