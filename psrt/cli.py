@@ -149,7 +149,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _model(args: argparse.Namespace) -> int:
     from psrt import perfmodel
-    from psrt.models import model_tensors
+    from psrt.models import model_bytes, model_tensors
     from psrt.netns import parse_rate
 
     cal = perfmodel.calibrate() if args.calibrate else perfmodel.Calibration(
@@ -161,7 +161,7 @@ def _model(args: argparse.Namespace) -> int:
     tensors = model_tensors(args.model, args.partition_bytes)
     link = parse_rate(args.link)
     server_link = parse_rate(args.server_link) if args.server_link else link
-    print(f"model {args.model}: {4 * sum(__import__('math').prod(s) for _, s in tensors) / 1e6:.1f} MB in "
+    print(f"model {args.model}: {model_bytes(tensors) / 1e6:.1f} MB in "
           f"{len(tensors)} tensors; links: worker {args.link}, server {args.server_link or args.link}; compute "
           f"{args.compute_ms:g} ms; {args.mode}")
     print(f"calibration: aggregation {cal.agg_bytes_per_s / 1e9:.2f} GB/s, message overhead "

@@ -12,7 +12,6 @@ prints one line ``psrt-worker-result {json}`` with its own steps/s; the job's th
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import time
@@ -22,7 +21,7 @@ import numpy as np
 
 import psrt
 from psrt.errors import ConfigError
-from psrt.models import model_tensors
+from psrt.models import model_bytes, model_tensors
 
 __all__ = ["run_worker", "RESULT_PREFIX"]
 
@@ -68,7 +67,7 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
     shapes = model_tensors(model)
     params = {name: np.zeros(shape, np.float32) for name, shape in shapes}
     grads = {name: np.full(shape, 1e-3, np.float32) for name, shape in shapes}
-    nbytes = sum(4 * math.prod(s) for _, s in shapes)
+    nbytes = model_bytes(shapes)
     scratch = np.ones(1 << 16, np.float32)
     seconds = compute_ms / 1000.0
 
