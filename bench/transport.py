@@ -62,6 +62,8 @@ from typing import Callable, Optional
 
 import numpy as np
 import zmq
+from _common import human_bytes as human  # this script sizes bytes: "64 KiB"
+from _common import parse_size
 
 import psrt
 from psrt.config import ClientConfig
@@ -79,25 +81,9 @@ LARGE_TARGET = (64 * MIB, 0.7)  # throughput ratio >= 0.7
 SMALL_TARGET = (4 * KIB, 2.0)  # p50 ratio <= 2.0
 
 
-def parse_bytes(text: str) -> int:
-    """``4096``, ``4K``, ``4KiB``, ``64M`` or ``64MiB`` (binary multiples) as bytes."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": KIB, "M": MIB, "G": 1 << 30}.get(t[-1:], 1)
-    try:
-        value = int(float(t[:-1] if mult != 1 else t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4K, 64KiB, 16M)") from None
-    if value < 4 or value % 4:
-        raise argparse.ArgumentTypeError(f"size must be a positive multiple of 4 bytes (float32), got {text!r}")
-    return value
-
-
-def human(n: int) -> str:
-    """``65536`` -> ``64 KiB``."""
-    for suffix, mult in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", KIB)):
-        if n >= mult and n % mult == 0:
-            return f"{n // mult} {suffix}"
-    return f"{n} B"
+def _float32_bytes(text: str) -> int:
+    """A size in bytes that holds whole float32 values."""
+    return parse_size(text, multiple=4)
 
 
 def fmt_time(seconds: float) -> str:
@@ -484,14 +470,14 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--sizes", type=lambda s: [parse_bytes(x) for x in s.split(",") if x.strip()],
+    parser.add_argument("--sizes", type=lambda s: [_float32_bytes(x) for x in s.split(",") if x.strip()],
                         default=list(DEFAULT_SIZES), help="comma-separated tensor sizes in bytes (K/M suffixes)")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_DIVISOR}x fewer round trips")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the round trips per size by this")
     parser.add_argument("--rounds", type=int, default=10, help="alternating psrt/raw blocks per size")
-    parser.add_argument("--chunk", type=parse_bytes, default=4 * MIB,
+    parser.add_argument("--chunk", type=_float32_bytes, default=4 * MIB,
                         help="psrt's partition size and the raw baseline's message size for large tensors")
-    parser.add_argument("--latency-max", type=parse_bytes, default=64 * KIB, help="show p99 up to this size")
+    parser.add_argument("--latency-max", type=_float32_bytes, default=64 * KIB, help="show p99 up to this size")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds any single network wait may take")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--strict", action="store_true", help="exit with status 1 when a target is missed")

@@ -1,7 +1,9 @@
-"""The project's own shape: one source of the version, declared dependencies."""
+"""The project's own shape: one source of the version, declared dependencies, honest test markers."""
 
 from __future__ import annotations
 
+import ast
+import re
 import sys
 from pathlib import Path
 
@@ -31,3 +33,59 @@ def test_every_declared_marker_selects_a_test():
         name = line.split(":")[0].split("(")[0].strip()
         assert f"mark.{name}" in sources, f"marker {name!r} is declared but no test uses it"
     assert "-m" not in options.get("addopts", ""), "the default run must not deselect tests"
+
+
+#: Import name -> distribution, for every third-party module psrt or its benchmarks import.
+DISTRIBUTIONS = {"numpy": "numpy", "zmq": "pyzmq", "msgpack": "msgpack", "sklearn": "scikit-learn",
+                 "prometheus_client": "prometheus_client", "tqdm": "tqdm", "matplotlib": "matplotlib",
+                 "ray": "ray", "torch": "torch"}
+
+
+def imported_modules(paths: list[Path], local: set[str]) -> dict[str, Path]:
+    """Top-level names of every module imported anywhere in ``paths`` (inside functions too), but the stdlib."""
+    found = {}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in local and top != "__future__":
+                    found.setdefault(top, path)
+    return found
+
+
+def requirement_names(specs: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~\[; ]", s, maxsplit=1)[0].strip().lower() for s in specs}
+
+
+@pytest.mark.skipif(sys.version_info < (3, 10), reason="sys.stdlib_module_names is new in Python 3.10")
+def test_every_third_party_import_is_declared():
+    project = pyproject()["project"]
+    core = requirement_names(project["dependencies"])
+    extras = {k: requirement_names(v) for k, v in project["optional-dependencies"].items()}
+    where = {
+        # psrt itself: its dependencies, and the extras that name what its optional parts need.
+        "psrt": (sorted((ROOT / "psrt").rglob("*.py")), core | extras["metrics"] | extras["examples"]),
+        # The benchmarks: what README's `pip install -e ".[bench]"` installs; peers.py's baselines in `peers`.
+        "bench": (sorted((ROOT / "bench").glob("*.py")), core | extras["bench"] | extras["peers"]),
+    }
+    local = {"psrt", "_common", "_torch_ps"}
+    for paths, declared in where.values():
+        for module, path in imported_modules(paths, local).items():
+            assert module in DISTRIBUTIONS, f"{path.name} imports {module}: add it to pyproject.toml and this table"
+            assert DISTRIBUTIONS[module].lower() in declared, f"{path.name} imports undeclared {module}"
+    bench_only = imported_modules(sorted((ROOT / "bench").glob("*.py")), local)
+    assert {m for m in bench_only if DISTRIBUTIONS[m] not in core} - {"ray", "torch"} <= extras["bench"]
+    assert {"ray", "torch"} <= extras["peers"] and not {"ray", "torch"} & extras["bench"]
+
+
+def test_the_readme_benchmark_section_starts_with_its_install_line():
+    section = (ROOT / "README.md").read_text().split("## Performance", 1)[1]
+    first_command = re.search(r"```bash\n(.+)\n", section).group(1)
+    assert first_command.strip() == 'pip install -e ".[bench]"'
+    assert '".[bench,peers]"' in section.split("|", 1)[0]
