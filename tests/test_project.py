@@ -89,3 +89,14 @@ def test_the_readme_benchmark_section_starts_with_its_install_line():
     first_command = re.search(r"```bash\n(.+)\n", section).group(1)
     assert first_command.strip() == 'pip install -e ".[bench]"'
     assert '".[bench,peers]"' in section.split("|", 1)[0]
+
+
+def test_ci_runs_the_readme_test_command_and_the_linter():
+    script = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    command = 'pip install -e ".[test]" && python -m pytest'
+    assert f"```bash\n{command}\n```" in readme
+    lines = [line.strip() for line in script.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert command in lines
+    assert "python -m ruff check ." in lines[lines.index(command):]
+    assert "ruff" in requirement_names(pyproject()["project"]["optional-dependencies"]["test"])
