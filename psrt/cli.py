@@ -1,4 +1,4 @@
-"""The ``psrt`` command line.
+"""The ``psrt`` command line: it parses arguments and calls the module that does the work.
 
 ``psrt scheduler``   the job's control plane
 ``psrt server``      one shard (standalone with ``--bind``, or joining a job with ``--scheduler``)
@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 import logging
 import os
 import re
 import signal
-import socket
 import sys
 import time
 from typing import Optional, Sequence
-from urllib.parse import urlsplit
 
 from psrt import __version__
 from psrt.config import MODES, ClusterConfig, ServerConfig
@@ -32,89 +29,19 @@ from psrt.errors import ConfigError, PsrtError
 __all__ = ["main", "build_parser"]
 
 
-def _host_towards(endpoint: str) -> str:
-    """The local address that reaches ``endpoint``'s host (loopback stays loopback); no packet is sent."""
-    host = urlsplit(endpoint).hostname or "127.0.0.1"
-    try:
-        addr = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
-    except OSError:
-        raise ConfigError(f"cannot resolve the scheduler host {host!r}") from None
-    if ipaddress.ip_address(addr).is_loopback:
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((addr, 9))  # UDP connect only picks a route and a source address
-        return s.getsockname()[0]
-
-
-def _on_signals(stop) -> None:
-    def handler(signum: int, frame: object) -> None:
-        stop()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-
-
 def _server(args: argparse.Namespace) -> int:
-    from psrt.memory import tune_allocator
-    from psrt.scheduler import SchedulerLink
-    from psrt.server import Server
+    from psrt.daemon import run_server
 
-    tune_allocator()
-    link = None
-    if args.scheduler:
-        host = args.host or _host_towards(args.scheduler)
-        config = ServerConfig(bind=args.bind or f"tcp://{host}:*", nonfinite=args.nonfinite)
-    else:
-        config = ServerConfig(bind=args.bind or "tcp://127.0.0.1:5701", num_workers=args.workers, mode=args.mode,
-                              nonfinite=args.nonfinite)
-    server = Server(config)
-    _on_signals(server.stop)
-    metrics = None
-    try:
-        if args.scheduler:
-            announce = server.endpoint.replace("0.0.0.0", host) if server.endpoint.startswith("tcp://") \
-                else server.endpoint
-            cluster = ClusterConfig.from_env()
-            link = SchedulerLink(server.context, args.scheduler, heartbeat_interval=cluster.heartbeat_interval,
-                                 heartbeat_timeout=cluster.heartbeat_timeout)
-            timeout = cluster.start_timeout + 10.0
-            table = link.register("server", endpoint=announce, host=host, timeout=timeout)
-            server.set_job(table.num_workers, table.mode)
-        if args.metrics_port is not None:
-            from psrt.metrics import serve_metrics
-
-            try:
-                metrics = serve_metrics(server, args.metrics_port, args.metrics_host)
-            except OSError as exc:  # the port is taken or the address is not ours
-                raise ConfigError(f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: "
-                                  f"{exc.strerror or exc}") from None
-        # One machine-readable line: launchers and tests read the bound endpoint from it.
-        print(f"psrt-server ready endpoint={server.endpoint} mode={server.config.mode} "
-              f"workers={server.config.num_workers}" + (f" rank={link.rank}" if link else ""), flush=True)
-        server.serve(control=link)
-    finally:
-        stats = server.stats()
-        if metrics is not None:
-            metrics.shutdown()
-        if link is not None:
-            link.close()
-        server.close()
-        print(f"psrt-server stopped endpoint={stats['endpoint']} pushes={stats['pushes']} pulls={stats['pulls']} "
-              f"rounds={stats['rounds']} errors={stats['errors']}", flush=True)
-    return 0
+    return run_server(bind=args.bind, scheduler=args.scheduler, host=args.host, num_workers=args.workers,
+                      mode=args.mode, nonfinite=args.nonfinite, metrics_port=args.metrics_port,
+                      metrics_host=args.metrics_host)
 
 
 def _scheduler(args: argparse.Namespace) -> int:
-    from psrt.scheduler import Scheduler
+    from psrt.daemon import run_scheduler
 
-    sched = Scheduler(args.bind, args.servers, args.workers, args.mode, start_timeout=args.timeout,
-                      heartbeat_timeout=ClusterConfig.from_env().heartbeat_timeout, elastic=args.elastic)
-    _on_signals(sched.stop)
-    print(f"psrt-scheduler ready endpoint={sched.endpoint} servers={args.servers} workers={args.workers} "
-          f"mode={args.mode}", flush=True)
-    code = sched.serve()
-    print(f"psrt-scheduler stopped code={code}", flush=True)
-    return code
+    return run_scheduler(args.bind, args.servers, args.workers, args.mode, start_timeout=args.timeout,
+                         elastic=args.elastic)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -139,7 +66,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from psrt.worker import run_worker
+    from psrt.loadgen import run_worker
 
     servers = args.servers.split(",") if args.servers else None
     run_worker(args.model, args.compute_ms, args.steps, warmup=args.warmup, compute=args.compute, servers=servers,

@@ -100,3 +100,66 @@ def test_ci_runs_the_readme_test_command_and_the_linter():
     assert command in lines
     assert "python -m ruff check ." in lines[lines.index(command):]
     assert "ruff" in requirement_names(pyproject()["project"]["optional-dependencies"]["test"])
+
+
+def import_graph() -> dict[str, set[str]]:
+    """psrt's modules and the psrt modules each imports, anywhere in its body (inside functions too)."""
+    package = ROOT / "psrt"
+
+    def name(path: Path) -> str:
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    sources = sorted(package.rglob("*.py"))
+    modules = {name(p) for p in sources} | {name(p) for p in package.rglob("*.pyx")}  # _core is a module too
+    graph = {}
+    for path in sources:
+        me = name(path)
+        here = me if path.name == "__init__.py" else me.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                base = here.rsplit(".", node.level - 1)[0] if node.level else ""
+                source = ".".join(filter(None, [base, node.module]))
+                for a in node.names:  # `from psrt import x` imports the module psrt.x when there is one
+                    target = f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source
+                    if target in modules:
+                        edges.add(target)
+        graph[me] = edges - {me}
+    return graph
+
+
+def test_no_import_cycle_among_psrt_modules():
+    graph = import_graph()
+    assert {"psrt", "psrt.cli", "psrt.launch", "psrt.daemon", "psrt.process"} <= set(graph)
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                cycle = path[path.index(target):] + [target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+
+
+def test_the_command_line_only_parses_arguments():
+    graph = import_graph()
+    assert "psrt.cli" not in {t for edges in graph.values() for t in edges}, "nothing may import the command line"
+    assert not graph["psrt.cli"] & {"psrt.server", "psrt.scheduler", "psrt.client"}
+
+
+def test_no_module_is_overly_long():
+    lengths = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in (ROOT / "psrt").rglob("*.py")}
+    assert {p: n for p, n in lengths.items() if n > 450} == {}
