@@ -1,18 +1,21 @@
-"""Helpers the benchmark scripts share: sizes on the command line and in tables.
+"""Helpers the benchmark scripts share: sizes on the command line and in tables, and child processes.
 
 Each script runs as ``python bench/NAME.py``, so this directory is on ``sys.path`` and ``import _common`` finds
-this module. A model's byte count is :func:`psrt.models.model_bytes`.
+this module. A model's byte count is :func:`psrt.models.model_bytes`; every child process is a
+:class:`psrt.process.Child` (its own process group, stopped as a whole, dies with the bench).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+from typing import Any, Sequence
 
 from psrt.errors import ConfigError
 from psrt.models import parse_size as _parse_units
+from psrt.process import SERVER_READY, Child, psrt_command
 
-__all__ = ["parse_size", "human", "human_bytes"]
+__all__ = ["parse_size", "human", "human_bytes", "start_child", "start_server"]
 
 _BINARY = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -60,3 +63,24 @@ def human_bytes(n: int) -> str:
     """Bytes: ``65536`` -> ``"64 KiB"``, ``100`` -> ``"100 B"``."""
     value, prefix = _shorten(n)
     return f"{value} {prefix}iB" if prefix else f"{value} B"
+
+
+def start_child(cmd: Sequence[str], ready: re.Pattern, timeout: float, **kwargs: Any) -> Child:
+    """Start ``cmd`` and wait up to ``timeout`` seconds for its ready line; stopped again if it never comes.
+
+    ``kwargs`` go to :class:`psrt.process.Child`. The endpoint is ``child.endpoint``; stop it with ``child.stop()``.
+    """
+    child = Child(cmd, ready=ready, **kwargs)
+    try:
+        child.wait_ready(timeout)
+    except BaseException:
+        child.stop()
+        raise
+    return child
+
+
+def start_server(workers: int, timeout: float, bind: str = "tcp://127.0.0.1:*", mode: str = "sync",
+                 **kwargs: Any) -> Child:
+    """A ready ``psrt server --bind BIND --workers W --mode MODE`` child (output collected)."""
+    cmd = psrt_command("server", "--bind", bind, "--workers", str(workers), "--mode", mode)
+    return start_child(cmd, SERVER_READY, timeout, **{"label": "psrt server", **kwargs})

@@ -45,13 +45,10 @@ Run it a few times and compare the ratios, not the absolute figures.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import os
 import platform
-import re
-import selectors
 import signal
 import statistics
 import subprocess
@@ -63,10 +60,11 @@ from typing import Callable, Optional
 import numpy as np
 import zmq
 from _common import human_bytes as human  # this script sizes bytes: "64 KiB"
-from _common import parse_size
+from _common import parse_size, start_child, start_server
 
 import psrt
 from psrt.config import ClientConfig
+from psrt.process import Child, ready_line, ready_pattern
 
 KIB, MIB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (4 * KIB, 64 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB)
@@ -111,7 +109,7 @@ def echo_server() -> int:
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
     sock.bind("tcp://127.0.0.1:*")
-    print(f"echo ready endpoint={sock.getsockopt(zmq.LAST_ENDPOINT).decode()}", flush=True)
+    print(ready_line("echo", sock.getsockopt(zmq.LAST_ENDPOINT).decode()), flush=True)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(sys.stdin.fileno(), zmq.POLLIN)  # the parent holds the other end; EOF means it is gone
@@ -131,65 +129,6 @@ def echo_server() -> int:
         sock.close(linger=0)
         ctx.term()
     return 0
-
-
-def _die_with_parent() -> None:
-    """Linux, in the child before exec: the kernel sends it SIGTERM if this process dies, even by SIGKILL."""
-    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-class Child:
-    """A child process that prints ``... ready endpoint=EP`` first; stopped with terminate, wait, kill."""
-
-    def __init__(self, cmd: list[str], ready: str, timeout: float) -> None:
-        self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-        try:
-            line = self._first_line(timeout)
-            match = re.search(ready + r" ready endpoint=(\S+)", line)
-            if not match:
-                raise RuntimeError(f"{' '.join(cmd[:4])} did not start: {line!r} {self._stderr()}")
-            self.endpoint = match.group(1)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _first_line(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        buf = b""
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while b"\n" not in buf:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise RuntimeError(f"{' '.join(self.cmd[:4])} printed no ready line within {timeout:g}s")
-                if not sel.select(remaining):
-                    continue
-                chunk = os.read(self.proc.stdout.fileno(), 4096)
-                if not chunk:
-                    raise RuntimeError(f"{' '.join(self.cmd[:4])} exited: {buf!r} {self._stderr()}")
-                buf += chunk
-        return buf.decode(errors="replace")
-
-    def _stderr(self) -> str:
-        if self.proc.poll() is None:
-            return ""
-        return self.proc.stderr.read().decode(errors="replace")[-2000:]
-
-    def stop(self, timeout: float = 10.0) -> Optional[int]:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
-        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
-        return self.proc.returncode
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -432,10 +371,11 @@ def run(args: argparse.Namespace) -> int:
     raw: Optional[RawDealer] = None
     try:
         # Children first: no ZeroMQ threads exist yet in this process when they are forked.
-        server = Child([sys.executable, "-m", "psrt.cli", "server", "--bind", "tcp://127.0.0.1:*", "--workers", "1",
-                        "--mode", "sync"], "psrt-server", args.timeout)
+        server = start_server(1, args.timeout)
         children.append(server)
-        echo = Child([sys.executable, me, "--echo-server"], "echo", args.timeout)
+        # The echo server also ends when its stdin closes: it watches the pipe we hold.
+        echo = start_child([sys.executable, me, "--echo-server"], ready_pattern("echo"), args.timeout, label="echo",
+                           stdin=subprocess.PIPE)
         children.append(echo)
         ctx = zmq.Context()
         client = psrt.Client([server.endpoint], rank=0, num_workers=1,

@@ -40,3 +40,13 @@ def test_every_bench_script_starts(script):
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage:")
+
+
+def test_start_server_gives_a_ready_server_and_stops_it_cleanly():
+    server = _common.start_server(1, timeout=30)
+    try:
+        assert server.endpoint.startswith("tcp://127.0.0.1:")
+        assert server.poll() is None
+    finally:
+        assert server.stop() == 0  # SIGTERM: the server stops its loop and says what it served
+    assert "psrt-server stopped" in server.output
