@@ -67,6 +67,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         raise ConfigError(f"need -s >= 1 and -w >= 1, got -s {num_servers} -w {num_workers}")
     if not command:
         raise ConfigError("no worker command: use psrt launch -s S -w W -- CMD ARGS")
+    if shutil.which(command[0]) is None:  # say so before starting a job that could not run
+        raise ConfigError(f"cannot start the workers: {command[0]}: no such program (or not executable)")
     if start_timeout is None:
         start_timeout = ClusterConfig.from_env().start_timeout
     lock = threading.Lock()

@@ -64,8 +64,9 @@ def one_line_error(proc: subprocess.CompletedProcess, code: int = 2) -> str:
 
 
 def test_a_missing_worker_program_is_a_one_line_error():
-    line = one_line_error(run_psrt("launch", "-s", "1", "-w", "1", "--", "/nonexistent/psrt-test-program"))
-    assert "cannot start worker 0: /nonexistent/psrt-test-program: No such file or directory" in line
+    proc = run_psrt("launch", "-s", "1", "-w", "1", "--", "/nonexistent/psrt-test-program")
+    assert "cannot start the workers: /nonexistent/psrt-test-program: no such program" in one_line_error(proc)
+    assert "[scheduler]" not in proc.stdout  # refused before any process started
     env = {"PSRT_ROLE": "worker", "PSRT_SCHEDULER": "tcp://127.0.0.1:5700"}
     line = one_line_error(run_psrt("run", "--", "/nonexistent/psrt-test-program", env=env))
     assert "/nonexistent/psrt-test-program: No such file or directory" in line
