@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
+from _common import human, parse_size
 
 import psrt
 from psrt import _core, kernels, reference
@@ -69,28 +70,6 @@ ACCESSES = {"copyto": 2, "accumulate": 3, "sgd_step": 3, "momentum_step": 5, "ad
 TARGETS = (("accumulate", 0.9), ("adam_step", 4.0), ("sgd_step", 2.0))
 
 LR, MOMENTUM, BETA1, BETA2, EPS, WEIGHT_DECAY, ADAGRAD_EPS = 1e-3, 0.9, 0.9, 0.999, 1e-8, 1e-2, 1e-10
-
-
-def parse_size(text: str) -> int:
-    """An element count such as ``1048576``, ``64K``, ``1M`` or ``1G`` (binary multiples)."""
-    text = text.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    digits = text[:-1] if mult != 1 else text
-    try:
-        value = int(float(digits) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 1048576, 64K, 1M)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return value
-
-
-def human(n: int) -> str:
-    """``1048576`` -> ``1M``."""
-    for suffix, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= mult and n % mult == 0:
-            return f"{n // mult}{suffix}"
-    return str(n)
 
 
 @dataclass

@@ -94,10 +94,8 @@ import multiprocessing
 import os
 import queue
 import re
-import select
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -110,7 +108,6 @@ import numpy as np
 SYSTEMS = ("psrt", "ray", "torch")
 TARGET = 1.5
 DEFAULT_STEPS = 50
-READY = re.compile(r"psrt-server ready endpoint=(\S+)")
 STOPPED = re.compile(r"psrt-server stopped .*")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -273,74 +270,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _read_line(stream: Any, timeout: float) -> str:
-    """One line from a binary pipe, waiting at most ``timeout`` seconds (``""`` on timeout or EOF)."""
-    fd = stream.fileno()
-    buf = b""
-    deadline = time.monotonic() + timeout
-    while b"\n" not in buf:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-            break
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        buf += chunk
-    return buf.decode(errors="replace")
-
-
-class PsrtServer:
-    """A ``psrt server`` child process.
-
-    Parameters
-    ----------
-    workers : int
-        The server's ``--workers``.
-    timeout : float
-        Seconds to wait for its ready line.
-    bind : str
-        Its endpoint: an ephemeral loopback TCP port, or an ipc:// path.
-    """
-
-    def __init__(self, workers: int, timeout: float, bind: str = "tcp://127.0.0.1:*") -> None:
-        self._stderr = tempfile.TemporaryFile()
-        cmd = [sys.executable, "-m", "psrt.cli", "server", "--bind", bind,
-               "--workers", str(workers), "--mode", "sync"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.summary = ""
-        try:
-            line = _read_line(self.proc.stdout, timeout)
-            match = READY.search(line)
-            if not match:
-                raise BenchError(f"psrt server did not start within {timeout:g}s: {line.strip()!r} "
-                                 f"{self.stderr_tail()}")
-        except BaseException:
-            self.stop()
-            raise
-        self.endpoint = match.group(1)
-
-    def stderr_tail(self, limit: int = 2000) -> str:
-        """The end of the server's stderr."""
-        self._stderr.seek(0)
-        return self._stderr.read().decode(errors="replace")[-limit:]
-
-    def stop(self) -> None:
-        """SIGTERM, wait, SIGKILL if needed; keeps the server's ``stopped`` summary line."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self.proc.stdout is not None:
-            match = STOPPED.search(_read_line(self.proc.stdout, 1.0))
-            self.summary = match.group(0) if match else ""
-            self.proc.stdout.close()
-        self._stderr.close()
-
-
 def _spawn(ctx: Any, target: Callable[..., None], argsets: list[tuple], name: str) -> list[Any]:
     """Start one daemon process per argument tuple, named ``name-i``."""
     procs = []
@@ -376,9 +305,14 @@ def _psrt_worker(workload: Workload, endpoints: list[str], rank: int, results: A
 
 def run_psrt(workload: Workload, options: argparse.Namespace) -> Outcome:
     """psrt: S ``psrt server`` children and W spawned workers using ``psrt.Client.push_pull``."""
+    from _common import start_server
+
+    from psrt.errors import PsrtError
+    from psrt.process import Child, stop_children
+
     deadline = time.monotonic() + workload.timeout
     outcome = Outcome("psrt")
-    servers: list[PsrtServer] = []
+    servers: list[Child] = []
     procs: list[Any] = []
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
@@ -386,7 +320,11 @@ def run_psrt(workload: Workload, options: argparse.Namespace) -> Outcome:
     try:
         for i in range(workload.servers):
             bind = f"ipc://{sockdir}/server-{i}.sock" if sockdir else "tcp://127.0.0.1:*"
-            servers.append(PsrtServer(workload.workers, max(1.0, min(60.0, deadline - time.monotonic())), bind))
+            try:
+                servers.append(start_server(workload.workers, max(1.0, min(60.0, deadline - time.monotonic())),
+                                            bind, label=f"psrt server {i}"))
+            except PsrtError as exc:  # did not start: its own words say why
+                raise BenchError(f"psrt: {exc}") from None
         endpoints = [s.endpoint for s in servers]
         _log("psrt", f"servers at {', '.join(endpoints)}; starting {workload.workers} workers")
         procs += _spawn(ctx, _psrt_worker, [(workload, endpoints, rank, results) for rank in range(workload.workers)],
@@ -396,12 +334,12 @@ def run_psrt(workload: Workload, options: argparse.Namespace) -> Outcome:
         _merge_checks(outcome, got)
     finally:
         _stop_processes(procs, 10.0)
-        for server in servers:
-            server.stop()
+        stop_children(servers, grace=10.0)
         results.close()
         if sockdir:
             shutil.rmtree(sockdir, ignore_errors=True)
-    outcome.detail = "; ".join(s.summary for s in servers if s.summary)
+    # Each server's last line sums up what it served.
+    outcome.detail = "; ".join(m.group(0) for m in (STOPPED.search(s.output) for s in servers) if m)
     return outcome
 
 

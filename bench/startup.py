@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ import numpy as np
 
 import psrt
 from psrt.local import LocalShards
-from psrt.models import model_tensors
+from psrt.models import model_bytes, model_tensors
 
 WORKER = """
 import sys, time
@@ -107,7 +106,7 @@ def main() -> int:
 
     inits = {}
     for spec in ("resnet50", "100MB"):
-        nbytes = 4 * sum(math.prod(s) for _, s in model_tensors(spec))
+        nbytes = model_bytes(spec)
         times = [init_once(spec, args.servers) for _ in range(args.repeats)]
         inits[spec] = {"bytes": nbytes, "seconds": times}
         print(f"init of {spec} ({nbytes / 1e6:.0f} MB, {len(model_tensors(spec))} tensors) on {args.servers} "

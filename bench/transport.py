@@ -45,13 +45,10 @@ Run it a few times and compare the ratios, not the absolute figures.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import os
 import platform
-import re
-import selectors
 import signal
 import statistics
 import subprocess
@@ -62,9 +59,12 @@ from typing import Callable, Optional
 
 import numpy as np
 import zmq
+from _common import human_bytes as human  # this script sizes bytes: "64 KiB"
+from _common import parse_size, start_child, start_server
 
 import psrt
 from psrt.config import ClientConfig
+from psrt.process import Child, ready_line, ready_pattern
 
 KIB, MIB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (4 * KIB, 64 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB)
@@ -79,25 +79,9 @@ LARGE_TARGET = (64 * MIB, 0.7)  # throughput ratio >= 0.7
 SMALL_TARGET = (4 * KIB, 2.0)  # p50 ratio <= 2.0
 
 
-def parse_bytes(text: str) -> int:
-    """``4096``, ``4K``, ``4KiB``, ``64M`` or ``64MiB`` (binary multiples) as bytes."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": KIB, "M": MIB, "G": 1 << 30}.get(t[-1:], 1)
-    try:
-        value = int(float(t[:-1] if mult != 1 else t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4K, 64KiB, 16M)") from None
-    if value < 4 or value % 4:
-        raise argparse.ArgumentTypeError(f"size must be a positive multiple of 4 bytes (float32), got {text!r}")
-    return value
-
-
-def human(n: int) -> str:
-    """``65536`` -> ``64 KiB``."""
-    for suffix, mult in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", KIB)):
-        if n >= mult and n % mult == 0:
-            return f"{n // mult} {suffix}"
-    return f"{n} B"
+def _float32_bytes(text: str) -> int:
+    """A size in bytes that holds whole float32 values."""
+    return parse_size(text, multiple=4)
 
 
 def fmt_time(seconds: float) -> str:
@@ -125,7 +109,7 @@ def echo_server() -> int:
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
     sock.bind("tcp://127.0.0.1:*")
-    print(f"echo ready endpoint={sock.getsockopt(zmq.LAST_ENDPOINT).decode()}", flush=True)
+    print(ready_line("echo", sock.getsockopt(zmq.LAST_ENDPOINT).decode()), flush=True)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(sys.stdin.fileno(), zmq.POLLIN)  # the parent holds the other end; EOF means it is gone
@@ -145,65 +129,6 @@ def echo_server() -> int:
         sock.close(linger=0)
         ctx.term()
     return 0
-
-
-def _die_with_parent() -> None:
-    """Linux, in the child before exec: the kernel sends it SIGTERM if this process dies, even by SIGKILL."""
-    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-class Child:
-    """A child process that prints ``... ready endpoint=EP`` first; stopped with terminate, wait, kill."""
-
-    def __init__(self, cmd: list[str], ready: str, timeout: float) -> None:
-        self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-        try:
-            line = self._first_line(timeout)
-            match = re.search(ready + r" ready endpoint=(\S+)", line)
-            if not match:
-                raise RuntimeError(f"{' '.join(cmd[:4])} did not start: {line!r} {self._stderr()}")
-            self.endpoint = match.group(1)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _first_line(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        buf = b""
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while b"\n" not in buf:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise RuntimeError(f"{' '.join(self.cmd[:4])} printed no ready line within {timeout:g}s")
-                if not sel.select(remaining):
-                    continue
-                chunk = os.read(self.proc.stdout.fileno(), 4096)
-                if not chunk:
-                    raise RuntimeError(f"{' '.join(self.cmd[:4])} exited: {buf!r} {self._stderr()}")
-                buf += chunk
-        return buf.decode(errors="replace")
-
-    def _stderr(self) -> str:
-        if self.proc.poll() is None:
-            return ""
-        return self.proc.stderr.read().decode(errors="replace")[-2000:]
-
-    def stop(self, timeout: float = 10.0) -> Optional[int]:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
-        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
-        return self.proc.returncode
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -446,10 +371,11 @@ def run(args: argparse.Namespace) -> int:
     raw: Optional[RawDealer] = None
     try:
         # Children first: no ZeroMQ threads exist yet in this process when they are forked.
-        server = Child([sys.executable, "-m", "psrt.cli", "server", "--bind", "tcp://127.0.0.1:*", "--workers", "1",
-                        "--mode", "sync"], "psrt-server", args.timeout)
+        server = start_server(1, args.timeout)
         children.append(server)
-        echo = Child([sys.executable, me, "--echo-server"], "echo", args.timeout)
+        # The echo server also ends when its stdin closes: it watches the pipe we hold.
+        echo = start_child([sys.executable, me, "--echo-server"], ready_pattern("echo"), args.timeout, label="echo",
+                           stdin=subprocess.PIPE)
         children.append(echo)
         ctx = zmq.Context()
         client = psrt.Client([server.endpoint], rank=0, num_workers=1,
@@ -484,14 +410,14 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--sizes", type=lambda s: [parse_bytes(x) for x in s.split(",") if x.strip()],
+    parser.add_argument("--sizes", type=lambda s: [_float32_bytes(x) for x in s.split(",") if x.strip()],
                         default=list(DEFAULT_SIZES), help="comma-separated tensor sizes in bytes (K/M suffixes)")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_DIVISOR}x fewer round trips")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the round trips per size by this")
     parser.add_argument("--rounds", type=int, default=10, help="alternating psrt/raw blocks per size")
-    parser.add_argument("--chunk", type=parse_bytes, default=4 * MIB,
+    parser.add_argument("--chunk", type=_float32_bytes, default=4 * MIB,
                         help="psrt's partition size and the raw baseline's message size for large tensors")
-    parser.add_argument("--latency-max", type=parse_bytes, default=64 * KIB, help="show p99 up to this size")
+    parser.add_argument("--latency-max", type=_float32_bytes, default=64 * KIB, help="show p99 up to this size")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds any single network wait may take")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--strict", action="store_true", help="exit with status 1 when a target is missed")

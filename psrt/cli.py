@@ -1,4 +1,4 @@
-"""The ``psrt`` command line.
+"""The ``psrt`` command line: it parses arguments and calls the module that does the work.
 
 ``psrt scheduler``   the job's control plane
 ``psrt server``      one shard (standalone with ``--bind``, or joining a job with ``--scheduler``)
@@ -14,103 +14,36 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 import logging
 import os
+import re
 import signal
-import socket
 import sys
 import time
 from typing import Optional, Sequence
-from urllib.parse import urlsplit
 
+from psrt import __version__
 from psrt.config import MODES, ClusterConfig, ServerConfig
 from psrt.errors import ConfigError, PsrtError
 
 __all__ = ["main", "build_parser"]
 
 
-def _host_towards(endpoint: str) -> str:
-    """The local address that reaches ``endpoint``'s host (loopback stays loopback); no packet is sent."""
-    host = urlsplit(endpoint).hostname or "127.0.0.1"
-    try:
-        addr = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
-    except OSError:
-        raise ConfigError(f"cannot resolve the scheduler host {host!r}") from None
-    if ipaddress.ip_address(addr).is_loopback:
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((addr, 9))  # UDP connect only picks a route and a source address
-        return s.getsockname()[0]
-
-
-def _on_signals(stop) -> None:
-    def handler(signum: int, frame: object) -> None:
-        stop()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-
-
 def _server(args: argparse.Namespace) -> int:
-    from psrt.memory import tune_allocator
-    from psrt.scheduler import SchedulerLink
-    from psrt.server import Server
+    from psrt.daemon import run_server
 
-    tune_allocator()
-    link = None
-    ckpt = dict(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                checkpoint_secs=args.checkpoint_secs, restore=args.restore)
-    if args.scheduler:
-        host = args.host or _host_towards(args.scheduler)
-        config = ServerConfig(bind=args.bind or f"tcp://{host}:*", nonfinite=args.nonfinite, **ckpt)
-    else:
-        config = ServerConfig(bind=args.bind or "tcp://127.0.0.1:5701", num_workers=args.workers, mode=args.mode,
-                              nonfinite=args.nonfinite, **ckpt)
-    server = Server(config)
-    _on_signals(server.stop)
-    metrics = None
-    try:
-        if args.scheduler:
-            announce = server.endpoint.replace("0.0.0.0", host) if server.endpoint.startswith("tcp://") \
-                else server.endpoint
-            cluster = ClusterConfig.from_env()
-            link = SchedulerLink(server.context, args.scheduler, heartbeat_interval=cluster.heartbeat_interval,
-                                 heartbeat_timeout=cluster.heartbeat_timeout)
-            timeout = cluster.start_timeout + 10.0
-            table = link.register("server", endpoint=announce, host=host, timeout=timeout)
-            server.set_job(table.num_workers, table.mode)
-        if args.metrics_port is not None:
-            from psrt.metrics import serve_metrics
-
-            metrics = serve_metrics(server, args.metrics_port, args.metrics_host)
-        # One machine-readable line: launchers and tests read the bound endpoint from it.
-        print(f"psrt-server ready endpoint={server.endpoint} mode={server.config.mode} "
-              f"workers={server.config.num_workers}" + (f" rank={link.rank}" if link else ""), flush=True)
-        server.serve(control=link)
-    finally:
-        stats = server.stats()
-        if metrics is not None:
-            metrics.shutdown()
-        if link is not None:
-            link.close()
-        server.close()
-        print(f"psrt-server stopped endpoint={stats['endpoint']} pushes={stats['pushes']} pulls={stats['pulls']} "
-              f"rounds={stats['rounds']} errors={stats['errors']}", flush=True)
-    return 0
+    return run_server(bind=args.bind, scheduler=args.scheduler, host=args.host, num_workers=args.workers,
+                      mode=args.mode, nonfinite=args.nonfinite, metrics_port=args.metrics_port,
+                      metrics_host=args.metrics_host, checkpoint_dir=args.checkpoint_dir,
+                      checkpoint_every=args.checkpoint_every, checkpoint_secs=args.checkpoint_secs,
+                      restore=args.restore)
 
 
 def _scheduler(args: argparse.Namespace) -> int:
-    from psrt.scheduler import Scheduler
+    from psrt.daemon import run_scheduler
 
-    sched = Scheduler(args.bind, args.servers, args.workers, args.mode, start_timeout=args.timeout,
-                      heartbeat_timeout=ClusterConfig.from_env().heartbeat_timeout, elastic=args.elastic)
-    _on_signals(sched.stop)
-    print(f"psrt-scheduler ready endpoint={sched.endpoint} servers={args.servers} workers={args.workers} "
-          f"mode={args.mode}", flush=True)
-    code = sched.serve()
-    print(f"psrt-scheduler stopped code={code}", flush=True)
-    return code
+    return run_scheduler(args.bind, args.servers, args.workers, args.mode, start_timeout=args.timeout,
+                         elastic=args.elastic)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -135,7 +68,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from psrt.worker import run_worker
+    from psrt.loadgen import run_worker
 
     servers = args.servers.split(",") if args.servers else None
     run_worker(args.model, args.compute_ms, args.steps, warmup=args.warmup, compute=args.compute, servers=servers,
@@ -145,7 +78,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _model(args: argparse.Namespace) -> int:
     from psrt import perfmodel
-    from psrt.models import model_tensors
+    from psrt.models import model_bytes, model_tensors
     from psrt.netns import parse_rate
 
     cal = perfmodel.calibrate() if args.calibrate else perfmodel.Calibration(
@@ -157,7 +90,7 @@ def _model(args: argparse.Namespace) -> int:
     tensors = model_tensors(args.model, args.partition_bytes)
     link = parse_rate(args.link)
     server_link = parse_rate(args.server_link) if args.server_link else link
-    print(f"model {args.model}: {4 * sum(__import__('math').prod(s) for _, s in tensors) / 1e6:.1f} MB in "
+    print(f"model {args.model}: {model_bytes(tensors) / 1e6:.1f} MB in "
           f"{len(tensors)} tensors; links: worker {args.link}, server {args.server_link or args.link}; compute "
           f"{args.compute_ms:g} ms; {args.mode}")
     print(f"calibration: aggregation {cal.agg_bytes_per_s / 1e9:.2f} GB/s, message overhead "
@@ -188,6 +121,22 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5}|\*)")
+
+
+def _endpoint(text: str, wildcard: bool = False) -> str:
+    """A ZeroMQ endpoint checked up front, so a typo is a usage error rather than a ZeroMQ traceback."""
+    m = _TCP.fullmatch(text)
+    if m and (m.group(2) != "*" or wildcard) or (text.startswith("ipc://") and len(text) > 6):
+        return text
+    shapes = "tcp://HOST:PORT, tcp://HOST:* or ipc:///PATH" if wildcard else "tcp://HOST:PORT"
+    raise argparse.ArgumentTypeError(f"{text!r} is not an endpoint such as {shapes}")
+
+
+def _bind_endpoint(text: str) -> str:
+    return _endpoint(text, wildcard=True)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from psrt.examples import digits
 
@@ -201,14 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``psrt`` command."""
     parser = argparse.ArgumentParser(prog="psrt", description="psrt: a parameter-server runtime on ZeroMQ")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     defaults = ServerConfig()
+    env = ClusterConfig.from_env()
 
-    s = sub.add_parser("server", help="run one shard server")
-    s.add_argument("--bind", default=None,
+    s = sub.add_parser("server", help="run one shard server", description=(
+        "Run one shard server: it holds the keys the shard map assigns to it, sums the workers' gradients and "
+        "applies the optimizer. With --scheduler it joins a job (binding an ephemeral port and announcing it); "
+        "with --bind alone it serves standalone."))
+    s.add_argument("--bind", default=None, type=_bind_endpoint,
                    help="ZeroMQ endpoint to bind; tcp://HOST:* picks a free port (default tcp://127.0.0.1:5701, "
                         "or an ephemeral port on --host with --scheduler)")
-    s.add_argument("--scheduler", default=None, help="join the job of the scheduler at tcp://HOST:PORT")
+    s.add_argument("--scheduler", default=None, type=_endpoint, help="join the job of the scheduler at tcp://HOST:PORT")
     s.add_argument("--host", default=None,
                    help="with --scheduler: the address to bind and announce (default: $PSRT_NODE_HOST, or the "
                         "local address that reaches the scheduler)")
@@ -232,9 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     s.set_defaults(func=_server)
 
-    c = sub.add_parser("scheduler", help="run the job's scheduler")
-    env = ClusterConfig.from_env()
-    c.add_argument("--bind", default="tcp://127.0.0.1:5700", help="endpoint to bind (default %(default)s)")
+    c = sub.add_parser("scheduler", help="run the job's scheduler", description=(
+        "Run a job's scheduler: servers and workers register in any order; once all S and W are in, it hands "
+        "out the node table, runs barriers, and ends the job when every worker is done. Past the start deadline "
+        "everyone still waiting is told who is missing. No tensor bytes pass through it."))
+    c.add_argument("--bind", default="tcp://127.0.0.1:5700", type=_bind_endpoint,
+                   help="endpoint to bind (default %(default)s)")
     c.add_argument("--servers", type=int, default=env.num_servers or 1, help="S (default: $PSRT_NUM_SERVERS or 1)")
     c.add_argument("--workers", type=int, default=env.num_workers or 1, help="W (default: $PSRT_NUM_WORKERS or 1)")
     c.add_argument("--mode", choices=MODES, default=env.mode, help="sync or async (default: $PSRT_MODE or sync)")
@@ -244,29 +202,40 @@ def build_parser() -> argparse.ArgumentParser:
                    help="workers may leave (die or finish) and join while the job runs (default: $PSRT_ELASTIC)")
     c.set_defaults(func=_scheduler)
 
-    la = sub.add_parser("launch", help="run a scheduler, S servers and W copies of CMD on this machine")
+    la = sub.add_parser("launch", help="run a scheduler, S servers and W copies of CMD on this machine", description=(
+        "Run a whole job on this machine: a scheduler, S shard servers and W copies of CMD, every line they print "
+        "prefixed with its role and rank. Exits with the first failing exit code (128 + N for a process killed "
+        "by signal N), and tears everything down on Ctrl-C or when any process dies."))
     la.add_argument("-s", "--servers", type=int, required=True, help="number of servers S")
     la.add_argument("-w", "--workers", type=int, required=True, help="number of workers W")
     la.add_argument("--mode", choices=MODES, default="sync", help="sync or async (default %(default)s)")
     la.add_argument("--host", default="127.0.0.1", help="address to bind on (default %(default)s)")
-    la.add_argument("--timeout", type=float, default=60.0, help="seconds for the job to form (default %(default)s)")
+    la.add_argument("--timeout", type=float, default=env.start_timeout,
+                    help="seconds for the job to form and for each barrier (default: $PSRT_START_TIMEOUT or 120)")
     la.add_argument("--transport", choices=("auto", "tcp", "ipc"), default="auto",
                     help="worker-to-shard transport: ipc (Unix sockets) or tcp; auto: ipc on loopback "
                          "(default %(default)s)")
     la.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS: the worker program")
     la.set_defaults(func=_launch)
 
-    r = sub.add_parser("run", help="become scheduler, server or worker (running CMD) as the environment says")
+    r = sub.add_parser("run", help="become scheduler, server or worker (running CMD) as the environment says",
+                       description=(
+        "Become the scheduler, a server, or a worker running CMD, as PSRT_*/DMLC_* variables or the srun/mpirun "
+        "rank say: one command line for every process of a multi-host job."))
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS: the worker program")
     r.set_defaults(func=_run)
 
-    st = sub.add_parser("stats", help="print a live per-shard table of a running job")
-    st.add_argument("scheduler", help="the scheduler's endpoint, tcp://HOST:PORT")
+    st = sub.add_parser("stats", help="print a live per-shard table of a running job", description=(
+        "Print a live table per shard of a running job: keys, MB held, pushes, pulls, rounds, queued pulls, "
+        "deferred pushes, errors, MB/s in and out."))
+    st.add_argument("scheduler", type=_endpoint, help="the scheduler's endpoint, tcp://HOST:PORT")
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default %(default)s)")
     st.add_argument("--count", type=int, default=0, help="stop after this many tables (default: until Ctrl-C)")
     st.set_defaults(func=_stats)
 
-    wk = sub.add_parser("worker", help="a synthetic load-test worker reporting its steps/s")
+    wk = sub.add_parser("worker", help="a synthetic load-test worker reporting its steps/s", description=(
+        "A synthetic load-test worker: each step it computes for --compute-ms, then push_pulls a gradient of the "
+        "model's shape. It prints one psrt-worker-result JSON line with its steps/s."))
     wk.add_argument("--model", required=True,
                     help="model size (e.g. 4MB, 100MiB) or a shipped network: resnet50, vgg16, bert-base")
     wk.add_argument("--compute-ms", type=float, default=0.0, help="emulated compute per step (default 0)")
@@ -281,7 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default %(default)s)")
     wk.set_defaults(func=_worker)
 
-    mo = sub.add_parser("model", help="predict step time and throughput with the performance model")
+    mo = sub.add_parser("model", help="predict step time and throughput with the performance model", description=(
+        "Predict step time, throughput and the bottleneck of a job with the performance model "
+        "(docs/perfmodel.md), for any number of workers and servers."))
     mo.add_argument("--model", default="resnet50", help="size (100MB) or network (resnet50, vgg16, bert-base)")
     mo.add_argument("--workers", type=_ints, default=[1, 2, 4, 8, 16, 64, 256, 1024, 4096],
                     help="comma-separated W values (default 1,2,4,...,4096)")
@@ -301,7 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: ideal pipelining; bench/scaling.py measures it, docs/perfmodel.md explains)")
     mo.set_defaults(func=_model)
 
-    d = sub.add_parser("demo", help="train a classifier on scikit-learn's digits with local shards and workers")
+    d = sub.add_parser("demo", help="train a classifier on scikit-learn's digits with local shards and workers",
+                       description=(
+        "Train an MLP on scikit-learn's digits with a job on this machine (psrt launch of psrt.examples.digits). "
+        "Needs scikit-learn: pip install 'psrt[examples]'."))
     d.add_argument("-s", "--servers", type=int, default=2, help="number of shard servers (default %(default)s)")
     d.add_argument("-w", "--workers", type=int, default=2, help="number of worker processes (default %(default)s)")
     d.add_argument("--mode", choices=MODES, default="sync", help="update mode (default %(default)s)")
@@ -328,6 +302,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except PsrtError as exc:
         print(f"psrt: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C is how a user stops a command: no traceback
+        return 128 + signal.SIGINT
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

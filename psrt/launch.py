@@ -2,9 +2,10 @@
 
 ``psrt launch -s S -w W -- CMD ARGS`` starts a scheduler, S servers and W copies of CMD on this machine, with
 the environment each needs, and prefixes every line they print with their role and rank. It exits with the
-first failing exit code, and tears everything down on Ctrl-C or when any process dies; when the workers finish,
-the scheduler tells the servers to stop and everything exits. Every child runs in its own process group, which
-the launcher kills as a whole, and gets SIGTERM if the launcher itself dies (Linux), so no process outlives it.
+first failing exit code (128 + N for a process killed by signal N), and tears everything down on Ctrl-C or when
+any process dies; when the workers finish, the scheduler tells the servers to stop and everything exits. Every
+child runs in its own process group, which the launcher kills as a whole, and gets SIGTERM if the launcher itself
+dies (Linux), so no process outlives it (:class:`psrt.process.Child`).
 
 ``psrt run -- CMD`` is the one command line every process of a multi-host job can share (as with ps-lite): it
 reads its role from the environment (see :class:`psrt.config.ClusterConfig`) and becomes the scheduler, a
@@ -13,9 +14,7 @@ server, or a worker that runs CMD.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -26,91 +25,15 @@ import time
 from typing import IO, Optional, Sequence
 
 from psrt.config import ClusterConfig
+from psrt.daemon import run_scheduler, run_server
 from psrt.errors import ConfigError, PsrtTimeoutError
+from psrt.process import SCHEDULER_READY, Child, describe_exit, exit_status, psrt_command, stop_children
 
-__all__ = ["launch", "run_role", "SCHEDULER_READY"]
-
-SCHEDULER_READY = re.compile(r"psrt-scheduler ready endpoint=(\S+)")
-_PR_SET_PDEATHSIG = 1
-
-
-def _resolve_prctl():  # looked up once in the parent: the child must do as little as possible after fork
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_prctl = _resolve_prctl()
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-
-
-class _Proc:
-    """A child process whose output is forwarded line by line with a prefix."""
-
-    def __init__(self, label: str, cmd: Sequence[str], env: dict[str, str], out: IO[str], lock: threading.Lock,
-                 watch: Optional[re.Pattern] = None) -> None:
-        self.label = label
-        self.proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                     text=True, bufsize=1, start_new_session=True, preexec_fn=_die_with_parent)
-        self.match: Optional[re.Match] = None
-        self._seen = threading.Event()
-        self._watch = watch
-        self._thread = threading.Thread(target=self._pump, args=(out, lock), daemon=True)
-        self._thread.start()
-
-    def _pump(self, out: IO[str], lock: threading.Lock) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if self._watch is not None and self.match is None:
-                self.match = self._watch.search(line)
-                if self.match:
-                    self._seen.set()
-            with lock:
-                out.write(f"[{self.label}] {line}")
-                out.flush()
-        self._seen.set()
-
-    def wait_for_match(self, timeout: float) -> re.Match:
-        if not self._seen.wait(timeout) or self.match is None:
-            raise PsrtTimeoutError(f"{self.label} did not report ready within {timeout:g}s "
-                                   f"(exit code {self.proc.poll()})")
-        return self.match
-
-    def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def finish(self, timeout: float = 5.0) -> None:
-        self._thread.join(timeout)
-
-
-def _teardown(procs: list[_Proc], grace: float = 5.0) -> None:
-    for p in procs:
-        p.signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in procs:
-        p.signal(signal.SIGKILL)  # the whole group: children a worker started go too
-        p.proc.wait()
-        p.finish()
+__all__ = ["launch", "run_role", "exit_status", "SCHEDULER_READY"]
 
 
 def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str = "sync",
-           host: str = "127.0.0.1", start_timeout: float = 60.0, out: IO[str] = sys.stdout,
+           host: str = "127.0.0.1", start_timeout: Optional[float] = None, out: IO[str] = sys.stdout,
            extra_env: Optional[dict[str, str]] = None, transport: str = "auto") -> int:
     """Run a whole job on this machine; returns the exit code (the first failure's, else 0).
 
@@ -125,8 +48,9 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         ``"sync"`` or ``"async"``.
     host : str
         Address the scheduler and servers bind on.
-    start_timeout : float
-        Seconds for the job to form.
+    start_timeout : float, optional
+        Seconds for the job to form and for each barrier (default: ``PSRT_START_TIMEOUT`` or 120, as the
+        scheduler's).
     out : text stream
         Where the prefixed output goes.
     extra_env : dict, optional
@@ -143,55 +67,61 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         raise ConfigError(f"need -s >= 1 and -w >= 1, got -s {num_servers} -w {num_workers}")
     if not command:
         raise ConfigError("no worker command: use psrt launch -s S -w W -- CMD ARGS")
+    if shutil.which(command[0]) is None:  # say so before starting a job that could not run
+        raise ConfigError(f"cannot start the workers: {command[0]}: no such program (or not executable)")
+    if start_timeout is None:
+        start_timeout = ClusterConfig.from_env().start_timeout
     lock = threading.Lock()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    env = dict(extra_env or {})  # on top of this process's environment (Child adds it)
     if threading.current_thread() is threading.main_thread():
         # SIGTERM to the launcher tears the job down like Ctrl-C does.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
-    me = [sys.executable, "-m", "psrt.cli"]
-    procs: list[_Proc] = []
+    procs: list[Child] = []
     sockdir = tempfile.mkdtemp(prefix="psrt-") if transport == "ipc" else None
+
+    def start(label: str, cmd: Sequence[str], env: dict[str, str], **kwargs: object) -> Child:
+        procs.append(Child(cmd, label=label, env=env, out=out, lock=lock, **kwargs))
+        return procs[-1]
+
     try:
-        sched = _Proc("scheduler", [*me, "scheduler", "--bind", f"tcp://{host}:*", "--servers", str(num_servers),
-                                    "--workers", str(num_workers), "--mode", mode, "--timeout", str(start_timeout)],
-                      env, out, lock, watch=SCHEDULER_READY)
-        procs.append(sched)
-        endpoint = sched.wait_for_match(30.0).group(1)
+        sched = start("scheduler", psrt_command("scheduler", "--bind", f"tcp://{host}:*", "--servers",
+                                                str(num_servers), "--workers", str(num_workers), "--mode", mode,
+                                                "--timeout", str(start_timeout)), env, ready=SCHEDULER_READY)
+        endpoint = sched.wait_ready(30.0).group(1)
         job_env = {**env, "PSRT_SCHEDULER": endpoint, "PSRT_NUM_SERVERS": str(num_servers),
                    "PSRT_NUM_WORKERS": str(num_workers), "PSRT_MODE": mode, "PSRT_START_TIMEOUT": str(start_timeout)}
+
         def bind(i: int) -> list[str]:
             return ["--bind", f"ipc://{sockdir}/server-{i}.sock"] if sockdir else []
 
-        servers = [_Proc(f"server {i}", [*me, "server", "--scheduler", endpoint, "--host", host, *bind(i)],
-                         {**job_env, "PSRT_ROLE": "server"}, out, lock) for i in range(num_servers)]
-        procs.extend(servers)
-        workers = [_Proc(f"worker {i}", command, {**job_env, "PSRT_ROLE": "worker", "PSRT_WORKER_ID": str(i)},
-                         out, lock) for i in range(num_workers)]
-        procs.extend(workers)
+        servers = [start(f"server {i}", psrt_command("server", "--scheduler", endpoint, "--host", host, *bind(i)),
+                         {**job_env, "PSRT_ROLE": "server"}) for i in range(num_servers)]
+        workers = [start(f"worker {i}", command, {**job_env, "PSRT_ROLE": "worker", "PSRT_WORKER_ID": str(i)})
+                   for i in range(num_workers)]
         return _supervise(sched, servers, workers, procs, out, lock)
     except KeyboardInterrupt:
         with lock:
             out.write("psrt launch: interrupted; stopping every process\n")
-        return 130
+        return 128 + signal.SIGINT
     finally:
-        _teardown(procs)
+        stop_children(procs)
         if sockdir:
             shutil.rmtree(sockdir, ignore_errors=True)
 
 
-def _supervise(sched: _Proc, servers: list[_Proc], workers: list[_Proc], procs: list[_Proc], out: IO[str],
+def _supervise(sched: Child, servers: list[Child], workers: list[Child], procs: list[Child], out: IO[str],
                lock: threading.Lock) -> int:
-    def report(p: _Proc, code: int) -> int:
+    def report(p: Child, code: int) -> int:
         with lock:
-            out.write(f"psrt launch: {p.label} exited with code {code}; stopping every process\n")
-        return code
+            out.write(f"psrt launch: {p.label} {describe_exit(code)}; stopping every process\n")
+        return exit_status(code)
 
     while True:
         for p in procs:
-            code = p.proc.poll()
+            code = p.poll()
             if code is not None and code != 0:
                 return report(p, code)
-        if all(w.proc.poll() == 0 for w in workers):
+        if all(w.poll() == 0 for w in workers):
             break
         # A daemon exits 0 only once the workers have said they are done, so a clean exit is not a failure.
         time.sleep(0.02)
@@ -199,8 +129,8 @@ def _supervise(sched: _Proc, servers: list[_Proc], workers: list[_Proc], procs: 
     deadline = time.monotonic() + 10.0
     for p in (sched, *servers):
         try:
-            code = p.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+            code = p.wait(max(0.0, deadline - time.monotonic()))
+        except PsrtTimeoutError:
             with lock:
                 out.write(f"psrt launch: {p.label} did not exit after the workers finished; stopping it\n")
             continue
@@ -217,21 +147,15 @@ def run_role(command: Sequence[str], cluster: Optional[ClusterConfig] = None) ->
                           "under srun/mpirun with PSRT_NUM_SERVERS set")
     if cluster.scheduler is None:
         raise ConfigError("psrt run: set PSRT_SCHEDULER=tcp://HOST:PORT (or DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT)")
-    from psrt import cli
-
     if cluster.role == "scheduler":
         if cluster.num_servers is None or cluster.num_workers is None:
             raise ConfigError("psrt run: the scheduler needs PSRT_NUM_SERVERS and PSRT_NUM_WORKERS "
                               "(or DMLC_NUM_SERVER and DMLC_NUM_WORKER)")
         port = cluster.scheduler.rsplit(":", 1)[-1]
-        return cli.main(["scheduler", "--bind", f"tcp://*:{port}", "--servers", str(cluster.num_servers),
-                         "--workers", str(cluster.num_workers), "--mode", cluster.mode,
-                         "--timeout", str(cluster.start_timeout)])
+        return run_scheduler(f"tcp://*:{port}", cluster.num_servers, cluster.num_workers, cluster.mode,
+                             start_timeout=cluster.start_timeout, elastic=cluster.elastic)
     if cluster.role == "server":
-        args = ["server", "--scheduler", cluster.scheduler]
-        if cluster.node_host:
-            args += ["--host", cluster.node_host]
-        return cli.main(args)
+        return run_server(scheduler=cluster.scheduler, host=cluster.node_host or None)
     if not command:
         raise ConfigError("psrt run: a worker needs a command: psrt run -- python train.py")
     env = {**os.environ, "PSRT_ROLE": "worker", "PSRT_SCHEDULER": cluster.scheduler}
@@ -239,4 +163,7 @@ def run_role(command: Sequence[str], cluster: Optional[ClusterConfig] = None) ->
         env["PSRT_WORKER_ID"] = str(cluster.worker_id)
     if cluster.num_workers is not None:
         env["PSRT_NUM_WORKERS"] = str(cluster.num_workers)
-    return subprocess.call(list(command), env=env)
+    try:
+        return exit_status(subprocess.call(list(command), env=env))
+    except OSError as exc:
+        raise ConfigError(f"psrt run: cannot start {command[0]}: {exc.strerror or exc}") from None

@@ -7,19 +7,15 @@ left behind even when the caller fails.
 
 from __future__ import annotations
 
-import os
-import re
 import subprocess
-import sys
-import time
 from typing import Optional, Sequence
 
-from psrt.errors import PsrtTimeoutError
+from psrt.process import SERVER_READY, Child, psrt_command, stop_children
 
 __all__ = ["LocalShards", "READY_LINE"]
 
-#: The line a server prints once it is bound and serving.
-READY_LINE = re.compile(r"psrt-server ready endpoint=(\S+)")
+#: The line a server prints once it is bound and serving (defined in :mod:`psrt.process`).
+READY_LINE = SERVER_READY
 
 
 class LocalShards:
@@ -41,64 +37,42 @@ class LocalShards:
         Seconds to wait for each server's ready line.
     stderr : int or None
         Where the servers' stderr goes (default: inherited).
+
+    Attributes
+    ----------
+    endpoints : list of str
+        The servers' endpoints, in start order.
+    children : list of Child
+        The server processes; ``procs`` are their :class:`subprocess.Popen` objects.
     """
 
     def __init__(self, num_servers: int, num_workers: int, mode: str = "sync", host: str = "127.0.0.1",
                  extra_args: Sequence[str] = (), timeout: float = 30.0, stderr: Optional[int] = None) -> None:
-        self.procs: list[subprocess.Popen] = []
+        self.children: list[Child] = []
         self.endpoints: list[str] = []
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         try:
-            for _ in range(num_servers):
-                cmd = [sys.executable, "-m", "psrt.cli", "server", "--bind", f"tcp://{host}:*",
-                       "--workers", str(num_workers), "--mode", mode, *extra_args]
-                self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env))
-            for proc in self.procs:
-                self.endpoints.append(self._wait_ready(proc, timeout))
+            for i in range(num_servers):
+                cmd = psrt_command("server", "--bind", f"tcp://{host}:*", "--workers", str(num_workers),
+                                   "--mode", mode, *extra_args)
+                self.children.append(Child(cmd, label=f"psrt server {i}", ready=SERVER_READY, stderr=stderr))
+            for child in self.children:
+                self.endpoints.append(child.wait_ready(timeout).group(1))
         except BaseException:
             self.close()
             raise
 
-    @staticmethod
-    def _wait_ready(proc: subprocess.Popen, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        assert proc.stdout is not None
-        os.set_blocking(proc.stdout.fileno(), False)
-        buf = ""
-        while time.monotonic() < deadline:
-            chunk = proc.stdout.readline()
-            if chunk:
-                buf += chunk
-                match = READY_LINE.search(buf)
-                if match:
-                    os.set_blocking(proc.stdout.fileno(), True)
-                    return match.group(1)
-            elif proc.poll() is not None:
-                raise RuntimeError(f"psrt server exited with code {proc.returncode} before it was ready: {buf!r}")
-            else:
-                time.sleep(0.01)
-        raise PsrtTimeoutError(f"psrt server did not report ready within {timeout:g}s")
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        """The server processes."""
+        return [c.proc for c in self.children]
 
     def alive(self) -> list[bool]:
         """Whether each server process is still running."""
-        return [p.poll() is None for p in self.procs]
+        return [c.poll() is None for c in self.children]
 
     def close(self, grace: float = 10.0) -> list[Optional[int]]:
         """Stop every server (SIGTERM, then SIGKILL after ``grace`` seconds); returns their exit codes."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        codes = []
-        for p in self.procs:
-            try:
-                p.wait(grace)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(grace)
-            if p.stdout is not None:
-                p.stdout.close()
-            codes.append(p.returncode)
-        return codes
+        return list(stop_children(self.children, grace))
 
     def __enter__(self) -> LocalShards:
         return self

@@ -19,6 +19,7 @@ import subprocess
 from typing import Any, Optional, Sequence
 
 from psrt.errors import ConfigError, PsrtError
+from psrt.process import Child, popen, stop_children, stop_processes
 
 __all__ = ["VirtualCluster", "remove_leftovers", "parse_rate", "check_available"]
 
@@ -124,6 +125,7 @@ class VirtualCluster:
         self.subnet = subnet if subnet is not None else 10 + self.pid % 240
         self.bridge = f"psbr{self.pid}"
         self._procs: list[subprocess.Popen] = []
+        self._children: list[Child] = []
         self._created_ns: list[str] = []
         self._bridge_made = False
         remove_leftovers()
@@ -177,9 +179,23 @@ class VirtualCluster:
                     if proc.returncode:
                         raise PsrtError(f"`{' '.join(args)}` failed: {proc.stderr.strip()}")
 
+    def _exec(self, host: str) -> list[str]:
+        if host not in self.hosts:
+            raise ConfigError(f"no host {host!r} in this cluster (hosts: {', '.join(self.hosts)})")
+        return ["ip", "netns", "exec", self.namespace(host)]
+
+    def spawn(self, host: str, cmd: Sequence[str], **kwargs: Any) -> Child:
+        """Start ``cmd`` inside ``host``'s namespace as a :class:`~psrt.process.Child` (``kwargs`` go to it,
+        labelled ``host`` unless given); :meth:`close` stops it if it still runs."""
+        child = Child(cmd, wrap=self._exec(host), **{"label": host, **kwargs})
+        self._procs.append(child.proc)
+        self._children.append(child)
+        return child
+
     def popen(self, host: str, cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:
-        """Start ``cmd`` inside ``host``'s namespace; it is killed by :meth:`close` if still running."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(host), *cmd], **kwargs)
+        """Start ``cmd`` inside ``host``'s namespace as :class:`subprocess.Popen` does (``kwargs`` go to it), in a
+        process group of its own that :meth:`close` stops if it still runs; :meth:`spawn` also reads its output."""
+        proc = popen([*self._exec(host), *cmd], label=host, **kwargs)
         self._procs.append(proc)
         return proc
 
@@ -190,16 +206,10 @@ class VirtualCluster:
 
     def close(self) -> None:
         """Stop every process started here and remove the namespaces, links and bridge."""
-        for p in self._procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self._procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        stop_processes(self._procs, grace=5.0)
+        stop_children(self._children, grace=0.0)  # already stopped: this joins their readers and closes pipes
         self._procs.clear()
+        self._children.clear()
         for ns in self._created_ns:
             for pid in _ip("netns", "pids", ns, check=False).stdout.split():
                 try:

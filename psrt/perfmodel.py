@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from psrt import models
 from psrt.errors import ConfigError
 from psrt.partition import PartitionMap
 
@@ -271,7 +272,7 @@ def scenario_for(workers: int, servers: int, tensors: Sequence[tuple[str, tuple[
                  compute_s: float, mode: str = "sync", partition_bytes: int = 4 << 20,
                  server_link_bits: Optional[float] = None, burst_bytes: float = 0.0) -> Scenario:
     """Build a :class:`Scenario` from a model's tensors and link speeds in bits/s."""
-    model_bytes = 4 * sum(math.prod(s) for _, s in tensors)
+    model_bytes = models.model_bytes(tensors)
     if len(tensors) > 2000 or model_bytes / partition_bytes > 20000:
         # Very large models: assume the partition map balances to within one chunk.
         chunk = min(partition_bytes, model_bytes)

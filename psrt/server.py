@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from psrt import checkpoint, kernels, optim, transport, wire
 from psrt.config import ServerConfig
 from psrt.errors import ConfigError, ProtocolError
+from psrt.pulls import PullQueue, Waiter
 from psrt.store import Entry, Key, Store
 
 if TYPE_CHECKING:
@@ -53,17 +54,6 @@ class RequestError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclass
-class _Waiter:
-    """A pull (or the pull half of a push_pull) waiting for keys to reach versions."""
-
-    identity: bytes
-    request_id: int
-    keys: list[Key]
-    want: dict[Key, int]
-    remaining: int = 0
 
 
 @dataclass
@@ -109,7 +99,7 @@ class Server:
         self.store = Store(config.mode, config.num_workers)
         self.counters = Counters()
         self._stop = threading.Event()
-        self._waiters: dict[Key, list[_Waiter]] = {}
+        self._pulls = PullQueue(lambda key: self.store.entries[key].version)
         self._deferred: dict[int, deque[tuple[bytes, wire.PushRequest, list[Entry]]]] = {}
         self._draining = False
         self._ckpt = checkpoint.Checkpointer(config, self.endpoint)
@@ -345,32 +335,12 @@ class Server:
 
     # ------------------------------------------------------------------ waiting pulls
     def _wait_for(self, identity: bytes, request_id: int, want: dict[Key, int], keys: list[Key]) -> None:
-        waiter = _Waiter(identity, request_id, keys, want)
-        for key, version in want.items():
-            if self.store.entries[key].version < version:
-                waiter.remaining += 1
-                self._waiters.setdefault(key, []).append(waiter)
-        if waiter.remaining == 0:
+        if self._pulls.add(Waiter(identity, request_id, keys, want)):
             self._send_params(identity, request_id, keys, [self.store.entries[k] for k in keys])
 
     def _wake(self, key: Key) -> None:
-        waiters = self._waiters.get(key)
-        if not waiters:
-            return
-        version = self.store.entries[key].version
-        still = []
-        for waiter in waiters:
-            if version >= waiter.want[key]:
-                waiter.remaining -= 1
-                if waiter.remaining == 0:
-                    self._send_params(waiter.identity, waiter.request_id, waiter.keys,
-                                      [self.store.entries[k] for k in waiter.keys])
-            else:
-                still.append(waiter)
-        if still:
-            self._waiters[key] = still
-        else:
-            del self._waiters[key]
+        for w in self._pulls.wake(key):
+            self._send_params(w.identity, w.request_id, w.keys, [self.store.entries[k] for k in w.keys])
 
     # ------------------------------------------------------------------ validation
     def _entry(self, key: Key) -> Entry:
@@ -460,7 +430,7 @@ class Server:
             "errors": c.errors,
             "dropped_replies": c.dropped_replies,
             "checkpoints": c.checkpoints,
-            "queued_pulls": sum(len(w) for w in self._waiters.values()),
+            "queued_pulls": len(self._pulls),
             "deferred_pushes": sum(len(q) for q in self._deferred.values()),
             "bytes_in": c.bytes_in,
             "bytes_out": c.bytes_out,

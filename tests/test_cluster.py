@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -17,11 +16,10 @@ import pytest
 
 import psrt
 from psrt.config import ClusterConfig
-from psrt.launch import SCHEDULER_READY
-from psrt.local import READY_LINE
+from psrt.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command, stop_children
 
 WORKER = str(Path(__file__).with_name("_cluster_worker.py"))
-PSRT = [sys.executable, "-m", "psrt.cli"]
+PSRT = psrt_command()
 
 
 def processes_with_marker(marker: str) -> list[int]:
@@ -72,74 +70,69 @@ def test_launch_stops_everything_when_a_worker_fails():
     assert processes_with_marker(marker) == []
 
 
+KILL_SELF = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+
+
+def test_launch_exits_128_plus_n_for_a_worker_killed_by_signal_n():
+    proc, marker = launch("-s", "1", "-w", "2", "--timeout", "20", "--", sys.executable, "-c", KILL_SELF)
+    assert proc.returncode == 128 + 9, proc.stdout + proc.stderr  # as a shell reports it, not 247
+    assert "was killed by signal 9 (SIGKILL)" in proc.stdout
+    assert processes_with_marker(marker) == []
+
+
+def test_psrt_run_exits_128_plus_n_for_a_worker_killed_by_signal_n():
+    env = {**os.environ, "PSRT_ROLE": "worker", "PSRT_SCHEDULER": "tcp://127.0.0.1:5700"}
+    proc = subprocess.run([*PSRT, "run", "--", sys.executable, "-c", KILL_SELF], capture_output=True, text=True,
+                          env=env, timeout=30)
+    assert proc.returncode == 137, proc.stderr
+
+
 def test_launch_rejects_a_missing_command():
     proc = subprocess.run([*PSRT, "launch", "-s", "1", "-w", "1"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "no worker command" in proc.stderr
 
 
-def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-
-
-def read_match(proc: subprocess.Popen, pattern: re.Pattern, timeout: float = 30) -> re.Match:
-    deadline = time.monotonic() + timeout
-    seen = ""
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        seen += line
-        m = pattern.search(line)
-        if m:
-            return m
-        if not line and proc.poll() is not None:
-            break
-    raise AssertionError(f"pattern not seen; output so far: {seen!r}")
-
-
-def stop_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait(10)
-        if p.stdout:
-            p.stdout.close()
+def start(cmd: list[str], env: dict | None = None, ready: re.Pattern | None = None) -> Child:
+    return Child(cmd, env=env, ready=ready, label=" ".join(cmd[3:5]))
 
 
 def test_missing_processes_are_named_at_the_start_deadline():
     # The deadline leaves a loaded machine ample time to start the one server that does come.
     procs = [start([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "2", "--workers", "2",
-                    "--timeout", "6"])]
+                    "--timeout", "6"], ready=SCHEDULER_READY)]
     try:
-        endpoint = read_match(procs[0], SCHEDULER_READY).group(1)
+        endpoint = procs[0].wait_ready(30).group(1)
         procs.append(start([*PSRT, "server", "--scheduler", endpoint], env={"PSRT_START_TIMEOUT": "6"}))
         cluster = ClusterConfig(scheduler=endpoint, start_timeout=6)
         with pytest.raises(psrt.ServerError, match=r"missing 1 of 2 servers and 1 of 2 workers"):
             psrt.Client(cluster=cluster)
         assert procs[0].wait(10) == 1
         assert procs[1].wait(10) == 2  # the server was told too, and said why
-        assert "did not form" in procs[1].stdout.read()
+        assert "did not form" in procs[1].output
     finally:
-        stop_all(procs)
+        stop_children(procs)
 
 
 def test_daemons_by_hand_with_stats_and_metrics(tmp_path):
-    procs = [start([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "2", "--workers", "1"])]
+    procs = [start([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "2", "--workers", "1"],
+                   ready=SCHEDULER_READY)]
     try:
-        endpoint = read_match(procs[0], SCHEDULER_READY).group(1)
+        endpoint = procs[0].wait_ready(30).group(1)
         import socket
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs.append(start([*PSRT, "server", "--scheduler", endpoint, "--metrics-port", str(port)]))
-        procs.append(start([*PSRT, "server", "--scheduler", endpoint]))
+        procs.append(start([*PSRT, "server", "--scheduler", endpoint, "--metrics-port", str(port)],
+                           ready=SERVER_READY))
+        procs.append(start([*PSRT, "server", "--scheduler", endpoint], ready=SERVER_READY))
         with psrt.Client(scheduler=endpoint) as client:
             assert (client.rank, client.num_workers, len(client.servers)) == (0, 1, 2)
             client.init({"w": np.zeros(10, np.float32)})
             client.push_pull({"w": np.ones(10, np.float32)})
             client.barrier()
             for p in procs[1:]:
-                read_match(p, READY_LINE)
+                p.wait_ready(30)
             stats = subprocess.run([*PSRT, "stats", endpoint, "--count", "2", "--interval", "0.2"],
                                    capture_output=True, text=True, timeout=30)
             assert stats.returncode == 0, stats.stderr
@@ -154,7 +147,7 @@ def test_daemons_by_hand_with_stats_and_metrics(tmp_path):
         # The worker is done: the scheduler ends the job and every daemon exits cleanly.
         assert [p.wait(15) for p in procs] == [0, 0, 0]
     finally:
-        stop_all(procs)
+        stop_children(procs)
 
 
 def test_psrt_run_takes_roles_from_dmlc_environment():
@@ -170,7 +163,7 @@ def test_psrt_run_takes_roles_from_dmlc_environment():
     procs += [start([*PSRT, "run", "--", sys.executable, WORKER, "2"],
                     env={**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i)}) for i in (1, 0)]
     try:
-        outs = [p.communicate(timeout=60)[0] for p in procs]
+        outs = [p.communicate(timeout=60) for p in procs]
         assert [p.returncode for p in procs] == [0, 0, 0, 0], outs
         res = [json.loads(line) for out in outs[2:] for line in out.splitlines() if line.startswith("{")]
         assert sorted(r["rank"] for r in res) == [0, 1]
@@ -178,7 +171,7 @@ def test_psrt_run_takes_roles_from_dmlc_environment():
         assert [r["rank"] for r in res] == [1, 0]  # DMLC_WORKER_ID was honoured
         assert all(r["w0"] == -3.0 for r in res)  # 2 rounds of the averaged gradient (1+2)/2
     finally:
-        stop_all(procs)
+        stop_children(procs)
 
 
 @pytest.mark.parametrize("env, role, worker_id, workers", [

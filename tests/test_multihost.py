@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from psrt.netns import VirtualCluster
+from psrt.process import psrt_command
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                                 reason="needs root and iproute2 for network namespaces")
 
 WORKER = str(Path(__file__).with_name("_cluster_worker.py"))
-PSRT = [sys.executable, "-m", "psrt.cli"]
+PSRT = psrt_command()
 
 
 def namespaces() -> str:
@@ -30,18 +31,15 @@ def namespaces() -> str:
 
 def test_job_across_namespaces():
     hosts = ["sched", "srv0", "srv1", "wrk0", "wrk1"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with VirtualCluster(hosts) as vc:
         assert all(vc.namespace(h) in namespaces() for h in hosts)
         endpoint = f"tcp://{vc.address('sched')}:5700"
-        sched = vc.popen("sched", [*PSRT, "scheduler", "--bind", endpoint, "--servers", "2", "--workers", "2",
-                                   "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=env)
-        servers = [vc.popen(h, [*PSRT, "server", "--scheduler", endpoint], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env) for h in ("srv0", "srv1")]
-        workers = [vc.popen(h, [sys.executable, WORKER, "3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**env, "PSRT_SCHEDULER": endpoint}) for h in ("wrk0", "wrk1")]
-        outs = [p.communicate(timeout=90)[0] for p in workers]
+        sched = vc.spawn("sched", [*PSRT, "scheduler", "--bind", endpoint, "--servers", "2", "--workers", "2",
+                                   "--timeout", "60"])
+        servers = [vc.spawn(h, [*PSRT, "server", "--scheduler", endpoint]) for h in ("srv0", "srv1")]
+        workers = [vc.spawn(h, [sys.executable, WORKER, "3"], env={"PSRT_SCHEDULER": endpoint})
+                   for h in ("wrk0", "wrk1")]
+        outs = [p.communicate(timeout=90) for p in workers]
         assert [p.returncode for p in workers] == [0, 0], outs
         res = sorted((json.loads(line) for out in outs for line in out.splitlines() if line.startswith("{")),
                      key=lambda r: r["rank"])

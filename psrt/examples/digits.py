@@ -23,14 +23,23 @@ from typing import Optional, Sequence
 import numpy as np
 
 import psrt
+from psrt.errors import ConfigError, PsrtError
 
 __all__ = ["load_data", "MLP", "train_worker", "run_local"]
 
 HIDDEN = 64
 
 
+def _require_sklearn() -> None:
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        raise ConfigError("the digits example needs scikit-learn: pip install 'psrt[examples]'") from None
+
+
 def load_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Digits, standardized, split 80/20 with a fixed permutation: ``(x_train, y_train, x_test, y_test)``."""
+    _require_sklearn()
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
@@ -131,6 +140,7 @@ def run_local(servers: int = 2, workers: int = 2, mode: str = "sync", epochs: in
     """``psrt launch`` a scheduler, ``servers`` shards and ``workers`` copies of this trainer; returns the exit code."""
     from psrt.launch import launch
 
+    _require_sklearn()  # say so once, here, rather than in a traceback from every worker
     cmd = [sys.executable, "-m", "psrt.examples.digits", "--epochs", str(epochs), "--lr", str(lr),
            "--batch", str(batch), "--seed", str(seed)]
     return launch(servers, workers, cmd, mode=mode)
@@ -149,7 +159,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     servers = args.servers.split(",") if args.servers else None
-    train_worker(servers, args.rank, args.workers, args.epochs, args.lr, args.batch, args.seed)
+    try:
+        train_worker(servers, args.rank, args.workers, args.epochs, args.lr, args.batch, args.seed)
+    except PsrtError as exc:
+        print(f"digits: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Each list holds the trainable tensors of the torchvision / Hugging Face model in registration order (see the
 ``source`` and ``note`` fields of each JSON file). :func:`model_tensors` also accepts a size such as ``"100MB"``
-or ``"4MiB"`` and then builds a synthetic model of that many float32 bytes.
+or ``"4MiB"`` and then builds a synthetic model of that many float32 bytes; :func:`model_bytes` is a model's
+size, for the load generator, the performance model and the benchmarks alike.
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ import math
 import re
 from functools import cache
 from importlib import resources
+from typing import Sequence, Union
 
 from psrt.errors import ConfigError
 
-__all__ = ["MODELS", "load", "model_tensors", "parse_size"]
+__all__ = ["MODELS", "load", "model_tensors", "model_bytes", "parse_size", "Tensors"]
 
 #: Names of the shipped shape lists.
 MODELS = ("resnet50", "vgg16", "bert-base")
+
+#: A model as ``[(name, shape), ...]``.
+Tensors = Sequence[tuple[str, tuple[int, ...]]]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|kib|mib|gib)?\s*$", re.IGNORECASE)
 _FACTORS = {None: 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -58,3 +63,22 @@ def model_tensors(spec: str, partition_bytes: int = 4 << 20) -> list[tuple[str, 
     per = max(1, partition_bytes // 4)
     n = math.ceil(count / per)
     return [(f"t{i}", (min(per, count - i * per),)) for i in range(n)]
+
+
+def model_bytes(model: Union[str, Tensors]) -> int:
+    """Bytes of a model's float32 parameters: the sum over its tensors of 4 x the product of the shape.
+
+    Parameters
+    ----------
+    model : str or sequence of (name, shape)
+        A spec as :func:`model_tensors` takes (a shipped network or a size), or its tensors.
+
+    Examples
+    --------
+    >>> model_bytes("resnet50")
+    102228128
+    >>> model_bytes([("w", (3, 4)), ("b", (4,))])
+    64
+    """
+    tensors = model_tensors(model) if isinstance(model, str) else model
+    return 4 * sum(math.prod(shape) for _, shape in tensors)

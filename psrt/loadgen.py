@@ -1,4 +1,4 @@
-"""The synthetic worker for load tests: ``psrt worker --model SIZE_OR_NAME --compute-ms MS --steps N``.
+"""The load generator, a synthetic worker: ``psrt worker --model SIZE_OR_NAME --compute-ms MS --steps N``.
 
 It trains nothing: each step it "computes" for ``compute_ms`` (sleeping, or doing real NumPy work with
 ``--compute numpy``), then pushes a gradient of the model's shape and pulls the parameters back
@@ -6,13 +6,12 @@ It trains nothing: each step it "computes" for ``compute_ms`` (sleeping, or doin
 tensors of a real network (``resnet50``, ``vgg16``, ``bert-base``, shipped with psrt).
 
 Workers first meet at a barrier, take ``warmup`` untimed steps, meet again, and then time ``steps`` steps. Each
-prints one line ``psrt-worker-result {json}`` with its own steps/s; the job's throughput is their sum.
+prints one line ``psrt-worker-result {json}`` with its own steps/s (:func:`psrt.process.result_line`; read it
+back with :func:`psrt.process.parse_results`); the job's throughput is their sum.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import resource
 import time
@@ -22,11 +21,10 @@ import numpy as np
 
 import psrt
 from psrt.errors import ConfigError
-from psrt.models import model_tensors
+from psrt.models import model_bytes, model_tensors
+from psrt.process import result_line
 
-__all__ = ["run_worker", "RESULT_PREFIX"]
-
-RESULT_PREFIX = "psrt-worker-result "
+__all__ = ["run_worker"]
 
 
 def _busy(seconds: float, scratch: np.ndarray) -> None:
@@ -68,7 +66,7 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
     shapes = model_tensors(model)
     params = {name: np.zeros(shape, np.float32) for name, shape in shapes}
     grads = {name: np.full(shape, 1e-3, np.float32) for name, shape in shapes}
-    nbytes = sum(4 * math.prod(s) for _, s in shapes)
+    nbytes = model_bytes(shapes)
     scratch = np.ones(1 << 16, np.float32)
     seconds = compute_ms / 1000.0
 
@@ -110,5 +108,5 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
             "pid": os.getpid(),
         }
         barrier(client)  # nobody leaves (and ends the job) while others are still timing
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    print(result_line(result), flush=True)
     return result

@@ -1,0 +1,86 @@
+"""Helpers the benchmark scripts share: sizes on the command line and in tables, and child processes.
+
+Each script runs as ``python bench/NAME.py``, so this directory is on ``sys.path`` and ``import _common`` finds
+this module. A model's byte count is :func:`psrt.models.model_bytes`; every child process is a
+:class:`psrt.process.Child` (its own process group, stopped as a whole, dies with the bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any, Sequence
+
+from psrt.errors import ConfigError
+from psrt.models import parse_size as _parse_units
+from psrt.process import SERVER_READY, Child, psrt_command
+
+__all__ = ["parse_size", "human", "human_bytes", "start_child", "start_server"]
+
+_BINARY = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str, multiple: int = 1) -> int:
+    """A positive count from the command line: ``4096``, ``64K``, ``1M``, ``4KiB``, ``16MiB`` or ``100MB``.
+
+    A bare ``K``, ``M`` or ``G`` and ``KiB``/``MiB``/``GiB`` are binary multiples; ``KB``, ``MB`` and ``GB``
+    decimal ones, as in ``psrt worker --model``. Raises :class:`argparse.ArgumentTypeError`, so it serves as an
+    argparse ``type``.
+
+    Parameters
+    ----------
+    text : str
+        The size.
+    multiple : int
+        The value must be a multiple of this (4 for float32 bytes).
+    """
+    t = text.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGkmg])", t)
+    try:
+        value = int(float(m.group(1)) * _BINARY[m.group(2).upper()]) if m else _parse_units(t)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4096, 64K, 1M, 16MiB)") from None
+    if value < 1 or value % multiple:
+        what = f"a positive multiple of {multiple}" if multiple > 1 else "positive"
+        raise argparse.ArgumentTypeError(f"size must be {what}, got {text!r}")
+    return value
+
+
+def _shorten(n: int) -> tuple[int, str]:
+    for prefix, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= mult and n % mult == 0:
+            return n // mult, prefix
+    return n, ""
+
+
+def human(n: int) -> str:
+    """A count as the command line takes it: ``1048576`` -> ``"1M"`` (only exact binary multiples shorten)."""
+    value, prefix = _shorten(n)
+    return f"{value}{prefix}"
+
+
+def human_bytes(n: int) -> str:
+    """Bytes: ``65536`` -> ``"64 KiB"``, ``100`` -> ``"100 B"``."""
+    value, prefix = _shorten(n)
+    return f"{value} {prefix}iB" if prefix else f"{value} B"
+
+
+def start_child(cmd: Sequence[str], ready: re.Pattern, timeout: float, **kwargs: Any) -> Child:
+    """Start ``cmd`` and wait up to ``timeout`` seconds for its ready line; stopped again if it never comes.
+
+    ``kwargs`` go to :class:`psrt.process.Child`. The endpoint is ``child.endpoint``; stop it with ``child.stop()``.
+    """
+    child = Child(cmd, ready=ready, **kwargs)
+    try:
+        child.wait_ready(timeout)
+    except BaseException:
+        child.stop()
+        raise
+    return child
+
+
+def start_server(workers: int, timeout: float, bind: str = "tcp://127.0.0.1:*", mode: str = "sync",
+                 **kwargs: Any) -> Child:
+    """A ready ``psrt server --bind BIND --workers W --mode MODE`` child (output collected)."""
+    cmd = psrt_command("server", "--bind", bind, "--workers", str(workers), "--mode", mode)
+    return start_child(cmd, SERVER_READY, timeout, **{"label": "psrt server", **kwargs})

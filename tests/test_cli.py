@@ -1,0 +1,117 @@
+"""The ``psrt`` command line: version, help texts, defaults and one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import psrt
+from psrt import cli, launch
+
+PSRT = [sys.executable, "-m", "psrt.cli"]
+
+
+def run_psrt(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*PSRT, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_version_prints_the_package_version():
+    proc = run_psrt("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"psrt {psrt.__version__}"
+
+
+def subcommands() -> dict:
+    parser = cli.build_parser()
+    (group,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return group.choices
+
+
+def test_every_subcommand_has_a_description():
+    commands = subcommands()
+    assert {"server", "scheduler", "launch", "run", "stats", "worker", "model", "demo"} <= set(commands)
+    for name, parser in commands.items():
+        assert parser.description and len(parser.description) > 40, name
+    proc = run_psrt("server", "--help")
+    assert proc.returncode == 0
+    usage, description = proc.stdout.split("\n\n")[:2]
+    assert description.startswith("Run one shard server")
+
+
+def test_launch_start_deadline_defaults_to_the_schedulers(monkeypatch):
+    argv = ["launch", "-s", "1", "-w", "1", "--", "true"]
+    monkeypatch.delenv("PSRT_START_TIMEOUT", raising=False)
+    assert cli.build_parser().parse_args(argv).timeout == 120.0
+    assert cli.build_parser().parse_args(["scheduler"]).timeout == 120.0
+    monkeypatch.setenv("PSRT_START_TIMEOUT", "33")
+    assert cli.build_parser().parse_args(argv).timeout == 33.0
+    assert inspect.signature(launch.launch).parameters["start_timeout"].default is None
+
+
+def one_line_error(proc: subprocess.CompletedProcess, code: int = 2) -> str:
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) >= 1 and "error:" in lines[-1]
+    return lines[-1]
+
+
+def test_a_missing_worker_program_is_a_one_line_error():
+    proc = run_psrt("launch", "-s", "1", "-w", "1", "--", "/nonexistent/psrt-test-program")
+    assert "cannot start the workers: /nonexistent/psrt-test-program: no such program" in one_line_error(proc)
+    assert "[scheduler]" not in proc.stdout  # refused before any process started
+    env = {"PSRT_ROLE": "worker", "PSRT_SCHEDULER": "tcp://127.0.0.1:5700"}
+    line = one_line_error(run_psrt("run", "--", "/nonexistent/psrt-test-program", env=env))
+    assert "/nonexistent/psrt-test-program: No such file or directory" in line
+
+
+@pytest.mark.parametrize("args", [
+    ("server", "--bind", "tcp://nonsense"),
+    ("server", "--bind", "foo://x"),
+    ("server", "--scheduler", "tcp://127.0.0.1:*"),
+    ("scheduler", "--bind", "127.0.0.1:5700"),
+    ("stats", "nonsense"),
+])
+def test_a_malformed_endpoint_is_a_usage_error(args):
+    line = one_line_error(run_psrt(*args, timeout=30))
+    assert "is not an endpoint such as tcp://HOST:" in line
+
+
+def test_valid_endpoints_pass_the_check():
+    for text in ("tcp://127.0.0.1:5700", "tcp://*:5700", "tcp://[::1]:5700", "tcp://node-0.example:1", "ipc:///tmp/s"):
+        assert cli._bind_endpoint(text) == text
+    assert cli._bind_endpoint("tcp://0.0.0.0:*") == "tcp://0.0.0.0:*"
+
+
+def test_a_taken_metrics_port_is_a_one_line_error():
+    pytest.importorskip("prometheus_client")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = run_psrt("server", "--bind", "tcp://127.0.0.1:*", "--metrics-port", str(port))
+    assert f"--metrics-port: cannot listen on 127.0.0.1:{port}" in one_line_error(proc)
+
+
+def test_the_demo_without_scikit_learn_says_what_to_install():
+    code = "import sys; sys.modules['sklearn'] = None; from psrt.cli import main; sys.exit(main(['demo']))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "pip install 'psrt[examples]'" in one_line_error(proc)
+    assert "[scheduler]" not in proc.stdout  # refused before any process started
+
+
+def test_ctrl_c_ends_a_command_without_a_traceback(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_model", interrupted)
+    assert cli.main(["model"]) == 130
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
