@@ -19,6 +19,8 @@ variable                   also read                      meaning               
 ``PSRT_HEARTBEAT_TIMEOUT``                                silence after which a process is dead        2
 ``PSRT_PARTITION_BYTES``                                  tensors larger than this are split          4 MiB
 ``PSRT_NONFINITE``                                        ``reject`` or ``allow`` NaN/Inf gradients   ``reject``
+``PSRT_KEYS``                                             the job's key directory (``psrt keygen``):  off
+                                                          CURVE on every socket; empty: off
 =========================  =============================  ==========================================  ==========
 
 Under ``srun`` or ``mpirun`` the role and worker rank also follow from ``SLURM_PROCID``/``SLURM_NTASKS``,
@@ -64,6 +66,15 @@ def _env_str(name: str, default: str) -> str:
     return os.environ.get(name) or default
 
 
+def _env_keys() -> Optional[str]:
+    return os.environ.get("PSRT_KEYS") or None
+
+
+def _check_keys(value: object) -> None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"keys must be a key directory (str or path) or None, got {value!r}")
+
+
 def _positive(name: str, value: object, kind: type = int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or not value > 0:
         raise ConfigError(f"{name} must be a positive {kind.__name__}, got {value!r}")
@@ -97,6 +108,11 @@ class WireLimits:
         for name in ("max_header_bytes", "max_tensors", "max_name_len", "max_dims", "max_tensor_bytes"):
             _positive(name, getattr(self, name))
 
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest frame a valid message holds (a header or one tensor's buffer): sockets' MAXMSGSIZE."""
+        return max(self.max_header_bytes, self.max_tensor_bytes)
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -120,6 +136,9 @@ class ServerConfig:
         Seconds between housekeeping checks (stop requests) while idle.
     limits : WireLimits
         Decode limits for incoming messages.
+    keys : str or os.PathLike, optional
+        The job's key directory (:mod:`psrt.security`): CURVE on every socket, and only the job's client key
+        is accepted. Default: ``PSRT_KEYS``; None or empty: no security.
     """
 
     bind: str = "tcp://127.0.0.1:5701"
@@ -130,8 +149,10 @@ class ServerConfig:
     send_timeout: float = 10.0
     poll_interval: float = 0.1
     limits: WireLimits = field(default_factory=WireLimits)
+    keys: Optional[str | os.PathLike] = field(default_factory=_env_keys)
 
     def __post_init__(self) -> None:
+        _check_keys(self.keys)
         if not isinstance(self.bind, str) or "://" not in self.bind:
             raise ConfigError(f"bind must be a ZeroMQ endpoint such as tcp://127.0.0.1:5701, got {self.bind!r}")
         _positive("num_workers", self.num_workers)
@@ -161,6 +182,8 @@ class ClientConfig:
     warn_after : float
         Seconds a call may wait for a shard (or the scheduler) before the client logs, once, a warning naming
         what it waits for and where; the call itself keeps waiting until ``timeout``.
+    keys : str or os.PathLike, optional
+        The job's key directory: CURVE on every socket. Default: ``PSRT_KEYS``; None or empty: no security.
     """
 
     timeout: float = field(default_factory=lambda: _env_float("PSRT_TIMEOUT", 60.0))
@@ -168,8 +191,10 @@ class ClientConfig:
     hwm: int = 100_000
     limits: WireLimits = field(default_factory=WireLimits)
     warn_after: float = field(default_factory=lambda: _env_float("PSRT_WARN_AFTER", 5.0))
+    keys: Optional[str | os.PathLike] = field(default_factory=_env_keys)
 
     def __post_init__(self) -> None:
+        _check_keys(self.keys)
         _positive("timeout", self.timeout, float)
         _positive("warn_after", self.warn_after, float)
         _positive("partition_bytes", self.partition_bytes)
@@ -214,6 +239,8 @@ class ClusterConfig:
         Seconds between the heartbeats each registered process sends the scheduler.
     heartbeat_timeout : float
         Seconds of silence after which the scheduler takes a process for dead (and a process the scheduler).
+    keys : str or None
+        The job's key directory (``PSRT_KEYS``): CURVE on every socket; None: no security.
     """
 
     role: Optional[str] = None
@@ -226,8 +253,10 @@ class ClusterConfig:
     start_timeout: float = 120.0
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 2.0
+    keys: Optional[str] = None
 
     def __post_init__(self) -> None:
+        _check_keys(self.keys)
         if self.role is not None and self.role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {self.role!r} (set PSRT_ROLE or DMLC_ROLE)")
         if self.scheduler is not None and "://" not in self.scheduler:
@@ -319,4 +348,5 @@ class ClusterConfig:
             start_timeout=get_float("PSRT_START_TIMEOUT", 120.0),
             heartbeat_interval=get_float("PSRT_HEARTBEAT_INTERVAL", 0.5),
             heartbeat_timeout=get_float("PSRT_HEARTBEAT_TIMEOUT", 2.0),
+            keys=get("PSRT_KEYS"),
         )

@@ -13,18 +13,35 @@ known ZeroMQ pitfalls of a parameter server:
 - Frames of at least :data:`ZERO_COPY_BYTES` are sent with ``copy=False`` (smaller ones are cheaper to copy);
   the caller must not mutate such a buffer until the send is done, which it can learn from the returned
   ``zmq.MessageTracker``.
+- ``MAXMSGSIZE`` from the decode limits: a peer sending a frame no valid message can hold is disconnected
+  before the frame is buffered whole.
+- CURVE, when a process has keys (:mod:`psrt.security`): serving sockets are CURVE servers with a ZAP domain
+  and ``ZAP_ENFORCE_DOMAIN`` (CURVE fails open without a ZAP handler; with it, a missing handler fails
+  closed), and their context runs a ZAP handler that accepts only the job's client key. Connecting sockets
+  carry a handshake monitor: ZeroMQ keeps a refused handshake from the application, so the monitor turns it
+  into an :class:`~psrt.errors.AuthenticationError` at the next wait instead of a timeout.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import hmac
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import zmq
+import zmq.auth
+from zmq.utils.monitor import parse_monitor_message
 
-from psrt.errors import BindError, ConnectionLostError, ShardTimeoutError
+from psrt.errors import AuthenticationError, BindError, ConnectionLostError, ShardTimeoutError
 
-__all__ = ["ZERO_COPY_BYTES", "new_context", "RouterChannel", "DealerChannel", "Poller", "SendDropped",
-           "peer_address"]
+if TYPE_CHECKING:
+    from psrt.security import JobKeys
+
+__all__ = ["ZERO_COPY_BYTES", "ZAP_DOMAIN", "new_context", "RouterChannel", "DealerChannel", "Poller",
+           "SendDropped", "peer_address", "create_certificates", "read_certificate"]
+
+log = logging.getLogger("psrt.auth")
 
 #: Frames at least this large go zero-copy (pyzmq copies smaller frames anyway).
 ZERO_COPY_BYTES = 1 << 16
@@ -32,14 +49,118 @@ ZERO_COPY_BYTES = 1 << 16
 _HEARTBEAT_IVL_MS = 2000
 _HEARTBEAT_TIMEOUT_MS = 10000
 
+#: The ZAP domain of psrt's serving sockets.
+ZAP_DOMAIN = "psrt"
+
+#: Slack over the largest valid frame for MAXMSGSIZE: under CURVE the limit applies to the encrypted frame, which
+#: carries a command name, a nonce and a MAC besides the payload (well under this).
+_FRAME_SLACK = 1024
+_MAX_INT64 = (1 << 63) - 1
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+#: What a connecting socket's monitor reports: only handshakes, so it is silent in the steady state.
+_HANDSHAKE_EVENTS = _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+
 
 class SendDropped(Exception):
     """A ROUTER reply could not be queued: the peer is gone or its queue stayed full past the send timeout."""
 
 
+class _Context(zmq.Context):
+    """A context that stops its ZAP handler, when it runs one, before terminating (else ``term`` would hang on
+    the handler's socket)."""
+
+    _authenticator: Any = None
+
+    def term(self) -> None:
+        auth, self._authenticator = self._authenticator, None
+        if auth is not None:
+            auth.stop()
+        super().term()
+
+
 def new_context() -> zmq.Context:
     """A fresh ZeroMQ context (its I/O thread starts here, never at import)."""
-    return zmq.Context()
+    return _Context()
+
+
+def create_certificates(directory: Union[str, os.PathLike], name: str) -> None:
+    """Write a new CURVE key pair as ``name.key`` and ``name.key_secret`` (ZeroMQ certificate format)."""
+    zmq.auth.create_certificates(os.fspath(directory), name)
+
+
+def read_certificate(path: Union[str, os.PathLike]) -> tuple[bytes, Optional[bytes]]:
+    """The z85 public key and secret key (None in a public certificate) of a certificate file.
+
+    Raises
+    ------
+    OSError
+        When the file cannot be read.
+    ValueError
+        When it holds no key.
+    """
+    return zmq.auth.load_certificate(os.fspath(path))
+
+
+class _OnlyKey:
+    """ZAP credentials check: the job's client key and no other; each refused key is logged once."""
+
+    def __init__(self, allowed: bytes) -> None:
+        self.allowed = allowed
+        self._refused: set[bytes] = set()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if hmac.compare_digest(key, self.allowed):
+            return True
+        if key not in self._refused and len(self._refused) < 64:  # a retrying peer must not flood the log
+            self._refused.add(key)
+            log.warning("refused a connection with CURVE client key %s: it is not the job's client key",
+                        key.decode("ascii", "replace"))
+        return False
+
+
+def _authenticate(context: zmq.Context, keys: JobKeys) -> None:
+    """Run the context's ZAP handler (one thread), accepting only the job's client key in :data:`ZAP_DOMAIN`."""
+    if not isinstance(context, _Context):
+        raise TypeError("serving with keys needs a context from psrt.transport.new_context()")
+    if context._authenticator is not None:
+        return
+    from zmq.auth.thread import ThreadAuthenticator  # threads only when keys are on
+
+    auth = ThreadAuthenticator(context, log=log)
+    auth.start()
+    auth.configure_curve_callback(ZAP_DOMAIN, _OnlyKey(keys.client_public))
+    context._authenticator = auth
+
+
+def _serve_securely(sock: zmq.Socket, keys: JobKeys) -> None:
+    if keys.server_secret is None:
+        raise ValueError("serving with keys needs the server's secret key")
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keys.server_secret)
+    sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+
+
+def _connect_securely(sock: zmq.Socket, keys: JobKeys) -> None:
+    if keys.client_secret is None:
+        raise ValueError("connecting with keys needs the client's secret key")
+    sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
+
+
+def _max_frame(sock: zmq.Socket, max_frame: Optional[int]) -> None:
+    if max_frame is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, min(max_frame + _FRAME_SLACK, _MAX_INT64))
+
+
+def _protocol_error_name(value: int) -> str:
+    for name in dir(zmq):
+        if name.startswith("PROTOCOL_ERROR_") and getattr(zmq, name) == value:
+            return name[len("PROTOCOL_ERROR_"):].lower()
+    return f"{value:#x}"
 
 
 def _common(sock: zmq.Socket, hwm: int) -> None:
@@ -97,6 +218,11 @@ class RouterChannel:
         High-water marks, in messages.
     send_timeout : float
         Seconds a reply may block on a full peer queue before it is dropped and counted.
+    keys : JobKeys, optional
+        Serve with CURVE (and start the context's ZAP handler); None: no security.
+    max_frame : int, optional
+        The largest frame a valid message holds (:attr:`psrt.config.WireLimits.max_frame_bytes`); a peer
+        sending a larger one is disconnected. None: no limit.
 
     Raises
     ------
@@ -104,12 +230,18 @@ class RouterChannel:
         When the endpoint cannot be bound (e.g. the port is taken); the message names it and says what to do.
     """
 
-    def __init__(self, context: zmq.Context, endpoint: str, hwm: int, send_timeout: float) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, hwm: int, send_timeout: float, *,
+                 keys: Optional[JobKeys] = None, max_frame: Optional[int] = None) -> None:
+        if keys is not None:
+            _authenticate(context, keys)  # before the socket exists: no handshake may precede the handler
         self.sock = context.socket(zmq.ROUTER)
         _common(self.sock, hwm)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout * 1000)))
+        _max_frame(self.sock, max_frame)
+        if keys is not None:
+            _serve_securely(self.sock, keys)
         try:
             self.sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -169,16 +301,72 @@ class DealerChannel:
         The shard's endpoint.
     hwm : int
         High-water marks, in messages.
+    keys : JobKeys, optional
+        Connect with CURVE; None: no security.
+    max_frame : int, optional
+        The largest frame a valid reply holds; a peer sending a larger one is disconnected. None: no limit.
     """
 
-    def __init__(self, context: zmq.Context, endpoint: str, hwm: int) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, hwm: int, *, keys: Optional[JobKeys] = None,
+                 max_frame: Optional[int] = None) -> None:
         self.endpoint = endpoint
+        self._keys_dir = None if keys is None else str(keys.directory)
         self._sndtimeo = -1
         self.sock = context.socket(zmq.DEALER)
         _common(self.sock, hwm)
+        _max_frame(self.sock, max_frame)
+        if keys is not None:
+            _connect_securely(self.sock, keys)
+        # Watched with or without keys: a process without keys meeting a secured peer deserves the same advice.
+        self.monitor = self.sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        # The last handshake's failure, kept until one succeeds: ZeroMQ does not retry a connection refused by
+        # ZAP, so every later wait must fail the same way instead of running into its timeout.
+        self._failure: Optional[str] = None
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self.monitor, zmq.POLLIN)
         # Socket buffers are left to the kernel's autotuning: setting SO_SNDBUF/SO_RCVBUF turns autotuning off and
         # is capped by net.core.[rw]mem_max (often 208 KiB), which would starve a high bandwidth-delay link.
         self.sock.connect(endpoint)
+
+    def check_handshake(self) -> None:
+        """Take in the monitor's reports; raise if the latest handshake with the peer failed. Never blocks.
+
+        Raises
+        ------
+        AuthenticationError
+            Naming the endpoint, the cause ZeroMQ gives, and what to set.
+        """
+        while True:
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failure = None
+            else:
+                self._failure = self._handshake_advice(event["event"], event["value"])
+        if self._failure is not None:
+            raise AuthenticationError(self._failure, endpoint=self.endpoint)
+
+    @property
+    def refused(self) -> bool:
+        """True while the latest handshake with the peer failed (as far as the monitor has been read)."""
+        return self._failure is not None
+
+    def _handshake_advice(self, event: int, value: int) -> str:
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            cause = (f"{self.endpoint} refused this process's CURVE client key (ZAP status {value}): it is not the "
+                     "job's client key")
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            cause = f"the security handshake with {self.endpoint} failed ({_protocol_error_name(value)})"
+        else:
+            cause = (f"the security handshake with {self.endpoint} failed (keys of another job, or keys on one "
+                     "side only)")
+        mine = (f"this process uses the keys in {self._keys_dir}" if self._keys_dir
+                else "this process runs without keys")
+        return (f"{cause}; {mine}. Every process of a job must use the job's keys: set PSRT_KEYS (or --keys) to "
+                "the job's key directory (`psrt keygen DIR` makes one)")
 
     def send(self, frames: Sequence[Any], timeout: float) -> None:
         """Queue a request; blocks at most ``timeout`` seconds when the send queue is full.
@@ -205,8 +393,19 @@ class DealerChannel:
             raise ConnectionLostError(f"cannot send to shard {self.endpoint}: {exc}") from None
 
     def poll(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for a message to arrive."""
-        return bool(self.sock.poll(max(0, int(timeout * 1000)), zmq.POLLIN))
+        """Wait up to ``timeout`` seconds for a message to arrive.
+
+        Raises
+        ------
+        AuthenticationError
+            When the handshake with the peer failed (see :meth:`check_handshake`).
+        """
+        if self._failure is not None:
+            self.check_handshake()
+        events = dict(self._poller.poll(max(0, int(timeout * 1000))))
+        if self.monitor in events:
+            self.check_handshake()
+        return self.sock in events
 
     def readable(self) -> bool:
         """True when a message is waiting (no system call beyond reading the socket's event flags)."""
@@ -230,21 +429,43 @@ class DealerChannel:
             self.sock.recv(zmq.NOBLOCK, copy=False)
 
     def close(self) -> None:
-        """Close the socket without lingering."""
+        """Close the socket (and its monitor) without lingering."""
+        if not self.sock.closed:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
         self.sock.close(linger=0)
 
 
 class Poller:
-    """Waits on several DEALER channels at once."""
+    """Waits on several DEALER channels (and their handshake monitors) at once."""
 
     def __init__(self, channels: Sequence[DealerChannel]) -> None:
         self._poller = zmq.Poller()
-        self._by_sock = {}
+        self._by_sock: dict[zmq.Socket, int] = {}
+        self._monitors: dict[zmq.Socket, DealerChannel] = {}
         for index, ch in enumerate(channels):
             self._poller.register(ch.sock, zmq.POLLIN)
             self._by_sock[ch.sock] = index
+            # A monitor speaks once per handshake, so polling it costs nothing in the steady state.
+            self._poller.register(ch.monitor, zmq.POLLIN)
+            self._monitors[ch.monitor] = ch
 
     def wait(self, timeout: float) -> list[int]:
-        """Indices of the channels with a reply ready, after waiting at most ``timeout`` seconds."""
-        events = self._poller.poll(max(0, int(timeout * 1000)))
-        return [self._by_sock[s] for s, _ in events]
+        """Indices of the channels with a reply ready, after waiting at most ``timeout`` seconds.
+
+        Raises
+        ------
+        AuthenticationError
+            When the handshake with one of the peers failed.
+        """
+        for ch in self._monitors.values():
+            if ch.refused:
+                ch.check_handshake()
+        ready = []
+        for s, _ in self._poller.poll(max(0, int(timeout * 1000))):
+            ch = self._monitors.get(s)
+            if ch is not None:
+                ch.check_handshake()
+            else:
+                ready.append(self._by_sock[s])
+        return ready
