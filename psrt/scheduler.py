@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from psrt import transport, wire
+from psrt import security, transport, wire
 from psrt.config import MODES
 from psrt.errors import ConfigError, ProtocolError
 from psrt.link import SchedulerLink, Table
@@ -75,15 +75,20 @@ class Scheduler:
         Seconds from start for everyone to register, and for each barrier to fill.
     heartbeat_timeout : float
         Seconds of silence after which a registered process is taken for dead.
+    keys : str or os.PathLike, optional
+        The job's key directory: serve with CURVE, accepting only the job's client key. None: no security.
 
     Raises
     ------
     BindError
         When ``bind`` cannot be bound (e.g. the port is taken).
+    ConfigError
+        When ``keys`` names a missing or unusable key directory.
     """
 
     def __init__(self, bind: str, num_servers: int, num_workers: int, mode: str = "sync",
-                 start_timeout: float = 120.0, heartbeat_timeout: float = 2.0) -> None:
+                 start_timeout: float = 120.0, heartbeat_timeout: float = 2.0,
+                 keys: Optional[security.PathLike] = None) -> None:
         if num_servers < 1 or num_workers < 1:
             raise ConfigError(f"need at least one server and one worker, got S={num_servers}, W={num_workers}")
         if mode not in MODES:
@@ -91,9 +96,11 @@ class Scheduler:
         self.num_servers, self.num_workers, self.mode = num_servers, num_workers, mode
         self.start_timeout = start_timeout
         self.heartbeat_timeout = heartbeat_timeout
+        job_keys = security.load_keys(keys, serve=True, connect=False)
         self._ctx = transport.new_context()
         try:
-            self._chan = transport.RouterChannel(self._ctx, bind, hwm=10_000, send_timeout=5.0)
+            self._chan = transport.RouterChannel(self._ctx, bind, hwm=10_000, send_timeout=5.0, keys=job_keys,
+                                                 max_frame=wire.CONTROL_LIMITS.max_header_bytes)
         except BaseException:
             self._ctx.term()
             raise

@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from psrt import kernels, optim, transport, wire
+from psrt import kernels, optim, security, transport, wire
 from psrt.config import ServerConfig
 from psrt.errors import ConfigError, ProtocolError
 from psrt.store import Entry, Key, Store
@@ -82,7 +82,14 @@ class Server:
     Parameters
     ----------
     config : ServerConfig
-        Endpoint, W, mode and limits.
+        Endpoint, W, mode, limits and keys (with keys, only the job's clients get a message through).
+
+    Raises
+    ------
+    BindError
+        When the endpoint cannot be bound.
+    ConfigError
+        When ``config.keys`` names a missing or unusable key directory.
 
     Examples
     --------
@@ -92,9 +99,11 @@ class Server:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        keys = security.load_keys(config.keys, serve=True, connect=False)
         self._ctx = transport.new_context()
         try:
-            self._chan = transport.RouterChannel(self._ctx, config.bind, config.hwm, config.send_timeout)
+            self._chan = transport.RouterChannel(self._ctx, config.bind, config.hwm, config.send_timeout,
+                                                 keys=keys, max_frame=config.limits.max_frame_bytes)
         except Exception:
             self._ctx.term()
             raise
