@@ -5,6 +5,7 @@
 ``psrt launch``      a whole job on this machine: scheduler, S servers, W copies of a command
 ``psrt run``         become scheduler, server or worker as the environment says (srun, mpirun, Kubernetes)
 ``psrt stats``       a live per-shard table of a running job
+``psrt keygen``      write a job's CURVE keys (``--keys DIR`` / ``PSRT_KEYS=DIR`` turn them on)
 ``psrt worker``      a synthetic load-test worker
 ``psrt model``       the performance model's predictions, extrapolated to thousands of workers
 ``psrt demo``        train a classifier on scikit-learn's digits on a local job
@@ -61,10 +62,10 @@ def _server(args: argparse.Namespace) -> int:
     link = None
     if args.scheduler:
         host = args.host or _host_towards(args.scheduler)
-        config = ServerConfig(bind=args.bind or f"tcp://{host}:*", nonfinite=args.nonfinite)
+        config = ServerConfig(bind=args.bind or f"tcp://{host}:*", nonfinite=args.nonfinite, keys=args.keys)
     else:
         config = ServerConfig(bind=args.bind or "tcp://127.0.0.1:5701", num_workers=args.workers, mode=args.mode,
-                              nonfinite=args.nonfinite)
+                              nonfinite=args.nonfinite, keys=args.keys)
     server = Server(config)
     _on_signals(server.stop)
     metrics = None
@@ -74,7 +75,7 @@ def _server(args: argparse.Namespace) -> int:
                 else server.endpoint
             cluster = ClusterConfig.from_env()
             link = SchedulerLink(server.context, args.scheduler, heartbeat_interval=cluster.heartbeat_interval,
-                                 heartbeat_timeout=cluster.heartbeat_timeout)
+                                 heartbeat_timeout=cluster.heartbeat_timeout, keys=config.keys)
             timeout = cluster.start_timeout + 10.0
             table = link.register("server", endpoint=announce, host=host, timeout=timeout)
             server.set_job(table.num_workers, table.mode)
@@ -102,7 +103,7 @@ def _scheduler(args: argparse.Namespace) -> int:
     from psrt.scheduler import Scheduler
 
     sched = Scheduler(args.bind, args.servers, args.workers, args.mode, start_timeout=args.timeout,
-                      heartbeat_timeout=ClusterConfig.from_env().heartbeat_timeout)
+                      heartbeat_timeout=ClusterConfig.from_env().heartbeat_timeout, keys=args.keys)
     _on_signals(sched.stop)
     print(f"psrt-scheduler ready endpoint={sched.endpoint} servers={args.servers} workers={args.workers} "
           f"mode={args.mode}", flush=True)
@@ -116,7 +117,18 @@ def _launch(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return launch(args.servers, args.workers, command, mode=args.mode, host=args.host, start_timeout=args.timeout,
-                  transport=args.transport)
+                  transport=args.transport, secure=args.secure)
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from psrt.security import KEY_FILES, keygen
+
+    keys = keygen(args.directory)
+    names = ", ".join(n for pair in KEY_FILES.values() for n in pair)
+    print(f"psrt keygen: wrote {names} in {keys.directory}; give every process of the job "
+          f"PSRT_KEYS={keys.directory} (or --keys); hosts that run only workers need server.key and the client "
+          "pair", flush=True)
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -217,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sync (BSP) or async (default: $PSRT_MODE or sync; from the scheduler with --scheduler)")
     s.add_argument("--nonfinite", choices=("reject", "allow"), default=defaults.nonfinite,
                    help="what to do with NaN/Inf gradients (default: reject)")
+    s.add_argument("--keys", default=defaults.keys, metavar="DIR",
+                   help="the job's key directory (psrt keygen): CURVE on every socket, only the job's client key "
+                        "accepted (default: $PSRT_KEYS; empty: off)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (needs prometheus_client)")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
@@ -230,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mode", choices=MODES, default=env.mode, help="sync or async (default: $PSRT_MODE or sync)")
     c.add_argument("--timeout", type=float, default=env.start_timeout,
                    help="seconds for everyone to register and for each barrier (default: $PSRT_START_TIMEOUT or 120)")
+    c.add_argument("--keys", default=env.keys, metavar="DIR",
+                   help="the job's key directory (psrt keygen): CURVE, only the job's client key accepted "
+                        "(default: $PSRT_KEYS; empty: off)")
     c.set_defaults(func=_scheduler)
 
     la = sub.add_parser("launch", help="run a scheduler, S servers and W copies of CMD on this machine")
@@ -241,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--transport", choices=("auto", "tcp", "ipc"), default="auto",
                     help="worker-to-shard transport: ipc (Unix sockets) or tcp; auto: ipc on loopback "
                          "(default %(default)s)")
+    la.add_argument("--secure", action="store_true",
+                    help="make a private key directory for this job, hand it to every process by PSRT_KEYS "
+                         "(CURVE on every socket), and remove it at the end")
     la.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS: the worker program")
     la.set_defaults(func=_launch)
 
@@ -253,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default %(default)s)")
     st.add_argument("--count", type=int, default=0, help="stop after this many tables (default: until Ctrl-C)")
     st.set_defaults(func=_stats)
+
+    kg = sub.add_parser("keygen", help="write a job's CURVE keys: a server pair and a client pair")
+    kg.add_argument("directory", help="where to write them (created 0700; must not hold keys already)")
+    kg.set_defaults(func=_keygen)
 
     wk = sub.add_parser("worker", help="a synthetic load-test worker reporting its steps/s")
     wk.add_argument("--model", required=True,

@@ -111,7 +111,7 @@ def _teardown(procs: list[_Proc], grace: float = 5.0) -> None:
 
 def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str = "sync",
            host: str = "127.0.0.1", start_timeout: float = 60.0, out: IO[str] = sys.stdout,
-           extra_env: Optional[dict[str, str]] = None, transport: str = "auto") -> int:
+           extra_env: Optional[dict[str, str]] = None, transport: str = "auto", secure: bool = False) -> int:
     """Run a whole job on this machine; returns the exit code (the first failure's, else 0).
 
     Parameters
@@ -134,6 +134,9 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
     transport : str
         How workers reach the shards: ``"tcp"``, ``"ipc"`` (Unix sockets in a private temporary directory:
         no TCP stack between processes of one machine), or ``"auto"``: ipc when ``host`` is loopback.
+    secure : bool
+        Generate a key pair set for this job in a private (0700) temporary directory, give it to every process
+        as ``PSRT_KEYS`` (CURVE on every socket), and delete it when the job ends.
     """
     if transport not in ("auto", "tcp", "ipc"):
         raise ConfigError(f"transport must be auto, tcp or ipc, got {transport!r}")
@@ -151,7 +154,13 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
     me = [sys.executable, "-m", "psrt.cli"]
     procs: list[_Proc] = []
     sockdir = tempfile.mkdtemp(prefix="psrt-") if transport == "ipc" else None
+    keydir = tempfile.mkdtemp(prefix="psrt-keys-") if secure else None  # mkdtemp: 0700, only this user
     try:
+        if keydir:
+            from psrt.security import keygen
+
+            keygen(keydir)
+            env["PSRT_KEYS"] = keydir
         sched = _Proc("scheduler", [*me, "scheduler", "--bind", f"tcp://{host}:*", "--servers", str(num_servers),
                                     "--workers", str(num_workers), "--mode", mode, "--timeout", str(start_timeout)],
                       env, out, lock, watch=SCHEDULER_READY)
@@ -177,6 +186,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         _teardown(procs)
         if sockdir:
             shutil.rmtree(sockdir, ignore_errors=True)
+        if keydir:
+            shutil.rmtree(keydir, ignore_errors=True)
 
 
 def _supervise(sched: _Proc, servers: list[_Proc], workers: list[_Proc], procs: list[_Proc], out: IO[str],
