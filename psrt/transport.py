@@ -373,11 +373,17 @@ class DealerChannel:
 
         Raises
         ------
+        AuthenticationError
+            When the handshake with the peer failed (see :meth:`check_handshake`).
         ShardTimeoutError
             When the request could not be queued in time.
         ConnectionLostError
             When the socket is closed.
         """
+        # A refused handshake leaves no connection to queue on (ZAP refusals are not retried): say so now rather
+        # than after the send timeout. Reading the monitor's event flags costs no system call.
+        if self._failure is not None or self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self.check_handshake()
         timeout_ms = max(1, int(timeout * 1000))
         if timeout_ms != self._sndtimeo:
             self.sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
@@ -385,6 +391,7 @@ class DealerChannel:
         try:
             _send_frames(self.sock, frames, track=False)
         except zmq.Again:
+            self.check_handshake()  # the handshake may have failed while the send waited
             raise ShardTimeoutError(
                 f"shard {self.endpoint} did not accept a request within {timeout:.1f}s (send queue full)",
                 shard=self.endpoint,
