@@ -385,3 +385,25 @@ def test_launch_secure_trains_and_leaves_no_key_directory(tmp_path):
     assert Path(rows[0]["keys"]).parent == scratch
     assert not Path(rows[0]["keys"]).exists()
     assert list(scratch.iterdir()) == []
+
+
+def test_psrt_stats_needs_the_keys_of_a_secured_scheduler(job_keys):
+    env = {k: v for k, v in os.environ.items() if k != "PSRT_KEYS"}
+    sched = subprocess.Popen([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--keys", str(job_keys)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = sched.stdout.readline()
+        assert "psrt-scheduler ready" in line, line
+        endpoint = line.split("endpoint=")[1].split()[0]
+        started = time.monotonic()
+        refused = subprocess.run([*PSRT, "stats", endpoint, "--count", "1"], capture_output=True, text=True,
+                                 timeout=30, env=env)
+        assert time.monotonic() - started < 10
+        assert refused.returncode == 2 and "PSRT_KEYS" in refused.stderr and endpoint in refused.stderr
+        keyed = subprocess.run([*PSRT, "stats", endpoint, "--count", "1"], capture_output=True, text=True,
+                               timeout=30, env={**env, "PSRT_KEYS": str(job_keys)})
+        assert keyed.returncode == 1 and "no servers have joined yet" in keyed.stdout, keyed.stdout + keyed.stderr
+    finally:
+        sched.terminate()
+        sched.wait(10)
+        sched.stdout.close()
