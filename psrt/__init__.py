@@ -20,6 +20,7 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
 
 from psrt.client import Client, Handle
 from psrt.errors import (
+    AuthenticationError,
     BindError,
     ConfigError,
     ConnectionLostError,
@@ -48,6 +49,7 @@ __all__ = [
     "AdaGrad",
     "PsrtError",
     "BindError",
+    "AuthenticationError",
     "ConfigError",
     "KernelArgumentError",
     "KernelTypeError",

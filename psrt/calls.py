@@ -15,9 +15,16 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from psrt import transport, wire
+from psrt import security, transport, wire
 from psrt.config import ClientConfig
-from psrt.errors import ConnectionLostError, ProtocolError, PsrtError, ServerError, ShardTimeoutError
+from psrt.errors import (
+    AuthenticationError,
+    ConnectionLostError,
+    ProtocolError,
+    PsrtError,
+    ServerError,
+    ShardTimeoutError,
+)
 from psrt.partition import Chunk
 
 __all__ = ["Handle", "ShardCalls"]
@@ -95,7 +102,7 @@ class ShardCalls:
     servers : sequence of str
         Shard endpoints, in shard order.
     config : ClientConfig
-        Timeouts, high-water marks and decode limits.
+        Timeouts, high-water marks, decode limits and keys.
     check : callable, optional
         Called while waiting; raises to end every wait at once (the job failed: :meth:`psrt.link.Heartbeat.check`).
     """
@@ -105,7 +112,9 @@ class ShardCalls:
         self._check = check
         self.servers = list(servers)
         self.config = config
-        self.channels = [transport.DealerChannel(context, ep, config.hwm) for ep in self.servers]
+        keys = security.load_keys(config.keys)
+        self.channels = [transport.DealerChannel(context, ep, config.hwm, keys=keys,
+                                                 max_frame=config.limits.max_frame_bytes) for ep in self.servers]
         self._poller = transport.Poller(self.channels)
         self._next_id = 1
         self._pending: dict[int, _Pending] = {}
@@ -169,7 +178,13 @@ class ShardCalls:
                 return
             wait = remaining if warn_at is None else min(remaining, warn_at - now)
             # With a job to watch, wait in short slices so that news of a dead peer ends the wait promptly.
-            self.progress(handle, wait if self._check is None else min(wait, 0.25))
+            try:
+                self.progress(handle, wait if self._check is None else min(wait, 0.25))
+            except AuthenticationError as exc:
+                # A refused handshake will not heal by waiting: fail this call now, naming the shard.
+                self._forget(handle)
+                handle._fail(exc)
+                return
 
     def _forget(self, handle: Handle) -> None:
         """Stop waiting for ``handle``'s replies: any that still come are dropped as late."""

@@ -5,6 +5,7 @@
 ``psrt launch``      a whole job on this machine: scheduler, S servers, W copies of a command
 ``psrt run``         become scheduler, server or worker as the environment says (srun, mpirun, Kubernetes)
 ``psrt stats``       a live per-shard table of a running job
+``psrt keygen``      write a job's CURVE keys (``--keys DIR`` / ``PSRT_KEYS=DIR`` turn them on)
 ``psrt worker``      a synthetic load-test worker
 ``psrt model``       the performance model's predictions, extrapolated to thousands of workers
 ``psrt demo``        train a classifier on scikit-learn's digits on a local job
@@ -36,14 +37,14 @@ def _server(args: argparse.Namespace) -> int:
                       mode=args.mode, nonfinite=args.nonfinite, metrics_port=args.metrics_port,
                       metrics_host=args.metrics_host, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, checkpoint_secs=args.checkpoint_secs,
-                      restore=args.restore)
+                      restore=args.restore, keys=args.keys)
 
 
 def _scheduler(args: argparse.Namespace) -> int:
     from psrt.daemon import run_scheduler
 
     return run_scheduler(args.bind, args.servers, args.workers, args.mode, start_timeout=args.timeout,
-                         elastic=args.elastic)
+                         elastic=args.elastic, keys=args.keys)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -51,7 +52,18 @@ def _launch(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return launch(args.servers, args.workers, command, mode=args.mode, host=args.host, start_timeout=args.timeout,
-                  transport=args.transport)
+                  transport=args.transport, secure=args.secure)
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from psrt.security import KEY_FILES, keygen
+
+    keys = keygen(args.directory)
+    names = ", ".join(n for pair in KEY_FILES.values() for n in pair)
+    print(f"psrt keygen: wrote {names} in {keys.directory}; give every process of the job "
+          f"PSRT_KEYS={keys.directory} (or --keys); hosts that run only workers need server.key and the client "
+          "pair", flush=True)
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -182,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a checkpoint every T seconds while the parameters change")
     s.add_argument("--restore", action="store_true",
                    help="start from the newest complete checkpoint in --checkpoint-dir (none: start fresh)")
+    s.add_argument("--keys", default=defaults.keys, metavar="DIR",
+                   help="the job's key directory (psrt keygen): CURVE on every socket, only the job's client key "
+                        "accepted (default: $PSRT_KEYS; empty: off)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (needs prometheus_client)")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
@@ -200,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for everyone to register and for each barrier (default: $PSRT_START_TIMEOUT or 120)")
     c.add_argument("--elastic", action="store_true", default=env.elastic,
                    help="workers may leave (die or finish) and join while the job runs (default: $PSRT_ELASTIC)")
+    c.add_argument("--keys", default=env.keys, metavar="DIR",
+                   help="the job's key directory (psrt keygen): CURVE, only the job's client key accepted "
+                        "(default: $PSRT_KEYS; empty: off)")
     c.set_defaults(func=_scheduler)
 
     la = sub.add_parser("launch", help="run a scheduler, S servers and W copies of CMD on this machine", description=(
@@ -215,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--transport", choices=("auto", "tcp", "ipc"), default="auto",
                     help="worker-to-shard transport: ipc (Unix sockets) or tcp; auto: ipc on loopback "
                          "(default %(default)s)")
+    la.add_argument("--secure", action="store_true",
+                    help="make a private key directory for this job, hand it to every process by PSRT_KEYS "
+                         "(CURVE on every socket), and remove it at the end")
     la.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS: the worker program")
     la.set_defaults(func=_launch)
 
@@ -232,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default %(default)s)")
     st.add_argument("--count", type=int, default=0, help="stop after this many tables (default: until Ctrl-C)")
     st.set_defaults(func=_stats)
+
+    kg = sub.add_parser("keygen", help="write a job's CURVE keys: a server pair and a client pair", description=(
+        "Write a job's CURVE keys (ZeroMQ certificate format): a server pair and a client pair. Give every process "
+        "of the job the directory with --keys DIR or PSRT_KEYS=DIR."))
+    kg.add_argument("directory", help="where to write them (created 0700; must not hold keys already)")
+    kg.set_defaults(func=_keygen)
 
     wk = sub.add_parser("worker", help="a synthetic load-test worker reporting its steps/s", description=(
         "A synthetic load-test worker: each step it computes for --compute-ms, then push_pulls a gradient of the "

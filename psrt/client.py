@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from psrt import dtypes, transport, wire
+from psrt import dtypes, security, transport, wire
 from psrt.calls import Handle, ShardCalls
 from psrt.config import ClientConfig, ClusterConfig
 from psrt.errors import ConfigError, ConnectionLostError, PsrtError, PsrtTypeError
@@ -69,6 +69,7 @@ class Client:
         cluster: Optional[ClusterConfig] = None,
     ) -> None:
         self.config = config if config is not None else ClientConfig()
+        security.load_keys(self.config.keys)  # a bad key directory fails here, before any socket or thread
         self._closed = True  # until the sockets exist
         self._link: Optional[SchedulerLink] = None
         self._heartbeat: Optional[Heartbeat] = None
@@ -82,7 +83,8 @@ class Client:
                                   "or set PSRT_SCHEDULER (or DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT)")
             self._start_timeout = cluster.start_timeout
             self._ctx = transport.new_context()
-            self._link = SchedulerLink(self._ctx, scheduler, warn_after=self.config.warn_after)
+            self._link = SchedulerLink(self._ctx, scheduler, warn_after=self.config.warn_after,
+                                       keys=self.config.keys)
             requested = rank if rank is not None else cluster.worker_id
             try:
                 table = self._link.register("worker", host=cluster.node_host or "",
@@ -100,7 +102,7 @@ class Client:
             self._elastic = table.elastic
             # From here on the scheduler watches this worker: heartbeat, and hear at once if a peer dies.
             self._heartbeat = Heartbeat(self._ctx, scheduler, rank, cluster.heartbeat_interval,
-                                        cluster.heartbeat_timeout)
+                                        cluster.heartbeat_timeout, keys=self.config.keys)
             self._link.check = self._heartbeat.check
         else:
             rank = 0 if rank is None else rank

@@ -20,6 +20,8 @@ variable                   also read                      meaning               
 ``PSRT_ELASTIC``                                          ``1``: workers may leave and join a job      ``0``
 ``PSRT_PARTITION_BYTES``                                  tensors larger than this are split          4 MiB
 ``PSRT_NONFINITE``                                        ``reject`` or ``allow`` NaN/Inf gradients   ``reject``
+``PSRT_KEYS``                                             the job's key directory (``psrt keygen``):  off
+                                                          CURVE on every socket; empty: off
 =========================  =============================  ==========================================  ==========
 
 Under ``srun`` or ``mpirun`` the role and worker rank also follow from ``SLURM_PROCID``/``SLURM_NTASKS``,
@@ -65,6 +67,15 @@ def _env_str(name: str, default: str) -> str:
     return os.environ.get(name) or default
 
 
+def _env_keys() -> Optional[str]:
+    return os.environ.get("PSRT_KEYS") or None
+
+
+def _check_keys(value: object) -> None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"keys must be a key directory (str or path) or None, got {value!r}")
+
+
 def _positive(name: str, value: object, kind: type = int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or not value > 0:
         raise ConfigError(f"{name} must be a positive {kind.__name__}, got {value!r}")
@@ -97,6 +108,11 @@ class WireLimits:
     def __post_init__(self) -> None:
         for name in ("max_header_bytes", "max_tensors", "max_name_len", "max_dims", "max_tensor_bytes"):
             _positive(name, getattr(self, name))
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest frame a valid message holds (a header or one tensor's buffer): sockets' MAXMSGSIZE."""
+        return max(self.max_header_bytes, self.max_tensor_bytes)
 
 
 @dataclass(frozen=True)
@@ -131,6 +147,9 @@ class ServerConfig:
         by time.
     restore : bool
         Start from the newest complete checkpoint in ``checkpoint_dir`` (none there: start fresh and say so).
+    keys : str or os.PathLike, optional
+        The job's key directory (:mod:`psrt.security`): CURVE on every socket, and only the job's client key
+        is accepted. Default: ``PSRT_KEYS``; None or empty: no security.
     """
 
     bind: str = "tcp://127.0.0.1:5701"
@@ -145,8 +164,10 @@ class ServerConfig:
     checkpoint_every: int = 0
     checkpoint_secs: float = 0.0
     restore: bool = False
+    keys: Optional[str | os.PathLike] = field(default_factory=_env_keys)
 
     def __post_init__(self) -> None:
+        _check_keys(self.keys)
         if type(self.checkpoint_every) is not int or self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every must be a whole number of rounds >= 0, got {self.checkpoint_every!r}")
         if isinstance(self.checkpoint_secs, bool) or not isinstance(self.checkpoint_secs, (int, float)) \
@@ -183,6 +204,8 @@ class ClientConfig:
     warn_after : float
         Seconds a call may wait for a shard (or the scheduler) before the client logs, once, a warning naming
         what it waits for and where; the call itself keeps waiting until ``timeout``.
+    keys : str or os.PathLike, optional
+        The job's key directory: CURVE on every socket. Default: ``PSRT_KEYS``; None or empty: no security.
     """
 
     timeout: float = field(default_factory=lambda: _env_float("PSRT_TIMEOUT", 60.0))
@@ -190,8 +213,10 @@ class ClientConfig:
     hwm: int = 100_000
     limits: WireLimits = field(default_factory=WireLimits)
     warn_after: float = field(default_factory=lambda: _env_float("PSRT_WARN_AFTER", 5.0))
+    keys: Optional[str | os.PathLike] = field(default_factory=_env_keys)
 
     def __post_init__(self) -> None:
+        _check_keys(self.keys)
         _positive("timeout", self.timeout, float)
         _positive("warn_after", self.warn_after, float)
         _positive("partition_bytes", self.partition_bytes)
@@ -238,6 +263,8 @@ class ClusterConfig:
         Seconds of silence after which the scheduler takes a process for dead (and a process the scheduler).
     elastic : bool
         Workers may leave and join a running job (``PSRT_ELASTIC=1``); see docs/elastic.md.
+    keys : str or None
+        The job's key directory (``PSRT_KEYS``): CURVE on every socket; None: no security.
     """
 
     role: Optional[str] = None
@@ -251,8 +278,10 @@ class ClusterConfig:
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 2.5
     elastic: bool = False
+    keys: Optional[str] = None
 
     def __post_init__(self) -> None:
+        _check_keys(self.keys)
         if self.role is not None and self.role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {self.role!r} (set PSRT_ROLE or DMLC_ROLE)")
         if self.scheduler is not None and "://" not in self.scheduler:
@@ -351,4 +380,5 @@ class ClusterConfig:
             heartbeat_interval=get_float("PSRT_HEARTBEAT_INTERVAL", 0.5),
             heartbeat_timeout=get_float("PSRT_HEARTBEAT_TIMEOUT", 2.5),
             elastic=get_flag("PSRT_ELASTIC"),
+            keys=get("PSRT_KEYS"),
         )

@@ -11,7 +11,7 @@ import ipaddress
 import signal
 import socket
 import sys
-from typing import IO, Callable, Optional
+from typing import IO, Any, Callable, Optional
 from urllib.parse import urlsplit
 
 from psrt.config import ClusterConfig, ServerConfig
@@ -48,7 +48,7 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
                num_workers: Optional[int] = None, mode: Optional[str] = None, nonfinite: str = "reject",
                metrics_port: Optional[int] = None, metrics_host: str = "127.0.0.1",
                checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0, checkpoint_secs: float = 0.0,
-               restore: bool = False, out: IO[str] = sys.stdout) -> int:
+               restore: bool = False, keys: Optional[str] = None, out: IO[str] = sys.stdout) -> int:
     """Run one shard server until it is told to stop; returns the exit code.
 
     Parameters
@@ -68,6 +68,8 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
     checkpoint_dir, checkpoint_every, checkpoint_secs, restore : optional
         Checkpoints: where, every how many rounds and seconds, and whether to start from the newest
         (:class:`~psrt.config.ServerConfig`).
+    keys : str, optional
+        The job's key directory (CURVE on every socket); default ``PSRT_KEYS``, empty: off.
     out : text stream
         Where the ready and stopped lines go.
     """
@@ -77,8 +79,10 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
 
     tune_allocator()
     link = None
-    ckpt = dict(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, checkpoint_secs=checkpoint_secs,
-                restore=restore)
+    ckpt: dict[str, Any] = dict(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                                checkpoint_secs=checkpoint_secs, restore=restore)
+    if keys is not None:
+        ckpt["keys"] = keys
     if scheduler:
         host = host or host_towards(scheduler)
         config = ServerConfig(bind=bind or f"tcp://{host}:*", nonfinite=nonfinite, **ckpt)
@@ -95,7 +99,8 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
             announce = server.endpoint.replace("0.0.0.0", host) if server.endpoint.startswith("tcp://") \
                 else server.endpoint
             cluster = ClusterConfig.from_env()
-            link = SchedulerLink(server.context, scheduler, heartbeat_interval=cluster.heartbeat_interval,
+            link = SchedulerLink(server.context, scheduler, keys=config.keys,
+                                 heartbeat_interval=cluster.heartbeat_interval,
                                  heartbeat_timeout=cluster.heartbeat_timeout)
             timeout = cluster.start_timeout + 10.0
             table = link.register("server", endpoint=announce, host=host, timeout=timeout)
@@ -126,7 +131,7 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
 
 def run_scheduler(bind: str, num_servers: int, num_workers: int, mode: str = "sync",
                   start_timeout: Optional[float] = None, elastic: Optional[bool] = None,
-                  out: IO[str] = sys.stdout) -> int:
+                  keys: Optional[str] = None, out: IO[str] = sys.stdout) -> int:
     """Run a job's scheduler until the job ends; returns its exit code (nonzero if the job failed to form).
 
     Parameters
@@ -141,6 +146,8 @@ def run_scheduler(bind: str, num_servers: int, num_workers: int, mode: str = "sy
         Seconds for everyone to register and for each barrier (default: ``PSRT_START_TIMEOUT`` or 120).
     elastic : bool, optional
         Workers may leave and join while the job runs (default: ``PSRT_ELASTIC``); see docs/elastic.md.
+    keys : str, optional
+        The job's key directory (CURVE, only the job's client key accepted); default ``PSRT_KEYS``.
     out : text stream
         Where the ready and stopped lines go.
     """
@@ -152,7 +159,8 @@ def run_scheduler(bind: str, num_servers: int, num_workers: int, mode: str = "sy
     if elastic is None:
         elastic = cluster.elastic
     sched = Scheduler(bind, num_servers, num_workers, mode, start_timeout=start_timeout,
-                      heartbeat_timeout=cluster.heartbeat_timeout, elastic=elastic)
+                      heartbeat_timeout=cluster.heartbeat_timeout, elastic=elastic,
+                      keys=cluster.keys if keys is None else keys)
     _stop_on_signals(sched.stop)
     print(ready_line("scheduler", sched.endpoint, servers=num_servers, workers=num_workers, mode=mode), file=out,
           flush=True)

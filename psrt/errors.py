@@ -19,6 +19,7 @@ __all__ = [
     "ConnectionLostError",
     "BindError",
     "PeerFailedError",
+    "AuthenticationError",
 ]
 
 
@@ -95,3 +96,19 @@ class PeerFailedError(PsrtError, ConnectionError):
     def __init__(self, message: str, *, peer: str = "") -> None:
         super().__init__(message)
         self.peer = peer
+
+
+class AuthenticationError(PsrtError, PermissionError):
+    """A peer refused this process's security handshake (CURVE keys that are not the job's, or none).
+
+    The message names the endpoint and says to set ``PSRT_KEYS`` (or ``--keys``) to the job's key directory.
+
+    Attributes
+    ----------
+    endpoint : str
+        The endpoint whose handshake failed.
+    """
+
+    def __init__(self, message: str, *, endpoint: str = "") -> None:
+        super().__init__(message)
+        self.endpoint = endpoint

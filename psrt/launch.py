@@ -34,7 +34,7 @@ __all__ = ["launch", "run_role", "exit_status", "SCHEDULER_READY"]
 
 def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str = "sync",
            host: str = "127.0.0.1", start_timeout: Optional[float] = None, out: IO[str] = sys.stdout,
-           extra_env: Optional[dict[str, str]] = None, transport: str = "auto") -> int:
+           extra_env: Optional[dict[str, str]] = None, transport: str = "auto", secure: bool = False) -> int:
     """Run a whole job on this machine; returns the exit code (the first failure's, else 0).
 
     Parameters
@@ -58,6 +58,9 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
     transport : str
         How workers reach the shards: ``"tcp"``, ``"ipc"`` (Unix sockets in a private temporary directory:
         no TCP stack between processes of one machine), or ``"auto"``: ipc when ``host`` is loopback.
+    secure : bool
+        Generate a key pair set for this job in a private (0700) temporary directory, give it to every process
+        as ``PSRT_KEYS`` (CURVE on every socket), and delete it when the job ends.
     """
     if transport not in ("auto", "tcp", "ipc"):
         raise ConfigError(f"transport must be auto, tcp or ipc, got {transport!r}")
@@ -78,12 +81,18 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     procs: list[Child] = []
     sockdir = tempfile.mkdtemp(prefix="psrt-") if transport == "ipc" else None
+    keydir = tempfile.mkdtemp(prefix="psrt-keys-") if secure else None  # mkdtemp: 0700, only this user
 
     def start(label: str, cmd: Sequence[str], env: dict[str, str], **kwargs: object) -> Child:
         procs.append(Child(cmd, label=label, env=env, out=out, lock=lock, **kwargs))
         return procs[-1]
 
     try:
+        if keydir:
+            from psrt.security import keygen
+
+            keygen(keydir)
+            env["PSRT_KEYS"] = keydir
         sched = start("scheduler", psrt_command("scheduler", "--bind", f"tcp://{host}:*", "--servers",
                                                 str(num_servers), "--workers", str(num_workers), "--mode", mode,
                                                 "--timeout", str(start_timeout)), env, ready=SCHEDULER_READY)
@@ -107,6 +116,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         stop_children(procs)
         if sockdir:
             shutil.rmtree(sockdir, ignore_errors=True)
+        if keydir:
+            shutil.rmtree(keydir, ignore_errors=True)
 
 
 def _supervise(sched: Child, servers: list[Child], workers: list[Child], procs: list[Child], out: IO[str],

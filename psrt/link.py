@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from psrt import transport, wire
+from psrt import security, transport, wire
 from psrt.errors import ConnectionLostError, PeerFailedError, ProtocolError, PsrtError, PsrtTimeoutError, ServerError
 
 __all__ = ["SchedulerLink", "Heartbeat", "Table"]
@@ -68,12 +68,20 @@ class SchedulerLink:
     heartbeat_interval, heartbeat_timeout : float
         Seconds between a server's heartbeats (:meth:`tick`), and of silence after which the scheduler is
         taken for dead.
+    keys : str or os.PathLike, optional
+        The job's key directory: connect with CURVE. None: no security.
+
+    Raises
+    ------
+    ConfigError
+        When ``keys`` names a missing or unusable key directory.
     """
 
     def __init__(self, context: Any, endpoint: str, warn_after: float = 5.0, heartbeat_interval: float = 0.5,
-                 heartbeat_timeout: float = 2.5) -> None:
+                 heartbeat_timeout: float = 2.5, keys: Optional[security.PathLike] = None) -> None:
         self.endpoint = endpoint
-        self.channel = transport.DealerChannel(context, endpoint, hwm=1000)
+        self.channel = transport.DealerChannel(context, endpoint, hwm=1000, keys=security.load_keys(keys),
+                                               max_frame=wire.CONTROL_LIMITS.max_header_bytes)
         self._next_id = 1
         self.rank = -1
         self.role = ""
@@ -225,9 +233,13 @@ class Heartbeat:
         This worker's rank.
     interval, timeout : float
         Seconds between heartbeats, and of silence after which the scheduler is taken for dead.
+    keys : str or os.PathLike, optional
+        The job's key directory: connect with CURVE. None: no security.
     """
 
-    def __init__(self, context: Any, endpoint: str, rank: int, interval: float = 0.5, timeout: float = 2.5) -> None:
+    def __init__(self, context: Any, endpoint: str, rank: int, interval: float = 0.5, timeout: float = 2.5,
+                 keys: Optional[security.PathLike] = None) -> None:
+        self._keys = security.load_keys(keys)  # here, not in the thread: a bad directory is the caller's error
         self.endpoint, self.rank = endpoint, rank
         self.interval, self.timeout = interval, timeout
         self.failure: Optional[PeerFailedError] = None
@@ -247,7 +259,8 @@ class Heartbeat:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        channel = transport.DealerChannel(self._ctx, self.endpoint, hwm=100)
+        channel = transport.DealerChannel(self._ctx, self.endpoint, hwm=100, keys=self._keys,
+                                          max_frame=wire.CONTROL_LIMITS.max_header_bytes)
         pid = os.getpid()
         last_answer = next_beat = time.monotonic()
         try:

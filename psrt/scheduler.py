@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from psrt import transport, wire
+from psrt import security, transport, wire
 from psrt.config import MODES
 from psrt.errors import ConfigError, ProtocolError
 from psrt.link import SchedulerLink, Table
@@ -94,15 +94,20 @@ class Scheduler:
         Seconds of silence after which a registered process is taken for dead.
     elastic : bool
         Let workers leave (by dying or ``done``) and join while the job runs, instead of failing the job.
+    keys : str or os.PathLike, optional
+        The job's key directory: serve with CURVE, accepting only the job's client key. None: no security.
 
     Raises
     ------
     BindError
         When ``bind`` cannot be bound (e.g. the port is taken).
+    ConfigError
+        When ``keys`` names a missing or unusable key directory.
     """
 
     def __init__(self, bind: str, num_servers: int, num_workers: int, mode: str = "sync",
-                 start_timeout: float = 120.0, heartbeat_timeout: float = 2.5, elastic: bool = False) -> None:
+                 start_timeout: float = 120.0, heartbeat_timeout: float = 2.5, elastic: bool = False,
+                 keys: Optional[security.PathLike] = None) -> None:
         if num_servers < 1 or num_workers < 1:
             raise ConfigError(f"need at least one server and one worker, got S={num_servers}, W={num_workers}")
         if mode not in MODES:
@@ -115,9 +120,11 @@ class Scheduler:
         self._server_epochs: dict[int, int] = {}
         self._joins: list[_Join] = []
         self._emptied_at: Optional[float] = None  # elastic: when the last worker died (none left)
+        job_keys = security.load_keys(keys, serve=True, connect=False)
         self._ctx = transport.new_context()
         try:
-            self._chan = transport.RouterChannel(self._ctx, bind, hwm=10_000, send_timeout=5.0)
+            self._chan = transport.RouterChannel(self._ctx, bind, hwm=10_000, send_timeout=5.0, keys=job_keys,
+                                                 max_frame=wire.CONTROL_LIMITS.max_header_bytes)
         except BaseException:
             self._ctx.term()
             raise

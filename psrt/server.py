@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from psrt import checkpoint, kernels, optim, transport, wire
+from psrt import checkpoint, kernels, optim, security, transport, wire
 from psrt.config import ServerConfig
 from psrt.errors import ConfigError, ProtocolError
 from psrt.pulls import PullQueue, Waiter
@@ -79,7 +79,14 @@ class Server:
     Parameters
     ----------
     config : ServerConfig
-        Endpoint, W, mode and limits.
+        Endpoint, W, mode, limits and keys (with keys, only the job's clients get a message through).
+
+    Raises
+    ------
+    BindError
+        When the endpoint cannot be bound.
+    ConfigError
+        When ``config.keys`` names a missing or unusable key directory.
 
     Examples
     --------
@@ -89,9 +96,11 @@ class Server:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        keys = security.load_keys(config.keys, serve=True, connect=False)
         self._ctx = transport.new_context()
         try:
-            self._chan = transport.RouterChannel(self._ctx, config.bind, config.hwm, config.send_timeout)
+            self._chan = transport.RouterChannel(self._ctx, config.bind, config.hwm, config.send_timeout,
+                                                 keys=keys, max_frame=config.limits.max_frame_bytes)
         except Exception:
             self._ctx.term()
             raise

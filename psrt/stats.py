@@ -8,6 +8,7 @@ from typing import IO, Any, Optional
 
 from psrt import transport
 from psrt.client import Client
+from psrt.config import ClientConfig
 from psrt.errors import PsrtError
 from psrt.link import SchedulerLink
 
@@ -31,20 +32,26 @@ def format_table(rows: list[dict[str, Any]], previous: Optional[list[dict[str, A
 
 
 def watch(scheduler: str, interval: float = 1.0, count: int = 0, out: IO[str] = sys.stdout) -> int:
-    """Print the table every ``interval`` seconds, ``count`` times (0: until interrupted)."""
+    """Print the table every ``interval`` seconds, ``count`` times (0: until interrupted).
+
+    With ``PSRT_KEYS`` set, every connection uses the job's keys (a secured job answers nothing else).
+    """
+    config = ClientConfig()
     ctx = transport.new_context()
-    link = SchedulerLink(ctx, scheduler)
     try:
-        table = link.table()
+        link = SchedulerLink(ctx, scheduler, keys=config.keys)
+        try:
+            table = link.table()
+        finally:
+            link.close()
     finally:
-        link.close()
         ctx.term()
     if not table.servers:
         out.write(f"scheduler {scheduler}: no servers have joined yet "
                   f"(expecting {table.num_servers} servers, {table.num_workers} workers)\n")
         return 1
     previous, last, shown = None, time.monotonic(), 0
-    with Client(table.servers, rank=0, num_workers=table.num_workers) as client:
+    with Client(table.servers, rank=0, num_workers=table.num_workers, config=config) as client:
         try:
             while True:
                 try:

@@ -1,4 +1,4 @@
-"""ZeroMQ sockets for psrt: the only module that imports zmq.
+"""ZeroMQ sockets for psrt: this package (with :mod:`psrt.transport.curve`) is the only code that imports zmq.
 
 Shards own a ROUTER socket (:class:`RouterChannel`); a worker's client owns one DEALER socket per shard
 (:class:`DealerChannel`). Never REQ/REP: a dead peer would lock it up forever. The options set here answer the
@@ -13,6 +13,13 @@ known ZeroMQ pitfalls of a parameter server:
 - Frames of at least :data:`ZERO_COPY_BYTES` are sent with ``copy=False`` (smaller ones are cheaper to copy);
   the caller must not mutate such a buffer until the send is done, which it can learn from the returned
   ``zmq.MessageTracker``.
+- ``MAXMSGSIZE`` from the decode limits: a peer sending a frame no valid message can hold is disconnected
+  before the frame is buffered whole.
+- CURVE, when a process has keys (:mod:`psrt.security`): serving sockets are CURVE servers with a ZAP domain
+  and ``ZAP_ENFORCE_DOMAIN`` (CURVE fails open without a ZAP handler; with it, a missing handler fails
+  closed), and their context runs a ZAP handler that accepts only the job's client key. Connecting sockets
+  carry a handshake monitor: ZeroMQ keeps a refused handshake from the application, so the monitor turns it
+  into an :class:`~psrt.errors.AuthenticationError` at the next wait instead of a timeout.
 """
 
 from __future__ import annotations
@@ -20,11 +27,14 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-from psrt.errors import BindError, ConnectionLostError, ShardTimeoutError
+from psrt.errors import AuthenticationError, BindError, ConnectionLostError, ShardTimeoutError
+from psrt.transport import curve
+from psrt.transport.curve import ZAP_DOMAIN, JobKeys, create_certificates, read_certificate
 
-__all__ = ["ZERO_COPY_BYTES", "new_context", "RouterChannel", "DealerChannel", "Poller", "SendDropped",
-           "peer_address"]
+__all__ = ["ZERO_COPY_BYTES", "ZAP_DOMAIN", "new_context", "RouterChannel", "DealerChannel", "Poller",
+           "SendDropped", "peer_address", "create_certificates", "read_certificate"]
 
 #: Frames at least this large go zero-copy (pyzmq copies smaller frames anyway).
 ZERO_COPY_BYTES = 1 << 16
@@ -32,6 +42,10 @@ ZERO_COPY_BYTES = 1 << 16
 _HEARTBEAT_IVL_MS = 2000
 _HEARTBEAT_TIMEOUT_MS = 10000
 
+#: Slack over the largest valid frame for MAXMSGSIZE: under CURVE the limit applies to the encrypted frame, which
+#: carries a command name, a nonce and a MAC besides the payload (well under this).
+_FRAME_SLACK = 1024
+_MAX_INT64 = (1 << 63) - 1
 
 class SendDropped(Exception):
     """A ROUTER reply could not be queued: the peer is gone or its queue stayed full past the send timeout."""
@@ -39,7 +53,12 @@ class SendDropped(Exception):
 
 def new_context() -> zmq.Context:
     """A fresh ZeroMQ context (its I/O thread starts here, never at import)."""
-    return zmq.Context()
+    return curve.Context()
+
+
+def _max_frame(sock: zmq.Socket, max_frame: Optional[int]) -> None:
+    if max_frame is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, min(max_frame + _FRAME_SLACK, _MAX_INT64))
 
 
 def _common(sock: zmq.Socket, hwm: int) -> None:
@@ -97,6 +116,11 @@ class RouterChannel:
         High-water marks, in messages.
     send_timeout : float
         Seconds a reply may block on a full peer queue before it is dropped and counted.
+    keys : JobKeys, optional
+        Serve with CURVE (and start the context's ZAP handler); None: no security.
+    max_frame : int, optional
+        The largest frame a valid message holds (:attr:`psrt.config.WireLimits.max_frame_bytes`); a peer
+        sending a larger one is disconnected. None: no limit.
 
     Raises
     ------
@@ -104,12 +128,18 @@ class RouterChannel:
         When the endpoint cannot be bound (e.g. the port is taken); the message names it and says what to do.
     """
 
-    def __init__(self, context: zmq.Context, endpoint: str, hwm: int, send_timeout: float) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, hwm: int, send_timeout: float, *,
+                 keys: Optional[JobKeys] = None, max_frame: Optional[int] = None) -> None:
+        if keys is not None:
+            curve.authenticate(context, keys)  # before the socket exists: no handshake may precede the handler
         self.sock = context.socket(zmq.ROUTER)
         _common(self.sock, hwm)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout * 1000)))
+        _max_frame(self.sock, max_frame)
+        if keys is not None:
+            curve.serve_securely(self.sock, keys)
         try:
             self.sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -169,27 +199,75 @@ class DealerChannel:
         The shard's endpoint.
     hwm : int
         High-water marks, in messages.
+    keys : JobKeys, optional
+        Connect with CURVE; None: no security.
+    max_frame : int, optional
+        The largest frame a valid reply holds; a peer sending a larger one is disconnected. None: no limit.
     """
 
-    def __init__(self, context: zmq.Context, endpoint: str, hwm: int) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, hwm: int, *, keys: Optional[JobKeys] = None,
+                 max_frame: Optional[int] = None) -> None:
         self.endpoint = endpoint
+        self._keys_dir = None if keys is None else str(keys.directory)
         self._sndtimeo = -1
         self.sock = context.socket(zmq.DEALER)
         _common(self.sock, hwm)
+        _max_frame(self.sock, max_frame)
+        if keys is not None:
+            curve.connect_securely(self.sock, keys)
+        # Watched with or without keys: a process without keys meeting a secured peer deserves the same advice.
+        self.monitor = self.sock.get_monitor_socket(curve.HANDSHAKE_EVENTS)
+        # The last handshake's failure, kept until one succeeds: ZeroMQ does not retry a connection refused by
+        # ZAP, so every later wait must fail the same way instead of running into its timeout.
+        self._failure: Optional[str] = None
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self.monitor, zmq.POLLIN)
         # Socket buffers are left to the kernel's autotuning: setting SO_SNDBUF/SO_RCVBUF turns autotuning off and
         # is capped by net.core.[rw]mem_max (often 208 KiB), which would starve a high bandwidth-delay link.
         self.sock.connect(endpoint)
+
+    def check_handshake(self) -> None:
+        """Take in the monitor's reports; raise if the latest handshake with the peer failed. Never blocks.
+
+        Raises
+        ------
+        AuthenticationError
+            Naming the endpoint, the cause ZeroMQ gives, and what to set.
+        """
+        while True:
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failure = None
+            else:
+                self._failure = curve.handshake_advice(event["event"], event["value"], self.endpoint, self._keys_dir)
+        if self._failure is not None:
+            raise AuthenticationError(self._failure, endpoint=self.endpoint)
+
+    @property
+    def refused(self) -> bool:
+        """True while the latest handshake with the peer failed (as far as the monitor has been read)."""
+        return self._failure is not None
 
     def send(self, frames: Sequence[Any], timeout: float) -> None:
         """Queue a request; blocks at most ``timeout`` seconds when the send queue is full.
 
         Raises
         ------
+        AuthenticationError
+            When the handshake with the peer failed (see :meth:`check_handshake`).
         ShardTimeoutError
             When the request could not be queued in time.
         ConnectionLostError
             When the socket is closed.
         """
+        # A refused handshake leaves no connection to queue on (ZAP refusals are not retried): say so now rather
+        # than after the send timeout. Reading the monitor's event flags costs no system call.
+        if self._failure is not None or self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self.check_handshake()
         timeout_ms = max(1, int(timeout * 1000))
         if timeout_ms != self._sndtimeo:
             self.sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
@@ -197,6 +275,7 @@ class DealerChannel:
         try:
             _send_frames(self.sock, frames, track=False)
         except zmq.Again:
+            self.check_handshake()  # the handshake may have failed while the send waited
             raise ShardTimeoutError(
                 f"shard {self.endpoint} did not accept a request within {timeout:.1f}s (send queue full)",
                 shard=self.endpoint,
@@ -205,8 +284,19 @@ class DealerChannel:
             raise ConnectionLostError(f"cannot send to shard {self.endpoint}: {exc}") from None
 
     def poll(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for a message to arrive."""
-        return bool(self.sock.poll(max(0, int(timeout * 1000)), zmq.POLLIN))
+        """Wait up to ``timeout`` seconds for a message to arrive.
+
+        Raises
+        ------
+        AuthenticationError
+            When the handshake with the peer failed (see :meth:`check_handshake`).
+        """
+        if self._failure is not None:
+            self.check_handshake()
+        events = dict(self._poller.poll(max(0, int(timeout * 1000))))
+        if self.monitor in events:
+            self.check_handshake()
+        return self.sock in events
 
     def readable(self) -> bool:
         """True when a message is waiting (no system call beyond reading the socket's event flags)."""
@@ -230,21 +320,43 @@ class DealerChannel:
             self.sock.recv(zmq.NOBLOCK, copy=False)
 
     def close(self) -> None:
-        """Close the socket without lingering."""
+        """Close the socket (and its monitor) without lingering."""
+        if not self.sock.closed:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
         self.sock.close(linger=0)
 
 
 class Poller:
-    """Waits on several DEALER channels at once."""
+    """Waits on several DEALER channels (and their handshake monitors) at once."""
 
     def __init__(self, channels: Sequence[DealerChannel]) -> None:
         self._poller = zmq.Poller()
-        self._by_sock = {}
+        self._by_sock: dict[zmq.Socket, int] = {}
+        self._monitors: dict[zmq.Socket, DealerChannel] = {}
         for index, ch in enumerate(channels):
             self._poller.register(ch.sock, zmq.POLLIN)
             self._by_sock[ch.sock] = index
+            # A monitor speaks once per handshake, so polling it costs nothing in the steady state.
+            self._poller.register(ch.monitor, zmq.POLLIN)
+            self._monitors[ch.monitor] = ch
 
     def wait(self, timeout: float) -> list[int]:
-        """Indices of the channels with a reply ready, after waiting at most ``timeout`` seconds."""
-        events = self._poller.poll(max(0, int(timeout * 1000)))
-        return [self._by_sock[s] for s, _ in events]
+        """Indices of the channels with a reply ready, after waiting at most ``timeout`` seconds.
+
+        Raises
+        ------
+        AuthenticationError
+            When the handshake with one of the peers failed.
+        """
+        for ch in self._monitors.values():
+            if ch.refused:
+                ch.check_handshake()
+        ready = []
+        for s, _ in self._poller.poll(max(0, int(timeout * 1000))):
+            ch = self._monitors.get(s)
+            if ch is not None:
+                ch.check_handshake()
+            else:
+                ready.append(self._by_sock[s])
+        return ready

@@ -1,0 +1,409 @@
+"""CURVE security: the job's keys let a client in; other keys, no keys or a NULL peer reach no handler.
+
+Real sockets throughout, and real processes where the issue names a command (``psrt keygen``, ``psrt server
+--keys``, ``psrt launch --secure``). Whether bytes are encrypted is checked on the wire itself, through a small
+TCP relay that records what it forwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+import pytest
+import zmq
+import zmq.auth
+
+import psrt
+from psrt import security
+from psrt.config import ClientConfig, ServerConfig, WireLimits
+from psrt.scheduler import Scheduler, SchedulerLink
+from psrt.server import Server
+
+PSRT = [sys.executable, "-m", "psrt.cli"]
+COUNTERS = ("inits", "pushes", "pulls", "rounds", "duplicates", "errors", "dropped_replies", "bytes_in", "bytes_out")
+
+
+@pytest.fixture
+def job_keys(tmp_path: Path) -> Path:
+    return security.keygen(tmp_path / "job").directory
+
+
+@pytest.fixture
+def other_keys(tmp_path: Path) -> Path:
+    return security.keygen(tmp_path / "other").directory
+
+
+@pytest.fixture
+def stolen_server_key(tmp_path: Path, job_keys: Path, other_keys: Path) -> Path:
+    """The job's server public key (anyone may know it) with a client pair the job never issued."""
+    mixed = tmp_path / "mixed"
+    mixed.mkdir(mode=0o700)
+    shutil.copy(job_keys / "server.key", mixed)
+    for name in ("client.key", "client.key_secret"):
+        shutil.copy(other_keys / name, mixed)
+    return mixed
+
+
+@contextmanager
+def serving(config: ServerConfig) -> Iterator[Server]:
+    """An in-process shard serving on a thread."""
+    server = Server(config)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        thread.join(10)
+        server.close()
+
+
+def counters(server: Server) -> dict[str, int]:
+    c = dataclasses.asdict(server.counters)
+    return {k: c[k] for k in COUNTERS}
+
+
+def client_config(keys: Optional[Path], timeout: float = 5.0, **kw) -> ClientConfig:
+    return ClientConfig(timeout=timeout, keys=None if keys is None else str(keys), **kw)
+
+
+# ---------------------------------------------------------------------------------------------- keys on disk
+def test_keygen_writes_loadable_keys_with_private_secrets(tmp_path):
+    target = tmp_path / "made" / "keys"
+    proc = subprocess.run([*PSRT, "keygen", str(target)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert str(target) in proc.stdout
+    assert stat.S_IMODE(target.stat().st_mode) == 0o700
+    for pair in ("server", "client"):
+        public, secret = zmq.auth.load_certificate(str(target / f"{pair}.key_secret"))
+        assert zmq.auth.load_certificate(str(target / f"{pair}.key")) == (public, None)
+        assert len(public) == 40 and secret is not None and len(secret) == 40
+        assert stat.S_IMODE((target / f"{pair}.key_secret").stat().st_mode) == 0o600
+    assert sorted(p.name for p in target.iterdir()) == ["client.key", "client.key_secret", "server.key",
+                                                         "server.key_secret"]
+    before = (target / "client.key_secret").read_bytes()
+    again = subprocess.run([*PSRT, "keygen", str(target)], capture_output=True, text=True, timeout=30)
+    assert again.returncode != 0 and "already holds keys" in again.stderr
+    assert (target / "client.key_secret").read_bytes() == before  # never overwritten
+
+
+def test_a_secret_readable_by_others_is_refused(job_keys):
+    os.chmod(job_keys / "server.key_secret", 0o644)
+    with pytest.raises(psrt.ConfigError, match="chmod 600"):
+        security.load_keys(job_keys, serve=True)
+    with pytest.raises(psrt.ConfigError, match="chmod 600"):
+        Server(ServerConfig(bind="tcp://127.0.0.1:*", keys=str(job_keys)))
+
+
+def test_a_missing_key_file_is_named(job_keys):
+    (job_keys / "client.key_secret").unlink()
+    security.load_keys(job_keys, serve=True, connect=False)  # a shard does not need the client's secret
+    with pytest.raises(psrt.ConfigError, match="client.key_secret"):
+        psrt.Client(["tcp://127.0.0.1:1"], config=client_config(job_keys))
+
+
+@pytest.mark.parametrize("command", [["server"], ["scheduler"]])
+def test_keys_in_a_missing_directory_are_a_one_line_error(command, tmp_path):
+    missing = tmp_path / "nonexistent"
+    proc = subprocess.run([*PSRT, *command, "--bind", "tcp://127.0.0.1:*", "--keys", str(missing)],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert str(missing) in lines[0] and "psrt keygen" in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------- who gets in
+def test_a_secured_shard_serves_the_jobs_clients(job_keys):
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", keys=str(job_keys))) as server:
+        with psrt.Client([server.endpoint], config=client_config(job_keys)) as c:
+            c.init({"w": np.zeros(5, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+            got = c.push_pull({"w": np.arange(5, dtype=np.float32)})
+            np.testing.assert_array_equal(got["w"], -np.arange(5, dtype=np.float32))
+        assert counters(server)["pushes"] == 1 and counters(server)["inits"] == 1
+
+
+@pytest.mark.parametrize("who", ["other-job", "stolen-server-key", "no-keys"])
+def test_a_client_without_the_jobs_keys_is_refused_and_reaches_nothing(who, job_keys, other_keys,
+                                                                       stolen_server_key):
+    keys = {"other-job": other_keys, "stolen-server-key": stolen_server_key, "no-keys": None}[who]
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", keys=str(job_keys))) as server:
+        before = counters(server)
+        with psrt.Client([server.endpoint], config=client_config(keys, timeout=5.0)) as c:
+            started = time.monotonic()
+            with pytest.raises(psrt.AuthenticationError) as info:
+                c.init({"w": np.ones(5, np.float32)})
+            elapsed = time.monotonic() - started
+            with pytest.raises(psrt.AuthenticationError):
+                c.stats()
+        time.sleep(0.2)  # anything that did slip through would be counted by now
+        assert counters(server) == before
+    assert elapsed < 2.0, f"refusal took {elapsed:.2f}s: the handshake monitor should report it at once"
+    message = str(info.value)
+    assert server.endpoint in message and "PSRT_KEYS" in message and "--keys" in message
+    assert info.value.endpoint == server.endpoint
+    assert isinstance(info.value, PermissionError) and isinstance(info.value, psrt.PsrtError)
+
+
+def test_a_raw_null_mechanism_peer_reaches_no_handler(job_keys):
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", keys=str(job_keys))) as server:
+        before = counters(server)
+        with zmq.Context() as ctx:
+            peer = ctx.socket(zmq.DEALER)
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.connect(server.endpoint)
+            peer.send_multipart(psrt.wire.encode_stats_request(1))
+            peer.send_multipart(psrt.wire.encode_pull(2, 0, [["w", 0, 0]]))
+            answered = peer.poll(1000)
+            peer.close()
+        assert not answered
+        assert counters(server) == before
+
+
+def test_a_keyed_client_refuses_an_unsecured_shard(job_keys):
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", keys=None)) as server:
+        with psrt.Client([server.endpoint], config=client_config(job_keys)) as c:
+            with pytest.raises(psrt.AuthenticationError, match="PSRT_KEYS"):
+                c.stats()
+        assert counters(server)["errors"] == 0 and counters(server)["bytes_in"] == 0
+
+
+@contextmanager
+def scheduling(keys: Path) -> Iterator[Scheduler]:
+    sched = Scheduler("tcp://127.0.0.1:*", 1, 1, start_timeout=30.0, keys=str(keys))
+    thread = threading.Thread(target=sched.serve, daemon=True)
+    thread.start()
+    try:
+        yield sched
+    finally:
+        sched.stop()
+        thread.join(10)
+
+
+@pytest.mark.parametrize("who", ["other-job", "stolen-server-key", "no-keys"])
+def test_the_scheduler_refuses_an_unkeyed_registration(who, job_keys, other_keys, stolen_server_key):
+    keys = {"other-job": other_keys, "stolen-server-key": stolen_server_key, "no-keys": None}[who]
+    with scheduling(job_keys) as sched:
+        ctx = psrt.transport.new_context()
+        link = SchedulerLink(ctx, sched.endpoint, keys=keys)
+        try:
+            started = time.monotonic()
+            with pytest.raises(psrt.AuthenticationError, match="PSRT_KEYS") as info:
+                link.register("worker", timeout=5.0)
+            assert time.monotonic() - started < 2.0
+            assert sched.endpoint in str(info.value)
+        finally:
+            link.close()
+            ctx.term()
+        time.sleep(0.2)
+        assert sched._pending == [] and not sched._formed  # the registration never arrived
+        # The job's keys still get in.
+        ctx = psrt.transport.new_context()
+        good = SchedulerLink(ctx, sched.endpoint, keys=job_keys)
+        try:
+            table = good.table(timeout=5.0)
+            assert (table.num_servers, table.num_workers) == (1, 1)
+        finally:
+            good.close()
+            ctx.term()
+
+
+# ---------------------------------------------------------------------------------------------- on the wire
+class Relay:
+    """A TCP forwarder on 127.0.0.1 that records every byte it passes, each direction apart."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream[len("tcp://"):].rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.1)
+        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.to_server = bytearray()
+        self.to_client = bytearray()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            up = socket.create_connection(self.upstream, timeout=5)
+            for src, dst, record in ((conn, up, self.to_server), (up, conn, self.to_client)):
+                t = threading.Thread(target=self._pump, args=(src, dst, record), daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, record: bytearray) -> None:
+        src.settimeout(0.1)
+        while not self._stop.is_set():
+            try:
+                data = src.recv(1 << 16)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            with self._lock:
+                record += data
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(5)
+        self.listener.close()
+
+
+@pytest.mark.parametrize("secure", [True, False], ids=["curve", "plain"])
+def test_gradients_are_never_readable_on_the_wire_with_keys(secure, job_keys):
+    keys = job_keys if secure else None
+    grad = np.arange(4096, dtype=np.float32) * 0.25 + 1000.0
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", keys=None if keys is None else str(keys))) as server:
+        relay = Relay(server.endpoint)
+        try:
+            with psrt.Client([relay.endpoint], config=client_config(keys)) as c:
+                c.init({"w": np.zeros(grad.size, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+                params = c.push_pull({"w": grad})
+        finally:
+            relay.close()
+    np.testing.assert_array_equal(params["w"], -grad)
+    grad_bytes, param_bytes = grad.tobytes()[1024:1280], (-grad).tobytes()[1024:1280]
+    assert len(relay.to_server) > grad.nbytes and len(relay.to_client) > grad.nbytes  # it all went through
+    assert (grad_bytes in relay.to_server) is not secure
+    assert (param_bytes in relay.to_client) is not secure
+
+
+# ---------------------------------------------------------------------------------------------- frame limits
+def test_maxmsgsize_follows_the_decode_limits(job_keys):
+    limit = 1 << 20
+    config = ServerConfig(bind="tcp://127.0.0.1:*", keys=str(job_keys), limits=WireLimits(max_tensor_bytes=limit))
+    with serving(config) as server:
+        # A push whose frame is exactly the limit passes, encrypted (CURVE adds its envelope on the wire).
+        with psrt.Client([server.endpoint], config=client_config(job_keys, partition_bytes=limit)) as c:
+            c.init({"w": np.zeros(limit // 4, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+            got = c.push_pull({"w": np.ones(limit // 4, np.float32)})
+        np.testing.assert_array_equal(got["w"], -np.ones(limit // 4, np.float32))
+        before = counters(server)
+        # A frame no valid message can hold gets its sender disconnected before any decoding: no error reply.
+        keys = security.load_keys(job_keys)
+        with zmq.Context() as ctx:
+            peer = ctx.socket(zmq.DEALER)
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.curve_serverkey, peer.curve_publickey, peer.curve_secretkey = (
+                keys.server_public, keys.client_public, keys.client_secret)
+            peer.connect(server.endpoint)
+            peer.send_multipart(psrt.wire.encode_stats_request(1))
+            assert peer.poll(5000), "a keyed peer is answered"
+            peer.recv_multipart()
+            peer.send_multipart([b"x" * (limit + 4096)])
+            answered = peer.poll(1000)
+            peer.close()
+        assert not answered
+        after = counters(server)
+        assert after == {**before, "bytes_in": after["bytes_in"], "bytes_out": after["bytes_out"]}
+        assert after["errors"] == before["errors"]
+
+
+# ---------------------------------------------------------------------------------------------- processes
+def test_a_shard_process_takes_its_keys_from_psrt_keys(job_keys, monkeypatch, shards):
+    monkeypatch.setenv("PSRT_KEYS", str(job_keys))
+    group = shards(1)
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=5.0)) as c:  # keys from PSRT_KEYS too
+        c.init({"w": np.zeros(3, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        np.testing.assert_array_equal(c.push_pull({"w": np.ones(3, np.float32)})["w"], -np.ones(3, np.float32))
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=5.0, keys="")) as c:  # empty: off
+        with pytest.raises(psrt.AuthenticationError, match="runs without keys"):
+            c.stats()
+
+
+SECURE_WORKER = '''
+import json, os, stat, sys
+import numpy as np
+import psrt
+from psrt.config import ClientConfig
+
+keys = os.environ["PSRT_KEYS"]
+mode = stat.S_IMODE(os.stat(keys).st_mode)
+with psrt.Client() as client:
+    params = client.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+    for _ in range(3):
+        params = client.push_pull({"w": np.full(4, client.rank + 1, np.float32)})
+    try:  # the job's shards must refuse a client without the keys
+        with psrt.Client(client.servers, config=ClientConfig(timeout=5.0, keys="")) as intruder:
+            intruder.stats()
+        refused = False
+    except psrt.AuthenticationError:
+        refused = True
+    client.barrier()
+print(json.dumps({"rank": client.rank, "keys": keys, "mode": mode, "w0": float(params["w"][0]),
+                  "refused": refused}), flush=True)
+'''
+
+
+def test_launch_secure_trains_and_leaves_no_key_directory(tmp_path):
+    worker = tmp_path / "worker.py"
+    worker.write_text(SECURE_WORKER)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PSRT_KEYS"}
+    proc = subprocess.run([*PSRT, "launch", "--secure", "-s", "1", "-w", "2", "--", sys.executable, str(worker)],
+                          capture_output=True, text=True, timeout=120, env={**env, "TMPDIR": str(scratch)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = sorted((json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines()
+                   if line.startswith("[worker") and "{" in line), key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert all(r["w0"] == -4.5 for r in rows)  # 3 sync rounds of the mean gradient (1 + 2) / 2
+    assert all(r["refused"] for r in rows)
+    assert rows[0]["keys"] == rows[1]["keys"] and rows[0]["mode"] == 0o700
+    assert Path(rows[0]["keys"]).parent == scratch
+    assert not Path(rows[0]["keys"]).exists()
+    assert list(scratch.iterdir()) == []
+
+
+def test_psrt_stats_needs_the_keys_of_a_secured_scheduler(job_keys):
+    env = {k: v for k, v in os.environ.items() if k != "PSRT_KEYS"}
+    sched = subprocess.Popen([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--keys", str(job_keys)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = sched.stdout.readline()
+        assert "psrt-scheduler ready" in line, line
+        endpoint = line.split("endpoint=")[1].split()[0]
+        started = time.monotonic()
+        refused = subprocess.run([*PSRT, "stats", endpoint, "--count", "1"], capture_output=True, text=True,
+                                 timeout=30, env=env)
+        assert time.monotonic() - started < 10
+        assert refused.returncode == 2 and "PSRT_KEYS" in refused.stderr and endpoint in refused.stderr
+        keyed = subprocess.run([*PSRT, "stats", endpoint, "--count", "1"], capture_output=True, text=True,
+                               timeout=30, env={**env, "PSRT_KEYS": str(job_keys)})
+        assert keyed.returncode == 1 and "no servers have joined yet" in keyed.stdout, keyed.stdout + keyed.stderr
+    finally:
+        sched.terminate()
+        sched.wait(10)
+        sched.stdout.close()
