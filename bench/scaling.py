@@ -2,13 +2,16 @@
 
 Every server, worker and the scheduler run in their own network namespace with their own address, joined by
 veth pairs to a bridge, and every host's link is shaped in both directions with ``tc ... tbf`` to ``--link``
-(default 200 Mbit/s). The sweep runs W workers x S servers; each run is a real job (``psrt scheduler``,
+(default 50 Mbit/s). The sweep runs W workers x S servers; each run is a real job (``psrt scheduler``,
 ``psrt server``, ``psrt worker`` processes) whose workers report their steps/s. Each point is compared with
 :func:`psrt.perfmodel.predict` (calibrated on this machine first).
 
-The defaults (1 MB model in 4 chunks, 200 Mbit/s links, 20 ms compute) keep the total traffic under ~100 MB/s,
-so two CPU cores are not the bottleneck: the script reports the machine's CPU use during each run's timed
-window and flags any run above 85 %.
+The default scenario is the seed paper's shape: a 256 KB model in 16 KiB partitions (16 chunks, so S=4 shards
+hold 4 each), 50 Mbit/s links and 140 ms of compute per step. One worker's communication is then a small part of
+its step, so S=1 throughput first grows with W, and the single server's link caps it from W ~ 2-4 (the model's
+saturation point is W ~ 2.2); S=4 lifts that cap and keeps growing to W ~ 8-16. The traffic stays under
+~25 MB/s, so two CPU cores are not the bottleneck: the script reports the machine's CPU use during each run's
+timed window and flags any run above 85 %.
 
 Usage::
 
@@ -122,7 +125,7 @@ def plan_steps(predicted_per_worker: float, seconds: float) -> int:
 
 
 def plot(records: list[dict], curves: dict, path: str, title: str) -> None:
-    """Throughput vs W, one panel per mode, one colour per S: measured points, the model's curve, its plateau."""
+    """Throughput vs W, one panel per mode, one colour per S: measured points, the model's curve, plateau and knee."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,9 +141,16 @@ def plot(records: list[dict], curves: dict, path: str, title: str) -> None:
             ax.plot([r["workers"] for r in rows], [r["steps_per_s"] for r in rows], "o", color=color,
                     label=f"S={servers} measured")
             ws, preds = zip(*curves[(mode, servers)])
-            ax.plot(ws, preds, "-", color=color, alpha=0.6, label=f"S={servers} model")
-            ax.axhline(rows[0]["plateau_steps_per_s"], color=color, ls=":", alpha=0.5)
+            knee, plateau = rows[0]["saturation_w"], rows[0]["plateau_steps_per_s"]
+            ax.plot(ws, preds, "-", color=color, alpha=0.6, label=f"S={servers} model, saturates at W~{knee:.1f}")
+            ax.axhline(plateau, color=color, ls=":", alpha=0.5)
+            # The knee: where the model's linear growth would meet its plateau.
+            if ws[0] <= knee <= ws[-1]:
+                ax.vlines(knee, 0, plateau, color=color, ls="--", alpha=0.4)
         ax.set_xscale("log", base=2)
+        ticks = sorted({r["workers"] for r in records if r["mode"] == mode})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("workers W")
         ax.set_ylabel("throughput (worker-steps/s)")
         ax.set_title(mode, fontsize=10)
@@ -235,11 +245,12 @@ def main() -> int:
     parser.add_argument("--servers", default="1,2,4", help="comma-separated S values")
     parser.add_argument("--modes", default="sync", help="sync, async or sync,async")
     parser.add_argument("--quick", action="store_true", help="W 1,2,4,8,16 x S 1,4, sync, short runs (< 5 min)")
-    parser.add_argument("--link", default="200mbit", help="every host's link, each direction (default %(default)s)")
-    parser.add_argument("--model", default="1MB", help="model size or network name (default %(default)s)")
-    parser.add_argument("--partition-bytes", type=int, default=64 * 1024,
-                        help="partition size, so the model splits over the shards (default 64 KiB)")
-    parser.add_argument("--compute-ms", type=float, default=10.0, help="emulated compute per step (default 10)")
+    parser.add_argument("--link", default="50mbit", help="every host's link, each direction (default %(default)s)")
+    parser.add_argument("--model", default="256KB", help="model size or network name (default %(default)s)")
+    parser.add_argument("--partition-bytes", type=int, default=16 * 1024,
+                        help="partition size, so the model splits over the shards (default 16 KiB)")
+    parser.add_argument("--compute-ms", type=float, default=140.0,
+                        help="emulated compute per step (default %(default)g): sets where S=1 saturates")
     parser.add_argument("--seconds", type=float, default=4.0, help="target timed seconds per run (default 4)")
     parser.add_argument("--loopback", action="store_true", help="plain loopback: no namespaces, no shaping")
     parser.add_argument("--ideal-pipelining", action="store_true",
@@ -360,8 +371,9 @@ def main() -> int:
                                                              mode, args.partition_bytes, burst_bytes=burst),
                                       cal).steps_per_s)
                 for w in range(1, max(wlist) + 1)]
-        plot(records, curves, args.plot, f"psrt sync/async throughput, {where}\nmodel {args.model}, compute "
-             f"{args.compute_ms:g} ms; points measured, lines predicted, dotted: predicted plateaus")
+        plot(records, curves, args.plot, f"psrt throughput, {where}\nmodel {args.model}, compute "
+             f"{args.compute_ms:g} ms\npoints: measured; lines: model; dotted: its plateaus; dashed: its "
+             "saturation points")
         print(f"plot written to {args.plot}")
     return status
 
