@@ -10,7 +10,7 @@ The default scenario is the seed paper's shape: a 256 KB model in 16 KiB partiti
 hold 4 each), 50 Mbit/s links and 140 ms of compute per step. One worker's communication is then a small part of
 its step, so S=1 throughput first grows with W, and the single server's link caps it from W ~ 2-4 (the model's
 saturation point is W ~ 2.2); S=4 lifts that cap and keeps growing to W ~ 8-16. The traffic stays under
-~25 MB/s, so two CPU cores are not the bottleneck: the script reports the machine's CPU use during each run's
+~50 MB/s, so two CPU cores are not the bottleneck: the script reports the machine's CPU use during each run's
 timed window and flags any run above 85 %.
 
 Usage::
@@ -31,6 +31,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -269,7 +270,7 @@ def main() -> int:
         check_available()
     link_bits = parse_rate(args.link)
     tensors = model_tensors(args.model)
-    model_bytes = 4 * sum(int(__import__("math").prod(s)) for _, s in tensors)
+    model_bytes = 4 * sum(math.prod(s) for _, s in tensors)
     if args.model not in ("resnet50", "vgg16", "bert-base"):
         parse_size(args.model)
 
@@ -346,8 +347,9 @@ def main() -> int:
         print(f"{r['mode']:>5} {r['servers']:>3} {r['workers']:>3} {r['steps_per_s']:>10.2f} "
               f"{r['predicted_steps_per_s']:>10.2f} {r['error_percent']:>+7.1f}% {r['cpu_percent']:>6.0f}  "
               f"{r['bottleneck']}{flag}")
-    worst_cpu = max(r["cpu_percent"] for r in records)
-    print(f"machine CPU use during the timed windows: at most {worst_cpu:.0f}% of 2 cores"
+    # A run shorter than two 0.1 s CPU samples has no reading (nan); max() would then depend on the order.
+    worst_cpu = max((r["cpu_percent"] for r in records if not math.isnan(r["cpu_percent"])), default=float("nan"))
+    print(f"machine CPU use during the timed windows: at most {worst_cpu:.0f}% of {os.cpu_count()} cores"
           + (" -- the CPUs, not the links, may limit some runs" if worst_cpu > 85 else
              " -- the CPUs are not the bottleneck"))
 

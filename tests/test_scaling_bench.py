@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -80,3 +82,15 @@ def test_targets_need_their_points(scaling):
     # Async records are compared with the model but are not judged on the sync knee.
     asyncs = [{**r, "mode": "async"} for r in records(CPU_BOUND)]
     assert len(scaling.check_targets(asyncs)) == 2
+
+
+def test_loopback_run_exits_0_and_says_why_it_judges_nothing():
+    # The bench end to end on plain loopback, tiny: two jobs of a few steps (no namespaces, no root needed).
+    proc = subprocess.run([sys.executable, str(BENCH), "--loopback", "--workers", "1,2", "--servers", "1",
+                           "--model", "64KB", "--compute-ms", "1", "--seconds", "0.3", "--ideal-pipelining"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert sum(1 for line in lines if line.startswith(" sync   1 ")) == 2  # both jobs ran and were reported
+    assert not any(line.startswith(("PASS", "MISS")) for line in lines)
+    assert "apply only to shaped links" in proc.stdout and "measure the CPUs, not links" in proc.stdout
