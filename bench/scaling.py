@@ -2,13 +2,16 @@
 
 Every server, worker and the scheduler run in their own network namespace with their own address, joined by
 veth pairs to a bridge, and every host's link is shaped in both directions with ``tc ... tbf`` to ``--link``
-(default 200 Mbit/s). The sweep runs W workers x S servers; each run is a real job (``psrt scheduler``,
+(default 50 Mbit/s). The sweep runs W workers x S servers; each run is a real job (``psrt scheduler``,
 ``psrt server``, ``psrt worker`` processes) whose workers report their steps/s. Each point is compared with
 :func:`psrt.perfmodel.predict` (calibrated on this machine first).
 
-The defaults (1 MB model in 4 chunks, 200 Mbit/s links, 20 ms compute) keep the total traffic under ~100 MB/s,
-so two CPU cores are not the bottleneck: the script reports the machine's CPU use during each run's timed
-window and flags any run above 85 %.
+The default scenario is the seed paper's shape: a 256 KB model in 16 KiB partitions (16 chunks, so S=4 shards
+hold 4 each), 50 Mbit/s links and 140 ms of compute per step. One worker's communication is then a small part of
+its step, so S=1 throughput first grows with W, and the single server's link caps it from W ~ 2-4 (the model's
+saturation point is W ~ 2.2); S=4 lifts that cap and keeps growing to W ~ 8-16. The traffic stays under
+~50 MB/s, so two CPU cores are not the bottleneck: the script reports the machine's CPU use during each run's
+timed window and flags any run above 85 %.
 
 Usage::
 
@@ -16,8 +19,10 @@ Usage::
     python bench/scaling.py --modes sync,async          # the full sweep: W 1,2,4,8,16 x S 1,2,4
     python bench/scaling.py --loopback --quick          # no namespaces, no shaping (no root needed)
 
-Targets: S=1 throughput stops growing past the predicted saturation point; at W=8, S=4 gives >= 3.2x S=1;
-every point within 15 % of the model.
+Targets (sync, on shaped links; each printed as a PASS or MISS line, and any MISS makes the exit status 1):
+S=1 grows first (W=2 >= 1.5x W=1), then plateaus (W=16 < 1.5x W=4); at W=16, S=4 gives >= 3.2x S=1; the model
+is within 15 % of the points at the median and within 30 % at worst. ``--loopback`` does not evaluate them:
+with no shaped link, loopback runs measure the CPUs, not links, so those targets do not apply.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -119,7 +126,7 @@ def plan_steps(predicted_per_worker: float, seconds: float) -> int:
 
 
 def plot(records: list[dict], curves: dict, path: str, title: str) -> None:
-    """Throughput vs W, one panel per mode, one colour per S: measured points, the model's curve, its plateau."""
+    """Throughput vs W, one panel per mode, one colour per S: measured points, the model's curve, plateau and knee."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,9 +142,16 @@ def plot(records: list[dict], curves: dict, path: str, title: str) -> None:
             ax.plot([r["workers"] for r in rows], [r["steps_per_s"] for r in rows], "o", color=color,
                     label=f"S={servers} measured")
             ws, preds = zip(*curves[(mode, servers)])
-            ax.plot(ws, preds, "-", color=color, alpha=0.6, label=f"S={servers} model")
-            ax.axhline(rows[0]["plateau_steps_per_s"], color=color, ls=":", alpha=0.5)
+            knee, plateau = rows[0]["saturation_w"], rows[0]["plateau_steps_per_s"]
+            ax.plot(ws, preds, "-", color=color, alpha=0.6, label=f"S={servers} model, saturates at W~{knee:.1f}")
+            ax.axhline(plateau, color=color, ls=":", alpha=0.5)
+            # The knee: where the model's linear growth would meet its plateau.
+            if ws[0] <= knee <= ws[-1]:
+                ax.vlines(knee, 0, plateau, color=color, ls="--", alpha=0.4)
         ax.set_xscale("log", base=2)
+        ticks = sorted({r["workers"] for r in records if r["mode"] == mode})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("workers W")
         ax.set_ylabel("throughput (worker-steps/s)")
         ax.set_title(mode, fontsize=10)
@@ -148,18 +162,96 @@ def plot(records: list[dict], curves: dict, path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+#: The issue tracker's targets for a run on shaped links (see the module docstring).
+GROWTH_MIN = 1.5      # S=1: W=2 gives at least this times W=1 ...
+PLATEAU_MAX = 1.5     # ... but W=16 less than this times W=4
+SHARDING_MIN = 3.2    # at W=16, S=4 gives at least this times S=1
+MEDIAN_ERROR_MAX = 15.0
+WORST_ERROR_MAX = 30.0
+
+
+def check_targets(records: list[dict]) -> list[tuple[str, bool, str]]:
+    """Evaluate the shaped-link targets on a run's records.
+
+    Parameters
+    ----------
+    records : list of dict
+        One record per measured point, with at least ``mode``, ``servers``, ``workers``, ``steps_per_s`` and
+        ``error_percent``.
+
+    Returns
+    -------
+    list of (str, bool, str)
+        ``(target, met, measured detail)`` for every target whose points are in ``records``; a target whose
+        points were not measured (a custom ``--workers`` or ``--servers``) is left out.
+    """
+    verdicts = []
+    if records:
+        errors = sorted(abs(r["error_percent"]) for r in records)
+        median, worst = statistics.median(errors), errors[-1]
+        verdicts.append((f"model error, median of the {len(errors)} points <= {MEDIAN_ERROR_MAX:g}%",
+                         median <= MEDIAN_ERROR_MAX, f"{median:.1f}%"))
+        verdicts.append((f"model error, worst point <= {WORST_ERROR_MAX:g}%", worst <= WORST_ERROR_MAX,
+                         f"{worst:.1f}%"))
+    # The knee and the sharding gain are sync targets: the seed paper's finding is about synchronous training,
+    # and async workers on their own clocks do not share a round (the full sweep shows async for comparison).
+    by = {(r["servers"], r["workers"]): r["steps_per_s"] for r in records if r["mode"] == "sync"}
+    if (1, 1) in by and (1, 2) in by:
+        growth = by[(1, 2)] / by[(1, 1)]
+        verdicts.append((f"sync: S=1 grows first, W=2 >= {GROWTH_MIN:g}x W=1", growth >= GROWTH_MIN,
+                         f"x{growth:.2f} ({by[(1, 1)]:.1f} -> {by[(1, 2)]:.1f} steps/s)"))
+    if (1, 4) in by and (1, 16) in by:
+        growth = by[(1, 16)] / by[(1, 4)]
+        verdicts.append((f"sync: S=1 then plateaus, W=16 < {PLATEAU_MAX:g}x W=4", growth < PLATEAU_MAX,
+                         f"x{growth:.2f} ({by[(1, 4)]:.1f} -> {by[(1, 16)]:.1f} steps/s)"))
+    if (1, 16) in by and (4, 16) in by:
+        ratio = by[(4, 16)] / by[(1, 16)]
+        verdicts.append((f"sync: at W=16, S=4 >= {SHARDING_MIN:g}x S=1", ratio >= SHARDING_MIN, f"{ratio:.2f}x"))
+    return verdicts
+
+
+def target_report(records: list[dict], loopback: bool) -> tuple[list[str], int]:
+    """The lines that close a run's output, and the script's exit status.
+
+    On shaped links every target is a PASS or MISS line, and any MISS makes the status 1. On loopback the
+    targets are not evaluated: they describe jobs limited by shaped links, while unshaped loopback moves data
+    as fast as the CPUs copy it, so loopback runs measure the CPUs; a loopback run whose jobs all succeeded
+    exits 0.
+
+    Parameters
+    ----------
+    records : list of dict
+        The run's records (see :func:`check_targets`).
+    loopback : bool
+        Whether the run was on plain loopback (``--loopback``).
+
+    Returns
+    -------
+    (list of str, int)
+        Lines to print and the exit status.
+    """
+    if loopback:
+        return ["targets not evaluated: they apply only to shaped links (the emulated cluster). On loopback no "
+                "link limits the jobs, so these runs measure the CPUs, not links, and the model's predictions "
+                "(made for a nominal 8 Gbit/s link) are only indicative."], 0
+    verdicts = check_targets(records)
+    lines = [f"{'PASS' if ok else 'MISS'}  {name}: {detail}" for name, ok, detail in verdicts]
+    return lines, 0 if all(ok for _, ok, _ in verdicts) else 1
+
+
 def main() -> int:
     """Run the sweep; print the table; write JSON, CSV and the plot."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", default="1,2,4,8,16", help="comma-separated W values")
     parser.add_argument("--servers", default="1,2,4", help="comma-separated S values")
     parser.add_argument("--modes", default="sync", help="sync, async or sync,async")
-    parser.add_argument("--quick", action="store_true", help="W 1,4,8,16 x S 1,4, sync, short runs (< 5 min)")
-    parser.add_argument("--link", default="200mbit", help="every host's link, each direction (default %(default)s)")
-    parser.add_argument("--model", default="1MB", help="model size or network name (default %(default)s)")
-    parser.add_argument("--partition-bytes", type=int, default=64 * 1024,
-                        help="partition size, so the model splits over the shards (default 64 KiB)")
-    parser.add_argument("--compute-ms", type=float, default=10.0, help="emulated compute per step (default 10)")
+    parser.add_argument("--quick", action="store_true", help="W 1,2,4,8,16 x S 1,4, sync, short runs (< 5 min)")
+    parser.add_argument("--link", default="50mbit", help="every host's link, each direction (default %(default)s)")
+    parser.add_argument("--model", default="256KB", help="model size or network name (default %(default)s)")
+    parser.add_argument("--partition-bytes", type=int, default=16 * 1024,
+                        help="partition size, so the model splits over the shards (default 16 KiB)")
+    parser.add_argument("--compute-ms", type=float, default=140.0,
+                        help="emulated compute per step (default %(default)g): sets where S=1 saturates")
     parser.add_argument("--seconds", type=float, default=4.0, help="target timed seconds per run (default 4)")
     parser.add_argument("--loopback", action="store_true", help="plain loopback: no namespaces, no shaping")
     parser.add_argument("--ideal-pipelining", action="store_true",
@@ -170,7 +262,7 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.quick:
-        args.workers, args.servers, args.modes, args.seconds = "1,4,8,16", "1,4", "sync", min(args.seconds, 3.0)
+        args.workers, args.servers, args.modes, args.seconds = "1,2,4,8,16", "1,4", "sync", min(args.seconds, 3.0)
     wlist = [int(v) for v in args.workers.split(",")]
     slist = [int(v) for v in args.servers.split(",")]
     modes = args.modes.split(",")
@@ -178,7 +270,7 @@ def main() -> int:
         check_available()
     link_bits = parse_rate(args.link)
     tensors = model_tensors(args.model)
-    model_bytes = 4 * sum(int(__import__("math").prod(s)) for _, s in tensors)
+    model_bytes = 4 * sum(math.prod(s) for _, s in tensors)
     if args.model not in ("resnet50", "vgg16", "bert-base"):
         parse_size(args.model)
 
@@ -255,29 +347,15 @@ def main() -> int:
         print(f"{r['mode']:>5} {r['servers']:>3} {r['workers']:>3} {r['steps_per_s']:>10.2f} "
               f"{r['predicted_steps_per_s']:>10.2f} {r['error_percent']:>+7.1f}% {r['cpu_percent']:>6.0f}  "
               f"{r['bottleneck']}{flag}")
-    worst_cpu = max(r["cpu_percent"] for r in records)
-    print(f"machine CPU use during the timed windows: at most {worst_cpu:.0f}% of 2 cores"
+    # A run shorter than two 0.1 s CPU samples has no reading (nan); max() would then depend on the order.
+    worst_cpu = max((r["cpu_percent"] for r in records if not math.isnan(r["cpu_percent"])), default=float("nan"))
+    print(f"machine CPU use during the timed windows: at most {worst_cpu:.0f}% of {os.cpu_count()} cores"
           + (" -- the CPUs, not the links, may limit some runs" if worst_cpu > 85 else
              " -- the CPUs are not the bottleneck"))
 
-    verdicts = []
-    worst = max(abs(r["error_percent"]) for r in records)
-    verdicts.append(("every point within 15% of the model", worst <= 15, f"worst {worst:.1f}%"))
-    for mode in modes:
-        by = {(r["servers"], r["workers"]): r for r in records if r["mode"] == mode}
-        if (1, 8) in by and (4, 8) in by:
-            ratio = by[(4, 8)]["steps_per_s"] / by[(1, 8)]["steps_per_s"]
-            verdicts.append((f"{mode}: W=8, S=4 >= 3.2x S=1", ratio >= 3.2, f"{ratio:.2f}x"))
-        s1 = sorted((r for r in records if r["mode"] == mode and r["servers"] == 1), key=lambda r: r["workers"])
-        past = [r for r in s1 if r["workers"] >= 2 * s1[0]["saturation_w"]] if s1 else []
-        if len(past) >= 2:
-            growth = past[-1]["steps_per_s"] / past[0]["steps_per_s"]
-            flat = growth <= 1.0 + 0.15 * (1 if mode == "sync" else 2)
-            verdicts.append((f"{mode}: S=1 plateau past W~{s1[0]['saturation_w']:.1f}", flat,
-                             f"W={past[0]['workers']}->{past[-1]['workers']}: x{growth:.2f} "
-                             f"(plateau {s1[0]['plateau_steps_per_s']:.1f})"))
-    for name, ok, detail in verdicts:
-        print(f"{'PASS' if ok else 'MISS'}  {name}: {detail}")
+    lines, status = target_report(records, args.loopback)
+    for line in lines:
+        print(line)
 
     if args.json:
         with open(args.json, "w") as f:
@@ -295,10 +373,11 @@ def main() -> int:
                                                              mode, args.partition_bytes, burst_bytes=burst),
                                       cal).steps_per_s)
                 for w in range(1, max(wlist) + 1)]
-        plot(records, curves, args.plot, f"psrt sync/async throughput, {where}\nmodel {args.model}, compute "
-             f"{args.compute_ms:g} ms; points measured, lines predicted, dotted: predicted plateaus")
+        plot(records, curves, args.plot, f"psrt throughput, {where}\nmodel {args.model}, compute "
+             f"{args.compute_ms:g} ms\npoints: measured; lines: model; dotted: its plateaus; dashed: its "
+             "saturation points")
         print(f"plot written to {args.plot}")
-    return 0 if all(ok for _, ok, _ in verdicts) else 1
+    return status
 
 
 if __name__ == "__main__":
