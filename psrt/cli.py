@@ -52,7 +52,7 @@ def _launch(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return launch(args.servers, args.workers, command, mode=args.mode, host=args.host, start_timeout=args.timeout,
-                  transport=args.transport, secure=args.secure)
+                  transport=args.transport, secure=args.secure, elastic=args.elastic)
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -233,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--transport", choices=("auto", "tcp", "ipc"), default="auto",
                     help="worker-to-shard transport: ipc (Unix sockets) or tcp; auto: ipc on loopback "
                          "(default %(default)s)")
+    la.add_argument("--elastic", action="store_true", default=ClusterConfig.from_env().elastic,
+                    help="an elastic job: a worker that dies leaves the job instead of ending it "
+                         "(default: $PSRT_ELASTIC); see docs/elastic.md")
     la.add_argument("--secure", action="store_true",
                     help="make a private key directory for this job, hand it to every process by PSRT_KEYS "
                          "(CURVE on every socket), and remove it at the end")

@@ -34,7 +34,8 @@ __all__ = ["launch", "run_role", "exit_status", "SCHEDULER_READY"]
 
 def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str = "sync",
            host: str = "127.0.0.1", start_timeout: Optional[float] = None, out: IO[str] = sys.stdout,
-           extra_env: Optional[dict[str, str]] = None, transport: str = "auto", secure: bool = False) -> int:
+           extra_env: Optional[dict[str, str]] = None, transport: str = "auto", secure: bool = False,
+           elastic: bool = False) -> int:
     """Run a whole job on this machine; returns the exit code (the first failure's, else 0).
 
     Parameters
@@ -61,6 +62,9 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
     secure : bool
         Generate a key pair set for this job in a private (0700) temporary directory, give it to every process
         as ``PSRT_KEYS`` (CURVE on every socket), and delete it when the job ends.
+    elastic : bool
+        An elastic job (docs/elastic.md): a worker that dies leaves the job instead of ending it, and the
+        launcher goes on with the others; the job ends when every worker has exited.
     """
     if transport not in ("auto", "tcp", "ipc"):
         raise ConfigError(f"transport must be auto, tcp or ipc, got {transport!r}")
@@ -95,7 +99,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
             env["PSRT_KEYS"] = keydir
         sched = start("scheduler", psrt_command("scheduler", "--bind", f"tcp://{host}:*", "--servers",
                                                 str(num_servers), "--workers", str(num_workers), "--mode", mode,
-                                                "--timeout", str(start_timeout)), env, ready=SCHEDULER_READY)
+                                                "--timeout", str(start_timeout),
+                                                *(["--elastic"] if elastic else [])), env, ready=SCHEDULER_READY)
         endpoint = sched.wait_ready(30.0).group(1)
         job_env = {**env, "PSRT_SCHEDULER": endpoint, "PSRT_NUM_SERVERS": str(num_servers),
                    "PSRT_NUM_WORKERS": str(num_workers), "PSRT_MODE": mode, "PSRT_START_TIMEOUT": str(start_timeout)}
@@ -107,7 +112,7 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
                          {**job_env, "PSRT_ROLE": "server"}) for i in range(num_servers)]
         workers = [start(f"worker {i}", command, {**job_env, "PSRT_ROLE": "worker", "PSRT_WORKER_ID": str(i)})
                    for i in range(num_workers)]
-        return _supervise(sched, servers, workers, procs, out, lock)
+        return _supervise(sched, servers, workers, procs, out, lock, elastic)
     except KeyboardInterrupt:
         with lock:
             out.write("psrt launch: interrupted; stopping every process\n")
@@ -121,19 +126,30 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
 
 
 def _supervise(sched: Child, servers: list[Child], workers: list[Child], procs: list[Child], out: IO[str],
-               lock: threading.Lock) -> int:
+               lock: threading.Lock, elastic: bool = False) -> int:
     def report(p: Child, code: int) -> int:
         with lock:
             out.write(f"psrt launch: {p.label} {describe_exit(code)}; stopping every process\n")
         return exit_status(code)
 
+    left: set[int] = set()  # elastic: workers that failed and left the job
     while True:
-        for p in procs:
+        for i, p in enumerate(procs):
             code = p.poll()
-            if code is not None and code != 0:
-                return report(p, code)
-        if all(w.poll() == 0 for w in workers):
+            if code is None or code == 0 or (elastic and p in workers and i in left):
+                continue
+            if elastic and p in workers:
+                left.add(i)
+                with lock:
+                    out.write(f"psrt launch: {p.label} {describe_exit(code)}; it leaves the elastic job, which "
+                              "goes on\n")
+                continue
+            return report(p, code)
+        if all(w.poll() is not None for w in workers) if elastic else all(w.poll() == 0 for w in workers):
             break
+    if left and len(left) == len(workers):  # nobody finished: the elastic job failed
+        first = procs[min(left)]
+        return report(first, first.poll() or 1)
         # A daemon exits 0 only once the workers have said they are done, so a clean exit is not a failure.
         time.sleep(0.02)
     # Workers are done: the scheduler tells the servers to stop; give them a moment to exit on their own.

@@ -5,6 +5,8 @@ Prints ``training`` once its first step is done, then pushes and pulls every ``s
 """
 
 import json
+import os
+import signal
 import sys
 import time
 
@@ -30,6 +32,10 @@ try:
             result["w0"] = float(params["w"][0])
             if step == 0:
                 print("training", flush=True)
+            # DIE_AT=RANK:STEP: that worker kills itself (SIGKILL) after that step, as a crash would.
+            die = os.environ.get("DIE_AT", "").split(":")
+            if len(die) == 2 and int(die[0]) == client.rank and int(die[1]) == step:
+                os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(step_s)
 except psrt.PsrtError as exc:
     result.update(error=type(exc).__name__, message=str(exc), at=time.time())

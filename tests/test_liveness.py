@@ -198,3 +198,21 @@ def test_elastic_survivors_ride_through_a_killed_worker_and_a_new_worker_joins(j
     for s in j.servers:
         assert s.exit_code(20) == 0, s.seen
     assert time.time() - killed_at > 4.0
+
+
+def test_launch_elastic_rides_through_a_dying_worker():
+    proc = subprocess.run([*PSRT, "launch", "--elastic", "-s", "1", "-w", "3", "--", sys.executable, WORKER, "150",
+                           "0.01"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "DIE_AT": "2:20", "PSRT_TIMEOUT": "30"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "worker 2 was killed by signal 9" in proc.stdout and "leaves the elastic job" in proc.stdout, proc.stdout
+    finished = [json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines()
+                if line.startswith("[worker") and "{" in line]
+    assert sorted(r["rank"] for r in finished) == [0, 1], finished
+    assert all(r["error"] is None and r["steps"] == 150 and r["max_gap"] < 8.0 for r in finished), finished
+
+
+def test_launch_without_elastic_ends_the_job_when_a_worker_dies():
+    proc = subprocess.run([*PSRT, "launch", "-s", "1", "-w", "2", "--", sys.executable, WORKER, "1000", "0.01"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "DIE_AT": "1:10"})
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stdout + proc.stderr
