@@ -39,6 +39,8 @@ class _Pending:
     handle: Handle
     shard: int
     chunks: list[Chunk]
+    #: Makes the request's frames again, for a shard that restarted without answering it.
+    resend: Callable[[int], list[Any]]
 
 
 class Handle:
@@ -120,6 +122,8 @@ class ShardCalls:
         self._pending: dict[int, _Pending] = {}
         #: The highest version each key is known to have reached (from acks and params replies).
         self.versions: dict[Key, int] = {}
+        self._key_shard: dict[Key, int] = {}
+        self._connections = [0] * len(self.channels)  # handshakes seen per shard (see _ride_through)
         self.closed = False
 
     def close(self) -> None:
@@ -130,11 +134,18 @@ class ShardCalls:
                 ch.close()
             self._pending.clear()
 
-    def send(self, handle: Handle, shard: int, chunks: list[Chunk], encode: Callable[[int], list[Any]]) -> None:
-        """Send one request to ``shard``, its frames made by ``encode(request_id)``; the reply goes to ``handle``."""
+    def send(self, handle: Handle, shard: int, chunks: list[Chunk], encode: Callable[[int], list[Any]],
+             resend: Optional[Callable[[int], list[Any]]] = None) -> None:
+        """Send one request to ``shard``, its frames made by ``encode(request_id)``; the reply goes to ``handle``.
+
+        ``resend`` makes the frames to send again if the shard restarts before answering (default: ``encode``;
+        a pull passes one that asks for any version, since a restored shard may be behind what it was).
+        """
         rid = self._next_id
         self._next_id += 1
-        self._pending[rid] = _Pending(handle, shard, chunks)
+        for c in chunks:
+            self._key_shard[c.key] = shard
+        self._pending[rid] = _Pending(handle, shard, chunks, encode if resend is None else resend)
         handle._outstanding.add(rid)
         try:
             self.channels[shard].send(encode(rid), self.config.timeout)
@@ -199,6 +210,24 @@ class ShardCalls:
             # Take every reply already queued on this socket, whichever handle it belongs to.
             while ch.readable():
                 self._receive(index)
+        for shard, ch in enumerate(self.channels):
+            if ch.connections != self._connections[shard]:
+                if self._connections[shard]:
+                    self._ride_through(shard)
+                self._connections[shard] = ch.connections
+
+    def _ride_through(self, shard: int) -> None:
+        """A shard came back (restarted, maybe from a checkpoint): send again what it never answered.
+
+        What it restored may be behind what it was, so the versions learned from it are forgotten; pushes it
+        already applied carry their sequence numbers and are not applied twice.
+        """
+        pending = [(rid, p) for rid, p in self._pending.items() if p.shard == shard]
+        log.warning("shard %s reconnected (restarted?): sending again the %d requests it has not answered",
+                    self.servers[shard], len(pending))
+        self.versions = {k: v for k, v in self.versions.items() if self._key_shard.get(k) != shard}
+        for rid, p in pending:
+            self.channels[shard].send(p.resend(rid), self.config.timeout)
 
     def _receive(self, shard: int) -> None:
         ch = self.channels[shard]

@@ -286,7 +286,9 @@ class Client:
         for shard, messages in self._plan(tuple(names)).items():
             for msg in messages:
                 keys = [[c.name, c.part, self._calls.versions.get(c.key, 0)] for c in msg]
-                self._calls.send(handle, shard, msg, lambda rid, k=keys: wire.encode_pull(rid, self._rank, k))
+                any_version = [[c.name, c.part, 0] for c in msg]
+                self._calls.send(handle, shard, msg, lambda rid, k=keys: wire.encode_pull(rid, self._rank, k),
+                                 lambda rid, k=any_version: wire.encode_pull(rid, self._rank, k))
         return handle
 
     def push_pull_async(self, grads: Mapping[str, Any], out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:

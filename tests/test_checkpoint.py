@@ -159,3 +159,56 @@ def test_a_shard_without_a_directory_refuses_a_checkpoint_request(shards):
     with psrt.Client(group.endpoints) as c:
         with pytest.raises(psrt.ServerError, match="checkpoint-dir"):
             c.checkpoint()
+
+
+def test_a_killed_shard_restarted_with_restore_is_ridden_through_with_no_push_applied_twice(tmp_path):
+    """kill -9 of a standalone shard during sync training; restarted on its address with --restore."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from psrt.process import SERVER_READY, Child, psrt_command
+
+    workers, steps, every = 2, 120, 5
+    serve = ("server", "--workers", str(workers), "--checkpoint-dir", str(tmp_path), "--checkpoint-every",
+             str(every))
+    shard = Child(psrt_command(*serve, "--bind", "tcp://127.0.0.1:*"), label="shard", ready=SERVER_READY)
+    endpoint = shard.wait_ready(30).group(1)
+    script = str(Path(__file__).with_name("_ride_worker.py"))
+    procs = [subprocess.Popen([sys.executable, script, endpoint, str(r), str(workers), str(steps), "0.02"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(workers)]
+    restarted = None
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "training"
+        time.sleep(1.0)  # some rounds and checkpoints go by
+        shard.signal(signal.SIGKILL)
+        shard.wait(10)
+        restarted = Child(psrt_command(*serve, "--bind", endpoint, "--restore"), label="shard",
+                          ready=SERVER_READY)
+        restarted.wait_ready(30)
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for c in (shard, restarted):
+            if c is not None:
+                c.stop()
+    for res in results:
+        counts = res["counts"]
+        assert set(counts) <= {"0.0", "-1.0"}, counts  # never -2: no push applied twice
+        lost = counts.get("0.0", 0)
+        assert lost % workers == 0 and lost // workers <= every, counts  # at most the rounds since the checkpoint
+        assert counts["-1.0"] + lost == workers * steps
+        assert res["max_gap"] < 5.0, res  # recovery time
+    assert results[0]["counts"] == results[1]["counts"]
+    assert "restored" in restarted.output, restarted.output
+    print(f"ride-through: {results[0]['counts'].get('0.0', 0) // workers} rounds lost, longest step "
+          f"{max(r['max_gap'] for r in results):.2f}s")

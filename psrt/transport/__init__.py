@@ -220,6 +220,8 @@ class DealerChannel:
         # The last handshake's failure, kept until one succeeds: ZeroMQ does not retry a connection refused by
         # ZAP, so every later wait must fail the same way instead of running into its timeout.
         self._failure: Optional[str] = None
+        #: Handshakes that succeeded: more than one means the peer went away and came back (a restarted shard).
+        self.connections = 0
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self.monitor, zmq.POLLIN)
@@ -242,6 +244,7 @@ class DealerChannel:
                 break
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._failure = None
+                self.connections += 1
             else:
                 self._failure = curve.handshake_advice(event["event"], event["value"], self.endpoint, self._keys_dir)
         if self._failure is not None:
