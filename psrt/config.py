@@ -18,6 +18,7 @@ variable                   also read                      meaning               
 ``PSRT_HEARTBEAT_INTERVAL``                               seconds between heartbeats to the scheduler  0.5
 ``PSRT_HEARTBEAT_TIMEOUT``                                silence after which a process is dead        2.5
 ``PSRT_ELASTIC``                                          ``1``: workers may leave and join a job      ``0``
+``PSRT_RESTART_GRACE``                                    seconds for a checkpointing server to restart 30
 ``PSRT_PARTITION_BYTES``                                  tensors larger than this are split          4 MiB
 ``PSRT_NONFINITE``                                        ``reject`` or ``allow`` NaN/Inf gradients   ``reject``
 ``PSRT_KEYS``                                             the job's key directory (``psrt keygen``):  off
@@ -263,6 +264,8 @@ class ClusterConfig:
         Seconds of silence after which the scheduler takes a process for dead (and a process the scheduler).
     elastic : bool
         Workers may leave and join a running job (``PSRT_ELASTIC=1``); see docs/elastic.md.
+    restart_grace : float
+        Seconds the scheduler waits for a server that writes checkpoints to restart and take its slot back.
     keys : str or None
         The job's key directory (``PSRT_KEYS``): CURVE on every socket; None: no security.
     """
@@ -279,6 +282,7 @@ class ClusterConfig:
     heartbeat_timeout: float = 2.5
     elastic: bool = False
     keys: Optional[str] = None
+    restart_grace: float = 30.0
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
@@ -380,5 +384,6 @@ class ClusterConfig:
             heartbeat_interval=get_float("PSRT_HEARTBEAT_INTERVAL", 0.5),
             heartbeat_timeout=get_float("PSRT_HEARTBEAT_TIMEOUT", 2.5),
             elastic=get_flag("PSRT_ELASTIC"),
+            restart_grace=get_float("PSRT_RESTART_GRACE", 30.0),
             keys=get("PSRT_KEYS"),
         )

@@ -103,7 +103,8 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
                                  heartbeat_interval=cluster.heartbeat_interval,
                                  heartbeat_timeout=cluster.heartbeat_timeout)
             timeout = cluster.start_timeout + 10.0
-            table = link.register("server", endpoint=announce, host=host, timeout=timeout)
+            table = link.register("server", endpoint=announce, host=host, timeout=timeout,
+                                  restorable=config.checkpoint_dir is not None)
             server.set_job(table.num_workers, table.mode)
         if metrics_port is not None:
             from psrt.metrics import serve_metrics
@@ -159,7 +160,7 @@ def run_scheduler(bind: str, num_servers: int, num_workers: int, mode: str = "sy
     if elastic is None:
         elastic = cluster.elastic
     sched = Scheduler(bind, num_servers, num_workers, mode, start_timeout=start_timeout,
-                      heartbeat_timeout=cluster.heartbeat_timeout, elastic=elastic,
+                      heartbeat_timeout=cluster.heartbeat_timeout, elastic=elastic, restart_grace=cluster.restart_grace,
                       keys=cluster.keys if keys is None else keys)
     _stop_on_signals(sched.stop)
     print(ready_line("scheduler", sched.endpoint, servers=num_servers, workers=num_workers, mode=mode), file=out,

@@ -133,8 +133,11 @@ class SchedulerLink:
         return reply
 
     def register(self, role: str, endpoint: str = "", host: str = "", rank: int = -1,
-                 timeout: float = 130.0) -> Table:
+                 timeout: float = 130.0, restorable: bool = False) -> Table:
         """Register and wait until the job forms; returns this process's :class:`Table`.
+
+        A server that writes checkpoints registers as ``restorable``: restarted on the same endpoint, it takes
+        its old slot back in a running job.
 
         Raises
         ------
@@ -143,7 +146,8 @@ class SchedulerLink:
         PsrtTimeoutError
             When the scheduler does not answer within ``timeout`` seconds.
         """
-        reply = self._ask("register", lambda rid: wire.encode_register(rid, role, endpoint, host, rank), timeout)
+        reply = self._ask("register", lambda rid: wire.encode_register(rid, role, endpoint, host, rank, restorable),
+                          timeout)
         table: Table = self._expect(reply, wire.Table, "register")
         self.role, self.rank = role, table.rank
         self._last_answer = time.monotonic()

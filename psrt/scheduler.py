@@ -56,6 +56,7 @@ class _Member:
     identity: bytes
     name: str
     last_seen: float
+    restorable: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,9 @@ class Scheduler:
         Seconds of silence after which a registered process is taken for dead.
     elastic : bool
         Let workers leave (by dying or ``done``) and join while the job runs, instead of failing the job.
+    restart_grace : float
+        Seconds a server that writes checkpoints (``restorable``) may take to restart on its endpoint and take
+        its slot back, before its death fails the job.
     keys : str or os.PathLike, optional
         The job's key directory: serve with CURVE, accepting only the job's client key. None: no security.
 
@@ -107,7 +111,7 @@ class Scheduler:
 
     def __init__(self, bind: str, num_servers: int, num_workers: int, mode: str = "sync",
                  start_timeout: float = 120.0, heartbeat_timeout: float = 2.5, elastic: bool = False,
-                 keys: Optional[security.PathLike] = None) -> None:
+                 keys: Optional[security.PathLike] = None, restart_grace: float = 30.0) -> None:
         if num_servers < 1 or num_workers < 1:
             raise ConfigError(f"need at least one server and one worker, got S={num_servers}, W={num_workers}")
         if mode not in MODES:
@@ -116,6 +120,8 @@ class Scheduler:
         self.start_timeout = start_timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.elastic = elastic
+        self.restart_grace = restart_grace
+        self._restarting: dict[int, tuple[float, str]] = {}  # server index -> (deadline, name)
         self._epoch = 0  # elastic: membership changes so far
         self._server_epochs: dict[int, int] = {}
         self._joins: list[_Join] = []
@@ -195,6 +201,8 @@ class Scheduler:
                 self._send_table(identity, req.id, rank)
             elif role == "worker" and self.elastic:
                 self._join(identity, req)
+            elif role == "server" and any(ep == req.endpoint for _, ep in self.servers):
+                self._rejoin(identity, req)
             else:
                 self._error(identity, req.id, "formed", f"the job has already formed with {self.num_servers} "
                                                         f"servers and {self.num_workers} workers; a new {role} "
@@ -240,7 +248,8 @@ class Scheduler:
         self._pending = []
         now = time.monotonic()
         for index, p in enumerate(servers):
-            self._members[("server", index)] = _Member(p.identity, f"server {index} ({p.request.endpoint})", now)
+            self._members[("server", index)] = _Member(p.identity, f"server {index} ({p.request.endpoint})", now,
+                                                       p.request.restorable)
         for rank, p in zip(ranks, workers):
             where = p.request.host or "host unknown"
             self._members[("worker", rank)] = _Member(p.identity, f"worker {rank} ({where})", now)
@@ -322,6 +331,17 @@ class Scheduler:
         if self.exit_code is not None:
             return
         dead = [(peer, m) for peer, m in self._members.items() if now - m.last_seen > self.heartbeat_timeout]
+        for (role, index), m in [d for d in dead if d[1].restorable]:
+            log.warning("%s stopped heartbeating; waiting up to %gs for it to restart from its checkpoint",
+                        m.name, self.restart_grace)
+            del self._members[(role, index)]
+            self._restarting[index] = (now + self.restart_grace, m.name)
+        dead = [d for d in dead if not d[1].restorable]
+        late = [name for deadline, name in self._restarting.values() if now > deadline]
+        if late:
+            self._abort("; ".join(f"{name} stopped heartbeating and did not restart within {self.restart_grace:g}s"
+                                  for name in late) + "; the job cannot go on")
+            return
         if self.elastic and dead and all(role == "worker" for (role, _), _ in dead):
             for (_, rank), m in dead:
                 log.warning("%s stopped heartbeating %.1fs ago; it leaves the job", m.name, now - m.last_seen)
@@ -347,6 +367,19 @@ class Scheduler:
                 self._error(ident, r, "peer_failed", message)
         self._barriers.clear()
         self.exit_code = 1
+
+    def _rejoin(self, identity: bytes, req: wire.Register) -> None:
+        """A server restarted on its endpoint (from its checkpoint) takes its old slot back."""
+        index = next(i for i, (_, ep) in enumerate(self.servers) if ep == req.endpoint)
+        self.servers[index] = (identity, req.endpoint)
+        self._restarting.pop(index, None)
+        name = f"server {index} ({req.endpoint})"
+        self._members[("server", index)] = _Member(identity, name, time.monotonic(), req.restorable)
+        self._server_epochs.pop(index, None)
+        log.warning("%s restarted and rejoined the job", name)
+        self._send_table(identity, req.id, index)
+        if self.elastic and self._epoch:
+            self._send(identity, wire.encode_members(self._epoch, sorted(self.workers)))
 
     # ------------------------------------------------------------------ elastic membership
     def _join(self, identity: bytes, req: wire.Register) -> None:

@@ -17,7 +17,9 @@ endpoint, rank, workers, steps, step_s = sys.argv[1], int(sys.argv[2]), int(sys.
     float(sys.argv[5])
 size = workers * steps
 gaps, last = [], None
-with psrt.Client([endpoint], rank=rank, num_workers=workers, config=ClientConfig(timeout=30)) as client:
+# Endpoint "-": join the job of the scheduler in PSRT_SCHEDULER, with rank PSRT_WORKER_ID.
+servers = None if endpoint == "-" else [endpoint]
+with psrt.Client(servers, rank=rank, num_workers=workers, config=ClientConfig(timeout=60)) as client:
     client.init({"w": np.zeros(size, np.float32)}, optimizer=psrt.SGD(lr=1.0))
     grad = np.zeros(size, np.float32)
     for step in range(steps):
@@ -32,6 +34,7 @@ with psrt.Client([endpoint], rank=rank, num_workers=workers, config=ClientConfig
             print("training", flush=True)
         time.sleep(step_s)
     final = client.pull()["w"]
+    client.barrier()  # nobody says done (ending the job) before everyone has pulled
 values, counts = np.unique(final, return_counts=True)
 print(json.dumps({"rank": rank, "counts": {str(float(v)): int(c) for v, c in zip(values, counts)},
                   "max_gap": max(gaps)}), flush=True)

@@ -212,3 +212,59 @@ def test_a_killed_shard_restarted_with_restore_is_ridden_through_with_no_push_ap
     assert "restored" in restarted.output, restarted.output
     print(f"ride-through: {results[0]['counts'].get('0.0', 0) // workers} rounds lost, longest step "
           f"{max(r['max_gap'] for r in results):.2f}s")
+
+
+def test_under_a_scheduler_a_restarted_server_takes_its_slot_back(tmp_path):
+    import json
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from psrt.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command
+
+    workers, steps, every = 2, 120, 5
+    sched = Child(psrt_command("scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "1", "--workers",
+                               str(workers)), label="scheduler", ready=SCHEDULER_READY)
+    with socket.socket() as s:  # a port to bind now and again after the restart
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    scheduler = sched.wait_ready(30).group(1)
+    serve = ("server", "--scheduler", scheduler, "--bind", f"tcp://127.0.0.1:{port}", "--checkpoint-dir",
+             str(tmp_path), "--checkpoint-every", str(every))
+    shard = Child(psrt_command(*serve), label="shard", ready=SERVER_READY)
+    script = str(Path(__file__).with_name("_ride_worker.py"))
+    env = {**__import__("os").environ, "PSRT_SCHEDULER": scheduler}
+    procs = [subprocess.Popen([sys.executable, script, "-", str(r), str(workers), str(steps), "0.02"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**env, "PSRT_WORKER_ID": str(r)}) for r in range(workers)]
+    restarted = None
+    try:
+        shard.wait_ready(30)
+        for p in procs:
+            assert p.stdout.readline().strip() == "training"
+        time.sleep(1.0)
+        shard.signal(signal.SIGKILL)
+        shard.wait(10)
+        time.sleep(3.5)  # past the heartbeat timeout: the scheduler waits for the restart instead of failing
+        restarted = Child(psrt_command(*serve, "--restore"), label="shard", ready=SERVER_READY)
+        assert "rank=0" in restarted.wait_ready(30).string
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        assert sched.wait(30) == 0, sched.output
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for c in (shard, restarted, sched):
+            if c is not None:
+                c.stop()
+    assert "waiting up to" in sched.output and "rejoined" in sched.output, sched.output
+    for res in results:
+        counts = res["counts"]
+        assert set(counts) <= {"0.0", "-1.0"}, counts
+        assert counts.get("0.0", 0) // workers <= every, counts

@@ -33,7 +33,8 @@ Control plane (:mod:`psrt.wire.control`), one header frame each, no buffers:
 ==============  =======================================================  =====================================
 request         fields                                                   reply
 ==============  =======================================================  =====================================
-``register``    ``role`` (server, worker), ``endpoint, host, rank``      ``table`` once the job forms
+``register``    ``role`` (server, worker), ``endpoint, host, rank,        ``table`` once the job forms
+                restorable``
 ``barrier``     ``rank, name``                                           ``ok`` once every worker arrived
 ``done``        ``rank``                                                 ``ok``
 ``table``       (none)                                                   ``table`` (rank -1)

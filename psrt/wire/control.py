@@ -54,7 +54,7 @@ _MAX_ENDPOINT = 1024
 _MAX_BARRIER_NAME = 256
 
 _REQUEST_FIELDS: dict[str, frozenset[str]] = {
-    "register": frozenset({"v", "op", "id", "role", "endpoint", "host", "rank"}),
+    "register": frozenset({"v", "op", "id", "role", "endpoint", "host", "rank", "restorable"}),
     "barrier": frozenset({"v", "op", "id", "rank", "name"}),
     "done": frozenset({"v", "op", "id", "rank"}),
     "table": frozenset({"v", "op", "id"}),
@@ -73,13 +73,18 @@ _REPLY_FIELDS: dict[str, frozenset[str]] = {
 # ---------------------------------------------------------------------------------------------- requests
 @dataclass(frozen=True)
 class Register:
-    """``register``: a server (with the endpoint it serves on) or a worker joins; rank -1 lets the scheduler choose."""
+    """``register``: a server (with the endpoint it serves on) or a worker joins; rank -1 lets the scheduler choose.
+
+    ``restorable``: a server that writes checkpoints; if it dies, the scheduler waits for it to restart on the
+    same endpoint instead of failing the job at once.
+    """
 
     id: int
     role: str
     endpoint: str
     host: str
     rank: int
+    restorable: bool = False
     op: ClassVar[str] = "register"
 
 
@@ -158,7 +163,9 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
             endpoint = string(h, "endpoint", _MAX_ENDPOINT)
             if role == "server" and "://" not in endpoint:
                 raise ProtocolError(f"a server must announce an endpoint like tcp://HOST:PORT, got {endpoint!r}")
-            return Register(rid, role, endpoint, string(h, "host", _MAX_ENDPOINT), _rank(h))
+            if type(h["restorable"]) is not bool:
+                raise ProtocolError("field 'restorable' must be true or false")
+            return Register(rid, role, endpoint, string(h, "host", _MAX_ENDPOINT), _rank(h), h["restorable"])
         if op == "barrier":
             return Barrier(rid, _rank(h), string(h, "name", _MAX_BARRIER_NAME))
         if op == "done":
@@ -172,9 +179,10 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
         raise
 
 
-def encode_register(rid: int, role: str, endpoint: str, host: str, rank: int) -> list[Any]:
+def encode_register(rid: int, role: str, endpoint: str, host: str, rank: int, restorable: bool = False) -> list[Any]:
     """Frames of a ``register`` request."""
-    return encode({"op": "register", "id": rid, "role": role, "endpoint": endpoint, "host": host, "rank": rank})
+    return encode({"op": "register", "id": rid, "role": role, "endpoint": endpoint, "host": host, "rank": rank,
+                   "restorable": restorable})
 
 
 def encode_barrier(rid: int, rank: int, name: str) -> list[Any]:
