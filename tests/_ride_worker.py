@@ -34,7 +34,8 @@ with psrt.Client(servers, rank=rank, num_workers=workers, config=ClientConfig(ti
             print("training", flush=True)
         time.sleep(step_s)
     final = client.pull()["w"]
-    client.barrier()  # nobody says done (ending the job) before everyone has pulled
+    if servers is None:
+        client.barrier()  # nobody says done (ending the job) before everyone has pulled
 values, counts = np.unique(final, return_counts=True)
 print(json.dumps({"rank": rank, "counts": {str(float(v)): int(c) for v, c in zip(values, counts)},
                   "max_gap": max(gaps)}), flush=True)

@@ -102,6 +102,8 @@ def test_control_requests_and_replies_round_trip():
     cases = [
         (wire.encode_register(1, "server", "tcp://127.0.0.1:5", "127.0.0.1", -1),
          wire.Register(1, "server", "tcp://127.0.0.1:5", "127.0.0.1", -1)),
+        (wire.encode_register(2, "server", "ipc:///x", "", 3, restorable=True),
+         wire.Register(2, "server", "ipc:///x", "", 3, True)),
         (wire.encode_barrier(2, 3, "epoch-1"), wire.Barrier(2, 3, "epoch-1")),
         (wire.encode_done(3, 0), wire.Done(3, 0)),
         (wire.encode_table_query(4), wire.TableQuery(4)),
@@ -124,12 +126,19 @@ def test_control_requests_and_replies_round_trip():
 
 
 @pytest.mark.parametrize("header, match", [
-    ({"op": "register", "id": 1, "role": "boss", "endpoint": "", "host": "", "rank": -1}, "role"),
-    ({"op": "register", "id": 1, "role": "server", "endpoint": "nowhere", "host": "", "rank": -1}, "endpoint"),
-    ({"op": "register", "id": 1, "role": "worker", "endpoint": 5, "host": "", "rank": -1}, "endpoint"),
-    ({"op": "register", "id": 1, "role": "worker", "endpoint": "", "host": "", "rank": -2}, "rank"),
-    ({"op": "register", "id": 1, "role": "worker", "endpoint": "", "host": "", "rank": True}, "rank"),
+    ({"op": "register", "id": 1, "role": "boss", "endpoint": "", "host": "", "rank": -1,
+      "restorable": False}, "role"),
+    ({"op": "register", "id": 1, "role": "server", "endpoint": "nowhere", "host": "", "rank": -1,
+      "restorable": False}, "endpoint"),
+    ({"op": "register", "id": 1, "role": "worker", "endpoint": 5, "host": "", "rank": -1,
+      "restorable": False}, "endpoint"),
+    ({"op": "register", "id": 1, "role": "worker", "endpoint": "", "host": "", "rank": -2,
+      "restorable": False}, "rank"),
+    ({"op": "register", "id": 1, "role": "worker", "endpoint": "", "host": "", "rank": True,
+      "restorable": False}, "rank"),
     ({"op": "barrier", "id": 1, "rank": 0, "name": "x" * 300}, "name"),
+    ({"op": "register", "id": 1, "role": "server", "endpoint": "tcp://h:1", "host": "", "rank": 0,
+      "restorable": 1}, "restorable"),
     ({"op": "done", "id": 1}, "missing fields"),
     ({"op": "table", "id": 1, "extra": 0}, "unexpected fields"),
     ({"op": ["table"], "id": 1}, "unknown op"),
