@@ -5,6 +5,7 @@
 ``psrt launch``      a whole job on this machine: scheduler, S servers, W copies of a command
 ``psrt run``         become scheduler, server or worker as the environment says (srun, mpirun, Kubernetes)
 ``psrt stats``       a live per-shard table of a running job
+``psrt checkpoint``  every shard of a running job writes a checkpoint now
 ``psrt keygen``      write a job's CURVE keys (``--keys DIR`` / ``PSRT_KEYS=DIR`` turn them on)
 ``psrt worker``      a synthetic load-test worker
 ``psrt model``       the performance model's predictions, extrapolated to thousands of workers
@@ -71,6 +72,12 @@ def _run(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return run_role(command)
+
+
+def _checkpoint(args: argparse.Namespace) -> int:
+    from psrt.stats import checkpoint_job
+
+    return checkpoint_job(args.scheduler, timeout=args.timeout)
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -256,6 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default %(default)s)")
     st.add_argument("--count", type=int, default=0, help="stop after this many tables (default: until Ctrl-C)")
     st.set_defaults(func=_stats)
+
+    ck = sub.add_parser("checkpoint", help="ask every shard of a running job to write a checkpoint now",
+                        description="Ask every shard of the job whose scheduler is at SCHEDULER to write a "
+                                    "checkpoint now (the shards need --checkpoint-dir); prints each file.")
+    ck.add_argument("scheduler", type=_endpoint, help="the scheduler's endpoint, tcp://HOST:PORT")
+    ck.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default %(default)s)")
+    ck.set_defaults(func=_checkpoint)
 
     kg = sub.add_parser("keygen", help="write a job's CURVE keys: a server pair and a client pair", description=(
         "Write a job's CURVE keys (ZeroMQ certificate format): a server pair and a client pair. Give every process "

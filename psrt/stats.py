@@ -1,4 +1,5 @@
-"""``psrt stats``: a live table of every shard of a running job, found through the scheduler."""
+"""Operating a running job found through its scheduler: ``psrt stats`` (a live table of every shard) and
+``psrt checkpoint`` (every shard writes a checkpoint now)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from psrt import transport
 from psrt.client import Client
 from psrt.config import ClientConfig
 from psrt.errors import PsrtError
-from psrt.link import SchedulerLink
+from psrt.link import SchedulerLink, Table
 
-__all__ = ["watch", "format_table"]
+__all__ = ["watch", "format_table", "job_table", "checkpoint_job"]
 
 COLUMNS = ("shard", "keys", "MB", "pushes", "pulls", "rounds", "queued", "deferred", "errors", "MB/s in",
            "MB/s out")
@@ -37,21 +38,13 @@ def watch(scheduler: str, interval: float = 1.0, count: int = 0, out: IO[str] = 
     With ``PSRT_KEYS`` set, every connection uses the job's keys (a secured job answers nothing else).
     """
     config = ClientConfig()
-    ctx = transport.new_context()
-    try:
-        link = SchedulerLink(ctx, scheduler, keys=config.keys)
-        try:
-            table = link.table()
-        finally:
-            link.close()
-    finally:
-        ctx.term()
+    table = job_table(scheduler, config)
     if not table.servers:
         out.write(f"scheduler {scheduler}: no servers have joined yet "
                   f"(expecting {table.num_servers} servers, {table.num_workers} workers)\n")
         return 1
     previous, last, shown = None, time.monotonic(), 0
-    with Client(table.servers, rank=0, num_workers=table.num_workers, config=config) as client:
+    with Client(table.servers, rank=0, num_workers=max(1, table.num_workers), config=config) as client:
         try:
             while True:
                 try:
@@ -69,3 +62,29 @@ def watch(scheduler: str, interval: float = 1.0, count: int = 0, out: IO[str] = 
                 time.sleep(interval)
         except KeyboardInterrupt:
             return 0
+
+
+def job_table(scheduler: str, config: ClientConfig) -> Table:
+    """The scheduler's view of its job (shards, W, S, mode), asked with the job's keys when ``config`` has them."""
+    ctx = transport.new_context()
+    try:
+        link = SchedulerLink(ctx, scheduler, keys=config.keys)
+        try:
+            return link.table()
+        finally:
+            link.close()
+    finally:
+        ctx.term()
+
+
+def checkpoint_job(scheduler: str, timeout: float = 60.0, out: IO[str] = sys.stdout) -> int:
+    """Ask every shard of the job to write a checkpoint now; prints each file; returns the exit code."""
+    config = ClientConfig()
+    table = job_table(scheduler, config)
+    if not table.servers:
+        out.write(f"scheduler {scheduler}: no servers have joined yet\n")
+        return 1
+    with Client(table.servers, rank=0, num_workers=max(1, table.num_workers), config=config) as client:
+        for endpoint, path in zip(table.servers, client.checkpoint(timeout=timeout)):
+            out.write(f"{endpoint}: {path}\n")
+    return 0

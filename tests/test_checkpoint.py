@@ -268,3 +268,32 @@ def test_under_a_scheduler_a_restarted_server_takes_its_slot_back(tmp_path):
         counts = res["counts"]
         assert set(counts) <= {"0.0", "-1.0"}, counts
         assert counts.get("0.0", 0) // workers <= every, counts
+
+
+def test_psrt_checkpoint_asks_every_shard_of_a_running_job(tmp_path):
+    import subprocess
+    import sys
+
+    from psrt.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command, stop_children
+
+    children = [Child(psrt_command("scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "2", "--workers", "1"),
+                      label="scheduler", ready=SCHEDULER_READY)]
+    try:
+        scheduler = children[0].wait_ready(30).group(1)
+        for _ in range(2):
+            children.append(Child(psrt_command("server", "--scheduler", scheduler, "--checkpoint-dir",
+                                               str(tmp_path)), label="server", ready=SERVER_READY))
+        worker = str(Path(__file__).with_name("_liveness_worker.py"))
+        children.append(Child([sys.executable, worker, "100000", "0.01"], label="worker",
+                              env={"PSRT_SCHEDULER": scheduler}, ready=__import__("re").compile("^training")))
+        children[-1].wait_ready(60)
+        proc = subprocess.run(psrt_command("checkpoint", scheduler), capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.strip().splitlines()
+        assert len(lines) == 2
+        for line in lines:
+            path = Path(line.split(": ", 1)[1])
+            assert path.exists() and path.parent == tmp_path
+            assert checkpoint.load_latest(tmp_path, path.name.rsplit("-", 2)[0]) is not None
+    finally:
+        stop_children(children)
