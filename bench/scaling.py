@@ -34,18 +34,15 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from typing import Optional
 
-from psrt import perfmodel
-from psrt.models import model_tensors, parse_size
+from psrt import models, perfmodel
+from psrt.models import model_tensors
 from psrt.netns import VirtualCluster, check_available, parse_rate
-
-PSRT = [sys.executable, "-m", "psrt.cli"]
-RESULT = "psrt-worker-result "
+from psrt.process import Child, parse_results, psrt_command, stop_children
 
 
 class CpuSampler:
@@ -86,38 +83,36 @@ class CpuSampler:
 def run_point(vc: Optional[VirtualCluster], port: int, mode: str, servers: int, workers: int, model: str,
               compute_ms: float, steps: int, partition: int, timeout: float = 180.0) -> list[dict]:
     """One job; returns the workers' result records."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PSRT_PARTITION_BYTES": str(partition),
-           "PSRT_START_TIMEOUT": "60"}
+    env = {"PSRT_PARTITION_BYTES": str(partition), "PSRT_START_TIMEOUT": "60"}
     host = vc.address("sched") if vc else "127.0.0.1"
     endpoint = f"tcp://{host}:{port}"
+    procs: list[Child] = []
 
-    def spawn(name: str, cmd: list[str], extra: Optional[dict] = None) -> subprocess.Popen:
-        kwargs = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**env, **(extra or {})})
-        return vc.popen(name, cmd, **kwargs) if vc else subprocess.Popen(cmd, **kwargs)
+    def spawn(name: str, cmd: list[str], extra: Optional[dict] = None) -> Child:
+        kwargs: dict = dict(env={**env, **(extra or {})}, label=name)
+        procs.append(vc.spawn(name, cmd, **kwargs) if vc else Child(cmd, **kwargs))
+        return procs[-1]
 
-    procs = [spawn("sched", [*PSRT, "scheduler", "--bind", endpoint, "--servers", str(servers), "--workers",
-                             str(workers), "--mode", mode, "--timeout", "60"])]
     try:
-        procs += [spawn(f"s{i}", [*PSRT, "server", "--scheduler", endpoint]) for i in range(servers)]
-        wprocs = [spawn(f"w{i}", [*PSRT, "worker", "--model", model, "--compute-ms", str(compute_ms),
-                                  "--steps", str(steps), "--warmup", "2"], {"PSRT_SCHEDULER": endpoint})
+        spawn("sched", psrt_command("scheduler", "--bind", endpoint, "--servers", str(servers), "--workers",
+                                    str(workers), "--mode", mode, "--timeout", "60"))
+        for i in range(servers):
+            spawn(f"s{i}", psrt_command("server", "--scheduler", endpoint))
+        wprocs = [spawn(f"w{i}", psrt_command("worker", "--model", model, "--compute-ms", str(compute_ms),
+                                              "--steps", str(steps), "--warmup", "2"), {"PSRT_SCHEDULER": endpoint})
                   for i in range(workers)]
-        procs += wprocs
         results = []
         deadline = time.monotonic() + timeout
         for p in wprocs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             if p.returncode != 0:
                 raise RuntimeError(f"a worker failed ({p.returncode}):\n{out[-2000:]}")
-            results += [json.loads(line[len(RESULT):]) for line in out.splitlines() if line.startswith(RESULT)]
+            results += parse_results(out)
         for p in procs[:servers + 1]:
             p.wait(30)
         return results
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+        stop_children(procs)
 
 
 def plan_steps(predicted_per_worker: float, seconds: float) -> int:
@@ -269,10 +264,8 @@ def main() -> int:
     if not args.loopback:
         check_available()
     link_bits = parse_rate(args.link)
-    tensors = model_tensors(args.model)
-    model_bytes = 4 * sum(math.prod(s) for _, s in tensors)
-    if args.model not in ("resnet50", "vgg16", "bert-base"):
-        parse_size(args.model)
+    tensors = model_tensors(args.model)  # a shipped network or a size; anything else is refused here
+    model_bytes = models.model_bytes(tensors)
 
     print("calibrating on this machine (aggregation rate, message overhead) ...", flush=True)
     cal = perfmodel.calibrate()

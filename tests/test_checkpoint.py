@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -235,7 +236,7 @@ def test_under_a_scheduler_a_restarted_server_takes_its_slot_back(tmp_path):
              str(tmp_path), "--checkpoint-every", str(every))
     shard = Child(psrt_command(*serve), label="shard", ready=SERVER_READY)
     script = str(Path(__file__).with_name("_ride_worker.py"))
-    env = {**__import__("os").environ, "PSRT_SCHEDULER": scheduler}
+    env = {**os.environ, "PSRT_SCHEDULER": scheduler}
     procs = [subprocess.Popen([sys.executable, script, "-", str(r), str(workers), str(steps), "0.02"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**env, "PSRT_WORKER_ID": str(r)}) for r in range(workers)]
@@ -285,7 +286,7 @@ def test_psrt_checkpoint_asks_every_shard_of_a_running_job(tmp_path):
                                                str(tmp_path)), label="server", ready=SERVER_READY))
         worker = str(Path(__file__).with_name("_liveness_worker.py"))
         children.append(Child([sys.executable, worker, "100000", "0.01"], label="worker",
-                              env={"PSRT_SCHEDULER": scheduler}, ready=__import__("re").compile("^training")))
+                              env={"PSRT_SCHEDULER": scheduler}, ready=re.compile("^training")))
         children[-1].wait_ready(60)
         proc = subprocess.run(psrt_command("checkpoint", scheduler), capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from psrt.process import Child, stop_children
 
 PSRT = [sys.executable, "-m", "psrt.cli"]
 WORKER = str(Path(__file__).with_name("_liveness_worker.py"))
@@ -27,46 +27,34 @@ NAMED_WITHIN_S = 5.0
 
 
 class Proc:
-    """A child process whose output lines are collected by a thread (so reading never blocks the test)."""
+    """A :class:`psrt.process.Child` whose collected output lines are read in order, pattern after pattern."""
 
     def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
-        self.popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                      start_new_session=True)
-        self.lines: queue.Queue[str] = queue.Queue()
+        self.child = Child(cmd, env=env)
+        self.popen = self.child.proc
         self.seen: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.lines.put(line)
 
     def expect(self, pattern: str, timeout: float) -> re.Match:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            self.seen.append(line)
-            m = re.search(pattern, line)
-            if m:
-                return m
+            lines = self.child.output.splitlines(keepends=True)
+            for line in lines[len(self.seen):]:
+                self.seen.append(line)
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            time.sleep(0.02)
         raise AssertionError(f"no line matching {pattern!r} within {timeout}s; got {self.seen}")
 
     def exit_code(self, timeout: float) -> int:
-        code = self.popen.wait(timeout)
+        code = self.child.wait(timeout)
         time.sleep(0.05)
-        while not self.lines.empty():
-            self.seen.append(self.lines.get())
+        self.seen = self.child.output.splitlines(keepends=True)
         return code
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, sig)
-            except ProcessLookupError:
-                pass
+            self.child.signal(sig)
 
 
 class Job:
@@ -97,10 +85,7 @@ class Job:
         return p
 
     def close(self) -> None:
-        for p in self.procs:
-            p.kill()
-        for p in self.procs:
-            p.popen.wait(10)
+        stop_children([p.child for p in self.procs], grace=0.0)
 
     @staticmethod
     def result(worker: Proc, timeout: float) -> dict:

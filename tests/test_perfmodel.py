@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import subprocess
 import sys
 
 import pytest
 
 from psrt import errors as psrt_errors
-from psrt import perfmodel
+from psrt import models, perfmodel
 from psrt.models import MODELS, model_tensors, parse_size
+from psrt.process import parse_results
 
 CAL = perfmodel.Calibration(agg_bytes_per_s=5e9, msg_overhead_s=50e-6, rtt_s=200e-6)
 LINK = 1e9  # bits/s
@@ -71,7 +71,7 @@ def test_extrapolates_to_thousands_of_workers():
 
 def test_shipped_models_and_sizes():
     assert set(MODELS) == {"resnet50", "vgg16", "bert-base"}
-    counts = {m: sum(int(__import__("math").prod(s)) for _, s in model_tensors(m)) for m in MODELS}
+    counts = {m: models.model_bytes(m) // 4 for m in MODELS}
     assert counts == {"resnet50": 25557032, "vgg16": 138357544, "bert-base": 109482240}
     assert model_tensors("resnet50")[0] == ("conv1.weight", (64, 3, 7, 7))
     assert parse_size("100MB") == 100_000_000 and parse_size("4MiB") == 4 << 20 and parse_size("4096") == 4096
@@ -91,8 +91,7 @@ def test_load_worker_under_launch_reports_steps_per_second():
                            "-m", "psrt.cli", "worker", "--model", "resnet50", "--steps", "3", "--warmup", "1"],
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = [json.loads(line.split("psrt-worker-result ", 1)[1]) for line in proc.stdout.splitlines()
-               if "psrt-worker-result " in line]
+    results = parse_results(proc.stdout)
     assert sorted(r["rank"] for r in results) == [0, 1]
     assert all(r["steps_per_s"] > 0 and r["model_bytes"] == 4 * 25557032 and r["num_servers"] == 2 for r in results)
 
