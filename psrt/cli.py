@@ -38,14 +38,14 @@ def _server(args: argparse.Namespace) -> int:
                       mode=args.mode, nonfinite=args.nonfinite, metrics_port=args.metrics_port,
                       metrics_host=args.metrics_host, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, checkpoint_secs=args.checkpoint_secs,
-                      restore=args.restore, keys=args.keys)
+                      restore=args.restore, keys=args.keys, staleness=args.staleness)
 
 
 def _scheduler(args: argparse.Namespace) -> int:
     from psrt.daemon import run_scheduler
 
     return run_scheduler(args.bind, args.servers, args.workers, args.mode, start_timeout=args.timeout,
-                         elastic=args.elastic, keys=args.keys)
+                         elastic=args.elastic, keys=args.keys, staleness=args.staleness)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -53,7 +53,7 @@ def _launch(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return launch(args.servers, args.workers, command, mode=args.mode, host=args.host, start_timeout=args.timeout,
-                  transport=args.transport, secure=args.secure, elastic=args.elastic)
+                  transport=args.transport, secure=args.secure, elastic=args.elastic, staleness=args.staleness)
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -130,6 +130,16 @@ def _model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nonnegative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v]
@@ -190,7 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="W: pushes that complete a sync round (default: $PSRT_NUM_WORKERS or 1; from the "
                         "scheduler with --scheduler)")
     s.add_argument("--mode", choices=MODES, default=defaults.mode,
-                   help="sync (BSP) or async (default: $PSRT_MODE or sync; from the scheduler with --scheduler)")
+                   help="sync (BSP), async or ssp (bounded staleness) (default: $PSRT_MODE or sync; from the "
+                        "scheduler with --scheduler)")
+    s.add_argument("--staleness", type=_nonnegative, default=None, metavar="S",
+                   help="ssp: pushes a worker may run ahead of the slowest (default: $PSRT_STALENESS or 0; from "
+                        "the scheduler with --scheduler)")
     s.add_argument("--nonfinite", choices=("reject", "allow"), default=defaults.nonfinite,
                    help="what to do with NaN/Inf gradients (default: reject)")
     s.add_argument("--checkpoint-dir", default=None, help="write checkpoints (parameters, optimizer state, "
@@ -217,7 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="endpoint to bind (default %(default)s)")
     c.add_argument("--servers", type=int, default=env.num_servers or 1, help="S (default: $PSRT_NUM_SERVERS or 1)")
     c.add_argument("--workers", type=int, default=env.num_workers or 1, help="W (default: $PSRT_NUM_WORKERS or 1)")
-    c.add_argument("--mode", choices=MODES, default=env.mode, help="sync or async (default: $PSRT_MODE or sync)")
+    c.add_argument("--mode", choices=MODES, default=env.mode,
+                   help="sync (BSP), async or ssp (bounded staleness) (default: $PSRT_MODE or sync)")
+    c.add_argument("--staleness", type=_nonnegative, default=env.staleness, metavar="S",
+                   help="ssp: pushes a worker may run ahead of the slowest (default: $PSRT_STALENESS or 0)")
     c.add_argument("--timeout", type=float, default=env.start_timeout,
                    help="seconds for everyone to register and for each barrier (default: $PSRT_START_TIMEOUT or 120)")
     c.add_argument("--elastic", action="store_true", default=env.elastic,
@@ -233,7 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
         "by signal N), and tears everything down on Ctrl-C or when any process dies."))
     la.add_argument("-s", "--servers", type=int, required=True, help="number of servers S")
     la.add_argument("-w", "--workers", type=int, required=True, help="number of workers W")
-    la.add_argument("--mode", choices=MODES, default="sync", help="sync or async (default %(default)s)")
+    la.add_argument("--mode", choices=MODES, default="sync",
+                    help="sync (BSP), async or ssp (bounded staleness) (default %(default)s)")
+    la.add_argument("--staleness", type=_nonnegative, default=ClusterConfig.from_env().staleness, metavar="S",
+                    help="ssp: pushes a worker may run ahead of the slowest (default: $PSRT_STALENESS or 0)")
     la.add_argument("--host", default="127.0.0.1", help="address to bind on (default %(default)s)")
     la.add_argument("--timeout", type=float, default=env.start_timeout,
                     help="seconds for the job to form and for each barrier (default: $PSRT_START_TIMEOUT or 120)")
@@ -304,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     mo.add_argument("--link", default="10gbit", help="worker link bandwidth, e.g. 10gbit (default %(default)s)")
     mo.add_argument("--server-link", default=None, help="server link bandwidth (default: as --link)")
     mo.add_argument("--compute-ms", type=float, default=100.0, help="compute per step (default %(default)s)")
-    mo.add_argument("--mode", choices=MODES, default="sync")
+    mo.add_argument("--mode", choices=("sync", "async"), default="sync", help="sync or async (the model has no ssp)")
     mo.add_argument("--partition-bytes", type=int, default=4 << 20, help="partition size (default 4 MiB)")
     mo.add_argument("--calibrate", action="store_true", help="measure this machine's aggregation rate and "
                     "message overhead first (starts a local shard)")

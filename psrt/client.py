@@ -131,6 +131,7 @@ class Client:
         # A fresh session per client: a restarted worker's sequence numbers are not mistaken for replays.
         self._session = secrets.randbits(63)
         self._seq = [0] * len(self.servers)
+        self._clock = 0  # pushes so far (ssp: a pull at clock c waits for every worker to reach c - staleness)
         self._plans: dict[tuple[str, ...], dict[int, list[list[Chunk]]]] = {}
         self._closed = False
 
@@ -287,8 +288,9 @@ class Client:
             for msg in messages:
                 keys = [[c.name, c.part, self._calls.versions.get(c.key, 0)] for c in msg]
                 any_version = [[c.name, c.part, 0] for c in msg]
-                self._calls.send(handle, shard, msg, lambda rid, k=keys: wire.encode_pull(rid, self._rank, k),
-                                 lambda rid, k=any_version: wire.encode_pull(rid, self._rank, k))
+                self._calls.send(handle, shard, msg,
+                                 lambda rid, k=keys, c=self._clock: wire.encode_pull(rid, self._rank, k, c),
+                                 lambda rid, k=any_version, c=self._clock: wire.encode_pull(rid, self._rank, k, c))
         return handle
 
     def push_pull_async(self, grads: Mapping[str, Any], out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:
@@ -421,13 +423,15 @@ class Client:
         outputs = self._outputs(arrays, out) if op == "push_pull" else None
         handle = Handle(self._calls, op, outputs)
         pull = op == "push_pull"
+        self._clock += 1  # ssp: this worker's count of pushes, this one included
+        clock = self._clock
         for shard, messages in self._plan(tuple(arrays)).items():
             for msg in messages:
                 seq = self._seq[shard]
                 self._seq[shard] += 1
                 entries, payload = self._payload(msg, arrays)
                 self._calls.send(handle, shard, msg, lambda rid, q=seq, e=entries, p=payload: wire.encode_push(
-                    rid, self._rank, self._session, q, e, p, pull))
+                    rid, self._rank, self._session, q, e, p, pull, clock))
         return handle
 
     @staticmethod

@@ -11,7 +11,8 @@ variable                   also read                      meaning               
 ``PSRT_NUM_WORKERS``       ``DMLC_NUM_WORKER``            W                                           1
 ``PSRT_WORKER_ID``         ``DMLC_WORKER_ID``             a worker's requested rank
 ``PSRT_NODE_HOST``         ``DMLC_NODE_HOST``             the address this host is reached at
-``PSRT_MODE``                                             ``sync`` (BSP) or ``async``                 ``sync``
+``PSRT_MODE``                                             ``sync`` (BSP), ``async`` or ``ssp``        ``sync``
+``PSRT_STALENESS``                                        ``ssp``: pushes a worker may run ahead       0
 ``PSRT_START_TIMEOUT``                                    seconds for a job to form / a barrier        120
 ``PSRT_TIMEOUT``                                          seconds any single network wait may take    60
 ``PSRT_WARN_AFTER``                                       seconds before a slow wait logs a warning   5
@@ -41,7 +42,7 @@ from psrt.errors import ConfigError
 
 __all__ = ["WireLimits", "ServerConfig", "ClientConfig", "ClusterConfig", "MODES", "ROLES"]
 
-MODES = ("sync", "async")
+MODES = ("sync", "async", "ssp")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -127,7 +128,11 @@ class ServerConfig:
     num_workers : int
         W: the number of pushes that complete a sync round.
     mode : str
-        ``"sync"``: sum a round's W pushes and step once; ``"async"``: apply every push on arrival.
+        ``"sync"``: sum a round's W pushes and step once; ``"async"``: apply every push on arrival; ``"ssp"``:
+        apply every push on arrival, but answer a worker's pull at clock c (its pushes so far) only once every
+        worker's clock is at least c - ``staleness`` (bounded staleness).
+    staleness : int
+        ``ssp`` mode: how many pushes a worker may run ahead of the slowest (0: lockstep).
     nonfinite : str
         ``"reject"`` answers a push holding NaN or Inf with an error and applies nothing; ``"allow"`` applies it.
     hwm : int
@@ -156,6 +161,7 @@ class ServerConfig:
     bind: str = "tcp://127.0.0.1:5701"
     num_workers: int = field(default_factory=lambda: _env_int("PSRT_NUM_WORKERS", 1))
     mode: str = field(default_factory=lambda: _env_str("PSRT_MODE", "sync"))
+    staleness: int = field(default_factory=lambda: _env_int("PSRT_STALENESS", 0))
     nonfinite: str = field(default_factory=lambda: _env_str("PSRT_NONFINITE", "reject"))
     hwm: int = 100_000
     send_timeout: float = 10.0
@@ -179,8 +185,10 @@ class ServerConfig:
         if not isinstance(self.bind, str) or "://" not in self.bind:
             raise ConfigError(f"bind must be a ZeroMQ endpoint such as tcp://127.0.0.1:5701, got {self.bind!r}")
         _positive("num_workers", self.num_workers)
+        if type(self.staleness) is not int or self.staleness < 0:
+            raise ConfigError(f"staleness must be a whole number of pushes >= 0, got {self.staleness!r}")
         if self.mode not in MODES:
-            raise ConfigError(f"mode must be 'sync' or 'async', got {self.mode!r}")
+            raise ConfigError(f"mode must be 'sync', 'async' or 'ssp', got {self.mode!r}")
         if self.nonfinite not in ("reject", "allow"):
             raise ConfigError(f"nonfinite must be 'reject' or 'allow', got {self.nonfinite!r}")
         _positive("hwm", self.hwm)
@@ -266,6 +274,8 @@ class ClusterConfig:
         Workers may leave and join a running job (``PSRT_ELASTIC=1``); see docs/elastic.md.
     restart_grace : float
         Seconds the scheduler waits for a server that writes checkpoints to restart and take its slot back.
+    staleness : int
+        ``ssp`` mode: how many pushes a worker may run ahead of the slowest (``PSRT_STALENESS``).
     keys : str or None
         The job's key directory (``PSRT_KEYS``): CURVE on every socket; None: no security.
     """
@@ -283,6 +293,7 @@ class ClusterConfig:
     elastic: bool = False
     keys: Optional[str] = None
     restart_grace: float = 30.0
+    staleness: int = 0
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
@@ -297,7 +308,10 @@ class ClusterConfig:
         if self.worker_id is not None and (type(self.worker_id) is not int or self.worker_id < 0):
             raise ConfigError(f"worker_id must be a non-negative integer, got {self.worker_id!r}")
         if self.mode not in MODES:
-            raise ConfigError(f"mode must be 'sync' or 'async', got {self.mode!r} (PSRT_MODE)")
+            raise ConfigError(f"mode must be 'sync', 'async' or 'ssp', got {self.mode!r} (PSRT_MODE)")
+        if type(self.staleness) is not int or self.staleness < 0:
+            raise ConfigError(f"staleness must be a whole number of pushes >= 0, got {self.staleness!r} "
+                              "(PSRT_STALENESS)")
         _positive("start_timeout", self.start_timeout, float)
         _positive("heartbeat_interval", self.heartbeat_interval, float)
         _positive("heartbeat_timeout", self.heartbeat_timeout, float)
@@ -385,5 +399,6 @@ class ClusterConfig:
             heartbeat_timeout=get_float("PSRT_HEARTBEAT_TIMEOUT", 2.5),
             elastic=get_flag("PSRT_ELASTIC"),
             restart_grace=get_float("PSRT_RESTART_GRACE", 30.0),
+            staleness=get_int("PSRT_STALENESS") or 0,
             keys=get("PSRT_KEYS"),
         )

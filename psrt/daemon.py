@@ -48,7 +48,8 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
                num_workers: Optional[int] = None, mode: Optional[str] = None, nonfinite: str = "reject",
                metrics_port: Optional[int] = None, metrics_host: str = "127.0.0.1",
                checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0, checkpoint_secs: float = 0.0,
-               restore: bool = False, keys: Optional[str] = None, out: IO[str] = sys.stdout) -> int:
+               restore: bool = False, keys: Optional[str] = None, staleness: Optional[int] = None,
+               out: IO[str] = sys.stdout) -> int:
     """Run one shard server until it is told to stop; returns the exit code.
 
     Parameters
@@ -70,6 +71,8 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
         (:class:`~psrt.config.ServerConfig`).
     keys : str, optional
         The job's key directory (CURVE on every socket); default ``PSRT_KEYS``, empty: off.
+    staleness : int, optional
+        A standalone ``ssp`` server's staleness bound (default ``PSRT_STALENESS`` or 0).
     out : text stream
         Where the ready and stopped lines go.
     """
@@ -90,7 +93,8 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
         defaults = ServerConfig()
         config = ServerConfig(bind=bind or "tcp://127.0.0.1:5701", nonfinite=nonfinite,
                               num_workers=defaults.num_workers if num_workers is None else num_workers,
-                              mode=mode or defaults.mode, **ckpt)
+                              mode=mode or defaults.mode,
+                              staleness=defaults.staleness if staleness is None else staleness, **ckpt)
     server = Server(config)
     _stop_on_signals(server.stop)
     metrics = None
@@ -105,7 +109,7 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
             timeout = cluster.start_timeout + 10.0
             table = link.register("server", endpoint=announce, host=host, timeout=timeout,
                                   restorable=config.checkpoint_dir is not None)
-            server.set_job(table.num_workers, table.mode)
+            server.set_job(table.num_workers, table.mode, table.staleness)
         if metrics_port is not None:
             from psrt.metrics import serve_metrics
 
@@ -132,7 +136,7 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
 
 def run_scheduler(bind: str, num_servers: int, num_workers: int, mode: str = "sync",
                   start_timeout: Optional[float] = None, elastic: Optional[bool] = None,
-                  keys: Optional[str] = None, out: IO[str] = sys.stdout) -> int:
+                  keys: Optional[str] = None, staleness: Optional[int] = None, out: IO[str] = sys.stdout) -> int:
     """Run a job's scheduler until the job ends; returns its exit code (nonzero if the job failed to form).
 
     Parameters
@@ -149,6 +153,8 @@ def run_scheduler(bind: str, num_servers: int, num_workers: int, mode: str = "sy
         Workers may leave and join while the job runs (default: ``PSRT_ELASTIC``); see docs/elastic.md.
     keys : str, optional
         The job's key directory (CURVE, only the job's client key accepted); default ``PSRT_KEYS``.
+    staleness : int, optional
+        ``ssp`` mode: pushes a worker may run ahead of the slowest (default ``PSRT_STALENESS`` or 0).
     out : text stream
         Where the ready and stopped lines go.
     """
@@ -161,7 +167,8 @@ def run_scheduler(bind: str, num_servers: int, num_workers: int, mode: str = "sy
         elastic = cluster.elastic
     sched = Scheduler(bind, num_servers, num_workers, mode, start_timeout=start_timeout,
                       heartbeat_timeout=cluster.heartbeat_timeout, elastic=elastic, restart_grace=cluster.restart_grace,
-                      keys=cluster.keys if keys is None else keys)
+                      keys=cluster.keys if keys is None else keys,
+                      staleness=cluster.staleness if staleness is None else staleness)
     _stop_on_signals(sched.stop)
     print(ready_line("scheduler", sched.endpoint, servers=num_servers, workers=num_workers, mode=mode), file=out,
           flush=True)

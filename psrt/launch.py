@@ -35,7 +35,7 @@ __all__ = ["launch", "run_role", "exit_status", "SCHEDULER_READY"]
 def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str = "sync",
            host: str = "127.0.0.1", start_timeout: Optional[float] = None, out: IO[str] = sys.stdout,
            extra_env: Optional[dict[str, str]] = None, transport: str = "auto", secure: bool = False,
-           elastic: bool = False) -> int:
+           elastic: bool = False, staleness: int = 0) -> int:
     """Run a whole job on this machine; returns the exit code (the first failure's, else 0).
 
     Parameters
@@ -62,6 +62,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
     secure : bool
         Generate a key pair set for this job in a private (0700) temporary directory, give it to every process
         as ``PSRT_KEYS`` (CURVE on every socket), and delete it when the job ends.
+    staleness : int
+        ``ssp`` mode: pushes a worker may run ahead of the slowest.
     elastic : bool
         An elastic job (docs/elastic.md): a worker that dies leaves the job instead of ending it, and the
         launcher goes on with the others; the job ends when every worker has exited.
@@ -100,7 +102,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         sched = start("scheduler", psrt_command("scheduler", "--bind", f"tcp://{host}:*", "--servers",
                                                 str(num_servers), "--workers", str(num_workers), "--mode", mode,
                                                 "--timeout", str(start_timeout),
-                                                *(["--elastic"] if elastic else [])), env, ready=SCHEDULER_READY)
+                                                "--staleness", str(staleness), *(["--elastic"] if elastic else [])),
+                      env, ready=SCHEDULER_READY)
         endpoint = sched.wait_ready(30.0).group(1)
         job_env = {**env, "PSRT_SCHEDULER": endpoint, "PSRT_NUM_SERVERS": str(num_servers),
                    "PSRT_NUM_WORKERS": str(num_workers), "PSRT_MODE": mode, "PSRT_START_TIMEOUT": str(start_timeout)}

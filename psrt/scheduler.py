@@ -95,6 +95,8 @@ class Scheduler:
         Seconds of silence after which a registered process is taken for dead.
     elastic : bool
         Let workers leave (by dying or ``done``) and join while the job runs, instead of failing the job.
+    staleness : int
+        ``ssp`` mode: how many pushes a worker may run ahead of the slowest, handed to the servers.
     restart_grace : float
         Seconds a server that writes checkpoints (``restorable``) may take to restart on its endpoint and take
         its slot back, before its death fails the job.
@@ -111,7 +113,7 @@ class Scheduler:
 
     def __init__(self, bind: str, num_servers: int, num_workers: int, mode: str = "sync",
                  start_timeout: float = 120.0, heartbeat_timeout: float = 2.5, elastic: bool = False,
-                 keys: Optional[security.PathLike] = None, restart_grace: float = 30.0) -> None:
+                 keys: Optional[security.PathLike] = None, restart_grace: float = 30.0, staleness: int = 0) -> None:
         if num_servers < 1 or num_workers < 1:
             raise ConfigError(f"need at least one server and one worker, got S={num_servers}, W={num_workers}")
         if mode not in MODES:
@@ -121,6 +123,9 @@ class Scheduler:
         self.heartbeat_timeout = heartbeat_timeout
         self.elastic = elastic
         self.restart_grace = restart_grace
+        if type(staleness) is not int or staleness < 0:
+            raise ConfigError(f"staleness must be a whole number of pushes >= 0, got {staleness!r}")
+        self.staleness = staleness
         self._restarting: dict[int, tuple[float, str]] = {}  # server index -> (deadline, name)
         self._epoch = 0  # elastic: membership changes so far
         self._server_epochs: dict[int, int] = {}
@@ -258,7 +263,7 @@ class Scheduler:
     def _send_table(self, identity: bytes, rid: int, rank: int) -> None:
         workers = len(self.workers) if self.elastic and self._formed else self.num_workers
         self._send(identity, wire.encode_table(rid, rank, self.num_servers, workers, self.mode,
-                                               [ep for _, ep in self.servers], self.elastic))
+                                               [ep for _, ep in self.servers], self.elastic, self.staleness))
 
     def _fail_start(self) -> None:
         n_servers, _, n_workers, _ = self._counts()

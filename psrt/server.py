@@ -11,6 +11,9 @@ Sync mode (BSP)
     version that does not exist yet waits, queued, until the round that makes it completes.
 Async mode
     Every push is applied on arrival with ``scale = 1``.
+SSP mode (bounded staleness)
+    As async, but a worker's pull (or the pull half of a push_pull) at clock c — its count of pushes so far —
+    is answered only once every worker's pushes to the pulled keys have reached clock c - ``staleness``.
 
 Every push carries ``(worker, session, seq)``; a push already applied is acknowledged again but not re-applied.
 
@@ -25,14 +28,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from psrt import checkpoint, kernels, optim, security, transport, wire
 from psrt.config import ServerConfig
+from psrt.counters import Counters, report
 from psrt.errors import ConfigError, ProtocolError
 from psrt.pulls import PullQueue, Waiter
 from psrt.store import Entry, Key, Store
@@ -54,23 +56,6 @@ class RequestError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclass
-class Counters:
-    """What a shard counts; :meth:`Server.stats` reports them."""
-
-    pushes: int = 0
-    pulls: int = 0
-    inits: int = 0
-    rounds: int = 0
-    duplicates: int = 0
-    errors: int = 0
-    dropped_replies: int = 0
-    checkpoints: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    started: float = field(default_factory=time.time)
 
 
 class Server:
@@ -109,6 +94,8 @@ class Server:
         self.counters = Counters()
         self._stop = threading.Event()
         self._pulls = PullQueue(lambda key: self.store.entries[key].version)
+        # ssp: pulls waiting for the slowest worker's clock (per key) to come within the staleness bound.
+        self._stale_pulls = PullQueue(lambda key: self.store.slowest_clock(self.store.entries[key]))
         self._deferred: dict[int, deque[tuple[bytes, wire.PushRequest, list[Entry]]]] = {}
         self._draining = False
         self._ckpt = checkpoint.Checkpointer(config, self.endpoint)
@@ -160,9 +147,9 @@ class Server:
         except checkpoint.CheckpointError as exc:
             log.error("%s; training goes on", exc)
 
-    def set_job(self, num_workers: int, mode: str) -> None:
-        """Adopt W and the mode the scheduler's table gives (before serving)."""
-        self.config = dataclasses.replace(self.config, num_workers=num_workers, mode=mode)
+    def set_job(self, num_workers: int, mode: str, staleness: int = 0) -> None:
+        """Adopt W, the mode and the staleness bound the scheduler's table gives (before serving)."""
+        self.config = dataclasses.replace(self.config, num_workers=num_workers, mode=mode, staleness=staleness)
         self.store.set_job(mode, num_workers)
 
     def serve(self, control: Optional[SchedulerLink] = None) -> None:
@@ -195,6 +182,9 @@ class Server:
         for key in completed:
             self.counters.rounds += 1
             self._wake(key)
+        if self.config.mode == "ssp":  # the slowest worker may have been the one that left
+            for key in list(self.store.entries):
+                self._wake(key)
         if self._deferred:
             self._drain_deferred()
         if completed:
@@ -282,6 +272,8 @@ class Server:
             return
         grads = [req.array(i) for i in range(len(entries))]
         targets, completed = self.store.admit(req.worker, entries, grads)
+        if self.config.mode == "ssp":
+            self.store.note_clock(req.worker, entries, req.clock)
         self.store.record(req.worker, req.session, req.seq)
         self.counters.pushes += 1
         self.counters.rounds += len(completed)
@@ -297,6 +289,9 @@ class Server:
                      duplicate: bool) -> None:
         if not req.pull:
             self._reply(identity, wire.encode_ack(req.id, targets, duplicate))
+        elif self.config.mode == "ssp":
+            self.counters.pulls += 1
+            self._wait_for_clock(identity, req.id, keys, req.clock)
         else:
             self.counters.pulls += 1  # the pull half of a push_pull is a pull too
             self._wait_for(identity, req.id, dict(zip(keys, targets)), keys)
@@ -340,16 +335,26 @@ class Server:
             keys.append(pk.key)
             want[pk.key] = max(want.get(pk.key, 0), pk.min_version)
         self.counters.pulls += 1
-        self._wait_for(identity, req.id, want, keys)
+        if self.config.mode == "ssp":
+            self._wait_for_clock(identity, req.id, keys, req.clock)
+        else:
+            self._wait_for(identity, req.id, want, keys)
 
     # ------------------------------------------------------------------ waiting pulls
+    def _wait_for_clock(self, identity: bytes, request_id: int, keys: list[Key], clock: int) -> None:
+        """ssp: answer once every worker's pushes to ``keys`` reach ``clock - staleness``."""
+        least = clock - self.config.staleness
+        if self._stale_pulls.add(Waiter(identity, request_id, keys, dict.fromkeys(keys, least))):
+            self._send_params(identity, request_id, keys, [self.store.entries[k] for k in keys])
+
     def _wait_for(self, identity: bytes, request_id: int, want: dict[Key, int], keys: list[Key]) -> None:
         if self._pulls.add(Waiter(identity, request_id, keys, want)):
             self._send_params(identity, request_id, keys, [self.store.entries[k] for k in keys])
 
     def _wake(self, key: Key) -> None:
-        for w in self._pulls.wake(key):
-            self._send_params(w.identity, w.request_id, w.keys, [self.store.entries[k] for k in w.keys])
+        for queue in (self._pulls, self._stale_pulls):
+            for w in queue.wake(key):
+                self._send_params(w.identity, w.request_id, w.keys, [self.store.entries[k] for k in w.keys])
 
     # ------------------------------------------------------------------ validation
     def _entry(self, key: Key) -> Entry:
@@ -421,28 +426,6 @@ class Server:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """The shard's counters and state sizes, as a flat mapping of numbers and strings."""
-        c = self.counters
-        n_acc, acc_bytes = self.store.accumulators()
-        return {
-            "endpoint": self.endpoint,
-            "mode": self.config.mode,
-            "num_workers": self.config.num_workers,
-            "keys": len(self.store.entries),
-            "param_bytes": self.store.nbytes(),
-            "accumulators": n_acc,
-            "accumulator_bytes": acc_bytes,
-            "inits": c.inits,
-            "pushes": c.pushes,
-            "pulls": c.pulls,
-            "rounds": c.rounds,
-            "duplicates": c.duplicates,
-            "errors": c.errors,
-            "dropped_replies": c.dropped_replies,
-            "checkpoints": c.checkpoints,
-            "queued_pulls": len(self._pulls),
-            "deferred_pushes": sum(len(q) for q in self._deferred.values()),
-            "bytes_in": c.bytes_in,
-            "bytes_out": c.bytes_out,
-            "uptime_s": time.time() - c.started,
-        }
-
+        return report(self.counters, self.store, endpoint=self.endpoint, mode=self.config.mode,
+                      num_workers=self.config.num_workers, queued_pulls=len(self._pulls) + len(self._stale_pulls),
+                      deferred_pushes=sum(len(q) for q in self._deferred.values()))

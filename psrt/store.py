@@ -44,6 +44,8 @@ class Entry:
     contributors: set[int] = field(default_factory=set)
     #: Elastic sync: the members when the current round began (a worker that joins later is not waited for).
     expected: frozenset[int] = frozenset()
+    #: ``ssp``: each worker's clock (its count of pushes) as far as its pushes to this key have been applied.
+    clocks: dict[int, int] = field(default_factory=dict)
     #: Zero-copy sends of ``param`` that may still be reading it.
     trackers: list[Any] = field(default_factory=list)
 
@@ -173,6 +175,17 @@ class Store:
                 self._step_round(entry)
                 completed.append(i)
         return targets, completed
+
+    def note_clock(self, worker: int, entries: list[Entry], clock: int) -> None:
+        """``ssp``: the push that brought ``worker`` to ``clock`` is applied to these keys."""
+        for e in entries:
+            if clock > e.clocks.get(worker, 0):
+                e.clocks[worker] = clock
+
+    def slowest_clock(self, entry: Entry) -> int:
+        """``ssp``: the least clock of the job's workers (or members) as far as this key has seen their pushes."""
+        workers = self.members if self.members is not None else range(self.num_workers)
+        return min((entry.clocks.get(w, 0) for w in workers), default=0)
 
     def targets(self, worker: int, entries: list[Entry]) -> list[int]:
         """Per key, the version that includes everything ``worker`` has pushed so far (for a replayed push)."""

@@ -233,7 +233,7 @@ def header(**fields) -> bytes:
 
 
 def push_header(**over) -> dict:
-    base = dict(op="push", id=9, worker=0, session=1, seq=0, tensors=[["w", 0, "<f4", [4]]])
+    base = dict(op="push", id=9, worker=0, session=1, seq=0, clock=1, tensors=[["w", 0, "<f4", [4]]])
     base.update(over)
     return base
 
@@ -263,8 +263,8 @@ MALFORMED = {
     "inf-gradient": [header(**push_header()), np.array([1, 1, -np.inf, 1], np.float32).tobytes()],
     "bad-optimizer": [header(op="init", id=3, worker=0, session=1, optimizer={"name": "pickle"},
                              tensors=[["z", 0, "<f4", [1]]]), np.ones(1, np.float32).tobytes()],
-    "pull-unreachable": [header(op="pull", id=4, worker=0, keys=[["w", 0, 99]])],
-    "pull-bad-keys": [header(op="pull", id=4, worker=0, keys=[["w", "0", 0]])],
+    "pull-unreachable": [header(op="pull", id=4, worker=0, clock=0, keys=[["w", 0, 99]])],
+    "pull-bad-keys": [header(op="pull", id=4, worker=0, clock=0, keys=[["w", "0", 0]])],
 }
 
 

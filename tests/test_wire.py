@@ -51,9 +51,11 @@ def header_for(op: str, req_id: int = 42) -> tuple[dict[str, Any], list[np.ndarr
             h["optimizer"] = psrt.AdamW(lr=0.01).to_wire()
         else:
             h["seq"] = 9
+            h["clock"] = 4
         return h, [a for _, _, a in arrs]
     if op == "pull":
-        return {"op": op, "id": req_id, "worker": 0, "keys": [["w", 0, 0], ["w", 1, 5], ["bias", 0, 2**40]]}, []
+        return {"op": op, "id": req_id, "worker": 0, "clock": 3,
+                "keys": [["w", 0, 0], ["w", 1, 5], ["bias", 0, 2**40]]}, []
     return {"op": op, "id": req_id}, []
 
 
@@ -71,9 +73,9 @@ def record_fields(req: wire.Request) -> dict[str, Any]:
     if isinstance(req, wire.InitRequest):
         return {"worker": req.worker, "session": req.session, "optimizer": req.optimizer}
     if isinstance(req, wire.PushRequest):
-        return {"worker": req.worker, "session": req.session, "seq": req.seq}
+        return {"worker": req.worker, "session": req.session, "seq": req.seq, "clock": req.clock}
     if isinstance(req, wire.PullRequest):
-        return {"worker": req.worker, "keys": [[k.name, k.part, k.min_version] for k in req.keys]}
+        return {"worker": req.worker, "clock": req.clock, "keys": [[k.name, k.part, k.min_version] for k in req.keys]}
     return {}
 
 
@@ -168,6 +170,7 @@ def test_round_trip_hypothesis(msg, op, rid, worker, session, seq):
         header["optimizer"] = psrt.SGD().to_wire()
     else:
         header["seq"] = seq
+        header["clock"] = seq % 1000
     req = wire.decode_request([bytes(f) for f in wire.encode(header, arrays)], LIMITS)
     assert (req.op, req.id) == (op, rid)
     assert req.worker == worker and req.session == session
@@ -379,7 +382,7 @@ def test_init_optimizer_must_be_a_map(value):
 
 
 def push_with(entries: list, buffers: list[bytes]) -> list[bytes]:
-    header = {"op": "push", "id": 5, "worker": 0, "session": 1, "seq": 0, "tensors": entries}
+    header = {"op": "push", "id": 5, "worker": 0, "session": 1, "seq": 0, "clock": 1, "tensors": entries}
     return [msgpack.packb({"v": 1, **header}, use_bin_type=True), *buffers]
 
 

@@ -16,10 +16,11 @@ request         fields (besides ``v, op, id``)                           reply
 ==============  =======================================================  =====================================
 ``init``        ``worker, session, optimizer, tensors`` + buffers         ``params`` + ``mode, num_workers,
                 (set values unless the key exists)                         conflicts``
-``push``        ``worker, session, seq, tensors`` + buffers (gradients)   ``ack``
+``push``        ``worker, session, seq, clock, tensors`` + buffers        ``ack``
 ``push_pull``   as ``push``                                               ``params`` once the push's round
                                                                           is applied
-``pull``        ``worker, keys``: ``[[name, part, min_version], ...]``    ``params``
+``pull``        ``worker, clock, keys``: ``[[name, part, min_version],    ``params``
+                ...]``
 ``stats``       (none)                                                    ``stats``
 ``checkpoint``  (none): write a checkpoint now                            ``saved``
 ==============  =======================================================  =====================================

@@ -61,7 +61,8 @@ _REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "heartbeat": frozenset({"v", "op", "id", "role", "rank", "pid", "epoch"}),
 }
 _REPLY_FIELDS: dict[str, frozenset[str]] = {
-    "table": frozenset({"v", "op", "id", "rank", "num_servers", "num_workers", "mode", "servers", "elastic"}),
+    "table": frozenset({"v", "op", "id", "rank", "num_servers", "num_workers", "mode", "servers", "elastic",
+                        "staleness"}),
     "ok": frozenset({"v", "op", "id"}),
     "error": frozenset({"v", "op", "id", "code", "message"}),
     "shutdown": frozenset({"v", "op", "id"}),
@@ -220,6 +221,8 @@ class Table:
     #: Whether workers may leave and join while the job runs (``--elastic``); ``num_workers`` is then the
     #: number of members when this table was sent.
     elastic: bool = False
+    #: ``ssp`` mode: how many pushes a worker may run ahead of the slowest.
+    staleness: int = 0
     op: ClassVar[str] = "table"
 
 
@@ -297,7 +300,7 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
         if type(h["elastic"]) is not bool:
             raise ProtocolError("table: 'elastic' must be true or false")
         return Table(rid, _rank(h), uint(h, "num_servers", lo=1), uint(h, "num_workers"),
-                     string(h, "mode", allowed=MODES), list(servers), h["elastic"])
+                     string(h, "mode", allowed=MODES), list(servers), h["elastic"], uint(h, "staleness", 1 << 31))
     if op == "members":
         workers = h["workers"]
         if type(workers) is not list or any(type(r) is not int or not 0 <= r <= MAX_U63 for r in workers):
@@ -311,10 +314,10 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
 
 
 def encode_table(rid: int, rank: int, num_servers: int, num_workers: int, mode: str,
-                 servers: list[str], elastic: bool = False) -> list[Any]:
+                 servers: list[str], elastic: bool = False, staleness: int = 0) -> list[Any]:
     """Frames of a ``table`` reply."""
     return encode({"op": "table", "id": rid, "rank": rank, "num_servers": num_servers, "num_workers": num_workers,
-                   "mode": mode, "servers": servers, "elastic": elastic})
+                   "mode": mode, "servers": servers, "elastic": elastic, "staleness": staleness})
 
 
 def encode_members(epoch: int, workers: list[int]) -> list[Any]:

@@ -64,9 +64,9 @@ MAX_WORKER = 1 << 31
 
 _REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "init": frozenset({"v", "op", "id", "worker", "session", "optimizer", "tensors"}),
-    "push": frozenset({"v", "op", "id", "worker", "session", "seq", "tensors"}),
-    "push_pull": frozenset({"v", "op", "id", "worker", "session", "seq", "tensors"}),
-    "pull": frozenset({"v", "op", "id", "worker", "keys"}),
+    "push": frozenset({"v", "op", "id", "worker", "session", "seq", "clock", "tensors"}),
+    "push_pull": frozenset({"v", "op", "id", "worker", "session", "seq", "clock", "tensors"}),
+    "pull": frozenset({"v", "op", "id", "worker", "clock", "keys"}),
     "stats": frozenset({"v", "op", "id"}),
     "checkpoint": frozenset({"v", "op", "id"}),
 }
@@ -111,13 +111,17 @@ class InitRequest(_WithTensors):
 
 @dataclass
 class PushRequest(_WithTensors):
-    """``push`` or ``push_pull`` (``pull`` true): gradients, with the sequence number that makes them exactly-once."""
+    """``push`` or ``push_pull`` (``pull`` true): gradients, with the sequence number that makes them exactly-once.
+
+    ``clock`` is the worker's count of pushes including this one (bounded staleness, ``ssp`` mode).
+    """
 
     id: int
     worker: int
     session: int
     seq: int
     pull: bool
+    clock: int = 0
 
     @property
     def op(self) -> str:
@@ -141,11 +145,12 @@ class PullKey:
 
 @dataclass
 class PullRequest:
-    """``pull``: parameters of ``keys``, each at least at its ``min_version``."""
+    """``pull``: parameters of ``keys``, each at least at its ``min_version``; ``clock``: the worker's pushes so far."""
 
     id: int
     worker: int
     keys: list[PullKey]
+    clock: int = 0
     op: ClassVar[str] = "pull"
 
 
@@ -201,9 +206,9 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
                 return StatsRequest(rid)
             if op == "checkpoint":
                 return CheckpointRequest(rid)
-            return PullRequest(rid, uint(h, "worker", MAX_WORKER), _pull_keys(h["keys"], limits))
+            return PullRequest(rid, uint(h, "worker", MAX_WORKER), _pull_keys(h["keys"], limits), uint(h, "clock"))
         worker, session = uint(h, "worker", MAX_WORKER), uint(h, "session")
-        seq = uint(h, "seq") if op != "init" else 0
+        seq, clock = (uint(h, "seq"), uint(h, "clock")) if op != "init" else (0, 0)
         if op == "init" and type(h["optimizer"]) is not dict:
             raise ProtocolError("field 'optimizer' must be a map")
         metas = tensor_metas(h["tensors"], limits)
@@ -212,7 +217,7 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
             raise ProtocolError("a tensor key appears twice in one message")
         if op == "init":
             return InitRequest(metas, buffers, rid, worker, session, h["optimizer"])
-        return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull")
+        return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull", clock)
     except ProtocolError as exc:
         exc.request_id = request_id  # type: ignore[attr-defined]
         raise
@@ -241,15 +246,15 @@ def encode_init(rid: int, worker: int, session: int, optimizer: dict[str, Any], 
 
 
 def encode_push(rid: int, worker: int, session: int, seq: int, entries: list[list[Any]],
-                payload: Sequence[np.ndarray], pull: bool) -> list[Any]:
+                payload: Sequence[np.ndarray], pull: bool, clock: int = 0) -> list[Any]:
     """Frames of a ``push`` (or, with ``pull``, a ``push_pull``) request."""
     return encode({"op": "push_pull" if pull else "push", "id": rid, "worker": worker, "session": session,
-                   "seq": seq, "tensors": entries}, payload)
+                   "seq": seq, "clock": clock, "tensors": entries}, payload)
 
 
-def encode_pull(rid: int, worker: int, keys: list[list[Any]]) -> list[Any]:
+def encode_pull(rid: int, worker: int, keys: list[list[Any]], clock: int = 0) -> list[Any]:
     """Frames of a ``pull`` request; ``keys`` are ``[name, part, min_version]`` lists."""
-    return encode({"op": "pull", "id": rid, "worker": worker, "keys": keys})
+    return encode({"op": "pull", "id": rid, "worker": worker, "clock": clock, "keys": keys})
 
 
 def encode_stats_request(rid: int) -> list[Any]:

@@ -1,0 +1,66 @@
+"""Bounded staleness (``--mode ssp --staleness s``): a fast worker runs ahead of a slow one, but never by more than s."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import psrt
+from psrt.store import Store
+
+WORKER = str(Path(__file__).with_name("_ssp_worker.py"))
+
+
+def run_pair(shards, staleness: int, steps: int = 16) -> tuple[dict, dict]:
+    group = shards(1, workers=2, mode="ssp", extra=("--staleness", str(staleness)))
+    # Worker 0 is fast (no pause between steps), worker 1 slow (0.1 s).
+    procs = [subprocess.Popen([sys.executable, WORKER, group.endpoints[0], str(r), "2", str(steps), str(pause)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r, pause in ((0, 0.0), (1, 0.1))]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("staleness", [2, 0])
+def test_a_fast_worker_runs_at_most_staleness_pushes_ahead(shards, staleness):
+    fast, slow = run_pair(shards, staleness)
+    steps = len(fast["after"])
+    for i in range(staleness, steps):
+        # The fast worker's push_pull at clock i+1 returned only after the slow one had sent push i+1-staleness.
+        assert fast["after"][i] >= slow["before"][i - staleness], (i, staleness)
+    # Every push applied exactly once, on arrival (scale 1): the slow worker, last to finish, pulls
+    # w = -(16 x 1 + 16 x 2) exactly; the fast one's last pull may miss at most `staleness` slow pushes.
+    assert slow["w"] == [-3.0 * steps] * 8
+    assert -3.0 * steps <= fast["w"][0] <= -3.0 * steps + 2.0 * staleness
+    ahead = sum(fast["after"][i] < slow["before"][i] for i in range(steps))
+    if staleness == 0:
+        assert ahead == 0  # lockstep: never a step ahead
+    else:
+        assert ahead >= steps // 2, ahead  # not sync: the fast worker finishes most steps before the slow one starts
+
+
+def test_the_slowest_clock_counts_every_worker_and_only_members():
+    s = Store("ssp", 3)
+    e = s.create(("w", 0), np.zeros(2), psrt.SGD())
+    s.note_clock(0, [e], 5)
+    s.note_clock(1, [e], 4)
+    assert s.slowest_clock(e) == 0  # worker 2 has not pushed
+    s.note_clock(2, [e], 3)
+    s.note_clock(2, [e], 2)  # a clock never goes back
+    assert s.slowest_clock(e) == 3
+    s.set_members(frozenset({0, 1}))  # worker 2 left an elastic job: nobody waits for it
+    assert s.slowest_clock(e) == 4
+
+
+def test_staleness_must_be_a_whole_number():
+    with pytest.raises(psrt.ConfigError, match="staleness"):
+        psrt.config.ServerConfig(mode="ssp", staleness=-1)
