@@ -1,4 +1,4 @@
-"""Bounded staleness (``--mode ssp --staleness s``): a fast worker runs ahead of a slow one, but never by more than s."""
+"""Bounded staleness (``--mode ssp --staleness s``): a fast worker runs ahead of a slow one, by at most s."""
 
 from __future__ import annotations
 
