@@ -431,7 +431,8 @@ def _cut_once(opts: argparse.Namespace, raw: dict[str, Any], vc: Any, veth: str,
         named = w0["at"] - cut_at if w0["error"] == "PeerFailedError" and "worker 1" in w0["message"] else None
         rows += [Row("linkcut", "link of worker 1 down, no --elastic: worker 0 gets the error naming it after",
                      fmt_s(named), f"< {NAMED_WITHIN_S:g} s", named is not None and named < NAMED_WITHIN_S),
-                 Row("linkcut", "no --elastic: the cut-off worker's own error after", w1_err),
+                 Row("linkcut", "no --elastic: the cut-off worker's own error after",
+                     f"{w1_err}: {w1['message'][:80]}"),
                  Row("linkcut", "no --elastic: processes hung (link up again after "
                      f"{up_at - cut_at:.1f} s)", ", ".join(hung) or "none", "none", not hung)]
     else:
