@@ -31,7 +31,7 @@ parameters exact, every message answered or counted.
 
 Usage::
 
-    sudo python bench/chaos.py --json chaos.json        # everything, ~3 minutes
+    sudo python bench/chaos.py --json chaos.json        # everything, ~1 minute
     python bench/chaos.py --quick                       # 20,000 malformed messages, shorter runs
     python bench/chaos.py --only flood,auth             # some scenarios (linkcut needs root)
 """
