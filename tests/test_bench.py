@@ -50,3 +50,14 @@ def test_start_server_gives_a_ready_server_and_stops_it_cleanly():
     finally:
         assert server.stop() == 0  # SIGTERM: the server stops its loop and says what it served
     assert "psrt-server stopped" in server.output
+
+
+def test_chaos_percentiles_and_table():
+    import chaos
+
+    assert chaos.percentile([], 50) != chaos.percentile([], 50)  # NaN: no samples
+    values = [float(v) for v in range(1, 101)]
+    assert (chaos.percentile(values, 50), chaos.percentile(values, 99), chaos.percentile(values, 100)) == (50, 99, 100)
+    rows = [chaos.Row("s", "m", "1 s", "< 5 s", True), chaos.Row("s", "n", "2", "0", False), chaos.Row("s", "o", "x")]
+    assert [r.verdict for r in rows] == ["PASS", "MISS", ""]
+    assert chaos.table(rows).splitlines()[2] == "| s | m | 1 s | < 5 s | PASS |"
