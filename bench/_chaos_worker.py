@@ -74,7 +74,7 @@ def malformed_kinds(size: int, rng: np.random.Generator) -> dict[str, Callable[[
     good = np.ones(size, np.float32).tobytes()
 
     def push(rid: int, **over: Any) -> dict[str, Any]:
-        base = dict(op="push", id=rid, worker=0, session=7, seq=int(rng.integers(1 << 40)),
+        base = dict(op="push", id=rid, worker=0, session=7, seq=int(rng.integers(1 << 40)), clock=1,
                     tensors=[["w", 0, "<f4", [size]]])
         base.update(over)
         return base
@@ -117,8 +117,8 @@ def malformed_kinds(size: int, rng: np.random.Generator) -> dict[str, Callable[[
         "nonfinite-gradient": nonfinite,
         "bad-optimizer": lambda rid: [_h(op="init", id=rid, worker=0, session=7, optimizer={"name": "pickle"},
                                          tensors=[["z", 0, "<f4", [1]]]), good[:4]],
-        "pull-unreachable": lambda rid: [_h(op="pull", id=rid, worker=0, keys=[["w", 0, 1 << 50]])],
-        "pull-bad-keys": lambda rid: [_h(op="pull", id=rid, worker=0, keys=[["w", "0", 0]])],
+        "pull-unreachable": lambda rid: [_h(op="pull", id=rid, worker=0, clock=0, keys=[["w", 0, 1 << 50]])],
+        "pull-bad-keys": lambda rid: [_h(op="pull", id=rid, worker=0, clock=0, keys=[["w", "0", 0]])],
     }
 
 
