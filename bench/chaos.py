@@ -385,7 +385,7 @@ def scenario_linkcut(opts: argparse.Namespace, raw: dict[str, Any]) -> list[Row]
     # One cluster for both jobs: a second one made at once by this process would reuse the veth names while the
     # kernel may still be removing the first one's (its namespaces go away asynchronously).
     with VirtualCluster(hosts) as vc:
-        veth = f"pv{vc.pid}h{hosts.index('w1')}"  # the outer end of w1's veth pair (psrt/netns.py)
+        veth = vc.veth("w1")  # the outer end of w1's veth pair
         for elastic in (False, True):
             rows += _cut_once(opts, raw, vc, veth, elastic)
     return rows

@@ -46,8 +46,9 @@ def _recv(channel: transport.DealerChannel, endpoint: str) -> wire.ControlReply:
 
 
 def _silent(endpoint: str, seconds: float) -> PeerFailedError:
-    return PeerFailedError(f"the scheduler at {endpoint} stopped answering heartbeats {seconds:.1f}s ago; the job "
-                           "cannot go on without it", peer=f"the scheduler at {endpoint}")
+    return PeerFailedError(f"the scheduler at {endpoint} stopped answering heartbeats {seconds:.1f}s ago: it died, "
+                           "or this process is cut off from it; this process cannot go on in the job",
+                           peer=f"the scheduler at {endpoint}")
 
 
 def _aborted(endpoint: str, notice: wire.Abort) -> PeerFailedError:

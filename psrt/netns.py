@@ -5,7 +5,7 @@ its link can be shaped in both directions with ``tc ... tbf`` (one qdisc on each
 emulates a cluster whose hosts have a given NIC bandwidth. Used by the multi-host tests and the scaling
 benchmark. Needs root and iproute2.
 
-Every name carries the creating process's pid (``psrt<pid>-<host>``, bridge ``psbr<pid>``), so a run that
+Every name carries the creating process's pid (``psrt<pid>-<host>``, bridge ``psbr<pid><letter>``), so a run that
 crashed before cleaning up is recognised and removed by the next one (:func:`remove_leftovers`).
 """
 
@@ -24,7 +24,10 @@ from psrt.process import Child, popen, stop_children, stop_processes
 __all__ = ["VirtualCluster", "remove_leftovers", "parse_rate", "check_available"]
 
 _NS = re.compile(r"^psrt(\d+)-[A-Za-z0-9_.-]+$")
-_BR = re.compile(r"^psbr(\d+)$")
+_BR = re.compile(r"^psbr(\d+)[a-z]$")
+#: Clusters made by this process so far: each one's link names differ, since the kernel removes a deleted
+#: namespace's veth pair only after ``ip netns del`` returns, and a new cluster must not collide with it.
+_made = 0
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
@@ -123,7 +126,10 @@ class VirtualCluster:
         self.hosts = list(hosts)
         self.pid = os.getpid()
         self.subnet = subnet if subnet is not None else 10 + self.pid % 240
-        self.bridge = f"psbr{self.pid}"
+        global _made
+        self._tag = "abcdefghijklmnopqrstuvwxyz"[_made % 26]
+        _made += 1
+        self.bridge = f"psbr{self.pid}{self._tag}"
         self._procs: list[subprocess.Popen] = []
         self._children: list[Child] = []
         self._created_ns: list[str] = []
@@ -134,6 +140,10 @@ class VirtualCluster:
         except BaseException:
             self.close()
             raise
+
+    def veth(self, host: str) -> str:
+        """The outer end (in the root namespace, on the bridge) of ``host``'s veth pair: cut it to cut the host off."""
+        return f"pv{self.pid}{self._tag}{self.hosts.index(host)}"
 
     def namespace(self, host: str) -> str:
         """The namespace name of ``host``."""
@@ -156,7 +166,7 @@ class VirtualCluster:
         _ip("link", "set", self.bridge, "up")
         for i, host in enumerate(self.hosts):
             ns = self.namespace(host)
-            outer, inner = f"pv{self.pid}h{i}", f"pn{self.pid}h{i}"
+            outer, inner = self.veth(host), f"pn{self.pid}{self._tag}{i}"
             _ip("netns", "add", ns)
             self._created_ns.append(ns)
             _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
