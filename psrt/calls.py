@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from psrt import security, transport, wire
+from psrt import compression, security, transport, wire
 from psrt.config import ClientConfig
 from psrt.errors import (
     AuthenticationError,
@@ -27,11 +27,25 @@ from psrt.errors import (
 )
 from psrt.partition import Chunk
 
-__all__ = ["Handle", "ShardCalls"]
+__all__ = ["Handle", "ShardCalls", "payload_of"]
 
 log = logging.getLogger("psrt.client")
 
 Key = tuple[str, int]
+
+
+def payload_of(chunks: list[Chunk], arrays: Mapping[str, np.ndarray],
+               compress: Optional[str] = None) -> tuple[list[list[Any]], list[np.ndarray]]:
+    """The header entries of a message's chunks and their bytes: views of the caller's arrays (no copy), or with
+    ``compress``, 16-bit copies of float32 gradients (:mod:`psrt.compression`)."""
+    entries = [wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)) for c in chunks]
+    payload = [arrays[c.name].reshape(-1)[c.start:c.start + c.count] for c in chunks]
+    if compress is not None:
+        for i, chunk in enumerate(payload):
+            packed = compression.encode(compress, chunk)
+            if packed is not None:  # else the chunk goes at full precision (float64, or out of fp16's range)
+                entries[i][2], payload[i] = packed
+    return entries, payload
 
 
 @dataclass

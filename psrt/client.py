@@ -12,13 +12,14 @@ thread-safe: use it from the thread that created it.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from psrt import dtypes, security, transport, wire
-from psrt.calls import Handle, ShardCalls
+from psrt.calls import Handle, ShardCalls, payload_of
 from psrt.config import ClientConfig, ClusterConfig
 from psrt.errors import ConfigError, ConnectionLostError, PsrtError, PsrtTypeError
 from psrt.link import Heartbeat, SchedulerLink
@@ -67,8 +68,11 @@ class Client:
         scheduler: Optional[str] = None,
         config: Optional[ClientConfig] = None,
         cluster: Optional[ClusterConfig] = None,
+        compression: Optional[str] = None,
     ) -> None:
         self.config = config if config is not None else ClientConfig()
+        if compression is not None:
+            self.config = dataclasses.replace(self.config, compression=compression)
         security.load_keys(self.config.keys)  # a bad key directory fails here, before any socket or thread
         self._closed = True  # until the sockets exist
         self._link: Optional[SchedulerLink] = None
@@ -214,7 +218,7 @@ class Client:
         spec = optimizer.to_wire()
         for shard, messages in self._map.messages(chunks).items():
             for msg in messages:
-                entries, payload = self._payload(msg, arrays)
+                entries, payload = payload_of(msg, arrays)
                 self._calls.send(handle, shard, msg, lambda rid, e=entries, p=payload: wire.encode_init(
                     rid, self._rank, self._session, spec, e, p))
         result = handle.wait(timeout)
@@ -429,13 +433,7 @@ class Client:
             for msg in messages:
                 seq = self._seq[shard]
                 self._seq[shard] += 1
-                entries, payload = self._payload(msg, arrays)
+                entries, payload = payload_of(msg, arrays, self.config.compression)
                 self._calls.send(handle, shard, msg, lambda rid, q=seq, e=entries, p=payload: wire.encode_push(
                     rid, self._rank, self._session, q, e, p, pull, clock))
         return handle
-
-    @staticmethod
-    def _payload(chunks: list[Chunk], arrays: Mapping[str, np.ndarray]) -> tuple[list[list[Any]], list[np.ndarray]]:
-        """The header entries of a message's chunks and their bytes (views of the caller's arrays, no copy)."""
-        entries = [wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)) for c in chunks]
-        return entries, [arrays[c.name].reshape(-1)[c.start:c.start + c.count] for c in chunks]

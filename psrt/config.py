@@ -16,6 +16,7 @@ variable                   also read                      meaning               
 ``PSRT_START_TIMEOUT``                                    seconds for a job to form / a barrier        120
 ``PSRT_TIMEOUT``                                          seconds any single network wait may take    60
 ``PSRT_WARN_AFTER``                                       seconds before a slow wait logs a warning   5
+``PSRT_COMPRESSION``                                      ``fp16`` or ``bf16`` gradients on the wire    none
 ``PSRT_HEARTBEAT_INTERVAL``                               seconds between heartbeats to the scheduler  0.5
 ``PSRT_HEARTBEAT_TIMEOUT``                                silence after which a process is dead        2.5
 ``PSRT_ELASTIC``                                          ``1``: workers may leave and join a job      ``0``
@@ -38,6 +39,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from psrt.compression import check as compression_check
 from psrt.errors import ConfigError
 
 __all__ = ["WireLimits", "ServerConfig", "ClientConfig", "ClusterConfig", "MODES", "ROLES"]
@@ -213,6 +215,9 @@ class ClientConfig:
     warn_after : float
         Seconds a call may wait for a shard (or the scheduler) before the client logs, once, a warning naming
         what it waits for and where; the call itself keeps waiting until ``timeout``.
+    compression : str or None
+        ``"fp16"`` or ``"bf16"``: float32 gradients travel as 16-bit floats (:mod:`psrt.compression`);
+        None (default, or ``PSRT_COMPRESSION`` empty): full precision.
     keys : str or os.PathLike, optional
         The job's key directory: CURVE on every socket. Default: ``PSRT_KEYS``; None or empty: no security.
     """
@@ -222,12 +227,17 @@ class ClientConfig:
     hwm: int = 100_000
     limits: WireLimits = field(default_factory=WireLimits)
     warn_after: float = field(default_factory=lambda: _env_float("PSRT_WARN_AFTER", 5.0))
+    compression: Optional[str] = field(default_factory=lambda: _env_str("PSRT_COMPRESSION", "") or None)
     keys: Optional[str | os.PathLike] = field(default_factory=_env_keys)
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
         _positive("timeout", self.timeout, float)
         _positive("warn_after", self.warn_after, float)
+        try:
+            object.__setattr__(self, "compression", compression_check(self.compression))
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (PSRT_COMPRESSION)") from None
         _positive("partition_bytes", self.partition_bytes)
         if self.partition_bytes < 8:
             raise ConfigError(f"partition_bytes must be at least 8, got {self.partition_bytes}")

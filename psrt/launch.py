@@ -150,11 +150,11 @@ def _supervise(sched: Child, servers: list[Child], workers: list[Child], procs: 
             return report(p, code)
         if all(w.poll() is not None for w in workers) if elastic else all(w.poll() == 0 for w in workers):
             break
+        # A daemon exits 0 only once the workers have said they are done, so a clean exit is not a failure.
+        time.sleep(0.02)
     if left and len(left) == len(workers):  # nobody finished: the elastic job failed
         first = procs[min(left)]
         return report(first, first.poll() or 1)
-        # A daemon exits 0 only once the workers have said they are done, so a clean exit is not a failure.
-        time.sleep(0.02)
     # Workers are done: the scheduler tells the servers to stop; give them a moment to exit on their own.
     deadline = time.monotonic() + 10.0
     for p in (sched, *servers):

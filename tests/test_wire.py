@@ -419,10 +419,22 @@ def test_malformed_tensor_entries_are_rejected(entry, match):
     reject(push_with([entry], [b"\x00" * 4]), match=match, request_id=5)
 
 
-@pytest.mark.parametrize("dname", ["<i4", ">f4", ">f8", "O", "<f2", "float32", "f4", "=f4", "|f4", "<c8", "", 4, None])
+@pytest.mark.parametrize("dname", ["<i4", ">f4", ">f8", "O", ">f2", "f2", "bfloat16", "float32", "f4", "=f4", "|f4",
+                                   "<c8", "", 4, None])
 def test_unknown_dtypes_are_rejected(dname):
     err = reject(push_with([["w", 0, dname, [1]]], [b"\x00" * 4]), match="is not allowed", request_id=5)
     assert "<f4" in str(err) and "<f8" in str(err)
+
+
+@pytest.mark.parametrize("dname", ["<f2", "bf16"])
+def test_compressed_gradients_are_accepted_in_pushes_only(dname):
+    entry = ["w", 0, dname, [3]]
+    req = wire.decode_request(push_with([entry], [b"\x00" * 6]), LIMITS)
+    assert req.tensors[0].encoding in ("fp16", "bf16") and req.tensors[0].dtype == np.float32
+    assert req.array(0).dtype == np.float32 and req.array(0).tolist() == [0.0] * 3
+    reject(push_with([entry], [b"\x00" * 12]), match="needs 6")  # 2 bytes a value, not 4
+    init = {"op": "init", "id": 7, "worker": 0, "session": 1, "optimizer": psrt.SGD().to_wire(), "tensors": [entry]}
+    reject(frames_of(init, [np.zeros(3, np.float16)]), match="is not allowed", request_id=7)  # never parameters
 
 
 @pytest.mark.parametrize(

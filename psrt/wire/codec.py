@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 import msgpack
 import numpy as np
 
-from psrt import dtypes
+from psrt import compression, dtypes
 from psrt.config import WireLimits
 from psrt.errors import ProtocolError
 
@@ -55,6 +55,9 @@ class TensorMeta:
     shape: tuple[int, ...]
     count: int
     nbytes: int
+    #: A compressed gradient (:mod:`psrt.compression`): ``"fp16"`` or ``"bf16"``; ``dtype`` is then float32, the
+    #: values' dtype once widened, while the frame holds 2 bytes per value.
+    encoding: Optional[str] = None
 
     @property
     def key(self) -> Key:
@@ -164,8 +167,11 @@ def uint_list(header: dict[str, Any], key: str, length: Optional[int] = None) ->
     return value
 
 
-def tensor_metas(entries: Any, limits: WireLimits) -> list[TensorMeta]:
-    """Check a ``tensors`` field, ``[[name, part, dtype, shape], ...]``, and describe each entry."""
+def tensor_metas(entries: Any, limits: WireLimits, compressed: bool = False) -> list[TensorMeta]:
+    """Check a ``tensors`` field, ``[[name, part, dtype, shape], ...]``, and describe each entry.
+
+    ``compressed``: the dtype may also name a gradient compression (pushes only; never parameters).
+    """
     if type(entries) is not list:
         raise ProtocolError("field 'tensors' must be a list of [name, part, dtype, shape]")
     if len(entries) > limits.max_tensors:
@@ -180,21 +186,23 @@ def tensor_metas(entries: Any, limits: WireLimits) -> list[TensorMeta]:
                                 f"{limits.max_name_len} characters")
         if type(part) is not int or not 0 <= part <= MAX_U63:
             raise ProtocolError(f"tensor {name!r}: part must be a non-negative integer, got {part!r}")
-        dtype = dtypes.from_wire_name(dname)
+        dtype, encoding, itemsize = dtypes.from_wire_name(dname), None, 0
+        if dtype is None and compressed and type(dname) is str and dname in compression.CODECS:
+            dtype, encoding, itemsize = np.dtype(np.float32), compression.CODECS[dname], 2
         if dtype is None:
-            raise ProtocolError(f"tensor {name!r}: dtype {dname!r} is not allowed; use one of "
-                                f"{sorted(dtypes.BY_WIRE_NAME)}")
+            allowed = sorted(dtypes.BY_WIRE_NAME) + (sorted(compression.CODECS) if compressed else [])
+            raise ProtocolError(f"tensor {name!r}: dtype {dname!r} is not allowed; use one of {allowed}")
         if type(shape) is not list or len(shape) > limits.max_dims:
             raise ProtocolError(f"tensor {name!r}: shape must be a list of at most {limits.max_dims} dimensions")
         for d in shape:
             if type(d) is not int or not 0 <= d <= MAX_DIM:
                 raise ProtocolError(f"tensor {name!r}: dimension {d!r} must be an integer in [0, 2**40]")
         count = math.prod(shape)  # Python integers: cannot overflow
-        nbytes = count * dtype.itemsize
+        nbytes = count * (itemsize or dtype.itemsize)
         if nbytes > limits.max_tensor_bytes:
             raise ProtocolError(f"tensor {name!r}: shape {shape} is {nbytes} bytes; the limit is "
                                 f"{limits.max_tensor_bytes}")
-        metas.append(TensorMeta(name, part, dtype, tuple(shape), count, nbytes))
+        metas.append(TensorMeta(name, part, dtype, tuple(shape), count, nbytes, encoding))
     return metas
 
 
@@ -205,7 +213,7 @@ def check_buffers(metas: list[TensorMeta], buffers: Sequence[Any]) -> None:
     for meta, buf in zip(metas, buffers):
         if len(buf) != meta.nbytes:
             raise ProtocolError(f"tensor {meta.name!r} part {meta.part}: frame has {len(buf)} bytes, "
-                                f"shape {list(meta.shape)} of {meta.dtype.str} needs {meta.nbytes}")
+                                f"shape {list(meta.shape)} of {meta.encoding or meta.dtype.str} needs {meta.nbytes}")
 
 
 def tensor_entry(name: str, part: int, dtype: np.dtype, shape: Sequence[int]) -> list[Any]:

@@ -7,11 +7,12 @@ index a raw header. The fields of each op are listed in :mod:`psrt.wire`'s docst
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Sequence, Union
 
 import numpy as np
 
+from psrt import compression
 from psrt.config import MODES, WireLimits
 from psrt.errors import ProtocolError
 from psrt.wire.codec import (
@@ -88,10 +89,20 @@ class _WithTensors:
 
     tensors: list[TensorMeta]
     buffers: list[Any]
+    _widened: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def array(self, i: int) -> np.ndarray:
-        """The i-th buffer as a flat array of its declared dtype (no copy; read-only if received)."""
-        return np.frombuffer(self.buffers[i], dtype=self.tensors[i].dtype)
+        """The i-th buffer as a flat array of its declared dtype (no copy; read-only if received).
+
+        A compressed gradient is widened to float32 once (a new array, kept for later calls).
+        """
+        meta = self.tensors[i]
+        if meta.encoding is None:
+            return np.frombuffer(self.buffers[i], dtype=meta.dtype)
+        widened = self._widened.get(i)
+        if widened is None:
+            widened = self._widened[i] = compression.decode(meta.encoding, self.buffers[i])
+        return widened
 
     def keys(self) -> list[Key]:
         """The ``(name, part)`` key of every tensor, in message order."""
@@ -211,7 +222,7 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         seq, clock = (uint(h, "seq"), uint(h, "clock")) if op != "init" else (0, 0)
         if op == "init" and type(h["optimizer"]) is not dict:
             raise ProtocolError("field 'optimizer' must be a map")
-        metas = tensor_metas(h["tensors"], limits)
+        metas = tensor_metas(h["tensors"], limits, compressed=op != "init")
         check_buffers(metas, buffers)
         if len({m.key for m in metas}) != len(metas):
             raise ProtocolError("a tensor key appears twice in one message")
