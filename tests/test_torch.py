@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -254,3 +255,14 @@ def test_importing_psrt_does_not_import_torch_and_psrt_torch_says_how_to_install
     assert proc.returncode != 0
     assert 'pip install "psrt[torch]"' in proc.stderr
 
+
+def test_the_launched_torch_digits_example_learns():
+    pytest.importorskip("sklearn")
+    proc = subprocess.run([sys.executable, "-m", "psrt.cli", "launch", "-s", "2", "-w", "2", "--",
+                           sys.executable, "-m", "psrt.examples.torch_digits", "--epochs", "3"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[worker 0] epoch   1/3" in proc.stdout
+    m = re.search(r"\[worker 0\] final test accuracy (\d\.\d+)", proc.stdout)
+    assert m and float(m.group(1)) > 0.9, proc.stdout
+    assert "Warning" not in proc.stdout + proc.stderr
