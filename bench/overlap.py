@@ -1,0 +1,222 @@
+"""Step time of a PyTorch model with and without overlapping communication and compute (psrt.torch).
+
+One shard server and one worker run on two emulated hosts (network namespaces, :class:`psrt.netns.VirtualCluster`)
+whose links are shaped with ``tc ... tbf``. The link rate is chosen so that the serial step's communication
+(push every gradient, then pull every parameter) takes about as long as the model's forward and backward on this
+machine: the script first times the compute here, then sets ``rate = 2 x model bytes / compute time``
+(``--link`` overrides it). The worker then measures, each as the median of its steps (the four take turns,
+``--rounds`` times ``--steps`` steps, so a change in the machine's load touches all of them alike):
+
+- ``compute``: forward + backward of the model alone, no psrt;
+- ``comm``: ``client.push_pull`` of every gradient alone, no compute;
+- ``serial``: a training step with ``DistributedOptimizer(overlap=False)`` (backward, then push and pull all);
+- ``overlap``: a training step with ``DistributedOptimizer(overlap=True)``: pushes from the backward hooks, pulls
+  applied while the next forward runs, first layers first (with a ``--window`` of bytes in flight).
+
+It prints both step times, the ratios ``overlap / (compute + comm)`` and ``overlap / serial`` (target: both
+<= 0.8, PASS or MISS; the serial step is compute + comm measured back to back, so on a loaded machine the
+stricter of the two is judged) and each step's time split (forward including its waits for parameters,
+backward including its pushes, step).
+
+Usage (root: namespaces, veth, tc)::
+
+    python bench/overlap.py                  # calibrated link
+    python bench/overlap.py --json overlap.json
+    python bench/overlap.py --loopback       # no root, no shaping: communication is then far below compute
+
+Needs torch: ``pip install -e ".[bench,torch]"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any, Optional
+
+import psrt
+from psrt.netns import VirtualCluster, check_available
+from psrt.process import SERVER_READY, Child, parse_results, psrt_command, result_line
+
+try:  # optional: `--help` works without it, and main() says what to install
+    import torch
+
+    import psrt.torch
+except ImportError:
+    torch = None
+
+TARGET = 0.8
+
+
+def make_model(depth: int, width: int) -> Any:  # a torch.nn.Module
+    """An MLP of ``depth`` ``width``-wide layers: many equal layers, so the pipeline has stages to overlap."""
+    torch.manual_seed(0)
+    layers: list[Any] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+
+
+def model_bytes(model: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def time_compute(model: Any, x: Any, y: Any, steps: int) -> float:
+    """Median seconds of forward + backward."""
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    """The measuring worker (inside the worker host's namespace); returns the result record.
+
+    The four measurements take turns, ``--rounds`` times ``--steps`` steps each (the first step of every turn is
+    not counted), so that a change in the machine's load during the run touches all of them alike.
+    """
+    torch.set_num_threads(1)
+    model = make_model(args.depth, args.width)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+    grads = {n: torch.zeros_like(p).numpy() for n, p in model.named_parameters()}
+    out = {n: p.detach().numpy() for n, p in model.named_parameters()}
+    times: dict[str, list[float]] = {"compute": [], "comm": [], "serial": [], "overlap": []}
+    split: dict[str, list[tuple[float, float, float]]] = {"serial": [], "overlap": []}
+    with psrt.Client([args.server], rank=0, num_workers=1) as client:
+        client.init(out, optimizer=psrt.SGD(lr=1e-4))
+    for _ in range(args.rounds):
+        times["compute"] += [time_compute(model, x, y, 1) for _ in range(args.steps)][1:]
+        with psrt.Client([args.server], rank=0, num_workers=1) as client:
+            client.init(out, optimizer=psrt.SGD(lr=1e-4))  # registers the tensors with this client
+            for i in range(args.steps):
+                t = time.perf_counter()
+                client.push_pull(grads, out=out)
+                if i:
+                    times["comm"].append(time.perf_counter() - t)
+        for mode in ("serial", "overlap"):
+            # A client per turn: the shard keeps the tensors (the first init won); only the schedule changes.
+            with psrt.Client([args.server], rank=0, num_workers=1) as client, psrt.torch.DistributedOptimizer(
+                    model.named_parameters(), optimizer=psrt.SGD(lr=1e-4), client=client,
+                    overlap=mode == "overlap", window=args.window) as opt:
+                for i in range(args.steps):
+                    t0 = time.perf_counter()
+                    opt.zero_grad()
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                    t1 = time.perf_counter()
+                    loss.backward()
+                    t2 = time.perf_counter()
+                    opt.step()
+                    t3 = time.perf_counter()
+                    if i:
+                        times[mode].append(t3 - t0)
+                        split[mode].append((t1 - t0, t2 - t1, t3 - t2))
+                opt.synchronize()
+    result: dict[str, Any] = {"model_bytes": model_bytes(model)}
+    for k, v in times.items():
+        result[f"{k}_s"] = statistics.median(v)
+    for mode, s in split.items():
+        result[f"{mode}_split_s"] = {k: statistics.median(row[i] for row in s)
+                                     for i, k in enumerate(("forward", "backward", "step"))}
+    return result
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Start the emulated hosts, the shard and the worker; returns the worker's record plus the link."""
+    torch.set_num_threads(1)
+    model = make_model(args.depth, args.width)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+    nbytes = model_bytes(model)
+    link = args.link
+    if link is None and not args.loopback:
+        time_compute(model, x, y, 2)  # warm up
+        compute = time_compute(model, x, y, 9)
+        link = f"{int(2 * nbytes * 8 / compute / 1e6)}mbit"
+        print(f"model {nbytes / 1e6:.2f} MB, compute {compute * 1e3:.0f} ms here: link {link}", flush=True)
+    vc: Optional[VirtualCluster] = None
+    procs: list[Child] = []
+    try:
+        if not args.loopback:
+            check_available()
+            vc = VirtualCluster(["server", "worker"], link=link)
+        host = vc.address("server") if vc else "127.0.0.1"
+        cmd = psrt_command("server", "--bind", f"tcp://{host}:*", "--workers", "1", "--mode", "sync")
+        server = vc.spawn("server", cmd, ready=SERVER_READY) if vc else Child(cmd, ready=SERVER_READY,
+                                                                              label="server")
+        procs.append(server)
+        endpoint = server.wait_ready(30).group(1)
+        wcmd = [sys.executable, __file__, "--role", "worker", "--server", endpoint, "--depth", str(args.depth),
+                "--width", str(args.width), "--batch", str(args.batch), "--steps", str(args.steps),
+                "--rounds", str(args.rounds),
+                "--window", str(args.window)]
+        w = vc.spawn("worker", wcmd, label="worker") if vc else Child(wcmd, label="worker")
+        procs.append(w)
+        out = w.communicate(timeout=600)
+        if w.returncode != 0:
+            raise RuntimeError(f"the worker failed ({w.returncode}):\n{out[-3000:]}")
+        record = parse_results(out)[0]
+    finally:
+        for p in procs:
+            p.stop()
+        if vc is not None:
+            vc.close()
+    record.update(link=link or "loopback", depth=args.depth, width=args.width, batch=args.batch,
+                  window=args.window)
+    record["ratio"] = record["overlap_s"] / (record["compute_s"] + record["comm_s"])
+    record["serial_ratio"] = record["serial_s"] / (record["compute_s"] + record["comm_s"])
+    record["overlap_vs_serial"] = record["overlap_s"] / record["serial_s"]
+    # Judged against the smaller of the two measures of compute + comm: the parts timed apart, and the serial
+    # step that runs them one after the other (on a loaded machine either may come out high).
+    record["pass"] = bool(max(record["ratio"], record["overlap_vs_serial"]) <= TARGET)
+    return record
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--role", default="main", choices=["main", "worker"], help=argparse.SUPPRESS)
+    parser.add_argument("--server", help=argparse.SUPPRESS)
+    parser.add_argument("--depth", type=int, default=8, help="hidden layers (default 8)")
+    parser.add_argument("--width", type=int, default=256, help="units per layer (default 256)")
+    parser.add_argument("--batch", type=int, default=4096, help="batch size (default 4096)")
+    parser.add_argument("--steps", type=int, default=6, help="steps per turn of a measurement (default 6)")
+    parser.add_argument("--rounds", type=int, default=4, help="turns of each measurement (default 4)")
+    parser.add_argument("--window", type=int, default=256 << 10, help="gradient bytes in flight (default 256 KiB)")
+    parser.add_argument("--link", help="link rate, e.g. 300mbit (default: calibrated so comm ~ compute)")
+    parser.add_argument("--loopback", action="store_true", help="no namespaces or shaping (no root needed)")
+    parser.add_argument("--json", metavar="PATH", help="write the result record here")
+    args = parser.parse_args(argv)
+    if torch is None:
+        print('overlap: needs PyTorch: pip install -e ".[bench,torch]"', file=sys.stderr)
+        return 2
+    if args.role == "worker":
+        print(result_line(worker(args)), flush=True)
+        return 0
+    r = run(args)
+    ms = {k: r[k] * 1e3 for k in ("compute_s", "comm_s", "serial_s", "overlap_s")}
+    print(f"link {r['link']}, model {r['model_bytes'] / 1e6:.2f} MB, batch {r['batch']}")
+    print(f"compute (forward + backward)  {ms['compute_s']:7.1f} ms")
+    print(f"communication (push_pull)     {ms['comm_s']:7.1f} ms")
+    print(f"serial step                   {ms['serial_s']:7.1f} ms  ({r['serial_ratio']:.2f} x compute + comm)")
+    print(f"overlapped step               {ms['overlap_s']:7.1f} ms  ({r['ratio']:.2f} x compute + comm, "
+          f"{r['overlap_vs_serial']:.2f} x the serial step)")
+    for mode in ("serial", "overlap"):
+        s = r[f"{mode}_split_s"]
+        print(f"  {mode:8s} split: forward {s['forward'] * 1e3:.1f} ms, backward {s['backward'] * 1e3:.1f} ms, "
+              f"step {s['step'] * 1e3:.1f} ms")
+    worst = max(r["ratio"], r["overlap_vs_serial"])
+    print(f"{'PASS' if r['pass'] else 'MISS'}: overlapped step {worst:.2f} x (compute + comm, the larger of the two "
+          f"ratios above), target <= {TARGET}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0 if r["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

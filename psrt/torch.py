@@ -1,0 +1,371 @@
+"""PyTorch integration: a model's gradients go to the shards from backward hooks, parameters come back in place.
+
+::
+
+    import psrt.torch
+
+    model = Net()
+    opt = psrt.torch.DistributedOptimizer(model.named_parameters(), optimizer=psrt.SGD(lr=0.1, momentum=0.9))
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()   # each gradient is pushed as soon as backward has produced it
+        opt.step()                        # hands the last gradients off; the new parameters land in the model
+
+What overlaps with what (``overlap=True``, the default):
+
+- **Pushes with backward.** A post-accumulate-grad hook on every trainable parameter pushes its gradient the
+  moment backward has finished it, from the gradient's own memory (no copy), while backward goes on with the
+  earlier layers. Pushes leave in the order backward produces them.
+- **Pulls with the rest of the step.** As soon as a shard acknowledges a push, the pull of that parameter is
+  asked for; the shard answers it when the parameter's round is complete (sync) or at once (async), and the
+  bytes are received straight into the parameter's storage (``param.data``: no new tensors, so ``state_dict``
+  and anything holding the parameter keep working).
+- **The next forward with the pulls still in flight.** :meth:`DistributedOptimizer.step` does not wait for the
+  pulls; a forward pre-hook on each module waits only for that module's own parameters. The first layers' pushes
+  are sent first when several are queued (a priority queue in forward order, with at most ``window`` bytes
+  handed to the sockets at a time), so the first layers' parameters tend to come back first, and the forward
+  starts while the last layers' parameters are still on their way.
+
+The client is single-threaded: the work is driven from the hooks, ``step``, the forward pre-hooks and
+:meth:`DistributedOptimizer.synchronize`, all on the training thread; ZeroMQ's I/O thread moves the bytes in
+between. ``overlap=False`` pushes everything in one call at ``step()`` and waits for all of it: the plain,
+serial step.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - exercised only without torch
+    raise ImportError('psrt.torch needs PyTorch: pip install "psrt[torch]" (or pip install torch); '
+                      f"importing torch failed: {exc}") from exc
+
+from psrt.client import Client, Handle
+from psrt.errors import ConfigError, PsrtTypeError
+from psrt.optim import Optimizer
+
+__all__ = ["DistributedOptimizer"]
+
+_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+
+# A parameter's place in a step: no work in flight, gradient queued, push in flight, pull in flight.
+_IDLE, _QUEUED, _PUSHING, _PULLING = range(4)
+
+
+def _finished(handle: Handle) -> bool:
+    """Whether every reply of ``handle`` is in, without polling (the caller has just taken replies in)."""
+    return not handle._outstanding
+
+
+class _Slot:
+    """One parameter: its storage as an array, and where its gradient and pull are in the current step."""
+
+    __slots__ = ("name", "index", "param", "array", "nbytes", "passes", "state", "epoch", "grad", "push", "pull")
+
+    def __init__(self, name: str, index: int, param: torch.Tensor) -> None:
+        self.name = name
+        self.index = index  # forward order: the order the parameters were registered in the model
+        self.param = param
+        self.array: np.ndarray = param.detach().numpy()  # shares the parameter's memory
+        self.nbytes = self.array.nbytes
+        self.passes = 0
+        self.state = _IDLE
+        self.epoch = -1  # the step whose gradient this slot last queued
+        self.grad: Optional[np.ndarray] = None
+        self.push: Optional[Handle] = None
+        self.pull: Optional[Handle] = None
+
+
+def _check_parameter(name: Any, p: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"parameter names must be non-empty strings, got {name!r}; pass model.named_parameters()")
+    if not isinstance(p, torch.Tensor):
+        raise PsrtTypeError(f"parameter {name!r} is a {type(p).__name__}, not a torch tensor")
+    if p.layout != torch.strided:
+        raise PsrtTypeError(f"parameter {name!r} is a sparse tensor ({p.layout}); psrt moves dense tensors only")
+    if p.device.type != "cpu":
+        raise ConfigError(f"parameter {name!r} lives on {p.device}; psrt.torch moves CPU tensors only (no staging "
+                          "through host memory): keep the model on the CPU")
+    if p.dtype not in _DTYPES:
+        raise PsrtTypeError(f"parameter {name!r} has dtype {p.dtype}; psrt holds torch.float32 and torch.float64 "
+                            "(use model.float() or model.double())")
+    if not p.is_contiguous():
+        raise ConfigError(f"parameter {name!r} is not contiguous (stride {p.stride()}); psrt receives into the "
+                          "parameter's memory, which must be C-contiguous: make it so with "
+                          "param.data = param.data.contiguous() before creating the optimizer")
+
+
+class DistributedOptimizer:
+    """Train a PyTorch model's parameters on psrt's shards: the shards run ``optimizer``, the model gets the result.
+
+    Construction initializes the shards with the parameters (the first worker's values win) and loads the
+    stored values into this worker's parameters, so every worker starts from the same model.
+
+    Parameters
+    ----------
+    named_parameters : iterable of (str, torch.nn.Parameter)
+        ``model.named_parameters()``: dense, contiguous CPU tensors of dtype float32 or float64 (both may mix).
+        Parameters with ``requires_grad=False`` (frozen) are initialized, so they start identical everywhere,
+        but never pushed or pulled.
+    optimizer : Optimizer, optional
+        The named optimizer the shards apply (:class:`psrt.SGD`, :class:`psrt.Adam`, ...); ``SGD(lr=0.01)``
+        when omitted. Hyperparameters follow torch.optim.
+    client : Client, optional
+        The connection to the shards; by default ``psrt.Client()`` from the environment (``psrt launch``, a
+        scheduler), which this optimizer closes in :meth:`close`.
+    backward_passes_per_step : int
+        Gradient accumulation: gradients are pushed on the last of this many backward passes, as accumulated in
+        ``.grad`` by torch (their sum: divide the loss by this number for the mean).
+    overlap : bool
+        Push from the backward hooks and let the next forward start before every pull is in (see the module
+        docstring); False: push everything at :meth:`step` and wait for all of it.
+    window : int
+        At most this many gradient bytes handed to the sockets at a time (at least one tensor); the rest wait in
+        a queue that sends the first layers first.
+    timeout : float, optional
+        Seconds to wait for any one reply (the client's timeout by default).
+
+    Notes
+    -----
+    A trainable parameter that got no gradient in a step (``.grad`` is None: an unused branch) is pushed as
+    zeros, so that every worker pushes every parameter every step and sync rounds complete; unlike
+    torch.optim, which skips it, the shard's optimizer then still applies momentum and weight decay to it.
+    Parameters used in a forward outside the module that owns them (e.g. tied weights read through another
+    module) are not covered by the forward pre-hooks: call :meth:`synchronize` after :meth:`step`, or use
+    ``overlap=False``. Read the parameters outside a forward (``state_dict``, evaluation code that does not go
+    through the model's modules) after :meth:`synchronize`.
+    """
+
+    def __init__(self, named_parameters: Iterable[tuple[str, torch.Tensor]], optimizer: Optional[Optimizer] = None,
+                 client: Optional[Client] = None, *, backward_passes_per_step: int = 1, overlap: bool = True,
+                 window: int = 4 << 20, timeout: Optional[float] = None) -> None:
+        self._closed = True
+        self._hooks: list[Any] = []
+        if type(backward_passes_per_step) is not int or backward_passes_per_step < 1:
+            raise ConfigError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
+        if type(window) is not int or window < 1:
+            raise ConfigError(f"window must be a positive number of bytes, got {window!r}")
+        items = list(named_parameters)
+        if not items:
+            raise ConfigError("no parameters: pass model.named_parameters()")
+        names, seen = set(), set()
+        for item in items:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise ConfigError("named_parameters must yield (name, parameter) pairs: pass model.named_parameters()")
+            name, p = item
+            _check_parameter(name, p)
+            if name in names:
+                raise ConfigError(f"parameter name {name!r} appears twice")
+            if id(p) in seen:
+                raise ConfigError(f"parameter {name!r} appears twice under different names (tied weights): pass "
+                                  "each parameter once, as model.named_parameters() does")
+            names.add(name)
+            seen.add(id(p))
+        self._k = backward_passes_per_step
+        self._overlap = overlap
+        self._window = window
+        self._timeout = timeout
+        self._own_client = client is None
+        self.client = Client() if client is None else client
+        try:
+            self._slots = [_Slot(name, i, p) for i, (name, p) in enumerate(items)]
+            stored = self.client.init({s.name: s.array for s in self._slots}, optimizer=optimizer, timeout=timeout)
+        except BaseException:
+            if self._own_client:
+                self.client.close()
+            raise
+        for s in self._slots:
+            np.copyto(s.array, stored[s.name])  # into the parameter's own storage
+        self._trainable = [s for s in self._slots if s.param.requires_grad]
+        self._by_param = {id(s.param): s for s in self._trainable}
+        self._queue: list[tuple[int, int]] = []  # (forward index, slot index): first layers first
+        self._sending: list[_Slot] = []  # pushes in flight, in send order
+        self._inflight = 0  # their bytes
+        self._busy = 0  # slots not idle
+        self._epoch = 0  # steps taken
+        self._closed = False
+        for s in self._trainable:
+            self._hooks.append(s.param.register_post_accumulate_grad_hook(
+                lambda p, s=s: self._on_grad(s)))
+        if overlap:
+            # A global hook: the model itself is not passed in, only its parameters; it returns at once when no
+            # pull is in flight, and otherwise looks only at the module's own parameters.
+            self._hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward))
+
+    # ------------------------------------------------------------------ the training loop's calls
+    @property
+    def backward_passes_per_step(self) -> int:
+        """How many backward passes accumulate into one push."""
+        return self._k
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the trainable parameters' gradients, as :meth:`torch.optim.Optimizer.zero_grad`.
+
+        With ``set_to_none=False`` the gradients are zeroed in place, which first waits for their pushes to
+        leave (their memory is being sent as is).
+        """
+        self._check_open()
+        if not set_to_none:
+            self._drain_pushes()
+        for s in self._trainable:
+            if set_to_none:
+                s.param.grad = None
+            elif s.param.grad is not None:
+                with torch.no_grad():
+                    s.param.grad.zero_()
+
+    def step(self) -> None:
+        """Push what backward has not pushed yet; the parameters are updated in place.
+
+        With ``overlap=True`` this returns once the last gradients are queued: the next forward waits, module by
+        module, for the parameters it uses (call :meth:`synchronize` to wait for all of them). A parameter that
+        got no gradient is pushed as zeros (see Notes of the class).
+        """
+        self._check_open()
+        if not self._overlap:
+            grads = {s.name: self._gradient(s) for s in self._trainable}
+            if grads:
+                self.client.push_pull(grads, timeout=self._timeout, out={s.name: s.array for s in self._trainable})
+            for s in self._trainable:
+                s.passes = 0
+            return
+        self._finish_previous()  # a step without a backward in between: the last step's work must be done
+        for s in self._trainable:
+            if s.epoch < self._epoch:  # backward did not push it: fewer passes than expected, or no gradient
+                self._enqueue(s)
+            s.passes = 0
+        self._epoch += 1
+        self._pump()
+
+    def synchronize(self) -> None:
+        """Wait until every push and pull of the last step is done: the model holds the new parameters."""
+        self._check_open()
+        for s in self._slots:
+            self._wait_for(s)
+
+    def close(self) -> None:
+        """Remove the hooks and close the client if this optimizer created it (pulls in flight are dropped)."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._own_client:
+            self.client.close()
+
+    def __enter__(self) -> DistributedOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ hooks
+    def _on_grad(self, s: _Slot) -> None:
+        if self._closed:
+            return
+        if s.passes >= self._k:
+            raise ConfigError(f"parameter {s.name!r} got a gradient {s.passes + 1} times since the last step(), "
+                              f"but backward_passes_per_step={self._k}: call opt.step() after every "
+                              f"{self._k} backward pass(es)")
+        if s.state != _IDLE and s.epoch < self._epoch:
+            self._finish_previous()  # the first gradient of a step while the last step's work is in flight
+        s.passes += 1
+        if self._overlap and s.passes == self._k:
+            self._enqueue(s)
+            self._pump()
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if not self._busy or self._closed:
+            return
+        for p in module.parameters(recurse=False):
+            s = self._by_param.get(id(p))
+            if s is not None and s.state != _IDLE:
+                self._wait_for(s)
+
+    # ------------------------------------------------------------------ moving the bytes
+    def _gradient(self, s: _Slot) -> np.ndarray:
+        g = s.param.grad
+        if g is None:
+            return np.zeros_like(s.array)
+        if g.layout != torch.strided:
+            raise PsrtTypeError(f"parameter {s.name!r} got a sparse gradient; psrt moves dense gradients only "
+                                "(create the layer with sparse=False)")
+        if g.device.type != "cpu" or g.dtype != s.param.dtype:
+            raise PsrtTypeError(f"parameter {s.name!r} got a gradient on {g.device} of dtype {g.dtype}; expected "
+                                f"the parameter's cpu {s.param.dtype}")
+        return g.detach().numpy()  # the gradient's own memory (the client copies it only if not contiguous)
+
+    def _enqueue(self, s: _Slot) -> None:
+        s.grad = self._gradient(s)
+        s.state = _QUEUED
+        s.epoch = self._epoch
+        self._busy += 1
+        heapq.heappush(self._queue, (s.index, s.index))
+
+    def _pump(self) -> None:
+        """Take in the replies that are there, turn acknowledged pushes into pulls, send queued pushes."""
+        self._poll()
+        done = [s for s in self._sending if _finished(s.push)]  # type: ignore[arg-type]
+        for s in done:
+            self._sending.remove(s)
+            self._pushed(s)
+        while self._queue and (not self._sending or self._inflight < self._window):
+            s = self._slots[heapq.heappop(self._queue)[1]]
+            s.push = self.client.push_async({s.name: s.grad})
+            s.state = _PUSHING
+            self._sending.append(s)
+            self._inflight += s.nbytes
+
+    def _poll(self) -> None:
+        """Take in every reply already queued: one poll, through any unfinished call, serves all of them."""
+        for s in self._sending:
+            if not _finished(s.push):  # type: ignore[arg-type]
+                s.push.done()  # type: ignore[union-attr]
+                return
+        for s in self._slots:
+            if s.state == _PULLING and not _finished(s.pull):  # type: ignore[arg-type]
+                s.pull.done()  # type: ignore[union-attr]
+                return
+
+    def _pushed(self, s: _Slot) -> None:
+        s.push.wait(0.0)  # type: ignore[union-attr]  # finished: raises the shard's error, if any
+        self._inflight -= s.nbytes
+        s.grad = None
+        s.push = None
+        # The ack told the client the version this push joins; the pull asks for it (sync: this round).
+        s.pull = self.client.pull_async([s.name], out={s.name: s.array})
+        s.state = _PULLING
+
+    def _wait_for(self, s: _Slot) -> None:
+        """Block until ``s``'s new value is in its storage, sending queued pushes as credit frees."""
+        while s.state != _IDLE:
+            self._pump()
+            if s.state == _PULLING:
+                s.pull.wait(self._timeout)  # type: ignore[union-attr]
+                s.pull = None
+                s.state = _IDLE
+                self._busy -= 1
+            elif s.state in (_QUEUED, _PUSHING):
+                self._sending[0].push.wait(self._timeout)  # type: ignore[union-attr]
+
+    def _drain_pushes(self) -> None:
+        while self._queue or self._sending:
+            self._pump()
+            if self._sending:
+                self._sending[0].push.wait(self._timeout)  # type: ignore[union-attr]
+
+    def _finish_previous(self) -> None:
+        """Finish the work of earlier steps (not the gradients this step has already queued)."""
+        for s in self._slots:
+            if s.state != _IDLE and s.epoch < self._epoch:
+                self._wait_for(s)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this DistributedOptimizer is closed")
