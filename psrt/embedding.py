@@ -125,10 +125,13 @@ class RowTable:
         The table's definition.
     max_rows : int
         The most rows this shard holds for the table; touching more is refused.
+    name : str
+        The table's name (for messages).
     """
 
-    def __init__(self, spec: TableSpec, max_rows: int) -> None:
+    def __init__(self, spec: TableSpec, max_rows: int, name: str = "") -> None:
         self.spec = spec
+        self.name = name
         self.max_rows = max_rows
         self.used = 0
         self.version = 0

@@ -13,11 +13,9 @@ Async mode
     Every push is applied on arrival with ``scale = 1``.
 
 Every push carries ``(worker, session, seq)``; a push already applied is acknowledged again but not re-applied.
-
-Checkpoints (``config.checkpoint_dir``): the whole state, sequence numbers included, is written by
-:mod:`psrt.checkpoint` every ``checkpoint_every`` rounds (sync: when every key has reached a multiple of it),
-every ``checkpoint_secs`` seconds, and on a ``checkpoint`` request; with ``config.restore`` the shard starts from
-the newest complete one.
+Checkpoints (``config.checkpoint_dir``, :mod:`psrt.checkpoint`): the whole state with the sequence numbers, every
+``checkpoint_every`` rounds, every ``checkpoint_secs`` seconds and on request; ``config.restore`` resumes from one.
+Embedding tables (``init_table``, ``push_rows``, ``pull_rows``) are served by :mod:`psrt.tables`, per table.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from psrt import checkpoint, kernels, optim, security, transport, wire
+from psrt import checkpoint, kernels, optim, security, tables, transport, wire
 from psrt.config import ServerConfig
 from psrt.errors import ConfigError, ProtocolError
 from psrt.pulls import PullQueue, Waiter
@@ -115,6 +113,7 @@ class Server:
         self.restored_from: Optional[Path] = None
         if config.restore:
             self._restore()
+        self.tables = tables.TableService(self.store, self._reply, self._error, config.nonfinite)
 
     # ------------------------------------------------------------------ loop
     @property
@@ -192,6 +191,7 @@ class Server:
         for worker in [w for w in self._deferred if w not in members]:
             del self._deferred[worker]
         completed = self.store.set_members(members)
+        self.tables.set_members()
         for key in completed:
             self.counters.rounds += 1
             self._wake(key)
@@ -229,6 +229,8 @@ class Server:
                 self._pull(identity, req)
             elif isinstance(req, wire.InitRequest):
                 self._init(identity, req)
+            elif isinstance(req, tables.REQUESTS):
+                self.tables.handle(identity, req)
             elif isinstance(req, wire.CheckpointRequest):
                 self._reply(identity, wire.encode_saved(req.id, str(self.checkpoint())))
             else:
@@ -443,6 +445,6 @@ class Server:
             "deferred_pushes": sum(len(q) for q in self._deferred.values()),
             "bytes_in": c.bytes_in,
             "bytes_out": c.bytes_out,
-            "uptime_s": time.time() - c.started,
+            "uptime_s": time.time() - c.started, **self.tables.stats(),
         }
 
