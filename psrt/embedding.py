@@ -187,13 +187,16 @@ class RowTable:
 
         The caller checked :meth:`room_for` with the number of new ids (an upper bound: ``len(ids)``).
         """
-        self._reserve(len(ids))
-        out = np.empty(len(ids), np.int64)
-        old = self.used
-        if len(ids):
-            self.used = rowkernels.index_find(self._keys, self._vals, ids, out, self.row_ids, old, True)
-        if self.used > old:
-            self._init_new(old, self.used)
+        out = self.find(ids)
+        missing = out < 0
+        if not missing.any():
+            return out  # the common case: nothing to create, and no room to reserve
+        new_ids = np.ascontiguousarray(ids[missing])
+        self._reserve(len(new_ids))  # an upper bound: repeats of a new id take one slot
+        old, got = self.used, np.empty(len(new_ids), np.int64)
+        self.used = rowkernels.index_find(self._keys, self._vals, new_ids, got, self.row_ids, old, True)
+        self._init_new(old, self.used)
+        out[missing] = got
         return out
 
     def _init_new(self, start: int, stop: int) -> None:
