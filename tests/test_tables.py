@@ -150,3 +150,13 @@ def test_coalesce_matches_numpy():
     slots = np.array([2, 2, 1], np.int64)
     u, s = coalesce(slots, np.ones((3, 2), np.float32))
     assert u.tolist() == [1, 2] and s.tolist() == [[1, 1], [2, 2]]
+
+
+def test_ctr_example_learns_under_launch():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "psrt.cli", "launch", "-s", "2", "-w", "2", "--", sys.executable,
+                          "-m", "psrt.examples.ctr", "--steps", "100"], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr + out.stdout
+    aucs = [float(line.rsplit("AUC", 1)[1]) for line in out.stdout.splitlines() if "AUC" in line]
+    assert len(aucs) == 3 and aucs[-1] > aucs[0] + 0.15
