@@ -37,6 +37,13 @@ def timed(fn, seconds: float) -> float:
             return elapsed / n
 
 
+def _table_memory(client: psrt.Client) -> tuple[int, int]:
+    """Rows held and bytes of rows + optimizer slots + id index, over every table of every shard."""
+    stats = client.stats()
+    return (sum(st["table_rows"] for st in stats),
+            sum(st["table_row_bytes"] + st["table_slot_bytes"] + st["table_index_bytes"] for st in stats))
+
+
 def run(rows: int, dims: list[int], shards: list[int], batch: int, zipf: float, seconds: float) -> list[dict]:
     results = []
     rng = np.random.default_rng(0)
@@ -45,6 +52,7 @@ def run(rows: int, dims: list[int], shards: list[int], batch: int, zipf: float, 
                                                               config=ClientConfig(timeout=300)) as c:
             for dim in dims:
                 name = f"t{dim}"
+                before = _table_memory(c)  # the shards' other tables, subtracted below
                 c.init_embedding(name, dim=dim, optimizer=psrt.AdaGrad(lr=0.01), std=0.01)
                 for lo in range(0, rows, 1 << 20):  # prefill: every row exists
                     c.pull_rows(name, np.arange(lo, min(rows, lo + (1 << 20))))
@@ -57,9 +65,8 @@ def run(rows: int, dims: list[int], shards: list[int], batch: int, zipf: float, 
                 dense_grad = {f"d{dim}": np.zeros(batch * dim, np.float32)}
                 dense_out = {f"d{dim}": np.empty(batch * dim, np.float32)}
                 dense = timed(lambda g=dense_grad, o=dense_out: c.push_pull(g, out=o), seconds)
-                stats = c.stats()
-                held = sum(st["table_rows"] for st in stats)
-                mem = sum(st["table_row_bytes"] + st["table_slot_bytes"] + st["table_index_bytes"] for st in stats)
+                after = _table_memory(c)
+                held, mem = after[0] - before[0], after[1] - before[1]
                 per_table = mem / held if held else 0.0
                 raw = 2 * dim * 4  # a row and its AdaGrad sum
                 results.append({
