@@ -254,3 +254,219 @@ def all_finite(const real[::1] x):
         else:
             ok = psrt_all_finite_f64(<const uint64_t*> &x[0], n)
     return ok != 0
+
+
+# ---------------------------------------------------------------------------------------------- row kernels
+# Embedding tables: rows of a 2-D table addressed by slot numbers. The dense per-element loops above are reused
+# for each row, so a row step rounds exactly as a dense step of the same row would. Slots outside the table are
+# skipped (the wrappers in psrt.rowkernels refuse them first; this only keeps a bypassing caller in bounds).
+
+from libc.stdint cimport int64_t
+from libc.string cimport memcpy
+from libc.math cimport log, cos, sin
+
+cdef extern from *:
+    r"""
+    /* splitmix64's finaliser: a bijective, well-mixed 64-bit hash (Steele, Lea and Flood, 2014). */
+    static inline uint64_t psrt_mix64(uint64_t z) {
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+        return z ^ (z >> 31);
+    }
+    """
+    uint64_t psrt_mix64(uint64_t z) noexcept nogil
+
+cdef uint64_t _GOLDEN = 0x9E3779B97F4A7C15ULL
+
+
+def gather_rows(const real[:, ::1] table, const int64_t[::1] slots, real[:, ::1] out):
+    """``out[i] = table[slots[i]]`` for every i (rows whose slot is out of range are left as they are)."""
+    cdef Py_ssize_t n = _min2(slots.shape[0], out.shape[0]), i, s
+    cdef Py_ssize_t dim = _min2(table.shape[1], out.shape[1]), rows = table.shape[0]
+    if n == 0 or dim == 0:
+        return
+    with nogil:
+        for i in range(n):
+            s = slots[i]
+            if 0 <= s < rows:
+                memcpy(&out[i, 0], &table[s, 0], dim * sizeof(real))
+
+
+def scatter_add_rows(real[:, ::1] dst, const int64_t[::1] slots, const real[:, ::1] src):
+    """``dst[slots[i]] += src[i]`` for every i, in order, so duplicate slots sum (coalescing a sparse gradient)."""
+    cdef Py_ssize_t n = _min2(slots.shape[0], src.shape[0]), i, s
+    cdef Py_ssize_t dim = _min2(dst.shape[1], src.shape[1]), rows = dst.shape[0]
+    if n == 0 or dim == 0:
+        return
+    with nogil:
+        for i in range(n):
+            s = slots[i]
+            if 0 <= s < rows:
+                if real is float:
+                    psrt_accumulate_f32(&dst[s, 0], &src[i, 0], dim)
+                else:
+                    psrt_accumulate_f64(&dst[s, 0], &src[i, 0], dim)
+
+
+def sgd_rows(real[:, ::1] param, const int64_t[::1] slots, const real[:, ::1] grad, double lr, double scale,
+             double weight_decay):
+    """:func:`sgd_step` on the rows ``param[slots[i]]`` with ``grad[i]``; slots must be distinct."""
+    cdef Py_ssize_t n = _min2(slots.shape[0], grad.shape[0]), i, s
+    cdef Py_ssize_t dim = _min2(param.shape[1], grad.shape[1]), rows = param.shape[0]
+    cdef real lr_ = <real>lr, sc = <real>scale, wd = <real>weight_decay
+    if n == 0 or dim == 0:
+        return
+    with nogil:
+        for i in range(n):
+            s = slots[i]
+            if 0 <= s < rows:
+                if real is float:
+                    psrt_sgd_f32(&param[s, 0], &grad[i, 0], dim, lr_, sc, wd)
+                else:
+                    psrt_sgd_f64(&param[s, 0], &grad[i, 0], dim, lr_, sc, wd)
+
+
+def momentum_rows(real[:, ::1] param, real[:, ::1] buf, const int64_t[::1] slots, const real[:, ::1] grad,
+                  double lr, double momentum, double scale, double weight_decay, bint nesterov):
+    """:func:`momentum_step` on the touched rows (their momentum buffers only); slots must be distinct."""
+    cdef Py_ssize_t n = _min2(slots.shape[0], grad.shape[0]), i, s
+    cdef Py_ssize_t dim = _min2(_min2(param.shape[1], buf.shape[1]), grad.shape[1])
+    cdef Py_ssize_t rows = _min2(param.shape[0], buf.shape[0])
+    cdef real lr_ = <real>lr, mu = <real>momentum, sc = <real>scale, wd = <real>weight_decay
+    if n == 0 or dim == 0:
+        return
+    with nogil:
+        for i in range(n):
+            s = slots[i]
+            if 0 <= s < rows:
+                if real is float:
+                    psrt_momentum_f32(&param[s, 0], &buf[s, 0], &grad[i, 0], dim, lr_, mu, sc, wd, nesterov)
+                else:
+                    psrt_momentum_f64(&param[s, 0], &buf[s, 0], &grad[i, 0], dim, lr_, mu, sc, wd, nesterov)
+
+
+def adagrad_rows(real[:, ::1] param, real[:, ::1] acc, const int64_t[::1] slots, const real[:, ::1] grad,
+                 double lr, double eps, double scale, double weight_decay):
+    """:func:`adagrad_step` on the touched rows and their sums (torch.optim.Adagrad with a sparse gradient)."""
+    cdef Py_ssize_t n = _min2(slots.shape[0], grad.shape[0]), i, s
+    cdef Py_ssize_t dim = _min2(_min2(param.shape[1], acc.shape[1]), grad.shape[1])
+    cdef Py_ssize_t rows = _min2(param.shape[0], acc.shape[0])
+    cdef real lr_ = <real>lr, eps_ = <real>eps, sc = <real>scale, wd = <real>weight_decay
+    if n == 0 or dim == 0:
+        return
+    with nogil:
+        for i in range(n):
+            s = slots[i]
+            if 0 <= s < rows:
+                if real is float:
+                    psrt_adagrad_f32(&param[s, 0], &acc[s, 0], &grad[i, 0], dim, lr_, eps_, sc, wd)
+                else:
+                    psrt_adagrad_f64(&param[s, 0], &acc[s, 0], &grad[i, 0], dim, lr_, eps_, sc, wd)
+
+
+def adam_rows(real[:, ::1] param, real[:, ::1] m, real[:, ::1] v, const int64_t[::1] slots,
+              const real[:, ::1] grad, double step_size, double inv_bc2_sqrt, double beta1, double beta2,
+              double eps, double scale):
+    """The Adam update on the touched rows and their moments; the caller computes the step factors."""
+    cdef Py_ssize_t n = _min2(slots.shape[0], grad.shape[0]), i, s
+    cdef Py_ssize_t dim = _min2(_min2(param.shape[1], m.shape[1]), _min2(v.shape[1], grad.shape[1]))
+    cdef Py_ssize_t rows = _min2(param.shape[0], _min2(m.shape[0], v.shape[0]))
+    cdef real ss = <real>step_size, ib = <real>inv_bc2_sqrt, b1 = <real>beta1, b2 = <real>beta2
+    cdef real omb1 = <real>(1.0 - beta1), omb2 = <real>(1.0 - beta2), eps_ = <real>eps, sc = <real>scale
+    cdef real one = 1, zero = 0
+    if n == 0 or dim == 0:
+        return
+    with nogil:
+        for i in range(n):
+            s = slots[i]
+            if 0 <= s < rows:
+                if real is float:
+                    psrt_adam_f32(&param[s, 0], &m[s, 0], &v[s, 0], &grad[i, 0], dim, ss, ib, b1, b2, omb1, omb2,
+                                  eps_, sc, one, zero)
+                else:
+                    psrt_adam_f64(&param[s, 0], &m[s, 0], &v[s, 0], &grad[i, 0], dim, ss, ib, b1, b2, omb1, omb2,
+                                  eps_, sc, one, zero)
+
+
+def index_find(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, int64_t[::1] out,
+               int64_t[::1] row_ids, Py_ssize_t used, bint insert):
+    """Look ids up in an open-addressing table (linear probing; ``vals[j] < 0`` marks an empty cell).
+
+    ``out[i]`` gets the slot of ``ids[i]``; a missing id gets slot ``used`` (then ``used + 1``, ...) when
+    ``insert``, recorded in ``row_ids[slot]``, else -1. The capacity (``len(keys)``, a power of two) must keep
+    the load under 1 after the inserts, and ``row_ids`` must have room: the wrapper grows both first. Returns
+    the new number of slots in use.
+    """
+    cdef Py_ssize_t n = _min2(ids.shape[0], out.shape[0]), cap = _min2(keys.shape[0], vals.shape[0]), i
+    cdef uint64_t mask = <uint64_t>cap - 1, j
+    cdef int64_t key
+    cdef Py_ssize_t room = row_ids.shape[0]
+    if cap == 0 or (cap & (cap - 1)) != 0:
+        return used
+    with nogil:
+        for i in range(n):
+            key = ids[i]
+            j = psrt_mix64(<uint64_t>key) & mask
+            while vals[j] >= 0 and keys[j] != key:
+                j = (j + 1) & mask
+            if vals[j] >= 0:
+                out[i] = vals[j]
+            elif insert and used < room:
+                keys[j] = key
+                vals[j] = used
+                row_ids[used] = key
+                out[i] = used
+                used += 1
+            else:
+                out[i] = -1
+    return used
+
+
+def shard_of(const int64_t[::1] ids, int64_t[::1] out, int64_t num_shards):
+    """``out[i] = mix64(ids[i]) % num_shards``: the shard of each id (a stable hash, so any id pattern spreads)."""
+    cdef Py_ssize_t n = _min2(ids.shape[0], out.shape[0]), i
+    if num_shards <= 0:
+        return
+    with nogil:
+        for i in range(n):
+            out[i] = <int64_t>(psrt_mix64(<uint64_t>ids[i]) % <uint64_t>num_shards)
+
+
+def init_rows(real[:, ::1] table, Py_ssize_t start, const int64_t[::1] ids, uint64_t seed, int kind, double a,
+              double b):
+    """Fill ``table[start + i]`` with the initial row of ``ids[i]``: a pure function of ``(seed, id, column)``.
+
+    Element j of the row of ``id`` draws ``u_j = (mix64(k + (j+1)*GOLDEN) >> 11) * 2**-53`` in [0, 1) with
+    ``k = mix64(seed ^ mix64(id))``. ``kind`` 0: zeros; 1: uniform, ``a + (b - a)*u_j``; 2: normal with mean
+    ``a`` and deviation ``b``, by Box-Muller on pairs ``(u_{2p}, u_{2p+1})``: ``r = sqrt(-2 log(1 - u_{2p}))``,
+    elements ``2p`` and ``2p+1`` get ``a + b*r*cos(2 pi u_{2p+1})`` and ``a + b*r*sin(2 pi u_{2p+1})``.
+    """
+    cdef Py_ssize_t n = ids.shape[0], dim = table.shape[1], i, j, row
+    cdef uint64_t k
+    cdef double u0, u1, r, t
+    cdef double scale53 = 1.0 / 9007199254740992.0, two_pi = 6.283185307179586
+    if start < 0:
+        return
+    n = _min2(n, table.shape[0] - start)
+    with nogil:
+        for i in range(n):
+            row = start + i
+            k = psrt_mix64(seed ^ psrt_mix64(<uint64_t>ids[i]))
+            if kind == 0:
+                for j in range(dim):
+                    table[row, j] = 0
+            elif kind == 1:
+                for j in range(dim):
+                    u0 = <double>(psrt_mix64(k + <uint64_t>(j + 1) * _GOLDEN) >> 11) * scale53
+                    table[row, j] = <real>(a + (b - a) * u0)
+            else:
+                j = 0
+                while j < dim:
+                    u0 = <double>(psrt_mix64(k + <uint64_t>(j + 1) * _GOLDEN) >> 11) * scale53
+                    u1 = <double>(psrt_mix64(k + <uint64_t>(j + 2) * _GOLDEN) >> 11) * scale53
+                    r = sqrt(-2.0 * log(1.0 - u0))
+                    t = two_pi * u1
+                    table[row, j] = <real>(a + b * r * cos(t))
+                    if j + 1 < dim:
+                        table[row, j + 1] = <real>(a + b * r * sin(t))
+                    j += 2

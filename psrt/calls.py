@@ -259,6 +259,13 @@ class ShardCalls:
         del self._pending[reply.id]
         handle = pending.handle
         handle._outstanding.discard(reply.id)
+        if isinstance(reply, wire.RowsReply):  # embedding rows: psrt.embedding_client.RowsHandle
+            try:
+                handle._take_rows(ch, reply, pending.chunks)  # type: ignore[attr-defined]
+            except ProtocolError as exc:
+                ch.discard_rest()
+                handle._fail(ProtocolError(f"shard {endpoint}: {exc}"))
+            return
         if isinstance(reply, wire.ParamsReply):
             try:
                 self._receive_params(ch, reply, pending)

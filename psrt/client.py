@@ -21,6 +21,7 @@ import numpy as np
 from psrt import dtypes, security, transport, wire
 from psrt.calls import Handle, ShardCalls, payload_of
 from psrt.config import ClientConfig, ClusterConfig
+from psrt.embedding_client import EmbeddingCalls
 from psrt.errors import ConfigError, ConnectionLostError, PsrtError, PsrtTypeError
 from psrt.link import Heartbeat, SchedulerLink
 from psrt.optim import SGD, Optimizer
@@ -30,7 +31,7 @@ __all__ = ["Client", "Handle"]
 
 
 
-class Client:
+class Client(EmbeddingCalls):
     """A worker's connection to the shard servers.
 
     Parameters

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["accumulate", "sgd_step", "momentum_step", "adam_step", "adagrad_step", "all_finite"]
+__all__ = ["accumulate", "sgd_step", "momentum_step", "adam_step", "adagrad_step", "all_finite", "mix64", "shard_of",
+           "init_rows", "gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows", "adam_rows"]
 
 
 def accumulate(dst: np.ndarray, src: np.ndarray) -> None:
@@ -60,3 +61,88 @@ def adagrad_step(param, acc, grad, lr, eps, scale=1.0, weight_decay=0.0) -> None
 def all_finite(x: np.ndarray) -> bool:
     """True when ``x`` has no NaN or infinity."""
     return bool(np.isfinite(x).all())
+
+
+# ---------------------------------------------------------------------------------------------- row kernels
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on a uint64 array (wrapping arithmetic, as in C)."""
+    z = np.asarray(z, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def shard_of(ids: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard of each id: ``mix64(id) % num_shards``."""
+    return (mix64(ids.astype(np.int64).view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
+
+
+def init_rows(ids: np.ndarray, dim: int, dtype, seed: int, kind: int, a: float, b: float) -> np.ndarray:
+    """The initial rows of ``ids`` (see :func:`psrt._core.init_rows` for the definition)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    out = np.zeros((len(ids), dim), dtype)
+    if kind == 0 or dim == 0:
+        return out
+    k = mix64(np.uint64(seed) ^ mix64(ids.view(np.uint64)))[:, None]
+    cols = np.arange(1, dim + 2, dtype=np.uint64)[None, :]
+    with np.errstate(over="ignore"):
+        u = (mix64(k + cols * _GOLDEN) >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+    if kind == 1:
+        out[:] = a + (b - a) * u[:, :dim]
+        return out
+    u0, u1 = u[:, 0:dim:2], u[:, 1:dim + 1:2]
+    r = np.sqrt(-2.0 * np.log(1.0 - u0))
+    t = 2.0 * np.pi * u1
+    out[:, 0::2] = a + b * r * np.cos(t)
+    out[:, 1::2] = (a + b * r * np.sin(t))[:, :dim // 2]
+    return out
+
+
+def gather_rows(table: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """``table[slots]``."""
+    return table[slots]
+
+
+def scatter_add_rows(dst: np.ndarray, slots: np.ndarray, src: np.ndarray) -> None:
+    """``dst[slots[i]] += src[i]``, duplicates summed."""
+    np.add.at(dst, slots, src)
+
+
+def sgd_rows(param, slots, grad, lr, scale=1.0, weight_decay=0.0) -> None:
+    """Plain SGD on the rows ``param[slots]`` (distinct slots)."""
+    rows = param[slots]
+    sgd_step(rows, grad, lr, scale, weight_decay)
+    param[slots] = rows
+
+
+def momentum_rows(param, buf, slots, grad, lr, momentum, scale=1.0, weight_decay=0.0, nesterov=False) -> None:
+    """SGD with momentum on the touched rows and their buffers."""
+    rows, b = param[slots], buf[slots]
+    momentum_step(rows, b, grad, lr, momentum, scale, weight_decay, nesterov)
+    param[slots], buf[slots] = rows, b
+
+
+def adagrad_rows(param, acc, slots, grad, lr, eps, scale=1.0, weight_decay=0.0) -> None:
+    """Adagrad on the touched rows and their sums."""
+    rows, a = param[slots], acc[slots]
+    adagrad_step(rows, a, grad, lr, eps, scale, weight_decay)
+    param[slots], acc[slots] = rows, a
+
+
+def adam_rows(param, m, v, slots, grad, lr, beta1, beta2, eps, step, scale=1.0) -> None:
+    """torch.optim.SparseAdam on the touched rows: ``lr*sqrt(1-beta2**t)/(1-beta1**t) * m / (sqrt(v) + eps)``."""
+    t = param.dtype.type
+    rows, mm, vv = param[slots], m[slots], v[slots]
+    g = t(scale) * grad
+    mm *= t(beta1)
+    mm += t(1.0 - beta1) * g
+    vv *= t(beta2)
+    vv += t(1.0 - beta2) * g * g
+    step_size = t(lr * np.sqrt(1.0 - beta2**step) / (1.0 - beta1**step))
+    rows -= step_size * mm / (np.sqrt(vv) + t(eps))
+    param[slots], m[slots], v[slots] = rows, mm, vv

@@ -16,11 +16,9 @@ SSP mode (bounded staleness)
     is answered only once every worker's pushes to the pulled keys have reached clock c - ``staleness``.
 
 Every push carries ``(worker, session, seq)``; a push already applied is acknowledged again but not re-applied.
-
-Checkpoints (``config.checkpoint_dir``): the whole state, sequence numbers included, is written by
-:mod:`psrt.checkpoint` every ``checkpoint_every`` rounds (sync: when every key has reached a multiple of it),
-every ``checkpoint_secs`` seconds, and on a ``checkpoint`` request; with ``config.restore`` the shard starts from
-the newest complete one.
+Checkpoints (``config.checkpoint_dir``, :mod:`psrt.checkpoint`): the whole state with the sequence numbers, every
+``checkpoint_every`` rounds, every ``checkpoint_secs`` seconds and on request; ``config.restore`` resumes from one.
+Embedding tables (``init_table``, ``push_rows``, ``pull_rows``) are served by :mod:`psrt.tables`, per table.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from psrt import checkpoint, kernels, optim, security, transport, wire
+from psrt import checkpoint, kernels, optim, security, tables, transport, wire
 from psrt.config import ServerConfig
 from psrt.counters import Counters, report
 from psrt.errors import ConfigError, ProtocolError
@@ -102,6 +100,7 @@ class Server:
         self.restored_from: Optional[Path] = None
         if config.restore:
             self._restore()
+        self.tables = tables.TableService(self.store, self._reply, self._error, config.nonfinite)
 
     # ------------------------------------------------------------------ loop
     @property
@@ -179,6 +178,7 @@ class Server:
         for worker in [w for w in self._deferred if w not in members]:
             del self._deferred[worker]
         completed = self.store.set_members(members)
+        self.tables.set_members()
         for key in completed:
             self.counters.rounds += 1
             self._wake(key)
@@ -219,6 +219,8 @@ class Server:
                 self._pull(identity, req)
             elif isinstance(req, wire.InitRequest):
                 self._init(identity, req)
+            elif isinstance(req, tables.REQUESTS):
+                self.tables.handle(identity, req)
             elif isinstance(req, wire.CheckpointRequest):
                 self._reply(identity, wire.encode_saved(req.id, str(self.checkpoint())))
             else:
@@ -428,4 +430,4 @@ class Server:
         """The shard's counters and state sizes, as a flat mapping of numbers and strings."""
         return report(self.counters, self.store, endpoint=self.endpoint, mode=self.config.mode,
                       num_workers=self.config.num_workers, queued_pulls=len(self._pulls) + len(self._stale_pulls),
-                      deferred_pushes=sum(len(q) for q in self._deferred.values()))
+                      deferred_pushes=sum(len(q) for q in self._deferred.values()), **self.tables.stats())

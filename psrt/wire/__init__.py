@@ -25,6 +25,10 @@ request         fields (besides ``v, op, id``)                           reply
 ``checkpoint``  (none): write a checkpoint now                            ``saved``
 ==============  =======================================================  =====================================
 
+Embedding tables (:mod:`psrt.wire.rows`, its docstring has their table): ``init_table``, ``push_rows`` (both
+answered by ``ack``) and ``pull_rows`` (answered by ``rows`` + one frame); ids travel as an int64 frame, rows as
+one frame of the table's dtype.
+
 Replies: ``params {tensors, versions}`` + buffers (after ``init`` also ``mode, num_workers, conflicts``: the
 shard's mode and W, and the indices of tensors that exist with another optimizer); ``ack {versions,
 duplicate}``; ``stats {stats}``; ``saved {path}``; ``error {code, message}``, to any request.
@@ -116,6 +120,17 @@ from psrt.wire.data import (
     encode_stats,
     encode_stats_request,
 )
+from psrt.wire.rows import (
+    IDS_DTYPE,
+    InitTableRequest,
+    PullRowsRequest,
+    PushRowsRequest,
+    RowsReply,
+    encode_init_table,
+    encode_pull_rows,
+    encode_push_rows,
+    encode_rows,
+)
 
 __all__ = [
     "PROTOCOL_VERSION", "Key", "TensorMeta", "check_version", "dtype_name", "encode", "pack_header",
@@ -128,5 +143,7 @@ __all__ = [
     "ControlError", "Shutdown", "Abort", "Heartbeat", "Members", "ControlReply", "decode_control_request",
     "decode_control_reply",
     "encode_register", "encode_barrier", "encode_done", "encode_table_query", "encode_table", "encode_ok",
+    "IDS_DTYPE", "InitTableRequest", "PushRowsRequest", "PullRowsRequest", "RowsReply", "encode_init_table",
+    "encode_push_rows", "encode_pull_rows", "encode_rows",
     "encode_control_error", "encode_shutdown", "encode_abort", "encode_heartbeat", "encode_members",
 ]

@@ -30,6 +30,15 @@ from psrt.wire.codec import (
     uint_list,
     unpack_header,
 )
+from psrt.wire.rows import REQUEST_FIELDS as _ROW_OPS
+from psrt.wire.rows import (
+    InitTableRequest,
+    PullRowsRequest,
+    PushRowsRequest,
+    RowsReply,
+    decode_row_request,
+    decode_rows_reply,
+)
 
 __all__ = [
     "InitRequest",
@@ -181,7 +190,8 @@ class CheckpointRequest:
     op: ClassVar[str] = "checkpoint"
 
 
-Request = Union[InitRequest, PushRequest, PullRequest, StatsRequest, CheckpointRequest]
+Request = Union[InitRequest, PushRequest, PullRequest, StatsRequest, CheckpointRequest, InitTableRequest,
+                PushRowsRequest, PullRowsRequest]
 
 
 def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
@@ -207,6 +217,8 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         if type(h.get("id")) is int and 0 <= h["id"] <= MAX_U63:
             request_id = h["id"]
         check_version(h)
+        if type(h.get("op")) is str and h["op"] in _ROW_OPS:  # embedding tables: psrt.wire.rows
+            return decode_row_request(h, list(frames[1:]), limits)
         op = op_of(h, _REQUEST_FIELDS, "request")
         rid = uint(h, "id")
         buffers = list(frames[1:])
@@ -338,7 +350,7 @@ class SavedReply:
     op: ClassVar[str] = "saved"
 
 
-Reply = Union[ParamsReply, AckReply, StatsReply, ErrorReply, SavedReply]
+Reply = Union[ParamsReply, AckReply, StatsReply, ErrorReply, SavedReply, RowsReply]
 
 
 def decode_reply(data: Any, limits: WireLimits) -> Reply:
@@ -352,6 +364,8 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
     h = unpack_header(data, limits)
     check_version(h)
     op = h.get("op")
+    if op == "rows":
+        return decode_rows_reply(h, limits)
     if type(op) is str and op == "params" and h.keys() == _PARAMS | _JOB:
         fields = _PARAMS | _JOB
     else:

@@ -1,0 +1,219 @@
+"""Embedding-table ops of the data plane: ``init_table``, ``push_rows``, ``pull_rows`` and the ``rows`` reply.
+
+Ids travel as one raw frame of little-endian int64 (``count * 8`` bytes), rows as one raw frame of
+``count * dim`` elements of the table's dtype; the header says ``count``, ``dim`` and ``dtype``, and each frame
+must hold exactly that many bytes. Everything is checked as hostile input, as the dense ops are
+(:mod:`psrt.wire.codec`); the policy caps (rows per message, rows per table) are the shard's, checked by
+:mod:`psrt.tables` before any state changes.
+
+==============  ==========================================================  ===================================
+request         fields (besides ``v, op, id``) + frames                     reply
+==============  ==========================================================  ===================================
+``init_table``  ``worker, table, dim, dtype, optimizer, init, a, b, seed,    ``ack`` (``versions``: the table's
+                num_rows, count`` + ids, rows when ``count > 0`` (given       version; ``duplicate``: it existed)
+                rows, set where missing)
+``push_rows``   ``worker, session, seq, table, dim, dtype, count`` + ids,    ``ack`` (``versions``: the version
+                gradient rows (duplicate ids are summed)                     that will include the push)
+``pull_rows``   ``worker, table, min_version, count`` + ids                  ``rows``
+==============  ==========================================================  ===================================
+
+Reply ``rows {table, dim, dtype, count, version}`` + one frame: the rows of the request's ids, in its order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Sequence
+
+import numpy as np
+
+from psrt import dtypes
+from psrt.config import WireLimits
+from psrt.errors import ProtocolError
+from psrt.wire.codec import MAX_U63, check_fields, encode, string, uint
+
+__all__ = ["InitTableRequest", "PushRowsRequest", "PullRowsRequest", "RowsReply", "REQUEST_FIELDS", "IDS_DTYPE",
+           "MAX_ROW_DIM", "decode_row_request", "decode_rows_reply", "encode_init_table", "encode_push_rows",
+           "encode_pull_rows", "encode_rows"]
+
+#: The dtype of an ids frame.
+IDS_DTYPE = np.dtype("<i8")
+#: Longest row on the wire.
+MAX_ROW_DIM = 1 << 20
+_MAX_WORKER = 1 << 31
+_INITS = ("zeros", "uniform", "normal")
+
+REQUEST_FIELDS: dict[str, frozenset[str]] = {
+    "init_table": frozenset({"v", "op", "id", "worker", "table", "dim", "dtype", "optimizer", "init", "a", "b",
+                             "seed", "num_rows", "count"}),
+    "push_rows": frozenset({"v", "op", "id", "worker", "session", "seq", "table", "dim", "dtype", "count"}),
+    "pull_rows": frozenset({"v", "op", "id", "worker", "table", "min_version", "count"}),
+}
+_ROWS = frozenset({"v", "op", "id", "table", "dim", "dtype", "count", "version"})
+
+
+@dataclass
+class _Rows:
+    table: str
+    dim: int
+    dtype: np.dtype
+    ids: np.ndarray
+
+    @property
+    def count(self) -> int:
+        """How many ids the message carries."""
+        return len(self.ids)
+
+
+@dataclass
+class InitTableRequest(_Rows):
+    """``init_table``: create a table (first init wins) and set the given rows where missing."""
+
+    id: int
+    worker: int
+    optimizer: dict[str, Any]
+    init: str
+    a: float
+    b: float
+    seed: int
+    num_rows: Optional[int]
+    rows: Optional[np.ndarray]
+    op: ClassVar[str] = "init_table"
+
+
+@dataclass
+class PushRowsRequest(_Rows):
+    """``push_rows``: gradient rows of ids, exactly-once by ``(worker, session, seq)`` (per table)."""
+
+    id: int
+    worker: int
+    session: int
+    seq: int
+    grads: np.ndarray
+    op: ClassVar[str] = "push_rows"
+
+
+@dataclass
+class PullRowsRequest(_Rows):
+    """``pull_rows``: the rows of ids, once the table has reached ``min_version``."""
+
+    id: int
+    worker: int
+    min_version: int
+    op: ClassVar[str] = "pull_rows"
+
+
+@dataclass
+class RowsReply:
+    """``rows``: the rows a ``pull_rows`` asked for (their frame follows), and the table's version."""
+
+    id: int
+    table: str
+    dim: int
+    dtype: np.dtype
+    count: int
+    version: int
+    op: ClassVar[str] = "rows"
+
+    @property
+    def nbytes(self) -> int:
+        """The byte size of the rows frame."""
+        return self.count * self.dim * self.dtype.itemsize
+
+
+def _real(h: dict[str, Any], key: str) -> float:
+    value = h.get(key)
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise ProtocolError(f"field {key!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _shape(h: dict[str, Any], limits: WireLimits, with_dtype: bool = True) -> tuple[str, int, np.dtype, int]:
+    table = string(h, "table", limits.max_name_len)
+    if not table:
+        raise ProtocolError("field 'table' must be a non-empty string")
+    count = uint(h, "count", limits.max_tensor_bytes // IDS_DTYPE.itemsize)
+    if not with_dtype:
+        return table, 0, IDS_DTYPE, count
+    dim = uint(h, "dim", MAX_ROW_DIM, lo=1)
+    dtype = dtypes.from_wire_name(h.get("dtype"))
+    if dtype is None:
+        raise ProtocolError(f"dtype {h.get('dtype')!r} is not allowed; use one of {sorted(dtypes.BY_WIRE_NAME)}")
+    if count * dim * dtype.itemsize > limits.max_tensor_bytes:
+        raise ProtocolError(f"{count} rows of {dim} x {dtype.str} exceed the {limits.max_tensor_bytes}-byte limit")
+    return table, dim, dtype, count
+
+
+def _frame(buf: Any, dtype: np.dtype, count: int, what: str) -> np.ndarray:
+    if len(buf) != count * dtype.itemsize:
+        raise ProtocolError(f"{what} frame has {len(buf)} bytes; {count} x {dtype.str} needs {count * dtype.itemsize}")
+    return np.frombuffer(buf, dtype=dtype) if count else np.empty(0, dtype)
+
+
+def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLimits) -> Any:
+    """Decode the fields and frames of an embedding request whose header passed the version check.
+
+    Raises
+    ------
+    ProtocolError
+        When a field is missing, extra or out of range, or a frame's size does not match the header.
+    """
+    op = h["op"]
+    check_fields(op, h, REQUEST_FIELDS[op])
+    rid, worker = uint(h, "id"), uint(h, "worker", _MAX_WORKER)
+    pull = op == "pull_rows"
+    table, dim, dtype, count = _shape(h, limits, with_dtype=not pull)
+    want = 1 if pull else (0 if op == "init_table" and count == 0 else 2)
+    if len(buffers) != want:
+        raise ProtocolError(f"op {op!r} with count {count} takes {want} buffer frames, got {len(buffers)}")
+    ids = _frame(buffers[0], IDS_DTYPE, count, "ids") if want else np.empty(0, IDS_DTYPE)
+    if pull:
+        return PullRowsRequest(table, 0, IDS_DTYPE, ids, rid, worker, uint(h, "min_version"))
+    rows = _frame(buffers[1], dtype, count * dim, "rows").reshape(count, dim) if want == 2 else None
+    if op == "push_rows":
+        assert rows is not None
+        return PushRowsRequest(table, dim, dtype, ids, rid, worker, uint(h, "session"), uint(h, "seq"), rows)
+    if type(h["optimizer"]) is not dict:
+        raise ProtocolError("field 'optimizer' must be a map")
+    num_rows = h["num_rows"]
+    if num_rows is not None and (type(num_rows) is not int or not 1 <= num_rows <= MAX_U63):
+        raise ProtocolError(f"field 'num_rows' must be nil or a positive integer, got {num_rows!r}")
+    return InitTableRequest(table, dim, dtype, ids, rid, worker, h["optimizer"], string(h, "init", allowed=_INITS),
+                            _real(h, "a"), _real(h, "b"), uint(h, "seed"), num_rows, rows)
+
+
+def decode_rows_reply(h: dict[str, Any], limits: WireLimits) -> RowsReply:
+    """Check a ``rows`` reply's header (its frame is received by the caller, straight into place)."""
+    check_fields("rows", h, _ROWS)
+    table, dim, dtype, count = _shape(h, limits)
+    return RowsReply(uint(h, "id"), table, dim, dtype, count, uint(h, "version"))
+
+
+def encode_init_table(rid: int, worker: int, table: str, dim: int, dtype: np.dtype, optimizer: dict[str, Any],
+                      init: str, a: float, b: float, seed: int, num_rows: Optional[int], ids: np.ndarray,
+                      rows: Optional[np.ndarray]) -> list[Any]:
+    """Frames of an ``init_table`` request (``rows`` None or ``(len(ids), dim)``; ids empty without rows)."""
+    header = {"op": "init_table", "id": rid, "worker": worker, "table": table, "dim": dim,
+              "dtype": dtypes.WIRE_NAMES[np.dtype(dtype)], "optimizer": optimizer, "init": init, "a": a, "b": b,
+              "seed": seed, "num_rows": num_rows, "count": len(ids) if rows is not None else 0}
+    return encode(header, [ids, rows] if rows is not None and len(ids) else [])
+
+
+def encode_push_rows(rid: int, worker: int, session: int, seq: int, table: str, ids: np.ndarray,
+                     grads: np.ndarray) -> list[Any]:
+    """Frames of a ``push_rows`` request: ids (int64) and ``(len(ids), dim)`` C-contiguous gradient rows."""
+    return encode({"op": "push_rows", "id": rid, "worker": worker, "session": session, "seq": seq, "table": table,
+                   "dim": grads.shape[1], "dtype": dtypes.WIRE_NAMES[grads.dtype], "count": len(ids)}, [ids, grads])
+
+
+def encode_pull_rows(rid: int, worker: int, table: str, min_version: int, ids: np.ndarray) -> list[Any]:
+    """Frames of a ``pull_rows`` request."""
+    return encode({"op": "pull_rows", "id": rid, "worker": worker, "table": table, "min_version": min_version,
+                   "count": len(ids)}, [ids])
+
+
+def encode_rows(rid: int, table: str, version: int, rows: np.ndarray) -> list[Any]:
+    """Frames of a ``rows`` reply: ``rows`` is the ``(count, dim)`` answer."""
+    return encode({"op": "rows", "id": rid, "table": table, "dim": rows.shape[1],
+                   "dtype": dtypes.WIRE_NAMES[rows.dtype], "count": rows.shape[0], "version": version}, [rows])

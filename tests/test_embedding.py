@@ -1,0 +1,86 @@
+"""The shard-side row store (psrt.embedding): growth, the id index, deterministic rows, row-wise steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from psrt import reference
+from psrt.embedding import RowTable, TableSpec, coalesce
+from psrt.errors import ConfigError
+from psrt.optim import SGD, AdaGrad, Adam
+
+
+def table(**kw) -> RowTable:
+    max_rows = kw.pop("max_rows", 1 << 20)
+    spec = dict(dim=8, dtype=np.dtype(np.float32), optimizer=SGD(lr=0.1), init="normal", a=0.0, b=0.1, seed=3)
+    spec.update(kw)
+    return RowTable(TableSpec(**spec), max_rows=max_rows)
+
+
+def test_rows_are_made_on_first_touch_from_seed_and_id_and_grow():
+    t = table()
+    ids = np.random.default_rng(0).integers(-(2**62), 2**62, 5000)
+    rows = t.gather(ids)
+    assert t.used == len(np.unique(ids)) and t.capacity >= t.used
+    np.testing.assert_allclose(rows, reference.init_rows(ids, 8, np.float32, 3, 2, 0.0, 0.1), rtol=1e-6)
+    again = t.gather(ids[::-1].copy())
+    assert np.array_equal(again, rows[::-1])
+    assert t.used == len(np.unique(ids))  # nothing created twice
+    other = table()  # another shard or a restarted job: the same rows
+    assert np.array_equal(other.gather(ids[:10].copy()), rows[:10])
+
+
+def test_growth_is_geometric_and_slack_small():
+    t = table(dim=4)
+    caps = set()
+    for start in range(0, 200_000, 1000):
+        t.slots_of(np.arange(start, start + 1000, dtype=np.int64))
+        caps.add(t.capacity)
+    assert len(caps) < 40  # geometric, not one resize per batch
+    assert t.capacity <= 1.21 * t.used + 1
+    assert np.array_equal(t.find(np.array([5, 199_999, 10**9], np.int64))[:2], t.slots_of(np.array([5, 199_999])))
+    assert t.find(np.array([10**9], np.int64))[0] == -1
+
+
+def test_coalesce_sums_duplicates():
+    slots = np.array([3, 1, 3, 3, 0], np.int64)
+    rows = np.arange(10, dtype=np.float32).reshape(5, 2)
+    u, s = coalesce(slots, rows)
+    assert u.tolist() == [0, 1, 3]
+    assert s.tolist() == [[8, 9], [2, 3], [0 + 4 + 6, 1 + 5 + 7]]
+
+
+@pytest.mark.parametrize("opt", [SGD(lr=0.1), SGD(lr=0.1, momentum=0.9), AdaGrad(lr=0.05, lr_decay=0.01,
+                                                                                  initial_accumulator_value=0.1),
+                                 Adam(lr=0.01)])
+def test_steps_touch_only_the_pushed_rows(opt):
+    t = table(optimizer=opt)
+    t.gather(np.arange(100, dtype=np.int64))
+    before = t.param[:100].copy()
+    slots, grads = t.push(np.array([5, 7, 5], np.int64), np.ones((3, 8), np.float32))
+    t.apply(slots, grads, 0.5)
+    changed = np.flatnonzero(np.any(t.param[:100] != before, axis=1))
+    assert changed.tolist() == [5, 7] and t.version == 1
+    if isinstance(opt, AdaGrad):
+        assert t.slots["sum"][0, 0] == pytest.approx(0.1) and t.slots["sum"][5, 0] == pytest.approx(0.1 + 1.0)
+
+
+def test_set_missing_keeps_existing_rows():
+    t = table(num_rows=10)
+    t.gather(np.array([1], np.int64))
+    first = t.param[0].copy()
+    t.set_missing(np.arange(10, dtype=np.int64), np.full((10, 8), 7.0, np.float32))
+    got = t.gather(np.arange(10, dtype=np.int64))
+    assert np.array_equal(got[1], first) and np.all(got[[0, *range(2, 10)]] == 7.0)
+
+
+def test_memory_is_reported_and_specs_are_checked():
+    t = table()
+    t.gather(np.arange(1000, dtype=np.int64))
+    mem = t.memory()
+    assert mem["rows"] == t.capacity * 8 * 4 and mem["slots"] == 0 and mem["index"] > 0
+    with pytest.raises(ConfigError, match="SparseAdam"):
+        TableSpec(dim=4, dtype=np.dtype(np.float32), optimizer=Adam(weight_decay=0.1))
+    with pytest.raises(ConfigError):
+        TableSpec(dim=0, dtype=np.dtype(np.float32), optimizer=SGD())

@@ -1,0 +1,63 @@
+"""Exactness: two sync workers, each on half of every batch, end with single-process torch's rows and weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+WORKER = Path(__file__).with_name("_embed_worker.py")
+
+
+def test_two_sync_workers_match_torch_sparse_adagrad(shards, tmp_path):
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from _embed_worker import batch, loss_of
+    finally:
+        sys.path.pop(0)
+    vocab, dim, bag, size, steps, lr = 200, 16, 4, 64, 30, 0.05
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(vocab, dim, sparse=True)
+    head = torch.nn.Linear(dim, 1)
+    w0, b0 = head.weight.detach()[0].clone(), head.bias.detach().clone()
+    np.savez(tmp_path / "init.npz", emb=emb.weight.detach().numpy(), w=w0.numpy(), b=b0.numpy())
+    # The reference: one process, the whole batch, nn.Embedding(sparse=True) and torch.optim.Adagrad.
+    w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+    opt = torch.optim.Adagrad([emb.weight, w, b], lr=lr)
+    for step in range(steps):
+        ids, labels = batch(step, size, bag, vocab)
+        opt.zero_grad()
+        loss_of(emb(torch.from_numpy(ids.reshape(-1))), w, b, torch.from_numpy(labels), bag).backward()
+        opt.step()
+
+    group = shards(2, workers=2, mode="sync")
+    out = tmp_path / "final.npz"
+    common = dict(servers=group.endpoints, workers=2, bag=bag, size=size, vocab=vocab, steps=steps, lr=lr,
+                  init=str(tmp_path / "init.npz"), out=str(out))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), json.dumps({**common, "rank": r})], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    got = np.load(out)
+    touched = np.unique(np.concatenate([batch(s, size, bag, vocab)[0].reshape(-1) for s in range(steps)]))
+    assert len(touched) > 20
+    for name, ref in (("emb", emb.weight), ("w", w), ("b", b)):
+        expected = ref.detach().numpy()
+        scale = float(np.max(np.abs(expected)))
+        np.testing.assert_allclose(got[name], expected, rtol=1e-4, atol=1e-4 * scale, err_msg=name)
+    assert not np.allclose(got["emb"][touched], np.load(tmp_path / "init.npz")["emb"][touched])

@@ -1,0 +1,148 @@
+"""The row kernels (psrt.rowkernels) against their NumPy twins (psrt.reference), and their validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from psrt import reference, rowkernels
+from psrt.errors import KernelArgumentError, KernelTypeError
+
+DTYPES = [np.float32, np.float64]
+RTOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
+
+
+def close(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_allclose(a, b, rtol=RTOL[a.dtype], atol=RTOL[a.dtype])
+
+
+def setup(dtype, rows=50, dim=7, n=20, seed=0):
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal((rows, dim)).astype(dtype)
+    slots = rng.choice(rows, n, replace=False).astype(np.int64)
+    grad = rng.standard_normal((n, dim)).astype(dtype)
+    return rng, table, slots, grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_and_scatter_add_with_duplicates(dtype):
+    rng, table, _, _ = setup(dtype)
+    slots = rng.integers(0, 50, 200).astype(np.int64)  # many repeats
+    out = np.empty((200, 7), dtype)
+    rowkernels.gather_rows(table, slots, out)
+    close(out, reference.gather_rows(table, slots))
+    dst, ref = table.copy(), table.copy()
+    src = rng.standard_normal((200, 7)).astype(dtype)
+    rowkernels.scatter_add_rows(dst, slots, src)
+    reference.scatter_add_rows(ref, slots, src)
+    close(dst, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [1, 7, 64])
+def test_row_optimizers_match_their_twins_and_touch_only_their_rows(dtype, dim):
+    rng, table, slots, grad = setup(dtype, dim=dim)
+    untouched = np.setdiff1d(np.arange(50), slots)
+    cases = [
+        (rowkernels.sgd_rows, reference.sgd_rows, 0, dict(lr=0.1, scale=0.5, weight_decay=0.01)),
+        (rowkernels.momentum_rows, reference.momentum_rows, 1,
+         dict(lr=0.1, momentum=0.9, scale=0.5, weight_decay=0.01, nesterov=True)),
+        (rowkernels.adagrad_rows, reference.adagrad_rows, 1, dict(lr=0.1, eps=1e-10, scale=0.5)),
+        (rowkernels.adam_rows, reference.adam_rows, 2, dict(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, step=3,
+                                                            scale=0.5)),
+    ]
+    for fast, slow, nslots, kw in cases:
+        p1, p2 = table.copy(), table.copy()
+        s1 = [np.abs(rng.standard_normal(table.shape)).astype(dtype) for _ in range(nslots)]
+        s2 = [s.copy() for s in s1]
+        for _ in range(2):
+            fast(p1, *s1, slots, grad, **kw)
+            slow(p2, *s2, slots, grad, **kw)
+        close(p1, p2)
+        for a, b in zip(s1, s2):
+            close(a, b)
+        assert np.array_equal(p1[untouched], table[untouched])
+
+
+def test_adagrad_rows_is_torch_sparse_adagrad():
+    torch = pytest.importorskip("torch")
+    rng, table, _, _ = setup(np.float32, rows=30, dim=5)
+    ids = rng.integers(0, 30, 40)
+    grads = rng.standard_normal((40, 5)).astype(np.float32)
+    emb = torch.nn.Embedding(30, 5, sparse=True)
+    emb.weight.data[:] = torch.from_numpy(table)
+    opt = torch.optim.Adagrad(emb.parameters(), lr=0.05)
+    param, acc = table.copy(), np.zeros_like(table)
+    for _ in range(3):
+        opt.zero_grad()
+        emb(torch.from_numpy(ids)).backward(torch.from_numpy(grads))
+        opt.step()
+        uniq, inv = np.unique(ids, return_inverse=True)
+        coalesced = np.zeros((len(uniq), 5), np.float32)
+        rowkernels.scatter_add_rows(coalesced, inv.astype(np.int64), grads)
+        rowkernels.adagrad_rows(param, acc, uniq.astype(np.int64), coalesced, 0.05, 1e-10)
+    np.testing.assert_allclose(param, emb.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_index_find_inserts_once_and_finds_again():
+    cap = 64
+    keys, vals = np.zeros(cap, np.int64), np.full(cap, -1, np.int64)
+    row_ids = np.empty(40, np.int64)
+    ids = np.array([5, -3, 2**62, 5, 7, -3], np.int64)
+    out = np.empty(len(ids), np.int64)
+    used = rowkernels.index_find(keys, vals, ids, out, row_ids, 0, True)
+    assert used == 4 and out.tolist() == [0, 1, 2, 0, 3, 1]
+    assert row_ids[:4].tolist() == [5, -3, 2**62, 7]
+    out2 = np.empty(3, np.int64)
+    assert rowkernels.index_find(keys, vals, np.array([7, 8, 5], np.int64), out2, row_ids, used, False) == used
+    assert out2.tolist() == [3, -1, 0]
+    with pytest.raises(KernelArgumentError):
+        rowkernels.index_find(keys, vals, np.arange(70, dtype=np.int64), np.empty(70, np.int64), row_ids, 4, True)
+
+
+@pytest.mark.parametrize("kind,a,b", [("zeros", 0, 0), ("uniform", -0.5, 0.5), ("normal", 0.0, 0.1)])
+@pytest.mark.parametrize("dim", [1, 6, 7])
+def test_init_rows_is_a_pure_function_of_seed_and_id(kind, a, b, dim):
+    ids = np.array([0, 1, -1, 2**63 - 1, 12345, 0], np.int64)
+    t = np.empty((len(ids), dim), np.float32)
+    rowkernels.init_rows(t, 0, ids, 7, kind, a, b)
+    close(t, reference.init_rows(ids, dim, np.float32, 7, {"zeros": 0, "uniform": 1, "normal": 2}[kind], a, b))
+    assert np.array_equal(t[0], t[-1])  # same id, same row
+    if kind != "zeros":
+        other = np.empty_like(t)
+        rowkernels.init_rows(other, 0, ids, 8, kind, a, b)
+        assert not np.array_equal(t[:5], other[:5])  # another seed, other rows
+
+
+def test_normal_init_has_the_documented_moments():
+    t = np.empty((20000, 16), np.float64)
+    rowkernels.init_rows(t, 0, np.arange(20000, dtype=np.int64), 1, "normal", 0.0, 0.1)
+    assert abs(t.mean()) < 2e-3 and abs(t.std() - 0.1) < 2e-3
+
+
+def test_shard_of_spreads_strided_ids_evenly():
+    ids = np.arange(0, 4 * 100000, 4, dtype=np.int64)  # id % 4 would put them all on one shard
+    s = rowkernels.shard_of(ids, 4)
+    assert np.array_equal(s, reference.shard_of(ids, 4))
+    counts = np.bincount(s, minlength=4)
+    assert counts.min() > 0.95 * counts.max()
+
+
+def test_wrappers_refuse_what_the_kernels_cannot_check():
+    table = np.zeros((4, 3), np.float32)
+    with pytest.raises(KernelArgumentError, match=r"\[0, 4\)"):
+        rowkernels.gather_rows(table, np.array([4], np.int64), np.empty((1, 3), np.float32))
+    with pytest.raises(KernelTypeError):
+        rowkernels.gather_rows(table, np.array([0], np.int32), np.empty((1, 3), np.float32))
+    with pytest.raises(KernelTypeError):
+        rowkernels.sgd_rows(table, np.array([0], np.int64), np.zeros((1, 3)), 0.1)
+    with pytest.raises(KernelArgumentError):
+        rowkernels.sgd_rows(table, np.array([0], np.int64), np.zeros((1, 2), np.float32), 0.1)
+    ro = table.copy()
+    ro.flags.writeable = False
+    with pytest.raises(KernelArgumentError, match="read-only"):
+        rowkernels.scatter_add_rows(ro, np.array([0], np.int64), np.zeros((1, 3), np.float32))
+    with pytest.raises(KernelArgumentError):
+        rowkernels.adagrad_rows(table, table.copy(), np.array([0], np.int64), np.zeros((1, 3), np.float32),
+                                float("nan"), 1e-10)
