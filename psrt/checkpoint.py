@@ -22,17 +22,35 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import msgpack
 import numpy as np
 
 from psrt import dtypes, optim
 from psrt.config import ServerConfig
+from psrt.embedding import RowTable
 from psrt.errors import ConfigError, PsrtError
 from psrt.store import Entry, Store, WorkerLog
 
-__all__ = ["save", "load_latest", "file_prefix", "Checkpointer", "CheckpointError"]
+__all__ = ["save", "load_latest", "file_prefix", "Checkpointer", "CheckpointError", "Restored", "TableState"]
+
+#: Embedding tables as :meth:`psrt.tables.TableService.state` gives them: (record, arrays) per table, and the
+#: per-table worker sequence numbers.
+TableState = tuple[list[tuple[dict[str, Any], list[np.ndarray]]], list[list[Any]]]
+
+#: Dtypes a checkpoint's table arrays may have.
+_TABLE_DTYPES = {"<f4", "<f8", "<i8"}
+
+
+class Restored(NamedTuple):
+    """A checkpoint read back: the dense store, the metadata, the file, and the embedding tables."""
+
+    store: Store
+    meta: dict[str, Any]
+    path: Path
+    tables: list[RowTable]
+    table_logs: list[list[Any]]
 
 log = logging.getLogger("psrt.checkpoint")
 
@@ -69,7 +87,8 @@ def _arrays_of(store: Store) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
     return keys, arrays
 
 
-def save(store: Store, directory: Path, prefix: str, meta: dict[str, Any]) -> Path:
+def save(store: Store, directory: Path, prefix: str, meta: dict[str, Any],
+         tables: Optional[TableState] = None) -> Path:
     """Write a checkpoint of ``store`` atomically; returns its path.
 
     Parameters
@@ -82,6 +101,8 @@ def save(store: Store, directory: Path, prefix: str, meta: dict[str, Any]) -> Pa
         The shard's file-name prefix (:func:`file_prefix`).
     meta : dict
         More to record (the endpoint, ...), msgpack-able.
+    tables : TableState, optional
+        The shard's embedding tables (:meth:`psrt.tables.TableService.state`).
 
     Raises
     ------
@@ -89,11 +110,17 @@ def save(store: Store, directory: Path, prefix: str, meta: dict[str, Any]) -> Pa
         When the file cannot be written; the previous checkpoints are untouched.
     """
     keys, arrays = _arrays_of(store)
+    table_records, table_logs = tables if tables is not None else ([], [])
+    records = []
+    for record, table_arrays in table_records:
+        flat = [np.ascontiguousarray(a) for a in table_arrays]
+        records.append({**record, "arrays": [[a.dtype.str, int(a.size)] for a in flat]})
+        arrays.extend(flat)
     header = msgpack.packb({
         "format": 1, "created": time.time(), "mode": store.mode, "num_workers": store.num_workers,
         "members": None if store.members is None else sorted(store.members),
         "workers": [[w, log_.session, log_.last_seq] for w, log_ in store.workers.items()],
-        "keys": keys, "meta": meta,
+        "keys": keys, "meta": meta, "tables": records, "table_logs": table_logs,
     }, use_bin_type=True)
     stamp = max((e.version for e in store.entries.values()), default=0)
     final = directory / f"{prefix}-{time.time_ns():020d}-v{stamp}{_SUFFIX}"
@@ -150,7 +177,7 @@ def _verify(data: bytes) -> Optional[str]:
     return None
 
 
-def _restore(data: bytes) -> tuple[Store, dict[str, Any]]:
+def _restore(data: bytes) -> tuple[Store, dict[str, Any], list[RowTable], list[list[Any]]]:
     (hlen,) = struct.unpack_from("<Q", data, len(MAGIC))
     start = len(MAGIC) + 8
     h = msgpack.unpackb(data[start:start + hlen], raw=False, strict_map_key=False)
@@ -179,13 +206,21 @@ def _restore(data: bytes) -> tuple[Store, dict[str, Any]]:
         if k["acc"]:
             entry.acc = take(dtype, k["size"])
         store.entries[(k["name"], k["part"])] = entry
+    tables = []
+    for record in h.get("tables", []):
+        arrays = []
+        for dname, size in record.pop("arrays"):
+            if dname not in _TABLE_DTYPES:
+                raise ValueError(f"table array dtype {dname!r}")
+            arrays.append(take(np.dtype(dname), size))
+        tables.append(RowTable.from_state(record, arrays))
     if offset != len(data) - _TRAILER.size:
         raise ValueError("arrays do not fill the file")
-    return store, h["meta"]
+    return store, h["meta"], tables, h.get("table_logs", [])
 
 
-def load_latest(directory: Path, prefix: str) -> Optional[tuple[Store, dict[str, Any], Path]]:
-    """The newest complete checkpoint of this shard in ``directory``: ``(store, meta, path)``, or None.
+def load_latest(directory: Path, prefix: str) -> Optional[Restored]:
+    """The newest complete checkpoint of this shard in ``directory``, or None.
 
     Files that are torn, corrupt or unreadable are skipped with a warning (an older complete one is used).
 
@@ -207,8 +242,8 @@ def load_latest(directory: Path, prefix: str) -> Optional[tuple[Store, dict[str,
         problem = _verify(data)
         if problem is None:
             try:
-                store, meta = _restore(data)
-                return store, meta, path
+                store, meta, tables, table_logs = _restore(data)
+                return Restored(store, meta, path, tables, table_logs)
             except (ValueError, KeyError, TypeError, PsrtError, msgpack.UnpackException) as exc:
                 problem = f"unreadable ({exc})"
         log.warning("skipping checkpoint %s: %s", path, problem)
@@ -240,27 +275,27 @@ class Checkpointer:
         """Whether the shard has a checkpoint directory."""
         return self.directory is not None
 
-    def restore(self) -> Optional[tuple[Store, Path]]:
+    def restore(self) -> Optional[Restored]:
         """The newest complete checkpoint of this shard, or None (said in the log: the shard starts fresh)."""
         assert self.directory is not None
         found = load_latest(self.directory, self.prefix)
         if found is None:
             log.warning("no checkpoint of this shard (%s*) in %s: starting fresh", self.prefix, self.directory)
             return None
-        store, _meta, path = found
+        store, path = found.store, found.path
         versions = [e.version for e in store.entries.values()]
         self.mode = store.mode
         if self.every:
             self._next = (min(versions, default=0) // self.every + 1) * self.every
-        log.warning("restored %d keys (versions %d..%d) from %s", len(versions), min(versions, default=0),
-                    max(versions, default=0), path)
-        return store, path
+        log.warning("restored %d keys (versions %d..%d) and %d tables from %s", len(versions),
+                    min(versions, default=0), max(versions, default=0), len(found.tables), path)
+        return found
 
-    def save(self, store: Store, pushes: int) -> Path:
+    def save(self, store: Store, pushes: int, tables: Optional[TableState] = None) -> Path:
         """Write a checkpoint now (:func:`save`)."""
         assert self.directory is not None
         started = time.monotonic()
-        path = save(store, self.directory, self.prefix, {"prefix": self.prefix})
+        path = save(store, self.directory, self.prefix, {"prefix": self.prefix}, tables)
         self._time, self._pushes, self._dirty = time.monotonic(), pushes, False
         log.info("checkpoint %s written in %.3fs", path, time.monotonic() - started)
         return path

@@ -18,7 +18,7 @@ counts steps per parameter tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -246,6 +246,45 @@ class RowTable:
     def push(self, ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Slots of a push's ids (rows created on first touch), coalesced: ``(distinct slots, summed rows)``."""
         return coalesce(self.slots_of(ids), grads)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state(self) -> tuple[dict[str, Any], list[np.ndarray]]:
+        """What a checkpoint keeps of the table: a msgpack-able record and its arrays, in order."""
+        spec = self.spec
+        record = {"name": self.name, "dim": spec.dim, "dtype": spec.dtype.str, "optimizer": spec.optimizer.to_wire(),
+                  "init": spec.init, "a": spec.a, "b": spec.b, "seed": spec.seed, "num_rows": spec.num_rows,
+                  "max_rows": self.max_rows, "used": self.used, "version": self.version,
+                  "contributors": sorted(self.round.contributors), "expected": sorted(self.round.expected),
+                  "slots": sorted(self.slots)}
+        arrays = [self.param[:self.used], *(self.slots[n][:self.used] for n in record["slots"]),
+                  self.row_ids[:self.used]]
+        if self.round.slots is not None and self.round.acc is not None:
+            arrays += [self.round.slots, self.round.acc]
+        return record, arrays
+
+    @classmethod
+    def from_state(cls, record: dict[str, Any], arrays: list[np.ndarray]) -> RowTable:
+        """The table a checkpoint's :meth:`state` describes (the id index is rebuilt from the rows' ids)."""
+        spec = TableSpec(dim=record["dim"], dtype=np.dtype(record["dtype"]),
+                         optimizer=optim.from_wire(record["optimizer"]), init=record["init"], a=record["a"],
+                         b=record["b"], seed=record["seed"], num_rows=record["num_rows"])
+        table = cls(spec, record["max_rows"], record["name"])
+        used = record["used"]
+        table._reserve(used)
+        n = len(record["slots"])
+        param, slots, row_ids, round_arrays = arrays[0], arrays[1:1 + n], arrays[1 + n], arrays[2 + n:]
+        table.param[:used] = param.reshape(used, spec.dim)
+        for name, a in zip(record["slots"], slots):
+            table.slots[name][:used] = a.reshape(used, spec.dim)
+        got = np.empty(used, np.int64)
+        table.used = rowkernels.index_find(table._keys, table._vals, np.ascontiguousarray(row_ids), got,
+                                           table.row_ids, 0, True)
+        table.version = record["version"]
+        if round_arrays:
+            table.round.slots, table.round.acc = round_arrays[0], round_arrays[1].reshape(-1, spec.dim)
+            table.round.contributors = set(record["contributors"])
+            table.round.expected = frozenset(record["expected"])
+        return table
 
     # ------------------------------------------------------------------ accounting
     def memory(self) -> dict[str, int]:

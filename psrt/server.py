@@ -98,9 +98,9 @@ class Server:
         self._draining = False
         self._ckpt = checkpoint.Checkpointer(config, self.endpoint)
         self.restored_from: Optional[Path] = None
+        self.tables = tables.TableService(self.store, self._reply, self._error, config.nonfinite)
         if config.restore:
             self._restore()
-        self.tables = tables.TableService(self.store, self._reply, self._error, config.nonfinite)
 
     # ------------------------------------------------------------------ loop
     @property
@@ -113,7 +113,9 @@ class Server:
         found = self._ckpt.restore()
         if found is None:
             return
-        store, path = found
+        store, path = found.store, found.path
+        self.tables.store = store
+        self.tables.restore(found.tables, found.table_logs)
         if (store.mode, store.num_workers) != (self.config.mode, self.config.num_workers):
             log.warning("checkpoint %s was taken in %s mode with W=%d; resuming so (this shard was started with "
                         "%s, W=%d)", path, store.mode, store.num_workers, self.config.mode, self.config.num_workers)
@@ -132,7 +134,7 @@ class Server:
         """
         if not self._ckpt.enabled:
             raise RequestError("no_checkpoint_dir", "this shard was started without --checkpoint-dir")
-        path = self._ckpt.save(self.store, self.counters.pushes)
+        path = self._ckpt.save(self.store, self.counters.pushes, self.tables.state())
         self.counters.checkpoints += 1
         return path
 

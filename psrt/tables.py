@@ -265,6 +265,17 @@ class TableService:
                 return
         self._reply(identity, wire.encode_rows(req.id, req.table, table.version, table.gather(req.ids)))
 
+    # ------------------------------------------------------------------ checkpoints
+    def state(self) -> tuple[list[tuple[dict[str, Any], list[np.ndarray]]], list[list[Any]]]:
+        """Every table's checkpoint record and arrays, and the per-table worker sequence numbers."""
+        logs = [[t, w, log.session, log.last_seq] for (t, w), log in self.logs.items()]
+        return [t.state() for t in self.tables.values()], logs
+
+    def restore(self, tables: list[RowTable], logs: list[list[Any]]) -> None:
+        """Adopt tables and sequence numbers read from a checkpoint."""
+        self.tables = {t.name: t for t in tables}
+        self.logs = {(t, w): WorkerLog(session, seq) for t, w, session, seq in logs}
+
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """Counters and memory of the tables: rows held, bytes of rows, optimizer slots and id index."""

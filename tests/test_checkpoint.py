@@ -53,7 +53,8 @@ def same(x: Store, y: Store) -> None:
 def test_a_checkpoint_restores_everything_exactly(tmp_path):
     s = busy_store()
     path = checkpoint.save(s, tmp_path, "shard-x", {"endpoint": "tcp://h:1"})
-    restored, meta, got = checkpoint.load_latest(tmp_path, "shard-x")
+    restored, meta, got, tables, _ = checkpoint.load_latest(tmp_path, "shard-x")
+    assert tables == []
     assert got == path and meta == {"endpoint": "tcp://h:1"}
     same(s, restored)
     # It goes on exactly as the original: the round in progress completes the same way in both.
@@ -298,3 +299,27 @@ def test_psrt_checkpoint_asks_every_shard_of_a_running_job(tmp_path):
             assert checkpoint.load_latest(tmp_path, path.name.rsplit("-", 2)[0]) is not None
     finally:
         stop_children(children)
+
+
+def test_checkpoints_include_embedding_tables(tmp_path, shards):
+    group = shards(1, workers=1, extra=("--checkpoint-dir", str(tmp_path)))
+    ids = np.array([5, 17, 5, 123_456_789, 2], np.int64)
+    with psrt.Client(group.endpoints) as c:
+        c.init_embedding("items", dim=8, optimizer=psrt.AdaGrad(lr=0.1))
+        for step in range(3):
+            c.push_rows("items", ids, np.full((len(ids), 8), 0.5 + step, np.float32))
+        before = c.pull_rows("items", ids)
+        (path,) = c.checkpoint()
+    group.close()
+    from psrt.server import Server
+
+    server = Server(ServerConfig(bind=group.endpoints[0], num_workers=1, checkpoint_dir=str(tmp_path), restore=True))
+    try:
+        assert server.restored_from == Path(path)
+        table = server.tables.tables["items"]
+        assert table.used == 4 and table.version == 3
+        np.testing.assert_array_equal(table.gather(ids), before)
+        assert set(table.slots) == {"sum"} and np.all(table.slots["sum"][:table.used] > 0)
+        assert server.tables.logs  # the per-table sequence numbers came back too: no push applied twice
+    finally:
+        server.close()
