@@ -40,7 +40,7 @@ __all__ = ["save", "load_latest", "file_prefix", "Checkpointer", "CheckpointErro
 TableState = tuple[list[tuple[dict[str, Any], list[np.ndarray]]], list[list[Any]]]
 
 #: Dtypes a checkpoint's table arrays may have.
-_TABLE_DTYPES = {"<f4", "<f8", "<i8"}
+_TABLE_DTYPES = {*dtypes.BY_WIRE_NAME, np.dtype(np.int64).str}
 
 
 class Restored(NamedTuple):
