@@ -101,6 +101,7 @@ class EmbeddingCalls:
         if tables is None:
             tables = self.__dict__["_row_tables"] = {}
             self.__dict__["_row_seq"] = {}
+            self.__dict__["_row_clock"] = {}
         return tables
 
     def init_embedding(self, name: str, dim: int, optimizer: Optional[optim.Optimizer] = None, *,
@@ -238,8 +239,10 @@ class EmbeddingCalls:
             key = _RowKey(name, shard, lo, hi)
             mine = sorted_ids[lo:hi]
             version = self._calls.versions.get(key.key, 0)
-            self._calls.send(handle, shard, [key], lambda rid, i=mine, v=version: wire.encode_pull_rows(
-                rid, self._rank, name, v, i), lambda rid, i=mine: wire.encode_pull_rows(rid, self._rank, name, 0, i))
+            clock = self.__dict__["_row_clock"].get(name, 0)
+            self._calls.send(handle, shard, [key], lambda rid, i=mine, v=version, c=clock: wire.encode_pull_rows(
+                rid, self._rank, name, v, i, c), lambda rid, i=mine, c=clock: wire.encode_pull_rows(
+                rid, self._rank, name, 0, i, c))
         return handle
 
     def push_rows(self, name: str, ids: Any, grads: Any, timeout: Optional[float] = None) -> None:
@@ -271,10 +274,12 @@ class EmbeddingCalls:
             a, g = a[order], g[order]
         handle = Handle(self._calls, "push_rows", None)
         seqs = self.__dict__["_row_seq"].setdefault(name, [0] * len(self.servers))
+        clocks = self.__dict__["_row_clock"]
+        clock = clocks[name] = clocks.get(name, 0) + 1  # ssp: this worker's pushes to the table, this one too
         for shard in range(len(self.servers)):
             lo, hi = int(offsets[shard]), int(offsets[shard + 1])
             seq = seqs[shard]
             seqs[shard] += 1
             self._calls.send(handle, shard, [_RowKey(name, shard, lo, hi)], lambda rid, q=seq, i=a[lo:hi],
-                             r=g[lo:hi]: wire.encode_push_rows(rid, self._rank, self._session, q, name, i, r))
+                             r=g[lo:hi]: wire.encode_push_rows(rid, self._rank, self._session, q, name, i, r, clock))
         return handle

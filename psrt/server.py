@@ -99,6 +99,7 @@ class Server:
         self._ckpt = checkpoint.Checkpointer(config, self.endpoint)
         self.restored_from: Optional[Path] = None
         self.tables = tables.TableService(self.store, self._reply, self._error, config.nonfinite)
+        self.tables.staleness = config.staleness
         if config.restore:
             self._restore()
 
@@ -152,6 +153,7 @@ class Server:
         """Adopt W, the mode and the staleness bound the scheduler's table gives (before serving)."""
         self.config = dataclasses.replace(self.config, num_workers=num_workers, mode=mode, staleness=staleness)
         self.store.set_job(mode, num_workers)
+        self.tables.staleness = staleness
 
     def serve(self, control: Optional[SchedulerLink] = None) -> None:
         """Serve requests until :meth:`stop` is called or, with ``control``, the scheduler ends the job."""

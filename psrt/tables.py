@@ -96,6 +96,9 @@ class TableService:
         self._deferred: dict[tuple[str, int], deque[tuple[bytes, wire.PushRowsRequest]]] = {}
         self._waiting: dict[str, list[tuple[bytes, wire.PullRowsRequest]]] = {}
         self.pushes = self.pulls = self.rounds = 0
+        #: ``ssp``: how many pushes a worker may run ahead of the slowest (set with the job's mode).
+        self.staleness = 0
+        self._clocks: dict[str, dict[int, int]] = {}  # ssp: per table, each worker's latest applied clock
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, identity: bytes, req: RowRequest) -> None:
@@ -191,6 +194,9 @@ class TableService:
         self.pushes += 1
         if not self.store.rounds:
             table.apply(slots, grads, 1.0)
+            if self.store.mode == "ssp":
+                clocks = self._clocks.setdefault(req.table, {})
+                clocks[req.worker] = max(clocks.get(req.worker, 0), req.clock)
             self._reply(identity, wire.encode_ack(req.id, [table.version], False))
             self._completed(req.table, table)
             return
@@ -219,11 +225,11 @@ class TableService:
     def _completed(self, name: str, table: RowTable) -> None:
         """A step was applied: answer the pulls it completes, admit pushes that can now join."""
         waiting = self._waiting.pop(name, [])
-        still = [(i, r) for i, r in waiting if r.min_version > table.version]
+        still = [(i, r) for i, r in waiting if not self._ready(name, table, r)]
         if still:
             self._waiting[name] = still
         for identity, req in waiting:
-            if req.min_version <= table.version:
+            if self._ready(name, table, req):
                 self._answer(identity, table, req)
         for key in [k for k in self._deferred if k[0] == name]:
             queue = self._deferred.get(key)
@@ -240,6 +246,8 @@ class TableService:
         for name, table in self.tables.items():
             if table.round.contributors and self._round_done(table):
                 self._step_round(name, table)
+            elif self.store.mode == "ssp":
+                self._completed(name, table)  # the slowest worker may have been the one that left
 
     # ------------------------------------------------------------------ pull
     def _pull(self, identity: bytes, req: wire.PullRowsRequest) -> None:
@@ -251,10 +259,19 @@ class TableService:
             raise Refused("version", f"pull of table {req.table!r} asks for version {req.min_version} but it is "
                                      f"at {table.version}; no push of this worker will produce it")
         self.pulls += 1
-        if req.min_version <= table.version:
+        if self._ready(req.table, table, req):
             self._answer(identity, table, req)
         else:
             self._waiting.setdefault(req.table, []).append((identity, req))
+
+    def _ready(self, name: str, table: RowTable, req: wire.PullRowsRequest) -> bool:
+        """Whether a pull can be answered: its version is there (sync), or (ssp) every worker's pushes to the
+        table have reached the pull's clock minus the staleness bound."""
+        if self.store.mode != "ssp":
+            return req.min_version <= table.version
+        clocks = self._clocks.get(name, {})
+        workers = self.store.members if self.store.members is not None else range(self.store.num_workers)
+        return min((clocks.get(w, 0) for w in workers), default=0) >= req.clock - self.staleness
 
     def _answer(self, identity: bytes, table: RowTable, req: wire.PullRowsRequest) -> None:
         if not table.room_for(len(req.ids)):

@@ -16,10 +16,10 @@ from psrt.store import Store
 WORKER = str(Path(__file__).with_name("_ssp_worker.py"))
 
 
-def run_pair(shards, staleness: int, steps: int = 16) -> tuple[dict, dict]:
+def run_pair(shards, staleness: int, steps: int = 16, what: str = "dense") -> tuple[dict, dict]:
     group = shards(1, workers=2, mode="ssp", extra=("--staleness", str(staleness)))
     # Worker 0 is fast (no pause between steps), worker 1 slow (0.1 s).
-    procs = [subprocess.Popen([sys.executable, WORKER, group.endpoints[0], str(r), "2", str(steps), str(pause)],
+    procs = [subprocess.Popen([sys.executable, WORKER, group.endpoints[0], str(r), "2", str(steps), str(pause), what],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r, pause in ((0, 0.0), (1, 0.1))]
     out = []
@@ -30,9 +30,10 @@ def run_pair(shards, staleness: int, steps: int = 16) -> tuple[dict, dict]:
     return out[0], out[1]
 
 
+@pytest.mark.parametrize("what", ["dense", "rows"])
 @pytest.mark.parametrize("staleness", [2, 0])
-def test_a_fast_worker_runs_at_most_staleness_pushes_ahead(shards, staleness):
-    fast, slow = run_pair(shards, staleness)
+def test_a_fast_worker_runs_at_most_staleness_pushes_ahead(shards, staleness, what):
+    fast, slow = run_pair(shards, staleness, what=what)
     steps = len(fast["after"])
     for i in range(staleness, steps):
         # The fast worker's push_pull at clock i+1 returned only after the slow one had sent push i+1-staleness.

@@ -47,8 +47,8 @@ _INITS = ("zeros", "uniform", "normal")
 REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "init_table": frozenset({"v", "op", "id", "worker", "table", "dim", "dtype", "optimizer", "init", "a", "b",
                              "seed", "num_rows", "count"}),
-    "push_rows": frozenset({"v", "op", "id", "worker", "session", "seq", "table", "dim", "dtype", "count"}),
-    "pull_rows": frozenset({"v", "op", "id", "worker", "table", "min_version", "count"}),
+    "push_rows": frozenset({"v", "op", "id", "worker", "session", "seq", "clock", "table", "dim", "dtype", "count"}),
+    "pull_rows": frozenset({"v", "op", "id", "worker", "table", "min_version", "clock", "count"}),
 }
 _ROWS = frozenset({"v", "op", "id", "table", "dim", "dtype", "count", "version"})
 
@@ -91,6 +91,8 @@ class PushRowsRequest(_Rows):
     session: int
     seq: int
     grads: np.ndarray
+    #: ``ssp``: the worker's count of pushes to this table, this one included.
+    clock: int = 0
     op: ClassVar[str] = "push_rows"
 
 
@@ -101,6 +103,8 @@ class PullRowsRequest(_Rows):
     id: int
     worker: int
     min_version: int
+    #: ``ssp``: the worker's count of pushes to this table so far.
+    clock: int = 0
     op: ClassVar[str] = "pull_rows"
 
 
@@ -169,11 +173,12 @@ def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLi
         raise ProtocolError(f"op {op!r} with count {count} takes {want} buffer frames, got {len(buffers)}")
     ids = _frame(buffers[0], IDS_DTYPE, count, "ids") if want else np.empty(0, IDS_DTYPE)
     if pull:
-        return PullRowsRequest(table, 0, IDS_DTYPE, ids, rid, worker, uint(h, "min_version"))
+        return PullRowsRequest(table, 0, IDS_DTYPE, ids, rid, worker, uint(h, "min_version"), uint(h, "clock"))
     rows = _frame(buffers[1], dtype, count * dim, "rows").reshape(count, dim) if want == 2 else None
     if op == "push_rows":
         assert rows is not None
-        return PushRowsRequest(table, dim, dtype, ids, rid, worker, uint(h, "session"), uint(h, "seq"), rows)
+        return PushRowsRequest(table, dim, dtype, ids, rid, worker, uint(h, "session"), uint(h, "seq"), rows,
+                               uint(h, "clock"))
     if type(h["optimizer"]) is not dict:
         raise ProtocolError("field 'optimizer' must be a map")
     num_rows = h["num_rows"]
@@ -201,16 +206,18 @@ def encode_init_table(rid: int, worker: int, table: str, dim: int, dtype: np.dty
 
 
 def encode_push_rows(rid: int, worker: int, session: int, seq: int, table: str, ids: np.ndarray,
-                     grads: np.ndarray) -> list[Any]:
+                     grads: np.ndarray, clock: int = 0) -> list[Any]:
     """Frames of a ``push_rows`` request: ids (int64) and ``(len(ids), dim)`` C-contiguous gradient rows."""
-    return encode({"op": "push_rows", "id": rid, "worker": worker, "session": session, "seq": seq, "table": table,
-                   "dim": grads.shape[1], "dtype": dtypes.WIRE_NAMES[grads.dtype], "count": len(ids)}, [ids, grads])
+    return encode({"op": "push_rows", "id": rid, "worker": worker, "session": session, "seq": seq, "clock": clock,
+                   "table": table, "dim": grads.shape[1], "dtype": dtypes.WIRE_NAMES[grads.dtype],
+                   "count": len(ids)}, [ids, grads])
 
 
-def encode_pull_rows(rid: int, worker: int, table: str, min_version: int, ids: np.ndarray) -> list[Any]:
+def encode_pull_rows(rid: int, worker: int, table: str, min_version: int, ids: np.ndarray,
+                     clock: int = 0) -> list[Any]:
     """Frames of a ``pull_rows`` request."""
     return encode({"op": "pull_rows", "id": rid, "worker": worker, "table": table, "min_version": min_version,
-                   "count": len(ids)}, [ids])
+                   "clock": clock, "count": len(ids)}, [ids])
 
 
 def encode_rows(rid: int, table: str, version: int, rows: np.ndarray) -> list[Any]:
