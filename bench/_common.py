@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 import re
+import socket
+import threading
 from typing import Any, Sequence
 
 from psrt.errors import ConfigError
 from psrt.models import parse_size as _parse_units
 from psrt.process import SERVER_READY, Child, psrt_command
 
-__all__ = ["parse_size", "human", "human_bytes", "start_child", "start_server"]
+__all__ = ["parse_size", "human", "human_bytes", "start_child", "start_server", "Relay"]
 
 _BINARY = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -84,3 +86,63 @@ def start_server(workers: int, timeout: float, bind: str = "tcp://127.0.0.1:*", 
     """A ready ``psrt server --bind BIND --workers W --mode MODE`` child (output collected)."""
     cmd = psrt_command("server", "--bind", bind, "--workers", str(workers), "--mode", mode)
     return start_child(cmd, SERVER_READY, timeout, **{"label": "psrt server", **kwargs})
+
+
+class Relay:
+    """A TCP forwarder on 127.0.0.1 that records every byte it passes, each direction apart: to show what an
+    eavesdropper on the link would read (the chaos bench and the security tests use it)."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream[len("tcp://"):].rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.1)
+        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.to_server = bytearray()
+        self.to_client = bytearray()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            up = socket.create_connection(self.upstream, timeout=5)
+            for src, dst, record in ((conn, up, self.to_server), (up, conn, self.to_client)):
+                t = threading.Thread(target=self._pump, args=(src, dst, record), daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, record: bytearray) -> None:
+        src.settimeout(0.1)
+        while not self._stop.is_set():
+            try:
+                data = src.recv(1 << 16)
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            with self._lock:
+                record += data
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Stop forwarding."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(5)
+        self.listener.close()

@@ -46,7 +46,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -58,7 +57,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import zmq
-from _common import start_server
+from _common import Relay, start_server
 
 import psrt
 from psrt.config import ClientConfig, ServerConfig
@@ -480,62 +479,6 @@ def counters(server: Any) -> dict[str, int]:
     c = dataclasses.asdict(server.counters)
     c.pop("started")
     return c
-
-
-class Relay:
-    """A TCP forwarder on 127.0.0.1 recording every byte it passes, each direction apart (as tests/test_security)."""
-
-    def __init__(self, upstream: str) -> None:
-        host, port = upstream[len("tcp://"):].rsplit(":", 1)
-        self.upstream = (host, int(port))
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.listener.settimeout(0.1)
-        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.to_server, self.to_client = bytearray(), bytearray()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except (TimeoutError, socket.timeout):
-                continue
-            up = socket.create_connection(self.upstream, timeout=5)
-            for src, dst, record in ((conn, up, self.to_server), (up, conn, self.to_client)):
-                t = threading.Thread(target=self._pump, args=(src, dst, record), daemon=True)
-                t.start()
-                self._threads.append(t)
-
-    def _pump(self, src: socket.socket, dst: socket.socket, record: bytearray) -> None:
-        src.settimeout(0.1)
-        while not self._stop.is_set():
-            try:
-                data = src.recv(1 << 16)
-            except (TimeoutError, socket.timeout):
-                continue
-            except OSError:
-                break
-            if not data:
-                break
-            record += data
-            try:
-                dst.sendall(data)
-            except OSError:
-                break
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        """Stop forwarding."""
-        self._stop.set()
-        for t in self._threads:
-            t.join(5)
-        self.listener.close()
 
 
 def _intrude(endpoint: str, keys: Optional[Path]) -> tuple[str, float]:

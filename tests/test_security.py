@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -28,6 +27,10 @@ import zmq.auth
 
 import psrt
 from psrt import security
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from _common import Relay  # noqa: E402  (bench/ is not a package; the chaos bench uses the same relay)
+
 from psrt.config import ClientConfig, ServerConfig, WireLimits
 from psrt.scheduler import Scheduler, SchedulerLink
 from psrt.server import Server
@@ -223,64 +226,6 @@ def test_the_scheduler_refuses_an_unkeyed_registration(who, job_keys, other_keys
 
 
 # ---------------------------------------------------------------------------------------------- on the wire
-class Relay:
-    """A TCP forwarder on 127.0.0.1 that records every byte it passes, each direction apart."""
-
-    def __init__(self, upstream: str) -> None:
-        host, port = upstream[len("tcp://"):].rsplit(":", 1)
-        self.upstream = (host, int(port))
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.listener.settimeout(0.1)
-        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.to_server = bytearray()
-        self.to_client = bytearray()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            up = socket.create_connection(self.upstream, timeout=5)
-            for src, dst, record in ((conn, up, self.to_server), (up, conn, self.to_client)):
-                t = threading.Thread(target=self._pump, args=(src, dst, record), daemon=True)
-                t.start()
-                self._threads.append(t)
-
-    def _pump(self, src: socket.socket, dst: socket.socket, record: bytearray) -> None:
-        src.settimeout(0.1)
-        while not self._stop.is_set():
-            try:
-                data = src.recv(1 << 16)
-            except TimeoutError:
-                continue
-            except OSError:
-                break
-            if not data:
-                break
-            with self._lock:
-                record += data
-            try:
-                dst.sendall(data)
-            except OSError:
-                break
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(5)
-        self.listener.close()
-
-
 @pytest.mark.parametrize("secure", [True, False], ids=["curve", "plain"])
 def test_gradients_are_never_readable_on_the_wire_with_keys(secure, job_keys):
     keys = job_keys if secure else None
