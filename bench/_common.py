@@ -11,13 +11,14 @@ import argparse
 import re
 import socket
 import threading
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 from psrt.errors import ConfigError
 from psrt.models import parse_size as _parse_units
 from psrt.process import SERVER_READY, Child, psrt_command
 
-__all__ = ["parse_size", "human", "human_bytes", "start_child", "start_server", "Relay"]
+__all__ = ["parse_size", "human", "human_bytes", "start_child", "start_server", "Relay", "serving"]
 
 _BINARY = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -146,3 +147,20 @@ class Relay:
         for t in self._threads:
             t.join(5)
         self.listener.close()
+
+
+@contextmanager
+def serving(config: Any) -> Iterator[Any]:
+    """An in-process shard (:class:`psrt.server.Server` with ``config``) serving on a thread, so that its counters
+    can be read exactly; stopped and closed on exit."""
+    from psrt.server import Server
+
+    server = Server(config)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        thread.join(10)
+        server.close()

@@ -48,16 +48,14 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import zmq
-from _common import Relay, start_server
+from _common import Relay, serving, start_server
 
 import psrt
 from psrt.config import ClientConfig, ServerConfig
@@ -458,20 +456,9 @@ def vc_ip(*args: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ auth
-@contextmanager
-def serving(keys: Optional[Path]) -> Iterator[Any]:
-    """An in-process shard on a thread, so that its counters can be read exactly."""
-    from psrt.server import Server
-
-    server = Server(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, keys=None if keys is None else str(keys)))
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-        thread.join(10)
-        server.close()
+def keyed_shard(keys: Optional[Path]) -> Any:
+    """An in-process shard on a thread (its counters can be read exactly), with the job's keys or none."""
+    return serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, keys=None if keys is None else str(keys)))
 
 
 def counters(server: Any) -> dict[str, int]:
@@ -519,7 +506,7 @@ def scenario_auth(opts: argparse.Namespace, raw: dict[str, Any]) -> list[Row]:
         shutil.copy(job / "server.key", stolen)
         for name in ("client.key", "client.key_secret"):
             shutil.copy(other / name, stolen)
-        with serving(job) as server:
+        with keyed_shard(job) as server:
             got, _ = _intrude(server.endpoint, job)
             rows.append(Row("auth", "the job's key: init + push_pull", got, "served", got == "served"))
             for who, keys in (("another job's key", other), ("the job's server key, another client pair", stolen),
@@ -541,7 +528,7 @@ def scenario_auth(opts: argparse.Namespace, raw: dict[str, Any]) -> list[Row]:
         seen = {}
         grad = np.arange(4096, dtype=np.float32) * 0.25 + 1000.0
         for keys in (job, None):
-            with serving(keys) as server:
+            with keyed_shard(keys) as server:
                 relay = Relay(server.endpoint)
                 try:
                     with psrt.Client([relay.endpoint],

@@ -29,7 +29,7 @@ import psrt
 from psrt import security
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from _common import Relay  # noqa: E402  (bench/ is not a package; the chaos bench uses the same relay)
+from _common import Relay, serving  # noqa: E402  (bench/ is not a package; the chaos bench uses the same relay)
 
 from psrt.config import ClientConfig, ServerConfig, WireLimits
 from psrt.scheduler import Scheduler, SchedulerLink
@@ -58,20 +58,6 @@ def stolen_server_key(tmp_path: Path, job_keys: Path, other_keys: Path) -> Path:
     for name in ("client.key", "client.key_secret"):
         shutil.copy(other_keys / name, mixed)
     return mixed
-
-
-@contextmanager
-def serving(config: ServerConfig) -> Iterator[Server]:
-    """An in-process shard serving on a thread."""
-    server = Server(config)
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-        thread.join(10)
-        server.close()
 
 
 def counters(server: Server) -> dict[str, int]:
