@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from psrt import dtypes, security, transport, wire
+from psrt.buffers import ReceivePool
 from psrt.calls import Handle, ShardCalls, payload_of
 from psrt.config import ClientConfig, ClusterConfig
 from psrt.embedding_client import EmbeddingCalls
@@ -138,6 +139,7 @@ class Client(EmbeddingCalls):
         self._seq = [0] * len(self.servers)
         self._clock = 0  # pushes so far (ssp: a pull at clock c waits for every worker to reach c - staleness)
         self._plans: dict[tuple[str, ...], dict[int, list[list[Chunk]]]] = {}
+        self._receive = ReceivePool()
         self._closed = False
 
     # ------------------------------------------------------------------ properties
@@ -390,23 +392,8 @@ class Client(EmbeddingCalls):
         return plan
 
     def _outputs(self, names: Iterable[str], out: Optional[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        """Destination arrays: the caller's ``out`` where given (checked), fresh ones elsewhere."""
-        outputs = {}
-        for name in names:
-            spec = self._map.tensors.get(name)
-            if spec is None:
-                raise ConfigError(f"tensor {name!r} was never initialized; call client.init() with it first")
-            shape, dtype = spec
-            given = None if out is None else out.get(name)
-            if given is None:
-                outputs[name] = np.empty(shape, dtype)
-                continue
-            if not isinstance(given, np.ndarray) or given.shape != shape or given.dtype != dtype:
-                raise ConfigError(f"out[{name!r}] must be a numpy array of shape {shape} and dtype {dtype}")
-            if not given.flags.c_contiguous or not given.flags.writeable:
-                raise ConfigError(f"out[{name!r}] must be C-contiguous and writable")
-            outputs[name] = given
-        return outputs
+        """Destination arrays: the caller's ``out`` where given (checked), else reused or fresh ones."""
+        return self._receive.outputs(names, self._map.tensors, out)
 
     def _push(self, grads: Mapping[str, Any], op: str, out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:
         self._check_open()
