@@ -1,7 +1,7 @@
 """Where pulled parameters land: the caller's own arrays (``out=``), or arrays psrt reuses once they are free.
 
 A pull or push_pull without ``out=`` returns arrays the client allocated. Writing a fresh multi-megabyte array
-costs a page fault per 4 KiB page, so the client keeps the arrays it returned (at most :data:`POOL_SIZE` per
+costs a page fault per 4 KiB page, so the client keeps the arrays it returned last (at most :data:`POOL_SIZE` per
 tensor) and receives into one again once **nothing but the pool refers to it**: no variable, container, view,
 memoryview or pending handle of the caller's. The caller never sees an array it still holds change; a loop that
 rebinds ``params = client.push_pull(grads)`` alternates between two arrays whose pages are touched only once.
@@ -64,6 +64,7 @@ class ReceivePool:
             if sys.getrefcount(a) <= _POOL_ONLY:
                 return a
         a = np.empty(shape, dtype)
-        if len(pool) < POOL_SIZE:
-            pool.append(a)
+        if len(pool) == POOL_SIZE:
+            pool.pop(0)  # every pooled array is still the caller's: let the oldest go (the caller keeps it)
+        pool.append(a)
         return a

@@ -329,7 +329,8 @@ class Server:
     def _pull(self, identity: bytes, req: wire.PullRequest) -> None:
         want: dict[Key, int] = {}
         keys: list[Key] = []
-        queued = len(self._deferred.get(req.worker, ()))
+        deferred = self._deferred.get(req.worker, ())
+        queued = len(deferred)
         for pk in req.keys:
             entry = self._entry(pk.key)
             if pk.min_version > self.store.reachable(entry, queued):
@@ -339,7 +340,13 @@ class Server:
                     f"{entry.version}; no push of this worker will produce it",
                 )
             keys.append(pk.key)
-            want[pk.key] = max(want.get(pk.key, 0), pk.min_version)
+            # This worker's pushes reached the shard before this pull (one socket keeps their order), even when
+            # their acks have not reached the worker yet: in sync mode the pull waits for the rounds they joined.
+            mine = 0
+            if self.store.rounds:
+                mine = self.store.targets(req.worker, [entry])[0] + sum(1 for _, r, _ in deferred
+                                                                         if pk.key in r.keys())
+            want[pk.key] = max(want.get(pk.key, 0), pk.min_version, mine)
         self.counters.pulls += 1
         if self.config.mode == "ssp":
             self._wait_for_clock(identity, req.id, keys, req.clock)

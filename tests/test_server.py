@@ -134,15 +134,17 @@ def test_sync_round_waits_for_all_workers_and_queues_early_pushes(shards):
         b.init({"w": np.ones(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))  # first init wins: zeros
         a.push({"w": np.full(4, 2.0, np.float32)})        # round 1: accumulated, not applied
         early = a.push_pull_async({"w": np.full(4, 10.0, np.float32)})  # round 2: queued behind round 1
-        pending_pull = a.pull_async()                      # wants round 1's result
+        pending_pull = a.pull_async()                      # after a's pushes: wants the round its last one joins
         assert not pending_pull.done()
         with pytest.raises(psrt.ShardTimeoutError):
             a.pull(timeout=0.3)
         stats = a.stats()[0]
         assert stats["deferred_pushes"] == 1 and stats["queued_pulls"] >= 1
         b.push({"w": np.full(4, 4.0, np.float32)})        # completes round 1: w = -(2+4)/2 = -3
-        np.testing.assert_array_equal(pending_pull.wait()["w"], np.full(4, -3.0, np.float32))
+        assert b.pull()["w"].tolist() == [-3.0] * 4        # b's pushes are all in round 1
+        assert not pending_pull.done()                     # a's round-2 push is not applied yet
         b.push({"w": np.full(4, 0.0, np.float32)})        # completes round 2: w = -3 - (10+0)/2 = -8
+        np.testing.assert_array_equal(pending_pull.wait()["w"], np.full(4, -8.0, np.float32))
         np.testing.assert_array_equal(early.wait()["w"], np.full(4, -8.0, np.float32))
         np.testing.assert_array_equal(b.pull()["w"], np.full(4, -8.0, np.float32))
         assert a.stats()[0]["rounds"] == 2
@@ -361,3 +363,17 @@ def test_pull_into_caller_arrays(shards):
             ro = np.zeros(50_000, np.float32)
             ro.setflags(write=False)
             c.pull(out={"a": ro})
+
+
+def test_a_pull_right_after_an_unacknowledged_push_waits_for_its_round(shards):
+    """push_async then pull_async at once, before the ack is back: the pull still includes this worker's push."""
+    group = shards(1, workers=2)
+    with psrt.Client(group.endpoints, rank=0, num_workers=2) as a, \
+            psrt.Client(group.endpoints, rank=1, num_workers=2) as b:
+        for c in (a, b):
+            c.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        a.push_async({"w": np.full(4, 2.0, np.float32)})
+        pulled = a.pull_async()  # sent before a has seen its push's ack
+        assert not pulled.done()  # the round waits for worker 1
+        b.push({"w": np.full(4, 4.0, np.float32)})
+        np.testing.assert_array_equal(pulled.wait(timeout=20)["w"], np.full(4, -3.0, np.float32))
