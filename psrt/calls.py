@@ -34,15 +34,16 @@ log = logging.getLogger("psrt.client")
 Key = tuple[str, int]
 
 
-def payload_of(chunks: list[Chunk], arrays: Mapping[str, np.ndarray],
-               compress: Optional[str] = None) -> tuple[list[list[Any]], list[np.ndarray]]:
+def payload_of(chunks: list[Chunk], arrays: Mapping[str, np.ndarray], compress: Optional[str] = None,
+               residuals: Optional[compression.Residuals] = None) -> tuple[list[list[Any]], list[np.ndarray]]:
     """The header entries of a message's chunks and their bytes: views of the caller's arrays (no copy), or with
-    ``compress``, 16-bit copies of float32 gradients (:mod:`psrt.compression`)."""
+    ``compress``, compressed copies of float32 gradients (:mod:`psrt.compression`; ``residuals``: top-k's
+    error feedback by chunk key, updated here)."""
     entries = [wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)) for c in chunks]
     payload = [arrays[c.name].reshape(-1)[c.start:c.start + c.count] for c in chunks]
     if compress is not None:
         for i, chunk in enumerate(payload):
-            packed = compression.encode(compress, chunk)
+            packed = compression.encode(compress, chunk, residuals, (chunks[i].name, chunks[i].part))
             if packed is not None:  # else the chunk goes at full precision (float64, or out of fp16's range)
                 entries[i][2], payload[i] = packed
     return entries, payload

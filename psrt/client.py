@@ -137,6 +137,7 @@ class Client(EmbeddingCalls):
         # A fresh session per client: a restarted worker's sequence numbers are not mistaken for replays.
         self._session = secrets.randbits(63)
         self._seq = [0] * len(self.servers)
+        self._residuals: dict = {}  # top-k compression: what earlier pushes left out, by chunk key
         self._clock = 0  # pushes so far (ssp: a pull at clock c waits for every worker to reach c - staleness)
         self._plans: dict[tuple[str, ...], dict[int, list[list[Chunk]]]] = {}
         self._receive = ReceivePool()
@@ -421,7 +422,7 @@ class Client(EmbeddingCalls):
             for msg in messages:
                 seq = self._seq[shard]
                 self._seq[shard] += 1
-                entries, payload = payload_of(msg, arrays, self.config.compression)
+                entries, payload = payload_of(msg, arrays, self.config.compression, self._residuals)
                 self._calls.send(handle, shard, msg, lambda rid, q=seq, e=entries, p=payload: wire.encode_push(
                     rid, self._rank, self._session, q, e, p, pull, clock))
         return handle

@@ -9,21 +9,45 @@ fp16 holds magnitudes up to 65504 and rounds away those below about 6e-8: a chun
 range, or one that fp16 would turn into a NaN or Inf, is sent as float32 instead (never silently as Inf), and
 the push says so per chunk through its dtype name. bf16 has float32's range and 8 bits of mantissa.
 float64 tensors are never compressed.
+
+``"topk:RATIO"`` (0 < RATIO <= 1, e.g. ``"topk:0.01"``) sparsifies instead: for each float32 chunk the client
+adds the chunk's error-feedback residual (what earlier pushes left out) to the gradient, sends the
+``k = ceil(RATIO * count)`` entries of largest magnitude of that sum, and keeps the rest as the new residual, so
+every entry travels eventually. The wire dtype name is ``topk`` (pushes only) and the entry's shape is the chunk's
+dense shape; its one frame holds ``k`` little-endian int32 indices, strictly increasing (so never duplicated) and
+below the chunk's count, followed by the ``k`` float32 values: ``8 * k`` bytes, ``k <= count``. A frame that
+breaks any of this is refused by the shard's decoder before anything changes (:func:`check_frame`). The shard
+widens it to a dense float32 gradient (zeros elsewhere), so sync accumulation and every optimizer treat it
+exactly like an uncompressed gradient. A chunk whose gradient plus residual holds a NaN or Inf is sent dense at
+full precision (the shard's ``nonfinite`` policy judges it) and its residual is dropped.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["CODECS", "WIRE_NAMES", "encode", "decode", "check"]
+from psrt.errors import ProtocolError
+
+__all__ = ["CODECS", "WIRE_NAMES", "TOPK", "encode", "decode", "check", "check_frame", "topk_ratio"]
 
 #: The compressions a client can ask for, and the wire dtype name of each.
 WIRE_NAMES: dict[str, str] = {"fp16": "<f2", "bf16": "bf16"}
 
 #: Wire dtype name -> compression (the shard's allow-list for gradients).
 CODECS: dict[str, str] = {name: codec for codec, name in WIRE_NAMES.items()}
+
+#: Wire dtype name (and encoding) of a top-k sparsified gradient chunk.
+TOPK = "topk"
+CODECS[TOPK] = TOPK
+
+#: Residuals of top-k compression, by chunk key ``(name, part)``: what earlier pushes left out.
+Residuals = dict[Any, np.ndarray]
+
+_INDEX = np.dtype("<i4")
+_VALUE = np.dtype(np.float32).newbyteorder("<")
 
 _FP16_MAX = float(np.finfo(np.float16).max)
 
@@ -38,18 +62,44 @@ def check(compression: Optional[str]) -> Optional[str]:
     """
     if compression in (None, "", "none"):
         return None
+    if isinstance(compression, str) and compression.startswith(TOPK + ":"):
+        topk_ratio(compression)
+        return compression
     if compression not in WIRE_NAMES:
-        raise ValueError(f"compression must be one of {sorted(WIRE_NAMES)} (or none), got {compression!r}")
+        raise ValueError(f"compression must be one of {sorted(WIRE_NAMES)} or 'topk:RATIO' with 0 < RATIO <= 1 "
+                         f"(or none), got {compression!r}")
     return compression
 
 
-def encode(compression: str, chunk: np.ndarray) -> Optional[tuple[str, np.ndarray]]:
-    """The wire dtype name and 16-bit payload of a float32 ``chunk``, or None to send it as it is.
+def topk_ratio(compression: str) -> float:
+    """The RATIO of ``"topk:RATIO"``.
 
-    None for a chunk that is not float32, or (fp16) that holds a value fp16 cannot carry.
+    Raises
+    ------
+    ValueError
+        Unless RATIO is a number in (0, 1].
+    """
+    try:
+        ratio = float(compression[len(TOPK) + 1:])
+    except ValueError:
+        ratio = math.nan
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"compression must be one of {sorted(WIRE_NAMES)} or 'topk:RATIO' with 0 < RATIO <= 1, "
+                         f"got {compression!r}")
+    return ratio
+
+
+def encode(compression: str, chunk: np.ndarray, residuals: Optional[Residuals] = None,
+           key: Any = None) -> Optional[tuple[str, np.ndarray]]:
+    """The wire dtype name and payload of a float32 ``chunk``, or None to send it as it is.
+
+    None for a chunk that is not float32, or (fp16) that holds a value fp16 cannot carry. For ``topk:RATIO``,
+    ``residuals[key]`` is the chunk's error-feedback residual, read and replaced here (no ``residuals``: none).
     """
     if chunk.dtype != np.float32 or chunk.size == 0:
         return None
+    if compression.startswith(TOPK):
+        return _encode_topk(topk_ratio(compression), chunk, residuals, key)
     if compression == "fp16":
         peak = float(np.max(np.abs(chunk)))
         if not peak <= _FP16_MAX:  # also catches NaN: it is refused by the shard at full precision
@@ -64,8 +114,57 @@ def encode(compression: str, chunk: np.ndarray) -> Optional[tuple[str, np.ndarra
     return WIRE_NAMES["bf16"], rounded.astype(np.uint16)
 
 
-def decode(compression: str, buffer: Any) -> np.ndarray:
-    """The float32 values of a received 16-bit payload (a new, writable array)."""
+def _encode_topk(ratio: float, chunk: np.ndarray, residuals: Optional[Residuals],
+                 key: Any) -> Optional[tuple[str, np.ndarray]]:
+    n = chunk.size
+    if n > np.iinfo(_INDEX).max:
+        return None
+    residual = residuals.get(key) if residuals is not None else None
+    total = chunk + residual if residual is not None and residual.size == n else chunk.astype(np.float32)
+    if not np.isfinite(total).all():
+        if residuals is not None:
+            residuals.pop(key, None)
+        return None
+    k = min(n, max(1, math.ceil(ratio * n)))
+    if k == n:
+        index = np.arange(n, dtype=_INDEX)
+    else:
+        index = np.argpartition(np.abs(total), n - k)[n - k:].astype(_INDEX)
+        index.sort()
+    out = np.empty(2 * k, _INDEX)
+    out[:k] = index
+    out.view(_VALUE)[k:] = total[index]
+    if residuals is not None:
+        total[index] = 0.0
+        residuals[key] = total
+    return TOPK, out
+
+
+def check_frame(buffer: Any, count: int) -> None:
+    """Check a top-k frame of a chunk of ``count`` values against the rules in this module's docstring.
+
+    Raises
+    ------
+    ProtocolError
+        Saying what is wrong.
+    """
+    n = len(buffer)
+    if n % 8 or n // 8 > count:
+        raise ProtocolError(f"topk frame has {n} bytes: it must hold k int32 indices and k float32 values "
+                            f"(8 * k bytes) with k <= {count}, the chunk's count")
+    index = np.frombuffer(buffer, _INDEX, n // 8)
+    if index.size and (index[0] < 0 or index[-1] >= count or not bool(np.all(index[1:] > index[:-1]))):
+        raise ProtocolError(f"topk indices must be strictly increasing (no duplicates) and in [0, {count})")
+
+
+def decode(compression: str, buffer: Any, count: int = 0) -> np.ndarray:
+    """The float32 values of a received compressed payload (a new, writable array), ``count`` of them for top-k
+    (zeros where no index names an entry). The buffer must have passed :func:`check_frame`."""
+    if compression == TOPK:
+        k = len(buffer) // 8
+        dense = np.zeros(count, np.float32)
+        dense[np.frombuffer(buffer, _INDEX, k)] = np.frombuffer(buffer, _VALUE, k, offset=4 * k)
+        return dense
     if compression == "fp16":
         return np.frombuffer(buffer, dtype="<f2").astype(np.float32)
     widened = np.frombuffer(buffer, dtype="<u2").astype(np.uint32) << np.uint32(16)

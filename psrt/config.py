@@ -216,7 +216,8 @@ class ClientConfig:
         Seconds a call may wait for a shard (or the scheduler) before the client logs, once, a warning naming
         what it waits for and where; the call itself keeps waiting until ``timeout``.
     compression : str or None
-        ``"fp16"`` or ``"bf16"``: float32 gradients travel as 16-bit floats (:mod:`psrt.compression`);
+        ``"fp16"`` or ``"bf16"``: float32 gradients travel as 16-bit floats; ``"topk:RATIO"`` (0 < RATIO <= 1):
+        only the RATIO largest entries of each chunk travel, the rest kept for later (:mod:`psrt.compression`);
         None (default, or ``PSRT_COMPRESSION`` empty): full precision.
     keys : str or os.PathLike, optional
         The job's key directory: CURVE on every socket. Default: ``PSRT_KEYS``; None or empty: no security.

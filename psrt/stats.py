@@ -16,7 +16,7 @@ from psrt.link import SchedulerLink, Table
 __all__ = ["watch", "format_table", "job_table", "checkpoint_job"]
 
 COLUMNS = ("shard", "keys", "MB", "pushes", "pulls", "rounds", "queued", "deferred", "errors", "MB/s in",
-           "MB/s out")
+           "MB/s out", "MB in", "kB in/push")
 
 
 def format_table(rows: list[dict[str, Any]], previous: Optional[list[dict[str, Any]]], seconds: float) -> str:
@@ -27,7 +27,8 @@ def format_table(rows: list[dict[str, Any]], previous: Optional[list[dict[str, A
         rate_in = (r["bytes_in"] - prev["bytes_in"]) / seconds / 1e6 if prev and seconds > 0 else 0.0
         rate_out = (r["bytes_out"] - prev["bytes_out"]) / seconds / 1e6 if prev and seconds > 0 else 0.0
         cells = [r["endpoint"], r["keys"], f"{r['param_bytes'] / 1e6:.1f}", r["pushes"], r["pulls"], r["rounds"],
-                 r["queued_pulls"], r["deferred_pushes"], r["errors"], f"{rate_in:.1f}", f"{rate_out:.1f}"]
+                 r["queued_pulls"], r["deferred_pushes"], r["errors"], f"{rate_in:.1f}", f"{rate_out:.1f}",
+                 f"{r['bytes_in'] / 1e6:.1f}", f"{r['bytes_in'] / max(1, r['pushes']) / 1e3:.1f}"]
         lines.append(" ".join(f"{c:>10}" if j else f"{c:<24}" for j, c in enumerate(map(str, cells))))
     return "\n".join(lines)
 

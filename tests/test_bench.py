@@ -61,3 +61,37 @@ def test_chaos_percentiles_and_table():
     rows = [chaos.Row("s", "m", "1 s", "< 5 s", True), chaos.Row("s", "n", "2", "0", False), chaos.Row("s", "o", "x")]
     assert [r.verdict for r in rows] == ["PASS", "MISS", ""]
     assert chaos.table(rows).splitlines()[2] == "| s | m | 1 s | < 5 s | PASS |"
+
+
+def test_convergence_lead_table_and_verdicts():
+    import convergence
+
+    assert convergence.max_lead([[1, 2, 3], [1.5, 2.5, 3.5]]) == 1  # lockstep
+    assert convergence.max_lead([[1, 2, 3], [10, 11, 12]]) == 3  # one ran 3 steps ahead
+    run = {"steps_per_s": 2.0, "time_to_95_s": None, "final_acc": 0.9, "bytes_per_push": 1000.0, "max_lead": 1}
+    results = {name: {**run, "name": name} for name in convergence.RUNS}
+    results["sync fp16"].update(bytes_per_push=500.0, steps_per_s=3.4)
+    results["sync topk:0.01"].update(bytes_per_push=20.0, final_acc=0.85)
+    results["ssp s=2"].update(max_lead=3)
+    verdicts = [ok for ok, _ in convergence.judge(results)]
+    assert verdicts == [True, True, True, True, False, True]
+    assert "| sync fp16 | 3.40 | not reached | 90.0 % | 0.5 kB | 1 |" in convergence.table(results)
+
+
+def test_convergence_workers_train_on_loopback(shards):
+    """The bench's worker, W = 4 of them against one local shard, one epoch with top-k pushes."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    group = shards(1, workers=4)
+    procs = [subprocess.Popen([sys.executable, str(BENCH / "convergence.py"), "--role", "worker", "--server",
+                               group.endpoints[0], "--rank", str(r), "--compression", "topk:0.01", "--epochs", "1"],
+                              stdout=subprocess.PIPE, text=True) for r in range(4)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4
+    from psrt.examples.torch_digits import make_model
+    from psrt.process import parse_results
+
+    r0 = parse_results(outs[0])[0]
+    assert r0["steps"] == 11 and len(r0["ends"]) == 11 and r0["curve"][-1][0] == 11
+    dense = 4 * sum(p.numel() for p in make_model(0).parameters())
+    assert r0["bytes_per_push"] < 0.03 * dense

@@ -55,8 +55,8 @@ class TensorMeta:
     shape: tuple[int, ...]
     count: int
     nbytes: int
-    #: A compressed gradient (:mod:`psrt.compression`): ``"fp16"`` or ``"bf16"``; ``dtype`` is then float32, the
-    #: values' dtype once widened, while the frame holds 2 bytes per value.
+    #: A compressed gradient (:mod:`psrt.compression`): ``"fp16"``, ``"bf16"`` or ``"topk"``; ``dtype`` is then
+    #: float32, the values' dtype once widened, while the frame holds 2 bytes per value (top-k: 8 per entry sent).
     encoding: Optional[str] = None
 
     @property
@@ -188,7 +188,9 @@ def tensor_metas(entries: Any, limits: WireLimits, compressed: bool = False) -> 
             raise ProtocolError(f"tensor {name!r}: part must be a non-negative integer, got {part!r}")
         dtype, encoding, itemsize = dtypes.from_wire_name(dname), None, 0
         if dtype is None and compressed and type(dname) is str and dname in compression.CODECS:
-            dtype, encoding, itemsize = np.dtype(np.float32), compression.CODECS[dname], 2
+            # 16-bit: 2 bytes a value; top-k: the dense count's float32 size bounds it (the frame: check_buffers)
+            encoding = compression.CODECS[dname]
+            dtype, itemsize = np.dtype(np.float32), 4 if encoding == compression.TOPK else 2
         if dtype is None:
             allowed = sorted(dtypes.BY_WIRE_NAME) + (sorted(compression.CODECS) if compressed else [])
             raise ProtocolError(f"tensor {name!r}: dtype {dname!r} is not allowed; use one of {allowed}")
@@ -211,7 +213,12 @@ def check_buffers(metas: list[TensorMeta], buffers: Sequence[Any]) -> None:
     if len(buffers) != len(metas):
         raise ProtocolError(f"header lists {len(metas)} tensors but {len(buffers)} buffer frames follow")
     for meta, buf in zip(metas, buffers):
-        if len(buf) != meta.nbytes:
+        if meta.encoding == compression.TOPK:
+            try:
+                compression.check_frame(buf, meta.count)
+            except ProtocolError as exc:
+                raise ProtocolError(f"tensor {meta.name!r} part {meta.part}: {exc}") from None
+        elif len(buf) != meta.nbytes:
             raise ProtocolError(f"tensor {meta.name!r} part {meta.part}: frame has {len(buf)} bytes, "
                                 f"shape {list(meta.shape)} of {meta.encoding or meta.dtype.str} needs {meta.nbytes}")
 

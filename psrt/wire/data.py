@@ -110,7 +110,7 @@ class _WithTensors:
             return np.frombuffer(self.buffers[i], dtype=meta.dtype)
         widened = self._widened.get(i)
         if widened is None:
-            widened = self._widened[i] = compression.decode(meta.encoding, self.buffers[i])
+            widened = self._widened[i] = compression.decode(meta.encoding, self.buffers[i], meta.count)
         return widened
 
     def keys(self) -> list[Key]:

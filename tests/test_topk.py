@@ -1,0 +1,141 @@
+"""Top-k gradient sparsification with error feedback: the codec, the bytes it saves, coverage over time, and the
+shard's refusal of hostile top-k frames (an error reply, nothing changed)."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+import psrt
+from psrt import compression
+from psrt.config import ClientConfig
+
+
+def test_topk_sends_the_largest_entries_and_keeps_the_rest_as_residual():
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal(1000).astype(np.float32)
+    residuals: dict = {}
+    name, packed = compression.encode("topk:0.01", g, residuals, ("w", 0))
+    assert name == "topk" and packed.nbytes == 8 * 10
+    index = packed[:10]
+    assert np.all(np.diff(index) > 0)  # strictly increasing
+    assert set(index.tolist()) == set(np.argsort(-np.abs(g))[:10].tolist())
+    compression.check_frame(packed.tobytes(), 1000)
+    dense = compression.decode("topk", packed.tobytes(), 1000)
+    np.testing.assert_array_equal(dense + residuals[("w", 0)], g)  # nothing lost: sent + kept = gradient
+    # The next push sends the top-k of gradient + residual.
+    name, again = compression.encode("topk:0.01", g, residuals, ("w", 0))
+    total = g + (g - dense)
+    assert set(again[:10].tolist()) == set(np.argsort(-np.abs(total))[:10].tolist())
+
+
+def test_topk_ratio_is_checked():
+    assert compression.check("topk:0.01") == "topk:0.01"
+    assert ClientConfig(compression="topk:1").compression == "topk:1"
+    for bad in ("topk:0", "topk:1.5", "topk:-0.1", "topk:x", "topk:nan", "topk:", "topk"):
+        with pytest.raises(psrt.ConfigError, match="topk:RATIO"):
+            ClientConfig(compression=bad)
+
+
+def test_a_nonfinite_chunk_goes_dense_and_drops_its_residual():
+    residuals = {("w", 0): np.ones(4, np.float32)}
+    assert compression.encode("topk:0.5", np.array([1, np.nan, 0, 0], np.float32), residuals, ("w", 0)) is None
+    assert ("w", 0) not in residuals
+    assert compression.encode("topk:0.5", np.ones(3, np.float64), residuals, ("w", 0)) is None
+
+
+def _pushed_bytes(shards, codec, grads, n):
+    group = shards(1, workers=1)
+    with psrt.Client(group.endpoints, config=ClientConfig(compression=codec)) as c:
+        c.init({"w": np.zeros(n, np.float32)}, optimizer=psrt.SGD(lr=0.1))
+        before = c.stats()[0]["bytes_in"]
+        for g in grads:
+            c.push({"w": g})
+        return (c.stats()[0]["bytes_in"] - before) / len(grads), c.pull()["w"]
+
+
+def test_topk_001_sends_at_most_3_percent_of_the_bytes(shards):
+    rng = np.random.default_rng(1)
+    n = 100_000
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(5)]
+    dense, _ = _pushed_bytes(shards, None, grads, n)
+    sparse, w = _pushed_bytes(shards, "topk:0.01", grads, n)
+    assert sparse <= 0.03 * dense, (sparse, dense)
+    assert 0 < np.count_nonzero(w) <= 5 * 1000
+
+
+def test_topk_ratio_one_trains_exactly_like_float32(shards):
+    rng = np.random.default_rng(2)
+    grads = [rng.standard_normal(1000).astype(np.float32) for _ in range(5)]
+    _, dense = _pushed_bytes(shards, None, grads, 1000)
+    _, sparse = _pushed_bytes(shards, "topk:1", grads, 1000)
+    np.testing.assert_array_equal(sparse, dense)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_a_constant_gradient_reaches_half_the_parameters_within_200_steps(shards, mode):
+    """Error feedback: entries too small to be sent grow in the residual until they are."""
+    n = 10_000
+    g = np.random.default_rng(3).standard_normal(n).astype(np.float32)
+    group = shards(1, workers=1, mode=mode)
+    with psrt.Client(group.endpoints, compression="topk:0.01") as c:
+        c.init({"w": np.zeros(n, np.float32)}, optimizer=psrt.SGD(lr=0.01))
+        for _ in range(200):
+            w = c.push_pull({"w": g})["w"]
+    moved = np.count_nonzero(w) / n
+    assert moved >= 0.5, moved
+    assert np.all(np.sign(w[w != 0]) == -np.sign(g[w != 0]))  # every step went downhill
+
+
+# ---------------------------------------------------------------------------------------------- hostile frames
+def _frame(index, values) -> bytes:
+    return np.asarray(index, "<i4").tobytes() + np.asarray(values, "<f4").tobytes()
+
+
+def _push(dname="topk", shape=(8,), op="push", **extra) -> bytes:
+    fields = dict(worker=0, session=1, seq=0, clock=1) if op == "push" else dict(worker=0, session=1, optimizer={})
+    return msgpack.packb({"v": 1, "op": op, "id": 7, **fields, "tensors": [["w", 0, dname, list(shape)]], **extra})
+
+
+HOSTILE = {
+    "unsorted": [_push(), _frame([3, 1], [1, 1])],
+    "duplicate": [_push(), _frame([2, 2], [1, 1])],
+    "out-of-range": [_push(), _frame([1, 8], [1, 1])],
+    "negative-index": [_push(), _frame([-1, 2], [1, 1])],
+    "length-not-8k": [_push(), _frame([1, 2], [1, 1]) + b"\0"],
+    "k-over-count": [_push(shape=(1,)), _frame([0, 1], [1, 1])],
+    "truncated": [_push(), _frame([1], [1])[:6]],
+    "nan-value": [_push(), _frame([1, 2], [1, np.nan])],
+    "topk-in-init": [_push(op="init"), _frame([1], [1])],
+    "shape-mismatch": [_push(shape=(4,)), _frame([1], [1])],
+}
+
+
+def test_hostile_topk_frames_are_refused_and_change_nothing(shards):
+    group = shards(1, workers=1)
+    w0 = np.arange(8, dtype=np.float32)
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
+        c.init({"w": w0}, optimizer=psrt.SGD(lr=1.0))
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(group.endpoints[0])
+        try:
+            for name, frames in HOSTILE.items():
+                sock.send_multipart(frames)
+                assert sock.poll(5000), name
+                reply = msgpack.unpackb(sock.recv_multipart()[0])
+                assert reply["op"] == "error" and reply["message"], name
+            np.testing.assert_array_equal(c.pull()["w"], w0)
+            stats = c.stats()[0]
+            assert stats["errors"] == len(HOSTILE) and stats["rounds"] == 0 and stats["pushes"] == 0
+            # A well-formed top-k frame from the same peer is taken: entries 1 and 5 move, nothing else.
+            sock.send_multipart([_push(), _frame([1, 5], [1.0, -2.0])])
+            assert sock.poll(5000)
+            assert msgpack.unpackb(sock.recv_multipart()[0])["op"] == "ack"
+            np.testing.assert_array_equal(c.pull()["w"], w0 - np.array([0, 1, 0, 0, 0, -2, 0, 0], np.float32))
+        finally:
+            sock.close()
+            ctx.term()
