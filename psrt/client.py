@@ -388,7 +388,7 @@ class Client(EmbeddingCalls):
         plan = self._plans.get(names)
         if plan is None:
             plan = self._map.messages(self._map.chunks_of(names))
-            if len(self._plans) < 64:
+            if len(self._plans) < 4096:  # a loop pushing each of a model's tensors apart repeats that many sets
                 self._plans[names] = plan
         return plan
 
