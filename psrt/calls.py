@@ -306,7 +306,13 @@ class ShardCalls:
             if not ch.more():
                 raise ProtocolError("reply has fewer buffer frames than tensors")
             dest = outputs[chunk.name].reshape(-1)[chunk.start:chunk.start + chunk.count]
-            got = ch.recv_into(memoryview(dest).cast("B") if dest.size else bytearray())
+            if meta.encoding is None:
+                got = ch.recv_into(memoryview(dest).cast("B") if dest.size else bytearray())
+            else:  # 16-bit parameters (this worker pushes 16-bit gradients): widen into the destination
+                packed = bytearray(meta.nbytes)
+                got = ch.recv_into(packed) if meta.nbytes else 0
+                if got == meta.nbytes:
+                    dest[:] = compression.decode(meta.encoding, packed)
             if got != meta.nbytes:
                 raise ProtocolError(f"tensor {meta.name!r} part {meta.part}: frame has {got} bytes, "
                                     f"expected {meta.nbytes}")

@@ -8,7 +8,7 @@ when the last of those keys gets there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 __all__ = ["Waiter", "PullQueue"]
 
@@ -24,6 +24,8 @@ class Waiter:
     keys: list[Key]
     want: dict[Key, int]
     remaining: int = 0
+    #: The 16-bit form (``"fp16"``/``"bf16"``) the reply's float32 parameters travel in, if any.
+    codec: Optional[str] = None
 
 
 class PullQueue:

@@ -30,7 +30,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from psrt import checkpoint, kernels, optim, security, tables, transport, wire
+from psrt import checkpoint, compression, kernels, optim, security, tables, transport, wire
 from psrt.config import ServerConfig
 from psrt.counters import Counters, report
 from psrt.errors import ConfigError, ProtocolError
@@ -295,12 +295,14 @@ class Server:
                      duplicate: bool) -> None:
         if not req.pull:
             self._reply(identity, wire.encode_ack(req.id, targets, duplicate))
-        elif self.config.mode == "ssp":
-            self.counters.pulls += 1
-            self._wait_for_clock(identity, req.id, keys, req.clock)
+            return
+        self.counters.pulls += 1  # the pull half of a push_pull is a pull too
+        # A worker pushing 16-bit gradients gets the parameters of its push_pull back in the same form.
+        codec = next((m.encoding for m in req.tensors if m.encoding in compression.WIRE_NAMES), None)
+        if self.config.mode == "ssp":
+            self._wait_for_clock(identity, req.id, keys, req.clock, codec)
         else:
-            self.counters.pulls += 1  # the pull half of a push_pull is a pull too
-            self._wait_for(identity, req.id, dict(zip(keys, targets)), keys)
+            self._wait_for(identity, req.id, dict(zip(keys, targets)), keys, codec)
 
     def _drain_deferred(self) -> None:
         """Admit queued early pushes whose keys have moved on to a round they can join."""
@@ -354,20 +356,23 @@ class Server:
             self._wait_for(identity, req.id, want, keys)
 
     # ------------------------------------------------------------------ waiting pulls
-    def _wait_for_clock(self, identity: bytes, request_id: int, keys: list[Key], clock: int) -> None:
+    def _wait_for_clock(self, identity: bytes, request_id: int, keys: list[Key], clock: int,
+                        codec: Optional[str] = None) -> None:
         """ssp: answer once every worker's pushes to ``keys`` reach ``clock - staleness``."""
         least = clock - self.config.staleness
-        if self._stale_pulls.add(Waiter(identity, request_id, keys, dict.fromkeys(keys, least))):
-            self._send_params(identity, request_id, keys, [self.store.entries[k] for k in keys])
+        if self._stale_pulls.add(Waiter(identity, request_id, keys, dict.fromkeys(keys, least), codec=codec)):
+            self._send_params(identity, request_id, keys, [self.store.entries[k] for k in keys], codec=codec)
 
-    def _wait_for(self, identity: bytes, request_id: int, want: dict[Key, int], keys: list[Key]) -> None:
-        if self._pulls.add(Waiter(identity, request_id, keys, want)):
-            self._send_params(identity, request_id, keys, [self.store.entries[k] for k in keys])
+    def _wait_for(self, identity: bytes, request_id: int, want: dict[Key, int], keys: list[Key],
+                  codec: Optional[str] = None) -> None:
+        if self._pulls.add(Waiter(identity, request_id, keys, want, codec=codec)):
+            self._send_params(identity, request_id, keys, [self.store.entries[k] for k in keys], codec=codec)
 
     def _wake(self, key: Key) -> None:
         for queue in (self._pulls, self._stale_pulls):
             for w in queue.wake(key):
-                self._send_params(w.identity, w.request_id, w.keys, [self.store.entries[k] for k in w.keys])
+                self._send_params(w.identity, w.request_id, w.keys, [self.store.entries[k] for k in w.keys],
+                                  codec=w.codec)
 
     # ------------------------------------------------------------------ validation
     def _entry(self, key: Key) -> Entry:
@@ -402,14 +407,15 @@ class Server:
 
     # ------------------------------------------------------------------ replies
     def _send_params(self, identity: bytes, request_id: int, keys: list[Key], entries: list[Entry],
-                     job: Optional[wire.JobInfo] = None) -> None:
-        frames = wire.encode_params(
-            request_id,
-            [wire.tensor_entry(k[0], k[1], e.param.dtype, (e.param.size,)) for k, e in zip(keys, entries)],
-            [e.version for e in entries],
-            [e.param for e in entries],
-            job,
-        )
+                     job: Optional[wire.JobInfo] = None, codec: Optional[str] = None) -> None:
+        tensors = [wire.tensor_entry(k[0], k[1], e.param.dtype, (e.param.size,)) for k, e in zip(keys, entries)]
+        payload: list[Any] = [e.param for e in entries]
+        if codec is not None:
+            for i, e in enumerate(entries):
+                packed = compression.encode(codec, e.param)  # None: float64, or out of fp16's range
+                if packed is not None:
+                    tensors[i][2], payload[i] = packed
+        frames = wire.encode_params(request_id, tensors, [e.version for e in entries], payload, job)
         try:
             trackers = self._chan.send(identity, frames, track=True)
         except transport.SendDropped as exc:
@@ -418,8 +424,9 @@ class Server:
             return
         self.counters.bytes_out += sum(len(f) for f in frames)
         # One tracker per frame (None where the frame was copied); the parameters' frames follow the header.
-        for entry, tracker in zip(entries, trackers[1:]):
-            if tracker is not None:
+        # A 16-bit copy is the frame's own: only frames of the parameters themselves are tracked.
+        for entry, frame, tracker in zip(entries, payload, trackers[1:]):
+            if tracker is not None and frame is entry.param:
                 entry.trackers.append(tracker)
 
     def _reply(self, identity: bytes, frames: list[Any]) -> None:

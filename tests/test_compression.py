@@ -69,3 +69,20 @@ def test_a_gradient_out_of_fp16_range_travels_at_full_precision(shards):
 def test_an_unknown_compression_is_refused():
     with pytest.raises(psrt.ConfigError, match="compression must be one of"):
         ClientConfig(compression="zstd")
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16"])
+def test_a_16_bit_push_pull_gets_16_bit_parameters_back_and_pull_gets_full_precision(shards, codec):
+    group = shards(1, workers=1)
+    w0 = np.random.default_rng(2).standard_normal(20_000).astype(np.float32)
+    with psrt.Client(group.endpoints, compression=codec) as c:
+        c.init({"w": w0}, optimizer=psrt.SGD(lr=0.0))  # lr 0: the parameters stay w0
+        before = c.stats()[0]["bytes_out"]
+        got = c.push_pull({"w": np.zeros(20_000, np.float32)})["w"]
+        sent = c.stats()[0]["bytes_out"] - before
+        assert got.dtype == np.float32
+        assert sent < 0.55 * w0.nbytes  # the reply carried 2 bytes a value
+        rel = 2.0 ** -11 if codec == "fp16" else 2.0 ** -8
+        big = np.abs(w0) > 1e-3
+        assert np.all(np.abs(got[big] - w0[big]) <= rel * np.abs(w0[big]))
+        np.testing.assert_array_equal(c.pull()["w"], w0)  # a plain pull: full precision

@@ -375,7 +375,10 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
     check_fields(op, h, fields)
     rid = uint(h, "id")
     if op == "params":
-        metas = tensor_metas(h["tensors"], limits)
+        # Parameters may come back in the 16-bit form the worker pushed in; never as top-k.
+        metas = tensor_metas(h["tensors"], limits, compressed=True)
+        if any(m.encoding == compression.TOPK for m in metas):
+            raise ProtocolError("params reply: parameters never travel as top-k")
         versions = uint_list(h, "versions", len(metas))
         job = None
         if "mode" in h:
