@@ -3,7 +3,9 @@
 ``Client(..., compression="fp16")`` (or ``"bf16"``, or ``PSRT_COMPRESSION``) sends each float32 gradient chunk
 of a push as IEEE half floats (wire name ``<f2``) or as bfloat16 (wire name ``bf16``: the upper 16 bits of each
 float32, rounded to nearest even); the shard widens them back to float32 before summing and stepping, so the
-parameters, accumulators and optimizer state stay float32. Parameters always travel at full precision.
+parameters, accumulators and optimizer state stay float32. The parameters of a ``push_pull`` whose gradients
+were 16-bit come back in the same 16-bit form (the client widens them into its float32 arrays); a plain pull,
+``init`` and top-k pushes get full precision.
 
 fp16 holds magnitudes up to 65504 and rounds away those below about 6e-8: a chunk with a value out of fp16's
 range, or one that fp16 would turn into a NaN or Inf, is sent as float32 instead (never silently as Inf), and

@@ -4,16 +4,10 @@ The loop is single-threaded: it receives a message, validates it completely, and
 malformed or inconsistent request gets an error reply and leaves every parameter as it was. The optimizer
 kernels release the GIL and ZeroMQ moves bytes on its own I/O thread, so transfers overlap the arithmetic.
 
-Sync mode (BSP)
-    A push is summed into its key's accumulator on arrival; when all W workers are in, the optimizer steps once
-    with ``scale = 1/W`` and the key's version goes up by one. A worker's push for the next round, arriving
-    before the current one completes, waits (queued, in arrival order) until it can join. A pull asking for a
-    version that does not exist yet waits, queued, until the round that makes it completes.
-Async mode
-    Every push is applied on arrival with ``scale = 1``.
-SSP mode (bounded staleness)
-    As async, but a worker's pull (or the pull half of a push_pull) at clock c — its count of pushes so far —
-    is answered only once every worker's pushes to the pulled keys have reached clock c - ``staleness``.
+Modes (:mod:`psrt.store` holds the round rules): **sync** sums a round's W pushes per key and steps once with
+``scale = 1/W``; a push a round ahead waits, queued, and a pull waits for the round its worker's pushes joined.
+**async** applies every push on arrival. **ssp** applies on arrival too, but answers a pull at clock c (the
+worker's pushes so far) once every worker's pushes to the pulled keys reach c - ``staleness``.
 
 Every push carries ``(worker, session, seq)``; a push already applied is acknowledged again but not re-applied.
 Checkpoints (``config.checkpoint_dir``, :mod:`psrt.checkpoint`): the whole state with the sequence numbers, every
