@@ -406,7 +406,7 @@ class Server:
         payload: list[Any] = [e.param for e in entries]
         if codec is not None:
             for i, e in enumerate(entries):
-                packed = compression.encode(codec, e.param)  # None: float64, or out of fp16's range
+                packed = e.packed_param(codec)  # None: float64, or out of fp16's range
                 if packed is not None:
                     tensors[i][2], payload[i] = packed
         frames = wire.encode_params(request_id, tensors, [e.version for e in entries], payload, job)

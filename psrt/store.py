@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from psrt import kernels
+from psrt import compression, kernels
 from psrt.config import MODES
 from psrt.errors import ConfigError
 from psrt.optim import Optimizer
@@ -48,6 +48,16 @@ class Entry:
     clocks: dict[int, int] = field(default_factory=dict)
     #: Zero-copy sends of ``param`` that may still be reading it.
     trackers: list[Any] = field(default_factory=list)
+    #: 16-bit copies of ``param`` for the replies of 16-bit workers: codec -> (version, (wire name, array) or None).
+    packed: dict[str, tuple[int, Any]] = field(default_factory=dict)
+
+    def packed_param(self, codec: str) -> Any:
+        """``param`` in a 16-bit form (:func:`psrt.compression.encode`), made once per version: the W replies of
+        a round share it instead of each converting the whole tensor again."""
+        cached = self.packed.get(codec)
+        if cached is None or cached[0] != self.version:
+            cached = self.packed[codec] = (self.version, compression.encode(codec, self.param))
+        return cached[1]
 
     def writable_param(self) -> np.ndarray:
         """The parameter buffer, replaced by a copy first if a zero-copy send may still be reading it."""
