@@ -25,6 +25,7 @@ from psrt.errors import (
     ServerError,
     ShardTimeoutError,
 )
+from psrt.lanes import LANE_CODES, LaneUse
 from psrt.partition import Chunk
 
 __all__ = ["Handle", "ShardCalls", "payload_of"]
@@ -35,11 +36,14 @@ Key = tuple[str, int]
 
 
 def payload_of(chunks: list[Chunk], arrays: Mapping[str, np.ndarray], compress: Optional[str] = None,
-               residuals: Optional[compression.Residuals] = None) -> tuple[list[list[Any]], list[np.ndarray]]:
+               residuals: Optional[compression.Residuals] = None,
+               lane: Optional[LaneUse] = None) -> tuple[list[list[Any]], list[np.ndarray]]:
     """The header entries of a message's chunks and their bytes: views of the caller's arrays (no copy), or with
     ``compress``, compressed copies of float32 gradients (:mod:`psrt.compression`; ``residuals``: top-k's
-    error feedback by chunk key, updated here)."""
+    error feedback by chunk key, updated here), or with ``lane``, their copies in its segment."""
     entries = [wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)) for c in chunks]
+    if lane is not None:
+        return entries, list(lane.inputs)
     payload = [arrays[c.name].reshape(-1)[c.start:c.start + c.count] for c in chunks]
     if compress is not None:
         for i, chunk in enumerate(payload):
@@ -56,6 +60,10 @@ class _Pending:
     chunks: list[Chunk]
     #: Makes the request's frames again, for a shard that restarted without answering it.
     resend: Callable[[int], list[Any]]
+    #: Over a shared-memory lane: the request's areas (given back when it is answered), and the frames that
+    #: send it over the socket instead, should the shard refuse the lane.
+    lane: Optional[LaneUse] = None
+    plain: Optional[Callable[[int], list[Any]]] = None
 
 
 class Handle:
@@ -71,6 +79,7 @@ class Handle:
         self._jobs: dict[int, wire.JobInfo] = {}  # init: what each shard said about the job
         self._stats: dict[int, dict[str, Any]] = {}  # stats: each shard's counters
         self._saved: dict[int, str] = {}  # checkpoint: each shard's file
+        self._answers: dict[int, Any] = {}  # lane_probe / lane_open: each shard's reply record
 
     def done(self) -> bool:
         """True when every reply has arrived (takes in any replies already queued, never blocks)."""
@@ -139,6 +148,8 @@ class ShardCalls:
         self.versions: dict[Key, int] = {}
         self._key_shard: dict[Key, int] = {}
         self._connections = [0] * len(self.channels)  # handshakes seen per shard (see _ride_through)
+        #: Called with a shard whose shared-memory lane is gone (it restarted, or refused the lane).
+        self.lane_lost: Callable[[int], None] = lambda shard: None
         self.closed = False
 
     def close(self) -> None:
@@ -150,17 +161,20 @@ class ShardCalls:
             self._pending.clear()
 
     def send(self, handle: Handle, shard: int, chunks: list[Chunk], encode: Callable[[int], list[Any]],
-             resend: Optional[Callable[[int], list[Any]]] = None) -> None:
+             resend: Optional[Callable[[int], list[Any]]] = None, lane: Optional[LaneUse] = None,
+             plain: Optional[Callable[[int], list[Any]]] = None) -> None:
         """Send one request to ``shard``, its frames made by ``encode(request_id)``; the reply goes to ``handle``.
 
         ``resend`` makes the frames to send again if the shard restarts before answering (default: ``encode``;
-        a pull passes one that asks for any version, since a restored shard may be behind what it was).
+        a pull passes one that asks for any version, since a restored shard may be behind what it was). A request
+        over a shared-memory lane passes its ``lane`` areas, and ``plain``: its frames over the socket (``resend``
+        must make socket frames too, as a restarted shard has no lanes).
         """
         rid = self._next_id
         self._next_id += 1
         for c in chunks:
             self._key_shard[c.key] = shard
-        self._pending[rid] = _Pending(handle, shard, chunks, encode if resend is None else resend)
+        self._pending[rid] = _Pending(handle, shard, chunks, encode if resend is None else resend, lane, plain)
         handle._outstanding.add(rid)
         try:
             self.channels[shard].send(encode(rid), self.config.timeout)
@@ -168,6 +182,19 @@ class ShardCalls:
             del self._pending[rid]
             handle._outstanding.discard(rid)
             raise
+
+    def ask(self, shard: int, encode: Callable[[int], list[Any]]) -> Any:
+        """One request to ``shard`` that no tensor rides on (a lane set-up), waited for: the reply record.
+
+        Raises
+        ------
+        ServerError
+            When the shard answers with an error (e.g. an older shard that does not know the op).
+        """
+        handle = Handle(self, "lane set-up", None)
+        self.send(handle, shard, [], encode)
+        handle.wait(self.config.timeout)
+        return handle._answers[shard]
 
     # ------------------------------------------------------------------ receiving
     def wait(self, handle: Handle, timeout: float) -> None:
@@ -196,7 +223,7 @@ class ShardCalls:
                 late = sorted({self._pending[r].shard for r in handle._outstanding})
                 names = ", ".join(self.servers[s] for s in late)
                 for rid in handle._outstanding:
-                    del self._pending[rid]
+                    self._abandon(self._pending.pop(rid))
                 handle._outstanding.clear()
                 handle._fail(ShardTimeoutError(
                     f"shard {names} did not answer {handle.op} within {timeout:g}s", shard=self.servers[late[0]]
@@ -215,8 +242,21 @@ class ShardCalls:
     def _forget(self, handle: Handle) -> None:
         """Stop waiting for ``handle``'s replies: any that still come are dropped as late."""
         for rid in handle._outstanding:
-            self._pending.pop(rid, None)
+            self._abandon(self._pending.pop(rid, None))
         handle._outstanding.clear()
+
+    @staticmethod
+    def _abandon(pending: Optional[_Pending]) -> None:
+        """A request nobody waits for any more: the shard may still write its lane areas, so that segment is
+        never handed out again."""
+        if pending is not None and pending.lane is not None:
+            pending.lane.lane.retired = True
+
+    @staticmethod
+    def _release(pending: _Pending) -> None:
+        if pending.lane is not None:
+            pending.lane.lane.give_back()
+            pending.lane = None
 
     def progress(self, handle: Handle, timeout: float) -> None:
         """Take in every reply that arrives within ``timeout`` seconds, whichever handle it answers."""
@@ -241,6 +281,7 @@ class ShardCalls:
         log.warning("shard %s reconnected (restarted?): sending again the %d requests it has not answered",
                     self.servers[shard], len(pending))
         self.versions = {k: v for k, v in self.versions.items() if self._key_shard.get(k) != shard}
+        self.lane_lost(shard)  # its lanes died with it; what was sent over one goes again over the socket
         for rid, p in pending:
             self.channels[shard].send(p.resend(rid), self.config.timeout)
 
@@ -259,7 +300,38 @@ class ShardCalls:
             return
         del self._pending[reply.id]
         handle = pending.handle
+        if (isinstance(reply, wire.ErrorReply) and reply.code in LANE_CODES and pending.plain is not None):
+            ch.discard_rest()
+            self._without_lane(reply.id, pending, reply.message)
+            return
         handle._outstanding.discard(reply.id)
+        try:
+            self._take(ch, reply, pending)
+        finally:
+            self._release(pending)
+
+    def _without_lane(self, rid: int, pending: _Pending, why: str) -> None:
+        """The shard refused a request's lane (and changed nothing): send it again over the socket. Its areas
+        stay taken until this answer comes, since a socket send may still be reading them."""
+        endpoint = self.servers[pending.shard]
+        log.info("shard %s refused a shared-memory lane (%s); sending over the socket", endpoint, why)
+        self.lane_lost(pending.shard)
+        assert pending.plain is not None
+        frames, pending.plain = pending.plain(rid), None  # refused once: the socket from now on
+        self._pending[rid] = pending
+        try:
+            self.channels[pending.shard].send(frames, self.config.timeout)
+        except PsrtError as exc:
+            del self._pending[rid]
+            pending.handle._outstanding.discard(rid)
+            self._release(pending)
+            pending.handle._fail(exc)
+
+    def _take(self, ch: transport.DealerChannel, reply: Any, pending: _Pending) -> None:
+        """Take in one reply to a pending request (already removed from the pending table)."""
+        shard = pending.shard
+        endpoint = self.servers[shard]
+        handle = pending.handle
         if isinstance(reply, wire.RowsReply):  # embedding rows: psrt.embedding_client.RowsHandle
             try:
                 handle._take_rows(ch, reply, pending.chunks)  # type: ignore[attr-defined]
@@ -291,6 +363,8 @@ class ShardCalls:
                 self.versions[chunk.key] = max(self.versions.get(chunk.key, 0), version)
         elif isinstance(reply, wire.SavedReply):
             handle._saved[shard] = reply.path
+        elif isinstance(reply, (wire.BeaconReply, wire.LaneReply)):
+            handle._answers[shard] = reply
         else:
             handle._stats[shard] = reply.stats
 
@@ -302,6 +376,16 @@ class ShardCalls:
         for meta, chunk in zip(reply.tensors, chunks):
             if meta.key != chunk.key or meta.dtype != chunk.dtype or meta.count != chunk.count:
                 raise ProtocolError(f"reply tensor {meta.name!r} part {meta.part} does not match the request")
+        if reply.lane is not None:  # the parameters are in this request's lane areas
+            use = pending.lane
+            if use is None or reply.lane != use.ref.generation or len(use.ref.outputs) != len(chunks) \
+                    or ch.more():
+                raise ProtocolError("reply names a shared-memory lane this request did not use")
+            for i, (chunk, version) in enumerate(zip(chunks, reply.versions)):
+                dest = outputs[chunk.name].reshape(-1)[chunk.start:chunk.start + chunk.count]
+                np.copyto(dest, use.output(i, chunk.dtype, chunk.count))
+                self.versions[chunk.key] = max(self.versions.get(chunk.key, 0), version)
+            return
         for meta, chunk, version in zip(reply.tensors, chunks, reply.versions):
             if not ch.more():
                 raise ProtocolError("reply has fewer buffer frames than tensors")

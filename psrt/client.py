@@ -24,6 +24,7 @@ from psrt.calls import Handle, ShardCalls, payload_of
 from psrt.config import ClientConfig, ClusterConfig
 from psrt.embedding_client import EmbeddingCalls
 from psrt.errors import ConfigError, ConnectionLostError, PsrtError, PsrtTypeError
+from psrt.lanes import WorkerLanes, call_bytes
 from psrt.link import Heartbeat, SchedulerLink
 from psrt.optim import SGD, Optimizer
 from psrt.partition import Chunk, PartitionMap
@@ -141,6 +142,10 @@ class Client(EmbeddingCalls):
         self._clock = 0  # pushes so far (ssp: a pull at clock c waits for every worker to reach c - staleness)
         self._plans: dict[tuple[str, ...], dict[int, list[list[Chunk]]]] = {}
         self._receive = ReceivePool()
+        # Shared memory with shards on this host (not for compressed gradients, which are small already).
+        self._lanes = WorkerLanes(self._calls.ask, len(self.servers), rank, self._session,
+                                  self.config.shm and self.config.compression is None)
+        self._calls.lane_lost = self._lanes.reset
         self._closed = False
 
     # ------------------------------------------------------------------ properties
@@ -293,12 +298,18 @@ class Client(EmbeddingCalls):
         outputs = self._outputs(names, out)
         handle = Handle(self._calls, "pull", outputs)
         for shard, messages in self._plan(tuple(names)).items():
+            lane = self._lanes.lane_for(shard, call_bytes(messages, False, True))
             for msg in messages:
                 keys = [[c.name, c.part, self._calls.versions.get(c.key, 0)] for c in msg]
                 any_version = [[c.name, c.part, 0] for c in msg]
-                self._calls.send(handle, shard, msg,
-                                 lambda rid, k=keys, c=self._clock: wire.encode_pull(rid, self._rank, k, c),
-                                 lambda rid, k=any_version, c=self._clock: wire.encode_pull(rid, self._rank, k, c))
+                plain = lambda rid, k=keys, c=self._clock: wire.encode_pull(rid, self._rank, k, c)  # noqa: E731
+                resend = lambda rid, k=any_version, c=self._clock: wire.encode_pull(rid, self._rank, k, c)  # noqa: E731
+                if lane is None:
+                    self._calls.send(handle, shard, msg, plain, resend)
+                    continue
+                use = WorkerLanes.carry(lane, msg, None, True)
+                self._calls.send(handle, shard, msg, lambda rid, k=keys, c=self._clock, u=use: wire.encode_pull(
+                    rid, self._rank, k, c, u.ref), resend, use, plain)
         return handle
 
     def push_pull_async(self, grads: Mapping[str, Any], out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:
@@ -419,10 +430,17 @@ class Client(EmbeddingCalls):
         self._clock += 1  # ssp: this worker's count of pushes, this one included
         clock = self._clock
         for shard, messages in self._plan(tuple(arrays)).items():
+            lane = self._lanes.lane_for(shard, call_bytes(messages, True, pull))
             for msg in messages:
                 seq = self._seq[shard]
                 self._seq[shard] += 1
-                entries, payload = payload_of(msg, arrays, self.config.compression, self._residuals)
-                self._calls.send(handle, shard, msg, lambda rid, q=seq, e=entries, p=payload: wire.encode_push(
-                    rid, self._rank, self._session, q, e, p, pull, clock))
+                # Over a lane the gradients are copied into the segment; the socket form stays at hand.
+                use = None if lane is None else WorkerLanes.carry(lane, msg, arrays, pull)
+                entries, payload = payload_of(msg, arrays, self.config.compression, self._residuals, use)
+                plain = lambda rid, q=seq, e=entries, p=payload: wire.encode_push(  # noqa: E731
+                    rid, self._rank, self._session, q, e, p, pull, clock)
+                encode = plain if use is None else lambda rid, q=seq, e=entries, u=use: wire.encode_push(
+                    rid, self._rank, self._session, q, e, [], pull, clock, u.ref)
+                self._calls.send(handle, shard, msg, encode, plain, use, plain if use is not None else None)
+
         return handle

@@ -25,6 +25,8 @@ variable                   also read                      meaning               
 ``PSRT_NONFINITE``                                        ``reject`` or ``allow`` NaN/Inf gradients   ``reject``
 ``PSRT_KEYS``                                             the job's key directory (``psrt keygen``):  off
                                                           CURVE on every socket; empty: off
+``PSRT_SHM``                                              ``0``: no shared memory between a worker     ``1``
+                                                          and a shard of one host (sockets only)
 =========================  =============================  ==========================================  ==========
 
 Under ``srun`` or ``mpirun`` the role and worker rank also follow from ``SLURM_PROCID``/``SLURM_NTASKS``,
@@ -69,6 +71,14 @@ def _env_float(name: str, default: float) -> float:
 
 def _env_str(name: str, default: str) -> str:
     return os.environ.get(name) or default
+
+
+def _env_shm() -> bool:
+    """``PSRT_SHM``: ``1`` (default) or ``0``."""
+    value = os.environ.get("PSRT_SHM", "1").strip()
+    if value not in ("0", "1", ""):
+        raise ConfigError(f"PSRT_SHM must be 0 or 1, got {value!r}")
+    return value != "0"
 
 
 def _env_keys() -> Optional[str]:
@@ -158,6 +168,8 @@ class ServerConfig:
     keys : str or os.PathLike, optional
         The job's key directory (:mod:`psrt.security`): CURVE on every socket, and only the job's client key
         is accepted. Default: ``PSRT_KEYS``; None or empty: no security.
+    shm : bool
+        Offer workers on this host shared-memory lanes (:mod:`psrt.lanes`). Default: ``PSRT_SHM`` (on).
     """
 
     bind: str = "tcp://127.0.0.1:5701"
@@ -174,6 +186,7 @@ class ServerConfig:
     checkpoint_secs: float = 0.0
     restore: bool = False
     keys: Optional[str | os.PathLike] = field(default_factory=_env_keys)
+    shm: bool = field(default_factory=_env_shm)
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
@@ -221,6 +234,9 @@ class ClientConfig:
         None (default, or ``PSRT_COMPRESSION`` empty): full precision.
     keys : str or os.PathLike, optional
         The job's key directory: CURVE on every socket. Default: ``PSRT_KEYS``; None or empty: no security.
+    shm : bool
+        Move tensor bytes through shared memory to shards on this host (:mod:`psrt.lanes`; not with
+        ``compression``). Default: ``PSRT_SHM`` (on).
     """
 
     timeout: float = field(default_factory=lambda: _env_float("PSRT_TIMEOUT", 60.0))
@@ -230,6 +246,7 @@ class ClientConfig:
     warn_after: float = field(default_factory=lambda: _env_float("PSRT_WARN_AFTER", 5.0))
     compression: Optional[str] = field(default_factory=lambda: _env_str("PSRT_COMPRESSION", "") or None)
     keys: Optional[str | os.PathLike] = field(default_factory=_env_keys)
+    shm: bool = field(default_factory=_env_shm)
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)

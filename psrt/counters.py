@@ -26,6 +26,9 @@ class Counters:
     checkpoints: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    #: Tensor bytes that came and went through shared-memory lanes instead of the socket.
+    shm_bytes_in: int = 0
+    shm_bytes_out: int = 0
     started: float = field(default_factory=time.time)
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "BindError",
     "PeerFailedError",
     "AuthenticationError",
+    "RequestRefused",
 ]
 
 
@@ -112,3 +113,15 @@ class AuthenticationError(PsrtError, PermissionError):
     def __init__(self, message: str, *, endpoint: str = "") -> None:
         super().__init__(message)
         self.endpoint = endpoint
+
+
+class RequestRefused(Exception):
+    """A shard refuses a well-formed request; ``code`` goes into its error reply.
+
+    Raised and caught inside a shard only (the worker sees a :class:`ServerError` carrying the code), so it is
+    not a :class:`PsrtError`.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code

@@ -8,7 +8,7 @@ when the last of those keys gets there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 __all__ = ["Waiter", "PullQueue"]
 
@@ -26,6 +26,8 @@ class Waiter:
     remaining: int = 0
     #: The 16-bit form (``"fp16"``/``"bf16"``) the reply's float32 parameters travel in, if any.
     codec: Optional[str] = None
+    #: A shared-memory lane's segment and the offsets the parameters go to (:mod:`psrt.lanes`), if any.
+    lane: Optional[tuple[Any, list[int]]] = None
 
 
 class PullQueue:

@@ -24,10 +24,11 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from psrt import checkpoint, compression, kernels, optim, security, tables, transport, wire
+from psrt import admission, checkpoint, compression, kernels, optim, security, tables, transport, wire
 from psrt.config import ServerConfig
 from psrt.counters import Counters, report
-from psrt.errors import ConfigError, ProtocolError
+from psrt.errors import ConfigError, ProtocolError, RequestRefused
+from psrt.lanes import ShardLane, ShardLanes
 from psrt.pulls import PullQueue, Waiter
 from psrt.store import Entry, Key, Store
 
@@ -42,12 +43,8 @@ log = logging.getLogger("psrt.server")
 _BATCH = 256
 
 
-class RequestError(Exception):
-    """A well-formed request the shard must refuse; ``code`` goes into the error reply."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+#: A well-formed request the shard must refuse; ``code`` goes into the error reply.
+RequestError = RequestRefused
 
 
 class Server:
@@ -82,13 +79,14 @@ class Server:
             self._ctx.term()
             raise
         self.endpoint: str = self._chan.endpoint
+        self.lanes = ShardLanes(self.endpoint, config.shm)  # shared memory for workers on this host
         self.store = Store(config.mode, config.num_workers)
         self.counters = Counters()
         self._stop = threading.Event()
         self._pulls = PullQueue(lambda key: self.store.entries[key].version)
         # ssp: pulls waiting for the slowest worker's clock (per key) to come within the staleness bound.
         self._stale_pulls = PullQueue(lambda key: self.store.slowest_clock(self.store.entries[key]))
-        self._deferred: dict[int, deque[tuple[bytes, wire.PushRequest, list[Entry]]]] = {}
+        self._deferred: dict[int, deque[tuple[bytes, wire.PushRequest, list[Entry], Optional[ShardLane]]]] = {}
         self._draining = False
         self._ckpt = checkpoint.Checkpointer(config, self.endpoint)
         self.restored_from: Optional[Path] = None
@@ -196,6 +194,7 @@ class Server:
         """Close the socket and the ZeroMQ context."""
         self._chan.close()
         self._ctx.term()
+        self.lanes.close()
 
     def handle(self, identity: bytes, frames: list[Any]) -> None:
         """Handle one message from ``identity``; never raises."""
@@ -219,6 +218,10 @@ class Server:
                 self._init(identity, req)
             elif isinstance(req, tables.REQUESTS):
                 self.tables.handle(identity, req)
+            elif isinstance(req, wire.LaneProbeRequest):
+                self._reply(identity, self.lanes.probe(req))
+            elif isinstance(req, wire.LaneOpenRequest):
+                self._reply(identity, self.lanes.open(req))
             elif isinstance(req, wire.CheckpointRequest):
                 self._reply(identity, wire.encode_saved(req.id, str(self.checkpoint())))
             else:
@@ -239,7 +242,7 @@ class Server:
         for i, meta in enumerate(req.tensors):
             entry = self.store.get(meta.key)
             if entry is not None:
-                self._check_shape(entry, meta)
+                admission.check_shape(entry, meta)
             elif self.config.nonfinite == "reject" and not kernels.all_finite(req.array(i)):
                 raise RequestError("nonfinite", f"initial value of {meta.name!r} part {meta.part} has NaN or Inf")
         conflicts = []
@@ -257,18 +260,21 @@ class Server:
         self._send_params(identity, req.id, req.keys(), entries, job)
 
     def _push(self, identity: bytes, req: wire.PushRequest) -> None:
-        entries = self._validate_push(req)
+        lane = self.lanes.push_lane(req)  # over a lane: the gradients are read where the worker wrote them
+        entries = admission.validate_push(self.store, req, self.config.nonfinite)
+        if lane is not None:
+            self.counters.shm_bytes_in += sum(m.nbytes for m in req.tensors)
         if self._deferred.get(req.worker) or not self.store.can_join(req.worker, entries):
             # This worker is a round ahead on some key: hold the whole (validated) message until it can join.
-            self._deferred.setdefault(req.worker, deque()).append((identity, req, entries))
+            self._deferred.setdefault(req.worker, deque()).append((identity, req, entries, lane))
             return
-        self._accept(identity, req, entries)
+        self._accept(identity, req, entries, lane)
 
-    def _accept(self, identity: bytes, req: wire.PushRequest, entries: list[Entry]) -> None:
+    def _accept(self, identity: bytes, req: wire.PushRequest, entries: list[Entry], lane: Optional[ShardLane]) -> None:
         keys = req.keys()
         if self.store.is_duplicate(req.worker, req.session, req.seq):
             self.counters.duplicates += 1
-            self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), duplicate=True)
+            self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), True, lane)
             return
         grads = [req.array(i) for i in range(len(entries))]
         targets, completed = self.store.admit(req.worker, entries, grads)
@@ -277,7 +283,7 @@ class Server:
         self.store.record(req.worker, req.session, req.seq)
         self.counters.pushes += 1
         self.counters.rounds += len(completed)
-        self._answer_push(identity, req, keys, targets, duplicate=False)
+        self._answer_push(identity, req, keys, targets, False, lane)
         for i in completed:
             self._wake(keys[i])
         if completed and self._deferred:
@@ -286,7 +292,7 @@ class Server:
             self._after_rounds()
 
     def _answer_push(self, identity: bytes, req: wire.PushRequest, keys: list[Key], targets: list[int],
-                     duplicate: bool) -> None:
+                     duplicate: bool, lane: Optional[ShardLane]) -> None:
         if not req.pull:
             self._reply(identity, wire.encode_ack(req.id, targets, duplicate))
             return
@@ -294,9 +300,9 @@ class Server:
         # A worker pushing 16-bit gradients gets the parameters of its push_pull back in the same form.
         codec = next((m.encoding for m in req.tensors if m.encoding in compression.WIRE_NAMES), None)
         if self.config.mode == "ssp":
-            self._wait_for_clock(identity, req.id, keys, req.clock, codec)
+            self._wait_for_clock(identity, req.id, keys, req.clock, codec, lane)
         else:
-            self._wait_for(identity, req.id, dict(zip(keys, targets)), keys, codec)
+            self._wait_for(identity, req.id, dict(zip(keys, targets)), keys, codec, lane)
 
     def _drain_deferred(self) -> None:
         """Admit queued early pushes whose keys have moved on to a round they can join."""
@@ -311,11 +317,11 @@ class Server:
                     queue = self._deferred[worker]
                     while queue:
                         # Validated on arrival; keys are never removed or reshaped, so that still holds.
-                        identity, req, entries = queue[0]
+                        identity, req, entries, lane = queue[0]
                         if not self.store.can_join(worker, entries):
                             break
                         queue.popleft()
-                        self._accept(identity, req, entries)
+                        self._accept(identity, req, entries, lane)
                         progress = True
                     if not queue:
                         del self._deferred[worker]
@@ -328,7 +334,7 @@ class Server:
         deferred = self._deferred.get(req.worker, ())
         queued = len(deferred)
         for pk in req.keys:
-            entry = self._entry(pk.key)
+            entry = admission.entry_of(self.store, pk.key)
             if pk.min_version > self.store.reachable(entry, queued):
                 raise RequestError(
                     "version",
@@ -340,69 +346,50 @@ class Server:
             # their acks have not reached the worker yet: in sync mode the pull waits for the rounds they joined.
             mine = 0
             if self.store.rounds:
-                mine = self.store.targets(req.worker, [entry])[0] + sum(1 for _, r, _ in deferred
+                mine = self.store.targets(req.worker, [entry])[0] + sum(1 for _, r, _, _ in deferred
                                                                          if pk.key in r.keys())
             want[pk.key] = max(want.get(pk.key, 0), pk.min_version, mine)
+        lane = self.lanes.pull_lane(req, [self.store.entries[k].param for k in keys])
         self.counters.pulls += 1
         if self.config.mode == "ssp":
-            self._wait_for_clock(identity, req.id, keys, req.clock)
+            self._wait_for_clock(identity, req.id, keys, req.clock, lane=lane)
         else:
-            self._wait_for(identity, req.id, want, keys)
+            self._wait_for(identity, req.id, want, keys, lane=lane)
 
     # ------------------------------------------------------------------ waiting pulls
     def _wait_for_clock(self, identity: bytes, request_id: int, keys: list[Key], clock: int,
-                        codec: Optional[str] = None) -> None:
+                        codec: Optional[str] = None, lane: Optional[ShardLane] = None) -> None:
         """ssp: answer once every worker's pushes to ``keys`` reach ``clock - staleness``."""
         least = clock - self.config.staleness
-        if self._stale_pulls.add(Waiter(identity, request_id, keys, dict.fromkeys(keys, least), codec=codec)):
-            self._send_params(identity, request_id, keys, [self.store.entries[k] for k in keys], codec=codec)
+        if self._stale_pulls.add(Waiter(identity, request_id, keys, dict.fromkeys(keys, least), codec=codec,
+                                        lane=lane)):
+            self._send_params(identity, request_id, keys, [self.store.entries[k] for k in keys], codec=codec,
+                              lane=lane)
 
     def _wait_for(self, identity: bytes, request_id: int, want: dict[Key, int], keys: list[Key],
-                  codec: Optional[str] = None) -> None:
-        if self._pulls.add(Waiter(identity, request_id, keys, want, codec=codec)):
-            self._send_params(identity, request_id, keys, [self.store.entries[k] for k in keys], codec=codec)
+                  codec: Optional[str] = None, lane: Optional[ShardLane] = None) -> None:
+        if self._pulls.add(Waiter(identity, request_id, keys, want, codec=codec, lane=lane)):
+            self._send_params(identity, request_id, keys, [self.store.entries[k] for k in keys], codec=codec,
+                              lane=lane)
 
     def _wake(self, key: Key) -> None:
         for queue in (self._pulls, self._stale_pulls):
             for w in queue.wake(key):
                 self._send_params(w.identity, w.request_id, w.keys, [self.store.entries[k] for k in w.keys],
-                                  codec=w.codec)
-
-    # ------------------------------------------------------------------ validation
-    def _entry(self, key: Key) -> Entry:
-        entry = self.store.get(key)
-        if entry is None:
-            raise RequestError("unknown_key", f"tensor {key[0]!r} part {key[1]} is not initialized on this shard")
-        return entry
-
-    @staticmethod
-    def _check_shape(entry: Entry, meta: wire.TensorMeta) -> None:
-        if entry.param.dtype != meta.dtype or entry.param.size != meta.count:
-            raise RequestError(
-                "mismatch",
-                f"tensor {meta.name!r} part {meta.part} holds {entry.param.size} x {entry.param.dtype} but the "
-                f"message has {meta.count} x {meta.dtype}",
-            )
-
-    def _validate_push(self, req: wire.PushRequest) -> list[Entry]:
-        if not self.store.is_member(req.worker):
-            raise RequestError("not_member", f"worker {req.worker} is not a member of this elastic job (it left, "
-                                             "or was taken for dead): register again to rejoin")
-        entries = []
-        for i, meta in enumerate(req.tensors):
-            entry = self._entry(meta.key)
-            self._check_shape(entry, meta)
-            if self.config.nonfinite == "reject" and not kernels.all_finite(req.array(i)):
-                raise RequestError(
-                    "nonfinite", f"gradient of {meta.name!r} part {meta.part} has NaN or Inf; nothing was applied"
-                )
-            entries.append(entry)
-        return entries
+                                  codec=w.codec, lane=w.lane)
 
     # ------------------------------------------------------------------ replies
     def _send_params(self, identity: bytes, request_id: int, keys: list[Key], entries: list[Entry],
-                     job: Optional[wire.JobInfo] = None, codec: Optional[str] = None) -> None:
+                     job: Optional[wire.JobInfo] = None, codec: Optional[str] = None,
+                     lane: Optional[ShardLane] = None) -> None:
         tensors = [wire.tensor_entry(k[0], k[1], e.param.dtype, (e.param.size,)) for k, e in zip(keys, entries)]
+        if lane is not None:  # the parameters go into the worker's segment, the header over the socket
+            segment, offsets = lane
+            self.lanes.write(segment, offsets, [e.param for e in entries])
+            self.counters.shm_bytes_out += sum(e.param.nbytes for e in entries)
+            self._reply(identity, wire.encode_params(request_id, tensors, [e.version for e in entries], [], job,
+                                                     lane=segment.generation))
+            return
         payload: list[Any] = [e.param for e in entries]
         if codec is not None:
             for i, e in enumerate(entries):

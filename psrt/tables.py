@@ -23,7 +23,7 @@ import numpy as np
 
 from psrt import kernels, optim, wire
 from psrt.embedding import RowTable, TableSpec
-from psrt.errors import ConfigError
+from psrt.errors import ConfigError, RequestRefused
 from psrt.store import WorkerLog
 
 __all__ = ["RowLimits", "TableService", "Refused", "REQUESTS"]
@@ -33,12 +33,8 @@ REQUESTS = (wire.InitTableRequest, wire.PushRowsRequest, wire.PullRowsRequest)
 RowRequest = Union[wire.InitTableRequest, wire.PushRowsRequest, wire.PullRowsRequest]
 
 
-class Refused(Exception):
-    """A well-formed table request the shard refuses; ``code`` goes into the error reply."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+#: A well-formed table request the shard refuses; ``code`` goes into the error reply.
+Refused = RequestRefused
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,11 @@ Embedding tables (:mod:`psrt.wire.rows`, its docstring has their table): ``init_
 answered by ``ack``) and ``pull_rows`` (answered by ``rows`` + one frame); ids travel as an int64 frame, rows as
 one frame of the table's dtype.
 
+Shared-memory lanes (:mod:`psrt.wire.lanes`, its docstring has their table): ``lane_probe`` (answered by
+``beacon``) and ``lane_open`` (answered by ``lane``) set up a segment between a worker and a shard of one host;
+``push``, ``push_pull`` and ``pull`` then carry a ``lane`` field instead of buffer frames, and the ``params``
+reply a ``lane`` field (the segment's generation) instead of its buffers.
+
 Replies: ``params {tensors, versions}`` + buffers (after ``init`` also ``mode, num_workers, conflicts``: the
 shard's mode and W, and the indices of tensors that exist with another optimizer); ``ack {versions,
 duplicate}``; ``stats {stats}``; ``saved {path}``; ``error {code, message}``, to any request.
@@ -120,6 +125,17 @@ from psrt.wire.data import (
     encode_stats,
     encode_stats_request,
 )
+from psrt.wire.lanes import (
+    BeaconReply,
+    LaneOpenRequest,
+    LaneProbeRequest,
+    LaneRef,
+    LaneReply,
+    encode_beacon,
+    encode_lane,
+    encode_lane_open,
+    encode_lane_probe,
+)
 from psrt.wire.rows import (
     IDS_DTYPE,
     InitTableRequest,
@@ -145,5 +161,7 @@ __all__ = [
     "encode_register", "encode_barrier", "encode_done", "encode_table_query", "encode_table", "encode_ok",
     "IDS_DTYPE", "InitTableRequest", "PushRowsRequest", "PullRowsRequest", "RowsReply", "encode_init_table",
     "encode_push_rows", "encode_pull_rows", "encode_rows",
+    "LaneRef", "LaneProbeRequest", "LaneOpenRequest", "BeaconReply", "LaneReply", "encode_lane_probe",
+    "encode_lane_open", "encode_beacon", "encode_lane",
     "encode_control_error", "encode_shutdown", "encode_abort", "encode_heartbeat", "encode_members",
 ]

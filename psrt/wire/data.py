@@ -15,6 +15,7 @@ import numpy as np
 from psrt import compression
 from psrt.config import MODES, WireLimits
 from psrt.errors import ProtocolError
+from psrt.wire import lanes
 from psrt.wire.codec import (
     MAX_U63,
     Key,
@@ -30,6 +31,7 @@ from psrt.wire.codec import (
     uint_list,
     unpack_header,
 )
+from psrt.wire.lanes import LaneRef
 from psrt.wire.rows import REQUEST_FIELDS as _ROW_OPS
 from psrt.wire.rows import (
     InitTableRequest,
@@ -41,36 +43,15 @@ from psrt.wire.rows import (
 )
 
 __all__ = [
-    "InitRequest",
-    "PushRequest",
-    "PullKey",
-    "PullRequest",
-    "StatsRequest",
-    "CheckpointRequest",
-    "Request",
-    "JobInfo",
-    "ParamsReply",
-    "AckReply",
-    "StatsReply",
-    "ErrorReply",
-    "SavedReply",
-    "Reply",
-    "decode_request",
-    "decode_reply",
-    "encode_init",
-    "encode_push",
-    "encode_pull",
-    "encode_stats_request",
-    "encode_checkpoint_request",
-    "encode_params",
-    "encode_ack",
-    "encode_stats",
-    "encode_error",
-    "encode_saved",
+    "InitRequest", "PushRequest", "PullKey", "PullRequest", "StatsRequest", "CheckpointRequest", "Request",
+    "JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "SavedReply", "Reply", "decode_request",
+    "decode_reply", "encode_init", "encode_push", "encode_pull", "encode_stats_request",
+    "encode_checkpoint_request", "encode_params", "encode_ack", "encode_stats", "encode_error", "encode_saved",
 ]
 
 #: Largest worker rank on the wire.
 MAX_WORKER = 1 << 31
+_NO_LANE = object()
 
 _REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "init": frozenset({"v", "op", "id", "worker", "session", "optimizer", "tensors"}),
@@ -142,6 +123,8 @@ class PushRequest(_WithTensors):
     seq: int
     pull: bool
     clock: int = 0
+    #: Sent over a shared-memory lane (:mod:`psrt.wire.lanes`): the buffers are bound to the segment by the shard.
+    lane: Optional[LaneRef] = None
 
     @property
     def op(self) -> str:
@@ -171,6 +154,7 @@ class PullRequest:
     worker: int
     keys: list[PullKey]
     clock: int = 0
+    lane: Optional[LaneRef] = None  #: where the parameters are to be written, over a shared-memory lane
     op: ClassVar[str] = "pull"
 
 
@@ -191,7 +175,7 @@ class CheckpointRequest:
 
 
 Request = Union[InitRequest, PushRequest, PullRequest, StatsRequest, CheckpointRequest, InitTableRequest,
-                PushRowsRequest, PullRowsRequest]
+                PushRowsRequest, PullRowsRequest, lanes.LaneProbeRequest, lanes.LaneOpenRequest]
 
 
 def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
@@ -219,7 +203,12 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         check_version(h)
         if type(h.get("op")) is str and h["op"] in _ROW_OPS:  # embedding tables: psrt.wire.rows
             return decode_row_request(h, list(frames[1:]), limits)
+        if type(h.get("op")) is str and h["op"] in lanes.REQUEST_FIELDS:  # shared-memory lanes: psrt.wire.lanes
+            return lanes.decode_lane_request(h, list(frames[1:]))
+        lane = h.pop("lane", None) if "lane" in h else _NO_LANE
         op = op_of(h, _REQUEST_FIELDS, "request")
+        if lane is not _NO_LANE and op not in ("push", "push_pull", "pull"):
+            raise ProtocolError(f"op {op!r} cannot travel over a shared-memory lane")
         rid = uint(h, "id")
         buffers = list(frames[1:])
         if op in ("stats", "pull", "checkpoint"):
@@ -229,18 +218,24 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
                 return StatsRequest(rid)
             if op == "checkpoint":
                 return CheckpointRequest(rid)
-            return PullRequest(rid, uint(h, "worker", MAX_WORKER), _pull_keys(h["keys"], limits), uint(h, "clock"))
+            keys = _pull_keys(h["keys"], limits)
+            ref = None if lane is _NO_LANE else lanes.lane_ref(lane, 0, len(keys))
+            return PullRequest(rid, uint(h, "worker", MAX_WORKER), keys, uint(h, "clock"), ref)
         worker, session = uint(h, "worker", MAX_WORKER), uint(h, "session")
         seq, clock = (uint(h, "seq"), uint(h, "clock")) if op != "init" else (0, 0)
         if op == "init" and type(h["optimizer"]) is not dict:
             raise ProtocolError("field 'optimizer' must be a map")
-        metas = tensor_metas(h["tensors"], limits, compressed=op != "init")
-        check_buffers(metas, buffers)
+        metas = tensor_metas(h["tensors"], limits, compressed=op != "init" and lane is _NO_LANE)
+        ref = None if lane is _NO_LANE else lanes.lane_ref(lane, len(metas), len(metas) if op == "push_pull" else 0)
+        if ref is not None and buffers:
+            raise ProtocolError(f"a {op!r} over a shared-memory lane takes no buffer frames, got {len(buffers)}")
+        if ref is None:
+            check_buffers(metas, buffers)
         if len({m.key for m in metas}) != len(metas):
             raise ProtocolError("a tensor key appears twice in one message")
         if op == "init":
             return InitRequest(metas, buffers, rid, worker, session, h["optimizer"])
-        return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull", clock)
+        return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull", clock, ref)
     except ProtocolError as exc:
         exc.request_id = request_id  # type: ignore[attr-defined]
         raise
@@ -269,15 +264,22 @@ def encode_init(rid: int, worker: int, session: int, optimizer: dict[str, Any], 
 
 
 def encode_push(rid: int, worker: int, session: int, seq: int, entries: list[list[Any]],
-                payload: Sequence[np.ndarray], pull: bool, clock: int = 0) -> list[Any]:
-    """Frames of a ``push`` (or, with ``pull``, a ``push_pull``) request."""
-    return encode({"op": "push_pull" if pull else "push", "id": rid, "worker": worker, "session": session,
-                   "seq": seq, "clock": clock, "tensors": entries}, payload)
+                payload: Sequence[np.ndarray], pull: bool, clock: int = 0, lane: Optional[LaneRef] = None) -> list[Any]:
+    """Frames of a ``push`` (or, with ``pull``, a ``push_pull``) request; with ``lane``, no payload."""
+    header = {"op": "push_pull" if pull else "push", "id": rid, "worker": worker, "session": session, "seq": seq,
+              "clock": clock, "tensors": entries}
+    if lane is not None:
+        header["lane"] = lane.to_wire()
+    return encode(header, payload)
 
 
-def encode_pull(rid: int, worker: int, keys: list[list[Any]], clock: int = 0) -> list[Any]:
+def encode_pull(rid: int, worker: int, keys: list[list[Any]], clock: int = 0,
+                lane: Optional[LaneRef] = None) -> list[Any]:
     """Frames of a ``pull`` request; ``keys`` are ``[name, part, min_version]`` lists."""
-    return encode({"op": "pull", "id": rid, "worker": worker, "clock": clock, "keys": keys})
+    header = {"op": "pull", "id": rid, "worker": worker, "clock": clock, "keys": keys}
+    if lane is not None:
+        header["lane"] = lane.to_wire()
+    return encode(header)
 
 
 def encode_stats_request(rid: int) -> list[Any]:
@@ -309,6 +311,8 @@ class ParamsReply:
     tensors: list[TensorMeta]
     versions: list[int]
     job: Optional[JobInfo] = None
+    #: The generation of the shared-memory lane the parameters were written to (no buffer frames follow).
+    lane: Optional[int] = None
     op: ClassVar[str] = "params"
 
 
@@ -350,7 +354,8 @@ class SavedReply:
     op: ClassVar[str] = "saved"
 
 
-Reply = Union[ParamsReply, AckReply, StatsReply, ErrorReply, SavedReply, RowsReply]
+Reply = Union[ParamsReply, AckReply, StatsReply, ErrorReply, SavedReply, RowsReply, lanes.BeaconReply,
+              lanes.LaneReply]
 
 
 def decode_reply(data: Any, limits: WireLimits) -> Reply:
@@ -366,8 +371,10 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
     op = h.get("op")
     if op == "rows":
         return decode_rows_reply(h, limits)
-    if type(op) is str and op == "params" and h.keys() == _PARAMS | _JOB:
-        fields = _PARAMS | _JOB
+    if type(op) is str and op in lanes.REPLY_FIELDS:
+        return lanes.decode_lane_reply(h)
+    if type(op) is str and op == "params" and h.keys() in (_PARAMS | _JOB, _PARAMS | {"lane"}):
+        fields = h.keys()
     else:
         fields = _REPLY_FIELDS.get(op) if type(op) is str else None
         if fields is None:
@@ -386,7 +393,7 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
             if any(i >= len(metas) for i in conflicts):
                 raise ProtocolError("params reply: 'conflicts' must index the reply's tensors")
             job = JobInfo(string(h, "mode", allowed=MODES), uint(h, "num_workers", MAX_WORKER, lo=1), conflicts)
-        return ParamsReply(rid, metas, versions, job)
+        return ParamsReply(rid, metas, versions, job, uint(h, "lane") if "lane" in h else None)
     if op == "ack":
         if type(h["duplicate"]) is not bool:
             raise ProtocolError("ack reply: 'duplicate' must be true or false")
@@ -403,11 +410,14 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
 
 
 def encode_params(rid: int, entries: list[list[Any]], versions: list[int], payload: Sequence[np.ndarray],
-                  job: Optional[JobInfo] = None) -> list[Any]:
-    """Frames of a ``params`` reply (with the job's mode, W and conflicts when answering ``init``)."""
+                  job: Optional[JobInfo] = None, lane: Optional[int] = None) -> list[Any]:
+    """Frames of a ``params`` reply (with the job's mode, W and conflicts when answering ``init``; with ``lane``,
+    the parameters are in that lane's segment and ``payload`` is empty)."""
     header: dict[str, Any] = {"op": "params", "id": rid, "tensors": entries, "versions": versions}
     if job is not None:
         header.update(mode=job.mode, num_workers=job.num_workers, conflicts=job.conflicts)
+    if lane is not None:
+        header["lane"] = lane
     return encode(header, payload)
 
 

@@ -1,0 +1,337 @@
+"""Shared-memory lanes: segments in /dev/shm, the proof of a shared host, exactness against sockets, hostile
+lane headers, fallbacks, and that no file outlives its shard."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+import psrt
+from psrt import lanes, shm
+from psrt.config import ClientConfig, ServerConfig
+from psrt.errors import ConfigError
+from psrt.server import Server
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm on this host")
+
+BIG = 300_000  # float32 values: 1.2 MB, well over the lane threshold
+
+
+def our_files(pid: int) -> list[str]:
+    return sorted(n for n in os.listdir(shm.SHM_DIR) if shm.valid_name(n) and n.split("-")[2] == str(pid))
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(30)
+    return proc.pid
+
+
+# ---------------------------------------------------------------------------------------------- segments
+def test_a_segment_is_private_exclusive_and_its_file_goes_once_a_worker_maps_it():
+    name = f"psrt-{secrets.token_hex(6)}-{os.getpid()}-g1"
+    seg = shm.Segment.create(name, 1, 1 << 16)
+    try:
+        path = shm.SHM_DIR / name
+        assert path.stat().st_mode & 0o777 == 0o600
+        with pytest.raises(FileExistsError):
+            shm.Segment.create(name, 1, 1 << 16)  # O_EXCL: never someone else's file
+        other = shm.Segment.attach(name, 1, 1 << 16)
+        assert not path.exists(), "the worker unlinks the file once both sides map it"
+        seg.array(64, np.dtype(np.float32), 4)[:] = [1, 2, 3, 4]
+        assert other.array(64, np.dtype(np.float32), 4).tolist() == [1, 2, 3, 4]  # one memory, two mappings
+    finally:
+        seg.unlink()
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "psrt-abc", "x-0123456789ab-1-g1",
+                                  "psrt-0123456789ab-1-beacon", "psrt-0123456789ab-1-g1/../x"])
+def test_a_worker_opens_only_segment_names_never_paths(name):
+    with pytest.raises(ConfigError, match="not a psrt segment name"):
+        shm.Segment.attach(name, 1, 4096)
+    assert shm.Beacon.read(name) is None or name.endswith("beacon")
+
+
+def test_attach_checks_the_generation_and_the_size_the_shard_announced():
+    name = f"psrt-{secrets.token_hex(6)}-{os.getpid()}-g7"
+    seg = shm.Segment.create(name, 7, 8192)
+    try:
+        with pytest.raises(ConfigError, match="generation"):
+            shm.Segment.attach(name, 8, 8192)
+        with pytest.raises(ConfigError, match="size"):
+            shm.Segment.attach(name, 7, 4096)
+        assert (shm.SHM_DIR / name).exists(), "a refused segment is left to its shard"
+    finally:
+        seg.unlink()
+
+
+def test_a_dead_shards_files_are_removed_and_a_live_ones_kept():
+    tag = secrets.token_hex(6)
+    dead, live = dead_pid(), os.getpid()
+    names = [f"psrt-{tag}-{dead}-beacon", f"psrt-{tag}-{dead}-g3", f"psrt-{tag}-{live}-g4"]
+    for n in names:
+        (shm.SHM_DIR / n).write_bytes(b"x")
+    try:
+        removed = shm.remove_leftovers()
+        assert set(names[:2]) <= set(removed) and names[2] not in removed
+        assert [(shm.SHM_DIR / n).exists() for n in names] == [False, False, True]
+    finally:
+        for n in names:
+            (shm.SHM_DIR / n).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+def train(endpoints: list[str], shm_on: bool, steps: int = 6) -> tuple[dict, list[dict]]:
+    """A fixed sequence of pushes, push_pulls and pulls (tensors above and below the lane threshold)."""
+    rng = np.random.default_rng(11)
+    init = {"big": rng.standard_normal(BIG).astype(np.float32), "f64": rng.standard_normal((300, 70)),
+            "small": rng.standard_normal(100).astype(np.float32)}
+    config = ClientConfig(timeout=30, partition_bytes=256 << 10, shm=shm_on)
+    with psrt.Client(endpoints, config=config) as c:
+        c.init(init, optimizer=psrt.Adam(lr=0.01))
+        got = {}
+        for step in range(steps):
+            grads = {n: rng.standard_normal(a.shape).astype(a.dtype) for n, a in init.items()}
+            if step % 3 == 0:
+                c.push(grads)
+            elif step % 3 == 1:
+                got = c.push_pull(grads)
+            else:
+                got = c.pull(["big", "f64"])
+        final = c.pull()
+        return {"last": {n: a.copy() for n, a in got.items()}, "final": final}, c.stats()
+
+
+def test_lanes_give_bit_for_bit_what_sockets_give(shards):
+    over_lanes, lane_stats = train(shards(2, mode="async").endpoints, True)
+    over_sockets, socket_stats = train(shards(2, mode="async").endpoints, False)
+    for part in ("last", "final"):
+        assert over_lanes[part].keys() == over_sockets[part].keys()
+        for name in over_lanes[part]:
+            assert over_lanes[part][name].tobytes() == over_sockets[part][name].tobytes(), (part, name)
+    assert all(s["shm_bytes_in"] > 0 and s["shm_bytes_out"] > 0 for s in lane_stats)
+    assert all(s["shm_bytes_in"] == 0 == s["shm_bytes_out"] for s in socket_stats)
+    # Over lanes the sockets carried the initial values (init never rides a lane) and headers only.
+    assert sum(s["bytes_in"] for s in lane_stats) < 0.5 * sum(s["bytes_in"] for s in socket_stats)
+
+
+@pytest.mark.parametrize("psrt_shm", ["1", "0"])
+def test_concurrent_workers_over_lanes_end_exact(shards, monkeypatch, psrt_shm):
+    from test_server import run_workers
+
+    monkeypatch.setenv("PSRT_SHM", psrt_shm)
+    workers, steps, size = 3, 12, 200_003
+    group = shards(2, workers=workers, mode="async")
+    run_workers("async_pusher", [dict(servers=group.endpoints, rank=r, workers=workers, steps=steps, size=size,
+                                      partition_bytes=256 << 10) for r in range(workers)])
+    expected = np.zeros(size, np.float64)
+    for r in range(workers):
+        for step in range(steps):
+            g = np.full(size, float((r + 1 + step) % 7))
+            g[::3] = -1.0
+            expected -= g
+    with psrt.Client(group.endpoints, rank=0, num_workers=workers,
+                     config=ClientConfig(timeout=30, partition_bytes=256 << 10)) as c:
+        got = c.init({"w": np.ones(size, np.float32)}, optimizer=psrt.SGD(lr=1.0))["w"]
+        stats = c.stats()
+    np.testing.assert_array_equal(got, expected.astype(np.float32))
+    lane_bytes = sum(s["shm_bytes_in"] for s in stats)
+    assert lane_bytes == (workers * steps * size * 4 if psrt_shm == "1" else 0)
+
+
+def test_psrt_shm_0_on_the_shard_keeps_every_worker_on_sockets(shards, monkeypatch):
+    monkeypatch.setenv("PSRT_SHM", "0")
+    group = shards(1)
+    assert our_files(group.procs[0].pid) == [], "no beacon: the shard offers no shared memory"
+    monkeypatch.delenv("PSRT_SHM")
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
+        c.init({"w": np.zeros(BIG, np.float32)})
+        out = c.push_pull({"w": np.ones(BIG, np.float32)})
+        assert c.stats()[0]["shm_bytes_in"] == 0
+    assert out["w"][0] == np.float32(-0.001)  # SGD's default lr
+
+
+def test_a_worker_with_its_own_dev_shm_is_not_on_the_shards_host(shards, tmp_path):
+    """Same address, another /dev/shm (a private mount, as in another container or host): sockets, and right."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a private /dev/shm")
+    group = shards(1)
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(f"""
+        import numpy as np, psrt
+        from psrt.config import ClientConfig
+        with psrt.Client({group.endpoints!r}, config=ClientConfig(timeout=20)) as c:
+            c.init({{"w": np.zeros({BIG}, np.float32)}}, optimizer=psrt.SGD(lr=1.0))
+            for _ in range(3):
+                p = c.push_pull({{"w": np.full({BIG}, 2.0, np.float32)}})
+            s = c.stats()[0]
+            print(float(p["w"][0]), float(p["w"][-1]), s["shm_bytes_in"], s["pushes"])
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(["unshare", "--mount", "sh", "-c",
+                           f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} {script}"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    if proc.returncode != 0 and "mount" in proc.stderr and "permission" in proc.stderr.lower():
+        pytest.skip(f"cannot mount a private /dev/shm here: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["-6.0", "-6.0", "0", "3"]
+
+
+# ---------------------------------------------------------------------------------------------- hostile lanes
+class LanePeer:
+    """A bare DEALER that sets up a lane by hand, then sends whatever lane headers a test wants."""
+
+    def __init__(self, endpoint: str, size: int = 1 << 20) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        beacon, _ = self.ask({"op": "lane_probe", "id": 1})
+        self.token = shm.Beacon.read(beacon["name"])
+        lane, _ = self.ask({"op": "lane_open", "id": 2, "worker": 0, "session": 5, "token": self.token,
+                            "size": size})
+        assert lane["op"] == "lane", lane
+        self.generation = lane["generation"]
+        self.segment = shm.Segment.attach(lane["name"], lane["generation"], lane["size"])
+
+    def ask(self, header: dict, frames: tuple = ()) -> tuple[dict, list[bytes]]:
+        self.sock.send_multipart([msgpack.packb({"v": 1, **header}), *frames])
+        assert self.sock.poll(5000), "the shard did not answer"
+        reply = self.sock.recv_multipart()
+        return msgpack.unpackb(reply[0]), reply[1:]
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+def push(lane: list, op: str = "push", seq: int = 0, n: int = 4) -> dict:
+    return dict(op=op, id=9, worker=0, session=5, seq=seq, clock=1, tensors=[["w", 0, "<f4", [n]]], lane=lane)
+
+
+def test_hostile_lane_headers_get_errors_and_change_nothing(shards):
+    group = shards(1)
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
+        c.init({"w": np.arange(4, dtype=np.float32)}, optimizer=psrt.SGD(lr=1.0))
+    peer = LanePeer(group.endpoints[0])
+    try:
+        g = peer.generation
+        peer.segment.array(64, np.dtype(np.float32), 4)[:] = 1.0
+        size = peer.segment.size
+        cases = [
+            (push([g + 1, [64], []]), "lane_stale"),  # a generation the shard never made
+            (push([g, [size - 8], []]), "lane_bounds"),  # runs past the end
+            (push([g, [size + 4096], []]), "lane_bounds"),  # starts past the end
+            (push([g, [0], []]), "lane_bounds"),  # over the segment's header
+            (push([g, [100], []]), "lane_bounds"),  # not aligned
+            (push([g, [64], [size]], op="push_pull"), "lane_bounds"),  # parameters to go outside
+            (dict(op="pull", id=9, worker=0, clock=0, keys=[["w", 0, 0]], lane=[g, [], [size - 4]]), "lane_bounds"),
+            (push([g, [64], []], n=5), "mismatch"),  # a wrong size: the shard's own check, read from the lane
+            (push([g, [64, 128], []]), "protocol"),  # two offsets for one tensor
+            (push([g, [64]]), "protocol"),
+            (push([g, [-64], []]), "protocol"),
+            (push([g, [64], []], op="push_pull"), "protocol"),  # a push_pull names where its parameters go
+            (dict(op="init", id=9, worker=0, session=5, optimizer={"name": "sgd", "lr": 1.0},
+                  tensors=[["w", 0, "<f4", [4]]], lane=[g, [64], []]), "protocol"),
+            (dict(op="stats", id=9, lane=[g, [], []]), "protocol"),
+            ({**push([g, [64], []]), "tensors": [["w", 0, "fp16", [4]]]}, "protocol"),  # no compression on lanes
+            (dict(op="lane_open", id=9, worker=0, session=5, token="0" * 32, size=1 << 20), "lane_token"),
+            (dict(op="lane_open", id=9, worker=0, session=5, token=peer.token, size=1 << 40), "lane_size"),
+            (dict(op="lane_open", id=9, worker=0, session=5, token=peer.token, size=0), "protocol"),
+        ]
+        for header, code in cases:
+            reply, frames = peer.ask(header)
+            assert (reply["op"], reply.get("code")) == ("error", code), (header, reply)
+        reply, _ = peer.ask(push([g, [64], []]), (b"\0" * 16,))  # frames besides a lane
+        assert reply.get("code") == "protocol"
+        with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
+            now = c.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))  # the stored value comes back
+            assert now["w"].tolist() == [0, 1, 2, 3], "nothing was applied"
+            stats = c.stats()[0]
+            assert stats["pushes"] == 0 and stats["shm_bytes_in"] == 0
+        # The lane still works for a well-formed request: the gradient is read from the segment.
+        reply, frames = peer.ask(push([g, [64], [128]], op="push_pull"))
+        assert reply["op"] == "params" and reply["lane"] == g and frames == []
+        assert peer.segment.array(128, np.dtype(np.float32), 4).tolist() == [-1, 0, 1, 2]
+    finally:
+        peer.close()
+
+
+# ---------------------------------------------------------------------------------------------- fallbacks
+@pytest.fixture()
+def inproc_server(monkeypatch):
+    """A shard in this process (its serving loop on a thread) keeping at most one lane."""
+    monkeypatch.setattr(lanes, "MAX_LANES", 1)
+    server = Server(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True))
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    yield server
+    server.stop()
+    thread.join(10)
+    server.close()
+
+
+def test_a_lane_the_shard_dropped_is_replaced_and_no_call_is_lost(inproc_server):
+    """Two workers evict each other's lane at every call: each refused call goes again over the socket."""
+    config = ClientConfig(timeout=20)
+    ep = [inproc_server.endpoint]
+    with psrt.Client(ep, config=config) as a, psrt.Client(ep, config=config) as b:
+        a.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        b.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        for step in range(5):
+            pa = a.push_pull({"w": np.ones(BIG, np.float32)})
+            pb = b.push_pull({"w": np.ones(BIG, np.float32)})
+            assert pa["w"][0] == -(2 * step + 1) and pb["w"][-1] == -(2 * step + 2)
+        assert inproc_server.counters.pushes == 10
+    assert inproc_server.lanes.count <= 1
+
+
+def test_no_file_outlives_its_shard_and_a_killed_ones_are_removed_by_the_next(shards):
+    group = shards(1)
+    pid = group.procs[0].pid
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
+        c.init({"w": np.zeros(BIG, np.float32)})
+        c.push_pull({"w": np.ones(BIG, np.float32)})
+        assert c.stats()[0]["shm_bytes_in"] > 0
+        assert our_files(pid) == [f for f in our_files(pid) if f.endswith("beacon")], \
+            "a mapped segment has no file left"
+    assert group.close() == [0]
+    assert our_files(pid) == []
+    killed = shards(1)
+    pid = killed.procs[0].pid
+    assert len(our_files(pid)) == 1
+    killed.procs[0].kill()
+    killed.procs[0].wait(10)
+    assert len(our_files(pid)) == 1, "SIGKILL leaves the beacon behind"
+    shards(1)
+    assert our_files(pid) == [], "the next shard on the host removed it"
+
+
+def test_a_lane_hands_out_aligned_areas_and_starts_over_when_nothing_is_in_flight():
+    name = f"psrt-{secrets.token_hex(6)}-{os.getpid()}-g1"
+    seg = shm.Segment.create(name, 1, 1024)
+    try:
+        lane = lanes.Lane(seg)
+        assert lane.fits(960) and not lane.fits(961)
+        first, second = lane.take(10), lane.take(100)
+        assert (first, second) == (64, 128) and lane.top == 256
+        lane.live = 2
+        lane.give_back()
+        assert lane.top == 256, "one request still holds its areas"
+        lane.give_back()
+        assert lane.top == shm.HEADER_BYTES
+        lane.retired = True
+        assert not lane.fits(64), "a retired lane hands out nothing"
+    finally:
+        seg.unlink()
+    assert lanes.call_bytes([[]], True, True) == 0
