@@ -114,7 +114,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         client.close()
     pushes = after["pushes"] - before["pushes"]
     return {"rank": args.rank, "steps": steps, "elapsed_s": elapsed, "final_acc": final, "curve": curve,
-            "ends": ends, "bytes_per_push": (after["bytes_in"] - before["bytes_in"]) / pushes}
+            "ends": ends, "bytes_per_push": (after["bytes_in"] + after.get("shm_bytes_in", 0) - before["bytes_in"]
+                                             - before.get("shm_bytes_in", 0)) / pushes}
 
 
 def max_lead(ends: list[list[float]]) -> int:

@@ -5,6 +5,11 @@ its link can be shaped in both directions with ``tc ... tbf`` (one qdisc on each
 emulates a cluster whose hosts have a given NIC bandwidth. Used by the multi-host tests and the scaling
 benchmark. Needs root and iproute2.
 
+Each host also has a /dev/shm of its own (a directory of the machine's /dev/shm, bind-mounted over /dev/shm in
+the private mount namespace of every process started on that host), so processes on one emulated host share
+memory as on a real one, and processes on two do not: shared-memory lanes (:mod:`psrt.lanes`) between emulated
+hosts would bypass the links being emulated.
+
 Every name carries the creating process's pid (``psrt<pid>-<host>``, bridge ``psbr<pid><letter>``), so a run that
 crashed before cleaning up is recognised and removed by the next one (:func:`remove_leftovers`).
 """
@@ -25,6 +30,9 @@ __all__ = ["VirtualCluster", "remove_leftovers", "parse_rate", "check_available"
 
 _NS = re.compile(r"^psrt(\d+)-[A-Za-z0-9_.-]+$")
 _BR = re.compile(r"^psbr(\d+)[a-z]$")
+_SHM = re.compile(r"^psrt(\d+)[a-z]-[A-Za-z0-9_.-]+\.shm$")
+#: Where each emulated host's /dev/shm lives.
+SHM_ROOT = "/dev/shm"
 #: Clusters made by this process so far: each one's link names differ, since the kernel removes a deleted
 #: namespace's veth pair only after ``ip netns del`` returns, and a new cluster must not collide with it.
 _made = 0
@@ -54,9 +62,9 @@ def check_available() -> None:
     if os.geteuid() != 0:
         raise ConfigError("an emulated cluster needs root (network namespaces, veth, bridges, tc): run as root, "
                           "or use plain loopback instead")
-    for tool in ("ip", "tc"):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("unshare", "util-linux")):
         if shutil.which(tool) is None:
-            raise ConfigError(f"`{tool}` not found: install iproute2 (apt-get install iproute2)")
+            raise ConfigError(f"`{tool}` not found: install {package} (apt-get install {package})")
 
 
 def _alive(pid: int) -> bool:
@@ -90,6 +98,11 @@ def remove_leftovers() -> list[str]:
         m = _BR.match(name)
         if m and not _alive(int(m.group(1))):
             _ip("link", "del", name, check=False)
+            removed.append(name)
+    for name in os.listdir(SHM_ROOT) if os.path.isdir(SHM_ROOT) else []:
+        m = _SHM.match(name)
+        if m and not _alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(SHM_ROOT, name), ignore_errors=True)
             removed.append(name)
     return removed
 
@@ -133,6 +146,7 @@ class VirtualCluster:
         self._procs: list[subprocess.Popen] = []
         self._children: list[Child] = []
         self._created_ns: list[str] = []
+        self._shm: dict[str, str] = {}  # host -> the directory that is its /dev/shm
         self._bridge_made = False
         remove_leftovers()
         try:
@@ -166,6 +180,9 @@ class VirtualCluster:
         _ip("link", "set", self.bridge, "up")
         for i, host in enumerate(self.hosts):
             ns = self.namespace(host)
+            self._shm[host] = os.path.join(SHM_ROOT, f"psrt{self.pid}{self._tag}-{host}.shm")
+            os.mkdir(self._shm[host], 0o1777)
+            os.chmod(self._shm[host], 0o1777)  # as /dev/shm itself (the umask would narrow mkdir's mode)
             outer, inner = self.veth(host), f"pn{self.pid}{self._tag}{i}"
             _ip("netns", "add", ns)
             self._created_ns.append(ns)
@@ -192,7 +209,9 @@ class VirtualCluster:
     def _exec(self, host: str) -> list[str]:
         if host not in self.hosts:
             raise ConfigError(f"no host {host!r} in this cluster (hosts: {', '.join(self.hosts)})")
-        return ["ip", "netns", "exec", self.namespace(host)]
+        # A private mount namespace per process, in which the host's own directory is /dev/shm.
+        return ["ip", "netns", "exec", self.namespace(host), "unshare", "--mount", "--propagation", "private",
+                "sh", "-c", 'mount --bind "$0" /dev/shm && exec "$@"', self._shm[host]]
 
     def spawn(self, host: str, cmd: Sequence[str], **kwargs: Any) -> Child:
         """Start ``cmd`` inside ``host``'s namespace as a :class:`~psrt.process.Child` (``kwargs`` go to it,
@@ -231,6 +250,9 @@ class VirtualCluster:
         if self._bridge_made:
             _ip("link", "del", self.bridge, check=False)
             self._bridge_made = False
+        for directory in self._shm.values():
+            shutil.rmtree(directory, ignore_errors=True)
+        self._shm.clear()
 
     def __enter__(self) -> VirtualCluster:
         return self

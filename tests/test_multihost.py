@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from psrt.netns import VirtualCluster
-from psrt.process import psrt_command
+from psrt.process import SERVER_READY, psrt_command
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                                 reason="needs root and iproute2 for network namespaces")
@@ -52,6 +52,36 @@ def test_job_across_namespaces():
     assert not any(vc.namespace(h) in namespaces() for h in hosts), "namespaces were not removed"
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10).stdout
     assert vc.bridge not in links
+
+
+LANE_PROBE = """
+import sys, numpy as np, psrt
+from psrt.config import ClientConfig
+with psrt.Client([sys.argv[1]], config=ClientConfig(timeout=30)) as c:
+    c.init({"w": np.zeros(300_000, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+    p = c.push_pull({"w": np.ones(300_000, np.float32)})
+    print(float(p["w"][0]), c.stats()[0]["shm_bytes_in"])
+"""
+
+
+def test_each_emulated_host_has_its_own_shared_memory():
+    """A worker shares memory with a shard on its own emulated host, never with one on another host."""
+    with VirtualCluster(["a", "b"]) as vc:
+        endpoint = f"tcp://{vc.address('a')}:5800"
+        server = vc.spawn("a", [*PSRT, "server", "--bind", endpoint, "--workers", "1", "--mode", "async"],
+                          ready=SERVER_READY)
+        server.wait_ready(30)
+        got = {}
+        for host in ("b", "a"):  # across the bridge first, then beside the shard
+            worker = vc.spawn(host, [sys.executable, "-c", LANE_PROBE, endpoint])
+            out = worker.communicate(timeout=60)
+            assert worker.returncode == 0, out
+            value, lane_bytes = out.split()[-2:]
+            got[host] = (float(value), int(lane_bytes))
+        assert got == {"b": (-1.0, 0), "a": (-2.0, 1_200_000)}
+        beacons = os.listdir(vc._shm["a"])  # the shard's beacon, on its own host only
+        assert len(beacons) == 1 and beacons[0].split("-")[2] == str(server.pid), beacons
+        assert os.listdir(vc._shm["b"]) == [] and beacons[0] not in os.listdir("/dev/shm")
 
 
 def test_leftovers_of_a_crashed_run_are_removed_at_the_next_start():

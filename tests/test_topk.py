@@ -48,7 +48,8 @@ def test_a_nonfinite_chunk_goes_dense_and_drops_its_residual():
 
 def _pushed_bytes(shards, codec, grads, n):
     group = shards(1, workers=1)
-    with psrt.Client(group.endpoints, config=ClientConfig(compression=codec)) as c:
+    # Bytes on the socket: full-precision pushes stay off shared memory here, as between hosts.
+    with psrt.Client(group.endpoints, config=ClientConfig(compression=codec, shm=False)) as c:
         c.init({"w": np.zeros(n, np.float32)}, optimizer=psrt.SGD(lr=0.1))
         before = c.stats()[0]["bytes_in"]
         for g in grads:
