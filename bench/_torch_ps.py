@@ -20,12 +20,12 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.rpc as rpc
 
-__all__ = ["BatchUpdateParameterServer", "run_trainer", "run_ps", "run_rank"]
+__all__ = ["BatchUpdateParameterServer", "run_trainer", "run_ps", "run_rank", "run"]
 
 
 class BatchUpdateParameterServer:
@@ -126,3 +126,37 @@ def run_rank(rank: int, workload: Any, port: int, tcp_only: bool, results: Any) 
     except BaseException:
         results.put({"rank": rank, "error": traceback.format_exc()})
         raise
+
+
+def run(workload: Any, tcp_only: bool, deadline: float, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Spawn the S parameter-server and W trainer ranks, return the trainers' results; ranks always stopped.
+
+    Parameters
+    ----------
+    workload : Workload
+        The benchmark workload (``bench/peers.py``).
+    tcp_only : bool
+        Limit TensorPipe to loopback TCP (see :func:`run_rank`).
+    deadline : float
+        ``time.monotonic()`` by which every trainer must have reported.
+    log : callable
+        Where progress lines go.
+    """
+    import torch.multiprocessing as tmp
+    from _common import collect, free_port, join_or_kill, spawn
+
+    ctx = tmp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    world = workload.servers + workload.workers
+    procs: list[Any] = []
+    try:
+        log(f"spawning {world} RPC ranks (rendezvous 127.0.0.1:{port}, "
+            f"transport {'TCP only' if tcp_only else 'TensorPipe default'})")
+        procs += spawn(ctx, run_rank, [(rank, workload, port, tcp_only, results) for rank in range(world)],
+                       "torch-rank")
+        return collect(results, procs, workload.workers, deadline, "torch")
+    finally:
+        # Ranks leave by a graceful rpc.shutdown(); terminate any that do not.
+        join_or_kill(procs, max(1.0, min(30.0, deadline - time.monotonic())))
+        results.close()

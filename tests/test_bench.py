@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,54 @@ def test_convergence_workers_train_on_loopback(shards):
     assert r0["steps"] == 11 and len(r0["ends"]) == 11 and r0["curve"][-1][0] == 11
     dense = 4 * sum(p.numel() for p in make_model(0).parameters())
     assert r0["bytes_per_push"] < 0.03 * dense
+
+
+def run_bench(script: str, args: list[str], tmp_path: Path) -> dict:
+    """Run ``bench/SCRIPT`` with ``args`` and ``--json``; its exit status must be 0; returns the JSON."""
+    out = tmp_path / f"{script}.json"
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args, "--json", str(out)], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_peers_reports_every_psrt_row_with_bandwidths_and_checks(tmp_path):
+    """peers.py end to end on a tiny workload, only the psrt rows (Ray and torch are an extra)."""
+    report = run_bench("peers.py", ["--systems", "psrt,psrt-tuned,psrt-sockets", "--elements", "20000",
+                                    "--workers", "2", "--servers", "2", "--steps", "3", "--timeout", "120"], tmp_path)
+    (workload,) = report["workloads"]
+    assert workload["workload"]["elements"] == 20000 and workload["workload"]["workers"] == 2
+    assert list(workload["systems"]) == ["psrt", "psrt-tuned", "psrt-sockets"]
+    for row in workload["systems"].values():
+        assert row["status"] == "ok" and row["check_ok"] is True and row["max_err"] <= row["tol"]
+        assert row["rate"] > 0 and row["gbps"] > 0
+    assert workload["memcopy_gbps"] > 0 and workload["psrt_gbps"] == workload["systems"]["psrt"]["gbps"]
+    assert workload["psrt_to_memcopy"] == pytest.approx(workload["psrt_gbps"] / workload["memcopy_gbps"])
+    assert workload["target"]["verdict"] == "n/a"  # no Ray nor torch row to compare with
+
+
+def test_peers_target_compares_plain_psrt_with_the_faster_baseline():
+    import peers
+
+    rows = {name: peers.Outcome(name, rate=rate, check_ok=True)
+            for name, rate in (("psrt", 30.0), ("psrt-tuned", 90.0), ("ray", 10.0), ("torch", 20.0))}
+    target = peers._target(rows)
+    assert (target["verdict"], target["against"], target["ratio"]) == ("PASS", "torch", 1.5)
+    rows["psrt"].rate = 29.0  # the tuned row does not count
+    assert peers._target(rows)["verdict"] == "MISS"
+    rows["psrt"].rate, rows["psrt"].check_ok = 300.0, False
+    assert peers._target(rows)["verdict"] == "MISS"
+
+
+def test_pslite_pattern_runs_every_row_and_checks_exactly(tmp_path):
+    """pslite.py end to end on tiny keys: every row's goodput is counted and its parameters are exact."""
+    report = run_bench("pslite.py", ["--servers", "2", "--workers", "2", "--key-bytes", "4K", "--keys-per-server",
+                                     "3", "--rounds", "2", "--timeout", "120"], tmp_path)
+    (config,) = report["configs"]
+    assert config["pattern"]["servers"] == 2 and config["pattern"]["key_bytes"] == 4096
+    assert [r["variant"] for r in config["rows"]] == ["psrt", "psrt-tuned", "psrt-sockets"]
+    for row in config["rows"]:
+        assert row["status"] == "ok" and row["check_ok"] is True and row["max_err"] == 0.0
+        assert row["push_bytes"] == 2 * 2 * (2 * 3) * 4096  # W x rounds x keys x bytes
+        assert row["goodput_gbps"] > 0 and len(row["per_worker_gbps"]) == 2
+    assert config["target"]["verdict"] == "n/a"  # targets are for the full-size pattern only
