@@ -2,6 +2,9 @@
 
 Tensors larger than ``partition_bytes`` are split into the fewest contiguous chunks of at most that size, of
 near-equal length (BytePS found ~4 MB partitions spread over servers balance load and let transfers pipeline).
+With several shards, a tensor of at least two :data:`MIN_PIECE_BYTES` pieces is split into a multiple of the
+shard count where its pieces stay that large, so one tensor keeps every shard busy (as ps-lite splits each key
+over all servers): a 4 MB tensor on 2 shards goes half to each, a 40 MB one on 3 shards in 12 pieces, not 10.
 Chunks and whole small tensors are then assigned to shards largest first, each to the shard holding the fewest
 bytes so far (ties to the lowest shard index). The result depends only on the tensors' names, shapes and dtypes,
 the number of shards and the partition size — never on dict order — so every worker computes the same map.
@@ -21,6 +24,9 @@ __all__ = ["Chunk", "PartitionMap"]
 
 #: Most chunks sent in one message (keeps headers far below the decode limits).
 MAX_CHUNKS_PER_MESSAGE = 4096
+#: The smallest piece a tensor is cut into to spread it over the shards (smaller ones cost more per message
+#: than they gain in parallel).
+MIN_PIECE_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,10 @@ class PartitionMap:
             count = math.prod(shape)
             per_chunk = max(1, self.partition_bytes // dtype.itemsize)
             parts = max(1, -(-count // per_chunk))
+            nbytes = count * dtype.itemsize
+            if self.num_shards > 1 and nbytes >= 2 * MIN_PIECE_BYTES:
+                balanced = -(-parts // self.num_shards) * self.num_shards
+                parts = min(balanced, max(parts, nbytes // MIN_PIECE_BYTES))
             base, extra = divmod(count, parts)
             start = 0
             for part in range(parts):

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from psrt.errors import ConfigError
-from psrt.partition import MAX_CHUNKS_PER_MESSAGE, Chunk, PartitionMap
+from psrt.partition import MAX_CHUNKS_PER_MESSAGE, MIN_PIECE_BYTES, Chunk, PartitionMap
 
 MiB = 1 << 20
 HSETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -286,3 +286,15 @@ def test_chunks_of_unknown_name_raises():
     pmap = PartitionMap(1, 64)
     with pytest.raises(ConfigError, match="'nope' was never initialized"):
         pmap.chunks_of(["nope"])
+
+
+def test_a_large_tensor_keeps_every_shard_busy():
+    """A tensor of at least two MIN_PIECE_BYTES pieces is cut into a multiple of the shard count."""
+    four_mb = PartitionMap(2, 4 << 20).add({"w": ((1_000_000,), np.dtype(np.float32))})
+    assert sorted(c.shard for c in four_mb) == [0, 1] and {c.count for c in four_mb} == {500_000}
+    forty_mb = PartitionMap(3, 4 << 20).add({"w": ((10_000_000,), np.dtype(np.float32))})
+    assert len(forty_mb) == 12 and [sum(c.shard == s for c in forty_mb) for s in range(3)] == [4, 4, 4]
+    # Pieces never shrink below MIN_PIECE_BYTES to reach every shard, and one shard takes a tensor whole.
+    small = PartitionMap(4, 4 << 20).add({"w": ((150_000,), np.dtype(np.float32))})  # 600 KB
+    assert len(small) == 2 and min(c.nbytes for c in small) >= MIN_PIECE_BYTES
+    assert len(PartitionMap(1, 4 << 20).add({"w": ((1_000_000,), np.dtype(np.float32))})) == 1

@@ -66,7 +66,8 @@ def test_reply_tail_round_trips_through_a_measured_rate():
 
 def test_extrapolates_to_thousands_of_workers():
     pred, sc = predict(4096, 256, model="resnet50", partition=4 << 20)
-    assert pred.steps_per_s > 0 and sc.shard_bytes >= (4 << 20) * 0.5
+    # Large tensors are cut over all 256 shards, so the busiest holds little more than an even share.
+    assert pred.steps_per_s > 0 and sc.model_bytes / 256 <= sc.shard_bytes <= 1.5 * sc.model_bytes / 256
 
 
 def test_shipped_models_and_sizes():
