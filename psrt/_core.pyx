@@ -256,6 +256,48 @@ def all_finite(const real[::1] x):
     return ok != 0
 
 
+# ---------------------------------------------------------------------------------------------- sequence counters
+# A seqlock between a shard (the one writer) and workers mapping its parameters from shared memory: the writer
+# makes the counter odd, writes, and makes it even again; a reader reads the counter, copies, and reads it again,
+# and keeps the copy only if both reads agree (and are even). The fences keep the counter's loads and stores on
+# the right side of the data's on every CPU (x86 alone would not need them).
+
+cdef extern from *:
+    r"""
+    static inline uint64_t psrt_seq_read(const uint64_t *p) {
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        uint64_t v = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        return v;
+    }
+    static inline void psrt_seq_bump(uint64_t *p) {
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        __atomic_store_n(p, __atomic_load_n(p, __ATOMIC_RELAXED) + 1, __ATOMIC_RELEASE);
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    }
+    """
+    uint64_t psrt_seq_read(const uint64_t *p) noexcept nogil
+    void psrt_seq_bump(uint64_t *p) noexcept nogil
+
+
+def seq_read(const uint64_t[::1] seq):
+    """The counter ``seq[0]``, read between full memory fences (0 for an empty view)."""
+    cdef uint64_t v = 0
+    if seq.shape[0] == 0:
+        return 0
+    with nogil:
+        v = psrt_seq_read(&seq[0])
+    return v
+
+
+def seq_bump(uint64_t[::1] seq):
+    """``seq[0] += 1``, between full memory fences (nothing for an empty view)."""
+    if seq.shape[0] == 0:
+        return
+    with nogil:
+        psrt_seq_bump(&seq[0])
+
+
 # ---------------------------------------------------------------------------------------------- row kernels
 # Embedding tables: rows of a 2-D table addressed by slot numbers. The dense per-element loops above are reused
 # for each row, so a row step rounds exactly as a dense step of the same row would. Slots outside the table are

@@ -150,6 +150,9 @@ class ShardCalls:
         self._connections = [0] * len(self.channels)  # handshakes seen per shard (see _ride_through)
         #: Called with a shard whose shared-memory lane is gone (it restarted, or refused the lane).
         self.lane_lost: Callable[[int], None] = lambda shard: None
+        #: The client's lanes (:class:`psrt.lanes.WorkerLanes`), which copy parameters a shard shares; its rank.
+        self.lanes: Any = None
+        self.rank = 0
         self.closed = False
 
     def close(self) -> None:
@@ -376,15 +379,24 @@ class ShardCalls:
         for meta, chunk in zip(reply.tensors, chunks):
             if meta.key != chunk.key or meta.dtype != chunk.dtype or meta.count != chunk.count:
                 raise ProtocolError(f"reply tensor {meta.name!r} part {meta.part} does not match the request")
-        if reply.lane is not None:  # the parameters are in this request's lane areas
+        if reply.lane is not None:  # the parameters are in this request's lane areas, or the shard's memory
             use = pending.lane
             if use is None or reply.lane != use.ref.generation or len(use.ref.outputs) != len(chunks) \
-                    or ch.more():
+                    or ch.more() or reply.places is None or self.lanes is None:
                 raise ProtocolError("reply names a shared-memory lane this request did not use")
-            for i, (chunk, version) in enumerate(zip(chunks, reply.versions)):
+            again = []
+            for i, (chunk, version, place) in enumerate(zip(chunks, reply.versions, reply.places)):
                 dest = outputs[chunk.name].reshape(-1)[chunk.start:chunk.start + chunk.count]
-                np.copyto(dest, use.output(i, chunk.dtype, chunk.count))
+                if not place:
+                    np.copyto(dest, use.output(i, chunk.dtype, chunk.count))
+                elif not self.lanes.copy_shared(pending.shard, place, dest):
+                    again.append(chunk)  # the next round overwrote it meanwhile: ask again, over the socket
+                    continue
                 self.versions[chunk.key] = max(self.versions.get(chunk.key, 0), version)
+            if again:
+                keys = [[c.name, c.part, v] for c, v in zip(chunks, reply.versions) if c in again]
+                self.send(pending.handle, pending.shard, again,
+                          lambda rid, k=keys: wire.encode_pull(rid, self.rank, k, 0))
             return
         for meta, chunk, version in zip(reply.tensors, chunks, reply.versions):
             if not ch.more():

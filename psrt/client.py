@@ -145,7 +145,7 @@ class Client(EmbeddingCalls):
         # Shared memory with shards on this host (not for compressed gradients, which are small already).
         self._lanes = WorkerLanes(self._calls.ask, len(self.servers), rank, self._session,
                                   self.config.shm and self.config.compression is None)
-        self._calls.lane_lost = self._lanes.reset
+        self._calls.lane_lost, self._calls.lanes, self._calls.rank = self._lanes.reset, self._lanes, rank
         self._closed = False
 
     # ------------------------------------------------------------------ properties

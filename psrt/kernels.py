@@ -14,7 +14,8 @@ import numpy as np
 from psrt import _core, dtypes
 from psrt.errors import KernelArgumentError, KernelTypeError
 
-__all__ = ["accumulate", "sgd_step", "momentum_step", "adam_step", "adagrad_step", "all_finite", "DTYPES"]
+__all__ = ["accumulate", "sgd_step", "momentum_step", "adam_step", "adagrad_step", "all_finite", "seq_read",
+           "seq_bump", "DTYPES"]
 
 #: Largest step number: fits the kernels' C integer on every platform.
 _MAX_STEP = 2**31 - 1
@@ -223,3 +224,26 @@ def all_finite(x: np.ndarray) -> bool:
         C-contiguous float32 or float64 array (may be read-only).
     """
     return bool(_core.all_finite(_flat("x", x, writable=False)))
+
+
+def _counter(seq: object, writable: bool) -> np.ndarray:
+    if not isinstance(seq, np.ndarray) or seq.dtype != np.uint64 or seq.shape != (1,):
+        raise KernelTypeError("a sequence counter is a numpy.ndarray of one uint64")
+    if not seq.flags.c_contiguous or not seq.dtype.isnative or (writable and not seq.flags.writeable):
+        raise KernelArgumentError("a sequence counter must be contiguous, in native byte order, and writable "
+                                  "to be bumped")
+    return seq
+
+
+def seq_read(seq: np.ndarray) -> int:
+    """Read a seqlock counter (one uint64) between full memory fences.
+
+    A reader of data another process updates under the counter reads it before and after copying the data, and
+    keeps the copy only when both reads are equal and even (:mod:`psrt.lanes`).
+    """
+    return int(_core.seq_read(_counter(seq, writable=False)))
+
+
+def seq_bump(seq: np.ndarray) -> None:
+    """Add one to a seqlock counter between full memory fences (the writer: odd while it writes, even after)."""
+    _core.seq_bump(_counter(seq, writable=True))

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from psrt import shm, wire
-from psrt.errors import PsrtError, RequestRefused
+from psrt import kernels, shm, wire
+from psrt.errors import ProtocolError, PsrtError, RequestRefused
 
 if TYPE_CHECKING:
     from psrt.partition import Chunk
@@ -47,6 +47,8 @@ MIN_LANE_BYTES = 1 << 16
 MAX_LANES = 64
 #: The largest segment a shard creates.
 MAX_LANE_BYTES = 1 << 36
+#: The smallest segment of shared parameters a shard makes (each next one at least twice the last).
+ARENA_BYTES = 8 << 20
 #: Error codes a shard refuses a lane request with; the worker then sends the request again over sockets.
 LANE_CODES = frozenset({"lane_stale", "lane_bounds"})
 
@@ -116,6 +118,8 @@ class WorkerLanes:
         #: Per shard: None until tried, False where a lane is not possible, else the current Lane.
         self._lanes: list[Any] = [None] * num_shards
         self._token: list[Optional[str]] = [None] * num_shards
+        self._beacons: list[str] = [""] * num_shards
+        self._arenas: list[dict[int, shm.Segment]] = [{} for _ in range(num_shards)]  # shared parameters
         self._demand = [0] * num_shards  # the most bytes one call needed (the next segment's size)
 
     def lane_for(self, shard: int, nbytes: int) -> Optional[Lane]:
@@ -140,6 +144,8 @@ class WorkerLanes:
             lane.retired = True
             self._lanes[shard] = None
             self._token[shard] = None
+        # A restarted shard numbers its segments afresh: nothing mapped from its predecessor may be reused.
+        self._arenas[shard] = {}
 
     def _open(self, shard: int, nbytes: int) -> Optional[Lane]:
         old = self._lanes[shard]
@@ -155,6 +161,7 @@ class WorkerLanes:
                     log.debug("shard %d: no shared memory with this host (beacon %r)", shard, beacon.name)
                     return None
                 self._token[shard] = token
+                self._beacons[shard] = beacon.name
             # Twice the call's bytes: a second call can be on its way while the first one's replies come in.
             size = shm.HEADER_BYTES + max(2 * shm.aligned(nbytes), 1 << 20)
             reply = self._ask(shard, lambda rid: wire.encode_lane_open(rid, self._worker, self._session, token,
@@ -167,6 +174,31 @@ class WorkerLanes:
         self._demand[shard] = 0
         lane = self._lanes[shard] = Lane(segment)
         return lane
+
+    def copy_shared(self, shard: int, place: list[int], dest: np.ndarray) -> bool:
+        """Copy parameters from the shard's shared memory into ``dest`` (flat); False when they changed while
+        being copied (or had already): the caller asks for them again.
+
+        Raises
+        ------
+        ProtocolError
+            When the place is not inside a segment of this shard's.
+        """
+        generation, offset, counter = place
+        arena = self._arenas[shard].get(generation)
+        if arena is None:
+            name = self._beacons[shard].rsplit("-", 1)[0] + f"-a{generation}"
+            try:
+                arena = self._arenas[shard][generation] = shm.Segment.read_only(name, generation)
+            except (PsrtError, OSError) as exc:
+                raise ProtocolError(f"cannot map the shard's shared parameters {name}: {exc}") from None
+        if offset < shm.HEADER_BYTES + shm.ALIGN or offset % shm.ALIGN or offset + dest.nbytes > arena.size:
+            raise ProtocolError(f"shared parameters at offset {offset} lie outside segment {arena.name}")
+        seq = arena.array(offset - shm.ALIGN, np.dtype(np.uint64), 1)
+        if counter % 2 or kernels.seq_read(seq) != counter:
+            return False
+        np.copyto(dest, arena.array(offset, dest.dtype, dest.size))
+        return kernels.seq_read(seq) == counter
 
     @staticmethod
     def carry(lane: Lane, chunks: Sequence[Chunk], arrays: Optional[dict[str, np.ndarray]],
@@ -217,6 +249,10 @@ class ShardLanes:
         self._segments: OrderedDict[int, shm.Segment] = OrderedDict()
         self._by_worker: dict[tuple[int, int], int] = {}
         self._generation = 0
+        # Sync mode: parameters live in shared segments (the arena) that workers copy from themselves.
+        self._arena: list[shm.Segment] = []
+        self._arena_top = 0
+        self._places: dict[int, tuple[int, int, np.ndarray]] = {}  # id(entry) -> (generation, offset, param)
         if enabled and shm.available():
             removed = shm.remove_leftovers()
             if removed:
@@ -266,6 +302,48 @@ class ShardLanes:
         while len(self._segments) > MAX_LANES:  # least recently used first
             self._drop(next(iter(self._segments)))
         return wire.encode_lane(req.id, name, self._generation, req.size)
+
+    def place(self, entry: Any) -> None:
+        """Move a key's parameters into the arena, under a seqlock counter, so that the workers of this host can
+        copy a round's result themselves instead of the shard writing it into every worker's lane.
+
+        Nothing happens without lanes, or when /dev/shm has no room (the key is then answered through lanes).
+        """
+        if self._beacon is None:
+            return
+        param = entry.param
+        need = shm.ALIGN + shm.aligned(param.nbytes)  # the counter's cache line, then the parameters
+        segment = self._arena[-1] if self._arena else None
+        if segment is None or self._arena_top + need > segment.size:
+            size = shm.HEADER_BYTES + max(need, ARENA_BYTES, 2 * (segment.size if segment else 0))
+            self._generation += 1
+            name = f"psrt-{self._tag}-{os.getpid()}-a{self._generation}"
+            try:
+                segment = shm.Segment.create(name, self._generation, min(size, max(MAX_LANE_BYTES, need)))
+            except OSError as exc:
+                log.info("parameters stay private (no room in %s: %s)", shm.SHM_DIR, exc.strerror)
+                return
+            self._arena.append(segment)
+            self._arena_top = shm.HEADER_BYTES
+        offset = self._arena_top + shm.ALIGN
+        self._arena_top = offset + shm.aligned(param.nbytes)
+        shared = segment.array(offset, param.dtype, param.size)
+        np.copyto(shared, param.reshape(-1))
+        entry.param = shared.reshape(param.shape)
+        entry.seq = segment.array(offset - shm.ALIGN, np.dtype(np.uint64), 1)
+        self._places[id(entry)] = (segment.generation, offset, entry.param)
+
+    def places(self, entries: Sequence[Any]) -> list[list[int]]:
+        """Per entry: ``[arena generation, offset, seqlock counter]`` where a worker copies its parameters from,
+        or ``[]`` where the shard must write them into the worker's lane (not placed, or moved since)."""
+        out: list[list[int]] = []
+        for e in entries:
+            place = self._places.get(id(e))
+            if place is None or place[2] is not e.param or e.seq is None:
+                out.append([])
+            else:
+                out.append([place[0], place[1], kernels.seq_read(e.seq)])
+        return out
 
     def _drop(self, generation: int) -> None:
         # Requests still holding views keep the mapping alive; only the name goes, and later requests are refused.
@@ -337,6 +415,8 @@ class ShardLanes:
             self._beacon.remove()
         for generation in list(self._segments):
             self._drop(generation)
+        for segment in self._arena:
+            segment.unlink()
 
 
 def _outside(meta: Any, offset: int, segment: shm.Segment) -> str:

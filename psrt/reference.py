@@ -146,3 +146,13 @@ def adam_rows(param, m, v, slots, grad, lr, beta1, beta2, eps, step, scale=1.0) 
     step_size = t(lr * np.sqrt(1.0 - beta2**step) / (1.0 - beta1**step))
     rows -= step_size * mm / (np.sqrt(vv) + t(eps))
     param[slots], m[slots], v[slots] = rows, mm, vv
+
+
+def seq_read(seq: np.ndarray) -> int:
+    """NumPy twin of :func:`psrt.kernels.seq_read` (no fences: one process)."""
+    return int(seq[0])
+
+
+def seq_bump(seq: np.ndarray) -> None:
+    """NumPy twin of :func:`psrt.kernels.seq_bump`."""
+    seq[0] += np.uint64(1)

@@ -114,6 +114,9 @@ class Server:
                         "%s, W=%d)", path, store.mode, store.num_workers, self.config.mode, self.config.num_workers)
             self.config = dataclasses.replace(self.config, mode=store.mode, num_workers=store.num_workers)
         self.store, self.restored_from = store, path
+        if store.mode == "sync":
+            for entry in store.entries.values():
+                self.lanes.place(entry)
 
     def checkpoint(self) -> Path:
         """Write a checkpoint now; returns its path.
@@ -251,6 +254,8 @@ class Server:
             entry = self.store.get(meta.key)
             if entry is None:  # the first initialization of a key wins
                 entry = self.store.create(meta.key, req.array(i), opt)
+                if self.config.mode == "sync":
+                    self.lanes.place(entry)  # workers of this host copy each round's result themselves
             elif entry.optimizer != opt:
                 conflicts.append(i)
             entries.append(entry)
@@ -383,12 +388,16 @@ class Server:
                      job: Optional[wire.JobInfo] = None, codec: Optional[str] = None,
                      lane: Optional[ShardLane] = None) -> None:
         tensors = [wire.tensor_entry(k[0], k[1], e.param.dtype, (e.param.size,)) for k, e in zip(keys, entries)]
-        if lane is not None:  # the parameters go into the worker's segment, the header over the socket
+        if lane is not None:  # the parameters go through shared memory, the header over the socket
             segment, offsets = lane
-            self.lanes.write(segment, offsets, [e.param for e in entries])
+            # Sync: a round's result stays put until every worker pushes again, so each worker copies it from
+            # the shard's own memory; otherwise (or for a key not there) the shard writes it into the lane.
+            places = self.lanes.places(entries) if self.config.mode == "sync" else [[] for _ in entries]
+            written = [(o, e.param) for o, e, p in zip(offsets, entries, places) if not p]
+            self.lanes.write(segment, [o for o, _ in written], [a for _, a in written])
             self.counters.shm_bytes_out += sum(e.param.nbytes for e in entries)
             self._reply(identity, wire.encode_params(request_id, tensors, [e.version for e in entries], [], job,
-                                                     lane=segment.generation))
+                                                     lane=segment.generation, places=places))
             return
         payload: list[Any] = [e.param for e in entries]
         if codec is not None:

@@ -3,7 +3,8 @@
 A shard that serves over shared memory owns every segment: it creates each file with ``O_CREAT | O_EXCL`` and
 mode 0600 (only its own user can map it), reserves the space with ``posix_fallocate`` (a full tmpfs fails here
 with ENOSPC rather than with SIGBUS at the first write), and maps it. Names are per shard process and per job:
-``psrt-<tag>-<pid>-beacon`` and ``psrt-<tag>-<pid>-g<generation>``, where ``tag`` is derived from the endpoint
+``psrt-<tag>-<pid>-beacon``, ``psrt-<tag>-<pid>-g<generation>`` (a worker's lane) and ``psrt-<tag>-<pid>-a<generation>``
+(parameters every worker of the host may read), where ``tag`` is derived from the endpoint
 the shard serves (one job per endpoint). ``multiprocessing.shared_memory`` is avoided on purpose: its resource
 tracker unlinks segments other processes still use and warns about "leaks" in processes that only attached.
 
@@ -46,7 +47,7 @@ ALIGN = 64
 _MAGIC = b"PSRTSHM1"
 _HEADER = struct.Struct("<8sQQ")
 #: A name a shard may give a worker: one file directly in SHM_DIR, never a path.
-_NAME = re.compile(r"psrt-[0-9a-f]{12}-[0-9]{1,10}-(beacon|g[0-9]{1,19})")
+_NAME = re.compile(r"psrt-[0-9a-f]{12}-[0-9]{1,10}-(beacon|[ga][0-9]{1,19})")
 
 
 def aligned(n: int) -> int:
@@ -185,6 +186,33 @@ class Segment:
         except FileNotFoundError:
             pass
         return cls(name, generation, size, buf, None)
+
+    @classmethod
+    def read_only(cls, name: str, generation: int, directory: Path = SHM_DIR) -> Segment:
+        """Map a segment of parameters a shard shares with every worker of its host, read-only (its file stays).
+
+        Raises
+        ------
+        ConfigError
+            When the name is not such a segment's, or the file is not the shard's as announced.
+        OSError
+            When it cannot be opened.
+        """
+        if not valid_name(name) or not name.rsplit("-", 1)[1].startswith("a"):
+            raise ConfigError(f"{name!r} is not a psrt parameter segment name")
+        fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_size <= HEADER_BYTES:
+                raise ConfigError(f"segment {name} is not the shard's as announced (owner, mode or size differ)")
+            buf = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        magic, gen, got = _HEADER.unpack_from(buf, 0)
+        if magic != _MAGIC or gen != generation or got != st.st_size:
+            buf.close()
+            raise ConfigError(f"segment {name} has generation {gen}, expected {generation}")
+        return cls(name, generation, st.st_size, buf, None)
 
     def array(self, offset: int, dtype: np.dtype, count: int) -> np.ndarray:
         """A flat view of ``count`` values of ``dtype`` at ``offset`` (the caller has checked the bounds)."""

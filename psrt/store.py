@@ -50,6 +50,9 @@ class Entry:
     trackers: list[Any] = field(default_factory=list)
     #: 16-bit copies of ``param`` for the replies of 16-bit workers: codec -> (version, (wire name, array) or None).
     packed: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    #: When ``param`` lives in shared memory that workers of this host copy from (:mod:`psrt.lanes`): its seqlock
+    #: counter, odd while a step writes the parameters.
+    seq: Optional[np.ndarray] = None
 
     def packed_param(self, codec: str) -> Any:
         """``param`` in a 16-bit form (:func:`psrt.compression.encode`), made once per version: the W replies of
@@ -64,14 +67,19 @@ class Entry:
         if self.trackers:
             if any(not t.done for t in self.trackers):
                 self.param = self.param.copy()
+                self.seq = None  # the shared copy keeps this version for its readers; later ones get copies
             self.trackers.clear()
         return self.param
 
     def apply(self, grad: np.ndarray, scale: float) -> None:
         """One optimizer step with ``scale * grad``; bumps the version."""
         param = self.writable_param()
+        if self.seq is not None:
+            kernels.seq_bump(self.seq)  # odd: a worker of this host copying the parameters now tries again
         self.optimizer.step(param, self.slots, grad, scale, self.version + 1)
         self.version += 1
+        if self.seq is not None:
+            kernels.seq_bump(self.seq)
 
     def add_to_round(self, worker: int, grad: np.ndarray) -> None:
         """Sum a worker's gradient into the round's accumulator (the first push of a round overwrites it)."""

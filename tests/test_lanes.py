@@ -197,7 +197,8 @@ class LanePeer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
         beacon, _ = self.ask({"op": "lane_probe", "id": 1})
-        self.token = shm.Beacon.read(beacon["name"])
+        self.beacon = beacon["name"]
+        self.token = shm.Beacon.read(self.beacon)
         lane, _ = self.ask({"op": "lane_open", "id": 2, "worker": 0, "session": 5, "token": self.token,
                             "size": size})
         assert lane["op"] == "lane", lane
@@ -262,7 +263,11 @@ def test_hostile_lane_headers_get_errors_and_change_nothing(shards):
         # The lane still works for a well-formed request: the gradient is read from the segment.
         reply, frames = peer.ask(push([g, [64], [128]], op="push_pull"))
         assert reply["op"] == "params" and reply["lane"] == g and frames == []
-        assert peer.segment.array(128, np.dtype(np.float32), 4).tolist() == [-1, 0, 1, 2]
+        # Sync mode: the worker copies the round's result from the shard's shared parameters, under their counter.
+        [(generation, offset, counter)] = reply["places"]
+        arena = shm.Segment.read_only(peer.beacon.replace("-beacon", f"-a{generation}"), generation)
+        assert arena.array(offset, np.dtype(np.float32), 4).tolist() == [-1, 0, 1, 2]
+        assert counter % 2 == 0 and arena.array(offset - 64, np.dtype(np.uint64), 1)[0] == counter
     finally:
         peer.close()
 
@@ -303,16 +308,18 @@ def test_no_file_outlives_its_shard_and_a_killed_ones_are_removed_by_the_next(sh
         c.init({"w": np.zeros(BIG, np.float32)})
         c.push_pull({"w": np.ones(BIG, np.float32)})
         assert c.stats()[0]["shm_bytes_in"] > 0
-        assert our_files(pid) == [f for f in our_files(pid) if f.endswith("beacon")], \
-            "a mapped segment has no file left"
+        kinds = sorted(f.rsplit("-", 1)[1][0] for f in our_files(pid))
+        assert kinds == ["a", "b"], "the beacon and the shared parameters; a mapped lane has no file left"
     assert group.close() == [0]
     assert our_files(pid) == []
     killed = shards(1)
     pid = killed.procs[0].pid
-    assert len(our_files(pid)) == 1
+    with psrt.Client(killed.endpoints, config=ClientConfig(timeout=20)) as c:
+        c.init({"w": np.zeros(BIG, np.float32)})
+    assert len(our_files(pid)) == 2
     killed.procs[0].kill()
     killed.procs[0].wait(10)
-    assert len(our_files(pid)) == 1, "SIGKILL leaves the beacon behind"
+    assert len(our_files(pid)) == 2, "SIGKILL leaves the beacon and the shared parameters behind"
     shards(1)
     assert our_files(pid) == [], "the next shard on the host removed it"
 
@@ -335,3 +342,25 @@ def test_a_lane_hands_out_aligned_areas_and_starts_over_when_nothing_is_in_fligh
     finally:
         seg.unlink()
     assert lanes.call_bytes([[]], True, True) == 0
+
+
+def test_a_result_overwritten_before_it_was_copied_is_asked_for_again(shards):
+    """Sync: worker 0 reads its push_pull only after both workers finished the next round, so the shared copy
+    it was pointed to has changed (its counter moved): it asks again and gets the newer parameters, exactly."""
+    group = shards(1, workers=2)
+    config = ClientConfig(timeout=20)
+    with psrt.Client(group.endpoints, rank=0, num_workers=2, config=config) as a, \
+            psrt.Client(group.endpoints, rank=1, num_workers=2, config=config) as b:
+        for c in (a, b):
+            c.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        ones = np.ones(BIG, np.float32)
+        late = a.push_pull_async({"w": ones})  # round 1: its reply waits, unread, on a's socket
+        b.push_pull({"w": ones})
+        a.push_async({"w": 3 * ones})  # round 2, while round 1's answer is still unread
+        b.push_pull({"w": ones})
+        pulls_before = b.stats()[0]["pulls"]
+        got = late.wait()["w"]
+        stats = a.stats()[0]
+    # Round 1 moved w to -1, round 2 to -3: what a finally reads is the newer result, never a torn mix.
+    assert np.all(got == -3.0)
+    assert stats["pulls"] == pulls_before + 1, "one pull went again over the socket"

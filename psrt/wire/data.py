@@ -311,8 +311,10 @@ class ParamsReply:
     tensors: list[TensorMeta]
     versions: list[int]
     job: Optional[JobInfo] = None
-    #: The generation of the shared-memory lane the parameters were written to (no buffer frames follow).
+    #: The generation of the shared-memory lane the parameters were written to (no buffer frames follow), and
+    #: per tensor ``[]`` (in the lane) or ``[generation, offset, counter]`` (in the shard's shared parameters).
     lane: Optional[int] = None
+    places: Optional[list[list[int]]] = None
     op: ClassVar[str] = "params"
 
 
@@ -373,7 +375,7 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
         return decode_rows_reply(h, limits)
     if type(op) is str and op in lanes.REPLY_FIELDS:
         return lanes.decode_lane_reply(h)
-    if type(op) is str and op == "params" and h.keys() in (_PARAMS | _JOB, _PARAMS | {"lane"}):
+    if type(op) is str and op == "params" and h.keys() in (_PARAMS | _JOB, _PARAMS | {"lane", "places"}):
         fields = h.keys()
     else:
         fields = _REPLY_FIELDS.get(op) if type(op) is str else None
@@ -393,7 +395,9 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
             if any(i >= len(metas) for i in conflicts):
                 raise ProtocolError("params reply: 'conflicts' must index the reply's tensors")
             job = JobInfo(string(h, "mode", allowed=MODES), uint(h, "num_workers", MAX_WORKER, lo=1), conflicts)
-        return ParamsReply(rid, metas, versions, job, uint(h, "lane") if "lane" in h else None)
+        if "lane" not in h:
+            return ParamsReply(rid, metas, versions, job)
+        return ParamsReply(rid, metas, versions, job, uint(h, "lane"), lanes.places(h["places"], len(metas)))
     if op == "ack":
         if type(h["duplicate"]) is not bool:
             raise ProtocolError("ack reply: 'duplicate' must be true or false")
@@ -410,14 +414,15 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
 
 
 def encode_params(rid: int, entries: list[list[Any]], versions: list[int], payload: Sequence[np.ndarray],
-                  job: Optional[JobInfo] = None, lane: Optional[int] = None) -> list[Any]:
+                  job: Optional[JobInfo] = None, lane: Optional[int] = None,
+                  places: Optional[list[list[int]]] = None) -> list[Any]:
     """Frames of a ``params`` reply (with the job's mode, W and conflicts when answering ``init``; with ``lane``,
     the parameters are in that lane's segment and ``payload`` is empty)."""
     header: dict[str, Any] = {"op": "params", "id": rid, "tensors": entries, "versions": versions}
     if job is not None:
         header.update(mode=job.mode, num_workers=job.num_workers, conflicts=job.conflicts)
     if lane is not None:
-        header["lane"] = lane
+        header.update(lane=lane, places=places)
     return encode(header, payload)
 
 

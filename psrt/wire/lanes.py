@@ -16,8 +16,11 @@ A ``push``, ``push_pull`` or ``pull`` sent over a lane has no buffer frames and 
 ``push_pull``: one per tensor; ``pull``: none), and the offset each tensor's parameters are to be written at
 (``push_pull`` and ``pull``: one per tensor or key; ``push``: none). The shard checks every offset against the
 segment (aligned, after its header, the whole area inside) and the generation against the lane's current one
-before anything changes. Its ``params`` reply then carries ``lane: generation`` and no buffer frames: the
-parameters are in the segment, at the offsets the request gave.
+before anything changes. Its ``params`` reply then carries ``lane: generation`` and ``places``, and no buffer
+frames: per tensor, ``[]`` when its parameters are in the segment at the offset the request gave, or
+``[generation, offset, counter]`` when the worker is to copy them from the shard's shared parameters (sync
+mode), at that offset of that segment, under the seqlock counter that precedes them (its value when the
+reply was sent).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any, ClassVar
 from psrt.errors import ProtocolError
 from psrt.wire.codec import MAX_U63, check_fields, encode, string, uint
 
-__all__ = ["LaneRef", "LaneProbeRequest", "LaneOpenRequest", "BeaconReply", "LaneReply", "REQUEST_FIELDS",
+__all__ = ["places", "LaneRef", "LaneProbeRequest", "LaneOpenRequest", "BeaconReply", "LaneReply", "REQUEST_FIELDS",
            "REPLY_FIELDS", "decode_lane_request", "decode_lane_reply", "lane_ref", "encode_lane_probe",
            "encode_lane_open", "encode_beacon", "encode_lane"]
 
@@ -77,6 +80,17 @@ def lane_ref(value: Any, inputs: int, outputs: int) -> LaneRef:
                                                              for o in got):
             raise ProtocolError(f"field 'lane': {what} must be {want} non-negative integer offsets")
     return LaneRef(generation, ins, outs)
+
+
+def places(value: Any, count: int) -> list[list[int]]:
+    """Check a ``params`` reply's ``places``: ``count`` entries, each ``[]`` or three non-negative integers."""
+    if type(value) is not list or len(value) != count:
+        raise ProtocolError(f"field 'places' must list {count} places")
+    for p in value:
+        if type(p) is not list or len(p) not in (0, 3) or any(type(x) is not int or not 0 <= x <= MAX_U63
+                                                               for x in p):
+            raise ProtocolError("field 'places': each place is [] or [generation, offset, counter]")
+    return value
 
 
 @dataclass
