@@ -17,6 +17,7 @@ both variants give bit-identical results.
 """
 
 from libc.math cimport sqrt, pow
+from libc.string cimport memcpy
 from libc.stdint cimport uint32_t, uint64_t
 
 cdef extern from *:
@@ -254,6 +255,47 @@ def all_finite(const real[::1] x):
         else:
             ok = psrt_all_finite_f64(<const uint64_t*> &x[0], n)
     return ok != 0
+
+
+cdef enum:
+    _SUM_BLOCK = 8192  # elements summed per block: the block of dst stays in cache while every source is added
+    _MAX_SOURCES = 64
+
+#: Most sources one :func:`sum_into` call adds.
+MAX_SOURCES = _MAX_SOURCES
+
+
+def sum_into(real[::1] dst, srcs, bint add):
+    """``dst = [dst +] srcs[0] + srcs[1] + ...`` in that order, elementwise, one cache-sized block of ``dst`` at a
+    time, so memory is read once per source and ``dst`` written once (sequential accumulates would read and write
+    ``dst`` once per source). Rounds exactly as those accumulates would. At most :data:`MAX_SOURCES` sources."""
+    cdef const real *p[_MAX_SOURCES]
+    cdef const real[::1] v
+    cdef Py_ssize_t k = len(srcs), n = dst.shape[0], j, j0, b, m
+    if k > _MAX_SOURCES:
+        k = _MAX_SOURCES
+    for j in range(k):
+        v = srcs[j]
+        n = _min2(n, v.shape[0])
+        if v.shape[0] == 0:
+            return
+        p[j] = &v[0]
+    if k == 0 or n == 0:
+        return
+    with nogil:
+        b = 0
+        while b < n:
+            m = _min2(<Py_ssize_t> _SUM_BLOCK, n - b)
+            j0 = 0
+            if not add:
+                memcpy(&dst[b], p[0] + b, m * sizeof(real))
+                j0 = 1
+            for j in range(j0, k):
+                if real is float:
+                    psrt_accumulate_f32(&dst[b], p[j] + b, m)
+                else:
+                    psrt_accumulate_f64(&dst[b], p[j] + b, m)
+            b += m
 
 
 # ---------------------------------------------------------------------------------------------- sequence counters

@@ -74,6 +74,7 @@ def file_prefix(endpoint: str) -> str:
 def _arrays_of(store: Store) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
     keys, arrays = [], []
     for (name, part), e in store.entries.items():
+        e.settle()  # the round in progress is saved as one sum, whether its gradients were held or summed
         record = {"name": name, "part": part, "dtype": dtypes.wire_name(e.param.dtype), "size": int(e.param.size),
                   "version": e.version, "optimizer": e.optimizer.to_wire(), "slots": sorted(e.slots),
                   "contributors": sorted(e.contributors), "expected": sorted(e.expected),
@@ -205,6 +206,7 @@ def _restore(data: bytes) -> tuple[Store, dict[str, Any], list[RowTable], list[l
                       contributors=set(k["contributors"]), expected=frozenset(k["expected"]))
         if k["acc"]:
             entry.acc = take(dtype, k["size"])
+            entry.acc_filled = True
         store.entries[(k["name"], k["part"])] = entry
     tables = []
     for record in h.get("tables", []):

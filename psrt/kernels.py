@@ -14,8 +14,8 @@ import numpy as np
 from psrt import _core, dtypes
 from psrt.errors import KernelArgumentError, KernelTypeError
 
-__all__ = ["accumulate", "sgd_step", "momentum_step", "adam_step", "adagrad_step", "all_finite", "seq_read",
-           "seq_bump", "DTYPES"]
+__all__ = ["accumulate", "sum_into", "sgd_step", "momentum_step", "adam_step", "adagrad_step", "all_finite",
+           "seq_read", "seq_bump", "DTYPES"]
 
 #: Largest step number: fits the kernels' C integer on every platform.
 _MAX_STEP = 2**31 - 1
@@ -224,6 +224,28 @@ def all_finite(x: np.ndarray) -> bool:
         C-contiguous float32 or float64 array (may be read-only).
     """
     return bool(_core.all_finite(_flat("x", x, writable=False)))
+
+
+def sum_into(dst: np.ndarray, srcs: list[np.ndarray], add: bool = False) -> None:
+    """``dst = [dst +] srcs[0] + srcs[1] + ...`` in that order: what ``accumulate`` called once per source gives,
+    in one pass over memory (``dst`` stays in cache block by block).
+
+    Parameters
+    ----------
+    dst : numpy.ndarray
+        C-contiguous, writable float32 or float64.
+    srcs : list of numpy.ndarray
+        At least one array of ``dst``'s dtype and size (may be read-only).
+    add : bool
+        Add to what ``dst`` holds; False: overwrite it.
+    """
+    if not isinstance(srcs, (list, tuple)) or not srcs:
+        raise KernelArgumentError("srcs must be a non-empty list of arrays")
+    arrays = _check({"dst": dst}, {f"srcs[{i}]": a for i, a in enumerate(srcs)})
+    out, inputs = arrays[0], arrays[1:]
+    limit = int(_core.MAX_SOURCES)
+    for start in range(0, len(inputs), limit):
+        _core.sum_into(out, inputs[start:start + limit], add or start > 0)
 
 
 def _counter(seq: object, writable: bool) -> np.ndarray:

@@ -156,3 +156,12 @@ def seq_read(seq: np.ndarray) -> int:
 def seq_bump(seq: np.ndarray) -> None:
     """NumPy twin of :func:`psrt.kernels.seq_bump`."""
     seq[0] += np.uint64(1)
+
+
+def sum_into(dst: np.ndarray, srcs: list, add: bool = False) -> None:
+    """NumPy twin of :func:`psrt.kernels.sum_into`."""
+    if not add:
+        np.copyto(dst, srcs[0])
+        srcs = srcs[1:]
+    for src in srcs:
+        np.add(dst, src, out=dst)

@@ -282,7 +282,8 @@ class Server:
             self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), True, lane)
             return
         grads = [req.array(i) for i in range(len(entries))]
-        targets, completed = self.store.admit(req.worker, entries, grads)
+        # A push_pull's lane areas stay untouched until its answer, which comes after its round: held, not copied.
+        targets, completed = self.store.admit(req.worker, entries, grads, hold=lane is not None and req.pull)
         if self.config.mode == "ssp":
             self.store.note_clock(req.worker, entries, req.clock)
         self.store.record(req.worker, req.session, req.seq)

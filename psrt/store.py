@@ -40,8 +40,13 @@ class Entry:
     version: int = 0
     #: Sync mode: the round's running sum (allocated on the first round that needs it, then reused).
     acc: Optional[np.ndarray] = None
-    #: Sync mode: workers whose push is in the current round's accumulator.
+    #: Sync mode: workers whose push is in the current round (in ``acc``, or in ``held``).
     contributors: set[int] = field(default_factory=set)
+    #: Sync mode: gradients of the round still in their workers' shared memory (which stays untouched until
+    #: the round's answer), summed in one pass when the round completes (:meth:`settle`).
+    held: list[np.ndarray] = field(default_factory=list)
+    #: Whether ``acc`` holds part of the current round.
+    acc_filled: bool = False
     #: Elastic sync: the members when the current round began (a worker that joins later is not waited for).
     expected: frozenset[int] = frozenset()
     #: ``ssp``: each worker's clock (its count of pushes) as far as its pushes to this key have been applied.
@@ -81,15 +86,29 @@ class Entry:
         if self.seq is not None:
             kernels.seq_bump(self.seq)
 
-    def add_to_round(self, worker: int, grad: np.ndarray) -> None:
-        """Sum a worker's gradient into the round's accumulator (the first push of a round overwrites it)."""
+    def add_to_round(self, worker: int, grad: np.ndarray, hold: bool = False) -> None:
+        """Add a worker's gradient to the round: summed into the accumulator now (the first one overwrites it),
+        or with ``hold``, kept where it is until :meth:`settle` (the caller guarantees it stays unchanged)."""
+        self.contributors.add(worker)
+        if hold:
+            self.held.append(grad)
+            return
         if self.acc is None:
             self.acc = np.empty_like(self.param)
-        if self.contributors:
+        if self.acc_filled:
             kernels.accumulate(self.acc, grad)
         else:
             np.copyto(self.acc, grad)
-        self.contributors.add(worker)
+            self.acc_filled = True
+
+    def settle(self) -> None:
+        """Sum the held gradients into the accumulator (all of them in one pass over memory)."""
+        if self.held:
+            if self.acc is None:
+                self.acc = np.empty_like(self.param)
+            kernels.sum_into(self.acc, self.held, self.acc_filled)
+            self.acc_filled = True
+            self.held.clear()
 
 
 @dataclass
@@ -157,19 +176,24 @@ class Store:
 
     @staticmethod
     def _step_round(entry: Entry) -> None:
+        entry.settle()
         assert entry.acc is not None
         entry.apply(entry.acc, 1.0 / len(entry.contributors))  # the mean of the pushes in the round
         entry.contributors.clear()
+        entry.acc_filled = False
 
     # ------------------------------------------------------------------ the round
     def can_join(self, worker: int, entries: list[Entry]) -> bool:
         """Whether a push of ``worker`` to these keys can be taken now (else it waits for their rounds)."""
         return not self.rounds or not any(worker in e.contributors for e in entries)
 
-    def admit(self, worker: int, entries: list[Entry], grads: list[np.ndarray]) -> tuple[list[int], list[int]]:
+    def admit(self, worker: int, entries: list[Entry], grads: list[np.ndarray],
+              hold: bool = False) -> tuple[list[int], list[int]]:
         """Take one push: sum it into each key's round (sync) or apply it (async, or W = 1).
 
         The caller has checked :meth:`can_join` and validated every gradient, so nothing here can fail halfway.
+        ``hold``: the gradients stay unchanged until their round completes (a push_pull over a shared-memory
+        lane), so a round sums them all at its end (:meth:`Entry.settle`) instead of one by one.
 
         Returns
         -------
@@ -187,7 +211,7 @@ class Store:
                 continue
             if not entry.contributors and self.members is not None:
                 entry.expected = self.members  # who this round waits for
-            entry.add_to_round(worker, grad)
+            entry.add_to_round(worker, grad, hold)
             targets.append(entry.version + 1)
             if self._round_done(entry):
                 self._step_round(entry)

@@ -660,3 +660,47 @@ def test_core_all_finite_on_empty_and_readonly(dtype):
     x = np.frombuffer(np.array([1.0, np.inf], dtype).tobytes(), dtype=dtype)
     assert _core.all_finite(x) is False
     assert _core.all_finite(x[:1]) is True
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", ODD_SIZES + [3 * 8192 + 5])
+@pytest.mark.parametrize("sources", [1, 2, 5, 70])  # 70: more than one call's MAX_SOURCES
+@pytest.mark.parametrize("add", [False, True])
+def test_sum_into_matches_reference_bit_for_bit(dtype, n, sources, add):
+    rng = np.random.default_rng(n + sources)
+    srcs = [rng.standard_normal(n).astype(dtype) for _ in range(sources)]
+    for s in srcs:
+        s.flags.writeable = False  # read-only inputs, as shared-memory or received gradients can be
+    start = rng.standard_normal(n).astype(dtype)
+    got, want = start.copy(), start.copy()
+    kernels.sum_into(got, srcs, add)
+    reference.sum_into(want, srcs, add)
+    assert got.tobytes() == want.tobytes()
+
+
+def test_sum_into_refuses_what_it_cannot_sum():
+    dst = np.zeros(4, np.float32)
+    with pytest.raises(KernelArgumentError, match="non-empty"):
+        kernels.sum_into(dst, [])
+    with pytest.raises((KernelArgumentError, KernelTypeError)):
+        kernels.sum_into(dst, [np.zeros(5, np.float32)])
+    with pytest.raises(KernelTypeError):
+        kernels.sum_into(dst, [np.zeros(4, np.float64)])
+
+
+def test_sequence_counters_match_their_twins_and_refuse_other_arrays():
+    seq, twin = np.zeros(1, np.uint64), np.zeros(1, np.uint64)
+    for _ in range(3):
+        kernels.seq_bump(seq)
+        reference.seq_bump(twin)
+        assert kernels.seq_read(seq) == reference.seq_read(twin)
+    assert kernels.seq_read(seq) == 3
+    frozen = seq.copy()
+    frozen.flags.writeable = False
+    assert kernels.seq_read(frozen) == 3
+    with pytest.raises(KernelArgumentError):
+        kernels.seq_bump(frozen)
+    with pytest.raises(KernelTypeError):
+        kernels.seq_read(np.zeros(1, np.int64))
+    with pytest.raises(KernelTypeError):
+        kernels.seq_read(np.zeros(2, np.uint64))
