@@ -120,7 +120,10 @@ class WorkerLanes:
         self._token: list[Optional[str]] = [None] * num_shards
         self._beacons: list[str] = [""] * num_shards
         self._arenas: list[dict[int, shm.Segment]] = [{} for _ in range(num_shards)]  # shared parameters
-        self._demand = [0] * num_shards  # the most bytes one call needed (the next segment's size)
+        # The most bytes in flight at once that a lane had to send over sockets instead (the next segment's size),
+        # and the bytes sent so since the lane was last idle.
+        self._demand = [0] * num_shards
+        self._spill = [0] * num_shards
 
     def lane_for(self, shard: int, nbytes: int) -> Optional[Lane]:
         """The lane a call moving ``nbytes`` (areas, aligned) to ``shard`` uses, or None for sockets."""
@@ -130,12 +133,17 @@ class WorkerLanes:
         if lane is False:
             return None
         if isinstance(lane, Lane):
+            if not lane.live:
+                self._spill[shard] = 0
             if lane.fits(nbytes):
                 return lane
             if lane.live and not lane.retired:
-                self._demand[shard] = max(self._demand[shard], lane.top - shm.HEADER_BYTES + nbytes)
-                return None  # busy: this call goes over sockets; the next segment will hold both
-        return self._open(shard, max(nbytes, self._demand[shard]))
+                # Busy: this call goes over sockets, and the next segment holds everything in flight now.
+                self._spill[shard] += nbytes
+                self._demand[shard] = max(self._demand[shard], lane.top - shm.HEADER_BYTES + self._spill[shard])
+                return None
+        # A first segment holds two such calls (the next can be on its way while this one's answer comes in).
+        return self._open(shard, max(2 * nbytes, self._demand[shard]))
 
     def reset(self, shard: int) -> None:
         """Forget ``shard``'s lane (it restarted, or refused the lane): the next call sets one up again."""
@@ -162,8 +170,7 @@ class WorkerLanes:
                     return None
                 self._token[shard] = token
                 self._beacons[shard] = beacon.name
-            # Twice the call's bytes: a second call can be on its way while the first one's replies come in.
-            size = shm.HEADER_BYTES + max(2 * shm.aligned(nbytes), 1 << 20)
+            size = shm.HEADER_BYTES + max(shm.aligned(nbytes), 1 << 20)
             reply = self._ask(shard, lambda rid: wire.encode_lane_open(rid, self._worker, self._session, token,
                                                                        size))
             segment = shm.Segment.attach(reply.name, reply.generation, reply.size)
@@ -171,7 +178,7 @@ class WorkerLanes:
             # An older shard, another host, a full /dev/shm: sockets work everywhere.
             log.info("shard %d: no shared-memory lane (%s); using sockets", shard, exc)
             return None
-        self._demand[shard] = 0
+        self._demand[shard] = self._spill[shard] = 0
         lane = self._lanes[shard] = Lane(segment)
         return lane
 
