@@ -1,4 +1,4 @@
-"""psrt's push_pull over TCP loopback against a raw pyzmq DEALER/ROUTER echo of the same bytes.
+"""psrt's push_pull to a shard on ``tcp://127.0.0.1`` against a raw pyzmq DEALER/ROUTER echo of the same bytes.
 
 For each tensor size (4 KiB, 64 KiB, 1 MiB, 4 MiB, 16 MiB and 64 MiB of float32 by default) this script times,
 in one run:
@@ -9,7 +9,10 @@ psrt
     ``psrt.SGD``. A round trip is the whole call: the client partitions the tensor (``--chunk``, 4 MiB, per
     message), the shard validates every message (including its NaN/Inf check), applies the gradient and sends
     the parameters back, and the client receives them into a fresh array ("psrt") or, as a training loop that
-    overwrites its parameters would, into the same array every time (``out=``, "psrt out=").
+    overwrites its parameters would, into the same array every time (``out=``, "psrt out="). Shard and client
+    share this host, so by default tensor bytes go through shared memory and the socket carries headers only
+    (docs/sharedmem.md); "psrt sockets" is a second client with ``ClientConfig(shm=False)`` (``PSRT_SHM=0``),
+    whose bytes all go over the TCP socket, as between two hosts.
 raw
     A DEALER socket in this process and a ROUTER echo in a separate child process (this script with
     ``--echo-server``), both plain pyzmq with their default options except high-water marks and linger. The
@@ -239,7 +242,8 @@ def count_for(size: int, quick: bool, scale: float) -> int:
     return max(5, n // QUICK_DIVISOR) if quick else n
 
 
-def measure_size(size: int, client: psrt.Client, raw: RawDealer, args: argparse.Namespace) -> dict:
+def measure_size(size: int, client: psrt.Client, sockets: psrt.Client, raw: RawDealer,
+                 args: argparse.Namespace) -> dict:
     """Time psrt and every raw form at ``size`` bytes, interleaved; then check both sides' results."""
     n = size // 4
     name = f"t{size}"
@@ -247,8 +251,10 @@ def measure_size(size: int, client: psrt.Client, raw: RawDealer, args: argparse.
     grad = np.full(n, GRAD, np.float32)
     payload = memoryview(np.full(n, GRAD, np.float32)).cast("B")
     calls = [0]
+    sockets.init({name: np.zeros(n, np.float32)}, optimizer=psrt.SGD(lr=LR))
     sides = [Series("psrt", size, psrt_op(client, name, grad, calls)),
-             Series("psrt out=", size, psrt_op(client, name, grad, calls, reuse=True))]
+             Series("psrt out=", size, psrt_op(client, name, grad, calls, reuse=True)),
+             Series("psrt sockets", size, psrt_op(sockets, name, grad, calls))]
     raws = [Series("raw one message", size, raw.one(payload))]
     if size > args.chunk:
         raws.append(Series(f"raw {size // args.chunk} x {human(args.chunk)} in flight", size,
@@ -279,12 +285,16 @@ def measure_size(size: int, client: psrt.Client, raw: RawDealer, args: argparse.
     best = min(raws, key=lambda s: statistics.median(s.samples))
     ps = sides[0].summary()
     po = sides[1].summary()
+    pk = sides[2].summary()
     bs = best.summary()
     return {
         "size": size,
         "round_trips_per_side": total,
         "psrt": ps,
         "psrt_out": po,
+        "psrt_sockets": pk,
+        "throughput_ratio_sockets": pk["gbps_p50"] / bs["gbps_p50"],
+        "p50_ratio_sockets": pk["p50_s"] / bs["p50_s"],
         "throughput_ratio_out": po["gbps_p50"] / bs["gbps_p50"],
         "p50_ratio_out": po["p50_s"] / bs["p50_s"],
         "raw": [s.summary() for s in raws],
@@ -315,6 +325,9 @@ def print_table(rows: list[dict], latency_max: int) -> None:
         o = r["psrt_out"]
         print(f"{'':>8} | {fmt_time(o['p50_s']):>10} {o['gbps_p50']:>9.3f} {'(psrt, out= reused)':<24}"
               f"{'':>12} | {r['throughput_ratio_out']:>5.2f}x | p50 {r['p50_ratio_out']:.2f}x")
+        k = r["psrt_sockets"]
+        print(f"{'':>8} | {fmt_time(k['p50_s']):>10} {k['gbps_p50']:>9.3f} {'(psrt, PSRT_SHM=0)':<24}"
+              f"{'':>12} | {r['throughput_ratio_sockets']:>5.2f}x | p50 {r['p50_ratio_sockets']:.2f}x")
         for other in r["raw"]:
             if other["name"] != r["raw_best"]:
                 print(f"{'':>8} | {'':>10} {'':>9} | {fmt_time(other['p50_s']):>10} {other['gbps_p50']:>9.3f} "
@@ -342,6 +355,12 @@ def check_targets(rows: list[dict]) -> list[dict]:
               f"target >= {target:g}x")
         out.append({"target": f"{human(size)} throughput ratio (out=) >= {target:g}",
                     "ratio": r["throughput_ratio_out"], "pass": ok_out})
+        ok_sock = r["throughput_ratio_sockets"] >= target
+        print(f"{'PASS' if ok_sock else 'MISS'}  {human(size)} push_pull over the socket only (PSRT_SHM=0, as "
+              f"between hosts) {r['psrt_sockets']['gbps_p50']:.3f} GB/s = {r['throughput_ratio_sockets']:.2f}x the "
+              f"best raw echo, target >= {target:g}x")
+        out.append({"target": f"{human(size)} throughput ratio (sockets) >= {target:g}",
+                    "ratio": r["throughput_ratio_sockets"], "pass": ok_sock})
     else:
         print(f"(no {human(size)} size measured: throughput target not checked)")
     size, target = SMALL_TARGET
@@ -368,6 +387,7 @@ def run(args: argparse.Namespace) -> int:
     children: list[Child] = []
     ctx: Optional[zmq.Context] = None
     client: Optional[psrt.Client] = None
+    sockets: Optional[psrt.Client] = None
     raw: Optional[RawDealer] = None
     try:
         # Children first: no ZeroMQ threads exist yet in this process when they are forked.
@@ -380,11 +400,13 @@ def run(args: argparse.Namespace) -> int:
         ctx = zmq.Context()
         client = psrt.Client([server.endpoint], rank=0, num_workers=1,
                              config=ClientConfig(timeout=args.timeout, partition_bytes=args.chunk))
+        sockets = psrt.Client([server.endpoint], rank=0, num_workers=1,
+                              config=ClientConfig(timeout=args.timeout, partition_bytes=args.chunk, shm=False))
         raw = RawDealer(ctx, echo.endpoint, args.timeout)
         rows = []
         for size in args.sizes:
             print(f"measuring {human(size)} ...", file=sys.stderr, flush=True)
-            rows.append(measure_size(size, client, raw, args))
+            rows.append(measure_size(size, client, sockets, raw, args))
         print_table(rows, args.latency_max)
         targets = check_targets(rows)
         if args.json:
@@ -399,8 +421,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if raw is not None:
             raw.close()
-        if client is not None:
-            client.close()
+        for c in (client, sockets):
+            if c is not None:
+                c.close()
         if ctx is not None:
             ctx.term()
         for child in reversed(children):
