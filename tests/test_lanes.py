@@ -364,3 +364,39 @@ def test_a_result_overwritten_before_it_was_copied_is_asked_for_again(shards):
     # Round 1 moved w to -1, round 2 to -3: what a finally reads is the newer result, never a torn mix.
     assert np.all(got == -3.0)
     assert stats["pulls"] == pulls_before + 1, "one pull went again over the socket"
+
+
+def test_random_lane_headers_never_harm_the_shard(shards):
+    """Any generation and offsets, any lengths: an error reply, or (all in bounds) a zero gradient applied."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    group = shards(1)
+    w0 = np.arange(4, dtype=np.float32)
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
+        c.init({"w": w0}, optimizer=psrt.SGD(lr=1.0))
+    peer = LanePeer(group.endpoints[0], size=4096)
+    offsets = st.one_of(st.integers(0, 8192), st.sampled_from([64, 128, 4032, 4096]), st.integers(0, 2**63 - 1))
+    lane = st.tuples(st.one_of(st.just(peer.generation), st.integers(0, 2**63 - 1)),
+                     st.lists(offsets, max_size=3), st.lists(offsets, max_size=3))
+    seen = set()
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(lane=lane, op=st.sampled_from(["push", "push_pull", "pull"]), n=st.sampled_from([4, 5, 1 << 20]))
+    def fuzz(lane, op, n):
+        g, ins, outs = lane
+        header = (dict(op="pull", id=9, worker=0, clock=0, keys=[["w", 0, 0]], lane=[g, ins, outs]) if op == "pull"
+                  else push([g, ins, outs], op=op, n=n))
+        reply, frames = peer.ask(header)
+        assert reply["op"] in ("error", "params", "ack") and frames == []
+        seen.add(reply.get("code", reply["op"]))
+
+    try:
+        fuzz()
+        assert group.alive() == [True]
+        with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
+            got = c.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))["w"]
+        assert got.tolist() == w0.tolist(), "only zero gradients from the (zeroed) segment were ever applied"
+        assert {"protocol", "lane_stale", "lane_bounds"} <= seen
+    finally:
+        peer.close()
