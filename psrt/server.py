@@ -391,9 +391,9 @@ class Server:
         tensors = [wire.tensor_entry(k[0], k[1], e.param.dtype, (e.param.size,)) for k, e in zip(keys, entries)]
         if lane is not None:  # the parameters go through shared memory, the header over the socket
             segment, offsets = lane
-            # Sync: a round's result stays put until every worker pushes again, so each worker copies it from
-            # the shard's own memory; otherwise (or for a key not there) the shard writes it into the lane.
-            places = self.lanes.places(entries) if self.config.mode == "sync" else [[] for _ in entries]
+            # Rounds (sync, W > 1): a round's result stays put until every worker pushes again, so each worker
+            # copies it from the shard's own memory; otherwise (or for a key not there) it is written into the lane.
+            places = self.lanes.places(entries) if self.store.rounds else [[] for _ in entries]
             written = [(o, e.param) for o, e, p in zip(offsets, entries, places) if not p]
             self.lanes.write(segment, [o for o, _ in written], [a for _, a in written])
             self.counters.shm_bytes_out += sum(e.param.nbytes for e in entries)

@@ -191,7 +191,7 @@ def test_a_worker_with_its_own_dev_shm_is_not_on_the_shards_host(shards, tmp_pat
 class LanePeer:
     """A bare DEALER that sets up a lane by hand, then sends whatever lane headers a test wants."""
 
-    def __init__(self, endpoint: str, size: int = 1 << 20) -> None:
+    def __init__(self, endpoint: str, size: int = 1 << 20, worker: int = 0, session: int = 5) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -199,7 +199,7 @@ class LanePeer:
         beacon, _ = self.ask({"op": "lane_probe", "id": 1})
         self.beacon = beacon["name"]
         self.token = shm.Beacon.read(self.beacon)
-        lane, _ = self.ask({"op": "lane_open", "id": 2, "worker": 0, "session": 5, "token": self.token,
+        lane, _ = self.ask({"op": "lane_open", "id": 2, "worker": worker, "session": session, "token": self.token,
                             "size": size})
         assert lane["op"] == "lane", lane
         self.generation = lane["generation"]
@@ -263,11 +263,9 @@ def test_hostile_lane_headers_get_errors_and_change_nothing(shards):
         # The lane still works for a well-formed request: the gradient is read from the segment.
         reply, frames = peer.ask(push([g, [64], [128]], op="push_pull"))
         assert reply["op"] == "params" and reply["lane"] == g and frames == []
-        # Sync mode: the worker copies the round's result from the shard's shared parameters, under their counter.
-        [(generation, offset, counter)] = reply["places"]
-        arena = shm.Segment.read_only(peer.beacon.replace("-beacon", f"-a{generation}"), generation)
-        assert arena.array(offset, np.dtype(np.float32), 4).tolist() == [-1, 0, 1, 2]
-        assert counter % 2 == 0 and arena.array(offset - 64, np.dtype(np.uint64), 1)[0] == counter
+        # W = 1: every push is a step of its own, so the shard writes the result into the lane's output area.
+        assert reply["places"] == [[]]
+        assert peer.segment.array(128, np.dtype(np.float32), 4).tolist() == [-1, 0, 1, 2]
     finally:
         peer.close()
 
@@ -400,3 +398,30 @@ def test_random_lane_headers_never_harm_the_shard(shards):
         assert {"protocol", "lane_stale", "lane_bounds"} <= seen
     finally:
         peer.close()
+
+
+def test_a_sync_round_is_read_from_the_shards_own_memory_under_its_counter(shards):
+    """W = 2: both answers point at the shard's shared parameters (no copy per worker on the shard)."""
+    group = shards(1, workers=2)
+    peers = [LanePeer(group.endpoints[0], worker=w, session=10 + w) for w in range(2)]
+    with psrt.Client(group.endpoints, rank=0, num_workers=2, config=ClientConfig(timeout=20)) as c:
+        c.init({"w": np.arange(4, dtype=np.float32)}, optimizer=psrt.SGD(lr=1.0))
+    try:
+        for worker, peer in enumerate(peers):
+            peer.segment.array(64, np.dtype(np.float32), 4)[:] = 2.0 * (worker + 1)
+            header = {**push([peer.generation, [64], [128]], op="push_pull"), "worker": worker, "session": 10 + worker}
+            peer.sock.send_multipart([msgpack.packb({"v": 1, **header})])
+        replies = []
+        for peer in peers:
+            assert peer.sock.poll(5000), "the round was not answered"
+            replies.append(msgpack.unpackb(peer.sock.recv_multipart()[0]))
+        places = [r["places"] for r in replies]
+        assert places[0] == places[1] and len(places[0]) == 1 and len(places[0][0]) == 3
+        generation, offset, counter = places[0][0]
+        arena = shm.Segment.read_only(peers[0].beacon.replace("-beacon", f"-a{generation}"), generation)
+        assert arena.array(offset, np.dtype(np.float32), 4).tolist() == [-3, -2, -1, 0]  # w - mean(2, 4)
+        assert counter % 2 == 0 and arena.array(offset - 64, np.dtype(np.uint64), 1)[0] == counter
+        assert peers[0].segment.array(128, np.dtype(np.float32), 4).tolist() == [0, 0, 0, 0], "no lane write"
+    finally:
+        for peer in peers:
+            peer.close()
