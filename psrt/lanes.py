@@ -47,8 +47,8 @@ MIN_LANE_BYTES = 1 << 16
 MAX_LANES = 64
 #: The largest segment a shard creates.
 MAX_LANE_BYTES = 1 << 36
-#: The smallest segment of shared parameters a shard makes (each next one at least twice the last).
-ARENA_BYTES = 8 << 20
+#: The smallest segment of shared parameters a shard makes.
+ARENA_BYTES = 1 << 20
 #: Error codes a shard refuses a lane request with; the worker then sends the request again over sockets.
 LANE_CODES = frozenset({"lane_stale", "lane_bounds"})
 
@@ -322,11 +322,13 @@ class ShardLanes:
         need = shm.ALIGN + shm.aligned(param.nbytes)  # the counter's cache line, then the parameters
         segment = self._arena[-1] if self._arena else None
         if segment is None or self._arena_top + need > segment.size:
-            size = shm.HEADER_BYTES + max(need, ARENA_BYTES, 2 * (segment.size if segment else 0))
+            # Sized by what is there already: few segments for a large model, little reserved beyond it.
+            placed = sum(a.size for a in self._arena)
+            size = shm.HEADER_BYTES + max(need, ARENA_BYTES, min(placed, 64 << 20))
             self._generation += 1
             name = f"psrt-{self._tag}-{os.getpid()}-a{self._generation}"
             try:
-                segment = shm.Segment.create(name, self._generation, min(size, max(MAX_LANE_BYTES, need)))
+                segment = shm.Segment.create(name, self._generation, size)
             except OSError as exc:
                 log.info("parameters stay private (no room in %s: %s)", shm.SHM_DIR, exc.strerror)
                 return
