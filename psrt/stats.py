@@ -16,7 +16,16 @@ from psrt.link import SchedulerLink, Table
 __all__ = ["watch", "format_table", "job_table", "checkpoint_job"]
 
 COLUMNS = ("shard", "keys", "MB", "pushes", "pulls", "rounds", "queued", "deferred", "errors", "MB/s in",
-           "MB/s out", "MB in", "kB in/push")
+           "MB/s out", "MB in", "kB in/push", "% shm in")
+
+
+def _in(r: dict[str, Any]) -> int:
+    """Bytes received, over the socket and through shared memory (docs/sharedmem.md)."""
+    return r["bytes_in"] + r.get("shm_bytes_in", 0)
+
+
+def _out(r: dict[str, Any]) -> int:
+    return r["bytes_out"] + r.get("shm_bytes_out", 0)
 
 
 def format_table(rows: list[dict[str, Any]], previous: Optional[list[dict[str, Any]]], seconds: float) -> str:
@@ -24,11 +33,12 @@ def format_table(rows: list[dict[str, Any]], previous: Optional[list[dict[str, A
     lines = [" ".join(f"{c:>10}" if i else f"{c:<24}" for i, c in enumerate(COLUMNS))]
     for i, r in enumerate(rows):
         prev = previous[i] if previous and i < len(previous) else None
-        rate_in = (r["bytes_in"] - prev["bytes_in"]) / seconds / 1e6 if prev and seconds > 0 else 0.0
-        rate_out = (r["bytes_out"] - prev["bytes_out"]) / seconds / 1e6 if prev and seconds > 0 else 0.0
+        rate_in = (_in(r) - _in(prev)) / seconds / 1e6 if prev and seconds > 0 else 0.0
+        rate_out = (_out(r) - _out(prev)) / seconds / 1e6 if prev and seconds > 0 else 0.0
         cells = [r["endpoint"], r["keys"], f"{r['param_bytes'] / 1e6:.1f}", r["pushes"], r["pulls"], r["rounds"],
                  r["queued_pulls"], r["deferred_pushes"], r["errors"], f"{rate_in:.1f}", f"{rate_out:.1f}",
-                 f"{r['bytes_in'] / 1e6:.1f}", f"{r['bytes_in'] / max(1, r['pushes']) / 1e3:.1f}"]
+                 f"{_in(r) / 1e6:.1f}", f"{_in(r) / max(1, r['pushes']) / 1e3:.1f}",
+                 f"{100 * r.get('shm_bytes_in', 0) / max(1, _in(r)):.0f}"]
         lines.append(" ".join(f"{c:>10}" if j else f"{c:<24}" for j, c in enumerate(map(str, cells))))
     return "\n".join(lines)
 

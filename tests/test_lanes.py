@@ -435,3 +435,16 @@ def test_a_sync_round_is_read_from_the_shards_own_memory_under_its_counter(shard
     finally:
         for peer in peers:
             peer.close()
+
+
+def test_psrt_stats_counts_the_bytes_that_came_through_shared_memory():
+    from psrt.stats import format_table
+
+    row = {"endpoint": "tcp://127.0.0.1:1", "keys": 1, "param_bytes": 4e6, "pushes": 10, "pulls": 10, "rounds": 10,
+           "queued_pulls": 0, "deferred_pushes": 0, "errors": 0, "bytes_in": 1_000_000, "bytes_out": 0,
+           "shm_bytes_in": 3_000_000, "shm_bytes_out": 4_000_000}
+    earlier = {**row, "bytes_in": 0, "shm_bytes_in": 0, "shm_bytes_out": 0}
+    header, line = format_table([row], [earlier], 2.0).splitlines()
+    assert header.split()[-2:] == ["shm", "in"]
+    # MB/s in and out over the 2 s, MB in, kB in per push, and the share that came through shared memory.
+    assert line.split()[-5:] == ["2.0", "2.0", "4.0", "400.0", "75"]
