@@ -199,6 +199,17 @@ class ShardCalls:
         handle.wait(self.config.timeout)
         return handle._answers[shard]
 
+    def close_lanes(self, generations: dict[int, int], timeout: float) -> None:
+        """Tell shards this client is done with its lanes (``{shard: generation}``); best effort, at most
+        ``timeout`` seconds: a shard that does not hear it drops the lane when it needs the room."""
+        handle = Handle(self, "lane_close", None)
+        try:
+            for shard, generation in generations.items():
+                self.send(handle, shard, [], lambda rid, g=generation: wire.encode_lane_close(rid, g))
+            handle.wait(timeout)
+        except PsrtError:
+            pass
+
     # ------------------------------------------------------------------ receiving
     def wait(self, handle: Handle, timeout: float) -> None:
         """Take in replies until every request of ``handle`` is answered or ``timeout`` seconds pass."""
@@ -366,7 +377,7 @@ class ShardCalls:
                 self.versions[chunk.key] = max(self.versions.get(chunk.key, 0), version)
         elif isinstance(reply, wire.SavedReply):
             handle._saved[shard] = reply.path
-        elif isinstance(reply, (wire.BeaconReply, wire.LaneReply)):
+        elif isinstance(reply, (wire.BeaconReply, wire.LaneReply, wire.ClosedReply)):
             handle._answers[shard] = reply
         else:
             handle._stats[shard] = reply.stats

@@ -144,7 +144,7 @@ class Client(EmbeddingCalls):
         self._receive = ReceivePool()
         # Shared memory with shards on this host (not for compressed gradients, which are small already).
         self._lanes = WorkerLanes(self._calls.ask, len(self.servers), rank, self._session,
-                                  self.config.shm and self.config.compression is None)
+                                  self.config.shm and self.config.compression is None, self._calls.close_lanes)
         self._calls.lane_lost, self._calls.lanes, self._calls.rank = self._lanes.reset, self._lanes, rank
         self._closed = False
 
@@ -365,6 +365,7 @@ class Client(EmbeddingCalls):
         if self._closed:
             return
         self._closed = True
+        self._lanes.close(timeout=0.5)  # the shards free this client's shared memory now
         self._calls.close()
         if self._link is not None:
             try:

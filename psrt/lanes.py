@@ -101,6 +101,8 @@ class WorkerLanes:
     ----------
     ask : callable
         ``ask(shard, encode)`` sends one request and returns the reply record (raises on an error reply).
+    close : callable
+        ``close({shard: generation}, timeout)`` sends ``lane_close`` to those shards and waits (best effort).
     num_shards : int
         The shards' count.
     worker, session : int
@@ -110,8 +112,10 @@ class WorkerLanes:
     """
 
     def __init__(self, ask: Callable[[int, Callable[[int], list[Any]]], Any], num_shards: int, worker: int,
-                 session: int, enabled: bool) -> None:
+                 session: int, enabled: bool,
+                 close: Callable[[dict[int, int], float], None] = lambda generations, timeout: None) -> None:
         self._ask = ask
+        self._close = close
         self._worker = worker
         self._session = session
         self._enabled = enabled
@@ -144,6 +148,13 @@ class WorkerLanes:
                 return None
         # A first segment holds two such calls (the next can be on its way while this one's answer comes in).
         return self._open(shard, max(2 * nbytes, self._demand[shard]))
+
+    def close(self, timeout: float) -> None:
+        """Give every open lane back to its shard (waiting at most ``timeout`` seconds for all of them)."""
+        generations = {s: lane.segment.generation for s, lane in enumerate(self._lanes) if isinstance(lane, Lane)}
+        self._lanes = [False] * len(self._lanes)
+        if generations:
+            self._close(generations, timeout)
 
     def reset(self, shard: int) -> None:
         """Forget ``shard``'s lane (it restarted, or refused the lane): the next call sets one up again."""
@@ -353,6 +364,14 @@ class ShardLanes:
             else:
                 out.append([place[0], place[1], kernels.seq_read(e.seq)])
         return out
+
+    def close_lane(self, req: wire.LaneCloseRequest) -> list[Any]:
+        """A worker is done with a segment (its client closes): let it go now rather than at eviction."""
+        for key, generation in list(self._by_worker.items()):
+            if generation == req.generation:
+                del self._by_worker[key]
+        self._drop(req.generation)
+        return wire.encode_closed(req.id)
 
     def _drop(self, generation: int) -> None:
         # Requests still holding views keep the mapping alive; only the name goes, and later requests are refused.

@@ -225,6 +225,8 @@ class Server:
                 self._reply(identity, self.lanes.probe(req))
             elif isinstance(req, wire.LaneOpenRequest):
                 self._reply(identity, self.lanes.open(req))
+            elif isinstance(req, wire.LaneCloseRequest):
+                self._reply(identity, self.lanes.close_lane(req))
             elif isinstance(req, wire.CheckpointRequest):
                 self._reply(identity, wire.encode_saved(req.id, str(self.checkpoint())))
             else:
@@ -439,4 +441,5 @@ class Server:
         """The shard's counters and state sizes, as a flat mapping of numbers and strings."""
         return report(self.counters, self.store, endpoint=self.endpoint, mode=self.config.mode,
                       num_workers=self.config.num_workers, queued_pulls=len(self._pulls) + len(self._stale_pulls),
-                      deferred_pushes=sum(len(q) for q in self._deferred.values()), **self.tables.stats())
+                      deferred_pushes=sum(len(q) for q in self._deferred.values()), lanes=self.lanes.count,
+                      **self.tables.stats())

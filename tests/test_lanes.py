@@ -448,3 +448,13 @@ def test_psrt_stats_counts_the_bytes_that_came_through_shared_memory():
     assert header.split()[-2:] == ["shm", "in"]
     # MB/s in and out over the 2 s, MB in, kB in per push, and the share that came through shared memory.
     assert line.split()[-5:] == ["2.0", "2.0", "4.0", "400.0", "75"]
+
+
+def test_a_closing_client_gives_its_lanes_back(shards):
+    group = shards(2, mode="async")
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
+        c.init({"w": np.zeros(BIG, np.float32)})
+        c.push_pull({"w": np.ones(BIG, np.float32)})
+        assert [s["lanes"] for s in c.stats()] == [1, 1]
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
+        assert [s["lanes"] for s in c.stats()] == [0, 0], "the first client's segments are gone"

@@ -30,7 +30,8 @@ answered by ``ack``) and ``pull_rows`` (answered by ``rows`` + one frame); ids t
 one frame of the table's dtype.
 
 Shared-memory lanes (:mod:`psrt.wire.lanes`, its docstring has their table): ``lane_probe`` (answered by
-``beacon``) and ``lane_open`` (answered by ``lane``) set up a segment between a worker and a shard of one host;
+``beacon``) and ``lane_open`` (answered by ``lane``) set up a segment between a worker and a shard of one host,
+``lane_close`` (answered by ``closed``) gives it back;
 ``push``, ``push_pull`` and ``pull`` then carry a ``lane`` field instead of buffer frames, and the ``params``
 reply a ``lane`` field (the segment's generation) instead of its buffers.
 
@@ -127,12 +128,16 @@ from psrt.wire.data import (
 )
 from psrt.wire.lanes import (
     BeaconReply,
+    ClosedReply,
+    LaneCloseRequest,
     LaneOpenRequest,
     LaneProbeRequest,
     LaneRef,
     LaneReply,
     encode_beacon,
+    encode_closed,
     encode_lane,
+    encode_lane_close,
     encode_lane_open,
     encode_lane_probe,
 )
@@ -162,6 +167,7 @@ __all__ = [
     "IDS_DTYPE", "InitTableRequest", "PushRowsRequest", "PullRowsRequest", "RowsReply", "encode_init_table",
     "encode_push_rows", "encode_pull_rows", "encode_rows",
     "LaneRef", "LaneProbeRequest", "LaneOpenRequest", "BeaconReply", "LaneReply", "encode_lane_probe",
-    "encode_lane_open", "encode_beacon", "encode_lane",
+    "encode_lane_open", "encode_beacon", "encode_lane", "LaneCloseRequest", "ClosedReply", "encode_lane_close",
+    "encode_closed",
     "encode_control_error", "encode_shutdown", "encode_abort", "encode_heartbeat", "encode_members",
 ]

@@ -175,7 +175,8 @@ class CheckpointRequest:
 
 
 Request = Union[InitRequest, PushRequest, PullRequest, StatsRequest, CheckpointRequest, InitTableRequest,
-                PushRowsRequest, PullRowsRequest, lanes.LaneProbeRequest, lanes.LaneOpenRequest]
+                PushRowsRequest, PullRowsRequest, lanes.LaneProbeRequest, lanes.LaneOpenRequest,
+                lanes.LaneCloseRequest]
 
 
 def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
@@ -357,7 +358,7 @@ class SavedReply:
 
 
 Reply = Union[ParamsReply, AckReply, StatsReply, ErrorReply, SavedReply, RowsReply, lanes.BeaconReply,
-              lanes.LaneReply]
+              lanes.LaneReply, lanes.ClosedReply]
 
 
 def decode_reply(data: Any, limits: WireLimits) -> Reply:

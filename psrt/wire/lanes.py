@@ -9,6 +9,7 @@ request         fields (besides ``v, op, id``)                              repl
                                                                             shared memory)
 ``lane_open``   ``worker, session, token, size``: the token read from the   ``lane {name, generation, size}``:
                 beacon, the segment's size                                  a new segment for this worker
+``lane_close``  ``generation``: the worker is done with that segment        ``closed {}``
 ==============  ==========================================================  ===================================
 
 A ``push``, ``push_pull`` or ``pull`` sent over a lane has no buffer frames and one more field, ``lane``:
@@ -31,9 +32,10 @@ from typing import Any, ClassVar
 from psrt.errors import ProtocolError
 from psrt.wire.codec import MAX_U63, check_fields, encode, string, uint
 
-__all__ = ["places", "LaneRef", "LaneProbeRequest", "LaneOpenRequest", "BeaconReply", "LaneReply", "REQUEST_FIELDS",
-           "REPLY_FIELDS", "decode_lane_request", "decode_lane_reply", "lane_ref", "encode_lane_probe",
-           "encode_lane_open", "encode_beacon", "encode_lane"]
+__all__ = ["places", "LaneRef", "LaneProbeRequest", "LaneOpenRequest", "LaneCloseRequest", "BeaconReply",
+           "LaneReply", "ClosedReply", "REQUEST_FIELDS", "REPLY_FIELDS", "decode_lane_request", "decode_lane_reply",
+           "lane_ref", "encode_lane_probe", "encode_lane_open", "encode_lane_close", "encode_beacon", "encode_closed",
+           "encode_lane"]
 
 _MAX_WORKER = 1 << 31
 _MAX_NAME = 64
@@ -41,10 +43,12 @@ _MAX_NAME = 64
 REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "lane_probe": frozenset({"v", "op", "id"}),
     "lane_open": frozenset({"v", "op", "id", "worker", "session", "token", "size"}),
+    "lane_close": frozenset({"v", "op", "id", "generation"}),
 }
 REPLY_FIELDS: dict[str, frozenset[str]] = {
     "beacon": frozenset({"v", "op", "id", "name"}),
     "lane": frozenset({"v", "op", "id", "name", "generation", "size"}),
+    "closed": frozenset({"v", "op", "id"}),
 }
 
 
@@ -114,6 +118,23 @@ class LaneOpenRequest:
 
 
 @dataclass
+class LaneCloseRequest:
+    """``lane_close``: the worker is done with the segment of ``generation`` (its client is closing)."""
+
+    id: int
+    generation: int
+    op: ClassVar[str] = "lane_close"
+
+
+@dataclass
+class ClosedReply:
+    """``closed``: the answer to ``lane_close``."""
+
+    id: int
+    op: ClassVar[str] = "closed"
+
+
+@dataclass
 class BeaconReply:
     """``beacon``: the name of the shard's beacon in /dev/shm ("" when it serves no shared memory)."""
 
@@ -142,6 +163,8 @@ def decode_lane_request(h: dict[str, Any], buffers: list[Any]) -> Any:
     rid = uint(h, "id")
     if op == "lane_probe":
         return LaneProbeRequest(rid)
+    if op == "lane_close":
+        return LaneCloseRequest(rid, uint(h, "generation"))
     return LaneOpenRequest(rid, uint(h, "worker", _MAX_WORKER), uint(h, "session"), string(h, "token", 64),
                            uint(h, "size", lo=1))
 
@@ -153,6 +176,8 @@ def decode_lane_reply(h: dict[str, Any]) -> Any:
     rid = uint(h, "id")
     if op == "beacon":
         return BeaconReply(rid, string(h, "name", _MAX_NAME))
+    if op == "closed":
+        return ClosedReply(rid)
     return LaneReply(rid, string(h, "name", _MAX_NAME), uint(h, "generation"), uint(h, "size", lo=1))
 
 
@@ -165,6 +190,16 @@ def encode_lane_open(rid: int, worker: int, session: int, token: str, size: int)
     """Frames of a ``lane_open`` request."""
     return encode({"op": "lane_open", "id": rid, "worker": worker, "session": session, "token": token,
                    "size": size})
+
+
+def encode_lane_close(rid: int, generation: int) -> list[Any]:
+    """Frames of a ``lane_close`` request."""
+    return encode({"op": "lane_close", "id": rid, "generation": generation})
+
+
+def encode_closed(rid: int) -> list[Any]:
+    """Frames of a ``closed`` reply."""
+    return encode({"op": "closed", "id": rid})
 
 
 def encode_beacon(rid: int, name: str) -> list[Any]:
