@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from psrt import kernels, shm, wire
-from psrt.errors import ProtocolError, PsrtError, RequestRefused
+from psrt import shm, wire
+from psrt.arena import Arena, ArenaReader
+from psrt.errors import PsrtError, RequestRefused
 
 if TYPE_CHECKING:
     from psrt.partition import Chunk
@@ -47,8 +48,6 @@ MIN_LANE_BYTES = 1 << 16
 MAX_LANES = 64
 #: The largest segment a shard creates.
 MAX_LANE_BYTES = 1 << 36
-#: The smallest segment of shared parameters a shard makes.
-ARENA_BYTES = 1 << 20
 #: Error codes a shard refuses a lane request with; the worker then sends the request again over sockets.
 LANE_CODES = frozenset({"lane_stale", "lane_bounds"})
 
@@ -122,8 +121,7 @@ class WorkerLanes:
         #: Per shard: None until tried, False where a lane is not possible, else the current Lane.
         self._lanes: list[Any] = [None] * num_shards
         self._token: list[Optional[str]] = [None] * num_shards
-        self._beacons: list[str] = [""] * num_shards
-        self._arenas: list[dict[int, shm.Segment]] = [{} for _ in range(num_shards)]  # shared parameters
+        self._arenas = [ArenaReader() for _ in range(num_shards)]  # the shards' shared parameters
         # The most bytes in flight at once that a lane had to send over sockets instead (the next segment's size),
         # and the bytes sent so since the lane was last idle.
         self._demand = [0] * num_shards
@@ -164,7 +162,7 @@ class WorkerLanes:
             self._lanes[shard] = None
             self._token[shard] = None
         # A restarted shard numbers its segments afresh: nothing mapped from its predecessor may be reused.
-        self._arenas[shard] = {}
+        self._arenas[shard].forget()
 
     def _open(self, shard: int, nbytes: int) -> Optional[Lane]:
         old = self._lanes[shard]
@@ -180,7 +178,7 @@ class WorkerLanes:
                     log.debug("shard %d: no shared memory with this host (beacon %r)", shard, beacon.name)
                     return None
                 self._token[shard] = token
-                self._beacons[shard] = beacon.name
+                self._arenas[shard].beacon = beacon.name
             size = shm.HEADER_BYTES + max(shm.aligned(nbytes), 1 << 20)
             reply = self._ask(shard, lambda rid: wire.encode_lane_open(rid, self._worker, self._session, token,
                                                                        size))
@@ -194,29 +192,8 @@ class WorkerLanes:
         return lane
 
     def copy_shared(self, shard: int, place: list[int], dest: np.ndarray) -> bool:
-        """Copy parameters from the shard's shared memory into ``dest`` (flat); False when they changed while
-        being copied (or had already): the caller asks for them again.
-
-        Raises
-        ------
-        ProtocolError
-            When the place is not inside a segment of this shard's.
-        """
-        generation, offset, counter = place
-        arena = self._arenas[shard].get(generation)
-        if arena is None:
-            name = self._beacons[shard].rsplit("-", 1)[0] + f"-a{generation}"
-            try:
-                arena = self._arenas[shard][generation] = shm.Segment.read_only(name, generation)
-            except (PsrtError, OSError) as exc:
-                raise ProtocolError(f"cannot map the shard's shared parameters {name}: {exc}") from None
-        if offset < shm.HEADER_BYTES + shm.ALIGN or offset % shm.ALIGN or offset + dest.nbytes > arena.size:
-            raise ProtocolError(f"shared parameters at offset {offset} lie outside segment {arena.name}")
-        seq = arena.array(offset - shm.ALIGN, np.dtype(np.uint64), 1)
-        if counter % 2 or kernels.seq_read(seq) != counter:
-            return False
-        np.copyto(dest, arena.array(offset, dest.dtype, dest.size))
-        return kernels.seq_read(seq) == counter
+        """Copy parameters from ``shard``'s shared memory into ``dest``: :meth:`psrt.arena.ArenaReader.copy`."""
+        return self._arenas[shard].copy(place, dest)
 
     @staticmethod
     def carry(lane: Lane, chunks: Sequence[Chunk], arrays: Optional[dict[str, np.ndarray]],
@@ -267,18 +244,20 @@ class ShardLanes:
         self._segments: OrderedDict[int, shm.Segment] = OrderedDict()
         self._by_worker: dict[tuple[int, int], int] = {}
         self._generation = 0
-        # Sync mode: parameters live in shared segments (the arena) that workers copy from themselves.
-        self._arena: list[shm.Segment] = []
-        self._arena_top = 0
-        self._places: dict[int, tuple[int, int, np.ndarray]] = {}  # id(entry) -> (generation, offset, param)
+        self._arena: Optional[Arena] = None  # sync mode: parameters workers of this host copy themselves
         if enabled and shm.available():
             removed = shm.remove_leftovers()
             if removed:
                 log.info("removed %d shared-memory files of dead shards: %s", len(removed), ", ".join(removed))
             try:
                 self._beacon = shm.Beacon(self._tag)
+                self._arena = Arena(self._tag, self._new_generation)
             except OSError as exc:
                 log.warning("no shared-memory lanes: cannot create a beacon in %s (%s)", shm.SHM_DIR, exc)
+
+    def _new_generation(self) -> int:
+        self._generation += 1
+        return self._generation
 
     @property
     def count(self) -> int:
@@ -305,65 +284,31 @@ class ShardLanes:
         if not shm.HEADER_BYTES < req.size <= MAX_LANE_BYTES:
             raise RequestRefused("lane_size", f"a segment holds more than {shm.HEADER_BYTES} and at most "
                                               f"{MAX_LANE_BYTES} bytes, not {req.size}")
-        self._generation += 1
-        name = f"psrt-{self._tag}-{os.getpid()}-g{self._generation}"
+        generation = self._new_generation()
+        name = f"psrt-{self._tag}-{os.getpid()}-g{generation}"
         try:
-            segment = shm.Segment.create(name, self._generation, req.size)
+            segment = shm.Segment.create(name, generation, req.size)
         except OSError as exc:
             raise RequestRefused("lane_space", f"cannot create a {req.size}-byte segment in {shm.SHM_DIR}: "
                                                f"{exc.strerror}") from None
         old = self._by_worker.pop((req.worker, req.session), None)
         if old is not None:
             self._drop(old)
-        self._by_worker[(req.worker, req.session)] = self._generation
-        self._segments[self._generation] = segment
+        self._by_worker[(req.worker, req.session)] = generation
+        self._segments[generation] = segment
         while len(self._segments) > MAX_LANES:  # least recently used first
             self._drop(next(iter(self._segments)))
-        return wire.encode_lane(req.id, name, self._generation, req.size)
+        return wire.encode_lane(req.id, name, generation, req.size)
 
     def place(self, entry: Any) -> None:
-        """Move a key's parameters into the arena, under a seqlock counter, so that the workers of this host can
-        copy a round's result themselves instead of the shard writing it into every worker's lane.
-
-        Nothing happens without lanes, or when /dev/shm has no room (the key is then answered through lanes).
-        """
-        if self._beacon is None:
-            return
-        param = entry.param
-        need = shm.ALIGN + shm.aligned(param.nbytes)  # the counter's cache line, then the parameters
-        segment = self._arena[-1] if self._arena else None
-        if segment is None or self._arena_top + need > segment.size:
-            # Sized by what is there already: few segments for a large model, little reserved beyond it.
-            placed = sum(a.size for a in self._arena)
-            size = shm.HEADER_BYTES + max(need, ARENA_BYTES, min(placed, 64 << 20))
-            self._generation += 1
-            name = f"psrt-{self._tag}-{os.getpid()}-a{self._generation}"
-            try:
-                segment = shm.Segment.create(name, self._generation, size)
-            except OSError as exc:
-                log.info("parameters stay private (no room in %s: %s)", shm.SHM_DIR, exc.strerror)
-                return
-            self._arena.append(segment)
-            self._arena_top = shm.HEADER_BYTES
-        offset = self._arena_top + shm.ALIGN
-        self._arena_top = offset + shm.aligned(param.nbytes)
-        shared = segment.array(offset, param.dtype, param.size)
-        np.copyto(shared, param.reshape(-1))
-        entry.param = shared.reshape(param.shape)
-        entry.seq = segment.array(offset - shm.ALIGN, np.dtype(np.uint64), 1)
-        self._places[id(entry)] = (segment.generation, offset, entry.param)
+        """Move a key's parameters into the shard's shared parameters (:class:`psrt.arena.Arena`); nothing
+        without lanes."""
+        if self._arena is not None:
+            self._arena.place(entry)
 
     def places(self, entries: Sequence[Any]) -> list[list[int]]:
-        """Per entry: ``[arena generation, offset, seqlock counter]`` where a worker copies its parameters from,
-        or ``[]`` where the shard must write them into the worker's lane (not placed, or moved since)."""
-        out: list[list[int]] = []
-        for e in entries:
-            place = self._places.get(id(e))
-            if place is None or place[2] is not e.param or e.seq is None:
-                out.append([])
-            else:
-                out.append([place[0], place[1], kernels.seq_read(e.seq)])
-        return out
+        """Where each entry's parameters are for a worker to copy (:meth:`psrt.arena.Arena.places`)."""
+        return self._arena.places(entries) if self._arena is not None else [[] for _ in entries]
 
     def close_lane(self, req: wire.LaneCloseRequest) -> list[Any]:
         """A worker is done with a segment (its client closes): let it go now rather than at eviction."""
@@ -443,8 +388,8 @@ class ShardLanes:
             self._beacon.remove()
         for generation in list(self._segments):
             self._drop(generation)
-        for segment in self._arena:
-            segment.unlink()
+        if self._arena is not None:
+            self._arena.close()
 
 
 def _outside(meta: Any, offset: int, segment: shm.Segment) -> str:

@@ -1,0 +1,130 @@
+"""Shared parameters: in sync mode a shard keeps its parameters in shared memory that the workers of its host
+map read-only, so each worker copies a round's result itself (one copy, in parallel) instead of the shard
+writing it into every worker's lane (docs/sharedmem.md).
+
+Each key's parameters lie in a segment ``psrt-<tag>-<pid>-a<generation>`` (:mod:`psrt.shm`), 64-byte aligned,
+after one cache line holding its seqlock counter (:func:`psrt.kernels.seq_bump`): odd while an optimizer step
+writes the parameters, even otherwise. A reply names ``[generation, offset, counter]``; a worker copies the
+parameters and keeps the copy only if the counter read before and after equals the one named
+(:func:`psrt.kernels.seq_read`), else it asks again over the socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from psrt import kernels, shm
+from psrt.errors import ProtocolError, PsrtError
+
+__all__ = ["ARENA_BYTES", "Arena", "ArenaReader"]
+
+log = logging.getLogger("psrt.lanes")
+
+#: The smallest segment of shared parameters a shard makes.
+ARENA_BYTES = 1 << 20
+_COUNTER = np.dtype(np.uint64)
+
+
+class Arena:
+    """A shard's shared parameters: segments it fills front to back (keys are never removed).
+
+    Parameters
+    ----------
+    tag : str
+        The shard's name tag (:func:`psrt.shm.endpoint_tag`).
+    generation : callable
+        Returns a new generation number (shared with the shard's lanes, so names never collide).
+    """
+
+    def __init__(self, tag: str, generation: Any) -> None:
+        self._tag = tag
+        self._next = generation
+        self._segments: list[shm.Segment] = []
+        self._top = 0
+        self._places: dict[int, tuple[int, int, np.ndarray]] = {}  # id(entry) -> (generation, offset, param)
+
+    def place(self, entry: Any) -> None:
+        """Move a key's parameters into shared memory under a seqlock counter (``entry.seq``).
+
+        When /dev/shm has no room the parameters stay private, and the key is answered through lanes.
+        """
+        param = entry.param
+        need = shm.ALIGN + shm.aligned(param.nbytes)  # the counter's cache line, then the parameters
+        segment = self._segments[-1] if self._segments else None
+        if segment is None or self._top + need > segment.size:
+            # Sized by what is there already: few segments for a large model, little reserved beyond it.
+            placed = sum(a.size for a in self._segments)
+            size = shm.HEADER_BYTES + max(need, ARENA_BYTES, min(placed, 64 << 20))
+            generation = self._next()
+            try:
+                segment = shm.Segment.create(f"psrt-{self._tag}-{os.getpid()}-a{generation}", generation, size)
+            except OSError as exc:
+                log.info("parameters stay private (no room in %s: %s)", shm.SHM_DIR, exc.strerror)
+                return
+            self._segments.append(segment)
+            self._top = shm.HEADER_BYTES
+        offset = self._top + shm.ALIGN
+        self._top = offset + shm.aligned(param.nbytes)
+        shared = segment.array(offset, param.dtype, param.size)
+        np.copyto(shared, param.reshape(-1))
+        entry.param = shared.reshape(param.shape)
+        entry.seq = segment.array(offset - shm.ALIGN, _COUNTER, 1)
+        self._places[id(entry)] = (segment.generation, offset, entry.param)
+
+    def places(self, entries: Sequence[Any]) -> list[list[int]]:
+        """Per entry: ``[generation, offset, counter]`` where a worker copies its parameters from, or ``[]`` where
+        the shard must write them into the worker's lane (never placed, or moved since: copy-on-write)."""
+        out: list[list[int]] = []
+        for e in entries:
+            place = self._places.get(id(e))
+            if place is None or place[2] is not e.param or e.seq is None:
+                out.append([])
+            else:
+                out.append([place[0], place[1], kernels.seq_read(e.seq)])
+        return out
+
+    def close(self) -> None:
+        """Remove the segments' files (mappings held elsewhere stay valid)."""
+        for segment in self._segments:
+            segment.unlink()
+
+
+class ArenaReader:
+    """A worker's read-only view of one shard's shared parameters (segments mapped on first use)."""
+
+    def __init__(self) -> None:
+        #: The shard's beacon name, which the segment names derive from ("" until the lane is set up).
+        self.beacon = ""
+        self._segments: dict[int, shm.Segment] = {}
+
+    def forget(self) -> None:
+        """The shard restarted: its successor numbers segments afresh, so nothing mapped may be reused."""
+        self._segments = {}
+
+    def copy(self, place: list[int], dest: np.ndarray) -> bool:
+        """Copy parameters into ``dest`` (flat); False when they changed while being copied (or already had).
+
+        Raises
+        ------
+        ProtocolError
+            When the place is not inside a segment of this shard's.
+        """
+        generation, offset, counter = place
+        segment = self._segments.get(generation)
+        if segment is None:
+            name = self.beacon.rsplit("-", 1)[0] + f"-a{generation}"
+            try:
+                segment = self._segments[generation] = shm.Segment.read_only(name, generation)
+            except (PsrtError, OSError) as exc:
+                raise ProtocolError(f"cannot map the shard's shared parameters {name}: {exc}") from None
+        if offset < shm.HEADER_BYTES + shm.ALIGN or offset % shm.ALIGN or offset + dest.nbytes > segment.size:
+            raise ProtocolError(f"shared parameters at offset {offset} lie outside segment {segment.name}")
+        seq = segment.array(offset - shm.ALIGN, _COUNTER, 1)
+        if counter % 2 or kernels.seq_read(seq) != counter:
+            return False
+        np.copyto(dest, segment.array(offset, dest.dtype, dest.size))
+        return kernels.seq_read(seq) == counter
