@@ -159,6 +159,9 @@ class Server:
                     if msg is None:
                         break
                     self.handle(*msg)
+                    # Reading the event flags is far cheaper than a receive that fails with zmq.Again.
+                    if not self._chan.readable():
+                        break
             if self._ckpt.due_by_time():
                 self._checkpoint_quietly()
             if control is not None and control.tick(self.set_members):
