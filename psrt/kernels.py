@@ -69,6 +69,9 @@ def _check(outputs: dict[str, object], inputs: dict[str, object]) -> list[np.nda
 
 
 def _finite(name: str, value: float) -> float:
+    # The common case first: a Python float that is finite (``v - v`` is NaN for NaN and for +-Inf).
+    if type(value) is float and value - value == 0.0:
+        return value
     if isinstance(value, bool):
         raise KernelArgumentError(f"{name} must be a number, got {value!r}")
     try:
@@ -222,4 +225,7 @@ def all_finite(x: np.ndarray) -> bool:
     x : numpy.ndarray
         C-contiguous float32 or float64 array (may be read-only).
     """
+    # The shard checks every received gradient: a flat native float array skips the checks that explain errors.
+    if type(x) is np.ndarray and x.ndim == 1 and x.dtype in DTYPES and x.flags.c_contiguous:
+        return bool(_core.all_finite(x))
     return bool(_core.all_finite(_flat("x", x, writable=False)))

@@ -110,8 +110,9 @@ def unpack_header(data: Any, limits: WireLimits) -> dict[str, Any]:
         raise ProtocolError(f"header is not a valid msgpack map: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
-    if any(type(k) is not str for k in header):
-        raise ProtocolError("header keys must all be strings")
+    for k in header:
+        if type(k) is not str:
+            raise ProtocolError("header keys must all be strings")
     return header
 
 
@@ -181,6 +182,15 @@ def tensor_metas(entries: Any, limits: WireLimits, compressed: bool = False) -> 
         if type(entry) is not list or len(entry) != 4:
             raise ProtocolError(f"tensor entry {i} must be [name, part, dtype, shape]")
         name, part, dname, shape = entry
+        # A peer sends the same few entries every step. With every field's type exact (so that equal means
+        # identical: no 1.0 for 1, no True for 1), an entry seen before is its cached, already checked meta; only
+        # the limits, which differ between callers, are checked again.
+        if (type(name) is str and type(part) is int and type(dname) is str and type(shape) is list
+                and len(shape) == 1 and type(shape[0]) is int):
+            meta = _SEEN.get((name, part, dname, shape[0], compressed))
+            if (meta is not None and len(name) <= limits.max_name_len and meta.nbytes <= limits.max_tensor_bytes):
+                metas.append(meta)
+                continue
         if type(name) is not str or not 0 < len(name) <= limits.max_name_len:
             raise ProtocolError(f"tensor entry {i}: name must be a non-empty string of at most "
                                 f"{limits.max_name_len} characters")
@@ -204,8 +214,18 @@ def tensor_metas(entries: Any, limits: WireLimits, compressed: bool = False) -> 
         if nbytes > limits.max_tensor_bytes:
             raise ProtocolError(f"tensor {name!r}: shape {shape} is {nbytes} bytes; the limit is "
                                 f"{limits.max_tensor_bytes}")
-        metas.append(TensorMeta(name, part, dtype, tuple(shape), count, nbytes, encoding))
+        meta = TensorMeta(name, part, dtype, tuple(shape), count, nbytes, encoding)
+        if len(shape) == 1:
+            if len(_SEEN) >= _SEEN_MAX:
+                _SEEN.clear()  # a peer inventing entries must not grow this without bound
+            _SEEN[(name, part, dname, shape[0], compressed)] = meta
+        metas.append(meta)
     return metas
+
+
+#: Checked 1-D tensor entries, by ``(name, part, dtype name, count, compressed)``: see :func:`tensor_metas`.
+_SEEN: dict[tuple[str, int, str, int, bool], TensorMeta] = {}
+_SEEN_MAX = 1 << 16
 
 
 def check_buffers(metas: list[TensorMeta], buffers: Sequence[Any]) -> None:
