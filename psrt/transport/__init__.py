@@ -172,11 +172,19 @@ class RouterChannel:
 
         Frames are received zero-copy and are read-only.
         """
+        sock = self.sock
         try:
-            parts = self.sock.recv_multipart(_NOBLOCK, copy=False)
+            identity = sock.recv(_NOBLOCK, copy=False)
         except zmq.Again:
             return None
-        return parts[0].bytes, parts[1:]
+        # Each zmq.Frame knows whether more follow: cheaper than recv_multipart's RCVMORE query per frame.
+        frames = []
+        more = identity.more
+        while more:
+            frame = sock.recv(_NOBLOCK, copy=False)
+            frames.append(frame)
+            more = frame.more
+        return identity.bytes, frames
 
     def send(self, identity: bytes, frames: Sequence[Any],
              track: bool = False) -> list[Optional[zmq.MessageTracker]]:
@@ -223,6 +231,7 @@ class DealerChannel:
         self.endpoint = endpoint
         self._keys_dir = None if keys is None else str(keys.directory)
         self._sndtimeo = -1
+        self._more: Optional[bool] = False  # whether the last frame received has more after it; None: unknown
         self.sock = context.socket(zmq.DEALER)
         _common(self.sock, hwm)
         _max_frame(self.sock, max_frame)
@@ -281,8 +290,9 @@ class DealerChannel:
             When the socket is closed.
         """
         # A refused handshake leaves no connection to queue on (ZAP refusals are not retried): say so now rather
-        # than after the send timeout. Reading the monitor's event flags costs no system call.
-        if self._failure is not None or self.monitor.getsockopt(_EVENTS) & _POLLIN:
+        # than after the send timeout. Once a handshake succeeded there is a queue, and every wait reads the
+        # monitor (Poller), so only a channel that never connected pays for reading its event flags per send.
+        if self._failure is not None or (not self.connections and self.monitor.getsockopt(_EVENTS) & _POLLIN):
             self.check_handshake()
         timeout_ms = max(1, int(timeout * 1000))
         if timeout_ms != self._sndtimeo:
@@ -320,20 +330,26 @@ class DealerChannel:
 
     def recv_frame(self) -> bytes:
         """Receive the next frame (the header of a reply); a message must be ready (see :class:`Poller`)."""
-        return self.sock.recv(_NOBLOCK)
+        frame = self.sock.recv(_NOBLOCK, copy=False)
+        self._more = frame.more  # a received zmq.Frame knows; asking the socket costs a getsockopt
+        return frame.bytes
 
     def more(self) -> bool:
         """True when the current message has further frames."""
-        return bool(self.sock.getsockopt(_RCVMORE))
+        more = self._more
+        if more is None:
+            more = self._more = bool(self.sock.getsockopt(_RCVMORE))
+        return more
 
     def recv_into(self, buffer: Any) -> int:
         """Receive the next frame of the current message straight into ``buffer``; returns the frame's size."""
+        self._more = None  # recv_into does not say: more() asks the socket
         return self.sock.recv_into(buffer, flags=_NOBLOCK)
 
     def discard_rest(self) -> None:
         """Drop the remaining frames of the current message."""
         while self.more():
-            self.sock.recv(_NOBLOCK, copy=False)
+            self._more = self.sock.recv(_NOBLOCK, copy=False).more
 
     def close(self) -> None:
         """Close the socket (and its monitor) without lingering."""
