@@ -219,11 +219,14 @@ class ShardCalls:
         handle._outstanding.clear()
 
     def progress(self, handle: Handle, timeout: float) -> None:
-        """Take in every reply that arrives within ``timeout`` seconds, whichever handle it answers."""
+        """Take in the replies that arrive within ``timeout`` seconds, whichever handle each answers (those queued
+        behind the last one ``handle`` waits for stay queued for the next call)."""
         for index in self._poller.wait(timeout):
             ch = self.channels[index]
-            # Take every reply already queued on this socket, whichever handle it belongs to.
-            while ch.readable():
+            # The poll says a reply is there. Take every reply already queued on this socket, whichever handle it
+            # belongs to, until this handle has all of its own: what is left is taken in by a later poll.
+            self._receive(index)
+            while handle._outstanding and ch.readable():
                 self._receive(index)
         for shard, ch in enumerate(self.channels):
             if ch.connections != self._connections[shard]:
@@ -260,14 +263,7 @@ class ShardCalls:
         del self._pending[reply.id]
         handle = pending.handle
         handle._outstanding.discard(reply.id)
-        if isinstance(reply, wire.RowsReply):  # embedding rows: psrt.embedding_client.RowsHandle
-            try:
-                handle._take_rows(ch, reply, pending.chunks)  # type: ignore[attr-defined]
-            except ProtocolError as exc:
-                ch.discard_rest()
-                handle._fail(ProtocolError(f"shard {endpoint}: {exc}"))
-            return
-        if isinstance(reply, wire.ParamsReply):
+        if type(reply) is wire.ParamsReply:
             try:
                 self._receive_params(ch, reply, pending)
             except ProtocolError as exc:
@@ -277,6 +273,13 @@ class ShardCalls:
                 handle._conflicts.extend(pending.chunks[i].name for i in reply.job.conflicts
                                          if i < len(pending.chunks))
                 handle._jobs[shard] = reply.job
+            return
+        if isinstance(reply, wire.RowsReply):  # embedding rows: psrt.embedding_client.RowsHandle
+            try:
+                handle._take_rows(ch, reply, pending.chunks)  # type: ignore[attr-defined]
+            except ProtocolError as exc:
+                ch.discard_rest()
+                handle._fail(ProtocolError(f"shard {endpoint}: {exc}"))
             return
         ch.discard_rest()
         if isinstance(reply, wire.ErrorReply):

@@ -82,6 +82,7 @@ _REQUEST_FIELDS: dict[str, frozenset[str]] = {
 }
 _PARAMS = frozenset({"v", "op", "id", "tensors", "versions"})
 _JOB = frozenset({"mode", "num_workers", "conflicts"})
+_PARAMS_JOB = _PARAMS | _JOB
 _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "params": _PARAMS,
     "ack": frozenset({"v", "op", "id", "versions", "duplicate"}),
@@ -236,7 +237,7 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
             raise ProtocolError("field 'optimizer' must be a map")
         metas = tensor_metas(h["tensors"], limits, compressed=op != "init")
         check_buffers(metas, buffers)
-        if len({m.key for m in metas}) != len(metas):
+        if len(metas) > 1 and len({m.key for m in metas}) != len(metas):
             raise ProtocolError("a tensor key appears twice in one message")
         if op == "init":
             return InitRequest(metas, buffers, rid, worker, session, h["optimizer"])
@@ -366,8 +367,8 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
     op = h.get("op")
     if op == "rows":
         return decode_rows_reply(h, limits)
-    if type(op) is str and op == "params" and h.keys() == _PARAMS | _JOB:
-        fields = _PARAMS | _JOB
+    if type(op) is str and op == "params" and h.keys() == _PARAMS_JOB:
+        fields = _PARAMS_JOB
     else:
         fields = _REPLY_FIELDS.get(op) if type(op) is str else None
         if fields is None:
@@ -377,8 +378,9 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
     if op == "params":
         # Parameters may come back in the 16-bit form the worker pushed in; never as top-k.
         metas = tensor_metas(h["tensors"], limits, compressed=True)
-        if any(m.encoding == compression.TOPK for m in metas):
-            raise ProtocolError("params reply: parameters never travel as top-k")
+        for m in metas:
+            if m.encoding == compression.TOPK:
+                raise ProtocolError("params reply: parameters never travel as top-k")
         versions = uint_list(h, "versions", len(metas))
         job = None
         if "mode" in h:
