@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+
+import msgpack
 import numpy as np
+import pytest
 import zmq
 
 import psrt
 from psrt import transport
 from psrt.config import ClientConfig
 from psrt.pulls import PullQueue, Waiter
+from psrt.wire.codec import pack_header
 
 
 def test_a_pull_queue_is_true_while_a_pull_waits():
@@ -106,3 +111,18 @@ def test_a_push_pull_whose_round_is_complete_is_answered_at_once_and_counted(sha
             np.testing.assert_array_equal(got, np.full(3, -0.5 * step, np.float32))
         stats = c.stats()[0]
         assert stats["pushes"] == 3 and stats["pulls"] == 3 and stats["queued_pulls"] == 0
+
+
+def test_headers_pack_as_msgpack_does_in_every_thread_and_after_a_failure():
+    header = {"v": 1, "op": "push", "id": 7, "tensors": [["w", 0, "<f4", [3]]], "name": "ünï"}
+    want = msgpack.packb(header, use_bin_type=True)
+    with pytest.raises(TypeError):
+        pack_header({"v": 1, "bad": object()})
+    assert pack_header(header) == want  # nothing of the failed header is left in the packer's buffer
+    got: list[bytes] = []
+    threads = [threading.Thread(target=lambda: got.extend(pack_header(header) for _ in range(200))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [want] * 800

@@ -10,6 +10,7 @@ computed with Python integers with every dimension capped, and each buffer frame
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -65,9 +66,17 @@ class TensorMeta:
         return (self.name, self.part)
 
 
+#: One msgpack Packer per thread: msgpack.packb builds (and frees) a new one, buffer included, for every header.
+_packers = threading.local()
+
+
 def pack_header(header: dict[str, Any]) -> bytes:
     """Pack a header map with msgpack (strings as str, no binary fields)."""
-    return msgpack.packb(header, use_bin_type=True)
+    try:
+        pack = _packers.pack
+    except AttributeError:
+        pack = _packers.pack = msgpack.Packer(use_bin_type=True).pack
+    return pack(header)
 
 
 def encode(header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[Any]:
