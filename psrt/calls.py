@@ -39,8 +39,11 @@ def payload_of(chunks: list[Chunk], arrays: Mapping[str, np.ndarray], compress: 
     """The header entries of a message's chunks and their bytes: views of the caller's arrays (no copy), or with
     ``compress``, compressed copies of float32 gradients (:mod:`psrt.compression`; ``residuals``: top-k's
     error feedback by chunk key, updated here)."""
-    entries = [wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)) for c in chunks]
-    payload = [arrays[c.name].reshape(-1)[c.start:c.start + c.count] for c in chunks]
+    entries, payload = [], []
+    for c in chunks:  # one loop, not two comprehensions: this runs for every message a client sends
+        entries.append(wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)))
+        flat = arrays[c.name].reshape(-1)
+        payload.append(flat if c.start == 0 and c.count == flat.size else flat[c.start:c.start + c.count])
     if compress is not None:
         for i, chunk in enumerate(payload):
             packed = compression.encode(compress, chunk, residuals, (chunks[i].name, chunks[i].part))

@@ -170,8 +170,13 @@ def string(header: dict[str, Any], key: str, max_len: int = 4096, allowed: Optio
 def uint_list(header: dict[str, Any], key: str, length: Optional[int] = None) -> list[int]:
     """The field ``key`` as a list of non-negative integers (of ``length`` items when given)."""
     value = header.get(key)
-    if (type(value) is not list or (length is not None and len(value) != length)
-            or any(type(v) is not int or not 0 <= v <= MAX_U63 for v in value)):
+    ok = type(value) is list and (length is None or len(value) == length)
+    if ok:
+        for v in value:  # a loop, not any(generator): every reply has such a list, and most hold one or two
+            if type(v) is not int or not 0 <= v <= MAX_U63:
+                ok = False
+                break
+    if not ok:
         count = "" if length is None else f" of {length}"
         raise ProtocolError(f"field {key!r} must be a list{count} non-negative integers")
     return value
