@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 import psrt
-from psrt import transport
+from psrt import transport, wire
 from psrt.config import ClientConfig
 from psrt.pulls import PullQueue, Waiter
 from psrt.wire.codec import pack_header
@@ -126,3 +126,12 @@ def test_headers_pack_as_msgpack_does_in_every_thread_and_after_a_failure():
     for t in threads:
         t.join()
     assert got == [want] * 800
+
+
+def test_encoded_buffers_hold_each_arrays_bytes_whatever_its_shape_or_layout():
+    arrays = [np.arange(6.0).reshape(2, 3), np.array(2.5, np.float32), np.arange(6, dtype=np.float32).reshape(2, 3).T,
+              np.zeros((0, 3))]
+    frames = wire.encode({"op": "push", "id": 1}, arrays)
+    # (the transposed array is not C-contiguous: its frame is a C-ordered copy, as reshape(-1) makes it)
+    assert [bytes(f) for f in frames[1:]] == [a.tobytes() for a in arrays]
+    assert np.shares_memory(np.frombuffer(frames[1], np.float64), arrays[0])  # contiguous: no copy

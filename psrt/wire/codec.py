@@ -88,7 +88,13 @@ def encode(header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[An
     """
     frames: list[Any] = [pack_header({"v": PROTOCOL_VERSION, **header})]
     for a in arrays:
-        frames.append(memoryview(a.reshape(-1)).cast("B") if a.size else b"")
+        if not a.size:
+            frames.append(b"")
+            continue
+        try:
+            frames.append(memoryview(a).cast("B"))  # a C-contiguous array of any shape: no reshaped view needed
+        except TypeError:  # not C-contiguous after all: reshape copies it
+            frames.append(memoryview(a.reshape(-1)).cast("B"))
     return frames
 
 
@@ -117,11 +123,12 @@ def unpack_header(data: Any, limits: WireLimits) -> dict[str, Any]:
         )
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise ProtocolError(f"header is not a valid msgpack map: {exc}") from None
-    if not isinstance(header, dict):
+    if type(header) is not dict:
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
-    for k in header:
-        if type(k) is not str:
-            raise ProtocolError("header keys must all be strings")
+    # strict_map_key admits str and bytes keys only, and max_bin_len=0 the empty bytes only: b"" is the one
+    # non-string key that can get here, found with one lookup instead of a loop over every key.
+    if b"" in header:
+        raise ProtocolError("header keys must all be strings")
     return header
 
 
