@@ -306,12 +306,15 @@ class ShardCalls:
         if outputs is None or len(reply.tensors) != len(chunks):
             raise ProtocolError(f"reply carries {len(reply.tensors)} tensors, expected {len(chunks)}")
         for meta, chunk in zip(reply.tensors, chunks):
-            if meta.key != chunk.key or meta.dtype != chunk.dtype or meta.count != chunk.count:
+            if (meta.name != chunk.name or meta.part != chunk.part or meta.dtype != chunk.dtype
+                    or meta.count != chunk.count):
                 raise ProtocolError(f"reply tensor {meta.name!r} part {meta.part} does not match the request")
         for meta, chunk, version in zip(reply.tensors, chunks, reply.versions):
             if not ch.more():
                 raise ProtocolError("reply has fewer buffer frames than tensors")
-            dest = outputs[chunk.name].reshape(-1)[chunk.start:chunk.start + chunk.count]
+            dest = outputs[chunk.name].reshape(-1)
+            if chunk.start or chunk.count != dest.size:  # a part of the tensor (a whole one needs no slice)
+                dest = dest[chunk.start:chunk.start + chunk.count]
             if meta.encoding is None:
                 got = ch.recv_into(memoryview(dest).cast("B") if dest.size else bytearray())
             else:  # 16-bit parameters (this worker pushes 16-bit gradients): widen into the destination
@@ -322,6 +325,7 @@ class ShardCalls:
             if got != meta.nbytes:
                 raise ProtocolError(f"tensor {meta.name!r} part {meta.part}: frame has {got} bytes, "
                                     f"expected {meta.nbytes}")
-            self.versions[chunk.key] = max(self.versions.get(chunk.key, 0), version)
+            key = chunk.key
+            self.versions[key] = max(self.versions.get(key, 0), version)
         if ch.more():
             raise ProtocolError("reply has more buffer frames than tensors")
