@@ -41,10 +41,14 @@ def payload_of(chunks: list[Chunk], arrays: Mapping[str, np.ndarray], compress: 
     """The header entries of a message's chunks and their bytes: views of the caller's arrays (no copy), or with
     ``compress``, compressed copies of float32 gradients (:mod:`psrt.compression`; ``residuals``: top-k's
     error feedback by chunk key, updated here), or with ``lane``, their copies in its segment."""
-    entries = [wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)) for c in chunks]
+    entries, payload = [], []
+    for c in chunks:  # one loop, not two comprehensions: this runs for every message a client sends
+        entries.append(wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)))
+        if lane is None:
+            flat = arrays[c.name].reshape(-1)
+            payload.append(flat if c.start == 0 and c.count == flat.size else flat[c.start:c.start + c.count])
     if lane is not None:
         return entries, list(lane.inputs)
-    payload = [arrays[c.name].reshape(-1)[c.start:c.start + c.count] for c in chunks]
     if compress is not None:
         for i, chunk in enumerate(payload):
             packed = compression.encode(compress, chunk, residuals, (chunks[i].name, chunks[i].part))
@@ -273,11 +277,14 @@ class ShardCalls:
             pending.lane = None
 
     def progress(self, handle: Handle, timeout: float) -> None:
-        """Take in every reply that arrives within ``timeout`` seconds, whichever handle it answers."""
+        """Take in the replies that arrive within ``timeout`` seconds, whichever handle each answers (those queued
+        behind the last one ``handle`` waits for stay queued for the next call)."""
         for index in self._poller.wait(timeout):
             ch = self.channels[index]
-            # Take every reply already queued on this socket, whichever handle it belongs to.
-            while ch.readable():
+            # The poll says a reply is there. Take every reply already queued on this socket, whichever handle it
+            # belongs to, until this handle has all of its own: what is left is taken in by a later poll.
+            self._receive(index)
+            while handle._outstanding and ch.readable():
                 self._receive(index)
         for shard, ch in enumerate(self.channels):
             if ch.connections != self._connections[shard]:
@@ -346,14 +353,7 @@ class ShardCalls:
         shard = pending.shard
         endpoint = self.servers[shard]
         handle = pending.handle
-        if isinstance(reply, wire.RowsReply):  # embedding rows: psrt.embedding_client.RowsHandle
-            try:
-                handle._take_rows(ch, reply, pending.chunks)  # type: ignore[attr-defined]
-            except ProtocolError as exc:
-                ch.discard_rest()
-                handle._fail(ProtocolError(f"shard {endpoint}: {exc}"))
-            return
-        if isinstance(reply, wire.ParamsReply):
+        if type(reply) is wire.ParamsReply:
             try:
                 self._receive_params(ch, reply, pending)
             except ProtocolError as exc:
@@ -363,6 +363,13 @@ class ShardCalls:
                 handle._conflicts.extend(pending.chunks[i].name for i in reply.job.conflicts
                                          if i < len(pending.chunks))
                 handle._jobs[shard] = reply.job
+            return
+        if isinstance(reply, wire.RowsReply):  # embedding rows: psrt.embedding_client.RowsHandle
+            try:
+                handle._take_rows(ch, reply, pending.chunks)  # type: ignore[attr-defined]
+            except ProtocolError as exc:
+                ch.discard_rest()
+                handle._fail(ProtocolError(f"shard {endpoint}: {exc}"))
             return
         ch.discard_rest()
         if isinstance(reply, wire.ErrorReply):
@@ -388,7 +395,8 @@ class ShardCalls:
         if outputs is None or len(reply.tensors) != len(chunks):
             raise ProtocolError(f"reply carries {len(reply.tensors)} tensors, expected {len(chunks)}")
         for meta, chunk in zip(reply.tensors, chunks):
-            if meta.key != chunk.key or meta.dtype != chunk.dtype or meta.count != chunk.count:
+            if (meta.name != chunk.name or meta.part != chunk.part or meta.dtype != chunk.dtype
+                    or meta.count != chunk.count):
                 raise ProtocolError(f"reply tensor {meta.name!r} part {meta.part} does not match the request")
         if reply.lane is not None:  # the parameters are in this request's lane areas, or the shard's memory
             use = pending.lane
@@ -412,7 +420,9 @@ class ShardCalls:
         for meta, chunk, version in zip(reply.tensors, chunks, reply.versions):
             if not ch.more():
                 raise ProtocolError("reply has fewer buffer frames than tensors")
-            dest = outputs[chunk.name].reshape(-1)[chunk.start:chunk.start + chunk.count]
+            dest = outputs[chunk.name].reshape(-1)
+            if chunk.start or chunk.count != dest.size:  # a part of the tensor (a whole one needs no slice)
+                dest = dest[chunk.start:chunk.start + chunk.count]
             if meta.encoding is None:
                 got = ch.recv_into(memoryview(dest).cast("B") if dest.size else bytearray())
             else:  # 16-bit parameters (this worker pushes 16-bit gradients): widen into the destination
@@ -423,6 +433,7 @@ class ShardCalls:
             if got != meta.nbytes:
                 raise ProtocolError(f"tensor {meta.name!r} part {meta.part}: frame has {got} bytes, "
                                     f"expected {meta.nbytes}")
-            self.versions[chunk.key] = max(self.versions.get(chunk.key, 0), version)
+            key = chunk.key
+            self.versions[key] = max(self.versions.get(key, 0), version)
         if ch.more():
             raise ProtocolError("reply has more buffer frames than tensors")

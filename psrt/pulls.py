@@ -71,6 +71,10 @@ class PullQueue:
             del self._by_key[key]
         return ready
 
+    def __bool__(self) -> bool:
+        """True while any pull waits (cheaper than ``len``, which counts them)."""
+        return bool(self._by_key)
+
     def __len__(self) -> int:
         """Queued (waiter, key) pairs: how many answers the shard owes, counted per key."""
         return sum(len(w) for w in self._by_key.values())

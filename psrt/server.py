@@ -160,6 +160,8 @@ class Server:
                     if msg is None:
                         break
                     self.handle(*msg)
+                    if not self._chan.readable():  # reading event flags: far cheaper than a failing receive
+                        break
             if self._ckpt.due_by_time():
                 self._checkpoint_quietly()
             if control is not None and control.tick(self.set_members):
@@ -201,7 +203,7 @@ class Server:
 
     def handle(self, identity: bytes, frames: list[Any]) -> None:
         """Handle one message from ``identity``; never raises."""
-        self.counters.bytes_in += sum(len(f) for f in frames)
+        self.counters.bytes_in += sum(map(len, frames))
         try:
             req = wire.decode_request(frames, self.config.limits)
         except ProtocolError as exc:
@@ -376,13 +378,15 @@ class Server:
 
     def _wait_for(self, identity: bytes, request_id: int, want: dict[Key, int], keys: list[Key],
                   codec: Optional[str] = None, lane: Optional[ShardLane] = None) -> None:
-        if self._pulls.add(Waiter(identity, request_id, keys, want, codec=codec, lane=lane)):
-            self._send_params(identity, request_id, keys, [self.store.entries[k] for k in keys], codec=codec,
-                              lane=lane)
+        entries = self.store.entries  # keys already at their versions (always with W = 1, or async): no Waiter
+        if any(entries[k].version < v for k, v in want.items()) and not self._pulls.add(
+                Waiter(identity, request_id, keys, want, codec=codec, lane=lane)):
+            return  # queued: _wake answers it
+        self._send_params(identity, request_id, keys, [entries[k] for k in keys], codec=codec, lane=lane)
 
     def _wake(self, key: Key) -> None:
         for queue in (self._pulls, self._stale_pulls):
-            for w in queue.wake(key):
+            for w in queue.wake(key) if queue else ():  # (nothing waits: the usual case with W = 1, or async)
                 self._send_params(w.identity, w.request_id, w.keys, [self.store.entries[k] for k in w.keys],
                                   codec=w.codec, lane=w.lane)
 
@@ -415,7 +419,7 @@ class Server:
             self.counters.dropped_replies += 1
             log.warning("reply to a worker dropped: %s", exc)
             return
-        self.counters.bytes_out += sum(len(f) for f in frames)
+        self.counters.bytes_out += sum(map(len, frames))
         # One tracker per frame (None where the frame was copied); the parameters' frames follow the header.
         # A 16-bit copy is the frame's own: only frames of the parameters themselves are tracked.
         for entry, frame, tracker in zip(entries, payload, trackers[1:]):

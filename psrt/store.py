@@ -203,8 +203,9 @@ class Store:
             Indices of the keys whose version moved (a round completed, or the push was applied).
         """
         targets, completed = [], []
+        rounds = self.rounds
         for i, (entry, grad) in enumerate(zip(entries, grads)):
-            if not self.rounds:
+            if not rounds:
                 entry.apply(grad, 1.0)
                 completed.append(i)
                 targets.append(entry.version)

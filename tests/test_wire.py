@@ -419,6 +419,36 @@ def test_malformed_tensor_entries_are_rejected(entry, match):
     reject(push_with([entry], [b"\x00" * 4]), match=match, request_id=5)
 
 
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (["w", 0.0, "<f4", [1]], "part must be a non-negative integer"),
+        (["w", True, "<f4", [1]], "part must be a non-negative integer"),
+        (["w", 0, "<f4", [1.0]], "dimension 1.0"),
+        (["w", 0, "<f4", [True]], "dimension True"),
+        (["w", 0, "<f4", [1, 1]], None),  # accepted, but a separate entry: its shape is (1, 1)
+    ],
+    ids=repr,
+)
+def test_an_entry_equal_to_one_seen_before_is_checked_again_unless_identical(bad, match):
+    # Decoding remembers checked entries; an entry that only compares equal to one (0.0 == 0, True == 1) is not it.
+    good = ["w", 0, "<f4", [1]]
+    assert wire.decode_request(push_with([good], [b"\x00" * 4]), LIMITS).tensors[0].shape == (1,)
+    if match is None:
+        assert wire.decode_request(push_with([bad], [b"\x00" * 4]), LIMITS).tensors[0].shape == (1, 1)
+    else:
+        reject(push_with([bad], [b"\x00" * 4]), match=match, request_id=5)
+    assert wire.decode_request(push_with([good], [b"\x00" * 4]), LIMITS).tensors[0].shape == (1,)
+
+
+def test_an_entry_seen_before_is_held_to_each_callers_limits():
+    frames = push_with([["weights", 0, "<f4", [4]]], [b"\x00" * 16])
+    wire.decode_request(frames, LIMITS)
+    reject(frames, WireLimits(max_name_len=3), match="at most 3 characters")
+    reject(frames, WireLimits(max_tensor_bytes=8), match="16 bytes; the limit is 8")
+    assert wire.decode_request(frames, LIMITS).tensors[0].nbytes == 16
+
+
 @pytest.mark.parametrize("dname", ["<i4", ">f4", ">f8", "O", ">f2", "f2", "bfloat16", "float32", "f4", "=f4", "|f4",
                                    "<c8", "", 4, None])
 def test_unknown_dtypes_are_rejected(dname):

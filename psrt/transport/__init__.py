@@ -47,6 +47,14 @@ _HEARTBEAT_TIMEOUT_MS = 10000
 _FRAME_SLACK = 1024
 _MAX_INT64 = (1 << 63) - 1
 
+# pyzmq's constants are enum flags: ``int & zmq.POLLIN`` builds a new enum member (about a microsecond each), and a
+# small message's round trip tests them several times. Plain integers keep the hot paths to the system's work.
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
+_RCVMORE = int(zmq.RCVMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+
 class SendDropped(Exception):
     """A ROUTER reply could not be queued: the peer is gone or its queue stayed full past the send timeout."""
 
@@ -74,7 +82,7 @@ def _send_frames(sock: zmq.Socket, frames: Sequence[Any], track: bool) -> list[O
     trackers: list[Optional[zmq.MessageTracker]] = []
     last = len(frames) - 1
     for i, frame in enumerate(frames):
-        flags = zmq.SNDMORE if i < last else 0
+        flags = _SNDMORE if i < last else 0
         if len(frame) >= ZERO_COPY_BYTES:
             tracker = sock.send(frame, flags, copy=False, track=track)
             trackers.append(tracker if track else None)
@@ -149,21 +157,34 @@ class RouterChannel:
             raise BindError(_bind_advice(endpoint, exc)) from None
         last = self.sock.getsockopt(zmq.LAST_ENDPOINT)
         self.endpoint: str = last.decode() if isinstance(last, bytes) else str(last)
+        self._poll_items = [(self.sock, _POLLIN)]
 
     def poll(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for an incoming message."""
-        return bool(self.sock.poll(max(0, int(timeout * 1000)), zmq.POLLIN))
+        return bool(zmq.zmq_poll(self._poll_items, max(0, int(timeout * 1000))))
+
+    def readable(self) -> bool:
+        """True when a message is waiting (no system call beyond reading the socket's event flags)."""
+        return bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
 
     def recv(self) -> Optional[tuple[bytes, list[zmq.Frame]]]:
         """Receive one message without blocking: ``(identity, frames)``, or None when nothing is queued.
 
         Frames are received zero-copy and are read-only.
         """
+        sock = self.sock
         try:
-            parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            identity = sock.recv(_NOBLOCK, copy=False)
         except zmq.Again:
             return None
-        return parts[0].bytes, parts[1:]
+        # Each zmq.Frame knows whether more follow: cheaper than recv_multipart's RCVMORE query per frame.
+        frames = []
+        more = identity.more
+        while more:
+            frame = sock.recv(_NOBLOCK, copy=False)
+            frames.append(frame)
+            more = frame.more
+        return identity.bytes, frames
 
     def send(self, identity: bytes, frames: Sequence[Any],
              track: bool = False) -> list[Optional[zmq.MessageTracker]]:
@@ -176,7 +197,7 @@ class RouterChannel:
             When the peer is unknown or departed, or its queue stayed full past the send timeout.
         """
         try:
-            self.sock.send(identity, zmq.SNDMORE)
+            self.sock.send(identity, _SNDMORE)
             return _send_frames(self.sock, frames, track)
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
@@ -210,6 +231,7 @@ class DealerChannel:
         self.endpoint = endpoint
         self._keys_dir = None if keys is None else str(keys.directory)
         self._sndtimeo = -1
+        self._more: Optional[bool] = False  # whether the last frame received has more after it; None: unknown
         self.sock = context.socket(zmq.DEALER)
         _common(self.sock, hwm)
         _max_frame(self.sock, max_frame)
@@ -268,8 +290,9 @@ class DealerChannel:
             When the socket is closed.
         """
         # A refused handshake leaves no connection to queue on (ZAP refusals are not retried): say so now rather
-        # than after the send timeout. Reading the monitor's event flags costs no system call.
-        if self._failure is not None or self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        # than after the send timeout. Once a handshake succeeded there is a queue, and every wait reads the
+        # monitor (Poller), so only a channel that never connected pays for reading its event flags per send.
+        if self._failure is not None or (not self.connections and self.monitor.getsockopt(_EVENTS) & _POLLIN):
             self.check_handshake()
         timeout_ms = max(1, int(timeout * 1000))
         if timeout_ms != self._sndtimeo:
@@ -303,24 +326,30 @@ class DealerChannel:
 
     def readable(self) -> bool:
         """True when a message is waiting (no system call beyond reading the socket's event flags)."""
-        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
 
     def recv_frame(self) -> bytes:
         """Receive the next frame (the header of a reply); a message must be ready (see :class:`Poller`)."""
-        return self.sock.recv(zmq.NOBLOCK)
+        frame = self.sock.recv(_NOBLOCK, copy=False)
+        self._more = frame.more  # a received zmq.Frame knows; asking the socket costs a getsockopt
+        return frame.bytes
 
     def more(self) -> bool:
         """True when the current message has further frames."""
-        return bool(self.sock.getsockopt(zmq.RCVMORE))
+        more = self._more
+        if more is None:
+            more = self._more = bool(self.sock.getsockopt(_RCVMORE))
+        return more
 
     def recv_into(self, buffer: Any) -> int:
         """Receive the next frame of the current message straight into ``buffer``; returns the frame's size."""
-        return self.sock.recv_into(buffer, flags=zmq.NOBLOCK)
+        self._more = None  # recv_into does not say: more() asks the socket
+        return self.sock.recv_into(buffer, flags=_NOBLOCK)
 
     def discard_rest(self) -> None:
         """Drop the remaining frames of the current message."""
         while self.more():
-            self.sock.recv(zmq.NOBLOCK, copy=False)
+            self._more = self.sock.recv(_NOBLOCK, copy=False).more
 
     def close(self) -> None:
         """Close the socket (and its monitor) without lingering."""
@@ -334,15 +363,17 @@ class Poller:
     """Waits on several DEALER channels (and their handshake monitors) at once."""
 
     def __init__(self, channels: Sequence[DealerChannel]) -> None:
-        self._poller = zmq.Poller()
+        # zmq_poll on a fixed item list: zmq.Poller would rebuild nothing less but adds a call per wait.
+        self._items: list[tuple[zmq.Socket, int]] = []
         self._by_sock: dict[zmq.Socket, int] = {}
         self._monitors: dict[zmq.Socket, DealerChannel] = {}
         for index, ch in enumerate(channels):
-            self._poller.register(ch.sock, zmq.POLLIN)
+            self._items.append((ch.sock, _POLLIN))
             self._by_sock[ch.sock] = index
             # A monitor speaks once per handshake, so polling it costs nothing in the steady state.
-            self._poller.register(ch.monitor, zmq.POLLIN)
+            self._items.append((ch.monitor, _POLLIN))
             self._monitors[ch.monitor] = ch
+        self._channels = list(channels)
 
     def wait(self, timeout: float) -> list[int]:
         """Indices of the channels with a reply ready, after waiting at most ``timeout`` seconds.
@@ -352,11 +383,11 @@ class Poller:
         AuthenticationError
             When the handshake with one of the peers failed.
         """
-        for ch in self._monitors.values():
-            if ch.refused:
+        for ch in self._channels:
+            if ch._failure is not None:
                 ch.check_handshake()
         ready = []
-        for s, _ in self._poller.poll(max(0, int(timeout * 1000))):
+        for s, _ in zmq.zmq_poll(self._items, max(0, int(timeout * 1000))):
             ch = self._monitors.get(s)
             if ch is not None:
                 ch.check_handshake()

@@ -9,7 +9,7 @@ Every header carries ``v`` (the protocol version, :data:`PROTOCOL_VERSION`), ``o
 id, echoed in the reply). Untrusted bytes are decoded with explicit limits and an exact field set per op
 (:mod:`psrt.wire.codec`); any violation is a :class:`~psrt.errors.ProtocolError`.
 
-Data plane (:mod:`psrt.wire.data`), worker to shard and back:
+Data plane (:mod:`psrt.wire.data` the requests, :mod:`psrt.wire.replies` the replies), worker to shard and back:
 
 ==============  =======================================================  =====================================
 request         fields (besides ``v, op, id``)                           reply
@@ -99,31 +99,18 @@ from psrt.wire.control import (
     encode_table_query,
 )
 from psrt.wire.data import (
-    AckReply,
     CheckpointRequest,
-    ErrorReply,
     InitRequest,
-    JobInfo,
-    ParamsReply,
     PullKey,
     PullRequest,
     PushRequest,
-    Reply,
     Request,
-    SavedReply,
-    StatsReply,
     StatsRequest,
-    decode_reply,
     decode_request,
-    encode_ack,
     encode_checkpoint_request,
-    encode_error,
     encode_init,
-    encode_params,
     encode_pull,
     encode_push,
-    encode_saved,
-    encode_stats,
     encode_stats_request,
 )
 from psrt.wire.lanes import (
@@ -140,6 +127,21 @@ from psrt.wire.lanes import (
     encode_lane_close,
     encode_lane_open,
     encode_lane_probe,
+)
+from psrt.wire.replies import (
+    AckReply,
+    ErrorReply,
+    JobInfo,
+    ParamsReply,
+    Reply,
+    SavedReply,
+    StatsReply,
+    decode_reply,
+    encode_ack,
+    encode_error,
+    encode_params,
+    encode_saved,
+    encode_stats,
 )
 from psrt.wire.rows import (
     IDS_DTYPE,

@@ -10,6 +10,7 @@ computed with Python integers with every dimension capped, and each buffer frame
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -65,9 +66,17 @@ class TensorMeta:
         return (self.name, self.part)
 
 
+#: One msgpack Packer per thread: msgpack.packb builds (and frees) a new one, buffer included, for every header.
+_packers = threading.local()
+
+
 def pack_header(header: dict[str, Any]) -> bytes:
     """Pack a header map with msgpack (strings as str, no binary fields)."""
-    return msgpack.packb(header, use_bin_type=True)
+    try:
+        pack = _packers.pack
+    except AttributeError:
+        pack = _packers.pack = msgpack.Packer(use_bin_type=True).pack
+    return pack(header)
 
 
 def encode(header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[Any]:
@@ -79,7 +88,13 @@ def encode(header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[An
     """
     frames: list[Any] = [pack_header({"v": PROTOCOL_VERSION, **header})]
     for a in arrays:
-        frames.append(memoryview(a.reshape(-1)).cast("B") if a.size else b"")
+        if not a.size:
+            frames.append(b"")
+            continue
+        try:
+            frames.append(memoryview(a).cast("B"))  # a C-contiguous array of any shape: no reshaped view needed
+        except TypeError:  # not C-contiguous after all: reshape copies it
+            frames.append(memoryview(a.reshape(-1)).cast("B"))
     return frames
 
 
@@ -108,9 +123,11 @@ def unpack_header(data: Any, limits: WireLimits) -> dict[str, Any]:
         )
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise ProtocolError(f"header is not a valid msgpack map: {exc}") from None
-    if not isinstance(header, dict):
+    if type(header) is not dict:
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
-    if any(type(k) is not str for k in header):
+    # strict_map_key admits str and bytes keys only, and max_bin_len=0 the empty bytes only: b"" is the one
+    # non-string key that can get here, found with one lookup instead of a loop over every key.
+    if b"" in header:
         raise ProtocolError("header keys must all be strings")
     return header
 
@@ -160,8 +177,13 @@ def string(header: dict[str, Any], key: str, max_len: int = 4096, allowed: Optio
 def uint_list(header: dict[str, Any], key: str, length: Optional[int] = None) -> list[int]:
     """The field ``key`` as a list of non-negative integers (of ``length`` items when given)."""
     value = header.get(key)
-    if (type(value) is not list or (length is not None and len(value) != length)
-            or any(type(v) is not int or not 0 <= v <= MAX_U63 for v in value)):
+    ok = type(value) is list and (length is None or len(value) == length)
+    if ok:
+        for v in value:  # a loop, not any(generator): every reply has such a list, and most hold one or two
+            if type(v) is not int or not 0 <= v <= MAX_U63:
+                ok = False
+                break
+    if not ok:
         count = "" if length is None else f" of {length}"
         raise ProtocolError(f"field {key!r} must be a list{count} non-negative integers")
     return value
@@ -181,6 +203,15 @@ def tensor_metas(entries: Any, limits: WireLimits, compressed: bool = False) -> 
         if type(entry) is not list or len(entry) != 4:
             raise ProtocolError(f"tensor entry {i} must be [name, part, dtype, shape]")
         name, part, dname, shape = entry
+        # A peer sends the same few entries every step. With every field's type exact (so that equal means
+        # identical: no 1.0 for 1, no True for 1), an entry seen before is its cached, already checked meta; only
+        # the limits, which differ between callers, are checked again.
+        if (type(name) is str and type(part) is int and type(dname) is str and type(shape) is list
+                and len(shape) == 1 and type(shape[0]) is int):
+            meta = _SEEN.get((name, part, dname, shape[0], compressed))
+            if (meta is not None and len(name) <= limits.max_name_len and meta.nbytes <= limits.max_tensor_bytes):
+                metas.append(meta)
+                continue
         if type(name) is not str or not 0 < len(name) <= limits.max_name_len:
             raise ProtocolError(f"tensor entry {i}: name must be a non-empty string of at most "
                                 f"{limits.max_name_len} characters")
@@ -204,8 +235,18 @@ def tensor_metas(entries: Any, limits: WireLimits, compressed: bool = False) -> 
         if nbytes > limits.max_tensor_bytes:
             raise ProtocolError(f"tensor {name!r}: shape {shape} is {nbytes} bytes; the limit is "
                                 f"{limits.max_tensor_bytes}")
-        metas.append(TensorMeta(name, part, dtype, tuple(shape), count, nbytes, encoding))
+        meta = TensorMeta(name, part, dtype, tuple(shape), count, nbytes, encoding)
+        if len(shape) == 1:
+            if len(_SEEN) >= _SEEN_MAX:
+                _SEEN.clear()  # a peer inventing entries must not grow this without bound
+            _SEEN[(name, part, dname, shape[0], compressed)] = meta
+        metas.append(meta)
     return metas
+
+
+#: Checked 1-D tensor entries, by ``(name, part, dtype name, count, compressed)``: see :func:`tensor_metas`.
+_SEEN: dict[tuple[str, int, str, int, bool], TensorMeta] = {}
+_SEEN_MAX = 1 << 16
 
 
 def check_buffers(metas: list[TensorMeta], buffers: Sequence[Any]) -> None:

@@ -1,8 +1,9 @@
-"""The data plane: requests from a worker's client to a shard, and the shard's replies, as typed records.
+"""The data plane's requests, from a worker's client to a shard, as typed records (the shard's replies are in
+:mod:`psrt.wire.replies`).
 
-Each op has one record type and one encoder; :func:`decode_request` and :func:`decode_reply` turn untrusted
-frames into those records (or raise :class:`~psrt.errors.ProtocolError`), so the server and the client never
-index a raw header. The fields of each op are listed in :mod:`psrt.wire`'s docstring.
+Each op has one record type and one encoder; :func:`decode_request` turns untrusted frames into those records
+(or raises :class:`~psrt.errors.ProtocolError`), so the server never indexes a raw header. The fields of each op
+are listed in :mod:`psrt.wire`'s docstring.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, ClassVar, Optional, Sequence, Union
 import numpy as np
 
 from psrt import compression
-from psrt.config import MODES, WireLimits
+from psrt.config import WireLimits
 from psrt.errors import ProtocolError
 from psrt.wire import lanes
 from psrt.wire.codec import (
@@ -21,14 +22,11 @@ from psrt.wire.codec import (
     Key,
     TensorMeta,
     check_buffers,
-    check_fields,
     check_version,
     encode,
     op_of,
-    string,
     tensor_metas,
     uint,
-    uint_list,
     unpack_header,
 )
 from psrt.wire.lanes import LaneRef
@@ -37,16 +35,13 @@ from psrt.wire.rows import (
     InitTableRequest,
     PullRowsRequest,
     PushRowsRequest,
-    RowsReply,
     decode_row_request,
-    decode_rows_reply,
 )
 
 __all__ = [
     "InitRequest", "PushRequest", "PullKey", "PullRequest", "StatsRequest", "CheckpointRequest", "Request",
-    "JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "SavedReply", "Reply", "decode_request",
-    "decode_reply", "encode_init", "encode_push", "encode_pull", "encode_stats_request",
-    "encode_checkpoint_request", "encode_params", "encode_ack", "encode_stats", "encode_error", "encode_saved",
+    "decode_request", "encode_init", "encode_push", "encode_pull", "encode_stats_request",
+    "encode_checkpoint_request",
 ]
 
 #: Largest worker rank on the wire.
@@ -60,15 +55,6 @@ _REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "pull": frozenset({"v", "op", "id", "worker", "clock", "keys"}),
     "stats": frozenset({"v", "op", "id"}),
     "checkpoint": frozenset({"v", "op", "id"}),
-}
-_PARAMS = frozenset({"v", "op", "id", "tensors", "versions"})
-_JOB = frozenset({"mode", "num_workers", "conflicts"})
-_REPLY_FIELDS: dict[str, frozenset[str]] = {
-    "params": _PARAMS,
-    "ack": frozenset({"v", "op", "id", "versions", "duplicate"}),
-    "stats": frozenset({"v", "op", "id", "stats"}),
-    "error": frozenset({"v", "op", "id", "code", "message"}),
-    "saved": frozenset({"v", "op", "id", "path"}),
 }
 
 
@@ -202,6 +188,9 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         if type(h.get("id")) is int and 0 <= h["id"] <= MAX_U63:
             request_id = h["id"]
         check_version(h)
+        if request_id is not None and h.keys() == _REQUEST_FIELDS["push"]:  # push(_pull), every step's: short path
+            if (req := _plain_push(h, frames, limits, request_id)) is not None:
+                return req
         if type(h.get("op")) is str and h["op"] in _ROW_OPS:  # embedding tables: psrt.wire.rows
             return decode_row_request(h, list(frames[1:]), limits)
         if type(h.get("op")) is str and h["op"] in lanes.REQUEST_FIELDS:  # shared-memory lanes: psrt.wire.lanes
@@ -232,7 +221,7 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
             raise ProtocolError(f"a {op!r} over a shared-memory lane takes no buffer frames, got {len(buffers)}")
         if ref is None:
             check_buffers(metas, buffers)
-        if len({m.key for m in metas}) != len(metas):
+        if len(metas) > 1 and len({m.key for m in metas}) != len(metas):
             raise ProtocolError("a tensor key appears twice in one message")
         if op == "init":
             return InitRequest(metas, buffers, rid, worker, session, h["optimizer"])
@@ -240,6 +229,20 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
     except ProtocolError as exc:
         exc.request_id = request_id  # type: ignore[attr-defined]
         raise
+
+
+def _plain_push(h: dict[str, Any], frames: Sequence[Any], limits: WireLimits, rid: int) -> Optional[PushRequest]:
+    """A push(_pull) with in-range integers, in fewer steps (None: the general path says what is wrong)."""
+    op, worker, session, seq, clock = h["op"], h["worker"], h["session"], h["seq"], h["clock"]
+    if not ((op == "push_pull" or op == "push") and type(op) is str and type(worker) is int and type(session) is int
+            and type(seq) is int and type(clock) is int and 0 <= worker <= MAX_WORKER
+            and 0 <= session <= MAX_U63 and 0 <= seq <= MAX_U63 and 0 <= clock <= MAX_U63):
+        return None
+    metas, buffers = tensor_metas(h["tensors"], limits, compressed=True), list(frames[1:])  # as the general path
+    check_buffers(metas, buffers)
+    if len(metas) > 1 and len({m.key for m in metas}) != len(metas):
+        raise ProtocolError("a tensor key appears twice in one message")
+    return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull", clock)
 
 
 def _pull_keys(keys: Any, limits: WireLimits) -> list[PullKey]:
@@ -291,157 +294,3 @@ def encode_stats_request(rid: int) -> list[Any]:
 def encode_checkpoint_request(rid: int) -> list[Any]:
     """Frames of a ``checkpoint`` request."""
     return encode({"op": "checkpoint", "id": rid})
-
-
-# ---------------------------------------------------------------------------------------------- replies
-@dataclass(frozen=True)
-class JobInfo:
-    """What a shard says about the job in its answer to ``init``: its mode and W, and the refused tensors."""
-
-    mode: str
-    num_workers: int
-    #: Indices (into the request's tensors) of keys that exist with a different optimizer.
-    conflicts: list[int]
-
-
-@dataclass
-class ParamsReply:
-    """``params``: parameters (their buffers follow the header) and the version of each."""
-
-    id: int
-    tensors: list[TensorMeta]
-    versions: list[int]
-    job: Optional[JobInfo] = None
-    #: The generation of the shared-memory lane the parameters were written to (no buffer frames follow), and
-    #: per tensor ``[]`` (in the lane) or ``[generation, offset, counter]`` (in the shard's shared parameters).
-    lane: Optional[int] = None
-    places: Optional[list[list[int]]] = None
-    op: ClassVar[str] = "params"
-
-
-@dataclass
-class AckReply:
-    """``ack``: a push was taken; ``versions`` says which version of each key will include it."""
-
-    id: int
-    versions: list[int]
-    duplicate: bool
-    op: ClassVar[str] = "ack"
-
-
-@dataclass
-class StatsReply:
-    """``stats``: the shard's counters, a flat map of numbers and strings."""
-
-    id: int
-    stats: dict[str, Any]
-    op: ClassVar[str] = "stats"
-
-
-@dataclass
-class ErrorReply:
-    """``error``: the request was refused; ``code`` is machine-readable, ``message`` says what to do."""
-
-    id: int
-    code: str
-    message: str
-    op: ClassVar[str] = "error"
-
-
-@dataclass
-class SavedReply:
-    """``saved``: the checkpoint a ``checkpoint`` request wrote, by its path on the shard's host."""
-
-    id: int
-    path: str
-    op: ClassVar[str] = "saved"
-
-
-Reply = Union[ParamsReply, AckReply, StatsReply, ErrorReply, SavedReply, RowsReply, lanes.BeaconReply,
-              lanes.LaneReply, lanes.ClosedReply]
-
-
-def decode_reply(data: Any, limits: WireLimits) -> Reply:
-    """Decode a reply's header frame from a shard; a ``params`` reply's buffers follow as separate frames.
-
-    Raises
-    ------
-    ProtocolError
-        When the header is malformed, whatever is wrong with it.
-    """
-    h = unpack_header(data, limits)
-    check_version(h)
-    op = h.get("op")
-    if op == "rows":
-        return decode_rows_reply(h, limits)
-    if type(op) is str and op in lanes.REPLY_FIELDS:
-        return lanes.decode_lane_reply(h)
-    if type(op) is str and op == "params" and h.keys() in (_PARAMS | _JOB, _PARAMS | {"lane", "places"}):
-        fields = h.keys()
-    else:
-        fields = _REPLY_FIELDS.get(op) if type(op) is str else None
-        if fields is None:
-            raise ProtocolError(f"unknown op {op!r} in a reply; known: {sorted(_REPLY_FIELDS)}")
-    check_fields(op, h, fields)
-    rid = uint(h, "id")
-    if op == "params":
-        # Parameters may come back in the 16-bit form the worker pushed in; never as top-k.
-        metas = tensor_metas(h["tensors"], limits, compressed=True)
-        if any(m.encoding == compression.TOPK for m in metas):
-            raise ProtocolError("params reply: parameters never travel as top-k")
-        versions = uint_list(h, "versions", len(metas))
-        job = None
-        if "mode" in h:
-            conflicts = uint_list(h, "conflicts")
-            if any(i >= len(metas) for i in conflicts):
-                raise ProtocolError("params reply: 'conflicts' must index the reply's tensors")
-            job = JobInfo(string(h, "mode", allowed=MODES), uint(h, "num_workers", MAX_WORKER, lo=1), conflicts)
-        if "lane" not in h:
-            return ParamsReply(rid, metas, versions, job)
-        return ParamsReply(rid, metas, versions, job, uint(h, "lane"), lanes.places(h["places"], len(metas)))
-    if op == "ack":
-        if type(h["duplicate"]) is not bool:
-            raise ProtocolError("ack reply: 'duplicate' must be true or false")
-        return AckReply(rid, uint_list(h, "versions"), h["duplicate"])
-    if op == "stats":
-        stats = h["stats"]
-        if type(stats) is not dict or any(type(k) is not str or type(v) not in (int, float, str)
-                                          for k, v in stats.items()):
-            raise ProtocolError("stats reply: 'stats' must map names to numbers or strings")
-        return StatsReply(rid, stats)
-    if op == "saved":
-        return SavedReply(rid, string(h, "path"))
-    return ErrorReply(rid, string(h, "code", 64), string(h, "message", 1 << 16))
-
-
-def encode_params(rid: int, entries: list[list[Any]], versions: list[int], payload: Sequence[np.ndarray],
-                  job: Optional[JobInfo] = None, lane: Optional[int] = None,
-                  places: Optional[list[list[int]]] = None) -> list[Any]:
-    """Frames of a ``params`` reply (with the job's mode, W and conflicts when answering ``init``; with ``lane``,
-    the parameters are in that lane's segment and ``payload`` is empty)."""
-    header: dict[str, Any] = {"op": "params", "id": rid, "tensors": entries, "versions": versions}
-    if job is not None:
-        header.update(mode=job.mode, num_workers=job.num_workers, conflicts=job.conflicts)
-    if lane is not None:
-        header.update(lane=lane, places=places)
-    return encode(header, payload)
-
-
-def encode_ack(rid: int, versions: list[int], duplicate: bool) -> list[Any]:
-    """Frames of an ``ack`` reply."""
-    return encode({"op": "ack", "id": rid, "versions": versions, "duplicate": duplicate})
-
-
-def encode_stats(rid: int, stats: dict[str, Any]) -> list[Any]:
-    """Frames of a ``stats`` reply."""
-    return encode({"op": "stats", "id": rid, "stats": stats})
-
-
-def encode_error(rid: int, code: str, message: str) -> list[Any]:
-    """Frames of an ``error`` reply."""
-    return encode({"op": "error", "id": rid, "code": code, "message": message})
-
-
-def encode_saved(rid: int, path: str) -> list[Any]:
-    """Frames of a ``saved`` reply."""
-    return encode({"op": "saved", "id": rid, "path": path})

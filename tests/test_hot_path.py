@@ -1,0 +1,137 @@
+"""The per-message fast paths of a small push_pull behave exactly like the general ones they shortcut."""
+
+from __future__ import annotations
+
+import threading
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+import psrt
+from psrt import transport, wire
+from psrt.config import ClientConfig
+from psrt.pulls import PullQueue, Waiter
+from psrt.wire.codec import pack_header
+
+
+def test_a_pull_queue_is_true_while_a_pull_waits():
+    versions = {("w", 0): 0}
+    queue = PullQueue(versions.__getitem__)
+    assert not queue
+    assert not queue.add(Waiter(b"id", 1, [("w", 0)], {("w", 0): 1}))
+    assert queue and len(queue) == 1
+    versions[("w", 0)] = 1
+    assert [w.request_id for w in queue.wake(("w", 0))] == [1]
+    assert not queue
+
+
+def _pair() -> tuple[zmq.Context, transport.RouterChannel, transport.DealerChannel]:
+    ctx = transport.new_context()
+    router = transport.RouterChannel(ctx, "tcp://127.0.0.1:*", 1000, 5.0)
+    dealer = transport.DealerChannel(ctx, router.endpoint, 1000)
+    return ctx, router, dealer
+
+
+def test_router_reads_whole_messages_back_to_back_and_says_when_one_waits():
+    ctx, router, dealer = _pair()
+    try:
+        assert not router.readable()
+        dealer.send([b"h1", b"a" * 10, b"b" * 20], 5.0)
+        dealer.send([b"h2"], 5.0)
+        assert router.poll(5.0)
+        identity, frames = router.recv()
+        assert [bytes(f) for f in frames] == [b"h1", b"a" * 10, b"b" * 20]
+        for _ in range(100):  # the second message may still be on its way
+            if router.readable():
+                break
+            router.poll(0.05)
+        _, frames = router.recv()
+        assert [bytes(f) for f in frames] == [b"h2"]
+        assert router.recv() is None and not router.readable()
+    finally:
+        dealer.close()
+        router.close()
+        ctx.term()
+
+
+def _ready(dealer: transport.DealerChannel) -> bool:
+    # poll() also returns (False) when only the handshake monitor spoke: ask again.
+    return any(dealer.poll(0.1) for _ in range(50))
+
+
+def test_dealer_knows_where_each_reply_ends():
+    ctx, router, dealer = _pair()
+    try:
+        dealer.send([b"hello"], 5.0)
+        assert router.poll(5.0)
+        identity, _ = router.recv()
+        router.send(identity, [b"head", b"\x01" * 8, b"tail"])
+        router.send(identity, [b"only"])
+        router.send(identity, [b"next", b"x", b"y"])
+        assert _ready(dealer)
+        assert dealer.recv_frame() == b"head" and dealer.more()
+        buf = bytearray(8)
+        assert dealer.recv_into(buf) == 8 and bytes(buf) == b"\x01" * 8
+        assert dealer.more()
+        assert dealer.recv_into(bytearray(4)) == 4 and not dealer.more()
+        assert _ready(dealer)
+        assert dealer.recv_frame() == b"only" and not dealer.more()
+        dealer.discard_rest()  # nothing left: must not swallow the next message
+        assert _ready(dealer)
+        assert dealer.recv_frame() == b"next" and dealer.more()
+        dealer.discard_rest()
+        assert not dealer.more()
+    finally:
+        dealer.close()
+        router.close()
+        ctx.term()
+
+
+def test_replies_queued_behind_the_awaited_one_reach_their_own_calls(shards):
+    group = shards(1, workers=1, mode="async")
+    with psrt.Client(group.endpoints, rank=0, num_workers=1, config=ClientConfig(timeout=20)) as c:
+        c.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        handles = [c.push_pull_async({"w": np.ones(4, np.float32)}) for _ in range(5)]
+        last = handles[-1].wait()
+        np.testing.assert_array_equal(last["w"], np.full(4, -5.0, np.float32))
+        # The earlier calls' replies came first; whether taken in already or still queued, each gets its own.
+        for i, h in enumerate(handles[:-1]):
+            np.testing.assert_array_equal(h.wait()["w"], np.full(4, -(i + 1.0), np.float32))
+        assert c.stats()[0]["queued_pulls"] == 0
+
+
+def test_a_push_pull_whose_round_is_complete_is_answered_at_once_and_counted(shards):
+    group = shards(1, workers=1, mode="sync")
+    with psrt.Client(group.endpoints, rank=0, num_workers=1, config=ClientConfig(timeout=20)) as c:
+        c.init({"w": np.zeros(3, np.float32)}, optimizer=psrt.SGD(lr=0.5))
+        for step in range(1, 4):
+            got = c.push_pull({"w": np.ones(3, np.float32)})["w"]
+            np.testing.assert_array_equal(got, np.full(3, -0.5 * step, np.float32))
+        stats = c.stats()[0]
+        assert stats["pushes"] == 3 and stats["pulls"] == 3 and stats["queued_pulls"] == 0
+
+
+def test_headers_pack_as_msgpack_does_in_every_thread_and_after_a_failure():
+    header = {"v": 1, "op": "push", "id": 7, "tensors": [["w", 0, "<f4", [3]]], "name": "ünï"}
+    want = msgpack.packb(header, use_bin_type=True)
+    with pytest.raises(TypeError):
+        pack_header({"v": 1, "bad": object()})
+    assert pack_header(header) == want  # nothing of the failed header is left in the packer's buffer
+    got: list[bytes] = []
+    threads = [threading.Thread(target=lambda: got.extend(pack_header(header) for _ in range(200))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [want] * 800
+
+
+def test_encoded_buffers_hold_each_arrays_bytes_whatever_its_shape_or_layout():
+    arrays = [np.arange(6.0).reshape(2, 3), np.array(2.5, np.float32), np.arange(6, dtype=np.float32).reshape(2, 3).T,
+              np.zeros((0, 3))]
+    frames = wire.encode({"op": "push", "id": 1}, arrays)
+    # (the transposed array is not C-contiguous: its frame is a C-ordered copy, as reshape(-1) makes it)
+    assert [bytes(f) for f in frames[1:]] == [a.tobytes() for a in arrays]
+    assert np.shares_memory(np.frombuffer(frames[1], np.float64), arrays[0])  # contiguous: no copy
