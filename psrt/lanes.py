@@ -137,6 +137,8 @@ class WorkerLanes:
         if isinstance(lane, Lane):
             if not lane.live:
                 self._spill[shard] = 0
+                if self._demand[shard] > lane.segment.size - shm.HEADER_BYTES:  # idle: now make it big enough
+                    return self._open(shard, self._demand[shard])
             if lane.fits(nbytes):
                 return lane
             if lane.live and not lane.retired:

@@ -458,3 +458,23 @@ def test_a_closing_client_gives_its_lanes_back(shards):
         assert [s["lanes"] for s in c.stats()] == [1, 1]
     with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
         assert [s["lanes"] for s in c.stats()] == [0, 0], "the first client's segments are gone"
+
+
+def test_a_lane_grows_to_hold_every_call_in_flight(shards):
+    """Eight non-blocking pushes at once: the first lane holds two, the rest go over the socket; once idle, the next
+    lane is made big enough and every later round goes through shared memory whole."""
+    group = shards(1, mode="async")
+    names = [f"k{i}" for i in range(8)]
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
+        c.init({n: np.zeros(BIG, np.float32) for n in names}, optimizer=psrt.SGD(lr=1.0))
+        ones = np.ones(BIG, np.float32)
+        lane_bytes = []
+        for _ in range(3):
+            before = c.stats()[0]["shm_bytes_in"]
+            for handle in [c.push_async({n: ones}) for n in names]:
+                handle.wait()
+            lane_bytes.append(c.stats()[0]["shm_bytes_in"] - before)
+        final = c.pull()
+    assert lane_bytes[0] < len(names) * BIG * 4, "the first round spills over to the socket"
+    assert lane_bytes[1:] == [len(names) * BIG * 4] * 2, "later rounds fit in the grown lane"
+    assert all(np.all(final[n] == -3.0) for n in names)
