@@ -18,8 +18,8 @@ import pytest
 from psrt.netns import VirtualCluster
 from psrt.process import SERVER_READY, psrt_command
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                                reason="needs root and iproute2 for network namespaces")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None,
+                                reason="needs root, iproute2 and unshare for network namespaces")
 
 WORKER = str(Path(__file__).with_name("_cluster_worker.py"))
 PSRT = psrt_command()
