@@ -478,3 +478,19 @@ def test_a_lane_grows_to_hold_every_call_in_flight(shards):
     assert lane_bytes[0] < len(names) * BIG * 4, "the first round spills over to the socket"
     assert lane_bytes[1:] == [len(names) * BIG * 4] * 2, "later rounds fit in the grown lane"
     assert all(np.all(final[n] == -3.0) for n in names)
+
+
+def test_a_secured_job_sets_up_lanes_over_its_authenticated_sockets(shards, tmp_path, monkeypatch):
+    from psrt import security
+
+    keys = security.keygen(tmp_path / "job").directory
+    monkeypatch.setenv("PSRT_KEYS", str(keys))  # the shard processes take the job's keys from the environment
+    group = shards(1, mode="async")
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=20, keys=str(keys))) as c:
+        c.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        out = c.push_pull({"w": np.ones(BIG, np.float32)})
+        assert c.stats()[0]["shm_bytes_in"] == BIG * 4
+    assert np.all(out["w"] == -1.0)
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=5, keys=None)) as stranger:
+        with pytest.raises(psrt.AuthenticationError):  # the shard is secured: no lane for a stranger either
+            stranger.stats()
