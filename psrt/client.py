@@ -28,6 +28,7 @@ from psrt.lanes import WorkerLanes, call_bytes
 from psrt.link import Heartbeat, SchedulerLink
 from psrt.optim import SGD, Optimizer
 from psrt.partition import Chunk, PartitionMap
+from psrt.pushes import PushPlans
 
 __all__ = ["Client", "Handle"]
 
@@ -146,6 +147,8 @@ class Client(EmbeddingCalls):
         self._lanes = WorkerLanes(self._calls.ask, len(self.servers), rank, self._session,
                                   self.config.shm and self.config.compression is None, self._calls.close_lanes)
         self._calls.lane_lost, self._calls.lanes, self._calls.rank = self._lanes.reset, self._lanes, rank
+        self._pushes = PushPlans(self._calls, self._lanes, rank, self._session, self._seq, self.config.compression,
+                                 self._residuals)
         self._closed = False
 
     # ------------------------------------------------------------------ properties
@@ -217,6 +220,7 @@ class Client(EmbeddingCalls):
             for chunk in chunks:
                 self._calls.versions.pop(chunk.key, None)
             self._plans.clear()
+            self._pushes.clear()
             raise
 
     def _init_chunks(self, chunks: list[Chunk], arrays: dict[str, np.ndarray], optimizer: Optimizer,
@@ -428,21 +432,6 @@ class Client(EmbeddingCalls):
             arrays[name] = a
         outputs = self._outputs(arrays, out) if op == "push_pull" else None
         handle = Handle(self._calls, op, outputs)
-        pull = op == "push_pull"
         self._clock += 1  # ssp: this worker's count of pushes, this one included
-        clock = self._clock
-        for shard, messages in self._plan(tuple(arrays)).items():
-            lane = self._lanes.lane_for(shard, call_bytes(messages, True, pull))
-            for msg in messages:
-                seq = self._seq[shard]
-                self._seq[shard] += 1
-                # Over a lane the gradients are copied into the segment; the socket form stays at hand.
-                use = None if lane is None else WorkerLanes.carry(lane, msg, arrays, pull)
-                entries, payload = payload_of(msg, arrays, self.config.compression, self._residuals, use)
-                plain = lambda rid, q=seq, e=entries, p=payload: wire.encode_push(  # noqa: E731
-                    rid, self._rank, self._session, q, e, p, pull, clock)
-                encode = plain if use is None else lambda rid, q=seq, e=entries, u=use: wire.encode_push(
-                    rid, self._rank, self._session, q, e, [], pull, clock, u.ref)
-                self._calls.send(handle, shard, msg, encode, plain, use, plain if use is not None else None)
-
+        self._pushes.send(handle, arrays, op == "push_pull", self._clock, self._plan)
         return handle

@@ -11,9 +11,12 @@ import zmq
 
 import psrt
 from psrt import transport, wire
-from psrt.config import ClientConfig
+from psrt.config import ClientConfig, WireLimits
+from psrt.errors import ProtocolError
 from psrt.pulls import PullQueue, Waiter
 from psrt.wire.codec import pack_header
+
+LIMITS = WireLimits()
 
 
 def test_a_pull_queue_is_true_while_a_pull_waits():
@@ -135,3 +138,43 @@ def test_encoded_buffers_hold_each_arrays_bytes_whatever_its_shape_or_layout():
     # (the transposed array is not C-contiguous: its frame is a C-ordered copy, as reshape(-1) makes it)
     assert [bytes(f) for f in frames[1:]] == [a.tobytes() for a in arrays]
     assert np.shares_memory(np.frombuffer(frames[1], np.float64), arrays[0])  # contiguous: no copy
+
+
+@pytest.mark.parametrize("pull", [False, True])
+@pytest.mark.parametrize("rid,seq,clock", [(1, 0, 1), (2**63 - 1, 2**40, 0), (300, 70000, 2**32)])
+def test_a_push_from_its_packed_prefix_decodes_as_the_whole_header_does(pull, rid, seq, clock):
+    entries = [["w", 0, "<f4", [3]], ["w", 1, "<f4", [2]], ["b", 0, "<f8", [1]]]
+    payload = [np.ones(3, np.float32), np.ones(2, np.float32), np.ones(1)]
+    prefix = wire.push_prefix(5, 2**62, entries, pull)
+    got = wire.encode_push_after(prefix, rid, seq, clock, payload)
+    want = wire.encode_push(rid, 5, 2**62, seq, entries, payload, pull, clock)
+    assert msgpack.unpackb(got[0]) == msgpack.unpackb(want[0])
+    assert [bytes(f) for f in got[1:]] == [bytes(f) for f in want[1:]]
+    assert wire.decode_request(got, LIMITS) == wire.decode_request(want, LIMITS)
+
+
+def test_a_repeated_push_sends_the_header_of_a_fresh_one(shards):
+    group = shards(2, workers=1, mode="async")
+    with psrt.Client(group.endpoints, rank=0, num_workers=1, config=ClientConfig(timeout=20)) as c:
+        c.init({"w": np.zeros(5, np.float32), "b": np.zeros(2)}, optimizer=psrt.SGD(lr=1.0))
+        for step in range(1, 4):  # the first push packs its prefixes, the others reuse them
+            got = c.push_pull({"w": np.ones(5, np.float32), "b": np.ones(2)})
+            np.testing.assert_array_equal(got["w"], np.full(5, -step, np.float32))
+            np.testing.assert_array_equal(got["b"], np.full(2, -step, np.float64))
+        c.push({"b": np.ones(2)})
+        np.testing.assert_array_equal(c.pull(["b"])["b"], np.full(2, -4.0))
+        assert sum(s["pushes"] for s in c.stats()) == 7 and sum(s["errors"] for s in c.stats()) == 0
+
+
+def test_a_plain_params_reply_decodes_by_the_short_path_as_by_the_general_one():
+    entries = [["w", 0, "<f4", [3]], ["w", 1, "<f2", [2]]]
+    frames = wire.encode_params(9, entries, [4, 5], [np.ones(3, np.float32), np.ones(2, np.float16)])
+    reply = wire.decode_reply(bytes(frames[0]), LIMITS)
+    assert reply == wire.ParamsReply(9, [m for m in wire.decode_request(wire.encode_push(
+        1, 0, 0, 0, entries, [np.ones(3, np.float32), np.ones(2, np.float16)], True), LIMITS).tensors], [4, 5])
+    for bad, match in [({"versions": [4]}, "versions"), ({"versions": [4, True]}, "versions"),
+                       ({"id": -1}, "id"), ({"v": 2}, "version"), ({"op": "parms"}, "unknown op"),
+                       ({"tensors": [["w", 0, "topk", [3]], ["w", 1, "<f4", [2]]]}, "top-k")]:
+        header = {**msgpack.unpackb(frames[0]), **bad}
+        with pytest.raises(ProtocolError, match=match):
+            wire.decode_reply(msgpack.packb(header), LIMITS)

@@ -111,7 +111,9 @@ from psrt.wire.data import (
     encode_init,
     encode_pull,
     encode_push,
+    encode_push_after,
     encode_stats_request,
+    push_prefix,
 )
 from psrt.wire.lanes import (
     BeaconReply,
@@ -160,7 +162,8 @@ __all__ = [
     "tensor_entry", "unpack_header",
     "InitRequest", "PushRequest", "PullKey", "PullRequest", "StatsRequest", "CheckpointRequest", "Request",
     "JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "SavedReply", "Reply",
-    "decode_request", "decode_reply", "encode_init", "encode_push", "encode_pull", "encode_stats_request",
+    "decode_request", "decode_reply", "encode_init", "encode_push", "encode_push_after", "push_prefix",
+    "encode_pull", "encode_stats_request",
     "encode_checkpoint_request", "encode_params", "encode_ack", "encode_stats", "encode_error", "encode_saved",
     "CONTROL_LIMITS", "Register", "Barrier", "Done", "TableQuery", "ControlRequest", "Table", "Ok",
     "ControlError", "Shutdown", "Abort", "Heartbeat", "Members", "ControlReply", "decode_control_request",

@@ -34,6 +34,7 @@ __all__ = [
     "tensor_metas",
     "check_buffers",
     "encode",
+    "with_buffers",
     "dtype_name",
     "tensor_entry",
 ]
@@ -86,7 +87,13 @@ def encode(header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[An
     typed encoders of :mod:`psrt.wire.data` and :mod:`psrt.wire.control` build every header psrt sends; this
     is the one place headers become bytes.
     """
-    frames: list[Any] = [pack_header({"v": PROTOCOL_VERSION, **header})]
+    return with_buffers(pack_header({"v": PROTOCOL_VERSION, **header}), arrays)
+
+
+def with_buffers(header: bytes, arrays: Sequence[np.ndarray] = ()) -> list[Any]:
+    """The frames of a message whose header is packed already: it, then one raw buffer per array (as
+    :func:`encode`)."""
+    frames: list[Any] = [header]
     for a in arrays:
         if not a.size:
             frames.append(b"")

@@ -17,6 +17,8 @@ from psrt.config import MODES, WireLimits
 from psrt.errors import ProtocolError
 from psrt.wire import lanes
 from psrt.wire.codec import (
+    MAX_U63,
+    PROTOCOL_VERSION,
     TensorMeta,
     check_fields,
     check_version,
@@ -123,6 +125,9 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
         When the header is malformed, whatever is wrong with it.
     """
     h = unpack_header(data, limits)
+    if h.keys() == _PARAMS:  # a params reply without job or lane fields, every step's: short path
+        if (reply := _plain_params(h, limits)) is not None:
+            return reply
     check_version(h)
     op = h.get("op")
     if op == "rows":
@@ -166,6 +171,22 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
     if op == "saved":
         return SavedReply(rid, string(h, "path"))
     return ErrorReply(rid, string(h, "code", 64), string(h, "message", 1 << 16))
+
+
+def _plain_params(h: dict[str, Any], limits: WireLimits) -> Optional[ParamsReply]:
+    """A plain ``params`` reply with in-range integers, in fewer steps (None: the general path says what is wrong,
+    in its order: version, op, id, tensors, versions)."""
+    v, op, rid, versions = h["v"], h["op"], h["id"], h["versions"]
+    if not (type(v) is int and v == PROTOCOL_VERSION and type(op) is str and op == "params" and type(rid) is int
+            and 0 <= rid <= MAX_U63 and type(versions) is list):
+        return None
+    metas = tensor_metas(h["tensors"], limits, compressed=True)
+    if len(versions) != len(metas):
+        return None
+    for m, version in zip(metas, versions):
+        if m.encoding == compression.TOPK or type(version) is not int or not 0 <= version <= MAX_U63:
+            return None
+    return ParamsReply(rid, metas, versions)
 
 
 def encode_params(rid: int, entries: list[list[Any]], versions: list[int], payload: Sequence[np.ndarray],
