@@ -24,7 +24,7 @@ import subprocess
 from typing import Any, Optional, Sequence
 
 from psrt.errors import ConfigError, PsrtError
-from psrt.process import Child, popen, stop_children, stop_processes
+from psrt.process import Child, pid_alive, popen, stop_children, stop_processes
 
 __all__ = ["VirtualCluster", "remove_leftovers", "parse_rate", "check_available"]
 
@@ -67,16 +67,6 @@ def check_available() -> None:
             raise ConfigError(f"`{tool}` not found: install {package} (apt-get install {package})")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_leftovers() -> list[str]:
     """Delete namespaces and bridges left by psrt runs whose process is gone; returns what was removed."""
     removed = []
@@ -84,7 +74,7 @@ def remove_leftovers() -> list[str]:
     for line in listing:
         name = line.split(" ")[0].strip()
         m = _NS.match(name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             for pid in _ip("netns", "pids", name, check=False).stdout.split():
                 try:
                     os.kill(int(pid), signal.SIGKILL)
@@ -96,12 +86,12 @@ def remove_leftovers() -> list[str]:
         parts = line.split(":")
         name = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
         m = _BR.match(name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             _ip("link", "del", name, check=False)
             removed.append(name)
     for name in os.listdir(SHM_ROOT) if os.path.isdir(SHM_ROOT) else []:
         m = _SHM.match(name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             shutil.rmtree(os.path.join(SHM_ROOT, name), ignore_errors=True)
             removed.append(name)
     return removed

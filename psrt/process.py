@@ -30,9 +30,9 @@ from typing import IO, Any, Callable, Optional, Sequence, Union
 
 from psrt.errors import ConfigError, PsrtError, PsrtTimeoutError
 
-__all__ = ["Child", "ChildError", "popen", "stop_processes", "stop_children", "exit_status", "describe_exit",
-           "psrt_command", "ready_line", "ready_pattern", "stopped_line", "result_line", "parse_results",
-           "SERVER_READY", "SCHEDULER_READY", "RESULT_PREFIX"]
+__all__ = ["pid_alive", "Child", "ChildError", "popen", "stop_processes", "stop_children", "exit_status",
+           "describe_exit", "psrt_command", "ready_line", "ready_pattern", "stopped_line", "result_line",
+           "parse_results", "SERVER_READY", "SCHEDULER_READY", "RESULT_PREFIX"]
 
 #: Prefix of a load-test worker's result line; the JSON object follows on the same line.
 RESULT_PREFIX = "psrt-worker-result "
@@ -72,6 +72,18 @@ SCHEDULER_READY = ready_pattern("scheduler")
 def psrt_command(*args: str) -> list[str]:
     """``psrt ARGS`` as a command line that runs this interpreter's psrt, installed as a script or not."""
     return [sys.executable, "-m", "psrt.cli", *args]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs (one of another user counts as running): names that carry the pid of the
+    process that made them (namespaces, shared-memory files) are leftovers once it is gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def exit_status(returncode: int) -> int:

@@ -114,7 +114,7 @@ class Server:
                         "%s, W=%d)", path, store.mode, store.num_workers, self.config.mode, self.config.num_workers)
             self.config = dataclasses.replace(self.config, mode=store.mode, num_workers=store.num_workers)
         self.store, self.restored_from = store, path
-        if store.mode == "sync":
+        if store.rounds:
             for entry in store.entries.values():
                 self.lanes.place(entry)
 
@@ -258,7 +258,7 @@ class Server:
             entry = self.store.get(meta.key)
             if entry is None:  # the first initialization of a key wins
                 entry = self.store.create(meta.key, req.array(i), opt)
-                if self.config.mode == "sync":
+                if self.store.rounds:
                     self.lanes.place(entry)  # workers of this host copy each round's result themselves
             elif entry.optimizer != opt:
                 conflicts.append(i)

@@ -33,6 +33,7 @@ from typing import Optional
 import numpy as np
 
 from psrt.errors import ConfigError
+from psrt.process import pid_alive
 
 __all__ = ["SHM_DIR", "HEADER_BYTES", "ALIGN", "Segment", "Beacon", "endpoint_tag", "valid_name", "available",
            "remove_leftovers", "aligned"]
@@ -70,16 +71,6 @@ def available(directory: Path = SHM_DIR) -> bool:
     return directory.is_dir() and os.access(directory, os.W_OK | os.X_OK)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: alive
-    return True
-
-
 def remove_leftovers(directory: Path = SHM_DIR) -> list[str]:
     """Remove the segments and beacons of this user's dead shards; returns their names.
 
@@ -95,7 +86,7 @@ def remove_leftovers(directory: Path = SHM_DIR) -> list[str]:
         if not valid_name(name):
             continue
         pid = int(name.split("-")[2])
-        if pid == os.getpid() or _alive(pid):
+        if pid == os.getpid() or pid_alive(pid):
             continue
         try:
             if os.stat(directory / name, follow_symlinks=False).st_uid == os.geteuid():

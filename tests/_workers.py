@@ -29,6 +29,17 @@ def async_pusher(servers: list[str], rank: int, workers: int, steps: int, size: 
     return {"rank": rank}
 
 
+def async_pusher_expected(workers: int, steps: int, size: int) -> np.ndarray:
+    """The parameters after every :func:`async_pusher` of W workers ran (from zeros, SGD lr=1): exact in float32."""
+    expected = np.zeros(size, np.float64)
+    for r in range(workers):
+        for step in range(steps):
+            g = np.full(size, float((r + 1 + step) % 7))
+            g[::3] = -1.0
+            expected -= g
+    return expected.astype(np.float32)
+
+
 def sync_slice(servers: list[str], rank: int, workers: int, steps: int, seed: int, optimizer: dict) -> dict:
     """Least squares on this worker's slice of a fixed batch; returns the final parameters."""
     rng = np.random.default_rng(seed)

@@ -19,6 +19,8 @@ from psrt import wire
 from psrt.config import ClientConfig
 
 WORKERS = Path(__file__).with_name("_workers.py")
+sys.path.insert(0, str(WORKERS.parent))
+from _workers import async_pusher_expected  # noqa: E402  (the worker programs' module, by path)
 
 
 def run_workers(role: str, args: list[dict], timeout: float = 120) -> list[dict]:
@@ -52,16 +54,11 @@ def test_async_exact_sum(shards):
     args = [dict(servers=group.endpoints, rank=r, workers=workers, steps=steps, size=size, partition_bytes=16_384)
             for r in range(workers)]
     run_workers("async_pusher", args)
-    expected = np.zeros(size, np.float64)
-    for r in range(workers):
-        for step in range(steps):
-            g = np.full(size, float((r + 1 + step) % 7))
-            g[::3] = -1.0
-            expected -= g
+    expected = async_pusher_expected(workers, steps, size)
     with psrt.Client(group.endpoints, rank=0, num_workers=workers, config=small(partition_bytes=16_384)) as c:
         got = c.init({"w": np.ones(size, np.float32)}, optimizer=psrt.SGD(lr=1.0))["w"]
         stats = c.stats()
-    np.testing.assert_array_equal(got, expected.astype(np.float32))
+    np.testing.assert_array_equal(got, expected)
     assert sum(s["pushes"] for s in stats) == workers * steps * 3  # 40 KB split in 3 chunks of <= 16 KiB
     assert all(s["keys"] > 0 for s in stats), "both shards hold part of the tensor"
 
