@@ -158,25 +158,12 @@ class Segment:
         """
         if not valid_name(name) or name.endswith("-beacon"):
             raise ConfigError(f"{name!r} is not a psrt segment name")
-        path = directory / name
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        segment = cls._map(name, generation, size, directory, writable=True)
         try:
-            st = os.fstat(fd)
-            if st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_size != size:
-                raise ConfigError(f"segment {name} is not the shard's as announced (owner, mode or size differ)")
-            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        magic, gen, got = _HEADER.unpack_from(buf, 0)
-        if magic != _MAGIC or gen != generation or got != size:
-            buf.close()
-            raise ConfigError(f"segment {name} has generation {gen} and size {got}, expected {generation} "
-                              f"and {size}")
-        try:
-            os.unlink(path)
+            os.unlink(directory / name)
         except FileNotFoundError:
             pass
-        return cls(name, generation, size, buf, None)
+        return segment
 
     @classmethod
     def read_only(cls, name: str, generation: int, directory: Path = SHM_DIR) -> Segment:
@@ -191,19 +178,28 @@ class Segment:
         """
         if not valid_name(name) or not name.rsplit("-", 1)[1].startswith("a"):
             raise ConfigError(f"{name!r} is not a psrt parameter segment name")
-        fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return cls._map(name, generation, None, directory, writable=False)
+
+    @classmethod
+    def _map(cls, name: str, generation: int, size: Optional[int], directory: Path, writable: bool) -> Segment:
+        """Open and map a shard's segment after checking owner, mode, size (None: whatever the file has) and
+        header."""
+        fd = os.open(directory / name, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
-            if st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_size <= HEADER_BYTES:
+            size = st.st_size if size is None else size
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_size != size or size <= HEADER_BYTES:
                 raise ConfigError(f"segment {name} is not the shard's as announced (owner, mode or size differ)")
-            buf = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
         finally:
             os.close(fd)
         magic, gen, got = _HEADER.unpack_from(buf, 0)
-        if magic != _MAGIC or gen != generation or got != st.st_size:
+        if magic != _MAGIC or gen != generation or got != size:
             buf.close()
-            raise ConfigError(f"segment {name} has generation {gen}, expected {generation}")
-        return cls(name, generation, st.st_size, buf, None)
+            raise ConfigError(f"segment {name} has generation {gen} and size {got}, expected {generation} "
+                              f"and {size}")
+        return cls(name, generation, size, buf, None)
 
     def array(self, offset: int, dtype: np.dtype, count: int) -> np.ndarray:
         """A flat view of ``count`` values of ``dtype`` at ``offset`` (the caller has checked the bounds)."""
