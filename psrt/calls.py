@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -22,39 +22,17 @@ from psrt.errors import (
     ConnectionLostError,
     ProtocolError,
     PsrtError,
-    ServerError,
     ShardTimeoutError,
+    refusal,
 )
 from psrt.lanes import LANE_CODES, LaneUse
 from psrt.partition import Chunk
 
-__all__ = ["Handle", "ShardCalls", "payload_of"]
+__all__ = ["Handle", "ShardCalls"]
 
 log = logging.getLogger("psrt.client")
 
 Key = tuple[str, int]
-
-
-def payload_of(chunks: list[Chunk], arrays: Mapping[str, np.ndarray], compress: Optional[str] = None,
-               residuals: Optional[compression.Residuals] = None,
-               lane: Optional[LaneUse] = None) -> tuple[list[list[Any]], list[np.ndarray]]:
-    """The header entries of a message's chunks and their bytes: views of the caller's arrays (no copy), or with
-    ``compress``, compressed copies of float32 gradients (:mod:`psrt.compression`; ``residuals``: top-k's
-    error feedback by chunk key, updated here), or with ``lane``, their copies in its segment."""
-    entries, payload = [], []
-    for c in chunks:  # one loop, not two comprehensions: this runs for every message a client sends
-        entries.append(wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)))
-        if lane is None:
-            flat = arrays[c.name].reshape(-1)
-            payload.append(flat if c.start == 0 and c.count == flat.size else flat[c.start:c.start + c.count])
-    if lane is not None:
-        return entries, list(lane.inputs)
-    if compress is not None:
-        for i, chunk in enumerate(payload):
-            packed = compression.encode(compress, chunk, residuals, (chunks[i].name, chunks[i].part))
-            if packed is not None:  # else the chunk goes at full precision (float64, or out of fp16's range)
-                entries[i][2], payload[i] = packed
-    return entries, payload
 
 
 @dataclass
@@ -152,6 +130,7 @@ class ShardCalls:
         self.versions: dict[Key, int] = {}
         self._key_shard: dict[Key, int] = {}
         self._connections = [0] * len(self.channels)  # handshakes seen per shard (see _ride_through)
+        self._unanswered = [0] * len(self.channels)  # reconnections since the shard last answered anything
         #: Called with a shard whose shared-memory lane is gone (it restarted, or refused the lane).
         self.lane_lost: Callable[[int], None] = lambda shard: None
         #: The client's lanes (:class:`psrt.lanes.WorkerLanes`), which copy parameters a shard shares; its rank.
@@ -299,6 +278,18 @@ class ShardCalls:
         already applied carry their sequence numbers and are not applied twice.
         """
         pending = [(rid, p) for rid, p in self._pending.items() if p.shard == shard]
+        self._unanswered[shard] += 1
+        if self._unanswered[shard] > 3:  # it drops what is sent: resending would loop until the timeout
+            error = ConnectionLostError(
+                f"{self.servers[shard]} dropped the connection {self._unanswered[shard]} times without answering "
+                "anything: it is not a psrt shard (a psrt scheduler drops messages over 64 KiB), or it refuses "
+                "this client's messages (larger than its limits allow, e.g. a tensor over its max_tensor_bytes)")
+            for rid, p in pending:
+                del self._pending[rid]
+                p.handle._outstanding.discard(rid)
+                self._abandon(p)
+                p.handle._fail(error)
+            return
         log.warning("shard %s reconnected (restarted?): sending again the %d requests it has not answered",
                     self.servers[shard], len(pending))
         self.versions = {k: v for k, v in self.versions.items() if self._key_shard.get(k) != shard}
@@ -315,6 +306,7 @@ class ShardCalls:
         except ProtocolError as exc:
             ch.discard_rest()
             raise ProtocolError(f"shard {endpoint} sent a malformed reply: {exc}") from None
+        self._unanswered[shard] = 0
         pending = self._pending.get(reply.id)
         if pending is None or pending.shard != shard:
             ch.discard_rest()  # a late reply to a call that timed out, or one this shard was never asked
@@ -373,8 +365,7 @@ class ShardCalls:
             return
         ch.discard_rest()
         if isinstance(reply, wire.ErrorReply):
-            handle._fail(ServerError(f"shard {endpoint} refused {handle.op}: [{reply.code}] {reply.message}",
-                                     shard=endpoint, code=reply.code))
+            handle._fail(refusal(endpoint, handle.op, reply.code, reply.message))
         elif isinstance(reply, wire.AckReply):
             if len(reply.versions) != len(pending.chunks):
                 handle._fail(ProtocolError(f"shard {endpoint}: ack lists {len(reply.versions)} versions for "
@@ -437,3 +428,4 @@ class ShardCalls:
             self.versions[key] = max(self.versions.get(key, 0), version)
         if ch.more():
             raise ProtocolError("reply has more buffer frames than tensors")
+
