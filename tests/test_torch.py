@@ -328,5 +328,7 @@ def test_the_overlap_bench_runs_on_loopback(tmp_path):
                           timeout=120)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr  # 1: MISS, which loopback's tiny comm may give
     record = json.loads(out.read_text())
-    assert {"compute_s", "comm_s", "serial_s", "overlap_s", "ratio", "overlap_split_s"} <= set(record)
+    assert {"compute_s", "comm_s", "serial_s", "overlap_s", "ratio", "overlap_split_s", "overlap_forward_s",
+            "overlap_forward_split_s"} <= set(record)
     assert "overlapped step" in proc.stdout and "split: forward" in proc.stdout
+    assert "overlap_forward=True" in proc.stdout
