@@ -28,10 +28,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from psrt import security, transport, wire
+from psrt.barriers import Barriers
 from psrt.config import MODES
 from psrt.errors import ConfigError, ProtocolError
 from psrt.formation import Formation
@@ -42,12 +43,6 @@ __all__ = ["Scheduler", "SchedulerLink", "Table"]
 log = logging.getLogger("psrt.scheduler")
 
 Peer = tuple[str, int]  # (role, rank)
-
-
-@dataclass
-class _Barrier:
-    deadline: float
-    arrived: dict[int, tuple[bytes, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -138,7 +133,9 @@ class Scheduler:
         self.servers: list[tuple[bytes, str]] = []  # (identity, endpoint) in shard order, once formed
         self.workers: dict[int, bytes] = {}  # rank -> identity, once formed
         self._formed = False
-        self._barriers: dict[str, _Barrier] = {}
+        self._barriers = Barriers(start_timeout)
+        #: News of a worker's end, held back a moment (see _hold).
+        self._news: list[tuple[float, Callable[[], None]]] = []
         self._done: set[int] = set()
         self._members: dict[Peer, _Member] = {}  # watched once the job forms
         self.exit_code: Optional[int] = None
@@ -163,7 +160,10 @@ class Scheduler:
                     self._report_forming(now)
                 if not self._formed and now > deadline:
                     self._fail_start()
-                self._expire_barriers(now)
+                for (ident, r), message in self._barriers.expire(now, set(self.workers)):
+                    self._error(ident, r, "barrier_timeout", message)
+                while self._news and self._news[0][0] <= now:
+                    self._news.pop(0)[1]()
                 self._watch(now)
                 if self.elastic:
                     self._expire_joins(now)
@@ -271,25 +271,12 @@ class Scheduler:
         if not self._formed or req.rank not in self.workers:
             self._error(identity, req.id, "rank", f"barrier from rank {req.rank}, which is not a registered worker")
             return
-        b = self._barriers.setdefault(req.name, _Barrier(time.monotonic() + self.start_timeout))
-        b.arrived[req.rank] = (identity, req.id)
+        self._barriers.arrive(req.name, req.rank, (identity, req.id), time.monotonic())
         self._release_barriers()
 
     def _release_barriers(self) -> None:
-        for name, b in list(self._barriers.items()):
-            if set(self.workers) <= set(b.arrived):
-                for ident, r in b.arrived.values():
-                    self._send(ident, wire.encode_ok(r))
-                del self._barriers[name]
-
-    def _expire_barriers(self, now: float) -> None:
-        for name, b in list(self._barriers.items()):
-            if now > b.deadline:
-                missing = sorted(set(self.workers) - set(b.arrived))
-                message = f"barrier {name!r} timed out after {self.start_timeout:g}s waiting for worker ranks {missing}"
-                for ident, r in b.arrived.values():
-                    self._error(ident, r, "barrier_timeout", message)
-                del self._barriers[name]
+        for ident, r in self._barriers.release(set(self.workers)):
+            self._send(ident, wire.encode_ok(r))
 
     def _finish(self, identity: bytes, req: wire.Done) -> None:
         self._done.add(req.rank)
@@ -298,14 +285,22 @@ class Scheduler:
         if self.elastic and req.rank in self.workers:
             self._leave([req.rank], "said done")
         if self._formed and self._done >= set(self.workers) and not self._joins:
-            for ident, _ in self.servers:
-                self._send(ident, wire.encode_shutdown())
+            self._tell_servers(wire.encode_shutdown())
             log.info("all %d workers done; servers told to shut down", self.num_workers)
             self.exit_code = 0
         elif self._formed and not self.elastic and req.rank in self.workers:
             # The others go on; a sync round that needs a finished worker can never complete: the servers say so.
-            for ident, _ in self.servers:
-                self._send(ident, wire.encode_finished(sorted(self._done & set(self.workers))))
+            finished = wire.encode_finished(sorted(self._done & set(self.workers)))
+            self._hold(lambda: self._tell_servers(finished))
+
+    def _tell_servers(self, frames: list[Any]) -> None:
+        for ident, _ in self.servers:
+            self._send(ident, frames)
+
+    def _hold(self, deliver: Callable[[], None]) -> None:
+        """Deliver the news of a worker's end in a second: by then its process is gone, so a launcher sees it end
+        before the others that the news ends, and reports its exit code, not theirs."""
+        self._news.append((time.monotonic() + 1.0, deliver))
 
     def _failed(self, identity: bytes, req: wire.Failed) -> None:
         """A worker's program raised: the job fails at once, naming it (an elastic job goes on without it)."""
@@ -314,7 +309,8 @@ class Scheduler:
         if member is None or self.exit_code is not None:
             return  # not a member (any more): nothing waits on it
         if not self.elastic:
-            self._abort(f"{member.name} failed: {req.message}; the job cannot go on")
+            message = f"{member.name} failed: {req.message}; the job cannot go on"
+            self._hold(lambda: self._abort(message) if self.exit_code is None else None)
             return
         log.warning("%s failed (%s); it leaves the job", member.name, req.message)
         self._leave([req.rank], "failed")
@@ -374,10 +370,8 @@ class Scheduler:
         log.error(message)
         for m in self._members.values():
             self._send(m.identity, wire.encode_abort("peer_failed", message))
-        for b in self._barriers.values():
-            for ident, r in b.arrived.values():
-                self._error(ident, r, "peer_failed", message)
-        self._barriers.clear()
+        for ident, r in self._barriers.clear():
+            self._error(ident, r, "peer_failed", message)
         self.exit_code = 1
 
     def _rejoin(self, identity: bytes, req: wire.Register) -> None:

@@ -318,7 +318,8 @@ def test_the_launched_torch_digits_example_learns(mode):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[worker 0] epoch   1/3" in proc.stdout
     m = re.search(r"\[worker 0\] final test accuracy (\d\.\d+)", proc.stdout)
-    assert m and float(m.group(1)) > 0.9, proc.stdout
+    # ssp applies each worker's push as a step of its own (as async): 3 epochs learn less than sync does.
+    assert m and float(m.group(1)) > (0.7 if mode else 0.9), proc.stdout
     assert "Warning" not in proc.stdout + proc.stderr
 
 
