@@ -11,15 +11,17 @@ embedding table, for ``steps`` steps with one call pattern:
   parameter's gradient is exactly the designed ``G``.
 
 After each step it records what it read (the parameters the step returned, the table's rows), and at the end,
-after a barrier, the final parameters; all of it goes to the ``.npz`` file ``out``. Its last line is a JSON
-object with the shards' stats. Gradients are functions of (worker, step, tensor) only (:func:`dense_grad`,
-:func:`row_push`), so the test computes what every read must hold in NumPy.
+after a barrier, the final parameters; all of it goes to the ``.npz`` file ``out``, and a JSON line with the
+shards' stats to stdout. The JSON arguments also say when to leave the job (``leave_after``, ``leave_by``:
+``close`` or ``raise``), when to pause for the test (``pause_after``, until the file ``go`` exists) and when to
+let worker 0 run ahead (``lead``). ``calls: torch_embedding`` runs a torch ``nn.Embedding`` instead.
 
-Gradient design (SGD, lr = 1, from zeros): entry ``w`` of every tensor is worker w's counter (``COUNT`` per
-push, the largest magnitude of its gradient, so top-k always sends it), entries ``0..MAX_WORKERS-1`` are zero
-otherwise; the rest are small integers (exact in fp16, also as sync means), or for top-k dyadic numbers that never
-tie (:func:`dense_grad`), so the entries top-k picks are known. The table has,
-per worker and shard, a counter row on that shard, and shared data rows pushed with repeats.
+Gradients are functions of (worker, step, tensor) only (:func:`dense_grad`, :func:`row_push`), so the test
+computes in NumPy what every read must hold (SGD, lr = 1, from zeros). Entry ``w`` of every tensor is worker
+w's counter: ``COUNT`` per push, the largest magnitude of its gradient, so top-k always sends it; entries
+``0..MAX_WORKERS-1`` are zero otherwise. The other entries are small integers (exact in fp16, also as sync
+means), or for top-k dyadic numbers that never tie, so the entries top-k picks are known. The table has, per
+worker and shard, a counter row on that shard, and shared data rows pushed with repeats.
 """
 
 from __future__ import annotations
