@@ -1,0 +1,302 @@
+"""The worker of the pairwise combination suite (tests/test_combinations.py), and the gradients it pushes.
+
+``python tests/_combo_worker.py JSON`` joins the job of the scheduler in ``PSRT_SCHEDULER`` (rank
+``PSRT_WORKER_ID``, compression ``PSRT_COMPRESSION``) and trains four dense float32 tensors, and optionally an
+embedding table, for ``steps`` steps with one call pattern:
+
+- ``push_pull``: one ``push_pull`` of every tensor per step;
+- ``one_by_one``: one ``push`` per tensor, then a ``pull`` of all;
+- ``overlapped``: one ``push_pull_async`` per tensor, all in flight together with the table's calls, then waited;
+- ``torch``: :class:`psrt.torch.DistributedOptimizer` on a model whose loss is ``sum(param * G)``, so that each
+  parameter's gradient is exactly the designed ``G``.
+
+After each step it records what it read (the parameters the step returned, the table's rows), and at the end,
+after a barrier, the final parameters; all of it goes to the ``.npz`` file ``out``, and a JSON line with the
+shards' stats to stdout. The JSON arguments also say when to leave the job (``leave_after``, ``leave_by``:
+``close`` or ``raise``), when to pause for the test (``pause_after``, until the file ``go`` exists) and when to
+let worker 0 run ahead (``lead``). ``calls: torch_embedding`` runs a torch ``nn.Embedding`` instead.
+
+Gradients are functions of (worker, step, tensor) only (:func:`dense_grad`, :func:`row_push`), so the test
+computes in NumPy what every read must hold (SGD, lr = 1, from zeros). Entry ``w`` of every tensor is worker
+w's counter: ``COUNT`` per push, the largest magnitude of its gradient, so top-k always sends it; entries
+``0..MAX_WORKERS-1`` are zero otherwise. The other entries are small integers (exact in fp16, also as sync
+means), or for top-k dyadic numbers that never tie, so the entries top-k picks are known. The table has, per
+worker and shard, a counter row on that shard, and shared data rows pushed with repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+# Each above the 64 KiB a call needs to take the shared-memory path; four, so that ssp with s = 2 meets pushes of
+# one step that are further apart in a per-worker count of pushes than the staleness bound.
+SIZES = (17_000, 20_000, 24_000, 18_000)
+COUNT = 64.0
+MAX_WORKERS = 4
+SEED = 20_240_617
+FINE_BASE = 1 << 18  # top-k's magnitudes: (FINE_BASE + i) / 2**16, i < n; exact in float32 as sums of 12
+TABLE, DIM = "emb", 4
+DATA_IDS = np.arange(10, 22, dtype=np.int64)
+ROWS_PER_PUSH = 8
+
+
+def grad_kind(compression: Optional[str]) -> str:
+    """``"fine"`` gradients for top-k (ties would make its choice of entries arbitrary), else ``"int"``."""
+    return "fine" if compression and compression.startswith("topk") else "int"
+
+
+def dense_grad(kind: str, worker: int, step: int, tensor: int) -> np.ndarray:
+    """Worker ``worker``'s gradient of tensor ``tensor`` at step ``step`` (0-based)."""
+    n = SIZES[tensor]
+    rng = np.random.default_rng([SEED, worker, step, tensor])
+    if kind == "fine":
+        # Per (worker, tensor) every entry keeps one magnitude, all distinct and within a ratio of 1.1 of each
+        # other; only signs change from step to step. An entry's gradient + residual is then a*m with a <= the
+        # steps so far, and a*m = b*m' has no solution for a != b <= 6 (m/m' < 7/6) nor for m != m': no ties.
+        magnitude = (FINE_BASE + np.random.default_rng([SEED, worker, tensor]).permutation(n)) / 65536.0
+        g = magnitude * rng.choice([-1.0, 1.0], n)
+    else:
+        g = rng.integers(-8, 9, n).astype(np.float64)
+    g[:MAX_WORKERS] = 0.0
+    g[worker] = COUNT
+    return g.astype(np.float32)
+
+
+def count_ids(worker: int, num_shards: int) -> np.ndarray:
+    """Worker ``worker``'s counter row on each shard (in shard order): the first ids from 1000 (w + 1) on it."""
+    from psrt.rowkernels import shard_of
+
+    candidates = np.arange(1000 * (worker + 1), 1000 * (worker + 1) + 200, dtype=np.int64)
+    shards = shard_of(candidates, num_shards)
+    return np.array([candidates[shards == s][0] for s in range(num_shards)], np.int64)
+
+
+def all_row_ids(num_workers: int, num_shards: int) -> np.ndarray:
+    """Every row a read pulls: the counters of every worker, then the data rows."""
+    return np.concatenate([*(count_ids(w, num_shards) for w in range(num_workers)), DATA_IDS])
+
+
+def row_push(worker: int, step: int, num_shards: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ids (with repeats) and gradient rows worker ``worker`` pushes to the table at step ``step``."""
+    rng = np.random.default_rng([SEED, worker, step, 99])
+    data = rng.choice(DATA_IDS, ROWS_PER_PUSH, replace=True)
+    ids = np.concatenate([count_ids(worker, num_shards), data])
+    grads = np.concatenate([np.ones((num_shards, DIM)), rng.integers(-4, 5, (ROWS_PER_PUSH, DIM))])
+    return ids, grads.astype(np.float32)
+
+
+class _Recorder:
+    """What a worker read, step by step; :meth:`finish` writes it to ``out`` and prints the result line."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.dense: list[list[np.ndarray]] = [[] for _ in SIZES]
+        self.rows: list[np.ndarray] = []
+
+    def finish(self, result: dict[str, Any]) -> None:
+        arrays = {f"t{t}": np.stack(reads) for t, reads in enumerate(self.dense)}
+        if self.rows:
+            arrays["rows"] = np.stack(self.rows)
+        np.savez(Path(self.out), **arrays)
+        print(json.dumps(result), flush=True)
+
+    def add(self, params: list[np.ndarray], rows: Optional[np.ndarray]) -> None:
+        for t, p in enumerate(params):
+            self.dense[t].append(np.array(p, np.float32, copy=True))
+        if rows is not None:
+            self.rows.append(np.array(rows, np.float32, copy=True))
+
+
+def _wait_for(path: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout:g}s")
+        time.sleep(0.01)
+
+
+def _between_steps(args: dict[str, Any], rank: int, step: int) -> None:
+    """After step ``step`` (1-based): let another worker run ahead, pause for the test's event, sleep."""
+    lead = args.get("lead")
+    if lead is not None:  # async and ssp: worker 0 runs lead["steps"] steps ahead of worker 1 at least once
+        if rank == 0 and step == 1 + lead["steps"]:
+            Path(lead["file"]).touch()
+        elif rank == 1 and step == 1:
+            _wait_for(lead["file"])
+    if args.get("pause_after") == step:
+        print("paused", flush=True)
+        _wait_for(args["go"])
+    time.sleep(args.get("sleep", 0.0))
+
+
+def _leave(rec: _Recorder, result: dict[str, Any], how: Optional[str]) -> None:
+    """The end of a worker that leaves the job early: by closing its client, or by an uncaught exception."""
+    rec.finish(result)
+    if how == "raise":
+        raise RuntimeError(f"worker {result['rank']}'s training script failed after step {result['steps']}")
+
+
+def _train_client(args: dict[str, Any], rec: _Recorder) -> None:
+    import psrt
+
+    calls, steps, leave = args["calls"], args["steps"], args.get("leave_after")
+    client = psrt.Client()
+    rank, workers, shards = client.rank, client.num_workers, len(client.servers)
+    kind = grad_kind(client.config.compression)
+    names = [f"t{t}" for t in range(len(SIZES))]
+    client.init({n: np.zeros(size, np.float32) for n, size in zip(names, SIZES)}, optimizer=psrt.SGD(lr=1.0))
+    ids_all = all_row_ids(workers, shards)
+    if args["table"]:
+        client.init_embedding(TABLE, dim=DIM, optimizer=psrt.SGD(lr=1.0), init="zeros")
+    last = steps if leave is None else leave
+    for step in range(last):
+        grads = {n: dense_grad(kind, rank, step, t) for t, n in enumerate(names)}
+        rows = None
+        if args["table"]:
+            ids, row_grads = row_push(rank, step, shards)
+        if calls == "push_pull":
+            params = client.push_pull(grads)
+        elif calls == "one_by_one":
+            for n in names:
+                client.push({n: grads[n]})
+            params = client.pull()
+        elif calls == "overlapped":
+            handles = [client.push_pull_async({n: grads[n]}) for n in names]
+            if args["table"]:
+                client.push_rows_async(TABLE, ids, row_grads).wait()
+                pending_rows = client.pull_rows_async(TABLE, ids_all)
+            params = {}
+            for h in handles:
+                params.update(h.wait())
+            if args["table"]:
+                rows = pending_rows.wait()
+        else:
+            raise ValueError(f"unknown call pattern {calls!r}")
+        if args["table"] and calls != "overlapped":
+            client.push_rows(TABLE, ids, row_grads)
+            rows = client.pull_rows(TABLE, ids_all)
+        rec.add([params[n] for n in names], rows)
+        if step == 0:
+            print("training", flush=True)
+        _between_steps(args, rank, step + 1)
+    result: dict[str, Any] = {"rank": rank, "steps": last, "left": leave is not None}
+    if leave is not None:
+        _leave(rec, result, args.get("leave_by"))
+        client.close()  # a worker of an elastic job leaves it here
+        return
+    client.barrier()  # every other worker has pushed everything (or left): the final values are complete
+    final = client.pull()
+    rec.add([final[n] for n in names], client.pull_rows(TABLE, ids_all) if args["table"] else None)
+    result["stats"] = client.stats()
+    client.close()
+    rec.finish(result)
+
+
+def _train_torch(args: dict[str, Any], rec: _Recorder) -> None:
+    import torch
+
+    import psrt
+    import psrt.torch
+
+    class Leaf(torch.nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32))
+
+        def forward(self, g: torch.Tensor) -> torch.Tensor:
+            return (self.weight * g).sum()
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parts = torch.nn.ModuleList([Leaf(n) for n in SIZES])
+
+        def forward(self, gs: list[torch.Tensor]) -> torch.Tensor:
+            return sum(m(g) for m, g in zip(self.parts, gs))
+
+    steps, leave = args["steps"], args.get("leave_after")
+    model = Model()
+    opt = psrt.torch.DistributedOptimizer(model.named_parameters(), optimizer=psrt.SGD(lr=1.0))
+    client = opt.client
+    rank, workers, shards = client.rank, client.num_workers, len(client.servers)
+    kind = grad_kind(client.config.compression)
+    params = [m.weight for m in model.parts]
+    names = [n for n, _ in model.named_parameters()]
+    ids_all = all_row_ids(workers, shards)
+    if args["table"]:
+        client.init_embedding(TABLE, dim=DIM, optimizer=psrt.SGD(lr=1.0), init="zeros")
+    last = steps if leave is None else leave
+    for step in range(last):
+        opt.zero_grad()
+        model([torch.from_numpy(dense_grad(kind, rank, step, t)) for t in range(len(SIZES))]).backward()
+        opt.step()
+        # What the documentation promises: once step() returns, the parameters hold the new values.
+        seen = [p.detach().numpy().copy() for p in params]
+        rows = None
+        if args["table"]:
+            ids, row_grads = row_push(rank, step, shards)
+            client.push_rows(TABLE, ids, row_grads)
+            rows = client.pull_rows(TABLE, ids_all)
+        rec.add(seen, rows)
+        if step == 0:
+            print("training", flush=True)
+        if args.get("pause_after") == step + 1:
+            opt.synchronize()  # nothing in flight while the test hurts a shard
+        _between_steps(args, rank, step + 1)
+    opt.synchronize()
+    result: dict[str, Any] = {"rank": rank, "steps": last, "left": leave is not None}
+    if leave is not None:
+        _leave(rec, result, args.get("leave_by"))
+        opt.close()  # closes the client it made: a worker of an elastic job leaves it here
+        return
+    client.barrier()
+    final = client.pull()
+    rec.add([final[n] for n in names], client.pull_rows(TABLE, ids_all) if args["table"] else None)
+    result["stats"] = client.stats()
+    opt.close()
+    rec.finish(result)
+
+
+def _torch_embedding(args: dict[str, Any]) -> None:
+    """A torch model with an ``nn.Embedding`` (``sparse`` as told), three steps; psrt.torch refuses sparse
+    gradients. A psrt error of the job (a peer that failed) is printed as JSON and the exit code is 1."""
+    import torch
+
+    import psrt
+    import psrt.torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Embedding(10, 4, sparse=args["sparse"])
+    opt = psrt.torch.DistributedOptimizer(model.named_parameters(), optimizer=psrt.SGD(lr=1.0))
+    print("training", flush=True)
+    try:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.tensor([1, 2])).sum().backward()  # a sparse gradient is refused here, as it arrives
+            opt.step()
+        opt.synchronize()
+    except psrt.PsrtError as exc:
+        if isinstance(exc, psrt.PsrtTypeError):
+            raise  # the refusal itself: the script fails as any script does on an uncaught exception
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
+        sys.exit(1)
+    opt.close()
+    print(json.dumps({"error": None}), flush=True)
+
+
+def main(args: dict[str, Any]) -> None:
+    if args.get("calls") == "torch_embedding":
+        _torch_embedding(args)
+        return
+    (_train_torch if args["calls"] == "torch" else _train_client)(args, _Recorder(args["out"]))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,350 @@
+"""Pairwise combinations of psrt's features, each case a real job checked against a NumPy oracle.
+
+Every case runs a scheduler, two shard servers and two worker processes (``tests/_combo_worker.py``) on loopback.
+The cases are generated with allpairspy so that every pair of values of any two factors meets in at least one
+case (:data:`FACTORS`; ``pytest --collect-only -q tests/test_combinations.py`` lists them, ids name each value).
+A capability added later adds its factor, or a value of one, to :data:`FACTORS`.
+
+What each case checks, from the documented semantics (README, docs/architecture.md, docs/elastic.md), against
+``tests/_combo_oracle.py``:
+
+- **sync**: every read (what a step's call returned; with psrt.torch, the parameters once ``step()`` returned)
+  is exactly the parameters after that round: the mean of the round's pushes (of those who pushed it, once a
+  worker left an elastic job);
+- **async / ssp**: every push is applied once, on arrival, with scale 1, so every read is the sum of a prefix of
+  each worker's pushes, and the workers' counter entries say which prefix: the read must equal that sum exactly,
+  a worker must see all of its own pushes, and in ssp (s = 2) a worker that has pushed a tensor c times reads it
+  only once every worker (still in the job) has pushed it at least c - s times. Worker 1 waits after its first
+  step until worker 0 has done 1 + s steps, so the run-ahead the bound allows happens in every case (a shard
+  stricter than the bound stalls the job, which fails it);
+- the final parameters (after a barrier and a pull) are exactly the oracle's: all pushes, each applied once;
+- compression: fp16 carries these small integers exactly; top-k's choice is simulated with its documented rule
+  (the ``ceil(RATIO * count)`` largest magnitudes of gradient + residual), so its results are exact too;
+- the data path (shared memory exactly where lanes can be used), CURVE really on with keys, no internal error in
+  any shard, and every process exiting in time with code 0 (but a worker whose script raised);
+- events: worker 1 leaves an elastic job after 3 steps, by closing its client or by a script that raises; or a
+  shard is killed with SIGKILL once the workers paused and a checkpoint was written, the workers go on (their
+  calls to it wait), and it is restarted with ``--restore`` under the scheduler, which gives it another port:
+  it must take back its rank, and every push must be applied exactly once across the restart.
+
+Pairs psrt cannot run together would be left out (:data:`INVALID`, :func:`valid`) and tested apart, each refused
+up front with a clear error. None of these factors' pairs is such a pair today (see :data:`INVALID`); the
+refusals at their edges are tested at the end, and under a scheduler a refusing worker must end the job promptly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from itertools import combinations, product
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+import pytest
+from allpairspy import AllPairs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _combo_worker as cw  # noqa: E402
+from _combo_oracle import LEAVE_AFTER, SERVERS, STALENESS, STEPS, WORKERS, Oracle  # noqa: E402
+
+import psrt  # noqa: E402
+from psrt.config import ClientConfig, ClusterConfig  # noqa: E402
+from psrt.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command, stop_children  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+WORKER = str(Path(__file__).with_name("_combo_worker.py"))
+#: The restore event: the shard is killed while both workers wait after this many steps.
+PAUSE_AFTER = 3
+#: Generous deadline of a whole job ("does not hang"), and of one process's exit once its job ended.
+JOB_S, EXIT_S = 60.0, 20.0
+TOPK = "topk:0.1"
+#: The events where worker 1 leaves an elastic job after LEAVE_AFTER steps: it closes its client, or its script
+#: raises.
+LEAVING = ("leave", "crash")
+
+#: Each factor and its values, in the order of a case's id.
+FACTORS: dict[str, list[str]] = {
+    "mode": ["sync", "async", "ssp"],
+    "path": ["sockets", "shm"],
+    "calls": ["push_pull", "one_by_one", "overlapped", "torch"],
+    "compression": ["none", "fp16", "topk"],
+    "tensors": ["dense", "table"],
+    "event": ["none", "leave", "crash", "restore"],
+    "security": ["off", "keys"],
+}
+
+
+class Case(NamedTuple):
+    mode: str
+    path: str
+    calls: str
+    compression: str
+    tensors: str
+    event: str
+    security: str
+
+    @property
+    def id(self) -> str:
+        return "-".join(self)
+
+
+#: Pairs psrt cannot run together, each with a refusal test: {(factor, value), (factor, value)}. None today:
+#: psrt.torch uses its client's compression (it pushes and pulls through the client); an embedding table's rows
+#: travel uncompressed beside top-k or fp16 gradients, as compressed gradients leave shared memory unused; ssp's
+#: bound counts the members of an elastic job. A torch ``nn.Embedding(sparse=True)`` is refused (tested below);
+#: the suite's tables are psrt's own, used beside the torch model through its client.
+INVALID: set[frozenset[tuple[str, str]]] = set()
+
+
+def valid(row: list[str]) -> bool:
+    """allpairspy's filter: False for a (partial) row holding a pair in :data:`INVALID`."""
+    named = list(zip(FACTORS, row))
+    return not any(frozenset(pair) in INVALID for pair in combinations(named, 2))
+
+
+CASES = [Case(*row) for row in AllPairs(list(FACTORS.values()), filter_func=valid)]
+
+
+def test_the_cases_cover_every_valid_pair_of_values():
+    covered = {frozenset(pair) for case in CASES for pair in combinations(zip(FACTORS, case), 2)}
+    for (fa, va), (fb, vb) in combinations([(f, vs) for f, vs in FACTORS.items()], 2):
+        for a, b in product(va, vb):
+            pair = frozenset({(fa, a), (fb, b)})
+            assert pair in covered or pair in INVALID, f"no case has {fa}={a} with {fb}={b}"
+    assert all(valid(list(case)) for case in CASES)
+    print(f"{len(CASES)} cases:\n" + "\n".join(case.id for case in CASES))
+
+
+# ---------------------------------------------------------------------------------------------- jobs
+def _compression(case: Case) -> Optional[str]:
+    """The workers' ``PSRT_COMPRESSION``."""
+    return {"none": None, "topk": TOPK}.get(case.compression, case.compression)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> str:
+    directory = tmp_path_factory.mktemp("combo") / "keys"
+    proc = subprocess.run(psrt_command("keygen", str(directory)), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return str(directory)
+
+
+class Job:
+    """A scheduler, S servers and W combination workers on loopback; :meth:`close` stops whatever still runs."""
+
+    def __init__(self, case: Case, tmp: Path, keys: str, extra: Optional[Any] = None) -> None:
+        self.case, self.tmp, self.keys = case, tmp, keys
+        self.extra = extra  # extra(rank): more (or other) arguments for that worker
+        self.children: list[Child] = []
+        self.restarted: Optional[Child] = None
+
+    def run(self) -> list[dict[str, Any]]:
+        """Start every process, hurt one if the case says so, and wait for the end: the workers' results."""
+        self.form()
+        if self.case.event == "restore":
+            self.restore_a_shard()
+        return self.finish()
+
+    def form(self) -> None:
+        """Start the scheduler, the servers and the workers; return once the job has formed."""
+        case, keys = self.case, self.keys
+        self.env = {"PSRT_TIMEOUT": "30", "PSRT_SHM": "1" if case.path == "shm" else "0",
+                    "PSRT_KEYS": keys if case.security == "keys" else "", "PSRT_RESTART_GRACE": "15"}
+        mode = ["--mode", case.mode, *(["--staleness", str(STALENESS)] if case.mode == "ssp" else [])]
+        elastic = ["--elastic"] if case.event in LEAVING else []
+        self.scheduler = self.start("scheduler", psrt_command(
+            "scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", str(SERVERS), "--workers", str(WORKERS),
+            "--timeout", "60", *mode, *elastic), SCHEDULER_READY)
+        self.endpoint = self.scheduler.wait_ready(30).group(1)
+        if case.security == "keys":  # CURVE is really on: a process without the job's keys is refused
+            with pytest.raises(psrt.AuthenticationError, match="PSRT_KEYS"):
+                psrt.Client(scheduler=self.endpoint, config=ClientConfig(keys=None, timeout=10),
+                            cluster=ClusterConfig(start_timeout=10))
+        self.servers = [self.start(f"server {i}", self.server_command(i), SERVER_READY) for i in range(SERVERS)]
+        self.workers = [self.start(f"worker {r}", [sys.executable, WORKER, json.dumps(self.worker_args(r))],
+                                   re.compile("^paused"), {"PSRT_WORKER_ID": str(r)}) for r in range(WORKERS)]
+        # A server under a scheduler reports ready once the job has formed (its rank comes from the table).
+        self.ranks = [int(re.search(r"rank=(\d+)", s.wait_ready(60).string).group(1)) for s in self.servers]
+
+    def server_command(self, index: int) -> list[str]:
+        checkpoints = []
+        if self.case.event == "restore":
+            checkpoints = ["--checkpoint-dir", str(self.tmp / f"checkpoints-{index}"), "--checkpoint-every", "1"]
+        return psrt_command("server", "--scheduler", self.endpoint, *checkpoints)
+
+    def worker_args(self, rank: int) -> dict[str, Any]:
+        args: dict[str, Any] = {"calls": self.case.calls, "table": self.case.tensors == "table", "steps": STEPS,
+                                "out": str(self.tmp / f"worker-{rank}.npz"), "sleep": 0.03 * rank}
+        if self.case.event in LEAVING and rank == 1:
+            args.update(leave_after=LEAVE_AFTER, leave_by="close" if self.case.event == "leave" else "raise")
+        if self.case.event == "restore":
+            args.update(pause_after=PAUSE_AFTER, go=str(self.tmp / "go"))
+        if self.case.mode != "sync":  # worker 1 waits after its first step until worker 0 has done 1 + s steps
+            args["lead"] = {"steps": STALENESS, "file": str(self.tmp / "lead")}
+        return {**args, **(self.extra(rank) if self.extra else {})}
+
+    def start(self, label: str, cmd: list[str], ready: Any = None, env: Optional[dict[str, str]] = None) -> Child:
+        extra = {"PSRT_SCHEDULER": self.endpoint} if hasattr(self, "endpoint") else {}
+        compression = {"PSRT_COMPRESSION": _compression(self.case) or ""}
+        child = Child(cmd, label=label, ready=ready, env={**self.env, **extra, **compression, **(env or {})})
+        self.children.append(child)
+        return child
+
+    def restore_a_shard(self) -> None:
+        """Both workers wait after a step: checkpoint, kill -9 a shard, let the workers go on (their calls to it
+        wait), and restart it with --restore; under the scheduler it binds another ephemeral port."""
+        for w in self.workers:
+            w.wait_ready(JOB_S)
+        proc = subprocess.run(psrt_command("checkpoint", self.endpoint), capture_output=True, text=True,
+                              timeout=60, env={**os.environ, **self.env})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        victim = self.servers[1]
+        victim.signal(signal.SIGKILL)
+        victim.wait(10)
+        (self.tmp / "go").touch()
+        deadline = time.monotonic() + 10.0
+        while "stopped heartbeating" not in self.scheduler.output and time.monotonic() < deadline:
+            time.sleep(0.05)  # the scheduler waits for a restorable server once it stopped heartbeating
+        self.restarted = self.start("server 1 (restarted)", [*self.server_command(1), "--restore"], SERVER_READY)
+        line = self.restarted.wait_ready(30).string
+        assert f"rank={self.ranks[1]}" in line, f"the restarted shard did not take back rank {self.ranks[1]}: {line}"
+        assert victim.endpoint not in line  # it bound another port: the case this event is about
+        assert "restored" in self.restarted.output, self.restarted.output
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Wait for every worker, then for the scheduler and servers; each must exit 0. The workers' results."""
+        results = []
+        deadline = time.monotonic() + JOB_S
+        for rank, w in enumerate(self.workers):
+            code = w.wait(max(1.0, deadline - time.monotonic()))
+            if self.case.event == "crash" and rank == 1:  # a script that raises fails, as it should
+                assert code != 0 and "RuntimeError: worker 1's training script failed" in w.output, w.tail(4000)
+            else:
+                assert code == 0, f"{w.label} exited with {code}:\n{w.tail(4000)}"
+            results.append(json.loads([line for line in w.output.splitlines() if line.startswith("{")][-1]))
+        alive = [self.scheduler, *(s for s in self.servers if s is not self.servers[1] or self.restarted is None)]
+        for c in [*alive, *([self.restarted] if self.restarted else [])]:
+            code = c.wait(EXIT_S)
+            assert code == 0, f"{c.label} exited with {code}:\n{c.tail(4000)}"
+        return results
+
+    def close(self) -> None:
+        stop_children(self.children, grace=1.0)
+
+    def outputs(self) -> str:
+        return "\n".join(f"--- {c.label}\n{c.tail(3000)}" for c in self.children)
+
+
+def _check(case: Case, tmp: Path, results: list[dict[str, Any]]) -> None:
+    oracle = Oracle(case.mode, _compression(case), case.event in LEAVING)
+    for res in results:
+        w = res["rank"]
+        data = np.load(tmp / f"worker-{w}.npz")
+        reads = oracle.pushes[w]
+        finals = 0 if res["left"] else 1
+        for t in range(len(cw.SIZES)):
+            values = data[f"t{t}"]
+            assert len(values) == reads + finals, (w, t, len(values))
+            for i, value in enumerate(values):
+                final = i == reads
+                what = f"worker {w}, tensor {t}, " + ("final values" if final else f"read after step {i + 1}")
+                oracle.check_dense(what, w, i + 1, t, value, final)
+        if case.tensors == "table":
+            rows = data["rows"]
+            assert len(rows) == reads + finals
+            for i, value in enumerate(rows):
+                final = i == reads
+                what = f"worker {w}, table, " + ("final rows" if final else f"read after step {i + 1}")
+                oracle.check_rows(what, w, i + 1, value, final)
+    stats = next(r["stats"] for r in results if not r["left"])
+    if case.event != "restore":  # (a restarted shard refuses the lanes of its predecessor: error replies too)
+        errors = {s["endpoint"]: s["errors"] for s in stats if s["errors"]}
+        assert not errors, f"error replies in a healthy job: {errors}"
+    shm = sum(s.get("shm_bytes_in", 0) + s.get("shm_bytes_out", 0) for s in stats)
+    if case.path == "sockets":
+        assert shm == 0, f"PSRT_SHM=0, yet {shm} bytes went through shared memory"
+    elif case.compression == "none":
+        assert shm > 0, "one host, calls above 64 KiB, no compression: the tensors should go through shared memory"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_combination(case: Case, tmp_path: Path, keys: str):
+    started = time.monotonic()
+    job = Job(case, tmp_path, keys)
+    try:
+        results = job.run()
+    except Exception as exc:
+        job.close()
+        raise AssertionError(f"{type(exc).__name__}: {exc}\n{job.outputs()}") from None
+    finally:
+        job.close()
+    try:
+        for server in [*job.servers, *([job.restarted] if job.restarted else [])]:
+            assert "Traceback" not in server.output, f"{server.label} logged an internal error"
+        _check(case, tmp_path, results)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{job.outputs()}") from None
+    print(f"{case.id}: {time.monotonic() - started:.1f}s")
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def _ends(job: Job) -> dict[str, tuple[int, float]]:
+    """Each process's exit code and when it exited (seconds after the job formed), worker 1 (the one that
+    fails) first; a process still running :data:`EXIT_S` seconds after the job formed fails the test."""
+    formed = time.monotonic()
+    ends = {}
+    for child in [*job.workers[::-1], job.scheduler, *job.servers]:
+        try:
+            ends[child.label] = (child.wait(max(1.0, formed + EXIT_S - time.monotonic())), time.monotonic() - formed)
+        except Exception as exc:
+            raise AssertionError(f"{child.label} still runs {EXIT_S:g}s after the job formed ({exc})\n"
+                                 f"{job.outputs()}") from None
+    print({label: f"code {code} after {at:.1f}s" for label, (code, at) in ends.items()})
+    return ends
+
+
+def test_a_worker_whose_script_raises_ends_a_job_that_is_not_elastic_promptly(tmp_path: Path, keys: str):
+    """Worker 1's script raises after its first step; worker 0's next round can never complete. The raising
+    worker exits non-zero, and the job ends promptly: its peer hears of it and fails, so does the scheduler."""
+    case = Case("sync", "sockets", "push_pull", "none", "dense", "none", "off")
+    job = Job(case, tmp_path, keys, extra=lambda rank: {"leave_after": 1, "leave_by": "raise"} if rank == 1 else {})
+    try:
+        job.form()
+        ends = _ends(job)
+    finally:
+        job.close()
+    assert "RuntimeError: worker 1's training script failed" in job.workers[1].output, job.outputs()
+    assert ends["worker 1"][0] != 0 and ends["worker 0"][0] != 0, job.outputs()
+    assert ends["scheduler"][0] != 0, "the scheduler reported success for a job that failed"
+
+
+def test_a_sparse_torch_embedding_is_refused_and_the_job_ends_promptly(tmp_path: Path, keys: str):
+    """psrt.torch moves dense gradients only: ``nn.Embedding(sparse=True)`` is refused when its first gradient
+    arrives, before anything is pushed, saying what to do. The refusing worker's script then fails like any
+    script with an uncaught exception, and the job ends promptly instead of waiting for it."""
+    case = Case("sync", "sockets", "torch", "none", "dense", "none", "off")
+    job = Job(case, tmp_path, keys, extra=lambda rank: {"calls": "torch_embedding", "sparse": rank == 1})
+    try:
+        job.form()
+        ends = _ends(job)
+    finally:
+        job.close()
+    out = job.workers[1].output
+    assert "PsrtTypeError" in out and "sparse gradient" in out and "sparse=False" in out, out
+    assert ends["worker 1"][0] != 0 and ends["worker 0"][0] != 0, job.outputs()
+    assert ends["scheduler"][0] != 0, "the scheduler reported success for a job that failed"
+
+
+def test_restore_without_a_checkpoint_directory_is_refused_up_front():
+    proc = subprocess.run(psrt_command("server", "--scheduler", "tcp://127.0.0.1:1", "--restore"),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("psrt: error:") and "--checkpoint-dir" in lines[0], proc.stderr
