@@ -136,7 +136,7 @@ def save(store: Store, directory: Path, prefix: str, meta: dict[str, Any],
                     crc = zlib.crc32(chunk, crc)
                 length = len(MAGIC) + 8 + len(header)
                 for a in arrays:
-                    view = memoryview(np.ascontiguousarray(a)).cast("B")
+                    view = memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))  # (0, dim) too
                     f.write(view)
                     crc = zlib.crc32(view, crc)
                     length += view.nbytes

@@ -323,3 +323,20 @@ def test_checkpoints_include_embedding_tables(tmp_path, shards):
         assert server.tables.logs  # the per-table sequence numbers came back too: no push applied twice
     finally:
         server.close()
+
+
+def test_a_table_with_no_rows_yet_is_checkpointed_and_restored(tmp_path, shards):
+    group = shards(1, workers=1, extra=("--checkpoint-dir", str(tmp_path)))
+    with psrt.Client(group.endpoints) as c:
+        c.init({"w": np.zeros(3, np.float32)})
+        c.init_embedding("items", dim=4, optimizer=psrt.SGD(lr=0.1))  # dynamic: no row until touched
+        (path,) = c.checkpoint()  # zero-length row and slot arrays in the file
+    group.close()
+    from psrt.server import Server
+
+    server = Server(ServerConfig(bind=group.endpoints[0], num_workers=1, checkpoint_dir=str(tmp_path), restore=True))
+    try:
+        assert server.restored_from == Path(path)
+        assert server.tables.tables["items"].used == 0 and ("w", 0) in server.store.entries
+    finally:
+        server.close()
