@@ -45,7 +45,7 @@ Control plane (:mod:`psrt.wire.control`), one header frame each, no buffers:
 request         fields                                                   reply
 ==============  =======================================================  =====================================
 ``register``    ``role`` (server, worker), ``endpoint, host, rank,        ``table`` once the job forms
-                restorable``
+                restorable, restore``
 ``barrier``     ``rank, name``                                           ``ok`` once every worker arrived
 ``done``        ``rank``                                                 ``ok``
 ``table``       (none)                                                   ``table`` (rank -1)
@@ -55,7 +55,8 @@ request         fields                                                   reply
 Replies: ``table {rank, num_servers, num_workers, mode, servers, elastic}``, ``ok {}``, ``error {code,
 message}``; and, unprompted (id 0): ``shutdown {}`` to the servers when every worker is done, ``abort {code,
 message}`` to every process when the job fails (the message names the dead peer), and, in an elastic job,
-``members {epoch, workers}`` to the servers whenever the workers change.
+``members {epoch, workers}`` to the servers whenever the workers change; ``moved {shard, endpoint}`` to the
+workers when a shard restarted from its checkpoint on another endpoint.
 """
 
 from psrt.wire.codec import (
@@ -79,6 +80,7 @@ from psrt.wire.control import (
     Done,
     Heartbeat,
     Members,
+    Moved,
     Ok,
     Register,
     Shutdown,
@@ -92,6 +94,7 @@ from psrt.wire.control import (
     encode_done,
     encode_heartbeat,
     encode_members,
+    encode_moved,
     encode_ok,
     encode_register,
     encode_shutdown,
@@ -175,4 +178,5 @@ __all__ = [
     "encode_lane_open", "encode_beacon", "encode_lane", "LaneCloseRequest", "ClosedReply", "encode_lane_close",
     "encode_closed",
     "encode_control_error", "encode_shutdown", "encode_abort", "encode_heartbeat", "encode_members",
+    "Moved", "encode_moved",
 ]

@@ -28,6 +28,7 @@ __all__ = [
     "Shutdown",
     "Abort",
     "Members",
+    "Moved",
     "ControlReply",
     "decode_control_request",
     "decode_control_reply",
@@ -42,6 +43,7 @@ __all__ = [
     "encode_shutdown",
     "encode_abort",
     "encode_members",
+    "encode_moved",
 ]
 
 #: Control messages are small: tighter limits than the data plane's.
@@ -54,7 +56,7 @@ _MAX_ENDPOINT = 1024
 _MAX_BARRIER_NAME = 256
 
 _REQUEST_FIELDS: dict[str, frozenset[str]] = {
-    "register": frozenset({"v", "op", "id", "role", "endpoint", "host", "rank", "restorable"}),
+    "register": frozenset({"v", "op", "id", "role", "endpoint", "host", "rank", "restorable", "restore"}),
     "barrier": frozenset({"v", "op", "id", "rank", "name"}),
     "done": frozenset({"v", "op", "id", "rank"}),
     "table": frozenset({"v", "op", "id"}),
@@ -68,6 +70,7 @@ _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "shutdown": frozenset({"v", "op", "id"}),
     "abort": frozenset({"v", "op", "id", "code", "message"}),
     "members": frozenset({"v", "op", "id", "epoch", "workers"}),
+    "moved": frozenset({"v", "op", "id", "shard", "endpoint"}),
 }
 
 
@@ -76,8 +79,9 @@ _REPLY_FIELDS: dict[str, frozenset[str]] = {
 class Register:
     """``register``: a server (with the endpoint it serves on) or a worker joins; rank -1 lets the scheduler choose.
 
-    ``restorable``: a server that writes checkpoints; if it dies, the scheduler waits for it to restart on the
-    same endpoint instead of failing the job at once.
+    A server's ``rank`` is the shard index it asks for (the one its checkpoint belongs to). ``restorable``: a
+    server that writes checkpoints; if it dies, the scheduler waits for it to restart instead of failing the job
+    at once. ``restore``: a server resuming from a checkpoint, which may take back the slot of a dead one.
     """
 
     id: int
@@ -86,6 +90,7 @@ class Register:
     host: str
     rank: int
     restorable: bool = False
+    restore: bool = False
     op: ClassVar[str] = "register"
 
 
@@ -164,9 +169,11 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
             endpoint = string(h, "endpoint", _MAX_ENDPOINT)
             if role == "server" and "://" not in endpoint:
                 raise ProtocolError(f"a server must announce an endpoint like tcp://HOST:PORT, got {endpoint!r}")
-            if type(h["restorable"]) is not bool:
-                raise ProtocolError("field 'restorable' must be true or false")
-            return Register(rid, role, endpoint, string(h, "host", _MAX_ENDPOINT), _rank(h), h["restorable"])
+            for flag in ("restorable", "restore"):
+                if type(h[flag]) is not bool:
+                    raise ProtocolError(f"field {flag!r} must be true or false")
+            return Register(rid, role, endpoint, string(h, "host", _MAX_ENDPOINT), _rank(h), h["restorable"],
+                            h["restore"])
         if op == "barrier":
             return Barrier(rid, _rank(h), string(h, "name", _MAX_BARRIER_NAME))
         if op == "done":
@@ -180,10 +187,11 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
         raise
 
 
-def encode_register(rid: int, role: str, endpoint: str, host: str, rank: int, restorable: bool = False) -> list[Any]:
+def encode_register(rid: int, role: str, endpoint: str, host: str, rank: int, restorable: bool = False,
+                    restore: bool = False) -> list[Any]:
     """Frames of a ``register`` request."""
     return encode({"op": "register", "id": rid, "role": role, "endpoint": endpoint, "host": host, "rank": rank,
-                   "restorable": restorable})
+                   "restorable": restorable, "restore": restore})
 
 
 def encode_barrier(rid: int, rank: int, name: str) -> list[Any]:
@@ -275,7 +283,18 @@ class Members:
     op: ClassVar[str] = "members"
 
 
-ControlReply = Union[Table, Ok, ControlError, Shutdown, Abort, Members]
+@dataclass(frozen=True)
+class Moved:
+    """``moved``: sent unprompted to the workers when shard ``shard`` came back on another endpoint (restarted
+    from its checkpoint): their requests to it go to ``endpoint`` from now on."""
+
+    id: int
+    shard: int
+    endpoint: str
+    op: ClassVar[str] = "moved"
+
+
+ControlReply = Union[Table, Ok, ControlError, Shutdown, Abort, Members, Moved]
 
 
 def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIMITS) -> ControlReply:
@@ -306,6 +325,11 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
         if type(workers) is not list or any(type(r) is not int or not 0 <= r <= MAX_U63 for r in workers):
             raise ProtocolError("members: 'workers' must be a list of ranks")
         return Members(rid, uint(h, "epoch"), list(workers))
+    if op == "moved":
+        endpoint = string(h, "endpoint", _MAX_ENDPOINT)
+        if "://" not in endpoint:
+            raise ProtocolError(f"moved: 'endpoint' must be an endpoint like tcp://HOST:PORT, got {endpoint!r}")
+        return Moved(rid, uint(h, "shard", 1 << 31), endpoint)
     if op == "error":
         return ControlError(rid, string(h, "code", 64), string(h, "message", 1 << 16))
     if op == "abort":
@@ -323,6 +347,11 @@ def encode_table(rid: int, rank: int, num_servers: int, num_workers: int, mode: 
 def encode_members(epoch: int, workers: list[int]) -> list[Any]:
     """Frames of the ``members`` notice (id 0)."""
     return encode({"op": "members", "id": 0, "epoch": epoch, "workers": workers})
+
+
+def encode_moved(shard: int, endpoint: str) -> list[Any]:
+    """Frames of the ``moved`` notice (id 0)."""
+    return encode({"op": "moved", "id": 0, "shard": shard, "endpoint": endpoint})
 
 
 def encode_ok(rid: int) -> list[Any]:
