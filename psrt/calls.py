@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -28,33 +28,11 @@ from psrt.errors import (
 from psrt.lanes import LANE_CODES, LaneUse
 from psrt.partition import Chunk
 
-__all__ = ["Handle", "ShardCalls", "payload_of"]
+__all__ = ["Handle", "ShardCalls"]
 
 log = logging.getLogger("psrt.client")
 
 Key = tuple[str, int]
-
-
-def payload_of(chunks: list[Chunk], arrays: Mapping[str, np.ndarray], compress: Optional[str] = None,
-               residuals: Optional[compression.Residuals] = None,
-               lane: Optional[LaneUse] = None) -> tuple[list[list[Any]], list[np.ndarray]]:
-    """The header entries of a message's chunks and their bytes: views of the caller's arrays (no copy), or with
-    ``compress``, compressed copies of float32 gradients (:mod:`psrt.compression`; ``residuals``: top-k's
-    error feedback by chunk key, updated here), or with ``lane``, their copies in its segment."""
-    entries, payload = [], []
-    for c in chunks:  # one loop, not two comprehensions: this runs for every message a client sends
-        entries.append(wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)))
-        if lane is None:
-            flat = arrays[c.name].reshape(-1)
-            payload.append(flat if c.start == 0 and c.count == flat.size else flat[c.start:c.start + c.count])
-    if lane is not None:
-        return entries, list(lane.inputs)
-    if compress is not None:
-        for i, chunk in enumerate(payload):
-            packed = compression.encode(compress, chunk, residuals, (chunks[i].name, chunks[i].part))
-            if packed is not None:  # else the chunk goes at full precision (float64, or out of fp16's range)
-                entries[i][2], payload[i] = packed
-    return entries, payload
 
 
 @dataclass
@@ -135,11 +113,15 @@ class ShardCalls:
         Timeouts, high-water marks, decode limits and keys.
     check : callable, optional
         Called while waiting; raises to end every wait at once (the job failed: :meth:`psrt.link.Heartbeat.check`).
+    moves : dict, optional
+        Shards that restarted on another endpoint, filled by another thread (:attr:`psrt.link.Heartbeat.moves`):
+        every wait takes them in, re-points the shard's socket and sends again what it never answered.
     """
 
     def __init__(self, context: Any, servers: Sequence[str], config: ClientConfig,
-                 check: Optional[Callable[[], None]] = None) -> None:
+                 check: Optional[Callable[[], None]] = None, moves: Optional[dict[int, str]] = None) -> None:
         self._check = check
+        self._moves = moves
         self.servers = list(servers)
         self.config = config
         keys = security.load_keys(config.keys)
@@ -279,6 +261,8 @@ class ShardCalls:
     def progress(self, handle: Handle, timeout: float) -> None:
         """Take in the replies that arrive within ``timeout`` seconds, whichever handle each answers (those queued
         behind the last one ``handle`` waits for stay queued for the next call)."""
+        if self._moves:
+            self._follow_moves()
         for index in self._poller.wait(timeout):
             ch = self.channels[index]
             # The poll says a reply is there. Take every reply already queued on this socket, whichever handle it
@@ -291,6 +275,20 @@ class ShardCalls:
                 if self._connections[shard]:
                     self._ride_through(shard)
                 self._connections[shard] = ch.connections
+
+    def _follow_moves(self) -> None:
+        """Shards that came back on another endpoint: connect there. The handshake with the new endpoint rides
+        through (:meth:`_ride_through`) like a reconnection on the old one."""
+        while self._moves:
+            shard, endpoint = self._moves.popitem()
+            if shard >= len(self.channels) or endpoint == self.servers[shard]:
+                continue
+            log.warning("shard %d moved from %s to %s (restarted from its checkpoint): reconnecting", shard,
+                        self.servers[shard], endpoint)
+            self.channels[shard].repoint(endpoint)
+            self.servers[shard] = endpoint
+            if not self._connections[shard]:
+                self._connections[shard] = -1  # never connected before: its first handshake must ride through too
 
     def _ride_through(self, shard: int) -> None:
         """A shard came back (restarted, maybe from a checkpoint): send again what it never answered.

@@ -3,23 +3,46 @@
 For each set of tensor names a client pushes, :class:`PushPlans` keeps, per shard, the messages, the bytes a call
 takes in a shared-memory lane, and each message's packed header prefix (:func:`psrt.wire.push_prefix`): a step's
 request over the socket then packs only its ``id, seq, clock``. Compressed gradients (whose header entries depend
-on the values) and calls over a lane take the general path, :func:`psrt.calls.payload_of` and
+on the values) and calls over a lane take the general path, :func:`payload_of` and
 :func:`psrt.wire.encode_push`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
 from psrt import compression, wire
-from psrt.calls import Handle, ShardCalls, payload_of
-from psrt.lanes import WorkerLanes, call_bytes
+from psrt.calls import Handle, ShardCalls
+from psrt.lanes import LaneUse, WorkerLanes, call_bytes
 from psrt.partition import Chunk
 
-__all__ = ["PushPlans"]
+__all__ = ["PushPlans", "payload_of"]
+
+
+def payload_of(chunks: list[Chunk], arrays: Mapping[str, np.ndarray], compress: Optional[str] = None,
+               residuals: Optional[compression.Residuals] = None,
+               lane: Optional[LaneUse] = None) -> tuple[list[list[Any]], list[np.ndarray]]:
+    """The header entries of a message's chunks and their bytes: views of the caller's arrays (no copy), or with
+    ``compress``, compressed copies of float32 gradients (:mod:`psrt.compression`; ``residuals``: top-k's
+    error feedback by chunk key, updated here), or with ``lane``, their copies in its segment."""
+    entries, payload = [], []
+    for c in chunks:  # one loop, not two comprehensions: this runs for every message a client sends
+        entries.append(wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)))
+        if lane is None:
+            flat = arrays[c.name].reshape(-1)
+            payload.append(flat if c.start == 0 and c.count == flat.size else flat[c.start:c.start + c.count])
+    if lane is not None:
+        return entries, list(lane.inputs)
+    if compress is not None:
+        for i, chunk in enumerate(payload):
+            packed = compression.encode(compress, chunk, residuals, (chunks[i].name, chunks[i].part))
+            if packed is not None:  # else the chunk goes at full precision (float64, or out of fp16's range)
+                entries[i][2], payload[i] = packed
+    return entries, payload
+
 
 
 @dataclass
