@@ -10,13 +10,16 @@ machine: the script first times the compute here, then sets ``rate = 2 x model b
 - ``compute``: forward + backward of the model alone, no psrt;
 - ``comm``: ``client.push_pull`` of every gradient alone, no compute;
 - ``serial``: a training step with ``DistributedOptimizer(overlap=False)`` (backward, then push and pull all);
-- ``overlap``: a training step with ``DistributedOptimizer(overlap=True)``: pushes from the backward hooks, pulls
-  applied while the next forward runs, first layers first (with a ``--window`` of bytes in flight).
+- ``overlap``: a training step with ``DistributedOptimizer()``, the default: pushes from the backward hooks, each
+  pull asked for as soon as its push is acknowledged, first layers first (with a ``--window`` of bytes in
+  flight); ``step()`` returns when every parameter holds its new value;
+- ``overlap_forward``: the same with ``overlap_forward=True``: ``step()`` returns at once and the next forward
+  waits, module by module, for the pulls still in flight.
 
-It prints both step times, the ratios ``overlap / (compute + comm)`` and ``overlap / serial`` (target: both
-<= 0.8, PASS or MISS; the serial step is compute + comm measured back to back, so on a loaded machine the
-stricter of the two is judged) and each step's time split (forward including its waits for parameters,
-backward including its pushes, step).
+It prints the step times, the ratios ``overlap / (compute + comm)`` and ``overlap / serial`` of the default
+(target: both <= 0.8, PASS or MISS; the serial step is compute + comm measured back to back, so on a loaded
+machine the stricter of the two is judged), the same ratios for ``overlap_forward`` beside it (not judged), and
+each step's time split (forward including its waits for parameters, backward including its pushes, step).
 
 Usage (root: namespaces, veth, tc)::
 
@@ -86,8 +89,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     x, y = torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
     grads = {n: torch.zeros_like(p).numpy() for n, p in model.named_parameters()}
     out = {n: p.detach().numpy() for n, p in model.named_parameters()}
-    times: dict[str, list[float]] = {"compute": [], "comm": [], "serial": [], "overlap": []}
-    split: dict[str, list[tuple[float, float, float]]] = {"serial": [], "overlap": []}
+    modes = ("serial", "overlap", "overlap_forward")
+    times: dict[str, list[float]] = {"compute": [], "comm": [], **{m: [] for m in modes}}
+    split: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
     with psrt.Client([args.server], rank=0, num_workers=1) as client:
         client.init(out, optimizer=psrt.SGD(lr=1e-4))
     for _ in range(args.rounds):
@@ -99,11 +103,11 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                 client.push_pull(grads, out=out)
                 if i:
                     times["comm"].append(time.perf_counter() - t)
-        for mode in ("serial", "overlap"):
+        for mode in modes:
             # A client per turn: the shard keeps the tensors (the first init won); only the schedule changes.
             with psrt.Client([args.server], rank=0, num_workers=1) as client, psrt.torch.DistributedOptimizer(
                     model.named_parameters(), optimizer=psrt.SGD(lr=1e-4), client=client,
-                    overlap=mode == "overlap", window=args.window) as opt:
+                    overlap=mode != "serial", overlap_forward=mode == "overlap_forward", window=args.window) as opt:
                 for i in range(args.steps):
                     t0 = time.perf_counter()
                     opt.zero_grad()
@@ -171,6 +175,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     record["ratio"] = record["overlap_s"] / (record["compute_s"] + record["comm_s"])
     record["serial_ratio"] = record["serial_s"] / (record["compute_s"] + record["comm_s"])
     record["overlap_vs_serial"] = record["overlap_s"] / record["serial_s"]
+    record["overlap_forward_ratio"] = record["overlap_forward_s"] / (record["compute_s"] + record["comm_s"])
+    record["overlap_forward_vs_serial"] = record["overlap_forward_s"] / record["serial_s"]
     # Judged against the smaller of the two measures of compute + comm: the parts timed apart, and the serial
     # step that runs them one after the other (on a loaded machine either may come out high).
     record["pass"] = bool(max(record["ratio"], record["overlap_vs_serial"]) <= TARGET)
@@ -198,20 +204,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(result_line(worker(args)), flush=True)
         return 0
     r = run(args)
-    ms = {k: r[k] * 1e3 for k in ("compute_s", "comm_s", "serial_s", "overlap_s")}
+    ms = {k: r[k] * 1e3 for k in ("compute_s", "comm_s", "serial_s", "overlap_s", "overlap_forward_s")}
     print(f"link {r['link']}, model {r['model_bytes'] / 1e6:.2f} MB, batch {r['batch']}")
     print(f"compute (forward + backward)  {ms['compute_s']:7.1f} ms")
     print(f"communication (push_pull)     {ms['comm_s']:7.1f} ms")
     print(f"serial step                   {ms['serial_s']:7.1f} ms  ({r['serial_ratio']:.2f} x compute + comm)")
     print(f"overlapped step               {ms['overlap_s']:7.1f} ms  ({r['ratio']:.2f} x compute + comm, "
           f"{r['overlap_vs_serial']:.2f} x the serial step)")
-    for mode in ("serial", "overlap"):
+    print(f"  overlap_forward=True        {ms['overlap_forward_s']:7.1f} ms  ({r['overlap_forward_ratio']:.2f} x "
+          f"compute + comm, {r['overlap_forward_vs_serial']:.2f} x the serial step; not judged)")
+    for mode in ("serial", "overlap", "overlap_forward"):
         s = r[f"{mode}_split_s"]
-        print(f"  {mode:8s} split: forward {s['forward'] * 1e3:.1f} ms, backward {s['backward'] * 1e3:.1f} ms, "
+        print(f"  {mode:15s} split: forward {s['forward'] * 1e3:.1f} ms, backward {s['backward'] * 1e3:.1f} ms, "
               f"step {s['step'] * 1e3:.1f} ms")
     worst = max(r["ratio"], r["overlap_vs_serial"])
-    print(f"{'PASS' if r['pass'] else 'MISS'}: overlapped step {worst:.2f} x (compute + comm, the larger of the two "
-          f"ratios above), target <= {TARGET}")
+    print(f"{'PASS' if r['pass'] else 'MISS'}: overlapped step (default) {worst:.2f} x (compute + comm, the larger "
+          f"of the two ratios above), target <= {TARGET}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

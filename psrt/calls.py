@@ -22,8 +22,8 @@ from psrt.errors import (
     ConnectionLostError,
     ProtocolError,
     PsrtError,
-    ServerError,
     ShardTimeoutError,
+    refusal,
 )
 from psrt.lanes import LANE_CODES, LaneUse
 from psrt.partition import Chunk
@@ -134,6 +134,7 @@ class ShardCalls:
         self.versions: dict[Key, int] = {}
         self._key_shard: dict[Key, int] = {}
         self._connections = [0] * len(self.channels)  # handshakes seen per shard (see _ride_through)
+        self._unanswered = [0] * len(self.channels)  # reconnections since the shard last answered anything
         #: Called with a shard whose shared-memory lane is gone (it restarted, or refused the lane).
         self.lane_lost: Callable[[int], None] = lambda shard: None
         #: The client's lanes (:class:`psrt.lanes.WorkerLanes`), which copy parameters a shard shares; its rank.
@@ -277,8 +278,7 @@ class ShardCalls:
                 self._connections[shard] = ch.connections
 
     def _follow_moves(self) -> None:
-        """Shards that came back on another endpoint: connect there. The handshake with the new endpoint rides
-        through (:meth:`_ride_through`) like a reconnection on the old one."""
+        """Shards that came back on another endpoint: connect there; the new handshake rides through as any."""
         while self._moves:
             shard, endpoint = self._moves.popitem()
             if shard >= len(self.channels) or endpoint == self.servers[shard]:
@@ -297,6 +297,18 @@ class ShardCalls:
         already applied carry their sequence numbers and are not applied twice.
         """
         pending = [(rid, p) for rid, p in self._pending.items() if p.shard == shard]
+        self._unanswered[shard] += 1
+        if self._unanswered[shard] > 3:  # it drops what is sent: resending would loop until the timeout
+            error = ConnectionLostError(
+                f"{self.servers[shard]} dropped the connection {self._unanswered[shard]} times without answering "
+                "anything: it is not a psrt shard (a psrt scheduler drops messages over 64 KiB), or it refuses "
+                "this client's messages (larger than its limits allow, e.g. a tensor over its max_tensor_bytes)")
+            for rid, p in pending:
+                del self._pending[rid]
+                p.handle._outstanding.discard(rid)
+                self._abandon(p)
+                p.handle._fail(error)
+            return
         log.warning("shard %s reconnected (restarted?): sending again the %d requests it has not answered",
                     self.servers[shard], len(pending))
         self.versions = {k: v for k, v in self.versions.items() if self._key_shard.get(k) != shard}
@@ -313,6 +325,7 @@ class ShardCalls:
         except ProtocolError as exc:
             ch.discard_rest()
             raise ProtocolError(f"shard {endpoint} sent a malformed reply: {exc}") from None
+        self._unanswered[shard] = 0
         pending = self._pending.get(reply.id)
         if pending is None or pending.shard != shard:
             ch.discard_rest()  # a late reply to a call that timed out, or one this shard was never asked
@@ -371,8 +384,7 @@ class ShardCalls:
             return
         ch.discard_rest()
         if isinstance(reply, wire.ErrorReply):
-            handle._fail(ServerError(f"shard {endpoint} refused {handle.op}: [{reply.code}] {reply.message}",
-                                     shard=endpoint, code=reply.code))
+            handle._fail(refusal(endpoint, handle.op, reply.code, reply.message))
         elif isinstance(reply, wire.AckReply):
             if len(reply.versions) != len(pending.chunks):
                 handle._fail(ProtocolError(f"shard {endpoint}: ack lists {len(reply.versions)} versions for "
@@ -435,3 +447,4 @@ class ShardCalls:
             self.versions[key] = max(self.versions.get(key, 0), version)
         if ch.more():
             raise ProtocolError("reply has more buffer frames than tensors")
+

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from psrt import dtypes, security, transport, wire
+from psrt import dtypes, exits, security, transport, wire
 from psrt.buffers import ReceivePool
 from psrt.calls import Handle, ShardCalls
 from psrt.config import ClientConfig, ClusterConfig
@@ -151,6 +151,7 @@ class Client(EmbeddingCalls):
         self._pushes = PushPlans(self._calls, self._lanes, rank, self._session, self._seq, self.config.compression,
                                  self._residuals)
         self._closed = False
+        exits.track(self)  # closed at interpreter exit if the program does not close it
 
     # ------------------------------------------------------------------ properties
     @property
@@ -365,28 +366,39 @@ class Client(EmbeddingCalls):
         self._barriers += 1
         self._link.barrier(f"barrier-{self._barriers}", self._start_timeout + 10.0 if timeout is None else timeout)
 
-    def close(self) -> None:
-        """Close the sockets (telling the scheduler this worker is done); replies in flight are discarded."""
+    def close(self, failure: Optional[str] = None) -> None:
+        """Close the sockets, telling the scheduler this worker is done; replies in flight are discarded.
+
+        Never raises; returns within seconds whatever the job's state. A client still open at interpreter exit
+        is closed then (:mod:`psrt.exits`). ``failure``: the program failed (one line saying how); the scheduler
+        is told so, and ends a fixed job at once, naming this worker (an elastic job goes on without it).
+        """
         if self._closed:
             return
         self._closed = True
-        self._lanes.close(timeout=0.5)  # the shards free this client's shared memory now
+        try:
+            self._lanes.close(timeout=0.5)  # the shards free this client's shared memory now
+        except PsrtError:
+            pass  # best effort: a shard that does not hear it drops the lanes when it needs the room
         self._calls.close()
         if self._link is not None:
+            if failure is not None and self._heartbeat is not None:
+                self._heartbeat.stop()  # first: the scheduler's word ends the others, and this process goes first
             try:
-                self._link.done()
+                self._link.done() if failure is None else self._link.failed(failure)
             except PsrtError:
                 pass  # the job is ending either way; the scheduler may already be gone
             if self._heartbeat is not None:
                 self._heartbeat.stop()  # after done: until then the scheduler still expects heartbeats
             self._link.close()
-        self._ctx.term()
+        if self._heartbeat is None or not self._heartbeat.alive:  # a heartbeat thread frozen by interpreter
+            self._ctx.term()  # shutdown holds its socket, and term() would wait for it forever
 
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        self.close(failure=exits.failure_of(exc))  # never raises: the user's exception stays the one reported
 
     def __del__(self) -> None:  # a forgotten close() must not leave a context behind
         try:

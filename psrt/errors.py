@@ -21,6 +21,7 @@ __all__ = [
     "PeerFailedError",
     "AuthenticationError",
     "RequestRefused",
+    "refusal",
 ]
 
 
@@ -125,3 +126,14 @@ class RequestRefused(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+def refusal(endpoint: str, op: str, code: str, message: str) -> PsrtError:
+    """The error a client raises for a shard's error reply (``code``, ``message``) to ``op``: a
+    :class:`ServerError` carrying the code, but where the code says something more precise."""
+    if code == "peer_finished":  # a sync round waits on a worker that finished: the job cannot go on
+        return PeerFailedError(f"shard {endpoint} cannot answer {op}: {message}",
+                               peer=message.split(" finished", 1)[0])
+    if code == "not_a_shard":  # the address the client was given is the scheduler's
+        return ConfigError(f"server endpoint {endpoint}: {message}")
+    return ServerError(f"shard {endpoint} refused {op}: [{code}] {message}", shard=endpoint, code=code)

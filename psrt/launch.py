@@ -130,43 +130,63 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
 
 def _supervise(sched: Child, servers: list[Child], workers: list[Child], procs: list[Child], out: IO[str],
                lock: threading.Lock, elastic: bool = False) -> int:
-    def report(p: Child, code: int) -> int:
+    def say(line: str) -> None:
         with lock:
-            out.write(f"psrt launch: {p.label} {describe_exit(code)}; stopping every process\n")
+            out.write(f"psrt launch: {line}\n")
+
+    def report(p: Child) -> int:
+        code = p.poll()
+        assert code is not None
+        say(f"{p.label} {describe_exit(code)}; stopping every process")
         return exit_status(code)
 
-    left: set[int] = set()  # elastic: workers that failed and left the job
+    left: list[Child] = []  # elastic: workers that failed and left the job, in the order seen
     while True:
-        for i, p in enumerate(procs):
+        for p in procs:
             code = p.poll()
-            if code is None or code == 0 or (elastic and p in workers and i in left):
+            if code is None or code == 0 or p in left:
                 continue
             if elastic and p in workers:
-                left.add(i)
-                with lock:
-                    out.write(f"psrt launch: {p.label} {describe_exit(code)}; it leaves the elastic job, which "
-                              "goes on\n")
+                left.append(p)
+                say(f"{p.label} {describe_exit(code)}; it leaves the elastic job, which goes on")
                 continue
-            return report(p, code)
+            return report(_culprit(p, procs, workers))
         if all(w.poll() is not None for w in workers) if elastic else all(w.poll() == 0 for w in workers):
             break
         # A daemon exits 0 only once the workers have said they are done, so a clean exit is not a failure.
         time.sleep(0.02)
     if left and len(left) == len(workers):  # nobody finished: the elastic job failed
-        first = procs[min(left)]
-        return report(first, first.poll() or 1)
+        return report(left[0])
     # Workers are done: the scheduler tells the servers to stop; give them a moment to exit on their own.
     deadline = time.monotonic() + 10.0
     for p in (sched, *servers):
         try:
             code = p.wait(max(0.0, deadline - time.monotonic()))
         except PsrtTimeoutError:
-            with lock:
-                out.write(f"psrt launch: {p.label} did not exit after the workers finished; stopping it\n")
+            say(f"{p.label} did not exit after the workers finished; stopping it")
             continue
         if code != 0:
-            return report(p, code)
+            return report(p)
+    if left:  # the policy: an elastic job that completed exits 0, and says who left it on the way
+        say("the elastic job completed; " + ", ".join(f"{p.label} ({describe_exit(p.poll() or 0)})" for p in left)
+            + " left it")
     return 0
+
+
+def _culprit(first: Child, procs: list[Child], workers: list[Child]) -> Child:
+    """The process whose failure ends the job. When a worker's program fails, the scheduler names it to everyone
+    and exits, and the others follow: so when a daemon is seen failing first, wait a moment (1 s at most) and
+    blame the first worker seen failing, whose exit code is the user's, rather than a daemon that relayed it."""
+    if first in workers:
+        return first
+    order = [first]
+    deadline = time.monotonic() + 1.0
+    while True:
+        order += [p for p in procs if p not in order and p.poll() not in (None, 0)]
+        if time.monotonic() > deadline or all(w.poll() is not None for w in workers):
+            break
+        time.sleep(0.02)
+    return next((p for p in order if p in workers), first)
 
 
 def run_role(command: Sequence[str], cluster: Optional[ClusterConfig] = None) -> int:

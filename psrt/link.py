@@ -103,15 +103,21 @@ class SchedulerLink:
         start = time.monotonic()
         deadline = start + timeout
         warn_at = start + self.warn_after if self.warn_after < timeout else None
+        forming: Optional[wire.Forming] = None  # the scheduler took a registration and the job is forming
         while True:
             self.check()
             now = time.monotonic()
             if warn_at is not None and now >= warn_at:
                 warn_at = None  # once per request: one line says it all
-                why = " (the job forms once every server and worker has registered)" if op == "register" else ""
-                log.warning("still waiting for the scheduler at %s to answer %s after %.0fs (timeout %gs)%s; "
-                            "is a psrt scheduler running there, and is it reachable from this host?",
-                            self.endpoint, op, now - start, timeout, why)
+                if forming is not None:
+                    log.warning("job forming: %d of %d servers and %d of %d workers registered with the scheduler "
+                                "at %s after %.0fs; waiting for the rest (start deadline %gs)", forming.servers,
+                                forming.num_servers, forming.workers, forming.num_workers, self.endpoint,
+                                now - start, timeout)
+                else:
+                    log.warning("still waiting for the scheduler at %s to answer %s after %.0fs (timeout %gs); "
+                                "is a psrt scheduler running there, and is it reachable from this host?",
+                                self.endpoint, op, now - start, timeout)
             remaining = deadline - now
             if remaining <= 0:
                 raise PsrtTimeoutError(f"the scheduler at {self.endpoint} did not answer {op} within {timeout:g}s")
@@ -124,6 +130,9 @@ class SchedulerLink:
                 raise _aborted(self.endpoint, reply)
             if reply.id != rid:
                 continue  # a stale reply to an earlier, timed-out request (or an unprompted notice)
+            if isinstance(reply, wire.Forming):
+                forming = reply  # answered: the table follows once everyone is in
+                continue
             if isinstance(reply, wire.ControlError):
                 raise ServerError(f"scheduler {self.endpoint}: [{reply.code}] {reply.message}",
                                   shard=self.endpoint, code=reply.code)
@@ -168,7 +177,13 @@ class SchedulerLink:
         """The scheduler's current view of the job (for monitoring; does not register)."""
         return self._expect(self._ask("table", wire.encode_table_query, timeout), wire.Table, "table")
 
-    def tick(self, on_members: Optional[Callable[[list[int]], None]] = None) -> bool:
+    def failed(self, message: str, timeout: float = 2.0) -> None:
+        """Tell the scheduler this worker's program raised (``message``: what, in one line)."""
+        self._expect(self._ask("failed", lambda rid: wire.encode_failed(rid, self.rank, message), timeout),
+                     wire.Ok, "failed")
+
+    def tick(self, on_members: Optional[Callable[[list[int]], None]] = None,
+             on_finished: Optional[Callable[[list[int]], None]] = None) -> bool:
         """A server's heartbeat, from its serving loop: send one when due and take in the scheduler's notices.
 
         Parameters
@@ -176,6 +191,8 @@ class SchedulerLink:
         on_members : callable, optional
             Called with the worker ranks of an elastic job whenever they change; the next heartbeat (sent at
             once) tells the scheduler this server has adopted them.
+        on_finished : callable, optional
+            Called with the ranks of a fixed job's workers that said ``done`` while others go on.
 
         Returns
         -------
@@ -201,6 +218,8 @@ class SchedulerLink:
                         on_members(notice.workers)
                     self.epoch = notice.epoch
                     self._next_beat = 0.0  # confirm at once: a joining worker waits for every server's word
+                if isinstance(notice, wire.Finished) and on_finished is not None:
+                    on_finished(notice.workers)
         except (ProtocolError, ConnectionLostError) as exc:
             log.warning("ignoring a control message: %s", exc)
         if self.role and now >= self._next_beat:
@@ -260,12 +279,19 @@ class Heartbeat:
     def check(self) -> None:
         """Raise the failure the heartbeat learned of, if any."""
         if self.failure is not None:
-            raise self.failure
+            # A fresh exception each time: raising one object again would add the later frames (close(), say) to
+            # the traceback of the one the user is already being shown.
+            raise PeerFailedError(str(self.failure), peer=self.failure.peer)
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the thread (and close its socket)."""
         self._stop.set()
         self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still runs (it did not stop in time)."""
+        return self._thread.is_alive()
 
     def _run(self) -> None:
         channel = transport.DealerChannel(self._ctx, self.endpoint, hwm=100, keys=self._keys,

@@ -71,6 +71,22 @@ class PullQueue:
             del self._by_key[key]
         return ready
 
+    def take(self, keys: Any) -> list[Waiter]:
+        """Remove and return every pull waiting on any of ``keys`` (from under all of its keys): pulls that can
+        no longer be answered, to be refused."""
+        taken: dict[int, Waiter] = {}
+        for key in keys:
+            for waiter in self._by_key.pop(key, ()):
+                taken[id(waiter)] = waiter
+        if taken:
+            for key in list(self._by_key):
+                still = [w for w in self._by_key[key] if id(w) not in taken]
+                if still:
+                    self._by_key[key] = still
+                else:
+                    del self._by_key[key]
+        return list(taken.values())
+
     def __bool__(self) -> bool:
         """True while any pull waits (cheaper than ``len``, which counts them)."""
         return bool(self._by_key)

@@ -44,7 +44,6 @@ def payload_of(chunks: list[Chunk], arrays: Mapping[str, np.ndarray], compress: 
     return entries, payload
 
 
-
 @dataclass
 class _ShardPush:
     """One shard's part of a push of a set of tensors."""

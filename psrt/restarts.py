@@ -10,8 +10,8 @@ server that does not know its rank gets the slot of its old endpoint, or the onl
 When the slot's endpoint changed, every worker is sent a ``moved`` notice through its heartbeat, and its client
 re-points that shard's socket and sends again what the dead server never answered (:mod:`psrt.calls`).
 
-Before the job forms, servers asking for a rank get it (:meth:`Restarts._in_shard_order`), so a whole job
-restarted from its checkpoints finds every shard in its old place.
+Before the job forms, servers asking for a rank get it (:meth:`psrt.formation.Formation.servers`), so a whole
+job restarted from its checkpoints finds every shard in its old place.
 """
 
 from __future__ import annotations
@@ -65,14 +65,6 @@ class Restarts:
         def _send(self, identity: bytes, frames: list[Any]) -> None: ...
         def _error(self, identity: bytes, rid: int, code: str, message: str) -> None: ...
         def _send_table(self, identity: bytes, rid: int, rank: int) -> None: ...
-
-    @staticmethod
-    def _in_shard_order(servers: list[Any]) -> list[Any]:
-        """The servers' registrations (each with a ``request``) in shard order: each that asked for a rank at it,
-        the others in arrival order."""
-        asked = {p.request.rank: p for p in servers if p.request.rank >= 0}
-        rest = iter([p for p in servers if p.request.rank < 0])
-        return [asked[i] if i in asked else next(rest) for i in range(len(servers))]
 
     def _claim(self, identity: bytes, req: wire.Register) -> None:
         """A server resuming from its checkpoint registers after the job formed: it waits for its slot."""

@@ -31,12 +31,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from psrt import security, transport, wire
+from psrt.barriers import Barriers
 from psrt.config import MODES
 from psrt.errors import ConfigError, ProtocolError
+from psrt.formation import Formation
 from psrt.link import SchedulerLink, Table
 from psrt.restarts import Member as _Member
 from psrt.restarts import Restarts
@@ -48,12 +50,6 @@ log = logging.getLogger("psrt.scheduler")
 Peer = tuple[str, int]  # (role, rank)
 
 
-@dataclass
-class _Barrier:
-    deadline: float
-    arrived: dict[int, tuple[bytes, int]] = field(default_factory=dict)
-
-
 @dataclass(frozen=True)
 class _Join:
     """A worker joining an elastic job: its table waits until every server has adopted ``epoch``."""
@@ -63,14 +59,6 @@ class _Join:
     rank: int
     epoch: int
     deadline: float
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """A registration waiting for the job to form."""
-
-    identity: bytes
-    request: wire.Register
 
 
 class Scheduler(Restarts):
@@ -137,11 +125,13 @@ class Scheduler(Restarts):
             raise
         self.endpoint = self._chan.endpoint
         self._stop = threading.Event()
-        self._pending: list[_Pending] = []  # registrations waiting for the table, in arrival order
+        self._forming = Formation(num_servers, num_workers, time.monotonic())  # registrations, until it forms
         self.servers: list[tuple[bytes, str]] = []  # (identity, endpoint) in shard order, once formed
         self.workers: dict[int, bytes] = {}  # rank -> identity, once formed
         self._formed = False
-        self._barriers: dict[str, _Barrier] = {}
+        self._barriers = Barriers(start_timeout)
+        #: News of a worker's end, held back a moment (see _hold).
+        self._news: list[tuple[float, Callable[[], None]]] = []
         self._done: set[int] = set()
         self._members: dict[Peer, _Member] = {}  # watched once the job forms
         self.exit_code: Optional[int] = None
@@ -162,9 +152,14 @@ class Scheduler(Restarts):
                             break
                         self._handle(*msg)
                 now = time.monotonic()
+                if not self._formed:
+                    self._report_forming(now)
                 if not self._formed and now > deadline:
                     self._fail_start()
-                self._expire_barriers(now)
+                for (ident, r), message in self._barriers.expire(now, set(self.workers)):
+                    self._error(ident, r, "barrier_timeout", message)
+                while self._news and self._news[0][0] <= now:
+                    self._news.pop(0)[1]()
                 self._watch(now)
                 if self._claims:
                     self._place_claims(now)
@@ -182,6 +177,12 @@ class Scheduler(Restarts):
         try:
             req = wire.decode_control_request(frames)
         except ProtocolError as exc:
+            data_rid = wire.data_request_id(frames, wire.CONTROL_LIMITS)
+            if data_rid is not None:  # a client was given this address as a shard's: say so, in its own protocol
+                self._send(identity, wire.encode_error(data_rid, "not_a_shard", (
+                    f"{self.endpoint} is a psrt scheduler, not a shard server: pass it as scheduler= (or "
+                    "PSRT_SCHEDULER), or list the endpoints of `psrt server` processes in servers=[...]")))
+                return
             rid = getattr(exc, "request_id", None)
             self._error(identity, rid if rid is not None else 0, "protocol", str(exc))
             return
@@ -193,6 +194,8 @@ class Scheduler(Restarts):
             self._register(identity, req)
         elif isinstance(req, wire.Barrier):
             self._barrier(identity, req)
+        elif isinstance(req, wire.Failed):
+            self._failed(identity, req)
         else:
             self._finish(identity, req)
 
@@ -212,49 +215,40 @@ class Scheduler(Restarts):
                                                         f"servers and {self.num_workers} workers; a new {role} "
                                                         "cannot join")
             return
-        limit = self.num_workers if role == "worker" else self.num_servers
-        if rank >= limit:
-            self._error(identity, req.id, "rank", f"{role} rank {rank} is out of range for {limit} {role}s")
+        refused = self._forming.add(identity, req)
+        if refused is not None:
+            self._error(identity, req.id, *refused)
             return
-        taken = {p.request.rank for p in self._pending if p.request.role == role and p.request.rank >= 0}
-        if rank >= 0 and rank in taken:
-            self._error(identity, req.id, "rank", f"{role} rank {rank} is already registered")
-            return
-        self._pending = [p for p in self._pending if p.identity != identity]  # a resend replaces the first
-        self._pending.append(_Pending(identity, req))
-        log.info("registered %s %s (%d/%d servers, %d/%d workers)", role, req.endpoint or req.host, *self._counts())
-        n_servers, _, n_workers, _ = self._counts()
-        if n_servers == self.num_servers and n_workers == self.num_workers:
+        log.info("registered %s %s (%d/%d servers, %d/%d workers)", role, req.endpoint or req.host,
+                 *self._forming.counts())
+        if self._forming.complete:
             self._form()
-        elif n_servers > self.num_servers or n_workers > self.num_workers:
-            self._pending.pop()
-            self._error(identity, req.id, "full", f"the job expects {self.num_servers} servers and "
-                                                  f"{self.num_workers} workers; this {role} is one too many")
+        else:  # taken at once: the process waits knowing the job is forming, not wondering whether anyone listens
+            self._send(identity, wire.encode_forming(req.id, *self._forming.counts()))
 
-    def _registered(self, role: str) -> list[_Pending]:
-        return [p for p in self._pending if p.request.role == role]
-
-    def _counts(self) -> tuple[int, int, int, int]:
-        return (len(self._registered("server")), self.num_servers, len(self._registered("worker")),
-                self.num_workers)
+    def _report_forming(self, now: float) -> None:
+        """While the job forms, tell every waiting process how far it got."""
+        if self._forming.report_due(now):
+            counts = self._forming.counts()
+            log.info("job forming: %d of %d servers and %d of %d workers registered", *counts)
+            for p in self._forming.pending:
+                self._send(p.identity, wire.encode_forming(p.request.id, *counts))
 
     def _form(self) -> None:
-        servers, workers = self._in_shard_order(self._registered("server")), self._registered("worker")
+        servers, workers = self._forming.servers(), self._forming.ranks()
         self.servers = [(p.identity, p.request.endpoint) for p in servers]
-        free = iter(sorted(set(range(self.num_workers)) - {p.request.rank for p in workers if p.request.rank >= 0}))
-        ranks = [p.request.rank if p.request.rank >= 0 else next(free) for p in workers]
-        self.workers = {rank: p.identity for rank, p in zip(ranks, workers)}
+        self.workers = {rank: p.identity for rank, p in workers}
         self._formed = True
         for index, p in enumerate(servers):
             self._send_table(p.identity, p.request.id, index)
-        for rank, p in zip(ranks, workers):
+        for rank, p in workers:
             self._send_table(p.identity, p.request.id, rank)
-        self._pending = []
+        self._forming.pending = []
         now = time.monotonic()
         for index, p in enumerate(servers):
             self._members[("server", index)] = _Member(p.identity, f"server {index} ({p.request.endpoint})", now,
                                                        p.request.restorable)
-        for rank, p in zip(ranks, workers):
+        for rank, p in workers:
             where = p.request.host or "host unknown"
             self._members[("worker", rank)] = _Member(p.identity, f"worker {rank} ({where})", now)
         log.info("job formed: %d servers, %d workers", self.num_servers, self.num_workers)
@@ -265,43 +259,23 @@ class Scheduler(Restarts):
                                                [ep for _, ep in self.servers], self.elastic, self.staleness))
 
     def _fail_start(self) -> None:
-        n_servers, _, n_workers, _ = self._counts()
-        have_w = sorted(p.request.rank for p in self._registered("worker"))
-        have_s = [p.request.endpoint for p in self._registered("server")]
-        message = (f"the job did not form within {self.start_timeout:g}s: missing "
-                   f"{self.num_servers - n_servers} of {self.num_servers} servers and "
-                   f"{self.num_workers - n_workers} of {self.num_workers} workers "
-                   f"(registered servers: {have_s or 'none'}; registered workers: {n_workers}"
-                   f"{' with requested ranks ' + str([r for r in have_w if r >= 0]) if have_w else ''})")
+        message = self._forming.missing(self.start_timeout)
         log.error(message)
-        for p in self._pending:
+        for p in self._forming.pending:
             self._error(p.identity, p.request.id, "start_timeout", message)
-        self._pending = []
+        self._forming.pending = []
         self.exit_code = 1
 
     def _barrier(self, identity: bytes, req: wire.Barrier) -> None:
         if not self._formed or req.rank not in self.workers:
             self._error(identity, req.id, "rank", f"barrier from rank {req.rank}, which is not a registered worker")
             return
-        b = self._barriers.setdefault(req.name, _Barrier(time.monotonic() + self.start_timeout))
-        b.arrived[req.rank] = (identity, req.id)
+        self._barriers.arrive(req.name, req.rank, (identity, req.id), time.monotonic())
         self._release_barriers()
 
     def _release_barriers(self) -> None:
-        for name, b in list(self._barriers.items()):
-            if set(self.workers) <= set(b.arrived):
-                for ident, r in b.arrived.values():
-                    self._send(ident, wire.encode_ok(r))
-                del self._barriers[name]
-
-    def _expire_barriers(self, now: float) -> None:
-        for name, b in list(self._barriers.items()):
-            if now > b.deadline:
-                missing = sorted(set(self.workers) - set(b.arrived))
-                message = f"barrier {name!r} timed out after {self.start_timeout:g}s waiting for worker ranks {missing}"
-                for ident, r in b.arrived.values():
-                    self._error(ident, r, "barrier_timeout", message)
-                del self._barriers[name]
+        for ident, r in self._barriers.release(set(self.workers)):
+            self._send(ident, wire.encode_ok(r))
 
     def _finish(self, identity: bytes, req: wire.Done) -> None:
         self._done.add(req.rank)
@@ -310,14 +284,43 @@ class Scheduler(Restarts):
         if self.elastic and req.rank in self.workers:
             self._leave([req.rank], "said done")
         if self._formed and self._done >= set(self.workers) and not self._joins:
-            for ident, _ in self.servers:
-                self._send(ident, wire.encode_shutdown())
+            self._tell_servers(wire.encode_shutdown())
             log.info("all %d workers done; servers told to shut down", self.num_workers)
             self.exit_code = 0
+        elif self._formed and not self.elastic and req.rank in self.workers:
+            # The others go on; a sync round that needs a finished worker can never complete: the servers say so.
+            finished = wire.encode_finished(sorted(self._done & set(self.workers)))
+            self._hold(lambda: self._tell_servers(finished))
+
+    def _tell_servers(self, frames: list[Any]) -> None:
+        for ident, _ in self.servers:
+            self._send(ident, frames)
+
+    def _hold(self, deliver: Callable[[], None]) -> None:
+        """Deliver the news of a worker's end in a second: by then its process is gone, so a launcher sees it end
+        before the others that the news ends, and reports its exit code, not theirs."""
+        self._news.append((time.monotonic() + 1.0, deliver))
+
+    def _failed(self, identity: bytes, req: wire.Failed) -> None:
+        """A worker's program raised: the job fails at once, naming it (an elastic job goes on without it)."""
+        self._send(identity, wire.encode_ok(req.id))
+        member = self._members.pop(("worker", req.rank), None)
+        if member is None or self.exit_code is not None:
+            return  # not a member (any more): nothing waits on it
+        if not self.elastic:
+            message = f"{member.name} failed: {req.message}; the job cannot go on"
+            self._hold(lambda: self._abort(message) if self.exit_code is None else None)
+            return
+        log.warning("%s failed (%s); it leaves the job", member.name, req.message)
+        self._leave([req.rank], "failed")
+        if not self.workers:
+            self._emptied_at = time.monotonic()
 
     # ------------------------------------------------------------------ liveness
     def _heartbeat(self, identity: bytes, req: wire.Heartbeat, frame: Any) -> None:
         member = self._members.get((req.role, req.rank))
+        if member is None and req.role == "worker" and req.rank in self._done:
+            return  # the last beat of a worker that said done, sent as it closed: nothing to answer
         if member is None:
             self._error(identity, req.id, "not_member", f"{req.role} {req.rank} is not a member of the job")
             return
@@ -366,10 +369,8 @@ class Scheduler(Restarts):
         log.error(message)
         for m in self._members.values():
             self._send(m.identity, wire.encode_abort("peer_failed", message))
-        for b in self._barriers.values():
-            for ident, r in b.arrived.values():
-                self._error(ident, r, "peer_failed", message)
-        self._barriers.clear()
+        for ident, r in self._barriers.clear():
+            self._error(ident, r, "peer_failed", message)
         self._refuse_claims(message)
         self.exit_code = 1
 

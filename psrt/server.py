@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from psrt import admission, checkpoint, compression, kernels, optim, security, tables, transport, wire
+from psrt.answers import ShardReplies
 from psrt.config import ServerConfig
 from psrt.counters import Counters, report
 from psrt.errors import ConfigError, ProtocolError, RequestRefused
@@ -89,6 +90,8 @@ class Server(Recovery):
         self.lanes = ShardLanes(self.endpoint, config.shm)  # shared memory for workers on this host
         self.store = Store(config.mode, config.num_workers)
         self.counters = Counters()
+        self.replies = ShardReplies(self._chan, self.lanes, self.counters)
+        self._reply, self._error = self.replies.reply, self.replies.error
         self._stop = threading.Event()
         self._pulls = PullQueue(lambda key: self.store.entries[key].version)
         # ssp: pulls waiting for the slowest worker's clock (per key) to come within the staleness bound.
@@ -126,7 +129,7 @@ class Server(Recovery):
                         break
             if self._ckpt.due_by_time():
                 self._checkpoint_quietly()
-            if control is not None and control.tick(self.set_members):
+            if control is not None and control.tick(self.set_members, self.set_finished):
                 log.info("the scheduler ended the job")
                 return
 
@@ -152,6 +155,35 @@ class Server(Recovery):
             self._drain_deferred()
         if completed:
             self._after_rounds()
+
+    def set_finished(self, workers: list[int]) -> None:
+        """Adopt the workers of a fixed job that said ``done`` while others go on.
+
+        A sync round that still needs one of them can never complete: what waits on it (pulls, push_pulls and
+        queued early pushes) is refused now, naming the worker, and so is every later push or pull that would
+        need it. In ssp mode they no longer bound the others' reads.
+        """
+        self.store.finished = frozenset(workers)
+        log.info("workers %s finished", sorted(self.store.finished))
+        stuck = {k: w for k, e in self.store.entries.items() if (w := self.store.missing_finished(e)) is not None}
+        for waiter in self._pulls.take(stuck):
+            self._error(waiter.identity, waiter.request_id, "peer_finished",
+                        _finished_message(stuck[next(k for k in waiter.keys if k in stuck)]))
+        for worker, queue in list(self._deferred.items()):
+            for identity, req, _, _ in queue:
+                self._error(identity, req.id, "peer_finished", _finished_message(min(self.store.finished)))
+            del self._deferred[worker]
+        self.tables.set_finished(_finished_message)
+        if self.config.mode == "ssp":
+            for key in list(self.store.entries):
+                self._wake(key)
+
+    def _refuse_if_finished(self, worker: Optional[int], entries: list[Entry]) -> None:
+        if self.store.finished:
+            for entry in entries:
+                missing = self.store.missing_finished(entry, worker)
+                if missing is not None:
+                    raise RequestError("peer_finished", _finished_message(missing))
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return after the message in hand."""
@@ -234,6 +266,8 @@ class Server(Recovery):
     def _push(self, identity: bytes, req: wire.PushRequest) -> None:
         lane = self.lanes.push_lane(req)  # over a lane: the gradients are read where the worker wrote them
         entries = admission.validate_push(self.store, req, self.config.nonfinite)
+        if not self.store.is_duplicate(req.worker, req.session, req.seq):
+            self._refuse_if_finished(req.worker, entries)
         if lane is not None:
             self.counters.shm_bytes_in += sum(m.nbytes for m in req.tensors)
         if self._deferred.get(req.worker) or not self.store.can_join(req.worker, entries):
@@ -252,7 +286,7 @@ class Server(Recovery):
         # A push_pull's lane areas stay untouched until its answer, which comes after its round: held, not copied.
         targets, completed = self.store.admit(req.worker, entries, grads, hold=lane is not None and req.pull)
         if self.config.mode == "ssp":
-            self.store.note_clock(req.worker, entries, req.clock)
+            self.store.tick_clocks(req.worker, entries)
         self.store.record(req.worker, req.session, req.seq)
         self.counters.pushes += 1
         self.counters.rounds += len(completed)
@@ -273,7 +307,7 @@ class Server(Recovery):
         # A worker pushing 16-bit gradients gets the parameters of its push_pull back in the same form.
         codec = next((m.encoding for m in req.tensors if m.encoding in compression.WIRE_NAMES), None)
         if self.config.mode == "ssp":
-            self._wait_for_clock(identity, req.id, keys, req.clock, codec, lane)
+            self._wait_for_clock(identity, req.id, keys, req.worker, codec, lane)
         else:
             self._wait_for(identity, req.id, dict(zip(keys, targets)), keys, codec, lane)
 
@@ -322,20 +356,23 @@ class Server(Recovery):
                 mine = self.store.targets(req.worker, [entry])[0] + sum(1 for _, r, _, _ in deferred
                                                                          if pk.key in r.keys())
             want[pk.key] = max(want.get(pk.key, 0), pk.min_version, mine)
+            if want[pk.key] > entry.version:
+                self._refuse_if_finished(None, [entry])
         lane = self.lanes.pull_lane(req, [self.store.entries[k].param for k in keys])
         self.counters.pulls += 1
         if self.config.mode == "ssp":
-            self._wait_for_clock(identity, req.id, keys, req.clock, lane=lane)
+            self._wait_for_clock(identity, req.id, keys, req.worker, lane=lane)
         else:
             self._wait_for(identity, req.id, want, keys, lane=lane)
 
     # ------------------------------------------------------------------ waiting pulls
-    def _wait_for_clock(self, identity: bytes, request_id: int, keys: list[Key], clock: int,
+    def _wait_for_clock(self, identity: bytes, request_id: int, keys: list[Key], worker: int,
                         codec: Optional[str] = None, lane: Optional[ShardLane] = None) -> None:
-        """ssp: answer once every worker's pushes to ``keys`` reach ``clock - staleness``."""
-        least = clock - self.config.staleness
-        if self._stale_pulls.add(Waiter(identity, request_id, keys, dict.fromkeys(keys, least), codec=codec,
-                                        lane=lane)):
+        """ssp: answer once, for each key, every worker has pushed it at least c - staleness times, where c is
+        how many times ``worker`` has (clocks are per key: any pattern of pushes keeps the bound)."""
+        entries, s = self.store.entries, self.config.staleness
+        least = {k: entries[k].clocks.get(worker, 0) - s for k in keys}
+        if self._stale_pulls.add(Waiter(identity, request_id, keys, least, codec=codec, lane=lane)):
             self._send_params(identity, request_id, keys, [self.store.entries[k] for k in keys], codec=codec,
                               lane=lane)
 
@@ -357,51 +394,7 @@ class Server(Recovery):
     def _send_params(self, identity: bytes, request_id: int, keys: list[Key], entries: list[Entry],
                      job: Optional[wire.JobInfo] = None, codec: Optional[str] = None,
                      lane: Optional[ShardLane] = None) -> None:
-        tensors = [wire.tensor_entry(k[0], k[1], e.param.dtype, (e.param.size,)) for k, e in zip(keys, entries)]
-        if lane is not None:  # the parameters go through shared memory, the header over the socket
-            segment, offsets = lane
-            # Rounds (sync, W > 1): a round's result stays put until every worker pushes again, so each worker
-            # copies it from the shard's own memory; otherwise (or for a key not there) it is written into the lane.
-            places = self.lanes.places(entries) if self.store.rounds else [[] for _ in entries]
-            written = [(o, e.param) for o, e, p in zip(offsets, entries, places) if not p]
-            self.lanes.write(segment, [o for o, _ in written], [a for _, a in written])
-            self.counters.shm_bytes_out += sum(e.param.nbytes for e in entries)
-            self._reply(identity, wire.encode_params(request_id, tensors, [e.version for e in entries], [], job,
-                                                     lane=segment.generation, places=places))
-            return
-        payload: list[Any] = [e.param for e in entries]
-        if codec is not None:
-            for i, e in enumerate(entries):
-                packed = e.packed_param(codec)  # None: float64, or out of fp16's range
-                if packed is not None:
-                    tensors[i][2], payload[i] = packed
-        frames = wire.encode_params(request_id, tensors, [e.version for e in entries], payload, job)
-        try:
-            trackers = self._chan.send(identity, frames, track=True)
-        except transport.SendDropped as exc:
-            self.counters.dropped_replies += 1
-            log.warning("reply to a worker dropped: %s", exc)
-            return
-        self.counters.bytes_out += sum(map(len, frames))
-        # One tracker per frame (None where the frame was copied); the parameters' frames follow the header.
-        # A 16-bit copy is the frame's own: only frames of the parameters themselves are tracked.
-        for entry, frame, tracker in zip(entries, payload, trackers[1:]):
-            if tracker is not None and frame is entry.param:
-                entry.trackers.append(tracker)
-
-    def _reply(self, identity: bytes, frames: list[Any]) -> None:
-        try:
-            self._chan.send(identity, frames)
-        except transport.SendDropped as exc:
-            self.counters.dropped_replies += 1
-            log.warning("reply to a worker dropped: %s", exc)
-            return
-        self.counters.bytes_out += len(frames[0])
-
-    def _error(self, identity: bytes, request_id: int, code: str, message: str) -> None:
-        self.counters.errors += 1
-        log.info("error reply (%s): %s", code, message)
-        self._reply(identity, wire.encode_error(request_id, code, message))
+        self.replies.params(identity, request_id, keys, entries, self.store.rounds, job, codec, lane)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
@@ -410,3 +403,9 @@ class Server(Recovery):
                       num_workers=self.config.num_workers, queued_pulls=len(self._pulls) + len(self._stale_pulls),
                       deferred_pushes=sum(len(q) for q in self._deferred.values()), lanes=self.lanes.count,
                       **self.tables.stats())
+
+
+def _finished_message(worker: int) -> str:
+    return (f"worker {worker} finished (said done) while this sync round still needs its push: in a sync job "
+            "every worker pushes every round, so it can never complete; let every worker run the same number of "
+            "steps, or start the job with --elastic so that workers may finish early")

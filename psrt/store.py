@@ -136,6 +136,8 @@ class Store:
         self.mode, self.num_workers = "sync", 1
         #: Elastic jobs: the current member ranks (None: a fixed job of ranks 0..W-1).
         self.members: Optional[frozenset[int]] = None
+        #: A fixed job's workers that said ``done`` while others go on (the scheduler's ``finished`` notice).
+        self.finished: frozenset[int] = frozenset()
         self.set_job(mode, num_workers)
 
     def set_job(self, mode: str, num_workers: int) -> None:
@@ -161,6 +163,12 @@ class Store:
         A round in progress completes once every member it was waiting for has pushed: a worker that left is no
         longer waited for, and the round's step averages over the workers that did push.
         """
+        joined = frozenset(workers) - (self.members if self.members is not None else frozenset())
+        if joined and self.mode == "ssp":
+            for entry in self.entries.values():  # a joining worker starts at the slowest clock, not at 0
+                slowest = self.slowest_clock(entry)
+                for w in joined:
+                    entry.clocks[w] = max(entry.clocks.get(w, 0), slowest)
         self.members = frozenset(workers)
         completed = []
         for key, entry in self.entries.items():
@@ -219,16 +227,34 @@ class Store:
                 completed.append(i)
         return targets, completed
 
-    def note_clock(self, worker: int, entries: list[Entry], clock: int) -> None:
-        """``ssp``: the push that brought ``worker`` to ``clock`` is applied to these keys."""
+    @staticmethod
+    def tick_clocks(worker: int, entries: list[Entry]) -> None:
+        """``ssp``: one more push of ``worker`` to these keys is applied. Clocks are per key (so per tensor): a
+        worker's clock for a key counts its pushes of it, whatever else each push carried."""
         for e in entries:
-            if clock > e.clocks.get(worker, 0):
-                e.clocks[worker] = clock
+            e.clocks[worker] = e.clocks.get(worker, 0) + 1
 
     def slowest_clock(self, entry: Entry) -> int:
         """``ssp``: the least clock of the job's workers (or members) as far as this key has seen their pushes."""
+        return min((entry.clocks.get(w, 0) for w in self.clocked_workers()), default=0)
+
+    def clocked_workers(self) -> Any:
+        """``ssp``: the workers whose clocks bound a read: the members, less those that finished (their pushes
+        are all in, so waiting for them would wait forever)."""
         workers = self.members if self.members is not None else range(self.num_workers)
-        return min((entry.clocks.get(w, 0) for w in workers), default=0)
+        return [w for w in workers if w not in self.finished] if self.finished else workers
+
+    def missing_finished(self, entry: Any, worker: Optional[int] = None) -> Optional[int]:
+        """Sync rounds: a finished worker that the round a push of ``worker`` would join (or, with ``worker``
+        None, the round in progress) still needs; None when there is none. Such a round can never complete.
+        ``entry``: anything whose ``contributors`` are its round's (an :class:`Entry`, a table's round)."""
+        if not self.finished or not self.rounds:
+            return None
+        if worker is not None and worker in entry.contributors:
+            return min(self.finished)  # it would join the next round, which every finished worker misses
+        if worker is None and not entry.contributors:
+            return None  # no round in progress
+        return next((w for w in sorted(self.finished) if w not in entry.contributors), None)
 
     def targets(self, worker: int, entries: list[Entry]) -> list[int]:
         """Per key, the version that includes everything ``worker`` has pushed so far (for a replayed push)."""

@@ -95,6 +95,8 @@ class TableService:
         #: ``ssp``: how many pushes a worker may run ahead of the slowest (set with the job's mode).
         self.staleness = 0
         self._clocks: dict[str, dict[int, int]] = {}  # ssp: per table, each worker's latest applied clock
+        #: Says why a sync round needing a finished worker is refused (set by :meth:`set_finished`).
+        self.finished_message: Callable[[int], str] = str
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, identity: bytes, req: RowRequest) -> None:
@@ -171,6 +173,11 @@ class TableService:
         self._check_rows(table, req, req.grads, "gradient")
         self._check_ids(table, req.ids)
         key = (req.table, req.worker)
+        log = self.logs.get(key)
+        if self.store.finished and not (log is not None and log.session == req.session and req.seq <= log.last_seq):
+            missing = self.store.missing_finished(table.round, req.worker)
+            if missing is not None:
+                raise Refused("peer_finished", self.finished_message(missing))
         if self._deferred.get(key) or (self.store.rounds and req.worker in table.round.contributors):
             self._deferred.setdefault(key, deque()).append((identity, req))  # a round ahead: wait for it
             return
@@ -245,6 +252,26 @@ class TableService:
             elif self.store.mode == "ssp":
                 self._completed(name, table)  # the slowest worker may have been the one that left
 
+    def set_finished(self, message: Callable[[int], str]) -> None:
+        """A fixed job's workers finished (``store.finished``): refuse the pulls and queued pushes of sync rounds
+        that still need one of them (``message(worker)`` says why), now and from now on."""
+        self.finished_message = message
+        finished = self.store.finished
+        if not self.store.rounds:
+            if self.store.mode == "ssp":
+                for name, table in self.tables.items():
+                    self._completed(name, table)  # they no longer bound the others' reads
+            return
+        for name, table in self.tables.items():
+            missing = self.store.missing_finished(table.round)
+            if missing is None:
+                continue
+            for identity, req in self._waiting.pop(name, []):
+                self._error(identity, req.id, "peer_finished", message(missing))
+        for key in [k for k in self._deferred if k[0] in self.tables]:
+            for identity, req in self._deferred.pop(key):
+                self._error(identity, req.id, "peer_finished", message(min(finished)))
+
     # ------------------------------------------------------------------ pull
     def _pull(self, identity: bytes, req: wire.PullRowsRequest) -> None:
         table = self._table(req.table)
@@ -254,6 +281,10 @@ class TableService:
         if req.min_version > reachable:
             raise Refused("version", f"pull of table {req.table!r} asks for version {req.min_version} but it is "
                                      f"at {table.version}; no push of this worker will produce it")
+        if req.min_version > table.version and self.store.finished:
+            missing = self.store.missing_finished(table.round)
+            if missing is not None:
+                raise Refused("peer_finished", self.finished_message(missing))
         self.pulls += 1
         if self._ready(req.table, table, req):
             self._answer(identity, table, req)
@@ -266,8 +297,7 @@ class TableService:
         if self.store.mode != "ssp":
             return req.min_version <= table.version
         clocks = self._clocks.get(name, {})
-        workers = self.store.members if self.store.members is not None else range(self.store.num_workers)
-        return min((clocks.get(w, 0) for w in workers), default=0) >= req.clock - self.staleness
+        return min((clocks.get(w, 0) for w in self.store.clocked_workers()), default=0) >= req.clock - self.staleness
 
     def _answer(self, identity: bytes, table: RowTable, req: wire.PullRowsRequest) -> None:
         if not table.room_for(len(req.ids)):

@@ -9,22 +9,27 @@
     for x, y in loader:
         opt.zero_grad()
         loss_fn(model(x), y).backward()   # each gradient is pushed as soon as backward has produced it
-        opt.step()                        # hands the last gradients off; the new parameters land in the model
+        opt.step()                        # returns when the model holds the new parameters
 
 What overlaps with what (``overlap=True``, the default):
 
 - **Pushes with backward.** A post-accumulate-grad hook on every trainable parameter pushes its gradient the
   moment backward has finished it, from the gradient's own memory (no copy), while backward goes on with the
   earlier layers. Pushes leave in the order backward produces them.
-- **Pulls with the rest of the step.** As soon as a shard acknowledges a push, the pull of that parameter is
+- **Pulls with the rest of backward.** As soon as a shard acknowledges a push, the pull of that parameter is
   asked for; the shard answers it when the parameter's round is complete (sync) or at once (async), and the
   bytes are received straight into the parameter's storage (``param.data``: no new tensors, so ``state_dict``
-  and anything holding the parameter keep working).
-- **The next forward with the pulls still in flight.** :meth:`DistributedOptimizer.step` does not wait for the
-  pulls; a forward pre-hook on each module waits only for that module's own parameters. The first layers' pushes
-  are sent first when several are queued (a priority queue in forward order, with at most ``window`` bytes
-  handed to the sockets at a time), so the first layers' parameters tend to come back first, and the forward
-  starts while the last layers' parameters are still on their way.
+  and anything holding the parameter keep working). When several gradients are queued, the first layers' are
+  sent first (a priority queue in forward order, with at most ``window`` bytes handed to the sockets at a time).
+- :meth:`DistributedOptimizer.step` then waits for the pulls still in flight: when it returns, every parameter
+  holds its new value, wherever it is read (``state_dict()``, ``p.data``, a checkpoint, evaluation code).
+
+``overlap_forward=True`` goes one stage further: ``step()`` returns once the last gradients are queued, and a
+forward pre-hook on each module waits only for that module's own parameters, so the next forward starts on the
+first layers while the last layers' parameters are still on their way. The price is a rule: after ``step()``, a
+parameter is certain to hold its new value only from the forward pre-hook of the module that owns it on, or after
+:meth:`DistributedOptimizer.synchronize`; anything that reads it before (``state_dict()``, ``p.data``, saving,
+tied weights used through another module) must call ``synchronize()`` first.
 
 The client is single-threaded: the work is driven from the hooks, ``step``, the forward pre-hooks and
 :meth:`DistributedOptimizer.synchronize`, all on the training thread; ZeroMQ's I/O thread moves the bytes in
@@ -122,8 +127,13 @@ class DistributedOptimizer:
         Gradient accumulation: gradients are pushed on the last of this many backward passes, as accumulated in
         ``.grad`` by torch (their sum: divide the loss by this number for the mean).
     overlap : bool
-        Push from the backward hooks and let the next forward start before every pull is in (see the module
-        docstring); False: push everything at :meth:`step` and wait for all of it.
+        Push from the backward hooks, and ask for each pull as soon as its push is acknowledged (see the module
+        docstring); False: push everything at :meth:`step` and wait for all of it. Either way, :meth:`step`
+        returns with the new parameters in the model.
+    overlap_forward : bool
+        Let the next forward start before every pull is in: :meth:`step` returns once the last gradients are
+        queued, and each module's forward waits for its own parameters. Read parameters outside a forward only
+        after :meth:`synchronize` (see Notes). Needs ``overlap=True``.
     window : int
         At most this many gradient bytes handed to the sockets at a time (at least one tensor); the rest wait in
         a queue that sends the first layers first.
@@ -135,21 +145,26 @@ class DistributedOptimizer:
     A trainable parameter that got no gradient in a step (``.grad`` is None: an unused branch) is pushed as
     zeros, so that every worker pushes every parameter every step and sync rounds complete; unlike
     torch.optim, which skips it, the shard's optimizer then still applies momentum and weight decay to it.
-    Parameters used in a forward outside the module that owns them (e.g. tied weights read through another
-    module) are not covered by the forward pre-hooks: call :meth:`synchronize` after :meth:`step`, or use
-    ``overlap=False``. Read the parameters outside a forward (``state_dict``, evaluation code that does not go
-    through the model's modules) after :meth:`synchronize`.
+    With ``overlap_forward=True``, after :meth:`step` a parameter holds its new value from the forward pre-hook
+    of the module that owns it on, or after :meth:`synchronize`; before that, a read (``state_dict()``,
+    ``p.data``, saving, evaluation code that does not call the modules, tied weights used through another
+    module) may see the previous step's values, the new ones, or some of each: call :meth:`synchronize` first.
+    :meth:`close` drops the pulls in flight.
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.Tensor]], optimizer: Optional[Optimizer] = None,
                  client: Optional[Client] = None, *, backward_passes_per_step: int = 1, overlap: bool = True,
-                 window: int = 4 << 20, timeout: Optional[float] = None) -> None:
+                 overlap_forward: bool = False, window: int = 4 << 20, timeout: Optional[float] = None) -> None:
         self._closed = True
         self._hooks: list[Any] = []
         if type(backward_passes_per_step) is not int or backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
         if type(window) is not int or window < 1:
             raise ConfigError(f"window must be a positive number of bytes, got {window!r}")
+        if overlap_forward and not overlap:
+            raise ConfigError("overlap_forward=True lets the next forward wait for the pulls that overlap=True "
+                              "starts from the backward hooks; with overlap=False there are none: pass "
+                              "overlap=True, or leave overlap_forward out")
         items = list(named_parameters)
         if not items:
             raise ConfigError("no parameters: pass model.named_parameters()")
@@ -168,6 +183,7 @@ class DistributedOptimizer:
             seen.add(id(p))
         self._k = backward_passes_per_step
         self._overlap = overlap
+        self._overlap_forward = overlap_forward
         self._window = window
         self._timeout = timeout
         self._own_client = client is None
@@ -192,7 +208,7 @@ class DistributedOptimizer:
         for s in self._trainable:
             self._hooks.append(s.param.register_post_accumulate_grad_hook(
                 lambda p, s=s: self._on_grad(s)))
-        if overlap:
+        if overlap_forward:
             # A global hook: the model itself is not passed in, only its parameters; it returns at once when no
             # pull is in flight, and otherwise looks only at the module's own parameters.
             self._hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward))
@@ -220,11 +236,12 @@ class DistributedOptimizer:
                     s.param.grad.zero_()
 
     def step(self) -> None:
-        """Push what backward has not pushed yet; the parameters are updated in place.
+        """Push what backward has not pushed yet and wait for the new parameters, which land in place.
 
-        With ``overlap=True`` this returns once the last gradients are queued: the next forward waits, module by
-        module, for the parameters it uses (call :meth:`synchronize` to wait for all of them). A parameter that
-        got no gradient is pushed as zeros (see Notes of the class).
+        When this returns, every trainable parameter holds its new value. With ``overlap_forward=True`` it
+        returns once the last gradients are queued instead: the next forward waits, module by module, for the
+        parameters it uses (call :meth:`synchronize` to wait for all of them). A parameter that got no gradient
+        is pushed as zeros (see Notes of the class).
         """
         self._check_open()
         if not self._overlap:
@@ -241,6 +258,9 @@ class DistributedOptimizer:
             s.passes = 0
         self._epoch += 1
         self._pump()
+        if not self._overlap_forward:
+            for s in self._trainable:  # the pulls asked for during backward have been landing all along
+                self._wait_for(s)
 
     def synchronize(self) -> None:
         """Wait until every push and pull of the last step is done: the model holds the new parameters."""

@@ -191,6 +191,9 @@ def test_launch_elastic_rides_through_a_dying_worker():
                           env={**os.environ, "DIE_AT": "2:20", "PSRT_TIMEOUT": "30"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "worker 2 was killed by signal 9" in proc.stdout and "leaves the elastic job" in proc.stdout, proc.stdout
+    # The policy: an elastic job that completed exits 0, and its last line names who left it on the way.
+    assert proc.stdout.strip().splitlines()[-1] == ("psrt launch: the elastic job completed; worker 2 (was killed "
+                                                    "by signal 9 (SIGKILL)) left it"), proc.stdout
     finished = [json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines()
                 if line.startswith("[worker") and "{" in line]
     assert sorted(r["rank"] for r in finished) == [0, 1], finished

@@ -199,7 +199,7 @@ def test_the_scheduler_refuses_an_unkeyed_registration(who, job_keys, other_keys
             link.close()
             ctx.term()
         time.sleep(0.2)
-        assert sched._pending == [] and not sched._formed  # the registration never arrived
+        assert sched._forming.pending == [] and not sched._formed  # the registration never arrived
         # The job's keys still get in.
         ctx = psrt.transport.new_context()
         good = SchedulerLink(ctx, sched.endpoint, keys=job_keys)

@@ -40,8 +40,8 @@ def test_a_fast_worker_runs_at_most_staleness_pushes_ahead(shards, staleness, wh
         assert fast["after"][i] >= slow["before"][i - staleness], (i, staleness)
     # Every push applied exactly once, on arrival (scale 1): the slow worker, last to finish, pulls
     # w = -(16 x 1 + 16 x 2) exactly; the fast one's last pull may miss at most `staleness` slow pushes.
-    assert slow["w"] == [-3.0 * steps] * 8
-    assert -3.0 * steps <= fast["w"][0] <= -3.0 * steps + 2.0 * staleness
+    assert slow["w"]["a"] == [-3.0 * steps] * 8
+    assert -3.0 * steps <= fast["w"]["a"][0] <= -3.0 * steps + 2.0 * staleness
     ahead = sum(fast["after"][i] < slow["before"][i] for i in range(steps))
     if staleness == 0:
         assert ahead == 0  # lockstep: never a step ahead
@@ -49,17 +49,44 @@ def test_a_fast_worker_runs_at_most_staleness_pushes_ahead(shards, staleness, wh
         assert ahead >= steps // 2, ahead  # not sync: the fast worker finishes most steps before the slow one starts
 
 
+@pytest.mark.parametrize("pattern", ["apart", "backward", "subset", "async"])
+def test_the_bound_holds_and_nothing_hangs_whatever_the_push_pattern(shards, pattern):
+    # Clocks are per tensor: a worker that pushes its tensors in separate calls (as psrt.torch does) is not
+    # counted k times per step, so it neither waits for pushes nobody makes nor runs further ahead than s.
+    staleness, steps = 1, 8
+    fast, slow = run_pair(shards, staleness, steps=steps, what=pattern)
+    for i in range(staleness, steps):
+        assert fast["after"][i] >= slow["before"][i - staleness], (pattern, i)
+    pushes_b = (steps + 1) // 2 if pattern == "subset" else steps
+    assert slow["w"] == {"a": [-3.0 * steps] * 8, "b": [-3.0 * pushes_b] * 8}  # each push applied once
+
+
+def test_one_worker_pushing_tensors_apart_with_no_staleness_does_not_wait_on_itself(shards):
+    group = shards(1, workers=1, mode="ssp", extra=("--staleness", "0"))
+    out = subprocess.run([sys.executable, WORKER, group.endpoints[0], "0", "1", "5", "0", "apart"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["w"] == {"a": [-5.0] * 8, "b": [-5.0] * 8}
+
+
 def test_the_slowest_clock_counts_every_worker_and_only_members():
     s = Store("ssp", 3)
     e = s.create(("w", 0), np.zeros(2), psrt.SGD())
-    s.note_clock(0, [e], 5)
-    s.note_clock(1, [e], 4)
+    for worker, pushes in ((0, 5), (1, 4)):
+        for _ in range(pushes):
+            s.tick_clocks(worker, [e])
     assert s.slowest_clock(e) == 0  # worker 2 has not pushed
-    s.note_clock(2, [e], 3)
-    s.note_clock(2, [e], 2)  # a clock never goes back
+    for _ in range(3):
+        s.tick_clocks(2, [e])
     assert s.slowest_clock(e) == 3
     s.set_members(frozenset({0, 1}))  # worker 2 left an elastic job: nobody waits for it
     assert s.slowest_clock(e) == 4
+    s.set_members(frozenset({0, 1, 3}))  # a worker joins at the slowest clock, not at 0
+    assert e.clocks[3] == 4 and s.slowest_clock(e) == 4
+    s.finished = frozenset({1})  # a finished worker's pushes are all in: it no longer bounds the others
+    assert s.slowest_clock(e) == 4
+    s.tick_clocks(3, [e])
+    assert s.slowest_clock(e) == 5
 
 
 def test_staleness_must_be_a_whole_number():

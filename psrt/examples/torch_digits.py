@@ -3,7 +3,7 @@
 Each worker process trains on its own slice of the training set with an ordinary PyTorch loop; the
 :class:`psrt.torch.DistributedOptimizer` pushes each gradient from a backward hook as soon as it is ready, the
 shard servers average the workers' gradients (sync) or apply each as it comes (async) with SGD and momentum,
-and the new parameters land in the model's own tensors while the next forward starts. Rank 0 prints progress
+and the new parameters land in the model's own tensors before ``step()`` returns. Rank 0 prints progress
 and the final test accuracy.
 
 Run a whole job on this machine::
@@ -82,13 +82,12 @@ def train_worker(epochs: int = 10, lr: float = 0.05, batch: int = 32, seed: int 
             opt.zero_grad()
             loss = loss_fn(model(x_train[idx]), y_train[idx])
             loss.backward()  # each gradient is pushed as soon as it is ready
-            opt.step()  # the new parameters land in the model; the next forward waits only for the ones it needs
+            opt.step()  # returns when the model holds the new parameters
             losses.append(loss.item())
         if verbose and rank == 0:
             print(f"epoch {epoch:3d}/{epochs}  loss {np.mean(losses):.4f}  test accuracy {accuracy():.4f}",
                   flush=True)
     elapsed = time.perf_counter() - start
-    opt.synchronize()
     opt.client.barrier()  # everyone is done with the shards: read the final parameters
     final = accuracy()
     if verbose and rank == 0:

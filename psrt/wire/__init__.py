@@ -44,19 +44,22 @@ Control plane (:mod:`psrt.wire.control`), one header frame each, no buffers:
 ==============  =======================================================  =====================================
 request         fields                                                   reply
 ==============  =======================================================  =====================================
-``register``    ``role`` (server, worker), ``endpoint, host, rank,        ``table`` once the job forms
-                restorable, restore``
+``register``    ``role`` (server, worker), ``endpoint, host, rank,        ``forming`` at once (and when the
+                restorable, restore``                                    counts move), ``table`` once the job
+                                                                         forms
 ``barrier``     ``rank, name``                                           ``ok`` once every worker arrived
 ``done``        ``rank``                                                 ``ok``
+``failed``      ``rank, message``: the worker's program raised            ``ok``
 ``table``       (none)                                                   ``table`` (rank -1)
 ``heartbeat``   ``role, rank, pid, epoch``: every heartbeat interval      ``ok``
 ==============  =======================================================  =====================================
 
-Replies: ``table {rank, num_servers, num_workers, mode, servers, elastic}``, ``ok {}``, ``error {code,
-message}``; and, unprompted (id 0): ``shutdown {}`` to the servers when every worker is done, ``abort {code,
-message}`` to every process when the job fails (the message names the dead peer), and, in an elastic job,
-``members {epoch, workers}`` to the servers whenever the workers change; ``moved {shard, endpoint}`` to the
-workers when a shard restarted from its checkpoint on another endpoint.
+Replies: ``table {rank, num_servers, num_workers, mode, servers, elastic}``, ``forming {servers, num_servers,
+workers, num_workers}``, ``ok {}``, ``error {code, message}``; and, unprompted (id 0): ``shutdown {}`` to the
+servers when every worker is done, ``abort {code, message}`` to every process when the job fails (the message
+names the dead peer), and, in an elastic job, ``members {epoch, workers}`` to the servers whenever the workers
+change; in a fixed job, ``finished {workers}`` to the servers when workers said ``done`` while others go on;
+``moved {shard, endpoint}`` to the workers when a shard restarted from its checkpoint on another endpoint.
 """
 
 from psrt.wire.codec import (
@@ -78,6 +81,9 @@ from psrt.wire.control import (
     ControlReply,
     ControlRequest,
     Done,
+    Failed,
+    Finished,
+    Forming,
     Heartbeat,
     Members,
     Moved,
@@ -92,6 +98,9 @@ from psrt.wire.control import (
     encode_barrier,
     encode_control_error,
     encode_done,
+    encode_failed,
+    encode_finished,
+    encode_forming,
     encode_heartbeat,
     encode_members,
     encode_moved,
@@ -109,6 +118,7 @@ from psrt.wire.data import (
     PushRequest,
     Request,
     StatsRequest,
+    data_request_id,
     decode_request,
     encode_checkpoint_request,
     encode_init,
@@ -165,13 +175,14 @@ __all__ = [
     "tensor_entry", "unpack_header",
     "InitRequest", "PushRequest", "PullKey", "PullRequest", "StatsRequest", "CheckpointRequest", "Request",
     "JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "SavedReply", "Reply",
-    "decode_request", "decode_reply", "encode_init", "encode_push", "encode_push_after", "push_prefix",
-    "encode_pull", "encode_stats_request",
+    "decode_request", "decode_reply", "data_request_id", "encode_init", "encode_push", "encode_push_after",
+    "push_prefix", "encode_pull", "encode_stats_request",
     "encode_checkpoint_request", "encode_params", "encode_ack", "encode_stats", "encode_error", "encode_saved",
-    "CONTROL_LIMITS", "Register", "Barrier", "Done", "TableQuery", "ControlRequest", "Table", "Ok",
-    "ControlError", "Shutdown", "Abort", "Heartbeat", "Members", "ControlReply", "decode_control_request",
-    "decode_control_reply",
-    "encode_register", "encode_barrier", "encode_done", "encode_table_query", "encode_table", "encode_ok",
+    "CONTROL_LIMITS", "Register", "Barrier", "Done", "Failed", "TableQuery", "ControlRequest", "Table", "Ok",
+    "ControlError", "Shutdown", "Abort", "Heartbeat", "Members", "Finished", "Forming", "ControlReply",
+    "decode_control_request", "decode_control_reply",
+    "encode_register", "encode_barrier", "encode_done", "encode_failed", "encode_finished",
+    "encode_forming", "encode_table_query", "encode_table", "encode_ok",
     "IDS_DTYPE", "InitTableRequest", "PushRowsRequest", "PullRowsRequest", "RowsReply", "encode_init_table",
     "encode_push_rows", "encode_pull_rows", "encode_rows",
     "LaneRef", "LaneProbeRequest", "LaneOpenRequest", "BeaconReply", "LaneReply", "encode_lane_probe",

@@ -19,6 +19,7 @@ __all__ = [
     "Register",
     "Barrier",
     "Done",
+    "Failed",
     "TableQuery",
     "Heartbeat",
     "ControlRequest",
@@ -29,12 +30,15 @@ __all__ = [
     "Abort",
     "Members",
     "Moved",
+    "Finished",
+    "Forming",
     "ControlReply",
     "decode_control_request",
     "decode_control_reply",
     "encode_register",
     "encode_barrier",
     "encode_done",
+    "encode_failed",
     "encode_table_query",
     "encode_heartbeat",
     "encode_table",
@@ -44,6 +48,8 @@ __all__ = [
     "encode_abort",
     "encode_members",
     "encode_moved",
+    "encode_finished",
+    "encode_forming",
 ]
 
 #: Control messages are small: tighter limits than the data plane's.
@@ -54,11 +60,13 @@ ROLES = ("server", "worker")
 
 _MAX_ENDPOINT = 1024
 _MAX_BARRIER_NAME = 256
+_MAX_MESSAGE = 1 << 12
 
 _REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "register": frozenset({"v", "op", "id", "role", "endpoint", "host", "rank", "restorable", "restore"}),
     "barrier": frozenset({"v", "op", "id", "rank", "name"}),
     "done": frozenset({"v", "op", "id", "rank"}),
+    "failed": frozenset({"v", "op", "id", "rank", "message"}),
     "table": frozenset({"v", "op", "id"}),
     "heartbeat": frozenset({"v", "op", "id", "role", "rank", "pid", "epoch"}),
 }
@@ -71,6 +79,8 @@ _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "abort": frozenset({"v", "op", "id", "code", "message"}),
     "members": frozenset({"v", "op", "id", "epoch", "workers"}),
     "moved": frozenset({"v", "op", "id", "shard", "endpoint"}),
+    "finished": frozenset({"v", "op", "id", "workers"}),
+    "forming": frozenset({"v", "op", "id", "servers", "num_servers", "workers", "num_workers"}),
 }
 
 
@@ -114,6 +124,16 @@ class Done:
 
 
 @dataclass(frozen=True)
+class Failed:
+    """``failed``: worker ``rank``'s program raised; ``message`` says what (its exception, in one line)."""
+
+    id: int
+    rank: int
+    message: str
+    op: ClassVar[str] = "failed"
+
+
+@dataclass(frozen=True)
 class TableQuery:
     """``table``: the scheduler's current view of the job (monitoring; does not register)."""
 
@@ -136,7 +156,7 @@ class Heartbeat:
     op: ClassVar[str] = "heartbeat"
 
 
-ControlRequest = Union[Register, Barrier, Done, TableQuery, Heartbeat]
+ControlRequest = Union[Register, Barrier, Done, Failed, TableQuery, Heartbeat]
 
 
 def _rank(h: dict[str, Any]) -> int:
@@ -178,6 +198,8 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
             return Barrier(rid, _rank(h), string(h, "name", _MAX_BARRIER_NAME))
         if op == "done":
             return Done(rid, _rank(h))
+        if op == "failed":
+            return Failed(rid, _rank(h), string(h, "message", _MAX_MESSAGE))
         if op == "heartbeat":
             return Heartbeat(rid, string(h, "role", allowed=ROLES), _rank(h), uint(h, "pid", 1 << 32),
                              uint(h, "epoch"))
@@ -202,6 +224,11 @@ def encode_barrier(rid: int, rank: int, name: str) -> list[Any]:
 def encode_done(rid: int, rank: int) -> list[Any]:
     """Frames of a ``done`` request."""
     return encode({"op": "done", "id": rid, "rank": rank})
+
+
+def encode_failed(rid: int, rank: int, message: str) -> list[Any]:
+    """Frames of a ``failed`` request (the message cut to what the decoder takes)."""
+    return encode({"op": "failed", "id": rid, "rank": rank, "message": message[:_MAX_MESSAGE]})
 
 
 def encode_table_query(rid: int) -> list[Any]:
@@ -294,7 +321,32 @@ class Moved:
     op: ClassVar[str] = "moved"
 
 
-ControlReply = Union[Table, Ok, ControlError, Shutdown, Abort, Members, Moved]
+@dataclass(frozen=True)
+class Finished:
+    """``finished``: sent unprompted to the servers of a fixed (not elastic) job when workers said ``done``
+    while others go on; ``workers`` lists every finished rank. A sync round that still needs one of them can
+    never complete, so the servers refuse it at once, naming the worker."""
+
+    id: int
+    workers: list[int]
+    op: ClassVar[str] = "finished"
+
+
+@dataclass(frozen=True)
+class Forming:
+    """``forming``: a registration was received and the job is still forming: how many servers and workers of
+    how many have registered. Sent at once to each registration (its id), then again to every waiting process
+    (same id) when the counts move; the ``table`` follows once the job forms."""
+
+    id: int
+    servers: int
+    num_servers: int
+    workers: int
+    num_workers: int
+    op: ClassVar[str] = "forming"
+
+
+ControlReply = Union[Table, Ok, ControlError, Shutdown, Abort, Members, Moved, Finished, Forming]
 
 
 def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIMITS) -> ControlReply:
@@ -320,16 +372,20 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
             raise ProtocolError("table: 'elastic' must be true or false")
         return Table(rid, _rank(h), uint(h, "num_servers", lo=1), uint(h, "num_workers"),
                      string(h, "mode", allowed=MODES), list(servers), h["elastic"], uint(h, "staleness", 1 << 31))
-    if op == "members":
+    if op in ("members", "finished"):
         workers = h["workers"]
         if type(workers) is not list or any(type(r) is not int or not 0 <= r <= MAX_U63 for r in workers):
-            raise ProtocolError("members: 'workers' must be a list of ranks")
+            raise ProtocolError(f"{op}: 'workers' must be a list of ranks")
+        if op == "finished":
+            return Finished(rid, list(workers))
         return Members(rid, uint(h, "epoch"), list(workers))
     if op == "moved":
         endpoint = string(h, "endpoint", _MAX_ENDPOINT)
         if "://" not in endpoint:
             raise ProtocolError(f"moved: 'endpoint' must be an endpoint like tcp://HOST:PORT, got {endpoint!r}")
         return Moved(rid, uint(h, "shard", 1 << 31), endpoint)
+    if op == "forming":
+        return Forming(rid, uint(h, "servers"), uint(h, "num_servers"), uint(h, "workers"), uint(h, "num_workers"))
     if op == "error":
         return ControlError(rid, string(h, "code", 64), string(h, "message", 1 << 16))
     if op == "abort":
@@ -352,6 +408,17 @@ def encode_members(epoch: int, workers: list[int]) -> list[Any]:
 def encode_moved(shard: int, endpoint: str) -> list[Any]:
     """Frames of the ``moved`` notice (id 0)."""
     return encode({"op": "moved", "id": 0, "shard": shard, "endpoint": endpoint})
+
+
+def encode_finished(workers: list[int]) -> list[Any]:
+    """Frames of the ``finished`` notice (id 0)."""
+    return encode({"op": "finished", "id": 0, "workers": workers})
+
+
+def encode_forming(rid: int, servers: int, num_servers: int, workers: int, num_workers: int) -> list[Any]:
+    """Frames of a ``forming`` reply."""
+    return encode({"op": "forming", "id": rid, "servers": servers, "num_servers": num_servers, "workers": workers,
+                   "num_workers": num_workers})
 
 
 def encode_ok(rid: int) -> list[Any]:

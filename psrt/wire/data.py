@@ -43,6 +43,7 @@ from psrt.wire.rows import (
 )
 
 __all__ = [
+    "data_request_id",
     "InitRequest", "PushRequest", "PullKey", "PullRequest", "StatsRequest", "CheckpointRequest", "Request",
     "decode_request", "encode_init", "encode_push", "push_prefix", "encode_push_after", "encode_pull",
     "encode_stats_request", "encode_checkpoint_request",
@@ -322,3 +323,20 @@ def encode_stats_request(rid: int) -> list[Any]:
 def encode_checkpoint_request(rid: int) -> list[Any]:
     """Frames of a ``checkpoint`` request."""
     return encode({"op": "checkpoint", "id": rid})
+
+
+def data_request_id(frames: Sequence[Any], limits: WireLimits) -> Optional[int]:
+    """The id of a message meant for a shard (its header names a data-plane op), or None.
+
+    Lets a process that serves no tensors (the scheduler) answer such a message with an error saying what it is,
+    instead of dropping it and leaving the sender to time out.
+    """
+    try:
+        h = unpack_header(frames[0], limits) if frames else None
+    except ProtocolError:
+        return None
+    op, rid = (h.get("op"), h.get("id")) if h is not None else (None, None)
+    if type(op) is str and (op in _REQUEST_FIELDS or op in _ROW_OPS or op in lanes.REQUEST_FIELDS) \
+            and type(rid) is int and 0 <= rid <= MAX_U63:
+        return rid
+    return None

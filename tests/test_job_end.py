@@ -1,0 +1,208 @@
+"""How a job ends: a training script that raises (or exits, or just returns) ends its process and the job promptly
+with its code; a worker that finishes early in a sync job is named to the others; nothing psrt starts keeps a
+process alive.
+
+Real jobs on loopback: a ``psrt scheduler``, a ``psrt server`` and worker processes (``_crash_worker.py``), or
+``psrt launch``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+import psrt
+from psrt import wire
+from psrt.link import SchedulerLink
+from psrt.process import SCHEDULER_READY, Child, stop_children
+from psrt.scheduler import Scheduler
+
+PSRT = [sys.executable, "-m", "psrt.cli"]
+WORKER = str(Path(__file__).with_name("_crash_worker.py"))
+
+
+class Job:
+    """A scheduler, one server and W crash workers started by hand, as a multi-host job would be."""
+
+    def __init__(self, workers: int, how: str, mode: str = "sync", extra_env: dict[str, str] | None = None,
+                 steps: int = 1000) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PSRT_TIMEOUT": "60", **(extra_env or {})}
+        self.children: list[Child] = []
+        self.scheduler = self._start([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "1",
+                                      "--workers", str(workers), "--mode", mode, "--timeout", "60"], env)
+        endpoint = self.scheduler.wait_ready(30).group(1)
+        env["PSRT_SCHEDULER"] = endpoint
+        self.server = self._start([*PSRT, "server", "--scheduler", endpoint], env)
+        self.workers = [self._start([sys.executable, WORKER, str(steps)], {**env, "PSRT_WORKER_ID": str(r),
+                                                                          "HOW": how}) for r in range(workers)]
+
+    def _start(self, cmd: list[str], env: dict[str, str]) -> Child:
+        ready = SCHEDULER_READY if "scheduler" in cmd else None
+        self.children.append(Child(cmd, env=env, **({"ready": ready} if ready else {})))
+        return self.children[-1]
+
+    def close(self) -> None:
+        stop_children(self.children, grace=0.0)
+
+
+@pytest.fixture
+def job():
+    jobs: list[Job] = []
+
+    def start(*args, **kw) -> Job:
+        jobs.append(Job(*args, **kw))
+        return jobs[-1]
+
+    yield start
+    for j in jobs:
+        j.close()
+
+
+def _waited(child: Child, timeout: float) -> tuple[int, float]:
+    start = time.monotonic()
+    code = child.wait(timeout)
+    return code, time.monotonic() - start
+
+
+@pytest.mark.parametrize("what", ["raise", "raise-with", "exit-7"])
+def test_a_script_that_fails_ends_its_process_and_the_job_promptly(job, what):
+    # Worker 1 fails after 3 steps: with its client left open (raise, exit-7) or inside `with psrt.Client()`.
+    j = job(2, f"1:3:{what}")
+    code, took = _waited(j.workers[1], 30)
+    assert code == (7 if what == "exit-7" else 1), j.workers[1].output
+    if what.startswith("raise"):
+        assert "RuntimeError: user bug in the training script" in j.workers[1].output
+    # The other worker, waiting for a round worker 1 never pushes, is told at once, naming it; so is everyone.
+    code0, took0 = _waited(j.workers[0], 10)
+    assert code0 != 0 and "PeerFailedError" in j.workers[0].output and "worker 1" in j.workers[0].output, \
+        j.workers[0].output
+    assert j.scheduler.wait(10) != 0 and j.server.wait(10) != 0
+    print(f"{what}: worker 1 exited {took:.2f}s after the start, worker 0 {took0:.2f}s after it")
+    assert took0 < 5.0
+    # The user's traceback starts at the user's line, not in psrt's close().
+    assert "in close" not in j.workers[0].output and "in __exit__" not in j.workers[0].output, j.workers[0].output
+
+
+def test_a_script_that_returns_without_closing_its_client_exits_and_says_done(job):
+    j = job(1, "0:5:return")
+    code, took = _waited(j.workers[0], 20)
+    assert code == 0, j.workers[0].output
+    assert took < 10.0
+    assert j.scheduler.wait(10) == 0 and j.server.wait(10) == 0  # its client said done: the job ended cleanly
+
+
+@pytest.mark.parametrize("tensors", ["dense", "rows"])
+def test_a_worker_that_finishes_early_in_a_sync_job_is_named_to_the_others(job, tensors):
+    j = job(2, "1:4:finish", extra_env={"MODE_TENSORS": tensors})
+    assert j.workers[1].wait(20) == 0
+    finished_at = time.monotonic()
+    code, _ = _waited(j.workers[0], 20)
+    took = time.monotonic() - finished_at
+    out = j.workers[0].output
+    assert code != 0 and "PeerFailedError" in out and "worker 1 finished" in out and "--elastic" in out, out
+    print(f"{tensors}: the early finish named to worker 0 after {took:.2f}s")
+    assert took < 5.0
+    assert "ShardTimeoutError" not in out
+
+
+def test_in_ssp_a_finished_worker_does_not_hold_the_others_back(job):
+    j = job(2, "1:4:finish", mode="ssp", steps=40)
+    assert j.workers[1].wait(20) == 0
+    assert j.workers[0].wait(60) == 0, j.workers[0].output
+    assert "done 40" in j.workers[0].output
+
+
+@pytest.mark.parametrize(("what", "code"), [("raise", 1), ("exit-3", 3)])
+def test_launch_exits_with_the_failing_workers_code(what, code):
+    start = time.monotonic()
+    proc = subprocess.run([*PSRT, "launch", "-s", "1", "-w", "2", "--", sys.executable, WORKER, "1000"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "HOW": f"1:3:{what}"})
+    took = time.monotonic() - start
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert f"psrt launch: worker 1 exited with code {code}" in proc.stdout, proc.stdout
+    print(f"psrt launch returned {code} {took:.2f}s after it started")
+    assert took < 20.0
+
+
+def test_a_normal_job_end_logs_no_dropped_control_message():
+    proc = subprocess.run([*PSRT, "launch", "-s", "2", "-w", "3", "--", sys.executable, WORKER, "20"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("done 20") == 3
+    assert "departed peer" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- the scheduler's words
+@contextmanager
+def scheduling(servers: int, workers: int, start_timeout: float = 30.0) -> Iterator[Scheduler]:
+    sched = Scheduler("tcp://127.0.0.1:*", servers, workers, start_timeout=start_timeout)
+    thread = threading.Thread(target=sched.serve, daemon=True)
+    thread.start()
+    try:
+        yield sched
+    finally:
+        sched.stop()
+        thread.join(10)
+
+
+def test_a_registration_is_taken_at_once_and_the_wait_says_the_job_is_forming(caplog):
+    with scheduling(1, 2, start_timeout=3.0) as sched:
+        ctx = psrt.transport.new_context()
+        link = SchedulerLink(ctx, sched.endpoint, warn_after=0.5)
+        try:
+            with caplog.at_level(logging.WARNING, logger="psrt.scheduler"):
+                with pytest.raises(psrt.ServerError, match="did not form"):
+                    link.register("worker", timeout=10.0)
+        finally:
+            link.close()
+            ctx.term()
+    assert "job forming: 0 of 1 servers and 1 of 2 workers registered" in caplog.text, caplog.text
+    assert "is a psrt scheduler running there" not in caplog.text  # it is, and it answered
+
+
+def test_the_last_heartbeat_of_a_worker_that_said_done_gets_no_answer():
+    with scheduling(1, 2) as sched:
+        ctx = psrt.transport.new_context()
+        links = [SchedulerLink(ctx, sched.endpoint) for _ in range(3)]
+        try:
+            roles = [("server", "tcp://127.0.0.1:1"), ("worker", ""), ("worker", "")]
+            threads = [threading.Thread(target=link.register, args=(role, ep)) for link, (role, ep) in
+                       zip(links, roles)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+            worker = links[1]
+            worker.done()
+            # As a closing client's heartbeat thread may still send one: nobody listens there any more.
+            worker.channel.send(wire.encode_heartbeat(0, "worker", worker.rank, os.getpid()), 1.0)
+            assert not worker.channel.poll(0.5)
+        finally:
+            for link in links:
+                link.close()
+            ctx.term()
+
+
+def test_a_client_given_the_schedulers_address_as_a_shard_is_told_at_once():
+    with scheduling(1, 1) as sched:
+        with psrt.Client(servers=[sched.endpoint]) as client:
+            start = time.monotonic()
+            with pytest.raises(psrt.ConfigError, match="is a psrt scheduler, not a shard server"):
+                client.init({"w": np.zeros(4, np.float32)})
+            assert time.monotonic() - start < 5.0
+            # A message over the control plane's frame limit is dropped with the connection, not answered:
+            # the client stops resending after a few reconnections instead of waiting its whole timeout.
+            start = time.monotonic()
+            with pytest.raises(psrt.ConnectionLostError, match="not a psrt shard"):
+                client.init({"big": np.zeros(1 << 20, np.float32)})
+            assert time.monotonic() - start < 20.0
