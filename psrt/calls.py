@@ -113,11 +113,15 @@ class ShardCalls:
         Timeouts, high-water marks, decode limits and keys.
     check : callable, optional
         Called while waiting; raises to end every wait at once (the job failed: :meth:`psrt.link.Heartbeat.check`).
+    moves : dict, optional
+        Shards that restarted on another endpoint, filled by another thread (:attr:`psrt.link.Heartbeat.moves`):
+        every wait takes them in, re-points the shard's socket and sends again what it never answered.
     """
 
     def __init__(self, context: Any, servers: Sequence[str], config: ClientConfig,
-                 check: Optional[Callable[[], None]] = None) -> None:
+                 check: Optional[Callable[[], None]] = None, moves: Optional[dict[int, str]] = None) -> None:
         self._check = check
+        self._moves = moves
         self.servers = list(servers)
         self.config = config
         keys = security.load_keys(config.keys)
@@ -258,6 +262,8 @@ class ShardCalls:
     def progress(self, handle: Handle, timeout: float) -> None:
         """Take in the replies that arrive within ``timeout`` seconds, whichever handle each answers (those queued
         behind the last one ``handle`` waits for stay queued for the next call)."""
+        if self._moves:
+            self._follow_moves()
         for index in self._poller.wait(timeout):
             ch = self.channels[index]
             # The poll says a reply is there. Take every reply already queued on this socket, whichever handle it
@@ -270,6 +276,19 @@ class ShardCalls:
                 if self._connections[shard]:
                     self._ride_through(shard)
                 self._connections[shard] = ch.connections
+
+    def _follow_moves(self) -> None:
+        """Shards that came back on another endpoint: connect there; the new handshake rides through as any."""
+        while self._moves:
+            shard, endpoint = self._moves.popitem()
+            if shard >= len(self.channels) or endpoint == self.servers[shard]:
+                continue
+            log.warning("shard %d moved from %s to %s (restarted from its checkpoint): reconnecting", shard,
+                        self.servers[shard], endpoint)
+            self.channels[shard].repoint(endpoint)
+            self.servers[shard] = endpoint
+            if not self._connections[shard]:
+                self._connections[shard] = -1  # never connected before: its first handshake must ride through too
 
     def _ride_through(self, shard: int) -> None:
         """A shard came back (restarted, maybe from a checkpoint): send again what it never answered.

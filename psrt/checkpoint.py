@@ -10,6 +10,13 @@ the other, and a trailer of ``TRAILER_MAGIC``, the length of everything before i
 written to a temporary name in the same directory, flushed and ``fsync``-ed, renamed over its final name with
 ``os.replace``, and the directory is ``fsync``-ed; a loader accepts a file only when magic, length and checksum
 agree, so a crash mid-write leaves at worst a temporary file that no loader reads.
+
+A checkpoint belongs to the shard's rank (its place in the job's shard order, hence its keys), not to its address:
+files are named ``rank-R-TIME-vVERSION.psrtckpt``, so a shard restarted on another endpoint finds its own. One
+directory may hold the checkpoints of several shards; while a shard runs it holds a lock on its rank's files
+(:mod:`psrt.recovery`), so two live shards never write the same rank. Files an older psrt named after the
+shard's endpoint (``shard-ENDPOINT-...``) are still read when they are the directory's only shard, and removed
+once their state is in a file of the rank.
 """
 
 from __future__ import annotations
@@ -28,12 +35,12 @@ import msgpack
 import numpy as np
 
 from psrt import dtypes, optim
-from psrt.config import ServerConfig
 from psrt.embedding import RowTable
 from psrt.errors import ConfigError, PsrtError
 from psrt.store import Entry, Store, WorkerLog
 
-__all__ = ["save", "load_latest", "file_prefix", "Checkpointer", "CheckpointError", "Restored", "TableState"]
+__all__ = ["save", "load_latest", "file_prefix", "endpoint_prefix", "rank_of", "holdings", "choose",
+           "files_of", "CheckpointError", "Restored", "TableState", "KEEP"]
 
 #: Embedding tables as :meth:`psrt.tables.TableService.state` gives them: (record, arrays) per table, and the
 #: per-table worker sequence numbers.
@@ -66,9 +73,74 @@ class CheckpointError(PsrtError, OSError):
     """A checkpoint could not be written, or a checkpoint directory is unusable."""
 
 
-def file_prefix(endpoint: str) -> str:
-    """The file-name prefix of a shard's checkpoints: its endpoint, made safe for a file name."""
+def file_prefix(rank: int) -> str:
+    """The file-name prefix of the checkpoints of the shard of rank ``rank``."""
+    return f"rank-{rank}"
+
+
+def endpoint_prefix(endpoint: str) -> str:
+    """The prefix older psrt versions named a shard's checkpoints with: its endpoint, made safe for a file name."""
     return "shard-" + re.sub(r"[^A-Za-z0-9.]+", "_", endpoint).strip("_")
+
+
+_FILE = re.compile(r"(.+)-\d{20}-v\d+" + re.escape(_SUFFIX) + "$")
+_RANK = re.compile(r"rank-(\d+)$")
+
+
+def rank_of(prefix: str) -> Optional[int]:
+    """The rank a file-name prefix names (None: an older psrt's, named after an endpoint)."""
+    m = _RANK.match(prefix)
+    return int(m.group(1)) if m else None
+
+
+def holdings(directory: Path) -> dict[str, int]:
+    """The shards whose checkpoints ``directory`` holds: file-name prefix -> number of files (none is read).
+
+    Raises
+    ------
+    ConfigError
+        When ``directory`` exists but is not a directory.
+    """
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"checkpoint directory {directory} is not a directory")
+    held: dict[str, int] = {}
+    for p in directory.glob(f"*{_SUFFIX}") if directory.exists() else ():
+        if (m := _FILE.match(p.name)) and not p.name.startswith("."):
+            held[m.group(1)] = held.get(m.group(1), 0) + 1
+    return held
+
+
+def _describe(held: dict[str, int]) -> str:
+    ranks = sorted(r for r in map(rank_of, held) if r is not None)
+    names = [f"rank {r}" for r in ranks]
+    names += [f"{p} (an older psrt's, named after its endpoint)" for p in sorted(held) if rank_of(p) is None]
+    return "checkpoints of " + ", ".join(names)
+
+
+def choose(directory: Path, rank: Optional[int]) -> Optional[str]:
+    """The prefix of the checkpoints a shard of rank ``rank`` (None: not known) restores from ``directory``.
+
+    Its own rank's, else the directory's only shard (when ``rank`` is None, or that shard's files are named after
+    an endpoint, from an older psrt); None when the directory holds no checkpoint at all (a first run).
+
+    Raises
+    ------
+    ConfigError
+        When the directory holds checkpoints, but none this shard can take as its own: it names what it holds.
+    """
+    held = holdings(directory)
+    if not held:
+        return None
+    if rank is not None and file_prefix(rank) in held:
+        return file_prefix(rank)
+    if len(held) == 1:
+        (only,) = held
+        if rank is None or rank_of(only) is None:
+            return only
+    if rank is None:
+        raise ConfigError(f"--restore: {directory} holds {_describe(held)}; say which this shard is with --rank R")
+    raise ConfigError(f"--restore: {directory} holds no checkpoint of rank {rank} but {_describe(held)}; give the "
+                      "rank of one of those with --rank R, or an empty --checkpoint-dir to start this shard fresh")
 
 
 def _arrays_of(store: Store) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
@@ -154,13 +226,13 @@ def save(store: Store, directory: Path, prefix: str, meta: dict[str, Any],
             os.close(dir_fd)
     except OSError as exc:
         raise CheckpointError(f"cannot write a checkpoint in {directory}: {exc}") from None
-    for old in _complete_files(directory, prefix)[:-KEEP]:
+    for old in files_of(directory, prefix)[:-KEEP]:
         old.unlink(missing_ok=True)
     return final
 
 
-def _complete_files(directory: Path, prefix: str) -> list[Path]:
-    """This shard's checkpoint files, oldest first (by the time in their names)."""
+def files_of(directory: Path, prefix: str) -> list[Path]:
+    """The checkpoint files of the shard ``prefix``, oldest first (by the time in their names)."""
     pattern = re.compile(re.escape(prefix) + r"-(\d{20})-v\d+" + re.escape(_SUFFIX) + "$")
     found = [(m.group(1), p) for p in directory.glob(f"{prefix}-*{_SUFFIX}") if (m := pattern.match(p.name))]
     return [p for _, p in sorted(found)]
@@ -235,7 +307,7 @@ def load_latest(directory: Path, prefix: str) -> Optional[Restored]:
         raise ConfigError(f"checkpoint directory {directory} is not a directory")
     if not directory.exists():
         return None
-    for path in reversed(_complete_files(directory, prefix)):
+    for path in reversed(files_of(directory, prefix)):
         try:
             data = path.read_bytes()
         except OSError as exc:
@@ -250,76 +322,3 @@ def load_latest(directory: Path, prefix: str) -> Optional[Restored]:
                 problem = f"unreadable ({exc})"
         log.warning("skipping checkpoint %s: %s", path, problem)
     return None
-
-
-class Checkpointer:
-    """When a shard writes its checkpoints, and where; and its restore at start.
-
-    Parameters
-    ----------
-    config : ServerConfig
-        ``checkpoint_dir``, ``checkpoint_every``, ``checkpoint_secs`` and the mode.
-    endpoint : str
-        The shard's endpoint, which names its files (a restarted shard binds the same one).
-    """
-
-    def __init__(self, config: ServerConfig, endpoint: str) -> None:
-        self.directory = Path(config.checkpoint_dir) if config.checkpoint_dir else None
-        self.prefix = file_prefix(endpoint)
-        self.every, self.secs, self.mode = config.checkpoint_every, config.checkpoint_secs, config.mode
-        self._next = self.every  # sync: the version every key must reach for the next checkpoint
-        self._pushes = 0  # async: pushes at the last checkpoint
-        self._time = time.monotonic()
-        self._dirty = False
-
-    @property
-    def enabled(self) -> bool:
-        """Whether the shard has a checkpoint directory."""
-        return self.directory is not None
-
-    def restore(self) -> Optional[Restored]:
-        """The newest complete checkpoint of this shard, or None (said in the log: the shard starts fresh)."""
-        assert self.directory is not None
-        found = load_latest(self.directory, self.prefix)
-        if found is None:
-            log.warning("no checkpoint of this shard (%s*) in %s: starting fresh", self.prefix, self.directory)
-            return None
-        store, path = found.store, found.path
-        versions = [e.version for e in store.entries.values()]
-        self.mode = store.mode
-        if self.every:
-            self._next = (min(versions, default=0) // self.every + 1) * self.every
-        log.warning("restored %d keys (versions %d..%d) and %d tables from %s", len(versions),
-                    min(versions, default=0), max(versions, default=0), len(found.tables), path)
-        return found
-
-    def save(self, store: Store, pushes: int, tables: Optional[TableState] = None) -> Path:
-        """Write a checkpoint now (:func:`save`)."""
-        assert self.directory is not None
-        started = time.monotonic()
-        path = save(store, self.directory, self.prefix, {"prefix": self.prefix}, tables)
-        self._time, self._pushes, self._dirty = time.monotonic(), pushes, False
-        log.info("checkpoint %s written in %.3fs", path, time.monotonic() - started)
-        return path
-
-    def due_after_rounds(self, store: Store, pushes: int) -> bool:
-        """After rounds completed: whether they reach the next multiple of ``every`` (sync) or ``every`` more
-        pushes were applied (async)."""
-        self._dirty = True
-        if not self.every or self.directory is None:
-            return False
-        if self.mode == "async":
-            return pushes - self._pushes >= self.every
-        if min((e.version for e in store.entries.values()), default=0) < self._next:
-            return False
-        self._next += self.every
-        return True
-
-    def due_by_time(self) -> bool:
-        """Whether ``secs`` have passed since the last checkpoint and something changed."""
-        if not self.secs or not self._dirty or self.directory is None:
-            return False
-        if time.monotonic() - self._time < self.secs:
-            return False
-        self._time = time.monotonic()  # a failed write is retried one period later, not on every poll
-        return True

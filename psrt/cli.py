@@ -38,7 +38,7 @@ def _server(args: argparse.Namespace) -> int:
                       mode=args.mode, nonfinite=args.nonfinite, metrics_port=args.metrics_port,
                       metrics_host=args.metrics_host, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, checkpoint_secs=args.checkpoint_secs,
-                      restore=args.restore, keys=args.keys, staleness=args.staleness)
+                      restore=args.restore, rank=args.rank, keys=args.keys, staleness=args.staleness)
 
 
 def _scheduler(args: argparse.Namespace) -> int:
@@ -214,7 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint-secs", type=float, default=0.0, metavar="T",
                    help="a checkpoint every T seconds while the parameters change")
     s.add_argument("--restore", action="store_true",
-                   help="start from the newest complete checkpoint in --checkpoint-dir (none: start fresh)")
+                   help="start from the newest complete checkpoint of this shard in --checkpoint-dir: its rank's, "
+                        "or the directory's only shard (no checkpoint at all: start fresh)")
+    s.add_argument("--rank", type=_nonnegative, default=None, metavar="R",
+                   help="this shard's rank (its place in the workers' list of servers), which names its "
+                        "checkpoints; with --scheduler, the slot to take (default: the scheduler's choice, or the "
+                        "restored checkpoint's, or 0)")
     s.add_argument("--keys", default=defaults.keys, metavar="DIR",
                    help="the job's key directory (psrt keygen): CURVE on every socket, only the job's client key "
                         "accepted (default: $PSRT_KEYS; empty: off)")

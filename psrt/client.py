@@ -128,13 +128,14 @@ class Client(EmbeddingCalls):
             raise ConfigError(f"num_workers must be a positive integer, got {num_workers!r}")
         if type(rank) is not int or not 0 <= rank < num_workers:
             raise ConfigError(f"rank must be an integer in [0, num_workers={num_workers}), got {rank!r}")
-        self.servers = list(servers)
         self._rank = rank
         self._num_workers = num_workers
         if self._ctx is None:
             self._ctx = transport.new_context()
-        self._calls = ShardCalls(self._ctx, self.servers, self.config,
-                                 check=self._heartbeat.check if self._heartbeat is not None else None)
+        hb = self._heartbeat
+        self._calls = ShardCalls(self._ctx, servers, self.config, check=hb.check if hb is not None else None,
+                                 moves=hb.moves if hb is not None else None)
+        self.servers = self._calls.servers  # one list: a shard that restarted elsewhere is named where it is now
         self._map = PartitionMap(len(self.servers), self.config.partition_bytes)
         # A fresh session per client: a restarted worker's sequence numbers are not mistaken for replays.
         self._session = secrets.randbits(63)

@@ -164,7 +164,11 @@ class ServerConfig:
         Write a checkpoint when this many seconds have passed since the last one and something changed; 0: not
         by time.
     restore : bool
-        Start from the newest complete checkpoint in ``checkpoint_dir`` (none there: start fresh and say so).
+        Start from the newest complete checkpoint of this shard's rank in ``checkpoint_dir`` (no checkpoint at
+        all there: start fresh and say so; only other shards' checkpoints: an error naming them).
+    rank : int or None
+        The shard's rank, its place in the job's shard order, which names its checkpoint files; under a
+        scheduler, the slot it asks for. None: the scheduler's choice, or by hand the restored checkpoint's, or 0.
     keys : str or os.PathLike, optional
         The job's key directory (:mod:`psrt.security`): CURVE on every socket, and only the job's client key
         is accepted. Default: ``PSRT_KEYS``; None or empty: no security.
@@ -185,6 +189,7 @@ class ServerConfig:
     checkpoint_every: int = 0
     checkpoint_secs: float = 0.0
     restore: bool = False
+    rank: Optional[int] = None
     keys: Optional[str | os.PathLike] = field(default_factory=_env_keys)
     shm: bool = field(default_factory=_env_shm)
 
@@ -199,6 +204,8 @@ class ServerConfig:
             raise ConfigError("--checkpoint-every, --checkpoint-secs and --restore need --checkpoint-dir DIR")
         if not isinstance(self.bind, str) or "://" not in self.bind:
             raise ConfigError(f"bind must be a ZeroMQ endpoint such as tcp://127.0.0.1:5701, got {self.bind!r}")
+        if self.rank is not None and (type(self.rank) is not int or self.rank < 0):
+            raise ConfigError(f"rank must be a whole number >= 0, got {self.rank!r}")
         _positive("num_workers", self.num_workers)
         if type(self.staleness) is not int or self.staleness < 0:
             raise ConfigError(f"staleness must be a whole number of pushes >= 0, got {self.staleness!r}")

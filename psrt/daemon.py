@@ -49,7 +49,7 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
                metrics_port: Optional[int] = None, metrics_host: str = "127.0.0.1",
                checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0, checkpoint_secs: float = 0.0,
                restore: bool = False, keys: Optional[str] = None, staleness: Optional[int] = None,
-               out: IO[str] = sys.stdout) -> int:
+               rank: Optional[int] = None, out: IO[str] = sys.stdout) -> int:
     """Run one shard server until it is told to stop; returns the exit code.
 
     Parameters
@@ -67,12 +67,14 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
     metrics_port, metrics_host : optional
         Serve Prometheus metrics there (needs prometheus_client).
     checkpoint_dir, checkpoint_every, checkpoint_secs, restore : optional
-        Checkpoints: where, every how many rounds and seconds, and whether to start from the newest
-        (:class:`~psrt.config.ServerConfig`).
+        Checkpoints: where, every how many rounds and seconds, and whether to start from the newest of this
+        shard's (:class:`~psrt.config.ServerConfig`). A clean shutdown writes one too.
     keys : str, optional
         The job's key directory (CURVE on every socket); default ``PSRT_KEYS``, empty: off.
     staleness : int, optional
         A standalone ``ssp`` server's staleness bound (default ``PSRT_STALENESS`` or 0).
+    rank : int, optional
+        The shard's rank, which names its checkpoints; with ``scheduler``, the slot it asks for.
     out : text stream
         Where the ready and stopped lines go.
     """
@@ -83,7 +85,7 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
     tune_allocator()
     link = None
     ckpt: dict[str, Any] = dict(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                                checkpoint_secs=checkpoint_secs, restore=restore)
+                                checkpoint_secs=checkpoint_secs, restore=restore, rank=rank)
     if keys is not None:
         ckpt["keys"] = keys
     if scheduler:
@@ -95,7 +97,7 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
                               num_workers=defaults.num_workers if num_workers is None else num_workers,
                               mode=mode or defaults.mode,
                               staleness=defaults.staleness if staleness is None else staleness, **ckpt)
-    server = Server(config)
+    server = Server(config, scheduled=bool(scheduler))
     _stop_on_signals(server.stop)
     metrics = None
     try:
@@ -107,9 +109,12 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
                                  heartbeat_interval=cluster.heartbeat_interval,
                                  heartbeat_timeout=cluster.heartbeat_timeout)
             timeout = cluster.start_timeout + 10.0
-            table = link.register("server", endpoint=announce, host=host, timeout=timeout,
-                                  restorable=config.checkpoint_dir is not None)
-            server.set_job(table.num_workers, table.mode, table.staleness)
+            # The rank this shard's checkpoint belongs to goes with the registration: restarted on any endpoint,
+            # it takes that slot back. A rank it knows, it restores now; else once the table gives it one.
+            asked, resuming = server.checkpoint_claim()
+            table = link.register("server", endpoint=announce, host=host, rank=asked, timeout=timeout,
+                                  restorable=config.checkpoint_dir is not None, restore=resuming)
+            server.join(table)
         if metrics_port is not None:
             from psrt.metrics import serve_metrics
 
@@ -122,6 +127,7 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
         print(ready_line("server", server.endpoint, mode=server.config.mode, workers=server.config.num_workers,
                          **rank), file=out, flush=True)
         server.serve(control=link)
+        server.checkpoint_at_exit()  # stopped cleanly (a signal, or the job's end): a restart resumes exactly
     finally:
         stats = server.stats()
         if metrics is not None:

@@ -2,8 +2,8 @@
 
 :class:`Formation` keeps them in arrival order, checks each (rank range, rank taken, one too many), counts how far
 the job got, decides when to tell the waiting processes (at most every 2 s, when the counts moved), assigns the
-workers' ranks once all are in, and words the error of a job that missed its start deadline. The scheduler
-(:mod:`psrt.scheduler`) sends the messages.
+workers' ranks and the servers' shard order once all are in, and words the error of a job that missed its start
+deadline. The scheduler (:mod:`psrt.scheduler`) sends the messages.
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ class Formation:
     def add(self, identity: bytes, req: wire.Register) -> Optional[tuple[str, str]]:
         """Take a registration; returns ``(code, message)`` of the error that refuses it instead, or None."""
         role, rank = req.role, req.rank
-        if role == "worker" and rank >= self.num_workers:
-            return "rank", f"worker rank {rank} is out of range for {self.num_workers} workers"
+        limit = self.num_workers if role == "worker" else self.num_servers
+        if rank >= limit:  # a server's rank: the shard its checkpoint belongs to
+            return "rank", f"{role} rank {rank} is out of range for {limit} {role}s"
         if rank >= 0 and any(p.request.role == role and p.request.rank == rank and p.identity != identity
                              for p in self.pending):
             return "rank", f"{role} rank {rank} is already registered"
@@ -80,6 +81,14 @@ class Formation:
             return False
         self._reported_at, self._reported = now, counts
         return True
+
+    def servers(self) -> list[Pending]:
+        """The servers in shard order once complete: each that asked for a rank (the one its checkpoint belongs
+        to) at it, the others in arrival order, so a job restarted from its checkpoints has every shard in place."""
+        servers = self.of("server")
+        asked = {p.request.rank: p for p in servers if p.request.rank >= 0}
+        rest = iter([p for p in servers if p.request.rank < 0])
+        return [asked[i] if i in asked else next(rest) for i in range(len(servers))]
 
     def ranks(self) -> list[tuple[int, Pending]]:
         """The workers' ranks once complete: the one each asked for, else the free ones in arrival order."""

@@ -9,7 +9,8 @@ died:
   heartbeating just as one that dies does.
 - A **worker** heartbeats from a :class:`Heartbeat` thread with its own socket: the training loop may compute
   for minutes between calls into psrt. Its verdicts reach the training loop through :meth:`Heartbeat.check`,
-  which every wait of the client calls.
+  which every wait of the client calls; the new endpoints of shards that restarted elsewhere, through
+  :attr:`Heartbeat.moves`.
 
 A heartbeat is answered with ``ok``; no answer for ``heartbeat_timeout`` seconds means the scheduler is gone.
 """
@@ -143,11 +144,11 @@ class SchedulerLink:
         return reply
 
     def register(self, role: str, endpoint: str = "", host: str = "", rank: int = -1,
-                 timeout: float = 130.0, restorable: bool = False) -> Table:
+                 timeout: float = 130.0, restorable: bool = False, restore: bool = False) -> Table:
         """Register and wait until the job forms; returns this process's :class:`Table`.
 
-        A server that writes checkpoints registers as ``restorable``: restarted on the same endpoint, it takes
-        its old slot back in a running job.
+        A server that writes checkpoints registers as ``restorable``; one that resumes from a checkpoint
+        (``restore``, with the ``rank`` it belongs to) takes the slot of a dead server back in a running job.
 
         Raises
         ------
@@ -156,8 +157,8 @@ class SchedulerLink:
         PsrtTimeoutError
             When the scheduler does not answer within ``timeout`` seconds.
         """
-        reply = self._ask("register", lambda rid: wire.encode_register(rid, role, endpoint, host, rank, restorable),
-                          timeout)
+        reply = self._ask("register", lambda rid: wire.encode_register(rid, role, endpoint, host, rank, restorable,
+                                                                       restore), timeout)
         table: Table = self._expect(reply, wire.Table, "register")
         self.role, self.rank = role, table.rank
         self._last_answer = time.monotonic()
@@ -267,6 +268,9 @@ class Heartbeat:
         self.endpoint, self.rank = endpoint, rank
         self.interval, self.timeout = interval, timeout
         self.failure: Optional[PeerFailedError] = None
+        #: Shards that came back on another endpoint (``moved`` notices): shard index -> endpoint, taken (popped)
+        #: by the client's waits. Plain dict operations, atomic under the GIL.
+        self.moves: dict[int, str] = {}
         self._ctx = context
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="psrt-heartbeat", daemon=True)
@@ -310,7 +314,9 @@ class Heartbeat:
                         if isinstance(notice, wire.Abort):
                             self.failure = _aborted(self.endpoint, notice)
                             return
-                        if isinstance(notice, wire.ControlError):
+                        if isinstance(notice, wire.Moved):
+                            self.moves[notice.shard] = notice.endpoint
+                        elif isinstance(notice, wire.ControlError):
                             self.failure = PeerFailedError(f"the scheduler at {self.endpoint} no longer counts this "
                                                            f"worker in the job: {notice.message}",
                                                            peer=f"worker {self.rank}")

@@ -53,7 +53,7 @@ class LocalShards:
         try:
             for i in range(num_servers):
                 cmd = psrt_command("server", "--bind", f"tcp://{host}:*", "--workers", str(num_workers),
-                                   "--mode", mode, *extra_args)
+                                   "--mode", mode, "--rank", str(i), *extra_args)
                 self.children.append(Child(cmd, label=f"psrt server {i}", ready=SERVER_READY, stderr=stderr))
             for child in self.children:
                 self.endpoints.append(child.wait_ready(timeout).group(1))

@@ -19,6 +19,9 @@ as a ``members`` notice with a new epoch; a joining worker gets its table only o
 confirms that epoch, so its first push finds it a member everywhere. The job ends when its last worker leaves
 with ``done``. The semantics are written out in docs/elastic.md.
 
+A server that writes checkpoints and dies is waited for: restarted with ``--restore`` on any endpoint, it takes
+its rank's slot back and the workers are told where it is now (:mod:`psrt.restarts`).
+
 Control messages are single header frames with the data plane's framing and decode rules; their records and
 encoders live in :mod:`psrt.wire.control`, which lists every field.
 """
@@ -37,22 +40,14 @@ from psrt.config import MODES
 from psrt.errors import ConfigError, ProtocolError
 from psrt.formation import Formation
 from psrt.link import SchedulerLink, Table
+from psrt.restarts import Member as _Member
+from psrt.restarts import Restarts
 
 __all__ = ["Scheduler", "SchedulerLink", "Table"]
 
 log = logging.getLogger("psrt.scheduler")
 
 Peer = tuple[str, int]  # (role, rank)
-
-
-@dataclass
-class _Member:
-    """A process the scheduler watches: where to send it notices, how to name it, and when it was last heard."""
-
-    identity: bytes
-    name: str
-    last_seen: float
-    restorable: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,7 +61,7 @@ class _Join:
     deadline: float
 
 
-class Scheduler:
+class Scheduler(Restarts):
     """The job's scheduler, bound to ``bind``.
 
     Parameters
@@ -86,8 +81,8 @@ class Scheduler:
     staleness : int
         ``ssp`` mode: how many pushes a worker may run ahead of the slowest, handed to the servers.
     restart_grace : float
-        Seconds a server that writes checkpoints (``restorable``) may take to restart on its endpoint and take
-        its slot back, before its death fails the job.
+        Seconds a server that writes checkpoints (``restorable``) may take to restart (on any endpoint) and take
+        its slot back, before its death fails the job (:mod:`psrt.restarts`).
     keys : str or os.PathLike, optional
         The job's key directory: serve with CURVE, accepting only the job's client key. None: no security.
 
@@ -115,6 +110,7 @@ class Scheduler:
             raise ConfigError(f"staleness must be a whole number of pushes >= 0, got {staleness!r}")
         self.staleness = staleness
         self._restarting: dict[int, tuple[float, str]] = {}  # server index -> (deadline, name)
+        self._claims = []  # restarted servers waiting for their slot (psrt.restarts)
         self._epoch = 0  # elastic: membership changes so far
         self._server_epochs: dict[int, int] = {}
         self._joins: list[_Join] = []
@@ -165,10 +161,13 @@ class Scheduler:
                 while self._news and self._news[0][0] <= now:
                     self._news.pop(0)[1]()
                 self._watch(now)
+                if self._claims:
+                    self._place_claims(now)
                 if self.elastic:
                     self._expire_joins(now)
             return self.exit_code if self.exit_code is not None else 0
         finally:
+            self._refuse_claims("the job has ended")
             # Give queued shutdown/error messages a moment to leave before the socket goes.
             self._chan.close(linger=1.0)
             self._ctx.term()
@@ -209,8 +208,8 @@ class Scheduler:
                 self._send_table(identity, req.id, rank)
             elif role == "worker" and self.elastic:
                 self._join(identity, req)
-            elif role == "server" and any(ep == req.endpoint for _, ep in self.servers):
-                self._rejoin(identity, req)
+            elif role == "server" and req.restore:
+                self._claim(identity, req)
             else:
                 self._error(identity, req.id, "formed", f"the job has already formed with {self.num_servers} "
                                                         f"servers and {self.num_workers} workers; a new {role} "
@@ -236,7 +235,7 @@ class Scheduler:
                 self._send(p.identity, wire.encode_forming(p.request.id, *counts))
 
     def _form(self) -> None:
-        servers, workers = self._forming.of("server"), self._forming.ranks()
+        servers, workers = self._forming.servers(), self._forming.ranks()
         self.servers = [(p.identity, p.request.endpoint) for p in servers]
         self.workers = {rank: p.identity for rank, p in workers}
         self._formed = True
@@ -372,20 +371,8 @@ class Scheduler:
             self._send(m.identity, wire.encode_abort("peer_failed", message))
         for ident, r in self._barriers.clear():
             self._error(ident, r, "peer_failed", message)
+        self._refuse_claims(message)
         self.exit_code = 1
-
-    def _rejoin(self, identity: bytes, req: wire.Register) -> None:
-        """A server restarted on its endpoint (from its checkpoint) takes its old slot back."""
-        index = next(i for i, (_, ep) in enumerate(self.servers) if ep == req.endpoint)
-        self.servers[index] = (identity, req.endpoint)
-        self._restarting.pop(index, None)
-        name = f"server {index} ({req.endpoint})"
-        self._members[("server", index)] = _Member(identity, name, time.monotonic(), req.restorable)
-        self._server_epochs.pop(index, None)
-        log.warning("%s restarted and rejoined the job", name)
-        self._send_table(identity, req.id, index)
-        if self.elastic and self._epoch:
-            self._send(identity, wire.encode_members(self._epoch, sorted(self.workers)))
 
     # ------------------------------------------------------------------ elastic membership
     def _join(self, identity: bytes, req: wire.Register) -> None:

@@ -10,14 +10,14 @@ Modes (:mod:`psrt.store` holds the round rules): **sync** sums a round's W pushe
 worker's pushes so far) once every worker's pushes to the pulled keys reach c - ``staleness``.
 
 Every push carries ``(worker, session, seq)``; a push already applied is acknowledged again but not re-applied.
-Checkpoints (``config.checkpoint_dir``, :mod:`psrt.checkpoint`): the whole state with the sequence numbers, every
-``checkpoint_every`` rounds, every ``checkpoint_secs`` seconds and on request; ``config.restore`` resumes from one.
+Checkpoints (``config.checkpoint_dir``, :mod:`psrt.recovery`): the whole state with the sequence numbers, every
+``checkpoint_every`` rounds, every ``checkpoint_secs`` seconds, on request and at a clean shutdown, named by the
+shard's rank; ``config.restore`` resumes from the newest of its rank.
 Embedding tables (``init_table``, ``push_rows``, ``pull_rows``) are served by :mod:`psrt.tables`, per table.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections import deque
@@ -31,6 +31,7 @@ from psrt.counters import Counters, report
 from psrt.errors import ConfigError, ProtocolError, RequestRefused
 from psrt.lanes import ShardLane, ShardLanes
 from psrt.pulls import PullQueue, Waiter
+from psrt.recovery import Checkpointer, Recovery
 from psrt.store import Entry, Key, Store
 
 if TYPE_CHECKING:
@@ -48,20 +49,26 @@ _BATCH = 256
 RequestError = RequestRefused
 
 
-class Server:
+class Server(Recovery):
     """A shard server bound to ``config.bind``.
 
     Parameters
     ----------
     config : ServerConfig
         Endpoint, W, mode, limits and keys (with keys, only the job's clients get a message through).
+    scheduled : bool
+        The rank (and with it the checkpoint to restore) comes from a scheduler: :meth:`join` its table before
+        serving. Else the shard takes its rank and restores (``config.restore``) at once.
 
     Raises
     ------
     BindError
         When the endpoint cannot be bound.
     ConfigError
-        When ``config.keys`` names a missing or unusable key directory.
+        When ``config.keys`` names a missing or unusable key directory, or ``config.restore`` finds a directory
+        holding checkpoints of other shards only.
+    CheckpointError
+        When another running shard writes this rank's checkpoints, or none of them can be read.
 
     Examples
     --------
@@ -69,7 +76,7 @@ class Server:
     >>> server.serve()  # until server.stop() or SIGTERM             # doctest: +SKIP
     """
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, scheduled: bool = False) -> None:
         self.config = config
         keys = security.load_keys(config.keys, serve=True, connect=False)
         self._ctx = transport.new_context()
@@ -91,67 +98,22 @@ class Server:
         self._stale_pulls = PullQueue(lambda key: self.store.slowest_clock(self.store.entries[key]))
         self._deferred: dict[int, deque[tuple[bytes, wire.PushRequest, list[Entry], Optional[ShardLane]]]] = {}
         self._draining = False
-        self._ckpt = checkpoint.Checkpointer(config, self.endpoint)
+        self._ckpt = Checkpointer(config)
         self.restored_from: Optional[Path] = None
         self.tables = tables.TableService(self.store, self._reply, self._error, config.nonfinite)
         self.tables.staleness = config.staleness
-        if config.restore:
-            self._restore()
+        if not scheduled:
+            try:
+                self._restore()
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ loop
     @property
     def context(self):
         """The server's ZeroMQ context (its scheduler link shares it)."""
         return self._ctx
-
-    # ------------------------------------------------------------------ checkpoints
-    def _restore(self) -> None:
-        found = self._ckpt.restore()
-        if found is None:
-            return
-        store, path = found.store, found.path
-        self.tables.store = store
-        self.tables.restore(found.tables, found.table_logs)
-        if (store.mode, store.num_workers) != (self.config.mode, self.config.num_workers):
-            log.warning("checkpoint %s was taken in %s mode with W=%d; resuming so (this shard was started with "
-                        "%s, W=%d)", path, store.mode, store.num_workers, self.config.mode, self.config.num_workers)
-            self.config = dataclasses.replace(self.config, mode=store.mode, num_workers=store.num_workers)
-        self.store, self.restored_from = store, path
-        if store.rounds:
-            for entry in store.entries.values():
-                self.lanes.place(entry)
-
-    def checkpoint(self) -> Path:
-        """Write a checkpoint now; returns its path.
-
-        Raises
-        ------
-        RequestError
-            When the shard has no checkpoint directory.
-        CheckpointError
-            When the file cannot be written.
-        """
-        if not self._ckpt.enabled:
-            raise RequestError("no_checkpoint_dir", "this shard was started without --checkpoint-dir")
-        path = self._ckpt.save(self.store, self.counters.pushes, self.tables.state())
-        self.counters.checkpoints += 1
-        return path
-
-    def _after_rounds(self) -> None:
-        if self._ckpt.due_after_rounds(self.store, self.counters.pushes):
-            self._checkpoint_quietly()
-
-    def _checkpoint_quietly(self) -> None:
-        try:
-            self.checkpoint()
-        except checkpoint.CheckpointError as exc:
-            log.error("%s; training goes on", exc)
-
-    def set_job(self, num_workers: int, mode: str, staleness: int = 0) -> None:
-        """Adopt W, the mode and the staleness bound the scheduler's table gives (before serving)."""
-        self.config = dataclasses.replace(self.config, num_workers=num_workers, mode=mode, staleness=staleness)
-        self.store.set_job(mode, num_workers)
-        self.tables.staleness = staleness
 
     def serve(self, control: Optional[SchedulerLink] = None) -> None:
         """Serve requests until :meth:`stop` is called or, with ``control``, the scheduler ends the job."""
@@ -228,10 +190,11 @@ class Server:
         self._stop.set()
 
     def close(self) -> None:
-        """Close the socket and the ZeroMQ context."""
+        """Close the socket and the ZeroMQ context; let go of the rank's checkpoint files."""
         self._chan.close()
         self._ctx.term()
         self.lanes.close()
+        self._ckpt.close()
 
     def handle(self, identity: bytes, frames: list[Any]) -> None:
         """Handle one message from ``identity``; never raises."""

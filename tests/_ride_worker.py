@@ -1,7 +1,8 @@
 """A worker whose every push is recognisable: push (rank, step) adds W at index rank*T + step of ``w``.
 
 With SGD lr=1 in sync mode over W workers, each applied push moves its own index of ``w`` by exactly -1: after
-training, an index at 0 is a push lost, -1 applied once, -2 applied twice. Prints the counts as JSON.
+training, an index at 0 is a push lost, -1 applied once, -2 applied twice. Prints the counts as JSON, and per rank
+the steps whose push was lost.
 """
 
 import json
@@ -37,5 +38,6 @@ with psrt.Client(servers, rank=rank, num_workers=workers, config=ClientConfig(ti
     if servers is None:
         client.barrier()  # nobody says done (ending the job) before everyone has pulled
 values, counts = np.unique(final, return_counts=True)
+lost = {r: [int(s) for s in np.flatnonzero(final[r * steps:(r + 1) * steps] == 0)] for r in range(workers)}
 print(json.dumps({"rank": rank, "counts": {str(float(v)): int(c) for v, c in zip(values, counts)},
-                  "max_gap": max(gaps)}), flush=True)
+                  "max_gap": max(gaps), "lost": lost}), flush=True)

@@ -309,6 +309,19 @@ class DealerChannel:
         except zmq.ZMQError as exc:
             raise ConnectionLostError(f"cannot send to shard {self.endpoint}: {exc}") from None
 
+    def repoint(self, endpoint: str) -> None:
+        """Connect to ``endpoint`` instead (the peer restarted there); requests still queued for the old one are
+        dropped, and the handshake with the new one counts in :attr:`connections` as a reconnection does."""
+        try:
+            self.sock.disconnect(self.endpoint)
+        except zmq.ZMQError:
+            pass  # never connected there, or already gone
+        self.endpoint, self._failure = endpoint, None
+        try:
+            self.sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise ConnectionLostError(f"cannot connect to shard {endpoint}: {exc}") from None
+
     def poll(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a message to arrive.
 

@@ -45,7 +45,7 @@ Control plane (:mod:`psrt.wire.control`), one header frame each, no buffers:
 request         fields                                                   reply
 ==============  =======================================================  =====================================
 ``register``    ``role`` (server, worker), ``endpoint, host, rank,        ``forming`` at once (and when the
-                restorable``                                             counts move), ``table`` once the job
+                restorable, restore``                                    counts move), ``table`` once the job
                                                                          forms
 ``barrier``     ``rank, name``                                           ``ok`` once every worker arrived
 ``done``        ``rank``                                                 ``ok``
@@ -58,7 +58,8 @@ Replies: ``table {rank, num_servers, num_workers, mode, servers, elastic}``, ``f
 workers, num_workers}``, ``ok {}``, ``error {code, message}``; and, unprompted (id 0): ``shutdown {}`` to the
 servers when every worker is done, ``abort {code, message}`` to every process when the job fails (the message
 names the dead peer), and, in an elastic job, ``members {epoch, workers}`` to the servers whenever the workers
-change; in a fixed job, ``finished {workers}`` to the servers when workers said ``done`` while others go on.
+change; in a fixed job, ``finished {workers}`` to the servers when workers said ``done`` while others go on;
+``moved {shard, endpoint}`` to the workers when a shard restarted from its checkpoint on another endpoint.
 """
 
 from psrt.wire.codec import (
@@ -85,6 +86,7 @@ from psrt.wire.control import (
     Forming,
     Heartbeat,
     Members,
+    Moved,
     Ok,
     Register,
     Shutdown,
@@ -101,6 +103,7 @@ from psrt.wire.control import (
     encode_forming,
     encode_heartbeat,
     encode_members,
+    encode_moved,
     encode_ok,
     encode_register,
     encode_shutdown,
@@ -186,4 +189,5 @@ __all__ = [
     "encode_lane_open", "encode_beacon", "encode_lane", "LaneCloseRequest", "ClosedReply", "encode_lane_close",
     "encode_closed",
     "encode_control_error", "encode_shutdown", "encode_abort", "encode_heartbeat", "encode_members",
+    "Moved", "encode_moved",
 ]

@@ -29,6 +29,7 @@ __all__ = [
     "Shutdown",
     "Abort",
     "Members",
+    "Moved",
     "Finished",
     "Forming",
     "ControlReply",
@@ -46,6 +47,7 @@ __all__ = [
     "encode_shutdown",
     "encode_abort",
     "encode_members",
+    "encode_moved",
     "encode_finished",
     "encode_forming",
 ]
@@ -61,7 +63,7 @@ _MAX_BARRIER_NAME = 256
 _MAX_MESSAGE = 1 << 12
 
 _REQUEST_FIELDS: dict[str, frozenset[str]] = {
-    "register": frozenset({"v", "op", "id", "role", "endpoint", "host", "rank", "restorable"}),
+    "register": frozenset({"v", "op", "id", "role", "endpoint", "host", "rank", "restorable", "restore"}),
     "barrier": frozenset({"v", "op", "id", "rank", "name"}),
     "done": frozenset({"v", "op", "id", "rank"}),
     "failed": frozenset({"v", "op", "id", "rank", "message"}),
@@ -76,6 +78,7 @@ _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "shutdown": frozenset({"v", "op", "id"}),
     "abort": frozenset({"v", "op", "id", "code", "message"}),
     "members": frozenset({"v", "op", "id", "epoch", "workers"}),
+    "moved": frozenset({"v", "op", "id", "shard", "endpoint"}),
     "finished": frozenset({"v", "op", "id", "workers"}),
     "forming": frozenset({"v", "op", "id", "servers", "num_servers", "workers", "num_workers"}),
 }
@@ -86,8 +89,9 @@ _REPLY_FIELDS: dict[str, frozenset[str]] = {
 class Register:
     """``register``: a server (with the endpoint it serves on) or a worker joins; rank -1 lets the scheduler choose.
 
-    ``restorable``: a server that writes checkpoints; if it dies, the scheduler waits for it to restart on the
-    same endpoint instead of failing the job at once.
+    A server's ``rank`` is the shard index it asks for (the one its checkpoint belongs to). ``restorable``: a
+    server that writes checkpoints; if it dies, the scheduler waits for it to restart instead of failing the job
+    at once. ``restore``: a server resuming from a checkpoint, which may take back the slot of a dead one.
     """
 
     id: int
@@ -96,6 +100,7 @@ class Register:
     host: str
     rank: int
     restorable: bool = False
+    restore: bool = False
     op: ClassVar[str] = "register"
 
 
@@ -184,9 +189,11 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
             endpoint = string(h, "endpoint", _MAX_ENDPOINT)
             if role == "server" and "://" not in endpoint:
                 raise ProtocolError(f"a server must announce an endpoint like tcp://HOST:PORT, got {endpoint!r}")
-            if type(h["restorable"]) is not bool:
-                raise ProtocolError("field 'restorable' must be true or false")
-            return Register(rid, role, endpoint, string(h, "host", _MAX_ENDPOINT), _rank(h), h["restorable"])
+            for flag in ("restorable", "restore"):
+                if type(h[flag]) is not bool:
+                    raise ProtocolError(f"field {flag!r} must be true or false")
+            return Register(rid, role, endpoint, string(h, "host", _MAX_ENDPOINT), _rank(h), h["restorable"],
+                            h["restore"])
         if op == "barrier":
             return Barrier(rid, _rank(h), string(h, "name", _MAX_BARRIER_NAME))
         if op == "done":
@@ -202,10 +209,11 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
         raise
 
 
-def encode_register(rid: int, role: str, endpoint: str, host: str, rank: int, restorable: bool = False) -> list[Any]:
+def encode_register(rid: int, role: str, endpoint: str, host: str, rank: int, restorable: bool = False,
+                    restore: bool = False) -> list[Any]:
     """Frames of a ``register`` request."""
     return encode({"op": "register", "id": rid, "role": role, "endpoint": endpoint, "host": host, "rank": rank,
-                   "restorable": restorable})
+                   "restorable": restorable, "restore": restore})
 
 
 def encode_barrier(rid: int, rank: int, name: str) -> list[Any]:
@@ -303,6 +311,17 @@ class Members:
 
 
 @dataclass(frozen=True)
+class Moved:
+    """``moved``: sent unprompted to the workers when shard ``shard`` came back on another endpoint (restarted
+    from its checkpoint): their requests to it go to ``endpoint`` from now on."""
+
+    id: int
+    shard: int
+    endpoint: str
+    op: ClassVar[str] = "moved"
+
+
+@dataclass(frozen=True)
 class Finished:
     """``finished``: sent unprompted to the servers of a fixed (not elastic) job when workers said ``done``
     while others go on; ``workers`` lists every finished rank. A sync round that still needs one of them can
@@ -327,7 +346,7 @@ class Forming:
     op: ClassVar[str] = "forming"
 
 
-ControlReply = Union[Table, Ok, ControlError, Shutdown, Abort, Members, Finished, Forming]
+ControlReply = Union[Table, Ok, ControlError, Shutdown, Abort, Members, Moved, Finished, Forming]
 
 
 def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIMITS) -> ControlReply:
@@ -360,6 +379,11 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
         if op == "finished":
             return Finished(rid, list(workers))
         return Members(rid, uint(h, "epoch"), list(workers))
+    if op == "moved":
+        endpoint = string(h, "endpoint", _MAX_ENDPOINT)
+        if "://" not in endpoint:
+            raise ProtocolError(f"moved: 'endpoint' must be an endpoint like tcp://HOST:PORT, got {endpoint!r}")
+        return Moved(rid, uint(h, "shard", 1 << 31), endpoint)
     if op == "forming":
         return Forming(rid, uint(h, "servers"), uint(h, "num_servers"), uint(h, "workers"), uint(h, "num_workers"))
     if op == "error":
@@ -379,6 +403,11 @@ def encode_table(rid: int, rank: int, num_servers: int, num_workers: int, mode: 
 def encode_members(epoch: int, workers: list[int]) -> list[Any]:
     """Frames of the ``members`` notice (id 0)."""
     return encode({"op": "members", "id": 0, "epoch": epoch, "workers": workers})
+
+
+def encode_moved(shard: int, endpoint: str) -> list[Any]:
+    """Frames of the ``moved`` notice (id 0)."""
+    return encode({"op": "moved", "id": 0, "shard": shard, "endpoint": endpoint})
 
 
 def encode_finished(workers: list[int]) -> list[Any]:
