@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import re
 import signal
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Optional, Sequence
 
 from psrt import __version__
 from psrt.config import MODES, ClusterConfig, ServerConfig
+from psrt.endpoints import MAX_PORT, check_port, endpoint_error
 from psrt.errors import ConfigError, PsrtError
 
 __all__ = ["main", "build_parser"]
@@ -150,16 +150,20 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5}|\*)")
-
-
 def _endpoint(text: str, wildcard: bool = False) -> str:
     """A ZeroMQ endpoint checked up front, so a typo is a usage error rather than a ZeroMQ traceback."""
-    m = _TCP.fullmatch(text)
-    if m and (m.group(2) != "*" or wildcard) or (text.startswith("ipc://") and len(text) > 6):
-        return text
-    shapes = "tcp://HOST:PORT, tcp://HOST:* or ipc:///PATH" if wildcard else "tcp://HOST:PORT"
-    raise argparse.ArgumentTypeError(f"{text!r} is not an endpoint such as {shapes}")
+    problem = endpoint_error(text, bind=wildcard)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def _port(text: str) -> int:
+    """A TCP port in 1..65535 (a larger number would wrap around, a smaller one fail deep inside a server)."""
+    try:
+        return check_port(int(text))
+    except (ValueError, ConfigError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1..{MAX_PORT})") from None
 
 
 def _bind_endpoint(text: str) -> str:
@@ -218,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keys", default=defaults.keys, metavar="DIR",
                    help="the job's key directory (psrt keygen): CURVE on every socket, only the job's client key "
                         "accepted (default: $PSRT_KEYS; empty: off)")
-    s.add_argument("--metrics-port", type=int, default=None,
+    s.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics on this port (needs prometheus_client)")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     s.set_defaults(func=_server)

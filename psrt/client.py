@@ -23,6 +23,7 @@ from psrt.buffers import ReceivePool
 from psrt.calls import Handle, ShardCalls, payload_of
 from psrt.config import ClientConfig, ClusterConfig
 from psrt.embedding_client import EmbeddingCalls
+from psrt.endpoints import check_endpoint
 from psrt.errors import ConfigError, ConnectionLostError, PsrtError, PsrtTypeError
 from psrt.lanes import WorkerLanes, call_bytes
 from psrt.link import Heartbeat, SchedulerLink
@@ -89,6 +90,7 @@ class Client(EmbeddingCalls):
             if scheduler is None:
                 raise ConfigError("no servers and no scheduler: pass servers=[...] or scheduler='tcp://HOST:PORT', "
                                   "or set PSRT_SCHEDULER (or DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT)")
+            check_endpoint(scheduler, what="scheduler")
             self._start_timeout = cluster.start_timeout
             self._ctx = transport.new_context()
             self._link = SchedulerLink(self._ctx, scheduler, warn_after=self.config.warn_after,
@@ -120,8 +122,7 @@ class Client(EmbeddingCalls):
         if isinstance(servers, str) or not isinstance(servers, Sequence) or not servers:
             raise ConfigError("servers must be a non-empty list of endpoints such as ['tcp://127.0.0.1:5701']")
         for ep in servers:
-            if not isinstance(ep, str) or "://" not in ep:
-                raise ConfigError(f"server endpoint {ep!r} is not a ZeroMQ endpoint such as tcp://127.0.0.1:5701")
+            check_endpoint(ep, what="servers")
         if len(set(servers)) != len(servers):
             raise ConfigError(f"servers lists an endpoint twice: {list(servers)}")
         if type(num_workers) is not int or num_workers < 1:

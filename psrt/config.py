@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from psrt.compression import check as compression_check
+from psrt.endpoints import MAX_PORT, check_endpoint
 from psrt.errors import ConfigError
 
 __all__ = ["WireLimits", "ServerConfig", "ClientConfig", "ClusterConfig", "MODES", "ROLES"]
@@ -197,8 +198,7 @@ class ServerConfig:
             raise ConfigError(f"checkpoint_secs must be a number of seconds >= 0, got {self.checkpoint_secs!r}")
         if self.checkpoint_dir is None and (self.checkpoint_every or self.checkpoint_secs or self.restore):
             raise ConfigError("--checkpoint-every, --checkpoint-secs and --restore need --checkpoint-dir DIR")
-        if not isinstance(self.bind, str) or "://" not in self.bind:
-            raise ConfigError(f"bind must be a ZeroMQ endpoint such as tcp://127.0.0.1:5701, got {self.bind!r}")
+        check_endpoint(self.bind, bind=True, what="bind")
         _positive("num_workers", self.num_workers)
         if type(self.staleness) is not int or self.staleness < 0:
             raise ConfigError(f"staleness must be a whole number of pushes >= 0, got {self.staleness!r}")
@@ -327,8 +327,8 @@ class ClusterConfig:
         _check_keys(self.keys)
         if self.role is not None and self.role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {self.role!r} (set PSRT_ROLE or DMLC_ROLE)")
-        if self.scheduler is not None and "://" not in self.scheduler:
-            raise ConfigError(f"scheduler must be an endpoint such as tcp://10.0.0.1:5700, got {self.scheduler!r}")
+        if self.scheduler is not None:
+            check_endpoint(self.scheduler, what="the scheduler (PSRT_SCHEDULER, or DMLC_PS_ROOT_URI and _PORT)")
         for name in ("num_servers", "num_workers"):
             value = getattr(self, name)
             if value is not None:
@@ -391,6 +391,10 @@ class ClusterConfig:
             port = get("DMLC_PS_ROOT_PORT")
             if port is None:
                 raise ConfigError("DMLC_PS_ROOT_URI is set but DMLC_PS_ROOT_PORT is not")
+            port = port.strip()
+            if not port.isdigit() or not 1 <= int(port) <= MAX_PORT:
+                raise ConfigError(f"environment variable DMLC_PS_ROOT_PORT = {port!r} must be a TCP port "
+                                  f"(1..{MAX_PORT})")
             scheduler = f"tcp://{get('DMLC_PS_ROOT_URI')}:{port}"
         num_servers = get_int("PSRT_NUM_SERVERS", "DMLC_NUM_SERVER")
         num_workers = get_int("PSRT_NUM_WORKERS", "DMLC_NUM_WORKER")

@@ -115,3 +115,27 @@ def test_ctrl_c_ends_a_command_without_a_traceback(monkeypatch, capsys):
     assert cli.main(["model"]) == 130
     captured = capsys.readouterr()
     assert "Traceback" not in captured.out + captured.err
+
+
+@pytest.mark.parametrize("args, port", [
+    (("server", "--bind", "tcp://127.0.0.1:99999"), "99999"),
+    (("scheduler", "--bind", "tcp://127.0.0.1:70000"), "70000"),
+    (("server", "--scheduler", "tcp://127.0.0.1:65536"), "65536"),
+    (("server", "--bind", "tcp://127.0.0.1:*", "--metrics-port", "99999"), "99999"),
+])
+def test_a_port_out_of_range_is_a_usage_error_naming_it(args, port):
+    # ZeroMQ wraps a port above 65535 around (99999 served on 34463); the metrics server raised OverflowError.
+    line = one_line_error(run_psrt(*args, timeout=30))
+    assert port in line and "65535" in line
+
+
+def test_a_port_out_of_range_is_refused_in_process_too():
+    from psrt.config import ServerConfig
+    from psrt.scheduler import Scheduler
+
+    with pytest.raises(psrt.ConfigError, match="99999"):
+        ServerConfig(bind="tcp://127.0.0.1:99999")
+    with pytest.raises(psrt.ConfigError, match="70000"):
+        Scheduler("tcp://127.0.0.1:70000", 1, 1)
+    with pytest.raises(psrt.ConfigError, match="99999"):
+        psrt.Client(servers=["tcp://127.0.0.1:99999"])

@@ -6,6 +6,7 @@ Each test here reproduces a defect seen by following the README on a fresh machi
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -132,3 +133,24 @@ def test_the_pull_half_of_push_pull_is_counted(shards):
         c.pull()
         (stats,) = c.stats()
     assert stats["pushes"] == 6 and stats["pulls"] == 6
+
+
+@pytest.mark.parametrize("servers", [["http://127.0.0.1:5701"], ["tcp://127.0.0.1"], ["tcp://127.0.0.1:*"]])
+def test_a_server_endpoint_of_another_kind_is_a_config_error(servers):
+    with pytest.raises(psrt.ConfigError, match="is not an endpoint such as tcp://HOST:PORT"):
+        psrt.Client(servers=servers)  # was a raw zmq.ZMQError ("Protocol not supported")
+
+
+def test_a_root_port_that_is_not_a_port_is_named():
+    from psrt.config import ClusterConfig
+
+    for port in ("notaport", "99999", "0"):
+        with pytest.raises(psrt.ConfigError, match="DMLC_PS_ROOT_PORT"):
+            ClusterConfig.from_env({"DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": port})
+    env = {**os.environ, "DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "notaport"}
+    code = "import psrt; psrt.Client()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode != 0 and "ConfigError" in proc.stderr and "DMLC_PS_ROOT_PORT" in proc.stderr
+    assert "ZMQError" not in proc.stderr
+    proc = subprocess.run([*PSRT, "run", "--", "true"], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and proc.stderr.startswith("psrt: error:") and "DMLC_PS_ROOT_PORT" in proc.stderr

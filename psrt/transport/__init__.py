@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from psrt.endpoints import check_endpoint
 from psrt.errors import AuthenticationError, BindError, ConnectionLostError, ShardTimeoutError
 from psrt.transport import curve
 from psrt.transport.curve import ZAP_DOMAIN, JobKeys, create_certificates, read_certificate
@@ -134,10 +135,13 @@ class RouterChannel:
     ------
     BindError
         When the endpoint cannot be bound (e.g. the port is taken); the message names it and says what to do.
+    ConfigError
+        When ``endpoint`` is not one (a TCP port outside 1..65535, another scheme).
     """
 
     def __init__(self, context: zmq.Context, endpoint: str, hwm: int, send_timeout: float, *,
                  keys: Optional[JobKeys] = None, max_frame: Optional[int] = None) -> None:
+        check_endpoint(endpoint, bind=True, what="cannot bind")  # ZeroMQ would wrap a port above 65535 around
         if keys is not None:
             curve.authenticate(context, keys)  # before the socket exists: no handshake may precede the handler
         self.sock = context.socket(zmq.ROUTER)
