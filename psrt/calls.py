@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from psrt import compression, security, transport, wire
+from psrt.checks import check_seconds
 from psrt.config import ClientConfig
 from psrt.errors import (
     AuthenticationError,
@@ -97,7 +98,8 @@ class Handle:
         Parameters
         ----------
         timeout : float, optional
-            Seconds to wait; the client's configured timeout when omitted.
+            Seconds to wait (``inf``: no limit; 0: take in what has arrived); the client's configured timeout
+            when omitted.
 
         Returns
         -------
@@ -106,13 +108,15 @@ class Handle:
 
         Raises
         ------
+        ConfigError
+            When ``timeout`` is negative or not a number.
         ShardTimeoutError
             Naming the shard(s) that did not answer in time.
         ServerError
             When a shard answered with an error.
         """
         calls = self._calls
-        calls.wait(self, calls.config.timeout if timeout is None else timeout)
+        calls.wait(self, calls.config.timeout if timeout is None else check_seconds(timeout, "timeout", zero=True))
         if self._error is not None:
             raise self._error
         return self._outputs

@@ -24,8 +24,8 @@ import time
 from typing import Optional, Sequence
 
 from psrt import __version__
+from psrt.checks import MAX_PORT, check_port, endpoint_error
 from psrt.config import MODES, ClusterConfig, ServerConfig
-from psrt.endpoints import MAX_PORT, check_port, endpoint_error
 from psrt.errors import ConfigError, PsrtError
 
 __all__ = ["main", "build_parser"]

@@ -21,9 +21,9 @@ import numpy as np
 from psrt import dtypes, security, transport, wire
 from psrt.buffers import ReceivePool
 from psrt.calls import Handle, ShardCalls, payload_of
+from psrt.checks import check_endpoint
 from psrt.config import ClientConfig, ClusterConfig
 from psrt.embedding_client import EmbeddingCalls
-from psrt.endpoints import check_endpoint
 from psrt.errors import ConfigError, ConnectionLostError, PsrtError, PsrtTypeError
 from psrt.lanes import WorkerLanes, call_bytes
 from psrt.link import Heartbeat, SchedulerLink

@@ -41,8 +41,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from psrt.checks import MAX_PORT, check_endpoint
 from psrt.compression import check as compression_check
-from psrt.endpoints import MAX_PORT, check_endpoint
 from psrt.errors import ConfigError
 
 __all__ = ["WireLimits", "ServerConfig", "ClientConfig", "ClusterConfig", "MODES", "ROLES"]
@@ -91,8 +91,10 @@ def _check_keys(value: object) -> None:
         raise ConfigError(f"keys must be a key directory (str or path) or None, got {value!r}")
 
 
-def _positive(name: str, value: object, kind: type = int) -> None:
+def _positive(name: str, value: object, kind: type = int, env: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or not value > 0:
+        if env:  # a number of seconds, most often from the environment: say which variable and what inf means
+            raise ConfigError(f"{name} ({env}) must be a positive number of seconds (inf: no limit), got {value!r}")
         raise ConfigError(f"{name} must be a positive {kind.__name__}, got {value!r}")
 
 
@@ -250,8 +252,8 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
-        _positive("timeout", self.timeout, float)
-        _positive("warn_after", self.warn_after, float)
+        _positive("timeout", self.timeout, float, "PSRT_TIMEOUT")
+        _positive("warn_after", self.warn_after, float, "PSRT_WARN_AFTER")
         try:
             object.__setattr__(self, "compression", compression_check(self.compression))
         except ValueError as exc:
@@ -340,9 +342,9 @@ class ClusterConfig:
         if type(self.staleness) is not int or self.staleness < 0:
             raise ConfigError(f"staleness must be a whole number of pushes >= 0, got {self.staleness!r} "
                               "(PSRT_STALENESS)")
-        _positive("start_timeout", self.start_timeout, float)
-        _positive("heartbeat_interval", self.heartbeat_interval, float)
-        _positive("heartbeat_timeout", self.heartbeat_timeout, float)
+        _positive("start_timeout", self.start_timeout, float, "PSRT_START_TIMEOUT")
+        _positive("heartbeat_interval", self.heartbeat_interval, float, "PSRT_HEARTBEAT_INTERVAL")
+        _positive("heartbeat_timeout", self.heartbeat_timeout, float, "PSRT_HEARTBEAT_TIMEOUT")
         if self.heartbeat_timeout < 2 * self.heartbeat_interval:
             raise ConfigError(f"heartbeat_timeout ({self.heartbeat_timeout:g}s, PSRT_HEARTBEAT_TIMEOUT) must be at "
                               f"least twice heartbeat_interval ({self.heartbeat_interval:g}s, "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from psrt.endpoints import check_port
+from psrt.checks import check_port
 
 __all__ = ["serve_metrics", "ServerCollector"]
 

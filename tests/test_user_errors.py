@@ -154,3 +154,39 @@ def test_a_root_port_that_is_not_a_port_is_named():
     assert "ZMQError" not in proc.stderr
     proc = subprocess.run([*PSRT, "run", "--", "true"], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2 and proc.stderr.startswith("psrt: error:") and "DMLC_PS_ROOT_PORT" in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["inf", "1e10"])
+def test_an_unlimited_or_huge_timeout_works(shards, monkeypatch, value):
+    # Both were an OverflowError from turning the timeout into ZeroMQ's milliseconds.
+    group = shards(2)
+    monkeypatch.setenv("PSRT_TIMEOUT", value)
+    with psrt.Client(group.endpoints) as c:
+        assert c.config.timeout == float(value)
+        c.init({"w": np.zeros(3, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        np.testing.assert_array_equal(c.push_pull({"w": np.ones(3, np.float32)})["w"], -np.ones(3, np.float32))
+        np.testing.assert_array_equal(c.push_pull_async({"w": np.ones(3, np.float32)}).wait(float("inf"))["w"],
+                                      np.full(3, -2.0, np.float32))
+        c.init_embedding("e", dim=2)
+        assert c.pull_rows("e", np.array([1, 2])).shape == (2, 2)
+        assert len(c.stats()) == 2
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "0", "soon"])
+def test_an_unusable_timeout_is_a_config_error_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("PSRT_TIMEOUT", value)
+    with pytest.raises(psrt.ConfigError, match="PSRT_TIMEOUT"):
+        ClientConfig()
+
+
+def test_a_negative_wait_timeout_is_refused(shards):
+    group = shards(1)
+    with psrt.Client(group.endpoints) as c:
+        c.init({"w": np.zeros(3, np.float32)})
+        handle = c.push_pull_async({"w": np.ones(3, np.float32)})
+        for bad in (-1, float("nan"), "5"):
+            with pytest.raises(psrt.ConfigError, match="timeout must be a number of seconds >= 0"):
+                handle.wait(timeout=bad)
+        assert handle.wait(timeout=30)["w"].shape == (3,)  # nothing was lost by the refusals
+        with pytest.raises(psrt.ConfigError, match="timeout"):
+            c.pull(timeout=-1)

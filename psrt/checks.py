@@ -1,9 +1,10 @@
-"""ZeroMQ endpoints and ports, checked before any socket sees them.
+"""Values a user gives psrt, checked before use: endpoints, ports and numbers of seconds.
 
 ZeroMQ turns some mistakes into a raw ``ZMQError`` (``http://...``: "Protocol not supported") and silently
 accepts others: a TCP port above 65535 wraps around, so ``tcp://127.0.0.1:99999`` would serve on 34463. Every
 endpoint a user gives psrt (command line, ``Client(servers=...)``, ``ServerConfig.bind``, ``PSRT_SCHEDULER``)
-goes through :func:`check_endpoint` first, and every port through :func:`check_port`.
+goes through :func:`check_endpoint` first, and every port through :func:`check_port`. A number of seconds
+(:func:`check_seconds`) may be ``inf`` for "no limit", which the transport turns into ZeroMQ's "forever".
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import re
 
 from psrt.errors import ConfigError
 
-__all__ = ["check_endpoint", "check_port", "endpoint_error", "MAX_PORT"]
+__all__ = ["check_endpoint", "check_port", "check_seconds", "endpoint_error", "MAX_PORT"]
 
 MAX_PORT = 65535
 
@@ -59,3 +60,11 @@ def check_endpoint(text: object, bind: bool = False, what: str = "endpoint") -> 
     if problem:
         raise ConfigError(f"{what}: {problem}")
     return text  # type: ignore[return-value]
+
+
+def check_seconds(value: object, name: str, zero: bool = False) -> float:
+    """``value`` if it is a number of seconds > 0 (>= 0 with ``zero``; ``inf``: no limit), else a ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 if zero else value > 0):
+        bound = ">= 0" if zero else "> 0"
+        raise ConfigError(f"{name} must be a number of seconds {bound} (inf: no limit), got {value!r}")
+    return float(value)
