@@ -24,7 +24,7 @@ import time
 from typing import Optional, Sequence
 
 from psrt import __version__
-from psrt.checks import MAX_PORT, check_port, endpoint_error
+from psrt.checks import MAX_PORT, check_port, check_seconds, endpoint_error
 from psrt.config import MODES, ClusterConfig, ServerConfig
 from psrt.errors import ConfigError, PsrtError
 
@@ -33,6 +33,9 @@ __all__ = ["main", "build_parser"]
 
 def _server(args: argparse.Namespace) -> int:
     from psrt.daemon import run_server
+
+    if args.scheduler is None:  # with a scheduler, the mode and the bound come from it
+        _staleness_needs_ssp(args)
 
     return run_server(bind=args.bind, scheduler=args.scheduler, host=args.host, num_workers=args.workers,
                       mode=args.mode, nonfinite=args.nonfinite, metrics_port=args.metrics_port,
@@ -43,6 +46,8 @@ def _server(args: argparse.Namespace) -> int:
 
 def _scheduler(args: argparse.Namespace) -> int:
     from psrt.daemon import run_scheduler
+
+    _staleness_needs_ssp(args)
 
     return run_scheduler(args.bind, args.servers, args.workers, args.mode, start_timeout=args.timeout,
                          elastic=args.elastic, keys=args.keys, staleness=args.staleness)
@@ -140,6 +145,38 @@ def _nonnegative(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = _nonnegative(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A number of seconds > 0; ``inf``: no limit."""
+    try:
+        return check_seconds(float(text), "a timeout")
+    except (ValueError, ConfigError):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0 (inf: no limit), got {text!r}") from None
+
+
+def _interval(text: str) -> float:
+    """A finite number of seconds > 0 (a pause between two things: inf would never end)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def _staleness_needs_ssp(args: argparse.Namespace) -> None:
+    if args.staleness is not None and args.mode != "ssp":
+        raise ConfigError(f"--staleness is the bound of --mode ssp; this is --mode {args.mode}: leave --staleness out "
+                          "or use --mode ssp")
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v]
@@ -213,9 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what to do with NaN/Inf gradients (default: reject)")
     s.add_argument("--checkpoint-dir", default=None, help="write checkpoints (parameters, optimizer state, "
                    "versions, sequence numbers) in this directory")
-    s.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+    s.add_argument("--checkpoint-every", type=_positive_int, default=0, metavar="N",
                    help="a checkpoint every N rounds (sync: at versions that are multiples of N; async: N pushes)")
-    s.add_argument("--checkpoint-secs", type=float, default=0.0, metavar="T",
+    s.add_argument("--checkpoint-secs", type=_interval, default=0.0, metavar="T",
                    help="a checkpoint every T seconds while the parameters change")
     s.add_argument("--restore", action="store_true",
                    help="start from the newest complete checkpoint in --checkpoint-dir (none: start fresh)")
@@ -237,9 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=int, default=env.num_workers or 1, help="W (default: $PSRT_NUM_WORKERS or 1)")
     c.add_argument("--mode", choices=MODES, default=env.mode,
                    help="sync (BSP), async or ssp (bounded staleness) (default: $PSRT_MODE or sync)")
-    c.add_argument("--staleness", type=_nonnegative, default=env.staleness, metavar="S",
+    c.add_argument("--staleness", type=_nonnegative, default=None, metavar="S",
                    help="ssp: pushes a worker may run ahead of the slowest (default: $PSRT_STALENESS or 0)")
-    c.add_argument("--timeout", type=float, default=env.start_timeout,
+    c.add_argument("--timeout", type=_seconds, default=env.start_timeout,
                    help="seconds for everyone to register and for each barrier (default: $PSRT_START_TIMEOUT or 120)")
     c.add_argument("--elastic", action="store_true", default=env.elastic,
                    help="workers may leave (die or finish) and join while the job runs (default: $PSRT_ELASTIC)")
@@ -256,10 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("-w", "--workers", type=int, required=True, help="number of workers W")
     la.add_argument("--mode", choices=MODES, default="sync",
                     help="sync (BSP), async or ssp (bounded staleness) (default %(default)s)")
-    la.add_argument("--staleness", type=_nonnegative, default=ClusterConfig.from_env().staleness, metavar="S",
+    la.add_argument("--staleness", type=_nonnegative, default=None, metavar="S",
                     help="ssp: pushes a worker may run ahead of the slowest (default: $PSRT_STALENESS or 0)")
     la.add_argument("--host", default="127.0.0.1", help="address to bind on (default %(default)s)")
-    la.add_argument("--timeout", type=float, default=env.start_timeout,
+    la.add_argument("--timeout", type=_seconds, default=env.start_timeout,
                     help="seconds for the job to form and for each barrier (default: $PSRT_START_TIMEOUT or 120)")
     la.add_argument("--transport", choices=("auto", "tcp", "ipc"), default="auto",
                     help="worker-to-shard transport: ipc (Unix sockets) or tcp; auto: ipc on loopback "
@@ -284,15 +321,16 @@ def build_parser() -> argparse.ArgumentParser:
         "Print a live table per shard of a running job: keys, MB held, pushes, pulls, rounds, queued pulls, "
         "deferred pushes, errors, MB/s in and out."))
     st.add_argument("scheduler", type=_endpoint, help="the scheduler's endpoint, tcp://HOST:PORT")
-    st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default %(default)s)")
-    st.add_argument("--count", type=int, default=0, help="stop after this many tables (default: until Ctrl-C)")
+    st.add_argument("--interval", type=_interval, default=1.0, help="seconds between refreshes (default %(default)s)")
+    st.add_argument("--count", type=_positive_int, default=None,
+                    help="stop after this many tables (default: until Ctrl-C)")
     st.set_defaults(func=_stats)
 
     ck = sub.add_parser("checkpoint", help="ask every shard of a running job to write a checkpoint now",
                         description="Ask every shard of the job whose scheduler is at SCHEDULER to write a "
                                     "checkpoint now (the shards need --checkpoint-dir); prints each file.")
     ck.add_argument("scheduler", type=_endpoint, help="the scheduler's endpoint, tcp://HOST:PORT")
-    ck.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default %(default)s)")
+    ck.add_argument("--timeout", type=_seconds, default=60.0, help="seconds to wait (default %(default)s)")
     ck.set_defaults(func=_checkpoint)
 
     kg = sub.add_parser("keygen", help="write a job's CURVE keys: a server pair and a client pair", description=(

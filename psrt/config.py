@@ -220,7 +220,8 @@ class ClientConfig:
     Parameters
     ----------
     timeout : float
-        Seconds any single wait for a shard may take before :class:`~psrt.errors.ShardTimeoutError`.
+        Seconds any single wait for a shard may take before :class:`~psrt.errors.ShardTimeoutError`
+        (``PSRT_TIMEOUT=inf``: no limit).
     partition_bytes : int
         Tensors larger than this are split into contiguous chunks of at most this many bytes.
     hwm : int

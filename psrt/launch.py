@@ -35,7 +35,7 @@ __all__ = ["launch", "run_role", "exit_status", "SCHEDULER_READY"]
 def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str = "sync",
            host: str = "127.0.0.1", start_timeout: Optional[float] = None, out: IO[str] = sys.stdout,
            extra_env: Optional[dict[str, str]] = None, transport: str = "auto", secure: bool = False,
-           elastic: bool = False, staleness: int = 0) -> int:
+           elastic: bool = False, staleness: Optional[int] = None) -> int:
     """Run a whole job on this machine; returns the exit code (the first failure's, else 0).
 
     Parameters
@@ -62,8 +62,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
     secure : bool
         Generate a key pair set for this job in a private (0700) temporary directory, give it to every process
         as ``PSRT_KEYS`` (CURVE on every socket), and delete it when the job ends.
-    staleness : int
-        ``ssp`` mode: pushes a worker may run ahead of the slowest.
+    staleness : int, optional
+        ``ssp`` mode: pushes a worker may run ahead of the slowest (default: ``PSRT_STALENESS`` or 0).
     elastic : bool
         An elastic job (docs/elastic.md): a worker that dies leaves the job instead of ending it, and the
         launcher goes on with the others; the job ends when every worker has exited.
@@ -76,6 +76,9 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         raise ConfigError(f"need -s >= 1 and -w >= 1, got -s {num_servers} -w {num_workers}")
     if not command:
         raise ConfigError("no worker command: use psrt launch -s S -w W -- CMD ARGS")
+    if staleness is not None and mode != "ssp":
+        raise ConfigError(f"--staleness is the bound of --mode ssp; this is --mode {mode}: leave --staleness out or "
+                          "use --mode ssp")
     if shutil.which(command[0]) is None:  # say so before starting a job that could not run
         raise ConfigError(f"cannot start the workers: {command[0]}: no such program (or not executable)")
     if start_timeout is None:
@@ -102,7 +105,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         sched = start("scheduler", psrt_command("scheduler", "--bind", f"tcp://{host}:*", "--servers",
                                                 str(num_servers), "--workers", str(num_workers), "--mode", mode,
                                                 "--timeout", str(start_timeout),
-                                                "--staleness", str(staleness), *(["--elastic"] if elastic else [])),
+                                                *(["--staleness", str(staleness)] if staleness is not None else []),
+                                                *(["--elastic"] if elastic else [])),
                       env, ready=SCHEDULER_READY)
         endpoint = sched.wait_ready(30.0).group(1)
         job_env = {**env, "PSRT_SCHEDULER": endpoint, "PSRT_NUM_SERVERS": str(num_servers),

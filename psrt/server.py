@@ -42,7 +42,6 @@ log = logging.getLogger("psrt.server")
 #: Messages handled per wake-up before the loop checks for a stop request again.
 _BATCH = 256
 
-
 #: A well-formed request the shard must refuse; ``code`` goes into the error reply.
 RequestError = RequestRefused
 
@@ -60,7 +59,7 @@ class Server:
     BindError
         When the endpoint cannot be bound.
     ConfigError
-        When ``config.keys`` names a missing or unusable key directory.
+        When ``config.keys`` names a missing or unusable key directory, or ``config.checkpoint_dir`` is unwritable.
 
     Examples
     --------
@@ -71,6 +70,7 @@ class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         keys = security.load_keys(config.keys, serve=True, connect=False)
+        checkpoint.check_directory(config.checkpoint_dir)  # unwritable: fail now, not at every checkpoint
         self._ctx = transport.new_context()
         try:
             self._chan = transport.RouterChannel(self._ctx, config.bind, config.hwm, config.send_timeout,
@@ -233,12 +233,12 @@ class Server:
                 self._reply(identity, wire.encode_saved(req.id, str(self.checkpoint())))
             else:
                 self._reply(identity, wire.encode_stats(req.id, self.stats()))
-        except RequestError as exc:
-            self._error(identity, req.id, exc.code, str(exc))
+        except RequestError as exc:  # an operator's refused checkpoint request is no error of the shard's traffic
+            self._error(identity, req.id, exc.code, str(exc), counted=not isinstance(req, wire.CheckpointRequest))
         except ConfigError as exc:
             self._error(identity, req.id, "config", str(exc))
         except checkpoint.CheckpointError as exc:
-            self._error(identity, req.id, "checkpoint", str(exc))
+            self._error(identity, req.id, "checkpoint", str(exc), counted=False)
         except Exception as exc:  # a bug must not take the shard down; say what happened
             log.exception("internal error handling %s", req.op)
             self._error(identity, req.id, "internal", f"{type(exc).__name__}: {exc}")
@@ -435,8 +435,8 @@ class Server:
             return
         self.counters.bytes_out += len(frames[0])
 
-    def _error(self, identity: bytes, request_id: int, code: str, message: str) -> None:
-        self.counters.errors += 1
+    def _error(self, identity: bytes, request_id: int, code: str, message: str, counted: bool = True) -> None:
+        self.counters.errors += counted
         log.info("error reply (%s): %s", code, message)
         self._reply(identity, wire.encode_error(request_id, code, message))
 

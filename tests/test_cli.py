@@ -139,3 +139,37 @@ def test_a_port_out_of_range_is_refused_in_process_too():
         Scheduler("tcp://127.0.0.1:70000", 1, 1)
     with pytest.raises(psrt.ConfigError, match="99999"):
         psrt.Client(servers=["tcp://127.0.0.1:99999"])
+
+
+@pytest.mark.parametrize("args, says", [
+    (("scheduler", "--timeout", "-1"), "--timeout"),
+    (("launch", "-s", "1", "-w", "1", "--timeout", "-1", "--", "true"), "--timeout"),
+    (("checkpoint", "tcp://127.0.0.1:1", "--timeout", "-5"), "--timeout"),
+    (("stats", "tcp://127.0.0.1:1", "--count", "0"), "--count"),  # never stopped
+    (("stats", "tcp://127.0.0.1:1", "--count", "-1"), "--count"),
+    (("stats", "tcp://127.0.0.1:1", "--interval", "-1"), "--interval"),  # a ValueError from time.sleep
+    (("server", "--checkpoint-dir", "/tmp", "--checkpoint-every", "0"), "--checkpoint-every"),
+    (("server", "--checkpoint-dir", "/tmp", "--checkpoint-secs", "-1"), "--checkpoint-secs"),
+    (("server", "--mode", "sync", "--staleness", "2"), "--staleness"),
+    (("scheduler", "--mode", "async", "--staleness", "1"), "--staleness"),
+    (("launch", "-s", "1", "-w", "1", "--staleness", "1", "--", "true"), "--staleness"),
+])
+def test_a_value_that_cannot_be_meant_is_a_usage_error(args, says):
+    proc = run_psrt(*args, timeout=30)
+    assert says in one_line_error(proc)
+    assert "ready" not in proc.stdout  # refused before anything started
+
+
+def test_an_unwritable_checkpoint_dir_fails_at_start(tmp_path):
+    (tmp_path / "file").write_text("")
+    where = tmp_path / "file" / "checkpoints"  # under a regular file: no user can write there, root neither
+    proc = run_psrt("server", "--bind", "tcp://127.0.0.1:*", "--checkpoint-dir", str(where), "--checkpoint-every",
+                    "5", timeout=30)
+    line = one_line_error(proc)
+    assert line.startswith("psrt: error: --checkpoint-dir") and str(where) in line
+    assert "ready" not in proc.stdout  # it used to serve, and warn at every checkpoint
+
+
+def test_launch_refuses_a_staleness_without_ssp_in_process():
+    with pytest.raises(psrt.ConfigError, match="--mode ssp"):
+        launch.launch(1, 1, ["true"], mode="sync", staleness=2)

@@ -190,3 +190,68 @@ def test_a_negative_wait_timeout_is_refused(shards):
         assert handle.wait(timeout=30)["w"].shape == (3,)  # nothing was lost by the refusals
         with pytest.raises(psrt.ConfigError, match="timeout"):
             c.pull(timeout=-1)
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_before_binding(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(psrt.ConfigError, match="--checkpoint-dir"):
+        Server(ServerConfig(bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "file" / "ck")))
+
+
+def test_a_refused_checkpoint_request_is_not_a_shard_error(shards):
+    group = shards(1)  # no --checkpoint-dir
+    with psrt.Client(group.endpoints) as c:
+        c.init({"w": np.zeros(3, np.float32)})
+        with pytest.raises(psrt.ServerError, match="without --checkpoint-dir"):
+            c.checkpoint(timeout=20)
+        c.stats()
+        (stats,) = c.stats()
+    assert stats["errors"] == 0  # an operator's probe used to count as one of the shard's errors
+
+
+@pytest.fixture
+def lone_scheduler():
+    """A real scheduler process whose job never forms (it waits for a server and a worker)."""
+    proc = subprocess.Popen([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "1", "--workers", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "psrt-scheduler ready" in line, line
+        yield line.split("endpoint=")[1].split()[0]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+@pytest.mark.parametrize("command", ["stats", "checkpoint"])
+def test_stats_and_checkpoint_before_the_job_forms_are_a_psrt_error(lone_scheduler, command):
+    proc = subprocess.run([*PSRT, command, lone_scheduler], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2, proc.stdout + proc.stderr  # was 1, on stdout
+    assert proc.stderr.startswith("psrt: error:") and "no servers have joined yet" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_checkpoint_waits_for_the_scheduler_as_long_as_its_timeout_says():
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # a "scheduler" that never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        started = time.monotonic()
+        proc = subprocess.run([*PSRT, "checkpoint", f"tcp://127.0.0.1:{port}", "--timeout", "3"],
+                              capture_output=True, text=True, timeout=30)
+        assert time.monotonic() - started > 2.5
+        assert proc.returncode == 2 and "within 3s" in proc.stderr, proc.stderr  # it said (and waited) 5s
+    finally:
+        silent.close(0)
+        ctx.term()
+
+
+def test_the_ctr_example_without_a_scheduler_prints_one_error_line():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PSRT_", "DMLC_"))}
+    env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "psrt.examples.ctr"], capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("ctr: error:") and "PSRT_SCHEDULER" in line
