@@ -14,9 +14,12 @@ server, or a worker that runs CMD.
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,7 +32,12 @@ from psrt.daemon import run_scheduler, run_server
 from psrt.errors import ConfigError, PsrtTimeoutError
 from psrt.process import SCHEDULER_READY, Child, describe_exit, exit_status, psrt_command, stop_children
 
-__all__ = ["launch", "run_role", "exit_status", "SCHEDULER_READY"]
+__all__ = ["launch", "run_role", "scheduler_bind", "exit_status", "SCHEDULER_READY"]
+
+log = logging.getLogger("psrt.launch")
+
+#: Hosts in a scheduler's URI that ask for every interface.
+_EVERYWHERE = ("0.0.0.0", "*", "::", "[::]")
 
 
 def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str = "sync",
@@ -173,6 +181,65 @@ def _supervise(sched: Child, servers: list[Child], workers: list[Child], procs: 
     return 0
 
 
+def scheduler_bind(endpoint: str) -> str:
+    """Where ``psrt run``'s scheduler binds, given the job's scheduler endpoint ``tcp://HOST:PORT``.
+
+    A scheduler listens on every interface only when asked (HOST ``0.0.0.0`` or ``*``). Otherwise it binds the
+    address HOST names on this host: an address of this host as given, a name resolved (a local non-loopback
+    address first). A name that resolves to loopback here binds loopback (with a warning: other hosts cannot
+    reach it). An address that is not this host's (a Kubernetes Service name resolves to a virtual IP) is an
+    error saying to set the URI to 0.0.0.0 on the scheduler.
+
+    Raises
+    ------
+    ConfigError
+        When HOST cannot be resolved, or is not an address of this host.
+    """
+    host, _, port = endpoint[len("tcp://"):].rpartition(":") if endpoint.startswith("tcp://") else ("", "", "")
+    if not host:
+        raise ConfigError(f"psrt run: the scheduler binds a TCP endpoint tcp://HOST:PORT, got {endpoint!r}")
+    if host in _EVERYWHERE:
+        return f"tcp://*:{port}"
+    if host.startswith("["):  # an IPv6 literal: bound as given
+        return endpoint
+    try:
+        found = [info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)]
+    except OSError:
+        raise ConfigError(f"psrt run: cannot resolve the scheduler's host {host!r} (DMLC_PS_ROOT_URI or "
+                          "PSRT_SCHEDULER)") from None
+    local = [a for a in dict.fromkeys(found) if _is_local(a)]
+    if not local:
+        shown = ", ".join(dict.fromkeys(found))
+        raise ConfigError(f"psrt run: the scheduler's host {host!r}{f' ({shown})' if shown != host else ''} is not "
+                          "an address of this host, so the scheduler cannot listen there; on the scheduler, set "
+                          f"DMLC_PS_ROOT_URI=0.0.0.0 (or PSRT_SCHEDULER=tcp://0.0.0.0:{port}) to listen on every "
+                          "interface, or give this host's own address")
+    outside = [a for a in local if not ipaddress.ip_address(a).is_loopback]
+    if not outside and _is_name(host) and host != "localhost":  # e.g. /etc/hosts maps this host's name so
+        log.warning("the scheduler's host %r is loopback (%s) on this host: only processes of this host can reach "
+                    "it; give the address other hosts reach it at, or 0.0.0.0 to listen on every interface",
+                    host, local[0])
+    return f"tcp://{(outside or local)[0]}:{port}"
+
+
+def _is_name(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return True
+    return False
+
+
+def _is_local(address: str) -> bool:
+    """Whether ``address`` is one of this host's (a socket can bind it); no packet is sent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
+
+
 def run_role(command: Sequence[str], cluster: Optional[ClusterConfig] = None) -> int:
     """Become the scheduler, a server, or a worker running ``command``, as the environment says."""
     cluster = cluster if cluster is not None else ClusterConfig.from_env()
@@ -185,8 +252,7 @@ def run_role(command: Sequence[str], cluster: Optional[ClusterConfig] = None) ->
         if cluster.num_servers is None or cluster.num_workers is None:
             raise ConfigError("psrt run: the scheduler needs PSRT_NUM_SERVERS and PSRT_NUM_WORKERS "
                               "(or DMLC_NUM_SERVER and DMLC_NUM_WORKER)")
-        port = cluster.scheduler.rsplit(":", 1)[-1]
-        return run_scheduler(f"tcp://*:{port}", cluster.num_servers, cluster.num_workers, cluster.mode,
+        return run_scheduler(scheduler_bind(cluster.scheduler), cluster.num_servers, cluster.num_workers, cluster.mode,
                              start_timeout=cluster.start_timeout, elastic=cluster.elastic)
     if cluster.role == "server":
         return run_server(scheduler=cluster.scheduler, host=cluster.node_host or None)

@@ -173,3 +173,42 @@ def test_an_unwritable_checkpoint_dir_fails_at_start(tmp_path):
 def test_launch_refuses_a_staleness_without_ssp_in_process():
     with pytest.raises(psrt.ConfigError, match="--mode ssp"):
         launch.launch(1, 1, ["true"], mode="sync", staleness=2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("uri, bound", [("127.0.0.1", "127.0.0.1"), ("localhost", "127.0.0.1"),
+                                        ("0.0.0.0", "0.0.0.0")])
+def test_psrt_run_binds_the_schedulers_uri_not_every_interface(uri, bound):
+    port = free_port()
+    env = {**os.environ, "DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": uri, "DMLC_PS_ROOT_PORT": str(port),
+           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}
+    env.pop("PSRT_SCHEDULER", None)
+    proc = subprocess.Popen([*PSRT, "run"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "psrt-scheduler ready" in line, line
+        assert f"endpoint=tcp://{bound}:{port} " in line  # it was tcp://0.0.0.0:PORT whatever the URI said
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+def test_psrt_run_refuses_a_scheduler_address_of_another_host():
+    env = {"DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": "203.0.113.77", "DMLC_PS_ROOT_PORT": "5700",
+           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}
+    line = one_line_error(run_psrt("run", env=env, timeout=30))
+    assert "203.0.113.77" in line and "not an address of this host" in line and "DMLC_PS_ROOT_URI=0.0.0.0" in line
+
+
+def test_scheduler_bind_resolves_names_and_keeps_the_explicit_everywhere():
+    assert launch.scheduler_bind("tcp://0.0.0.0:5700") == "tcp://*:5700"
+    assert launch.scheduler_bind("tcp://127.0.0.1:5700") == "tcp://127.0.0.1:5700"
+    assert launch.scheduler_bind(f"tcp://{socket.gethostname()}:5700").startswith("tcp://")
+    with pytest.raises(psrt.ConfigError, match="cannot resolve"):
+        launch.scheduler_bind("tcp://no-such-host.invalid:5700")
