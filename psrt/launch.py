@@ -94,8 +94,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
     lock = threading.Lock()
     env = dict(extra_env or {})  # on top of this process's environment (Child adds it)
     if threading.current_thread() is threading.main_thread():
-        # SIGTERM to the launcher tears the job down like Ctrl-C does.
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        # SIGTERM to the launcher tears the job down like Ctrl-C does, and exits 128 + 15 as supervisors expect.
+        signal.signal(signal.SIGTERM, _terminated)
     procs: list[Child] = []
     sockdir = tempfile.mkdtemp(prefix="psrt-") if transport == "ipc" else None
     keydir = tempfile.mkdtemp(prefix="psrt-keys-") if secure else None  # mkdtemp: 0700, only this user
@@ -128,16 +128,26 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         workers = [start(f"worker {i}", command, {**job_env, "PSRT_ROLE": "worker", "PSRT_WORKER_ID": str(i)})
                    for i in range(num_workers)]
         return _supervise(sched, servers, workers, procs, out, lock, elastic)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        by = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
         with lock:
-            out.write("psrt launch: interrupted; stopping every process\n")
-        return 128 + signal.SIGINT
+            out.write(f"psrt launch: {'terminated' if by == signal.SIGTERM else 'interrupted'}; stopping every "
+                      "process\n")
+        return 128 + by
     finally:
         stop_children(procs)
         if sockdir:
             shutil.rmtree(sockdir, ignore_errors=True)
         if keydir:
             shutil.rmtree(keydir, ignore_errors=True)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM to the launcher: unwinds like Ctrl-C, but the exit code says SIGTERM."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 def _supervise(sched: Child, servers: list[Child], workers: list[Child], procs: list[Child], out: IO[str],

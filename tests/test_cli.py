@@ -212,3 +212,23 @@ def test_scheduler_bind_resolves_names_and_keeps_the_explicit_everywhere():
     assert launch.scheduler_bind(f"tcp://{socket.gethostname()}:5700").startswith("tcp://")
     with pytest.raises(psrt.ConfigError, match="cannot resolve"):
         launch.scheduler_bind("tcp://no-such-host.invalid:5700")
+
+
+def test_launch_exits_143_on_sigterm():
+    import signal
+
+    proc = subprocess.Popen([*PSRT, "launch", "-s", "1", "-w", "1", "--", sys.executable, "-c",
+                             "import time; print('worker up', flush=True); time.sleep(120)"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "worker up" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM, out  # was 130, Ctrl-C's code
+        assert "terminated; stopping every process" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
