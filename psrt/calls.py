@@ -36,26 +36,17 @@ log = logging.getLogger("psrt.client")
 Key = tuple[str, int]
 
 
-def payload_of(chunks: list[Chunk], arrays: Mapping[str, np.ndarray], compress: Optional[str] = None,
-               residuals: Optional[compression.Residuals] = None,
+def payload_of(chunks: list[Chunk], arrays: Mapping[str, np.ndarray],
                lane: Optional[LaneUse] = None) -> tuple[list[list[Any]], list[np.ndarray]]:
     """The header entries of a message's chunks and their bytes: views of the caller's arrays (no copy), or with
-    ``compress``, compressed copies of float32 gradients (:mod:`psrt.compression`; ``residuals``: top-k's
-    error feedback by chunk key, updated here), or with ``lane``, their copies in its segment."""
+    ``lane``, their copies in its segment (compression: :meth:`psrt.pushes.PushPlans.send`)."""
     entries, payload = [], []
     for c in chunks:  # one loop, not two comprehensions: this runs for every message a client sends
         entries.append(wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)))
         if lane is None:
             flat = arrays[c.name].reshape(-1)
             payload.append(flat if c.start == 0 and c.count == flat.size else flat[c.start:c.start + c.count])
-    if lane is not None:
-        return entries, list(lane.inputs)
-    if compress is not None:
-        for i, chunk in enumerate(payload):
-            packed = compression.encode(compress, chunk, residuals, (chunks[i].name, chunks[i].part))
-            if packed is not None:  # else the chunk goes at full precision (float64, or out of fp16's range)
-                entries[i][2], payload[i] = packed
-    return entries, payload
+    return (entries, list(lane.inputs)) if lane is not None else (entries, payload)
 
 
 @dataclass
@@ -69,6 +60,8 @@ class _Pending:
     #: send it over the socket instead, should the shard refuse the lane.
     lane: Optional[LaneUse] = None
     plain: Optional[Callable[[int], list[Any]]] = None
+    #: Called when the shard refuses the request (top-k: its residual changes are taken back).
+    refused: Optional[Callable[[], None]] = None
 
 
 class Handle:
@@ -156,8 +149,10 @@ class ShardCalls:
         self.versions: dict[Key, int] = {}
         self._key_shard: dict[Key, int] = {}
         self._connections = [0] * len(self.channels)  # handshakes seen per shard (see _ride_through)
-        #: Called with a shard whose shared-memory lane is gone (it restarted, or refused the lane).
+        #: Called with a shard whose shared-memory lane is gone (it restarted, or refused the lane); and with one
+        #: that restarted (maybe from a checkpoint, behind what it was).
         self.lane_lost: Callable[[int], None] = lambda shard: None
+        self.restarted: Callable[[int], None] = lambda shard: None
         #: The client's lanes (:class:`psrt.lanes.WorkerLanes`), which copy parameters a shard shares; its rank.
         self.lanes: Any = None
         self.rank = 0
@@ -173,7 +168,7 @@ class ShardCalls:
 
     def send(self, handle: Handle, shard: int, chunks: list[Chunk], encode: Callable[[int], list[Any]],
              resend: Optional[Callable[[int], list[Any]]] = None, lane: Optional[LaneUse] = None,
-             plain: Optional[Callable[[int], list[Any]]] = None) -> None:
+             plain: Optional[Callable[[int], list[Any]]] = None, refused: Optional[Callable[[], None]] = None) -> None:
         """Send one request to ``shard``, its frames made by ``encode(request_id)``; the reply goes to ``handle``.
 
         ``resend`` makes the frames to send again if the shard restarts before answering (default: ``encode``;
@@ -185,7 +180,7 @@ class ShardCalls:
         self._next_id += 1
         for c in chunks:
             self._key_shard[c.key] = shard
-        self._pending[rid] = _Pending(handle, shard, chunks, encode if resend is None else resend, lane, plain)
+        self._pending[rid] = _Pending(handle, shard, chunks, encode if resend is None else resend, lane, plain, refused)
         handle._outstanding.add(rid)
         try:
             self.channels[shard].send(encode(rid), self.config.timeout)
@@ -307,6 +302,7 @@ class ShardCalls:
                     self.servers[shard], len(pending))
         self.versions = {k: v for k, v in self.versions.items() if self._key_shard.get(k) != shard}
         self.lane_lost(shard)  # its lanes died with it; what was sent over one goes again over the socket
+        self.restarted(shard)
         for rid, p in pending:
             self.channels[shard].send(p.resend(rid), self.config.timeout)
 
@@ -377,6 +373,8 @@ class ShardCalls:
             return
         ch.discard_rest()
         if isinstance(reply, wire.ErrorReply):
+            if pending.refused is not None:
+                pending.refused()
             handle._fail(ServerError(f"shard {endpoint} refused {handle.op}: [{reply.code}] {reply.message}",
                                      shard=endpoint, code=reply.code))
         elif isinstance(reply, wire.AckReply):

@@ -212,6 +212,7 @@ class Client(EmbeddingCalls):
                                     f"(use .astype(np.float32))")
             arrays[name] = a
         chunks = self._map.add({n: (a.shape, a.dtype) for n, a in arrays.items()})
+        self._pushes.forget(arrays)  # top-k: no residual of an earlier life of these names carries over
         # The tensors count as initialized only once every shard has accepted them: whatever goes wrong below,
         # the client forgets them again, so a corrected retry starts from the state before this call.
         try:
