@@ -136,7 +136,7 @@ class Client(EmbeddingCalls):
             self._ctx = transport.new_context()
         self._calls = ShardCalls(self._ctx, self.servers, self.config,
                                  check=self._heartbeat.check if self._heartbeat is not None else None)
-        self._map = PartitionMap(len(self.servers), self.config.partition_bytes)
+        self._map = PartitionMap(len(self.servers), self.config.partition_bytes, self.config.limits.max_header_bytes)
         # A fresh session per client: a restarted worker's sequence numbers are not mistaken for replays.
         self._session = secrets.randbits(63)
         self._seq = [0] * len(self.servers)

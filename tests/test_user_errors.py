@@ -255,3 +255,17 @@ def test_the_ctr_example_without_a_scheduler_prints_one_error_line():
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("ctr: error:") and "PSRT_SCHEDULER" in line
+
+
+def test_many_tensors_with_long_names_fit_the_shards_header_limit(shards):
+    # 4,096 tensors of 1,024-character names made one 4.2 MB header: over the shard's 1 MiB limit, the socket cut
+    # the client off and init ran into its timeout.
+    group = shards(1)
+    params = {f"{i:04d}" + "x" * 1020: np.full(2, i, np.float32) for i in range(4096)}
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
+        c.init(params, optimizer=psrt.SGD(lr=1.0))
+        got = c.push_pull({name: np.ones(2, np.float32) for name in params})
+        assert all(np.array_equal(got[name], value - 1) for name, value in params.items())
+        assert len(c.pull()) == len(params)
+        (stats,) = c.stats()
+    assert stats["errors"] == 0 and stats["keys"] == len(params)
