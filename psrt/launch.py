@@ -17,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -30,7 +31,7 @@ from typing import IO, Optional, Sequence
 from psrt.config import ClusterConfig
 from psrt.daemon import run_scheduler, run_server
 from psrt.errors import ConfigError, PsrtTimeoutError
-from psrt.process import SCHEDULER_READY, Child, describe_exit, exit_status, psrt_command, stop_children
+from psrt.process import SCHEDULER_READY, SERVER_READY, Child, describe_exit, exit_status, psrt_command, stop_children
 
 __all__ = ["launch", "run_role", "scheduler_bind", "exit_status", "SCHEDULER_READY"]
 
@@ -123,8 +124,10 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         def bind(i: int) -> list[str]:
             return ["--bind", f"ipc://{sockdir}/server-{i}.sock"] if sockdir else []
 
-        servers = [start(f"server {i}", psrt_command("server", "--scheduler", endpoint, "--host", host, *bind(i)),
-                         {**job_env, "PSRT_ROLE": "server"}) for i in range(num_servers)]
+        # The scheduler ranks servers in the order they register: each takes its label from its ready line's rank.
+        servers = [start("server", psrt_command("server", "--scheduler", endpoint, "--host", host, *bind(i)),
+                         {**job_env, "PSRT_ROLE": "server"}, ready=SERVER_READY, relabel=_server_label)
+                   for i in range(num_servers)]
         workers = [start(f"worker {i}", command, {**job_env, "PSRT_ROLE": "worker", "PSRT_WORKER_ID": str(i)})
                    for i in range(num_workers)]
         return _supervise(sched, servers, workers, procs, out, lock, elastic)
@@ -140,6 +143,11 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
             shutil.rmtree(sockdir, ignore_errors=True)
         if keydir:
             shutil.rmtree(keydir, ignore_errors=True)
+
+
+def _server_label(ready: re.Match) -> str:
+    rank = re.search(r" rank=(\d+)", ready.string)
+    return f"server {rank.group(1)}" if rank else "server"
 
 
 class _Terminated(KeyboardInterrupt):

@@ -232,3 +232,20 @@ def test_launch_exits_143_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_launch_on_an_address_of_another_host_says_why_the_scheduler_did_not_start():
+    line = one_line_error(run_psrt("launch", "-s", "1", "-w", "1", "--host", "203.0.113.77", "--", "true"))
+    assert line.startswith("psrt: error: scheduler exited with code 2 before it was ready")
+    assert "cannot bind tcp://203.0.113.77" in line and not line.endswith("''")  # it ended in '' (output streamed)
+
+
+def test_launch_labels_each_server_with_its_rank():
+    import re
+
+    proc = run_psrt("launch", "-s", "4", "-w", "1", "--", sys.executable, "-c", "import psrt; psrt.Client().close()",
+                    timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ready = re.findall(r"^\[server (\d+)\] psrt-server ready .* rank=(\d+)$", proc.stdout, re.M)
+    assert len(ready) == 4, proc.stdout
+    assert all(label == rank for label, rank in ready), ready  # labels went by start order, ranks by registration
