@@ -117,7 +117,8 @@ def _model(args: argparse.Namespace) -> int:
     print(f"model {args.model}: {model_bytes(tensors) / 1e6:.1f} MB in "
           f"{len(tensors)} tensors; links: worker {args.link}, server {args.server_link or args.link}; compute "
           f"{args.compute_ms:g} ms; {args.mode}")
-    print(f"calibration: aggregation {cal.agg_bytes_per_s / 1e9:.2f} GB/s, message overhead "
+    what = "calibration (measured here)" if args.calibrate else "assumed costs (--calibrate measures them)"
+    print(f"{what}: aggregation {cal.agg_bytes_per_s / 1e9:.2f} GB/s, message overhead "
           f"{cal.msg_overhead_s * 1e6:.0f} us, round trip {cal.rtt_s * 1e6:.0f} us")
     for servers in args.servers:
         base = perfmodel.scenario_for(1, servers, tensors, link, args.compute_ms / 1000, args.mode,

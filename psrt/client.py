@@ -181,7 +181,8 @@ class Client(EmbeddingCalls):
         params : mapping of str to array
             Initial values (float32 or float64).
         optimizer : Optimizer, optional
-            A named optimizer (:class:`psrt.SGD`, :class:`psrt.Adam`, ...); ``SGD(lr=0.01)`` when omitted.
+            A named optimizer (:class:`psrt.SGD`, :class:`psrt.Adam`, ...); ``psrt.SGD()``, ``SGD(lr=0.001)``,
+            when omitted.
         timeout : float, optional
             Seconds to wait for the shards.
 

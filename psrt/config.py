@@ -257,8 +257,9 @@ class ClientConfig:
         _positive("warn_after", self.warn_after, float, "PSRT_WARN_AFTER")
         try:
             object.__setattr__(self, "compression", compression_check(self.compression))
-        except ValueError as exc:
-            raise ConfigError(f"{exc} (PSRT_COMPRESSION)") from None
+        except ValueError as exc:  # name the variable only when the value came from it
+            where = " (PSRT_COMPRESSION)" if os.environ.get("PSRT_COMPRESSION") == self.compression else ""
+            raise ConfigError(f"{exc}{where}") from None
         _positive("partition_bytes", self.partition_bytes)
         if self.partition_bytes < 8:
             raise ConfigError(f"partition_bytes must be at least 8, got {self.partition_bytes}")
@@ -290,7 +291,7 @@ class ClusterConfig:
     num_servers, num_workers : int or None
         S and W, when known.
     mode : str
-        ``"sync"`` or ``"async"``.
+        ``"sync"``, ``"async"`` or ``"ssp"``.
     worker_id : int or None
         A worker's requested rank (otherwise the scheduler assigns one in order of registration).
     node_host : str or None

@@ -55,7 +55,7 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         The worker program and its arguments; each copy gets ``PSRT_SCHEDULER``, ``PSRT_ROLE=worker``,
         ``PSRT_WORKER_ID``, ``PSRT_NUM_WORKERS``, ``PSRT_NUM_SERVERS`` and ``PSRT_MODE``.
     mode : str
-        ``"sync"`` or ``"async"``.
+        ``"sync"``, ``"async"`` or ``"ssp"`` (with ``staleness``).
     host : str
         Address the scheduler and servers bind on.
     start_timeout : float, optional

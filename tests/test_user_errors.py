@@ -269,3 +269,63 @@ def test_many_tensors_with_long_names_fit_the_shards_header_limit(shards):
         assert len(c.pull()) == len(params)
         (stats,) = c.stats()
     assert stats["errors"] == 0 and stats["keys"] == len(params)
+
+
+def test_a_bad_compression_argument_is_not_blamed_on_the_environment(monkeypatch):
+    monkeypatch.delenv("PSRT_COMPRESSION", raising=False)
+    with pytest.raises(psrt.ConfigError) as info:
+        psrt.Client(servers=["tcp://127.0.0.1:5701"], compression="fp8")
+    assert "fp8" in str(info.value) and "PSRT_COMPRESSION" not in str(info.value)
+    monkeypatch.setenv("PSRT_COMPRESSION", "fp8")
+    with pytest.raises(psrt.ConfigError, match=r"\(PSRT_COMPRESSION\)"):
+        ClientConfig()
+
+
+def test_init_without_an_optimizer_uses_the_documented_default(shards):
+    import re
+
+    documented = float(re.search(r"``SGD\(lr=([0-9.e-]+)\)``", psrt.Client.init.__doc__).group(1))
+    assert documented == psrt.SGD().lr  # the docstring said 0.01
+    group = shards(1)
+    with psrt.Client(group.endpoints) as c:
+        c.init({"w": np.zeros(2, np.float32)})
+        np.testing.assert_allclose(c.push_pull({"w": np.ones(2, np.float32)})["w"], -documented)
+
+
+def test_adam_takes_torchs_betas():
+    assert psrt.Adam(betas=(0.8, 0.99)) == psrt.Adam(beta1=0.8, beta2=0.99)  # was a TypeError
+    assert psrt.AdamW(lr=0.1, betas=(0.5, 0.6)).to_wire()["beta2"] == 0.6
+    with pytest.raises(psrt.ConfigError, match="not both"):
+        psrt.Adam(betas=(0.8, 0.99), beta1=0.7)
+    with pytest.raises(psrt.ConfigError, match="pair"):
+        psrt.Adam(betas=(0.8,))
+
+
+def test_a_server_that_never_became_ready_prints_no_stopped_line(busy_port):
+    proc = subprocess.run([*PSRT, "server", "--bind", "tcp://127.0.0.1:*", "--metrics-port", str(busy_port)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--metrics-port" in proc.stderr
+    assert "ready" not in proc.stdout and "stopped" not in proc.stdout, proc.stdout
+
+
+def test_a_table_defined_differently_is_named_field_by_field(shards):
+    group = shards(1)
+    with psrt.Client(group.endpoints) as a, psrt.Client(group.endpoints) as b:
+        a.init_embedding("t", dim=4)
+        with pytest.raises(psrt.ServerError) as info:
+            b.init_embedding("t", dim=8, dtype=np.float64)
+    message = str(info.value)
+    assert "dim 4 vs 8" in message and "dtype float32 vs float64" in message
+    assert "TableSpec(" not in message and "dtype('" not in message and "seed" not in message
+
+
+def test_a_bad_mode_lists_ssp_too():
+    with pytest.raises(psrt.ConfigError, match="'ssp'"):
+        Scheduler("tcp://127.0.0.1:*", 1, 1, mode="bsp")
+
+
+def test_psrt_model_does_not_call_its_defaults_a_calibration():
+    proc = subprocess.run([*PSRT, "model", "--workers", "1", "--servers", "1"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "calibration" not in proc.stdout and "assumed costs (--calibrate measures them)" in proc.stdout
