@@ -83,8 +83,9 @@ class ShardReplies:
             return
         self.counters.bytes_out += len(frames[0])
 
-    def error(self, identity: bytes, request_id: int, code: str, message: str) -> None:
-        """Send an ``error`` reply (the request changed nothing)."""
-        self.counters.errors += 1
+    def error(self, identity: bytes, request_id: int, code: str, message: str, counted: bool = True) -> None:
+        """Send an ``error`` reply (the request changed nothing); ``counted``: a shard error (an operator's
+        refused request is not one)."""
+        self.counters.errors += counted
         log.info("error reply (%s): %s", code, message)
         self.reply(identity, wire.encode_error(request_id, code, message))

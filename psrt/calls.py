@@ -25,6 +25,7 @@ from psrt.errors import (
     ShardTimeoutError,
     refusal,
 )
+from psrt.handles import Handle
 from psrt.lanes import LANE_CODES, LaneUse
 from psrt.partition import Chunk
 
@@ -46,58 +47,8 @@ class _Pending:
     #: send it over the socket instead, should the shard refuse the lane.
     lane: Optional[LaneUse] = None
     plain: Optional[Callable[[int], list[Any]]] = None
-
-
-class Handle:
-    """A call in flight. :meth:`wait` returns its result: parameters for pulls, None for pushes."""
-
-    def __init__(self, calls: ShardCalls, op: str, outputs: Optional[dict[str, np.ndarray]]) -> None:
-        self._calls = calls
-        self.op = op
-        self._outputs = outputs
-        self._outstanding: set[int] = set()
-        self._error: Optional[BaseException] = None
-        self._conflicts: list[str] = []
-        self._jobs: dict[int, wire.JobInfo] = {}  # init: what each shard said about the job
-        self._stats: dict[int, dict[str, Any]] = {}  # stats: each shard's counters
-        self._saved: dict[int, str] = {}  # checkpoint: each shard's file
-        self._answers: dict[int, Any] = {}  # lane_probe / lane_open: each shard's reply record
-
-    def done(self) -> bool:
-        """True when every reply has arrived (takes in any replies already queued, never blocks)."""
-        if self._outstanding and not self._calls.closed:
-            self._calls.progress(self, 0.0)
-        return not self._outstanding
-
-    def wait(self, timeout: Optional[float] = None) -> Optional[dict[str, np.ndarray]]:
-        """Wait for every reply of this call and return its result.
-
-        Parameters
-        ----------
-        timeout : float, optional
-            Seconds to wait; the client's configured timeout when omitted.
-
-        Returns
-        -------
-        dict of str to numpy.ndarray or None
-            The parameters for ``pull``/``push_pull``/``init``, None for ``push``.
-
-        Raises
-        ------
-        ShardTimeoutError
-            Naming the shard(s) that did not answer in time.
-        ServerError
-            When a shard answered with an error.
-        """
-        calls = self._calls
-        calls.wait(self, calls.config.timeout if timeout is None else timeout)
-        if self._error is not None:
-            raise self._error
-        return self._outputs
-
-    def _fail(self, error: BaseException) -> None:
-        if self._error is None:
-            self._error = error
+    #: Called when the shard refuses the request (top-k: its residual changes are taken back).
+    refused: Optional[Callable[[], None]] = None
 
 
 class ShardCalls:
@@ -135,8 +86,10 @@ class ShardCalls:
         self._key_shard: dict[Key, int] = {}
         self._connections = [0] * len(self.channels)  # handshakes seen per shard (see _ride_through)
         self._unanswered = [0] * len(self.channels)  # reconnections since the shard last answered anything
-        #: Called with a shard whose shared-memory lane is gone (it restarted, or refused the lane).
+        #: Called with a shard whose shared-memory lane is gone (it restarted, or refused the lane); and with one
+        #: that restarted (maybe from a checkpoint, behind what it was).
         self.lane_lost: Callable[[int], None] = lambda shard: None
+        self.restarted: Callable[[int], None] = lambda shard: None
         #: The client's lanes (:class:`psrt.lanes.WorkerLanes`), which copy parameters a shard shares; its rank.
         self.lanes: Any = None
         self.rank = 0
@@ -152,7 +105,7 @@ class ShardCalls:
 
     def send(self, handle: Handle, shard: int, chunks: list[Chunk], encode: Callable[[int], list[Any]],
              resend: Optional[Callable[[int], list[Any]]] = None, lane: Optional[LaneUse] = None,
-             plain: Optional[Callable[[int], list[Any]]] = None) -> None:
+             plain: Optional[Callable[[int], list[Any]]] = None, refused: Optional[Callable[[], None]] = None) -> None:
         """Send one request to ``shard``, its frames made by ``encode(request_id)``; the reply goes to ``handle``.
 
         ``resend`` makes the frames to send again if the shard restarts before answering (default: ``encode``;
@@ -164,7 +117,7 @@ class ShardCalls:
         self._next_id += 1
         for c in chunks:
             self._key_shard[c.key] = shard
-        self._pending[rid] = _Pending(handle, shard, chunks, encode if resend is None else resend, lane, plain)
+        self._pending[rid] = _Pending(handle, shard, chunks, encode if resend is None else resend, lane, plain, refused)
         handle._outstanding.add(rid)
         try:
             self.channels[shard].send(encode(rid), self.config.timeout)
@@ -313,6 +266,7 @@ class ShardCalls:
                     self.servers[shard], len(pending))
         self.versions = {k: v for k, v in self.versions.items() if self._key_shard.get(k) != shard}
         self.lane_lost(shard)  # its lanes died with it; what was sent over one goes again over the socket
+        self.restarted(shard)
         for rid, p in pending:
             self.channels[shard].send(p.resend(rid), self.config.timeout)
 
@@ -384,6 +338,8 @@ class ShardCalls:
             return
         ch.discard_rest()
         if isinstance(reply, wire.ErrorReply):
+            if pending.refused is not None:
+                pending.refused()
             handle._fail(refusal(endpoint, handle.op, reply.code, reply.message))
         elif isinstance(reply, wire.AckReply):
             if len(reply.versions) != len(pending.chunks):

@@ -40,7 +40,7 @@ from psrt.errors import ConfigError, PsrtError
 from psrt.store import Entry, Store, WorkerLog
 
 __all__ = ["save", "load_latest", "file_prefix", "endpoint_prefix", "rank_of", "holdings", "choose",
-           "files_of", "CheckpointError", "Restored", "TableState", "KEEP"]
+           "files_of", "CheckpointError", "Restored", "TableState", "KEEP", "check_directory"]
 
 #: Embedding tables as :meth:`psrt.tables.TableService.state` gives them: (record, arrays) per table, and the
 #: per-table worker sequence numbers.
@@ -322,3 +322,24 @@ def load_latest(directory: Path, prefix: str) -> Optional[Restored]:
                 problem = f"unreadable ({exc})"
         log.warning("skipping checkpoint %s: %s", path, problem)
     return None
+
+
+def check_directory(directory: Optional[str | os.PathLike]) -> None:
+    """Make sure a shard can write checkpoints in ``directory`` (created if missing), at start rather than at
+    every checkpoint; None: no checkpoints, nothing to check.
+
+    Raises
+    ------
+    ConfigError
+        Naming the directory and why it cannot be written.
+    """
+    if directory is None:
+        return
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):  # the only portable test: root passes any os.access check
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--checkpoint-dir {path}: cannot write checkpoints there: {exc.strerror or exc}; give "
+                          "a directory this process can write") from None

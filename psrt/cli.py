@@ -18,13 +18,13 @@ import argparse
 import dataclasses
 import logging
 import os
-import re
 import signal
 import sys
 import time
 from typing import Optional, Sequence
 
 from psrt import __version__
+from psrt.checks import MAX_PORT, check_port, check_seconds, endpoint_error
 from psrt.config import MODES, ClusterConfig, ServerConfig
 from psrt.errors import ConfigError, PsrtError
 
@@ -33,6 +33,9 @@ __all__ = ["main", "build_parser"]
 
 def _server(args: argparse.Namespace) -> int:
     from psrt.daemon import run_server
+
+    if args.scheduler is None:  # with a scheduler, the mode and the bound come from it
+        _staleness_needs_ssp(args)
 
     return run_server(bind=args.bind, scheduler=args.scheduler, host=args.host, num_workers=args.workers,
                       mode=args.mode, nonfinite=args.nonfinite, metrics_port=args.metrics_port,
@@ -43,6 +46,8 @@ def _server(args: argparse.Namespace) -> int:
 
 def _scheduler(args: argparse.Namespace) -> int:
     from psrt.daemon import run_scheduler
+
+    _staleness_needs_ssp(args)
 
     return run_scheduler(args.bind, args.servers, args.workers, args.mode, start_timeout=args.timeout,
                          elastic=args.elastic, keys=args.keys, staleness=args.staleness)
@@ -112,7 +117,8 @@ def _model(args: argparse.Namespace) -> int:
     print(f"model {args.model}: {model_bytes(tensors) / 1e6:.1f} MB in "
           f"{len(tensors)} tensors; links: worker {args.link}, server {args.server_link or args.link}; compute "
           f"{args.compute_ms:g} ms; {args.mode}")
-    print(f"calibration: aggregation {cal.agg_bytes_per_s / 1e9:.2f} GB/s, message overhead "
+    what = "calibration (measured here)" if args.calibrate else "assumed costs (--calibrate measures them)"
+    print(f"{what}: aggregation {cal.agg_bytes_per_s / 1e9:.2f} GB/s, message overhead "
           f"{cal.msg_overhead_s * 1e6:.0f} us, round trip {cal.rtt_s * 1e6:.0f} us")
     for servers in args.servers:
         base = perfmodel.scenario_for(1, servers, tensors, link, args.compute_ms / 1000, args.mode,
@@ -140,6 +146,38 @@ def _nonnegative(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = _nonnegative(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A number of seconds > 0; ``inf``: no limit."""
+    try:
+        return check_seconds(float(text), "a timeout")
+    except (ValueError, ConfigError):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0 (inf: no limit), got {text!r}") from None
+
+
+def _interval(text: str) -> float:
+    """A finite number of seconds > 0 (a pause between two things: inf would never end)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def _staleness_needs_ssp(args: argparse.Namespace) -> None:
+    if args.staleness is not None and args.mode != "ssp":
+        raise ConfigError(f"--staleness is the bound of --mode ssp; this is --mode {args.mode}: leave --staleness out "
+                          "or use --mode ssp")
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v]
@@ -150,16 +188,20 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5}|\*)")
-
-
 def _endpoint(text: str, wildcard: bool = False) -> str:
     """A ZeroMQ endpoint checked up front, so a typo is a usage error rather than a ZeroMQ traceback."""
-    m = _TCP.fullmatch(text)
-    if m and (m.group(2) != "*" or wildcard) or (text.startswith("ipc://") and len(text) > 6):
-        return text
-    shapes = "tcp://HOST:PORT, tcp://HOST:* or ipc:///PATH" if wildcard else "tcp://HOST:PORT"
-    raise argparse.ArgumentTypeError(f"{text!r} is not an endpoint such as {shapes}")
+    problem = endpoint_error(text, bind=wildcard)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def _port(text: str) -> int:
+    """A TCP port in 1..65535 (a larger number would wrap around, a smaller one fail deep inside a server)."""
+    try:
+        return check_port(int(text))
+    except (ValueError, ConfigError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1..{MAX_PORT})") from None
 
 
 def _bind_endpoint(text: str) -> str:
@@ -209,9 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what to do with NaN/Inf gradients (default: reject)")
     s.add_argument("--checkpoint-dir", default=None, help="write checkpoints (parameters, optimizer state, "
                    "versions, sequence numbers) in this directory")
-    s.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+    s.add_argument("--checkpoint-every", type=_positive_int, default=0, metavar="N",
                    help="a checkpoint every N rounds (sync: at versions that are multiples of N; async: N pushes)")
-    s.add_argument("--checkpoint-secs", type=float, default=0.0, metavar="T",
+    s.add_argument("--checkpoint-secs", type=_interval, default=0.0, metavar="T",
                    help="a checkpoint every T seconds while the parameters change")
     s.add_argument("--restore", action="store_true",
                    help="start from the newest complete checkpoint of this shard in --checkpoint-dir: its rank's, "
@@ -223,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keys", default=defaults.keys, metavar="DIR",
                    help="the job's key directory (psrt keygen): CURVE on every socket, only the job's client key "
                         "accepted (default: $PSRT_KEYS; empty: off)")
-    s.add_argument("--metrics-port", type=int, default=None,
+    s.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics on this port (needs prometheus_client)")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     s.set_defaults(func=_server)
@@ -238,9 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=int, default=env.num_workers or 1, help="W (default: $PSRT_NUM_WORKERS or 1)")
     c.add_argument("--mode", choices=MODES, default=env.mode,
                    help="sync (BSP), async or ssp (bounded staleness) (default: $PSRT_MODE or sync)")
-    c.add_argument("--staleness", type=_nonnegative, default=env.staleness, metavar="S",
+    c.add_argument("--staleness", type=_nonnegative, default=None, metavar="S",
                    help="ssp: pushes a worker may run ahead of the slowest (default: $PSRT_STALENESS or 0)")
-    c.add_argument("--timeout", type=float, default=env.start_timeout,
+    c.add_argument("--timeout", type=_seconds, default=env.start_timeout,
                    help="seconds for everyone to register and for each barrier (default: $PSRT_START_TIMEOUT or 120)")
     c.add_argument("--elastic", action="store_true", default=env.elastic,
                    help="workers may leave (die or finish) and join while the job runs (default: $PSRT_ELASTIC)")
@@ -257,10 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("-w", "--workers", type=int, required=True, help="number of workers W")
     la.add_argument("--mode", choices=MODES, default="sync",
                     help="sync (BSP), async or ssp (bounded staleness) (default %(default)s)")
-    la.add_argument("--staleness", type=_nonnegative, default=ClusterConfig.from_env().staleness, metavar="S",
+    la.add_argument("--staleness", type=_nonnegative, default=None, metavar="S",
                     help="ssp: pushes a worker may run ahead of the slowest (default: $PSRT_STALENESS or 0)")
     la.add_argument("--host", default="127.0.0.1", help="address to bind on (default %(default)s)")
-    la.add_argument("--timeout", type=float, default=env.start_timeout,
+    la.add_argument("--timeout", type=_seconds, default=env.start_timeout,
                     help="seconds for the job to form and for each barrier (default: $PSRT_START_TIMEOUT or 120)")
     la.add_argument("--transport", choices=("auto", "tcp", "ipc"), default="auto",
                     help="worker-to-shard transport: ipc (Unix sockets) or tcp; auto: ipc on loopback "
@@ -285,15 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
         "Print a live table per shard of a running job: keys, MB held, pushes, pulls, rounds, queued pulls, "
         "deferred pushes, errors, MB/s in and out."))
     st.add_argument("scheduler", type=_endpoint, help="the scheduler's endpoint, tcp://HOST:PORT")
-    st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default %(default)s)")
-    st.add_argument("--count", type=int, default=0, help="stop after this many tables (default: until Ctrl-C)")
+    st.add_argument("--interval", type=_interval, default=1.0, help="seconds between refreshes (default %(default)s)")
+    st.add_argument("--count", type=_positive_int, default=None,
+                    help="stop after this many tables (default: until Ctrl-C)")
     st.set_defaults(func=_stats)
 
     ck = sub.add_parser("checkpoint", help="ask every shard of a running job to write a checkpoint now",
                         description="Ask every shard of the job whose scheduler is at SCHEDULER to write a "
                                     "checkpoint now (the shards need --checkpoint-dir); prints each file.")
     ck.add_argument("scheduler", type=_endpoint, help="the scheduler's endpoint, tcp://HOST:PORT")
-    ck.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default %(default)s)")
+    ck.add_argument("--timeout", type=_seconds, default=60.0, help="seconds to wait (default %(default)s)")
     ck.set_defaults(func=_checkpoint)
 
     kg = sub.add_parser("keygen", help="write a job's CURVE keys: a server pair and a client pair", description=(

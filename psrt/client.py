@@ -21,11 +21,12 @@ import numpy as np
 from psrt import dtypes, exits, security, transport, wire
 from psrt.buffers import ReceivePool
 from psrt.calls import Handle, ShardCalls
+from psrt.checks import check_endpoint
 from psrt.config import ClientConfig, ClusterConfig
 from psrt.embedding_client import EmbeddingCalls
 from psrt.errors import ConfigError, ConnectionLostError, PsrtError, PsrtTypeError
 from psrt.lanes import WorkerLanes, call_bytes
-from psrt.link import Heartbeat, SchedulerLink
+from psrt.link import Heartbeat, SchedulerLink, join_as_worker
 from psrt.optim import SGD, Optimizer
 from psrt.partition import Chunk, PartitionMap
 from psrt.pushes import PushPlans, payload_of
@@ -89,29 +90,18 @@ class Client(EmbeddingCalls):
             if scheduler is None:
                 raise ConfigError("no servers and no scheduler: pass servers=[...] or scheduler='tcp://HOST:PORT', "
                                   "or set PSRT_SCHEDULER (or DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT)")
+            check_endpoint(scheduler, what="scheduler")
             self._start_timeout = cluster.start_timeout
             self._ctx = transport.new_context()
-            self._link = SchedulerLink(self._ctx, scheduler, warn_after=self.config.warn_after,
-                                       keys=self.config.keys)
-            requested = rank if rank is not None else cluster.worker_id
             try:
-                table = self._link.register("worker", host=cluster.node_host or "",
-                                            rank=-1 if requested is None else requested,
-                                            timeout=cluster.start_timeout + 10.0)
+                self._link, self._heartbeat, table = join_as_worker(
+                    self._ctx, scheduler, cluster, rank if rank is not None else cluster.worker_id, num_workers,
+                    warn_after=self.config.warn_after, keys=self.config.keys)
             except BaseException:
-                self._link.close()
                 self._ctx.term()
                 raise
-            if num_workers is not None and num_workers != table.num_workers:
-                self._link.close()
-                self._ctx.term()
-                raise ConfigError(f"num_workers={num_workers} but the scheduler's job has {table.num_workers}")
             servers, rank, num_workers = table.servers, table.rank, table.num_workers
             self._elastic = table.elastic
-            # From here on the scheduler watches this worker: heartbeat, and hear at once if a peer dies.
-            self._heartbeat = Heartbeat(self._ctx, scheduler, rank, cluster.heartbeat_interval,
-                                        cluster.heartbeat_timeout, keys=self.config.keys)
-            self._link.check = self._heartbeat.check
         else:
             rank = 0 if rank is None else rank
             num_workers = 1 if num_workers is None else num_workers
@@ -120,8 +110,7 @@ class Client(EmbeddingCalls):
         if isinstance(servers, str) or not isinstance(servers, Sequence) or not servers:
             raise ConfigError("servers must be a non-empty list of endpoints such as ['tcp://127.0.0.1:5701']")
         for ep in servers:
-            if not isinstance(ep, str) or "://" not in ep:
-                raise ConfigError(f"server endpoint {ep!r} is not a ZeroMQ endpoint such as tcp://127.0.0.1:5701")
+            check_endpoint(ep, what="servers")
         if len(set(servers)) != len(servers):
             raise ConfigError(f"servers lists an endpoint twice: {list(servers)}")
         if type(num_workers) is not int or num_workers < 1:
@@ -136,7 +125,7 @@ class Client(EmbeddingCalls):
         self._calls = ShardCalls(self._ctx, servers, self.config, check=hb.check if hb is not None else None,
                                  moves=hb.moves if hb is not None else None)
         self.servers = self._calls.servers  # one list: a shard that restarted elsewhere is named where it is now
-        self._map = PartitionMap(len(self.servers), self.config.partition_bytes)
+        self._map = PartitionMap(len(self.servers), self.config.partition_bytes, self.config.limits.max_header_bytes)
         # A fresh session per client: a restarted worker's sequence numbers are not mistaken for replays.
         self._session = secrets.randbits(63)
         self._seq = [0] * len(self.servers)
@@ -182,7 +171,8 @@ class Client(EmbeddingCalls):
         params : mapping of str to array
             Initial values (float32 or float64).
         optimizer : Optimizer, optional
-            A named optimizer (:class:`psrt.SGD`, :class:`psrt.Adam`, ...); ``SGD(lr=0.01)`` when omitted.
+            A named optimizer (:class:`psrt.SGD`, :class:`psrt.Adam`, ...); ``psrt.SGD()``, ``SGD(lr=0.001)``,
+            when omitted.
         timeout : float, optional
             Seconds to wait for the shards.
 
@@ -213,6 +203,7 @@ class Client(EmbeddingCalls):
                                     f"(use .astype(np.float32))")
             arrays[name] = a
         chunks = self._map.add({n: (a.shape, a.dtype) for n, a in arrays.items()})
+        self._pushes.forget(arrays)  # top-k: no residual of an earlier life of these names carries over
         # The tensors count as initialized only once every shard has accepted them: whatever goes wrong below,
         # the client forgets them again, so a corrected retry starts from the state before this call.
         try:

@@ -21,7 +21,13 @@ below the chunk's count, followed by the ``k`` float32 values: ``8 * k`` bytes, 
 breaks any of this is refused by the shard's decoder before anything changes (:func:`check_frame`). The shard
 widens it to a dense float32 gradient (zeros elsewhere), so sync accumulation and every optimizer treat it
 exactly like an uncompressed gradient. A chunk whose gradient plus residual holds a NaN or Inf is sent dense at
-full precision (the shard's ``nonfinite`` policy judges it) and its residual is dropped.
+full precision (the shard's ``nonfinite`` policy judges it) and its residual is dropped. A chunk whose top-k
+frame would exceed the shards' per-tensor frame limit (``k`` near ``count``: up to twice the dense bytes) is sent
+dense too.
+
+A residual is updated when its push is encoded (the next push builds on it while this one is in flight); each
+change is recorded (``changes``), so that a push the shard refuses can be taken back out of the residuals
+(:func:`undo`): what a refused push sent is owed again, and its gradient was never applied.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ import numpy as np
 
 from psrt.errors import ProtocolError
 
-__all__ = ["CODECS", "WIRE_NAMES", "TOPK", "encode", "decode", "check", "check_frame", "topk_ratio"]
+__all__ = ["CODECS", "WIRE_NAMES", "TOPK", "encode", "decode", "check", "check_frame", "topk_ratio", "undo",
+           "Residuals", "Changes"]
 
 #: The compressions a client can ask for, and the wire dtype name of each.
 WIRE_NAMES: dict[str, str] = {"fp16": "<f2", "bf16": "bf16"}
@@ -48,10 +55,15 @@ CODECS[TOPK] = TOPK
 #: Residuals of top-k compression, by chunk key ``(name, part)``: what earlier pushes left out.
 Residuals = dict[Any, np.ndarray]
 
+#: What encoding a push did to the residuals: ``(key, residual before or None, residual after or None)`` per
+#: chunk, in order.
+Changes = list[tuple[Any, Optional[np.ndarray], Optional[np.ndarray]]]
+
 _INDEX = np.dtype("<i4")
 _VALUE = np.dtype(np.float32).newbyteorder("<")
 
 _FP16_MAX = float(np.finfo(np.float16).max)
+_FLOAT32 = np.dtype(np.float32).newbyteorder("<").str  # the wire name of float32 ("<f4")
 
 
 def check(compression: Optional[str]) -> Optional[str]:
@@ -91,17 +103,18 @@ def topk_ratio(compression: str) -> float:
     return ratio
 
 
-def encode(compression: str, chunk: np.ndarray, residuals: Optional[Residuals] = None,
-           key: Any = None) -> Optional[tuple[str, np.ndarray]]:
+def encode(compression: str, chunk: np.ndarray, residuals: Optional[Residuals] = None, key: Any = None,
+           changes: Optional[Changes] = None, max_frame: Optional[int] = None) -> Optional[tuple[str, np.ndarray]]:
     """The wire dtype name and payload of a float32 ``chunk``, or None to send it as it is.
 
-    None for a chunk that is not float32, or (fp16) that holds a value fp16 cannot carry. For ``topk:RATIO``,
-    ``residuals[key]`` is the chunk's error-feedback residual, read and replaced here (no ``residuals``: none).
+    None for a chunk that is not float32, or (fp16) that holds a value fp16 cannot carry, or (top-k) whose frame
+    would be larger than ``max_frame`` bytes. For ``topk:RATIO``, ``residuals[key]`` is the chunk's error-feedback
+    residual, read and replaced here (no ``residuals``: none), the change appended to ``changes``.
     """
     if chunk.dtype != np.float32 or chunk.size == 0:
         return None
     if compression.startswith(TOPK):
-        return _encode_topk(topk_ratio(compression), chunk, residuals, key)
+        return _encode_topk(topk_ratio(compression), chunk, residuals, key, changes, max_frame)
     if compression == "fp16":
         peak = float(np.max(np.abs(chunk)))
         if not peak <= _FP16_MAX:  # also catches NaN: it is refused by the shard at full precision
@@ -116,18 +129,30 @@ def encode(compression: str, chunk: np.ndarray, residuals: Optional[Residuals] =
     return WIRE_NAMES["bf16"], rounded.astype(np.uint16)
 
 
-def _encode_topk(ratio: float, chunk: np.ndarray, residuals: Optional[Residuals],
-                 key: Any) -> Optional[tuple[str, np.ndarray]]:
+def _encode_topk(ratio: float, chunk: np.ndarray, residuals: Optional[Residuals], key: Any,
+                 changes: Optional[Changes], max_frame: Optional[int]) -> Optional[tuple[str, np.ndarray]]:
     n = chunk.size
+    k = min(n, max(1, math.ceil(ratio * n)))
     if n > np.iinfo(_INDEX).max:
         return None
     residual = residuals.get(key) if residuals is not None else None
-    total = chunk + residual if residual is not None and residual.size == n else chunk.astype(np.float32)
+    if residual is not None and residual.size != n:
+        residual = None  # another tensor's, under the same key before (never the case in a client)
+    total = chunk + residual if residual is not None else chunk.astype(np.float32)
     if not np.isfinite(total).all():
-        if residuals is not None:
-            residuals.pop(key, None)
+        if residuals is not None and key in residuals:
+            dropped = residuals.pop(key)
+            if changes is not None:
+                changes.append((key, dropped, None))
         return None
-    k = min(n, max(1, math.ceil(ratio * n)))
+    if max_frame is not None and 8 * k > max_frame:  # the shard would cut such a frame off: send it all dense
+        if residual is None:
+            return None
+        if residuals is not None:
+            del residuals[key]
+            if changes is not None:
+                changes.append((key, residual, None))
+        return _FLOAT32, total
     if k == n:
         index = np.arange(n, dtype=_INDEX)
     else:
@@ -139,7 +164,26 @@ def _encode_topk(ratio: float, chunk: np.ndarray, residuals: Optional[Residuals]
     if residuals is not None:
         total[index] = 0.0
         residuals[key] = total
+        if changes is not None:
+            changes.append((key, residual, total))
     return TOPK, out
+
+
+def undo(residuals: Residuals, changes: Changes) -> None:
+    """Take a refused push's ``changes`` back out of ``residuals``, keeping those of pushes encoded since.
+
+    Residuals are only ever replaced, never written in place, so ``after`` still being the residual means no
+    later push touched it; otherwise the later residual is corrected by what this push changed.
+    """
+    for key, before, after in reversed(changes):
+        now = residuals.get(key)
+        if now is after:
+            if before is None:
+                residuals.pop(key, None)
+            else:
+                residuals[key] = before
+        elif now is not None and after is not None and now.shape == after.shape:
+            residuals[key] = now - after if before is None or before.shape != now.shape else now + (before - after)
 
 
 def check_frame(buffer: Any, count: int) -> None:

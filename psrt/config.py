@@ -41,6 +41,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from psrt.checks import MAX_PORT, check_endpoint
 from psrt.compression import check as compression_check
 from psrt.errors import ConfigError
 
@@ -90,8 +91,10 @@ def _check_keys(value: object) -> None:
         raise ConfigError(f"keys must be a key directory (str or path) or None, got {value!r}")
 
 
-def _positive(name: str, value: object, kind: type = int) -> None:
+def _positive(name: str, value: object, kind: type = int, env: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or not value > 0:
+        if env:  # a number of seconds, most often from the environment: say which variable and what inf means
+            raise ConfigError(f"{name} ({env}) must be a positive number of seconds (inf: no limit), got {value!r}")
         raise ConfigError(f"{name} must be a positive {kind.__name__}, got {value!r}")
 
 
@@ -202,8 +205,7 @@ class ServerConfig:
             raise ConfigError(f"checkpoint_secs must be a number of seconds >= 0, got {self.checkpoint_secs!r}")
         if self.checkpoint_dir is None and (self.checkpoint_every or self.checkpoint_secs or self.restore):
             raise ConfigError("--checkpoint-every, --checkpoint-secs and --restore need --checkpoint-dir DIR")
-        if not isinstance(self.bind, str) or "://" not in self.bind:
-            raise ConfigError(f"bind must be a ZeroMQ endpoint such as tcp://127.0.0.1:5701, got {self.bind!r}")
+        check_endpoint(self.bind, bind=True, what="bind")
         if self.rank is not None and (type(self.rank) is not int or self.rank < 0):
             raise ConfigError(f"rank must be a whole number >= 0, got {self.rank!r}")
         _positive("num_workers", self.num_workers)
@@ -225,7 +227,8 @@ class ClientConfig:
     Parameters
     ----------
     timeout : float
-        Seconds any single wait for a shard may take before :class:`~psrt.errors.ShardTimeoutError`.
+        Seconds any single wait for a shard may take before :class:`~psrt.errors.ShardTimeoutError`
+        (``PSRT_TIMEOUT=inf``: no limit).
     partition_bytes : int
         Tensors larger than this are split into contiguous chunks of at most this many bytes.
     hwm : int
@@ -257,12 +260,13 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
-        _positive("timeout", self.timeout, float)
-        _positive("warn_after", self.warn_after, float)
+        _positive("timeout", self.timeout, float, "PSRT_TIMEOUT")
+        _positive("warn_after", self.warn_after, float, "PSRT_WARN_AFTER")
         try:
             object.__setattr__(self, "compression", compression_check(self.compression))
-        except ValueError as exc:
-            raise ConfigError(f"{exc} (PSRT_COMPRESSION)") from None
+        except ValueError as exc:  # name the variable only when the value came from it
+            where = " (PSRT_COMPRESSION)" if os.environ.get("PSRT_COMPRESSION") == self.compression else ""
+            raise ConfigError(f"{exc}{where}") from None
         _positive("partition_bytes", self.partition_bytes)
         if self.partition_bytes < 8:
             raise ConfigError(f"partition_bytes must be at least 8, got {self.partition_bytes}")
@@ -294,7 +298,7 @@ class ClusterConfig:
     num_servers, num_workers : int or None
         S and W, when known.
     mode : str
-        ``"sync"`` or ``"async"``.
+        ``"sync"``, ``"async"`` or ``"ssp"``.
     worker_id : int or None
         A worker's requested rank (otherwise the scheduler assigns one in order of registration).
     node_host : str or None
@@ -334,8 +338,8 @@ class ClusterConfig:
         _check_keys(self.keys)
         if self.role is not None and self.role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {self.role!r} (set PSRT_ROLE or DMLC_ROLE)")
-        if self.scheduler is not None and "://" not in self.scheduler:
-            raise ConfigError(f"scheduler must be an endpoint such as tcp://10.0.0.1:5700, got {self.scheduler!r}")
+        if self.scheduler is not None:
+            check_endpoint(self.scheduler, what="the scheduler (PSRT_SCHEDULER, or DMLC_PS_ROOT_URI and _PORT)")
         for name in ("num_servers", "num_workers"):
             value = getattr(self, name)
             if value is not None:
@@ -347,9 +351,9 @@ class ClusterConfig:
         if type(self.staleness) is not int or self.staleness < 0:
             raise ConfigError(f"staleness must be a whole number of pushes >= 0, got {self.staleness!r} "
                               "(PSRT_STALENESS)")
-        _positive("start_timeout", self.start_timeout, float)
-        _positive("heartbeat_interval", self.heartbeat_interval, float)
-        _positive("heartbeat_timeout", self.heartbeat_timeout, float)
+        _positive("start_timeout", self.start_timeout, float, "PSRT_START_TIMEOUT")
+        _positive("heartbeat_interval", self.heartbeat_interval, float, "PSRT_HEARTBEAT_INTERVAL")
+        _positive("heartbeat_timeout", self.heartbeat_timeout, float, "PSRT_HEARTBEAT_TIMEOUT")
         if self.heartbeat_timeout < 2 * self.heartbeat_interval:
             raise ConfigError(f"heartbeat_timeout ({self.heartbeat_timeout:g}s, PSRT_HEARTBEAT_TIMEOUT) must be at "
                               f"least twice heartbeat_interval ({self.heartbeat_interval:g}s, "
@@ -398,6 +402,10 @@ class ClusterConfig:
             port = get("DMLC_PS_ROOT_PORT")
             if port is None:
                 raise ConfigError("DMLC_PS_ROOT_URI is set but DMLC_PS_ROOT_PORT is not")
+            port = port.strip()
+            if not port.isdigit() or not 1 <= int(port) <= MAX_PORT:
+                raise ConfigError(f"environment variable DMLC_PS_ROOT_PORT = {port!r} must be a TCP port "
+                                  f"(1..{MAX_PORT})")
             scheduler = f"tcp://{get('DMLC_PS_ROOT_URI')}:{port}"
         num_servers = get_int("PSRT_NUM_SERVERS", "DMLC_NUM_SERVER")
         num_workers = get_int("PSRT_NUM_WORKERS", "DMLC_NUM_WORKER")

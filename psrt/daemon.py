@@ -61,7 +61,7 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
     host : str, optional
         With ``scheduler``: the address to bind and announce (default: the one that routes to the scheduler).
     num_workers, mode : optional
-        W and ``"sync"``/``"async"`` of a standalone server (default: :class:`~psrt.config.ServerConfig`'s).
+        W and ``"sync"``/``"async"``/``"ssp"`` of a standalone server (default: :class:`~psrt.config.ServerConfig`'s).
     nonfinite : str
         ``"reject"`` or ``"allow"`` NaN/Inf gradients.
     metrics_port, metrics_host : optional
@@ -100,6 +100,7 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
     server = Server(config, scheduled=bool(scheduler))
     _stop_on_signals(server.stop)
     metrics = None
+    ready = False  # the stopped line pairs with a ready line: a server that never served says only its error
     try:
         if scheduler:
             announce = server.endpoint.replace("0.0.0.0", host) if server.endpoint.startswith("tcp://") \
@@ -126,6 +127,7 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
         rank = {"rank": link.rank} if link else {}
         print(ready_line("server", server.endpoint, mode=server.config.mode, workers=server.config.num_workers,
                          **rank), file=out, flush=True)
+        ready = True
         server.serve(control=link)
         server.checkpoint_at_exit()  # stopped cleanly (a signal, or the job's end): a restart resumes exactly
     finally:
@@ -135,8 +137,9 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
         if link is not None:
             link.close()
         server.close()
-        print(stopped_line("server", endpoint=stats["endpoint"], pushes=stats["pushes"], pulls=stats["pulls"],
-                           rounds=stats["rounds"], errors=stats["errors"]), file=out, flush=True)
+        if ready:
+            print(stopped_line("server", endpoint=stats["endpoint"], pushes=stats["pushes"], pulls=stats["pulls"],
+                               rounds=stats["rounds"], errors=stats["errors"]), file=out, flush=True)
     return 0
 
 
@@ -152,7 +155,7 @@ def run_scheduler(bind: str, num_servers: int, num_workers: int, mode: str = "sy
     num_servers, num_workers : int
         S and W.
     mode : str
-        ``"sync"`` or ``"async"``.
+        ``"sync"``, ``"async"`` or ``"ssp"``.
     start_timeout : float, optional
         Seconds for everyone to register and for each barrier (default: ``PSRT_START_TIMEOUT`` or 120).
     elastic : bool, optional

@@ -17,7 +17,7 @@ counts steps per parameter tensor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 import numpy as np
@@ -79,6 +79,15 @@ class TableSpec:
         if isinstance(opt, optim.Adam) and opt.weight_decay:
             raise ConfigError("embedding tables step Adam as torch.optim.SparseAdam, which has no weight decay; "
                               "pass weight_decay=0")
+
+    def differences(self, other: TableSpec) -> str:
+        """Where ``other`` differs from this one, field by field, as a user writes them (``float32``, not
+        ``dtype('float32')``): ``"dim 4 vs 8; optimizer SGD(lr=0.01, ...) vs AdaGrad(...)"``."""
+        def show(value: object) -> str:
+            return str(value) if isinstance(value, np.dtype) else repr(value)
+
+        return "; ".join(f"{f.name} {show(getattr(self, f.name))} vs {show(getattr(other, f.name))}"
+                         for f in fields(self) if getattr(self, f.name) != getattr(other, f.name))
 
 
 def coalesce(slots: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

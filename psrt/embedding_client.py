@@ -6,7 +6,8 @@ so rows spread evenly whatever the id pattern (contiguous, strided, or hot ids a
 the same map. A call sorts its ids by shard once (a stable argsort), sends one message per shard with that
 shard's ids as a contiguous int64 frame, receives each shard's rows straight into one buffer, and puts them
 back in the caller's order with one fancy-index assignment: no Python loop over rows. With S = 1 there is no
-reordering at all and the rows land in the output directly.
+reordering at all and the rows land in the output directly. A pull sends each distinct id once
+(``np.unique``) and gathers the rows of repeated ids back from the one copy received.
 
 A push goes to every shard, even one with no ids this time (an empty message), so that in sync mode every
 shard's round counts every worker.
@@ -46,16 +47,24 @@ class _RowKey:
 
 
 class RowsHandle(Handle):
-    """A ``pull_rows`` in flight; :meth:`wait` returns the ``(len(ids), dim)`` rows in the caller's order."""
+    """A ``pull_rows`` in flight; :meth:`wait` returns the ``(len(ids), dim)`` rows in the caller's order.
 
-    def __init__(self, calls: Any, name: str, out: np.ndarray, buf: np.ndarray, order: Optional[np.ndarray]) -> None:
+    ``buf`` receives the shards' rows; the caller's row i is ``buf[gather[i]]`` (ids repeated or reordered) or,
+    with ``order``, ``out[order] = buf`` (distinct ids sorted by shard); with neither, ``buf`` is ``out``.
+    """
+
+    def __init__(self, calls: Any, name: str, out: np.ndarray, buf: np.ndarray, order: Optional[np.ndarray],
+                 gather: Optional[np.ndarray] = None) -> None:
         super().__init__(calls, "pull_rows", None)
-        self._name, self._out, self._buf, self._order = name, out, buf, order
+        self._name, self._out, self._buf, self._order, self._gather = name, out, buf, order, gather
 
     def wait(self, timeout: Optional[float] = None) -> np.ndarray:  # type: ignore[override]
         """Wait for every shard's rows and return them (see :meth:`psrt.Handle.wait` for the errors)."""
         super().wait(timeout)
-        if self._order is not None:
+        if self._gather is not None:
+            np.take(self._buf, self._gather, axis=0, out=self._out)
+            self._gather = None
+        elif self._order is not None:
             self._out[self._order] = self._buf
             self._order = None
         return self._out
@@ -229,9 +238,21 @@ class EmbeddingCalls:
         elif (not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != table.dtype
               or not out.flags.c_contiguous or not out.flags.writeable):
             raise ConfigError(f"out must be a writable C-contiguous array of shape {shape} and dtype {table.dtype}")
-        order, offsets = self._split(a)
+        # A repeated id travels once: the shards send one row per distinct id, scattered back in the caller's order.
+        unique, inverse = np.unique(a, return_inverse=True)
+        gather = None
+        if len(unique) < len(a):
+            a, order, offsets = unique, *self._split(unique)
+            gather = inverse.reshape(-1)
+            if order is not None:  # where each distinct id's row lands in the shard-sorted buffer
+                where = np.empty_like(order)
+                where[order] = np.arange(len(order))
+                gather = where[gather]
+        else:
+            order, offsets = self._split(a)
         sorted_ids = a if order is None else a[order]
-        handle = RowsHandle(self._calls, name, out, out if order is None else np.empty(shape, table.dtype), order)
+        buf = out if order is None and gather is None else np.empty((len(a), table.dim), table.dtype)
+        handle = RowsHandle(self._calls, name, out, buf, None if gather is not None else order, gather)
         for shard in range(len(self.servers)):
             lo, hi = int(offsets[shard]), int(offsets[shard + 1])
             if lo == hi:

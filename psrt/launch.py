@@ -14,9 +14,13 @@ server, or a worker that runs CMD.
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,15 +31,20 @@ from typing import IO, Optional, Sequence
 from psrt.config import ClusterConfig
 from psrt.daemon import run_scheduler, run_server
 from psrt.errors import ConfigError, PsrtTimeoutError
-from psrt.process import SCHEDULER_READY, Child, describe_exit, exit_status, psrt_command, stop_children
+from psrt.process import SCHEDULER_READY, SERVER_READY, Child, describe_exit, exit_status, psrt_command, stop_children
 
-__all__ = ["launch", "run_role", "exit_status", "SCHEDULER_READY"]
+__all__ = ["launch", "run_role", "scheduler_bind", "exit_status", "SCHEDULER_READY"]
+
+log = logging.getLogger("psrt.launch")
+
+#: Hosts in a scheduler's URI that ask for every interface.
+_EVERYWHERE = ("0.0.0.0", "*", "::", "[::]")
 
 
 def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str = "sync",
            host: str = "127.0.0.1", start_timeout: Optional[float] = None, out: IO[str] = sys.stdout,
            extra_env: Optional[dict[str, str]] = None, transport: str = "auto", secure: bool = False,
-           elastic: bool = False, staleness: int = 0) -> int:
+           elastic: bool = False, staleness: Optional[int] = None) -> int:
     """Run a whole job on this machine; returns the exit code (the first failure's, else 0).
 
     Parameters
@@ -46,7 +55,7 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         The worker program and its arguments; each copy gets ``PSRT_SCHEDULER``, ``PSRT_ROLE=worker``,
         ``PSRT_WORKER_ID``, ``PSRT_NUM_WORKERS``, ``PSRT_NUM_SERVERS`` and ``PSRT_MODE``.
     mode : str
-        ``"sync"`` or ``"async"``.
+        ``"sync"``, ``"async"`` or ``"ssp"`` (with ``staleness``).
     host : str
         Address the scheduler and servers bind on.
     start_timeout : float, optional
@@ -62,8 +71,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
     secure : bool
         Generate a key pair set for this job in a private (0700) temporary directory, give it to every process
         as ``PSRT_KEYS`` (CURVE on every socket), and delete it when the job ends.
-    staleness : int
-        ``ssp`` mode: pushes a worker may run ahead of the slowest.
+    staleness : int, optional
+        ``ssp`` mode: pushes a worker may run ahead of the slowest (default: ``PSRT_STALENESS`` or 0).
     elastic : bool
         An elastic job (docs/elastic.md): a worker that dies leaves the job instead of ending it, and the
         launcher goes on with the others; the job ends when every worker has exited.
@@ -76,6 +85,9 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         raise ConfigError(f"need -s >= 1 and -w >= 1, got -s {num_servers} -w {num_workers}")
     if not command:
         raise ConfigError("no worker command: use psrt launch -s S -w W -- CMD ARGS")
+    if staleness is not None and mode != "ssp":
+        raise ConfigError(f"--staleness is the bound of --mode ssp; this is --mode {mode}: leave --staleness out or "
+                          "use --mode ssp")
     if shutil.which(command[0]) is None:  # say so before starting a job that could not run
         raise ConfigError(f"cannot start the workers: {command[0]}: no such program (or not executable)")
     if start_timeout is None:
@@ -83,8 +95,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
     lock = threading.Lock()
     env = dict(extra_env or {})  # on top of this process's environment (Child adds it)
     if threading.current_thread() is threading.main_thread():
-        # SIGTERM to the launcher tears the job down like Ctrl-C does.
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        # SIGTERM to the launcher tears the job down like Ctrl-C does, and exits 128 + 15 as supervisors expect.
+        signal.signal(signal.SIGTERM, _terminated)
     procs: list[Child] = []
     sockdir = tempfile.mkdtemp(prefix="psrt-") if transport == "ipc" else None
     keydir = tempfile.mkdtemp(prefix="psrt-keys-") if secure else None  # mkdtemp: 0700, only this user
@@ -102,7 +114,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         sched = start("scheduler", psrt_command("scheduler", "--bind", f"tcp://{host}:*", "--servers",
                                                 str(num_servers), "--workers", str(num_workers), "--mode", mode,
                                                 "--timeout", str(start_timeout),
-                                                "--staleness", str(staleness), *(["--elastic"] if elastic else [])),
+                                                *(["--staleness", str(staleness)] if staleness is not None else []),
+                                                *(["--elastic"] if elastic else [])),
                       env, ready=SCHEDULER_READY)
         endpoint = sched.wait_ready(30.0).group(1)
         job_env = {**env, "PSRT_SCHEDULER": endpoint, "PSRT_NUM_SERVERS": str(num_servers),
@@ -111,21 +124,38 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         def bind(i: int) -> list[str]:
             return ["--bind", f"ipc://{sockdir}/server-{i}.sock"] if sockdir else []
 
-        servers = [start(f"server {i}", psrt_command("server", "--scheduler", endpoint, "--host", host, *bind(i)),
-                         {**job_env, "PSRT_ROLE": "server"}) for i in range(num_servers)]
+        # The scheduler ranks servers in the order they register: each takes its label from its ready line's rank.
+        servers = [start("server", psrt_command("server", "--scheduler", endpoint, "--host", host, *bind(i)),
+                         {**job_env, "PSRT_ROLE": "server"}, ready=SERVER_READY, relabel=_server_label)
+                   for i in range(num_servers)]
         workers = [start(f"worker {i}", command, {**job_env, "PSRT_ROLE": "worker", "PSRT_WORKER_ID": str(i)})
                    for i in range(num_workers)]
         return _supervise(sched, servers, workers, procs, out, lock, elastic)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        by = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
         with lock:
-            out.write("psrt launch: interrupted; stopping every process\n")
-        return 128 + signal.SIGINT
+            out.write(f"psrt launch: {'terminated' if by == signal.SIGTERM else 'interrupted'}; stopping every "
+                      "process\n")
+        return 128 + by
     finally:
         stop_children(procs)
         if sockdir:
             shutil.rmtree(sockdir, ignore_errors=True)
         if keydir:
             shutil.rmtree(keydir, ignore_errors=True)
+
+
+def _server_label(ready: re.Match) -> str:
+    rank = re.search(r" rank=(\d+)", ready.string)
+    return f"server {rank.group(1)}" if rank else "server"
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM to the launcher: unwinds like Ctrl-C, but the exit code says SIGTERM."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 def _supervise(sched: Child, servers: list[Child], workers: list[Child], procs: list[Child], out: IO[str],
@@ -187,6 +217,63 @@ def _culprit(first: Child, procs: list[Child], workers: list[Child]) -> Child:
             break
         time.sleep(0.02)
     return next((p for p in order if p in workers), first)
+def scheduler_bind(endpoint: str) -> str:
+    """Where ``psrt run``'s scheduler binds, given the job's scheduler endpoint ``tcp://HOST:PORT``.
+
+    A scheduler listens on every interface only when asked (HOST ``0.0.0.0`` or ``*``). Otherwise it binds the
+    address HOST names on this host: an address of this host as given, a name resolved (a local non-loopback
+    address first). A name that resolves to loopback here binds loopback (with a warning: other hosts cannot
+    reach it). An address that is not this host's (a Kubernetes Service name resolves to a virtual IP) is an
+    error saying to set the URI to 0.0.0.0 on the scheduler.
+
+    Raises
+    ------
+    ConfigError
+        When HOST cannot be resolved, or is not an address of this host.
+    """
+    host, _, port = endpoint[len("tcp://"):].rpartition(":") if endpoint.startswith("tcp://") else ("", "", "")
+    if not host:
+        raise ConfigError(f"psrt run: the scheduler binds a TCP endpoint tcp://HOST:PORT, got {endpoint!r}")
+    if host in _EVERYWHERE:
+        return f"tcp://*:{port}"
+    if host.startswith("["):  # an IPv6 literal: bound as given
+        return endpoint
+    try:
+        found = [info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)]
+    except OSError:
+        raise ConfigError(f"psrt run: cannot resolve the scheduler's host {host!r} (DMLC_PS_ROOT_URI or "
+                          "PSRT_SCHEDULER)") from None
+    local = [a for a in dict.fromkeys(found) if _is_local(a)]
+    if not local:
+        shown = ", ".join(dict.fromkeys(found))
+        raise ConfigError(f"psrt run: the scheduler's host {host!r}{f' ({shown})' if shown != host else ''} is not "
+                          "an address of this host, so the scheduler cannot listen there; on the scheduler, set "
+                          f"DMLC_PS_ROOT_URI=0.0.0.0 (or PSRT_SCHEDULER=tcp://0.0.0.0:{port}) to listen on every "
+                          "interface, or give this host's own address")
+    outside = [a for a in local if not ipaddress.ip_address(a).is_loopback]
+    if not outside and _is_name(host) and host != "localhost":  # e.g. /etc/hosts maps this host's name so
+        log.warning("the scheduler's host %r is loopback (%s) on this host: only processes of this host can reach "
+                    "it; give the address other hosts reach it at, or 0.0.0.0 to listen on every interface",
+                    host, local[0])
+    return f"tcp://{(outside or local)[0]}:{port}"
+
+
+def _is_name(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return True
+    return False
+
+
+def _is_local(address: str) -> bool:
+    """Whether ``address`` is one of this host's (a socket can bind it); no packet is sent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
 
 
 def run_role(command: Sequence[str], cluster: Optional[ClusterConfig] = None) -> int:
@@ -201,8 +288,7 @@ def run_role(command: Sequence[str], cluster: Optional[ClusterConfig] = None) ->
         if cluster.num_servers is None or cluster.num_workers is None:
             raise ConfigError("psrt run: the scheduler needs PSRT_NUM_SERVERS and PSRT_NUM_WORKERS "
                               "(or DMLC_NUM_SERVER and DMLC_NUM_WORKER)")
-        port = cluster.scheduler.rsplit(":", 1)[-1]
-        return run_scheduler(f"tcp://*:{port}", cluster.num_servers, cluster.num_workers, cluster.mode,
+        return run_scheduler(scheduler_bind(cluster.scheduler), cluster.num_servers, cluster.num_workers, cluster.mode,
                              start_timeout=cluster.start_timeout, elastic=cluster.elastic)
     if cluster.role == "server":
         return run_server(scheduler=cluster.scheduler, host=cluster.node_host or None)

@@ -24,9 +24,17 @@ import time
 from typing import Any, Callable, Optional
 
 from psrt import security, transport, wire
-from psrt.errors import ConnectionLostError, PeerFailedError, ProtocolError, PsrtError, PsrtTimeoutError, ServerError
+from psrt.errors import (
+    ConfigError,
+    ConnectionLostError,
+    PeerFailedError,
+    ProtocolError,
+    PsrtError,
+    PsrtTimeoutError,
+    ServerError,
+)
 
-__all__ = ["SchedulerLink", "Heartbeat", "Table"]
+__all__ = ["SchedulerLink", "Heartbeat", "Table", "join_as_worker"]
 
 log = logging.getLogger("psrt.scheduler")
 
@@ -329,3 +337,31 @@ class Heartbeat:
             self.failure = PeerFailedError(f"heartbeat to the scheduler at {self.endpoint} failed: {exc}")
         finally:
             channel.close()
+
+
+def join_as_worker(context: Any, scheduler: str, cluster: Any, rank: Optional[int], num_workers: Optional[int],
+                   warn_after: float = 5.0, keys: Optional[security.PathLike] = None,
+                   ) -> tuple[SchedulerLink, Heartbeat, Table]:
+    """Register a worker with the scheduler (a requested ``rank``, or None), wait for the job to form, and start
+    its heartbeat: from then on the scheduler watches it. Returns the link, the heartbeat and the job's table.
+
+    ``cluster`` is the :class:`~psrt.config.ClusterConfig` (start deadline, heartbeat timing, node host).
+
+    Raises
+    ------
+    ConfigError
+        When ``num_workers`` is given and the job has another W.
+    """
+    link = SchedulerLink(context, scheduler, warn_after=warn_after, keys=keys)
+    try:
+        table = link.register("worker", host=cluster.node_host or "", rank=-1 if rank is None else rank,
+                              timeout=cluster.start_timeout + 10.0)
+        if num_workers is not None and num_workers != table.num_workers:
+            raise ConfigError(f"num_workers={num_workers} but the scheduler's job has {table.num_workers}")
+    except BaseException:
+        link.close()
+        raise
+    heartbeat = Heartbeat(context, scheduler, table.rank, cluster.heartbeat_interval, cluster.heartbeat_timeout,
+                          keys=keys)
+    link.check = heartbeat.check
+    return link, heartbeat, table

@@ -28,7 +28,7 @@ class LocalShards:
     num_workers : int
         W, passed to every shard.
     mode : str
-        ``"sync"`` or ``"async"``.
+        ``"sync"``, ``"async"`` or ``"ssp"``.
     host : str
         Address to bind (ports are ephemeral).
     extra_args : sequence of str

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+from psrt.checks import check_port
+
 __all__ = ["serve_metrics", "ServerCollector"]
 
 _COUNTERS = ("pushes", "pulls", "inits", "rounds", "duplicates", "errors", "dropped_replies", "bytes_in", "bytes_out")
@@ -50,6 +52,7 @@ def serve_metrics(server: Any, port: int, host: str = "127.0.0.1") -> Any:
         from psrt.errors import ConfigError
 
         raise ConfigError("--metrics-port needs prometheus_client: pip install 'psrt[metrics]'") from None
+    check_port(port, "the metrics port")  # the HTTP server would fail with an OverflowError
     registry = CollectorRegistry()
     registry.register(ServerCollector(server))
     httpd, _thread = start_http_server(port, addr=host, registry=registry)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import InitVar, dataclass
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 
@@ -122,6 +122,8 @@ class Adam(Optimizer):
         Added to the denominator for numerical stability.
     weight_decay : float
         L2 penalty (coupled); use :class:`AdamW` for decoupled decay.
+    betas : tuple of float, optional
+        ``(beta1, beta2)`` as torch.optim spells them (keyword only in effect: give it or beta1/beta2).
     """
 
     lr: float = 1e-3
@@ -129,10 +131,18 @@ class Adam(Optimizer):
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+    betas: InitVar[Optional[tuple[float, float]]] = None
     name: ClassVar[str] = "adam"
     slots: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, betas: Optional[tuple[float, float]] = None) -> None:
+        if betas is not None:
+            if (self.beta1, self.beta2) != (0.9, 0.999):
+                raise ConfigError("give betas=(beta1, beta2) or beta1 and beta2, not both")
+            if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+                raise ConfigError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+            object.__setattr__(self, "beta1", betas[0])
+            object.__setattr__(self, "beta2", betas[1])
         object.__setattr__(self, "lr", _nonneg("lr", self.lr))
         object.__setattr__(self, "beta1", _unit("beta1", self.beta1))
         object.__setattr__(self, "beta2", _unit("beta2", self.beta2))

@@ -24,6 +24,10 @@ __all__ = ["Chunk", "PartitionMap"]
 
 #: Most chunks sent in one message (keeps headers far below the decode limits).
 MAX_CHUNKS_PER_MESSAGE = 4096
+#: A header's bytes per chunk beyond its name (msgpack of ``[name, part, dtype, [count]]``, a version, a lane
+#: place: about 30), with room to spare; a message's chunks fill at most half of ``max_header_bytes``, the other
+#: half is the fixed fields' (an optimizer's spec, lane references).
+HEADER_BYTES_PER_CHUNK = 64
 #: The smallest piece a tensor is cut into to spread it over the shards (smaller ones cost more per message
 #: than they gain in parallel).
 MIN_PIECE_BYTES = 256 << 10
@@ -60,15 +64,19 @@ class PartitionMap:
         How many shards share the parameters.
     partition_bytes : int
         Largest chunk, in bytes; larger tensors are split.
+    max_header_bytes : int
+        The shards' header limit (:attr:`psrt.config.WireLimits.max_header_bytes`): a message carries no more
+        chunks than their names fit in half of it (4,096 chunks of long names would exceed it).
     """
 
-    def __init__(self, num_shards: int, partition_bytes: int) -> None:
+    def __init__(self, num_shards: int, partition_bytes: int, max_header_bytes: int = 1 << 20) -> None:
         if num_shards < 1:
             raise ConfigError(f"need at least one shard, got {num_shards}")
         if partition_bytes < 8:
             raise ConfigError(f"partition_bytes must be at least 8, got {partition_bytes}")
         self.num_shards = num_shards
         self.partition_bytes = partition_bytes
+        self.header_budget = max_header_bytes // 2
         self.shard_bytes = [0] * num_shards
         self.tensors: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         self.chunks: dict[str, list[Chunk]] = {}
@@ -136,21 +144,24 @@ class PartitionMap:
         return out
 
     def messages(self, chunks: Iterable[Chunk]) -> dict[int, list[list[Chunk]]]:
-        """Group chunks into per-shard messages of at most ``partition_bytes`` (a lone larger chunk goes alone).
+        """Group chunks into per-shard messages of at most ``partition_bytes`` (a lone larger chunk goes alone),
+        :data:`MAX_CHUNKS_PER_MESSAGE` chunks and the header budget.
 
         Small tensors share a message; a split tensor's chunks each travel in their own, so a shard can apply
         one while the next is still on the wire.
         """
         out: dict[int, list[list[Chunk]]] = {}
-        open_msg: dict[int, tuple[list[Chunk], int]] = {}
+        open_msg: dict[int, tuple[list[Chunk], int, int]] = {}
         for chunk in chunks:
-            msg, size = open_msg.get(chunk.shard, ([], 0))
-            if msg and (size + chunk.nbytes > self.partition_bytes or len(msg) >= MAX_CHUNKS_PER_MESSAGE):
+            msg, size, header = open_msg.get(chunk.shard, ([], 0, 0))
+            entry = len(chunk.name.encode("utf-8", "surrogatepass")) + HEADER_BYTES_PER_CHUNK
+            if msg and (size + chunk.nbytes > self.partition_bytes or len(msg) >= MAX_CHUNKS_PER_MESSAGE
+                        or header + entry > self.header_budget):
                 out.setdefault(chunk.shard, []).append(msg)
-                msg, size = [], 0
+                msg, size, header = [], 0, 0
             msg.append(chunk)
-            open_msg[chunk.shard] = (msg, size + chunk.nbytes)
-        for shard, (msg, _) in open_msg.items():
+            open_msg[chunk.shard] = (msg, size + chunk.nbytes, header + entry)
+        for shard, (msg, _, _) in open_msg.items():
             if msg:
                 out.setdefault(shard, []).append(msg)
         return out

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from typing import IO, Any, Callable, Optional, Sequence, Union
 
 from psrt.errors import ConfigError, PsrtError, PsrtTimeoutError
@@ -191,6 +192,8 @@ class Child:
         As Popen takes it (default: inherited).
     wrap : sequence of str
         A prefix of the command line, e.g. ``ip netns exec NS``.
+    relabel : callable, optional
+        Given the ready line's match, the label from that line on (a server's rank is known only once ready).
 
     Notes
     -----
@@ -201,13 +204,15 @@ class Child:
     def __init__(self, cmd: Sequence[str], *, label: Optional[str] = None, env: Optional[dict[str, str]] = None,
                  ready: Optional[re.Pattern] = None, out: Optional[IO[str]] = None,
                  lock: Optional[threading.Lock] = None, stderr: Union[int, IO[Any], None] = subprocess.STDOUT,
-                 stdin: Union[int, IO[Any], None] = None, wrap: Sequence[str] = ()) -> None:
+                 stdin: Union[int, IO[Any], None] = None, wrap: Sequence[str] = (),
+                 relabel: Optional[Callable[[re.Match], str]] = None) -> None:
         self.cmd = list(cmd)
         self.label = label or os.path.basename(self.cmd[0])
         self.match: Optional[re.Match] = None
-        self._ready = ready
+        self._ready, self._relabel = ready, relabel
         self._seen = threading.Event()
         self._lines: list[str] = []
+        self._recent: deque[str] = deque(maxlen=20)  # the last lines, streamed or not: for error messages
         self._out = out
         self._lock = lock or threading.Lock()
         self.proc = popen([*wrap, *self.cmd], label=self.label, stdout=subprocess.PIPE, stderr=stderr, stdin=stdin,
@@ -223,7 +228,10 @@ class Child:
                 if self._ready is not None and self.match is None:
                     self.match = self._ready.search(line)
                     if self.match:
+                        if self._relabel is not None:
+                            self.label = self._relabel(self.match)
                         self._seen.set()
+                self._recent.append(line)
                 if self._out is None:
                     self._lines.append(line)
                     continue
@@ -256,8 +264,8 @@ class Child:
         return "".join(self._lines)
 
     def tail(self, limit: int = 2000) -> str:
-        """The end of the collected output, for error messages."""
-        return self.output[-limit:]
+        """The end of the output (the last lines, when streaming), for error messages."""
+        return "".join(self._recent)[-limit:]
 
     def wait_ready(self, timeout: float) -> re.Match:
         """Wait for the ready line; raises :class:`ChildError` if the child exits first, else on the deadline
@@ -273,7 +281,8 @@ class Child:
             how = describe_exit(self.proc.wait(5.0))
         except subprocess.TimeoutExpired:
             how = "closed its output"
-        raise ChildError(f"{self.label} {how} before it was ready: {self.tail().strip()!r}")
+        said = self.tail().strip()
+        raise ChildError(f"{self.label} {how} before it was ready" + (f": {said!r}" if said else ", printing nothing"))
 
     @property
     def endpoint(self) -> str:

@@ -5,12 +5,16 @@ takes in a shared-memory lane, and each message's packed header prefix (:func:`p
 request over the socket then packs only its ``id, seq, clock``. Compressed gradients (whose header entries depend
 on the values) and calls over a lane take the general path, :func:`payload_of` and
 :func:`psrt.wire.encode_push`.
+
+Top-k's residuals (:mod:`psrt.compression`) change as a push is encoded; a push the shard refuses takes its
+changes back (:func:`psrt.compression.undo`), and the residuals of a shard that restarted (maybe from a
+checkpoint, behind what it was) or of tensors initialized again start from zero.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import numpy as np
 
@@ -22,26 +26,17 @@ from psrt.partition import Chunk
 __all__ = ["PushPlans", "payload_of"]
 
 
-def payload_of(chunks: list[Chunk], arrays: Mapping[str, np.ndarray], compress: Optional[str] = None,
-               residuals: Optional[compression.Residuals] = None,
+def payload_of(chunks: list[Chunk], arrays: Mapping[str, np.ndarray],
                lane: Optional[LaneUse] = None) -> tuple[list[list[Any]], list[np.ndarray]]:
     """The header entries of a message's chunks and their bytes: views of the caller's arrays (no copy), or with
-    ``compress``, compressed copies of float32 gradients (:mod:`psrt.compression`; ``residuals``: top-k's
-    error feedback by chunk key, updated here), or with ``lane``, their copies in its segment."""
+    ``lane``, their copies in its segment (compression: :meth:`PushPlans.send`)."""
     entries, payload = [], []
     for c in chunks:  # one loop, not two comprehensions: this runs for every message a client sends
         entries.append(wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)))
         if lane is None:
             flat = arrays[c.name].reshape(-1)
             payload.append(flat if c.start == 0 and c.count == flat.size else flat[c.start:c.start + c.count])
-    if lane is not None:
-        return entries, list(lane.inputs)
-    if compress is not None:
-        for i, chunk in enumerate(payload):
-            packed = compression.encode(compress, chunk, residuals, (chunks[i].name, chunks[i].part))
-            if packed is not None:  # else the chunk goes at full precision (float64, or out of fp16's range)
-                entries[i][2], payload[i] = packed
-    return entries, payload
+    return (entries, list(lane.inputs)) if lane is not None else (entries, payload)
 
 
 @dataclass
@@ -81,6 +76,19 @@ class PushPlans:
         self._rank, self._session, self._seq = rank, session, seq
         self._compress, self._residuals = compress, residuals
         self._plans: dict[tuple[tuple[str, ...], bool], list[_ShardPush]] = {}
+        self._residual_shard: dict[tuple[str, int], int] = {}  # top-k: the shard each residual's chunk is on
+        calls.restarted = self._restarted
+
+    def _restarted(self, shard: int) -> None:
+        """A shard came back: what its residuals owed it is relative to a state it may no longer have."""
+        for key in [k for k, s in self._residual_shard.items() if s == shard]:
+            self._residuals.pop(key, None)
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Tensors ``names`` are (re)initialized: their residuals start from zero."""
+        names = set(names)
+        for key in [k for k in self._residuals if k[0] in names]:
+            del self._residuals[key]
 
     def clear(self) -> None:
         """Forget every cached set (the tensors were partitioned again)."""
@@ -124,12 +132,29 @@ class PushPlans:
                     continue
                 # Over a lane the gradients are copied into the segment; the socket form stays at hand.
                 use = None if lane is None else WorkerLanes.carry(lane, msg, arrays, pull)
-                entries, payload = payload_of(msg, arrays, self._compress, self._residuals, use)
+                entries, payload = payload_of(msg, arrays, use)
+                refused = self._compressed(shard, msg, entries, payload) if self._compress is not None else None
                 plain = lambda rid, q=seq, e=entries, p=payload: wire.encode_push(  # noqa: E731
                     rid, self._rank, self._session, q, e, p, pull, clock)
                 encode = plain if use is None else lambda rid, q=seq, e=entries, u=use: wire.encode_push(
                     rid, self._rank, self._session, q, e, [], pull, clock, u.ref)
-                calls.send(handle, shard, msg, encode, plain, use, plain if use is not None else None)
+                calls.send(handle, shard, msg, encode, plain, use, plain if use is not None else None, refused)
+
+    def _compressed(self, shard: int, msg: list[Chunk], entries: list[list[Any]],
+                    payload: list[np.ndarray]) -> Optional[Callable[[], None]]:
+        """Compress a message's float32 gradients in place of ``entries``/``payload``; returns what takes its
+        residual changes back should the shard refuse it (None: nothing changed)."""
+        assert self._compress is not None
+        changes: compression.Changes = []
+        limit = self._calls.config.limits.max_tensor_bytes
+        for i, chunk in enumerate(payload):
+            key = (msg[i].name, msg[i].part)
+            packed = compression.encode(self._compress, chunk, self._residuals, key, changes, limit)
+            if packed is not None:  # else the chunk goes at full precision (float64, or out of fp16's range)
+                entries[i][2], payload[i] = packed
+        for key, _, _ in changes:
+            self._residual_shard[key] = shard
+        return (lambda: compression.undo(self._residuals, changes)) if changes else None
 
 
 def _views(msg: list[Chunk], arrays: dict[str, np.ndarray]) -> list[np.ndarray]:

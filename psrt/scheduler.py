@@ -71,7 +71,7 @@ class Scheduler(Restarts):
     num_servers, num_workers : int
         S and W: the job forms when all have registered.
     mode : str
-        ``"sync"`` or ``"async"``, handed to the servers in the table.
+        ``"sync"``, ``"async"`` or ``"ssp"``, handed to the servers in the table.
     start_timeout : float
         Seconds from start for everyone to register, and for each barrier to fill.
     heartbeat_timeout : float
@@ -100,7 +100,7 @@ class Scheduler(Restarts):
         if num_servers < 1 or num_workers < 1:
             raise ConfigError(f"need at least one server and one worker, got S={num_servers}, W={num_workers}")
         if mode not in MODES:
-            raise ConfigError(f"mode must be 'sync' or 'async', got {mode!r}")
+            raise ConfigError(f"mode must be 'sync', 'async' or 'ssp', got {mode!r}")
         self.num_servers, self.num_workers, self.mode = num_servers, num_workers, mode
         self.start_timeout = start_timeout
         self.heartbeat_timeout = heartbeat_timeout

@@ -44,7 +44,6 @@ log = logging.getLogger("psrt.server")
 #: Messages handled per wake-up before the loop checks for a stop request again.
 _BATCH = 256
 
-
 #: A well-formed request the shard must refuse; ``code`` goes into the error reply.
 RequestError = RequestRefused
 
@@ -65,8 +64,8 @@ class Server(Recovery):
     BindError
         When the endpoint cannot be bound.
     ConfigError
-        When ``config.keys`` names a missing or unusable key directory, or ``config.restore`` finds a directory
-        holding checkpoints of other shards only.
+        When ``config.keys`` names a missing or unusable key directory, ``config.checkpoint_dir`` is unwritable,
+        or ``config.restore`` finds a directory holding checkpoints of other shards only.
     CheckpointError
         When another running shard writes this rank's checkpoints, or none of them can be read.
 
@@ -79,6 +78,7 @@ class Server(Recovery):
     def __init__(self, config: ServerConfig, scheduled: bool = False) -> None:
         self.config = config
         keys = security.load_keys(config.keys, serve=True, connect=False)
+        checkpoint.check_directory(config.checkpoint_dir)  # unwritable: fail now, not at every checkpoint
         self._ctx = transport.new_context()
         try:
             self._chan = transport.RouterChannel(self._ctx, config.bind, config.hwm, config.send_timeout,
@@ -228,12 +228,12 @@ class Server(Recovery):
                 self._reply(identity, wire.encode_saved(req.id, str(self.checkpoint())))
             else:
                 self._reply(identity, wire.encode_stats(req.id, self.stats()))
-        except RequestError as exc:
-            self._error(identity, req.id, exc.code, str(exc))
+        except RequestError as exc:  # an operator's refused checkpoint request is no error of the shard's traffic
+            self._error(identity, req.id, exc.code, str(exc), counted=not isinstance(req, wire.CheckpointRequest))
         except ConfigError as exc:
             self._error(identity, req.id, "config", str(exc))
         except checkpoint.CheckpointError as exc:
-            self._error(identity, req.id, "checkpoint", str(exc))
+            self._error(identity, req.id, "checkpoint", str(exc), counted=False)
         except Exception as exc:  # a bug must not take the shard down; say what happened
             log.exception("internal error handling %s", req.op)
             self._error(identity, req.id, "internal", f"{type(exc).__name__}: {exc}")

@@ -8,9 +8,10 @@ import time
 from typing import IO, Any, Optional
 
 from psrt import transport
+from psrt.checks import check_seconds
 from psrt.client import Client
 from psrt.config import ClientConfig
-from psrt.errors import PsrtError
+from psrt.errors import ConfigError, PsrtError
 from psrt.link import SchedulerLink, Table
 
 __all__ = ["watch", "format_table", "job_table", "checkpoint_job"]
@@ -43,58 +44,68 @@ def format_table(rows: list[dict[str, Any]], previous: Optional[list[dict[str, A
     return "\n".join(lines)
 
 
-def watch(scheduler: str, interval: float = 1.0, count: int = 0, out: IO[str] = sys.stdout) -> int:
-    """Print the table every ``interval`` seconds, ``count`` times (0: until interrupted).
+def watch(scheduler: str, interval: float = 1.0, count: Optional[int] = None, out: IO[str] = sys.stdout) -> int:
+    """Print the table every ``interval`` seconds, ``count`` times (None: until interrupted).
 
     With ``PSRT_KEYS`` set, every connection uses the job's keys (a secured job answers nothing else).
+
+    Raises
+    ------
+    ConfigError
+        When ``interval`` is not a finite number of seconds > 0 or ``count`` is not a whole number >= 1.
+    PsrtError
+        When the job has no servers yet, or a shard does not answer.
     """
+    check_seconds(interval, "interval")
+    if interval == float("inf") or (count is not None and (type(count) is not int or count < 1)):
+        raise ConfigError(f"need a finite interval > 0 and a count >= 1 (or None), got {interval!r} and {count!r}")
     config = ClientConfig()
-    table = job_table(scheduler, config)
-    if not table.servers:
-        out.write(f"scheduler {scheduler}: no servers have joined yet "
-                  f"(expecting {table.num_servers} servers, {table.num_workers} workers)\n")
-        return 1
+    table = _formed(scheduler, job_table(scheduler, config))
     previous, last, shown = None, time.monotonic(), 0
     with Client(table.servers, rank=0, num_workers=max(1, table.num_workers), config=config) as client:
         try:
             while True:
-                try:
-                    rows = client.stats(timeout=max(2.0, interval))
-                except PsrtError as exc:
-                    out.write(f"psrt stats: {exc}\n")
-                    return 1
+                rows = client.stats(timeout=max(2.0, interval))
                 now = time.monotonic()
                 out.write(f"\n{time.strftime('%H:%M:%S')}  {table.mode}  W={table.num_workers}  "
                           f"S={table.num_servers}\n{format_table(rows, previous, now - last)}\n")
                 out.flush()
                 previous, last, shown = rows, now, shown + 1
-                if count and shown >= count:
+                if count is not None and shown >= count:
                     return 0
                 time.sleep(interval)
         except KeyboardInterrupt:
             return 0
 
 
-def job_table(scheduler: str, config: ClientConfig) -> Table:
-    """The scheduler's view of its job (shards, W, S, mode), asked with the job's keys when ``config`` has them."""
+def job_table(scheduler: str, config: ClientConfig, timeout: float = 5.0) -> Table:
+    """The scheduler's view of its job (shards, W, S, mode), asked with the job's keys when ``config`` has them;
+    waits at most ``timeout`` seconds for the answer."""
     ctx = transport.new_context()
     try:
         link = SchedulerLink(ctx, scheduler, keys=config.keys)
         try:
-            return link.table()
+            return link.table(timeout)
         finally:
             link.close()
     finally:
         ctx.term()
 
 
-def checkpoint_job(scheduler: str, timeout: float = 60.0, out: IO[str] = sys.stdout) -> int:
-    """Ask every shard of the job to write a checkpoint now; prints each file; returns the exit code."""
-    config = ClientConfig()
-    table = job_table(scheduler, config)
+def _formed(scheduler: str, table: Table) -> Table:
+    """``table`` if servers have joined the job (else there is nobody to ask)."""
     if not table.servers:
-        out.write(f"scheduler {scheduler}: no servers have joined yet\n")
-        return 1
+        raise PsrtError(f"scheduler {scheduler}: no servers have joined yet (expecting {table.num_servers} servers, "
+                        f"{table.num_workers} workers); try again once the job has formed")
+    return table
+
+
+def checkpoint_job(scheduler: str, timeout: float = 60.0, out: IO[str] = sys.stdout) -> int:
+    """Ask every shard of the job to write a checkpoint now, waiting at most ``timeout`` seconds for the scheduler
+    and again for the shards; prints each file; returns the exit code."""
+    check_seconds(timeout, "timeout")
+    config = ClientConfig()
+    table = _formed(scheduler, job_table(scheduler, config, timeout))
     with Client(table.servers, rank=0, num_workers=max(1, table.num_workers), config=config) as client:
         for endpoint, path in zip(table.servers, client.checkpoint(timeout=timeout)):
             out.write(f"{endpoint}: {path}\n")

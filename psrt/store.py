@@ -125,7 +125,7 @@ class Store:
     Parameters
     ----------
     mode : str
-        ``"sync"`` (a round of W pushes, one step) or ``"async"`` (a step per push).
+        ``"sync"`` (a round of W pushes, one step), ``"async"`` or ``"ssp"`` (a step per push).
     num_workers : int
         W.
     """

@@ -151,8 +151,8 @@ class TableService:
         table = self.tables.get(req.table)
         existed = table is not None
         if table is not None and table.spec != spec:
-            raise Refused("mismatch", f"table {req.table!r} exists with {table.spec}; this init asks for {spec}: "
-                                      "every worker must pass the same definition")
+            raise Refused("mismatch", f"table {req.table!r} exists with another definition (the table's vs this "
+                                      f"init's: {table.spec.differences(spec)}); every worker must pass the same one")
         if table is None:
             table = RowTable(spec, self.limits.max_table_rows, req.table)
         if req.rows is not None:

@@ -115,3 +115,137 @@ def test_ctrl_c_ends_a_command_without_a_traceback(monkeypatch, capsys):
     assert cli.main(["model"]) == 130
     captured = capsys.readouterr()
     assert "Traceback" not in captured.out + captured.err
+
+
+@pytest.mark.parametrize("args, port", [
+    (("server", "--bind", "tcp://127.0.0.1:99999"), "99999"),
+    (("scheduler", "--bind", "tcp://127.0.0.1:70000"), "70000"),
+    (("server", "--scheduler", "tcp://127.0.0.1:65536"), "65536"),
+    (("server", "--bind", "tcp://127.0.0.1:*", "--metrics-port", "99999"), "99999"),
+])
+def test_a_port_out_of_range_is_a_usage_error_naming_it(args, port):
+    # ZeroMQ wraps a port above 65535 around (99999 served on 34463); the metrics server raised OverflowError.
+    line = one_line_error(run_psrt(*args, timeout=30))
+    assert port in line and "65535" in line
+
+
+def test_a_port_out_of_range_is_refused_in_process_too():
+    from psrt.config import ServerConfig
+    from psrt.scheduler import Scheduler
+
+    with pytest.raises(psrt.ConfigError, match="99999"):
+        ServerConfig(bind="tcp://127.0.0.1:99999")
+    with pytest.raises(psrt.ConfigError, match="70000"):
+        Scheduler("tcp://127.0.0.1:70000", 1, 1)
+    with pytest.raises(psrt.ConfigError, match="99999"):
+        psrt.Client(servers=["tcp://127.0.0.1:99999"])
+
+
+@pytest.mark.parametrize("args, says", [
+    (("scheduler", "--timeout", "-1"), "--timeout"),
+    (("launch", "-s", "1", "-w", "1", "--timeout", "-1", "--", "true"), "--timeout"),
+    (("checkpoint", "tcp://127.0.0.1:1", "--timeout", "-5"), "--timeout"),
+    (("stats", "tcp://127.0.0.1:1", "--count", "0"), "--count"),  # never stopped
+    (("stats", "tcp://127.0.0.1:1", "--count", "-1"), "--count"),
+    (("stats", "tcp://127.0.0.1:1", "--interval", "-1"), "--interval"),  # a ValueError from time.sleep
+    (("server", "--checkpoint-dir", "/tmp", "--checkpoint-every", "0"), "--checkpoint-every"),
+    (("server", "--checkpoint-dir", "/tmp", "--checkpoint-secs", "-1"), "--checkpoint-secs"),
+    (("server", "--mode", "sync", "--staleness", "2"), "--staleness"),
+    (("scheduler", "--mode", "async", "--staleness", "1"), "--staleness"),
+    (("launch", "-s", "1", "-w", "1", "--staleness", "1", "--", "true"), "--staleness"),
+])
+def test_a_value_that_cannot_be_meant_is_a_usage_error(args, says):
+    proc = run_psrt(*args, timeout=30)
+    assert says in one_line_error(proc)
+    assert "ready" not in proc.stdout  # refused before anything started
+
+
+def test_an_unwritable_checkpoint_dir_fails_at_start(tmp_path):
+    (tmp_path / "file").write_text("")
+    where = tmp_path / "file" / "checkpoints"  # under a regular file: no user can write there, root neither
+    proc = run_psrt("server", "--bind", "tcp://127.0.0.1:*", "--checkpoint-dir", str(where), "--checkpoint-every",
+                    "5", timeout=30)
+    line = one_line_error(proc)
+    assert line.startswith("psrt: error: --checkpoint-dir") and str(where) in line
+    assert "ready" not in proc.stdout  # it used to serve, and warn at every checkpoint
+
+
+def test_launch_refuses_a_staleness_without_ssp_in_process():
+    with pytest.raises(psrt.ConfigError, match="--mode ssp"):
+        launch.launch(1, 1, ["true"], mode="sync", staleness=2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("uri, bound", [("127.0.0.1", "127.0.0.1"), ("localhost", "127.0.0.1"),
+                                        ("0.0.0.0", "0.0.0.0")])
+def test_psrt_run_binds_the_schedulers_uri_not_every_interface(uri, bound):
+    port = free_port()
+    env = {**os.environ, "DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": uri, "DMLC_PS_ROOT_PORT": str(port),
+           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}
+    env.pop("PSRT_SCHEDULER", None)
+    proc = subprocess.Popen([*PSRT, "run"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "psrt-scheduler ready" in line, line
+        assert f"endpoint=tcp://{bound}:{port} " in line  # it was tcp://0.0.0.0:PORT whatever the URI said
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+def test_psrt_run_refuses_a_scheduler_address_of_another_host():
+    env = {"DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": "203.0.113.77", "DMLC_PS_ROOT_PORT": "5700",
+           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}
+    line = one_line_error(run_psrt("run", env=env, timeout=30))
+    assert "203.0.113.77" in line and "not an address of this host" in line and "DMLC_PS_ROOT_URI=0.0.0.0" in line
+
+
+def test_scheduler_bind_resolves_names_and_keeps_the_explicit_everywhere():
+    assert launch.scheduler_bind("tcp://0.0.0.0:5700") == "tcp://*:5700"
+    assert launch.scheduler_bind("tcp://127.0.0.1:5700") == "tcp://127.0.0.1:5700"
+    assert launch.scheduler_bind(f"tcp://{socket.gethostname()}:5700").startswith("tcp://")
+    with pytest.raises(psrt.ConfigError, match="cannot resolve"):
+        launch.scheduler_bind("tcp://no-such-host.invalid:5700")
+
+
+def test_launch_exits_143_on_sigterm():
+    import signal
+
+    proc = subprocess.Popen([*PSRT, "launch", "-s", "1", "-w", "1", "--", sys.executable, "-c",
+                             "import time; print('worker up', flush=True); time.sleep(120)"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "worker up" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM, out  # was 130, Ctrl-C's code
+        assert "terminated; stopping every process" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_launch_on_an_address_of_another_host_says_why_the_scheduler_did_not_start():
+    line = one_line_error(run_psrt("launch", "-s", "1", "-w", "1", "--host", "203.0.113.77", "--", "true"))
+    assert line.startswith("psrt: error: scheduler exited with code 2 before it was ready")
+    assert "cannot bind tcp://203.0.113.77" in line and not line.endswith("''")  # it ended in '' (output streamed)
+
+
+def test_launch_labels_each_server_with_its_rank():
+    import re
+
+    proc = run_psrt("launch", "-s", "4", "-w", "1", "--", sys.executable, "-c", "import psrt; psrt.Client().close()",
+                    timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ready = re.findall(r"^\[server (\d+)\] psrt-server ready .* rank=(\d+)$", proc.stdout, re.M)
+    assert len(ready) == 4, proc.stdout
+    assert all(label == rank for label, rank in ready), ready  # labels went by start order, ranks by registration

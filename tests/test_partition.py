@@ -246,6 +246,21 @@ def test_message_chunk_count_is_capped():
     assert [len(m) for m in msgs[0]] == [MAX_CHUNKS_PER_MESSAGE, 10]
 
 
+def test_long_names_split_a_message_before_its_header_exceeds_the_limit():
+    from psrt import wire
+
+    limit = 1 << 20
+    pmap = PartitionMap(1, 1 << 30, limit)
+    names = {f"{i:04d}" + "x" * 1020: ((2,), np.float32) for i in range(4096)}  # 4,096 names of 1,024 characters
+    pmap.add(names)
+    msgs = assert_messages_ok(pmap, pmap.chunks_of(sorted(pmap.tensors)))[0]
+    assert len(msgs) > 1
+    for msg in msgs:
+        entries = [wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)) for c in msg]
+        frames = wire.encode_push(1, 0, 2**62, 2**62, entries, [np.zeros(2, np.float32)] * len(msg), True, 2**62)
+        assert len(frames[0]) <= limit // 2 + 4096  # one header frame: 4.2 MB before
+
+
 def test_messages_of_nothing():
     assert PartitionMap(2, 64).messages([]) == {}
 

@@ -164,3 +164,10 @@ def test_the_command_line_only_parses_arguments():
 def test_no_module_is_overly_long():
     lengths = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in (ROOT / "psrt").rglob("*.py")}
     assert {p: n for p, n in lengths.items() if n > 450} == {}
+
+
+def test_the_readme_says_how_to_get_the_cpu_build_of_torch():
+    # PyPI's torch wheel for Linux brings the CUDA libraries (~4 GB); psrt.torch needs only the CPU build.
+    section = (ROOT / "README.md").read_text().split("## With PyTorch", 1)[1].split("\n## ", 1)[0]
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in section
+    assert "CPU" in section.split("```python", 1)[0]

@@ -333,7 +333,7 @@ def test_psrt_stats_needs_the_keys_of_a_secured_scheduler(job_keys):
         assert refused.returncode == 2 and "PSRT_KEYS" in refused.stderr and endpoint in refused.stderr
         keyed = subprocess.run([*PSRT, "stats", endpoint, "--count", "1"], capture_output=True, text=True,
                                timeout=30, env={**env, "PSRT_KEYS": str(job_keys)})
-        assert keyed.returncode == 1 and "no servers have joined yet" in keyed.stdout, keyed.stdout + keyed.stderr
+        assert keyed.returncode == 2 and "no servers have joined yet" in keyed.stderr, keyed.stdout + keyed.stderr
     finally:
         sched.terminate()
         sched.wait(10)

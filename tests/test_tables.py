@@ -160,3 +160,26 @@ def test_ctr_example_learns_under_launch():
     assert out.returncode == 0, out.stderr + out.stdout
     aucs = [float(line.rsplit("AUC", 1)[1]) for line in out.stdout.splitlines() if "AUC" in line]
     assert len(aucs) == 3 and aucs[-1] > aucs[0] + 0.15
+
+
+@pytest.mark.parametrize("servers", [1, 3])
+def test_pull_rows_sends_a_repeated_id_once(shards, servers):
+    group = shards(servers, workers=1, mode="async")
+    with psrt.Client(group.endpoints, config=cfg()) as c:
+        c.init_embedding("items", dim=8, std=0.1, seed=4)
+        distinct = np.array([5, -3, 2**40, 17, 0], np.int64)
+        expected = reference.init_rows(distinct, 8, np.float32, 4, 2, 0.0, 0.1)
+        ids = np.random.default_rng(1).integers(0, len(distinct), 20_000)  # 20,000 ids, 5 of them distinct
+        before = c.stats()
+        rows = c.pull_rows("items", distinct[ids])
+        after = c.stats()
+        np.testing.assert_array_equal(rows, expected[ids])  # every row in the caller's order
+        moved = sum(a["bytes_out"] + a.get("shm_bytes_out", 0) + a["bytes_in"] + a.get("shm_bytes_in", 0)
+                    - b["bytes_out"] - b.get("shm_bytes_out", 0) - b["bytes_in"] - b.get("shm_bytes_in", 0)
+                    for a, b in zip(after, before))
+        # 20,000 rows of 32 bytes and their ids would be 800 kB; 5 rows and ids plus headers are well under 10 kB.
+        assert moved < 10_000, moved
+        out = np.empty((len(ids), 8), np.float32)
+        assert c.pull_rows_async("items", distinct[ids], out=out).wait() is out
+        np.testing.assert_array_equal(out, expected[ids])
+        np.testing.assert_array_equal(c.pull_rows("items", distinct[::-1]), expected[::-1])  # no repeats

@@ -140,3 +140,90 @@ def test_hostile_topk_frames_are_refused_and_change_nothing(shards):
         finally:
             sock.close()
             ctx.term()
+
+
+# ---------------------------------------------------------------------------------------------- the residual's life
+def test_undo_takes_out_one_push_and_keeps_the_pushes_encoded_after_it():
+    rng = np.random.default_rng(4)
+    key, residuals = ("w", 0), {}
+    compression.encode("topk:0.1", rng.standard_normal(100).astype(np.float32), residuals, key)
+    start = residuals[key]
+    first, second = [], []
+    g1, g2 = (rng.standard_normal(100).astype(np.float32) for _ in range(2))
+    compression.encode("topk:0.1", g1, residuals, key, first)
+    _, sent = compression.encode("topk:0.1", g2, residuals, key, second)  # in flight behind the first
+    compression.undo(residuals, first)  # the shard refused the first
+    dense = compression.decode("topk", sent.tobytes(), 100)
+    # What is owed: everything accepted (the start's residual, g2) less what was sent of it.
+    np.testing.assert_allclose(residuals[key], start + g2 - dense, rtol=1e-6, atol=1e-6)
+    compression.undo(residuals, second)
+    np.testing.assert_allclose(residuals[key], start, rtol=1e-6, atol=1e-6)
+
+
+def test_a_refused_push_gives_back_what_it_took_from_the_residuals(shards):
+    group = shards(1, workers=1)  # --nonfinite reject: a push holding a NaN is refused whole
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=20, compression="topk:0.5")) as c:
+        c.init({"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        first = np.array([1, 2, 3, 4], np.float32)
+        c.push({"a": first, "b": first})  # sends 3 and 4 of each; 1 and 2 are owed
+        with pytest.raises(psrt.ServerError, match="nonfinite"):
+            # a: top-k of [11, 12, 10, 10], which took 11 and 12 from the residual; b: NaN, sent dense
+            c.push({"a": np.full(4, 10, np.float32), "b": np.array([np.nan, 0, 0, 0], np.float32)})
+        got = c.push_pull({"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)})
+    # The refused push changed nothing, on the shard or in the residuals: the zero push sends what is owed, 1 and 2.
+    for name in ("a", "b"):
+        np.testing.assert_array_equal(got[name], -first, err_msg=name)
+
+
+def test_a_topk_frame_over_the_shards_frame_limit_goes_dense():
+    import threading
+
+    from psrt.config import ServerConfig, WireLimits
+    from psrt.server import Server
+
+    limit = 1 << 16
+    limits = WireLimits(max_header_bytes=4096, max_tensor_bytes=limit)  # sockets: MAXMSGSIZE of limit + 1 KiB
+    server = Server(ServerConfig(bind="tcp://127.0.0.1:*", limits=limits))
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        n = limit // 4  # its dense chunk is exactly the limit; at topk:1 its frame would be twice that
+        config = ClientConfig(timeout=5, compression="topk:1", limits=limits, partition_bytes=limit)
+        with psrt.Client([server.endpoint], config=config) as c:
+            c.init({"w": np.zeros(n, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+            g = np.arange(n, dtype=np.float32)
+            got = c.push_pull({"w": g})  # the socket used to cut the 2x frame off: a timeout
+        np.testing.assert_array_equal(got["w"], -g)
+    finally:
+        server.stop()
+        thread.join(10)
+        server.close()
+
+
+def test_a_restarted_shard_gets_no_residual_owed_to_its_earlier_life(tmp_path):
+    import signal
+
+    from psrt.process import SERVER_READY, Child, psrt_command
+
+    serve = ("server", "--workers", "1", "--mode", "async", "--checkpoint-dir", str(tmp_path))
+    shard = Child(psrt_command(*serve, "--bind", "tcp://127.0.0.1:*"), label="shard", ready=SERVER_READY)
+    restarted = None
+    try:
+        endpoint = shard.wait_ready(30).group(1)
+        with psrt.Client([endpoint], config=ClientConfig(timeout=20, compression="topk:0.5")) as c:
+            c.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+            c.push({"w": np.array([1, 2, 3, 4], np.float32)})  # 1 and 2 owed
+            c.checkpoint()
+            shard.signal(signal.SIGKILL)
+            shard.wait(10)
+            restarted = Child(psrt_command(*serve, "--bind", endpoint, "--restore"), label="shard",
+                              ready=SERVER_READY)
+            restarted.wait_ready(30)
+            c.stats()  # the client sees the shard come back
+            got = c.push_pull({"w": np.zeros(4, np.float32)})
+        # The residual was reset with the shard: a zero push moves nothing (it used to send the 1 and 2).
+        np.testing.assert_array_equal(got["w"], np.array([0, 0, -3, -4], np.float32))
+    finally:
+        for child in (shard, restarted):
+            if child is not None:
+                child.stop()

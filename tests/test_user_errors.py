@@ -6,6 +6,7 @@ Each test here reproduces a defect seen by following the README on a fresh machi
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -132,3 +133,199 @@ def test_the_pull_half_of_push_pull_is_counted(shards):
         c.pull()
         (stats,) = c.stats()
     assert stats["pushes"] == 6 and stats["pulls"] == 6
+
+
+@pytest.mark.parametrize("servers", [["http://127.0.0.1:5701"], ["tcp://127.0.0.1"], ["tcp://127.0.0.1:*"]])
+def test_a_server_endpoint_of_another_kind_is_a_config_error(servers):
+    with pytest.raises(psrt.ConfigError, match="is not an endpoint such as tcp://HOST:PORT"):
+        psrt.Client(servers=servers)  # was a raw zmq.ZMQError ("Protocol not supported")
+
+
+def test_a_root_port_that_is_not_a_port_is_named():
+    from psrt.config import ClusterConfig
+
+    for port in ("notaport", "99999", "0"):
+        with pytest.raises(psrt.ConfigError, match="DMLC_PS_ROOT_PORT"):
+            ClusterConfig.from_env({"DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": port})
+    env = {**os.environ, "DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "notaport"}
+    code = "import psrt; psrt.Client()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode != 0 and "ConfigError" in proc.stderr and "DMLC_PS_ROOT_PORT" in proc.stderr
+    assert "ZMQError" not in proc.stderr
+    proc = subprocess.run([*PSRT, "run", "--", "true"], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and proc.stderr.startswith("psrt: error:") and "DMLC_PS_ROOT_PORT" in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["inf", "1e10"])
+def test_an_unlimited_or_huge_timeout_works(shards, monkeypatch, value):
+    # Both were an OverflowError from turning the timeout into ZeroMQ's milliseconds.
+    group = shards(2)
+    monkeypatch.setenv("PSRT_TIMEOUT", value)
+    with psrt.Client(group.endpoints) as c:
+        assert c.config.timeout == float(value)
+        c.init({"w": np.zeros(3, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        np.testing.assert_array_equal(c.push_pull({"w": np.ones(3, np.float32)})["w"], -np.ones(3, np.float32))
+        np.testing.assert_array_equal(c.push_pull_async({"w": np.ones(3, np.float32)}).wait(float("inf"))["w"],
+                                      np.full(3, -2.0, np.float32))
+        c.init_embedding("e", dim=2)
+        assert c.pull_rows("e", np.array([1, 2])).shape == (2, 2)
+        assert len(c.stats()) == 2
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "0", "soon"])
+def test_an_unusable_timeout_is_a_config_error_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("PSRT_TIMEOUT", value)
+    with pytest.raises(psrt.ConfigError, match="PSRT_TIMEOUT"):
+        ClientConfig()
+
+
+def test_a_negative_wait_timeout_is_refused(shards):
+    group = shards(1)
+    with psrt.Client(group.endpoints) as c:
+        c.init({"w": np.zeros(3, np.float32)})
+        handle = c.push_pull_async({"w": np.ones(3, np.float32)})
+        for bad in (-1, float("nan"), "5"):
+            with pytest.raises(psrt.ConfigError, match="timeout must be a number of seconds >= 0"):
+                handle.wait(timeout=bad)
+        assert handle.wait(timeout=30)["w"].shape == (3,)  # nothing was lost by the refusals
+        with pytest.raises(psrt.ConfigError, match="timeout"):
+            c.pull(timeout=-1)
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_before_binding(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(psrt.ConfigError, match="--checkpoint-dir"):
+        Server(ServerConfig(bind="tcp://127.0.0.1:*", checkpoint_dir=str(tmp_path / "file" / "ck")))
+
+
+def test_a_refused_checkpoint_request_is_not_a_shard_error(shards):
+    group = shards(1)  # no --checkpoint-dir
+    with psrt.Client(group.endpoints) as c:
+        c.init({"w": np.zeros(3, np.float32)})
+        with pytest.raises(psrt.ServerError, match="without --checkpoint-dir"):
+            c.checkpoint(timeout=20)
+        c.stats()
+        (stats,) = c.stats()
+    assert stats["errors"] == 0  # an operator's probe used to count as one of the shard's errors
+
+
+@pytest.fixture
+def lone_scheduler():
+    """A real scheduler process whose job never forms (it waits for a server and a worker)."""
+    proc = subprocess.Popen([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "1", "--workers", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "psrt-scheduler ready" in line, line
+        yield line.split("endpoint=")[1].split()[0]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+@pytest.mark.parametrize("command", ["stats", "checkpoint"])
+def test_stats_and_checkpoint_before_the_job_forms_are_a_psrt_error(lone_scheduler, command):
+    proc = subprocess.run([*PSRT, command, lone_scheduler], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2, proc.stdout + proc.stderr  # was 1, on stdout
+    assert proc.stderr.startswith("psrt: error:") and "no servers have joined yet" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_checkpoint_waits_for_the_scheduler_as_long_as_its_timeout_says():
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # a "scheduler" that never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        started = time.monotonic()
+        proc = subprocess.run([*PSRT, "checkpoint", f"tcp://127.0.0.1:{port}", "--timeout", "3"],
+                              capture_output=True, text=True, timeout=30)
+        assert time.monotonic() - started > 2.5
+        assert proc.returncode == 2 and "within 3s" in proc.stderr, proc.stderr  # it said (and waited) 5s
+    finally:
+        silent.close(0)
+        ctx.term()
+
+
+def test_the_ctr_example_without_a_scheduler_prints_one_error_line():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PSRT_", "DMLC_"))}
+    env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "psrt.examples.ctr"], capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("ctr: error:") and "PSRT_SCHEDULER" in line
+
+
+def test_many_tensors_with_long_names_fit_the_shards_header_limit(shards):
+    # 4,096 tensors of 1,024-character names made one 4.2 MB header: over the shard's 1 MiB limit, the socket cut
+    # the client off and init ran into its timeout.
+    group = shards(1)
+    params = {f"{i:04d}" + "x" * 1020: np.full(2, i, np.float32) for i in range(4096)}
+    with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
+        c.init(params, optimizer=psrt.SGD(lr=1.0))
+        got = c.push_pull({name: np.ones(2, np.float32) for name in params})
+        assert all(np.array_equal(got[name], value - 1) for name, value in params.items())
+        assert len(c.pull()) == len(params)
+        (stats,) = c.stats()
+    assert stats["errors"] == 0 and stats["keys"] == len(params)
+
+
+def test_a_bad_compression_argument_is_not_blamed_on_the_environment(monkeypatch):
+    monkeypatch.delenv("PSRT_COMPRESSION", raising=False)
+    with pytest.raises(psrt.ConfigError) as info:
+        psrt.Client(servers=["tcp://127.0.0.1:5701"], compression="fp8")
+    assert "fp8" in str(info.value) and "PSRT_COMPRESSION" not in str(info.value)
+    monkeypatch.setenv("PSRT_COMPRESSION", "fp8")
+    with pytest.raises(psrt.ConfigError, match=r"\(PSRT_COMPRESSION\)"):
+        ClientConfig()
+
+
+def test_init_without_an_optimizer_uses_the_documented_default(shards):
+    import re
+
+    documented = float(re.search(r"``SGD\(lr=([0-9.e-]+)\)``", psrt.Client.init.__doc__).group(1))
+    assert documented == psrt.SGD().lr  # the docstring said 0.01
+    group = shards(1)
+    with psrt.Client(group.endpoints) as c:
+        c.init({"w": np.zeros(2, np.float32)})
+        np.testing.assert_allclose(c.push_pull({"w": np.ones(2, np.float32)})["w"], -documented)
+
+
+def test_adam_takes_torchs_betas():
+    assert psrt.Adam(betas=(0.8, 0.99)) == psrt.Adam(beta1=0.8, beta2=0.99)  # was a TypeError
+    assert psrt.AdamW(lr=0.1, betas=(0.5, 0.6)).to_wire()["beta2"] == 0.6
+    with pytest.raises(psrt.ConfigError, match="not both"):
+        psrt.Adam(betas=(0.8, 0.99), beta1=0.7)
+    with pytest.raises(psrt.ConfigError, match="pair"):
+        psrt.Adam(betas=(0.8,))
+
+
+def test_a_server_that_never_became_ready_prints_no_stopped_line(busy_port):
+    proc = subprocess.run([*PSRT, "server", "--bind", "tcp://127.0.0.1:*", "--metrics-port", str(busy_port)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--metrics-port" in proc.stderr
+    assert "ready" not in proc.stdout and "stopped" not in proc.stdout, proc.stdout
+
+
+def test_a_table_defined_differently_is_named_field_by_field(shards):
+    group = shards(1)
+    with psrt.Client(group.endpoints) as a, psrt.Client(group.endpoints) as b:
+        a.init_embedding("t", dim=4)
+        with pytest.raises(psrt.ServerError) as info:
+            b.init_embedding("t", dim=8, dtype=np.float64)
+    message = str(info.value)
+    assert "dim 4 vs 8" in message and "dtype float32 vs float64" in message
+    assert "TableSpec(" not in message and "dtype('" not in message and "seed" not in message
+
+
+def test_a_bad_mode_lists_ssp_too():
+    with pytest.raises(psrt.ConfigError, match="'ssp'"):
+        Scheduler("tcp://127.0.0.1:*", 1, 1, mode="bsp")
+
+
+def test_psrt_model_does_not_call_its_defaults_a_calibration():
+    proc = subprocess.run([*PSRT, "model", "--workers", "1", "--servers", "1"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "calibration" not in proc.stdout and "assumed costs (--calibrate measures them)" in proc.stdout

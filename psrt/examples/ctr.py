@@ -12,13 +12,14 @@ each worker trains on its own slice of every batch, and rank 0 prints held-out l
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Optional, Sequence
 
 import numpy as np
 
 import psrt
 
-__all__ = ["make_batch", "auc", "main"]
+__all__ = ["make_batch", "auc", "main", "train"]
 
 USERS, ITEMS, BAG, DIM = 5000, 20000, 5, 16
 
@@ -53,8 +54,9 @@ def forward(client: psrt.Client, head: dict[str, np.ndarray], users: np.ndarray,
     return u, it, x, p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Train under ``psrt launch`` (or with ``--servers``), printing held-out log-loss and AUC."""
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Train under ``psrt launch`` (or with ``--servers``), printing held-out log-loss and AUC; returns the exit
+    code (2, after one error line, when psrt refuses: no scheduler to find, a shard's error, ...)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--servers", default=None, help="comma-separated shard endpoints (default: the scheduler)")
     ap.add_argument("--rank", type=int, default=None)
@@ -63,23 +65,33 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--batch", type=int, default=512)
     a = ap.parse_args(argv)
     servers = a.servers.split(",") if a.servers else None
-    with psrt.Client(servers, rank=a.rank, num_workers=a.workers) as client:
+    try:
+        train(servers, a.rank, a.workers, a.steps, a.batch)
+    except psrt.PsrtError as exc:
+        print(f"ctr: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def train(servers: Optional[list[str]], rank: Optional[int], workers: Optional[int], steps: int, batch: int) -> None:
+    """One worker's training loop (``servers`` None: the scheduler in the environment)."""
+    with psrt.Client(servers, rank=rank, num_workers=workers) as client:
         opt = psrt.AdaGrad(lr=0.1)
         client.init_embedding("users", dim=DIM, optimizer=opt, std=0.01, seed=1)
         client.init_embedding("items", dim=DIM, optimizer=opt, std=0.01, seed=2)
         head = client.init({"w": np.zeros(2 * DIM, np.float32), "b": np.zeros(1, np.float32)}, optimizer=opt)
         w, r = client.num_workers, client.rank
         test_users, test_items, test_labels = make_batch(10**6, 4000)
-        for step in range(a.steps + 1):
+        for step in range(steps + 1):
             if r == 0 and step % 50 == 0:
                 *_, p = forward(client, head, test_users, test_items)
                 p = np.clip(p, 1e-7, 1 - 1e-7)
                 loss = -np.mean(test_labels * np.log(p) + (1 - test_labels) * np.log(1 - p))
                 print(f"step {step:4d}: held-out log-loss {loss:.4f}, AUC {auc(p, test_labels):.4f}", flush=True)
-            if step == a.steps:
+            if step == steps:
                 break
-            users, items, labels = make_batch(step, a.batch)
-            per = a.batch // w
+            users, items, labels = make_batch(step, batch)
+            per = batch // w
             users, items, labels = (v[r * per:(r + 1) * per] for v in (users, items, labels))
             u, it, x, p = forward(client, head, users, items)
             d = ((p - labels) / len(labels)).astype(np.float32)  # d(mean log-loss)/d(logit)
@@ -93,4 +105,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from psrt.checks import check_endpoint
 from psrt.errors import AuthenticationError, BindError, ConnectionLostError, ShardTimeoutError
 from psrt.transport import curve
 from psrt.transport.curve import ZAP_DOMAIN, JobKeys, create_certificates, read_certificate
@@ -54,6 +55,17 @@ _EVENTS = int(zmq.EVENTS)
 _RCVMORE = int(zmq.RCVMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
+
+#: ZeroMQ takes milliseconds as a C int: a longer wait (or ``inf``, the user's "no limit") is its -1, "forever".
+_MAX_MS = (1 << 31) - 1
+
+
+def _ms(seconds: float, floor: int = 0) -> int:
+    """ZeroMQ's milliseconds for a wait of ``seconds`` (at least ``floor``); -1 for inf or beyond a C int."""
+    if seconds * 1000 >= _MAX_MS:
+        return -1
+    return max(floor, int(seconds * 1000))
+
 
 class SendDropped(Exception):
     """A ROUTER reply could not be queued: the peer is gone or its queue stayed full past the send timeout."""
@@ -134,17 +146,20 @@ class RouterChannel:
     ------
     BindError
         When the endpoint cannot be bound (e.g. the port is taken); the message names it and says what to do.
+    ConfigError
+        When ``endpoint`` is not one (a TCP port outside 1..65535, another scheme).
     """
 
     def __init__(self, context: zmq.Context, endpoint: str, hwm: int, send_timeout: float, *,
                  keys: Optional[JobKeys] = None, max_frame: Optional[int] = None) -> None:
+        check_endpoint(endpoint, bind=True, what="cannot bind")  # ZeroMQ would wrap a port above 65535 around
         if keys is not None:
             curve.authenticate(context, keys)  # before the socket exists: no handshake may precede the handler
         self.sock = context.socket(zmq.ROUTER)
         _common(self.sock, hwm)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout * 1000)))
+        self.sock.setsockopt(zmq.SNDTIMEO, _ms(send_timeout, 1))
         _max_frame(self.sock, max_frame)
         if keys is not None:
             curve.serve_securely(self.sock, keys)
@@ -161,7 +176,7 @@ class RouterChannel:
 
     def poll(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for an incoming message."""
-        return bool(zmq.zmq_poll(self._poll_items, max(0, int(timeout * 1000))))
+        return bool(zmq.zmq_poll(self._poll_items, _ms(timeout)))
 
     def readable(self) -> bool:
         """True when a message is waiting (no system call beyond reading the socket's event flags)."""
@@ -206,7 +221,7 @@ class RouterChannel:
 
     def close(self, linger: float = 0.0) -> None:
         """Close the socket, giving queued messages at most ``linger`` seconds to leave."""
-        self.sock.close(linger=int(linger * 1000))
+        self.sock.close(linger=_ms(linger))
 
 
 class DealerChannel:
@@ -294,7 +309,7 @@ class DealerChannel:
         # monitor (Poller), so only a channel that never connected pays for reading its event flags per send.
         if self._failure is not None or (not self.connections and self.monitor.getsockopt(_EVENTS) & _POLLIN):
             self.check_handshake()
-        timeout_ms = max(1, int(timeout * 1000))
+        timeout_ms = _ms(timeout, 1)
         if timeout_ms != self._sndtimeo:
             self.sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
             self._sndtimeo = timeout_ms
@@ -332,7 +347,7 @@ class DealerChannel:
         """
         if self._failure is not None:
             self.check_handshake()
-        events = dict(self._poller.poll(max(0, int(timeout * 1000))))
+        events = dict(self._poller.poll(_ms(timeout)))
         if self.monitor in events:
             self.check_handshake()
         return self.sock in events
@@ -400,7 +415,7 @@ class Poller:
             if ch._failure is not None:
                 ch.check_handshake()
         ready = []
-        for s, _ in zmq.zmq_poll(self._items, max(0, int(timeout * 1000))):
+        for s, _ in zmq.zmq_poll(self._items, _ms(timeout)):
             ch = self._monitors.get(s)
             if ch is not None:
                 ch.check_handshake()
