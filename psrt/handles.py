@@ -6,15 +6,12 @@ as :class:`psrt.calls.ShardCalls` routes them to it; :meth:`Handle.wait` returns
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from psrt import wire
 from psrt.checks import check_seconds
-
-if TYPE_CHECKING:
-    from psrt.calls import ShardCalls
 
 __all__ = ["Handle"]
 
@@ -22,7 +19,7 @@ __all__ = ["Handle"]
 class Handle:
     """A call in flight. :meth:`wait` returns its result: parameters for pulls, None for pushes."""
 
-    def __init__(self, calls: ShardCalls, op: str, outputs: Optional[dict[str, np.ndarray]]) -> None:
+    def __init__(self, calls: Any, op: str, outputs: Optional[dict[str, np.ndarray]]) -> None:
         self._calls = calls
         self.op = op
         self._outputs = outputs

@@ -17,6 +17,8 @@ from typing import Optional
 import _combo_worker as cw
 import numpy as np
 
+from psrt.config import ClientConfig
+
 __all__ = ["WORKERS", "SERVERS", "STEPS", "STALENESS", "LEAVE_AFTER", "sent", "compression_ratio", "Oracle",
            "exact"]
 
@@ -34,11 +36,14 @@ def compression_ratio(compression: Optional[str]) -> Optional[float]:
 
 
 @cache
-def sent(kind: str, ratio: Optional[float], worker: int, tensor: int) -> np.ndarray:
+def sent(kind: str, ratio: Optional[float], worker: int, tensor: int,
+         reset: Optional[float] = None) -> np.ndarray:
     """``(STEPS, n)``: what worker ``worker``'s pushes of ``tensor`` carry to the shard, step by step.
 
     Without top-k, the gradient itself (fp16 carries these values exactly). With top-k, the documented rule:
-    the ``ceil(ratio * n)`` entries of largest magnitude of gradient + residual travel, the rest is the residual.
+    the ``ceil(ratio * n)`` entries of largest magnitude of gradient + residual travel, the rest is the residual;
+    and the residual starts from zero again when the client learns that the tensor's shard restarted: ``reset``
+    is when, in steps (``k - 0.5``: before step k's push was made, 0-based; ``k + 0.5``: after it).
     """
     grads = np.stack([cw.dense_grad(kind, worker, s, tensor).astype(np.float64) for s in range(STEPS)])
     if ratio is None:
@@ -48,6 +53,8 @@ def sent(kind: str, ratio: Optional[float], worker: int, tensor: int) -> np.ndar
     residual = np.zeros(n)
     out = np.zeros_like(grads)
     for s in range(STEPS):
+        if reset is not None and s - 0.5 == reset:
+            residual = np.zeros(n)
         total = grads[s] + residual
         mags = np.abs(total)
         order = np.argsort(-mags, kind="stable")
@@ -56,7 +63,20 @@ def sent(kind: str, ratio: Optional[float], worker: int, tensor: int) -> np.ndar
         out[s, order[:k]] = total[order[:k]]
         residual = total
         residual[order[:k]] = 0.0
+        if reset is not None and s + 0.5 == reset:
+            residual = np.zeros(n)
     return out
+
+
+def tensor_shard(tensor: int) -> int:
+    """The shard that holds tensor ``t{tensor}`` (one chunk each: far below the partition size), as every
+    client's shard map computes it."""
+    from psrt.partition import PartitionMap
+
+    pmap = PartitionMap(SERVERS, ClientConfig().partition_bytes)
+    chunks = pmap.add({f"t{t}": ((n,), np.dtype(np.float32)) for t, n in enumerate(cw.SIZES)})
+    (chunk,) = [c for c in chunks if c.name == f"t{tensor}"]
+    return chunk.shard
 
 
 class Oracle:
@@ -70,13 +90,26 @@ class Oracle:
         The workers' compression (``PSRT_COMPRESSION``).
     leaves : bool
         Whether worker 1 leaves the job after :data:`LEAVE_AFTER` steps.
+    restart : (int, str, int), optional
+        A shard restarts: its index, the workers' call pattern, and the steps done before its death. The workers'
+        first push to it afterwards waits for its return, during which they learn of it (and reset the top-k
+        residuals of its tensors): after that push was made, so before any later push of the same step (only
+        ``one_by_one`` makes one), and before the next step's.
     """
 
-    def __init__(self, mode: str, compression: Optional[str], leaves: bool) -> None:
+    def __init__(self, mode: str, compression: Optional[str], leaves: bool,
+                 restart: Optional[tuple[int, str, int]] = None) -> None:
         self.mode = mode
         ratio = compression_ratio(compression)
         kind = cw.grad_kind(compression)
-        self.sent = {(w, t): sent(kind, ratio, w, t) for w in range(WORKERS) for t in range(len(cw.SIZES))}
+        resets: dict[int, float] = {}
+        if restart is not None:
+            victim, calls, done = restart
+            on_it = [t for t in range(len(cw.SIZES)) if tensor_shard(t) == victim]
+            for i, t in enumerate(on_it):  # one_by_one pushes t0, t1, ... one call each; others all at once
+                resets[t] = done - 0.5 if calls == "one_by_one" and i > 0 else done + 0.5
+        self.sent = {(w, t): sent(kind, ratio, w, t, resets.get(t)) for w in range(WORKERS)
+                     for t in range(len(cw.SIZES))}
         #: Pushes per worker (each step pushes every tensor once, and the table once).
         self.pushes = [LEAVE_AFTER if leaves and w == 1 else STEPS for w in range(WORKERS)]
         self.row_ids = cw.all_row_ids(WORKERS, SERVERS)

@@ -19,7 +19,8 @@ What each case checks, from the documented semantics (README, docs/architecture.
   stricter than the bound stalls the job, which fails it);
 - the final parameters (after a barrier and a pull) are exactly the oracle's: all pushes, each applied once;
 - compression: fp16 carries these small integers exactly; top-k's choice is simulated with its documented rule
-  (the ``ceil(RATIO * count)`` largest magnitudes of gradient + residual), so its results are exact too;
+  (the ``ceil(RATIO * count)`` largest magnitudes of gradient + residual; a restarted shard's residuals start
+  from zero once the client learns of the restart), so its results are exact too;
 - the data path (shared memory exactly where lanes can be used), CURVE really on with keys, no internal error in
   any shard, and every process exiting in time with code 0 (but a worker whose script raised);
 - events: worker 1 leaves an elastic job after 3 steps, by closing its client or by a script that raises; or a
@@ -242,8 +243,9 @@ class Job:
         return "\n".join(f"--- {c.label}\n{c.tail(3000)}" for c in self.children)
 
 
-def _check(case: Case, tmp: Path, results: list[dict[str, Any]]) -> None:
-    oracle = Oracle(case.mode, _compression(case), case.event in LEAVING)
+def _check(case: Case, tmp: Path, results: list[dict[str, Any]], victim: int) -> None:
+    restart = (victim, case.calls, PAUSE_AFTER) if case.event == "restore" else None
+    oracle = Oracle(case.mode, _compression(case), case.event in LEAVING, restart)
     for res in results:
         w = res["rank"]
         data = np.load(tmp / f"worker-{w}.npz")
@@ -288,7 +290,7 @@ def test_combination(case: Case, tmp_path: Path, keys: str):
     try:
         for server in [*job.servers, *([job.restarted] if job.restarted else [])]:
             assert "Traceback" not in server.output, f"{server.label} logged an internal error"
-        _check(case, tmp_path, results)
+        _check(case, tmp_path, results, job.ranks[1])
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{job.outputs()}") from None
     print(f"{case.id}: {time.monotonic() - started:.1f}s")
