@@ -354,6 +354,7 @@ class ClusterConfig:
         _positive("start_timeout", self.start_timeout, float, "PSRT_START_TIMEOUT")
         _positive("heartbeat_interval", self.heartbeat_interval, float, "PSRT_HEARTBEAT_INTERVAL")
         _positive("heartbeat_timeout", self.heartbeat_timeout, float, "PSRT_HEARTBEAT_TIMEOUT")
+        _positive("restart_grace", self.restart_grace, float, "PSRT_RESTART_GRACE")
         if self.heartbeat_timeout < 2 * self.heartbeat_interval:
             raise ConfigError(f"heartbeat_timeout ({self.heartbeat_timeout:g}s, PSRT_HEARTBEAT_TIMEOUT) must be at "
                               f"least twice heartbeat_interval ({self.heartbeat_interval:g}s, "

@@ -329,3 +329,10 @@ def test_psrt_model_does_not_call_its_defaults_a_calibration():
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "calibration" not in proc.stdout and "assumed costs (--calibrate measures them)" in proc.stdout
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan"])
+def test_an_unusable_restart_grace_names_its_variable(monkeypatch, value):
+    monkeypatch.setenv("PSRT_RESTART_GRACE", value)
+    with pytest.raises(psrt.ConfigError, match="PSRT_RESTART_GRACE"):
+        psrt.config.ClusterConfig.from_env()
