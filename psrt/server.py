@@ -179,11 +179,10 @@ class Server(Recovery):
                 self._wake(key)
 
     def _refuse_if_finished(self, worker: Optional[int], entries: list[Entry]) -> None:
-        if self.store.finished:
-            for entry in entries:
-                missing = self.store.missing_finished(entry, worker)
-                if missing is not None:
-                    raise RequestError("peer_finished", _finished_message(missing))
+        for entry in entries:
+            missing = self.store.missing_finished(entry, worker)
+            if missing is not None:
+                raise RequestError("peer_finished", _finished_message(missing))
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return after the message in hand."""
@@ -266,7 +265,7 @@ class Server(Recovery):
     def _push(self, identity: bytes, req: wire.PushRequest) -> None:
         lane = self.lanes.push_lane(req)  # over a lane: the gradients are read where the worker wrote them
         entries = admission.validate_push(self.store, req, self.config.nonfinite)
-        if not self.store.is_duplicate(req.worker, req.session, req.seq):
+        if self.store.finished and not self.store.is_duplicate(req.worker, req.session, req.seq):
             self._refuse_if_finished(req.worker, entries)
         if lane is not None:
             self.counters.shm_bytes_in += sum(m.nbytes for m in req.tensors)
@@ -356,7 +355,7 @@ class Server(Recovery):
                 mine = self.store.targets(req.worker, [entry])[0] + sum(1 for _, r, _, _ in deferred
                                                                          if pk.key in r.keys())
             want[pk.key] = max(want.get(pk.key, 0), pk.min_version, mine)
-            if want[pk.key] > entry.version:
+            if self.store.finished and want[pk.key] > entry.version:
                 self._refuse_if_finished(None, [entry])
         lane = self.lanes.pull_lane(req, [self.store.entries[k].param for k in keys])
         self.counters.pulls += 1

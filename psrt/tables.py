@@ -173,7 +173,7 @@ class TableService:
         self._check_rows(table, req, req.grads, "gradient")
         self._check_ids(table, req.ids)
         key = (req.table, req.worker)
-        log = self.logs.get(key)
+        log = self.logs.get(key) if self.store.finished else None
         if self.store.finished and not (log is not None and log.session == req.session and req.seq <= log.last_seq):
             missing = self.store.missing_finished(table.round, req.worker)
             if missing is not None:
