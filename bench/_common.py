@@ -4,8 +4,8 @@ comparison benches (plain usage and its variants) and the workload of ``bench/pe
 processes and Ray actors unpickle it from an importable module).
 
 Each script runs as ``python bench/NAME.py``, so this directory is on ``sys.path`` and ``import _common`` finds
-this module. A model's byte count is :func:`psrt.models.model_bytes`; every child process is a
-:class:`psrt.process.Child` (its own process group, stopped as a whole, dies with the bench).
+this module. A model's byte count is :func:`psrt.emulation.models.model_bytes`; every child process is a
+:class:`psrt.control.process.Child` (its own process group, stopped as a whole, dies with the bench).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from psrt.control.process import SERVER_READY, Child, psrt_command
+from psrt.emulation.models import parse_size as _parse_units
 from psrt.errors import ConfigError
-from psrt.models import parse_size as _parse_units
-from psrt.process import SERVER_READY, Child, psrt_command
 
 __all__ = ["parse_size", "human", "human_bytes", "start_child", "start_server", "Relay", "serving", "BenchError",
            "collect", "spawn", "join_or_kill", "free_port", "environ", "copy_bandwidth",
@@ -82,7 +82,8 @@ def human_bytes(n: int) -> str:
 def start_child(cmd: Sequence[str], ready: re.Pattern, timeout: float, **kwargs: Any) -> Child:
     """Start ``cmd`` and wait up to ``timeout`` seconds for its ready line; stopped again if it never comes.
 
-    ``kwargs`` go to :class:`psrt.process.Child`. The endpoint is ``child.endpoint``; stop it with ``child.stop()``.
+    ``kwargs`` go to :class:`psrt.control.process.Child`. The endpoint is ``child.endpoint``; stop it with
+    ``child.stop()``.
     """
     child = Child(cmd, ready=ready, **kwargs)
     try:
@@ -162,9 +163,9 @@ class Relay:
 
 @contextmanager
 def serving(config: Any) -> Iterator[Any]:
-    """An in-process shard (:class:`psrt.server.Server` with ``config``) serving on a thread, so that its counters
+    """An in-process shard (:class:`psrt.shard.server.Server` with ``config``) serving on a thread, so that its counters
     can be read exactly; stopped and closed on exit."""
-    from psrt.server import Server
+    from psrt.shard.server import Server
 
     server = Server(config)
     thread = threading.Thread(target=server.serve, daemon=True)
@@ -326,8 +327,8 @@ def shards(count: int, workers: int, mode: str, variant: Variant, deadline: floa
     import shutil
     import tempfile
 
+    from psrt.control.process import stop_children
     from psrt.errors import PsrtError
-    from psrt.process import stop_children
 
     sockdir = tempfile.mkdtemp(prefix="psrt-bench-") if variant.ipc else None
     children: list[Child] = []

@@ -59,7 +59,7 @@ from _common import Relay, serving, start_server
 
 import psrt
 from psrt.config import ClientConfig, ServerConfig
-from psrt.process import SERVER_READY, Child, psrt_command, stop_children
+from psrt.control.process import SERVER_READY, Child, psrt_command, stop_children
 
 WORKER = str(Path(__file__).with_name("_chaos_worker.py"))
 SCENARIOS = ("flood", "sigstop", "restore", "worker", "linkcut", "auth")
@@ -201,7 +201,7 @@ def scenario_flood(opts: argparse.Namespace, raw: dict[str, Any]) -> list[Row]:
 
 # ------------------------------------------------------------------------------------------------ jobs
 class Job:
-    """A scheduler, S servers and W chaos job workers, on loopback or in a :class:`psrt.netns.VirtualCluster`.
+    """A scheduler, S servers and W chaos job workers, on loopback or in a :class:`psrt.emulation.netns.VirtualCluster`.
 
     Hosts in a virtual cluster are named ``sched``, ``s0``.., ``w0``.., and the scheduler binds ``port`` there
     (on loopback, any free port); every child is stopped by :meth:`close`.
@@ -369,7 +369,7 @@ def scenario_restore(opts: argparse.Namespace, raw: dict[str, Any]) -> list[Row]
 # ------------------------------------------------------------------------------------------------ link cut
 def scenario_linkcut(opts: argparse.Namespace, raw: dict[str, Any]) -> list[Row]:
     """Cut worker 1's link inside an emulated cluster, without and with --elastic; then restore it."""
-    from psrt.netns import VirtualCluster, check_available
+    from psrt.emulation.netns import VirtualCluster, check_available
 
     try:
         check_available()
@@ -495,7 +495,7 @@ def _null_peer(endpoint: str) -> str:
 
 def scenario_auth(opts: argparse.Namespace, raw: dict[str, Any]) -> list[Row]:
     """The authentication matrix against a CURVE shard, and what the wire shows with and without keys."""
-    from psrt import security
+    from psrt.control import security
 
     tmp = Path(tempfile.mkdtemp(prefix="psrt-chaos-keys-"))
     rows: list[Row] = []

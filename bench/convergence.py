@@ -2,7 +2,7 @@
 
 W = 4 workers train the PyTorch CNN of :mod:`psrt.examples.torch_digits` on scikit-learn's digits through one
 shard server, each worker and the server on its own emulated host (network namespaces,
-:class:`psrt.netns.VirtualCluster`) whose link is shaped with ``tc ... tbf`` to ``--link`` in each direction.
+:class:`psrt.emulation.netns.VirtualCluster`) whose link is shaped with ``tc ... tbf`` to ``--link`` in each direction.
 The default rate makes the job link-bound: a step's gradients and parameters (4 x 153 KB each way through the
 server's link) take several times the compute of a step. Every step is ``client.push_pull`` of all gradients
 (SGD with momentum 0.9 on the shard, ``--lr`` in sync mode, where the shard steps once per W pushes with their
@@ -39,8 +39,8 @@ from typing import Any, Optional
 import numpy as np
 
 import psrt
-from psrt.netns import VirtualCluster, check_available
-from psrt.process import SERVER_READY, parse_results, psrt_command, result_line
+from psrt.control.process import SERVER_READY, parse_results, psrt_command, result_line
+from psrt.emulation.netns import VirtualCluster, check_available
 
 try:  # optional: `--help` works without it, and main() says what to install
     import torch

@@ -20,8 +20,8 @@ import numpy as np
 from _common import parse_size
 
 import psrt
+from psrt.cluster.local import LocalShards
 from psrt.config import ClientConfig
-from psrt.local import LocalShards
 
 
 def timed(fn, seconds: float) -> float:

@@ -2,8 +2,8 @@
 
 For every kernel of :mod:`psrt.kernels` (``accumulate``, ``sgd_step``, ``momentum_step``, ``adam_step``,
 ``adagrad_step``) and every size (1M and 16M elements by default, float32), this script times the kernel, called
-through the validated :mod:`psrt.kernels` API, against its NumPy twin in :mod:`psrt.reference` (for ``adam_step``
-that is the NumPy AdamW update, ``reference.adam_step``), and both against NumPy's copy bandwidth
+through the validated :mod:`psrt.kernels` API, against its NumPy twin in :mod:`psrt.kernels.reference` (for
+``adam_step`` that is the NumPy AdamW update, ``reference.adam_step``), and both against NumPy's copy bandwidth
 (``np.copyto(dst, src)``), all in one run.
 
 The optimizer kernels get ``scale = 1/W`` (``--workers``, default 4), as a sync-mode shard applies them to the
@@ -59,7 +59,8 @@ import numpy as np
 from _common import human, parse_size
 
 import psrt
-from psrt import _core, kernels, reference
+from psrt import _core, kernels
+from psrt.kernels import reference
 
 KERNELS = ("accumulate", "sgd_step", "momentum_step", "adam_step", "adagrad_step")
 

@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 import psrt
-from psrt.local import LocalShards
+from psrt.cluster.local import LocalShards
 
 
 def peak_rss(pid: int) -> int:

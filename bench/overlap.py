@@ -1,11 +1,11 @@
 """Step time of a PyTorch model with and without overlapping communication and compute (psrt.torch).
 
-One shard server and one worker run on two emulated hosts (network namespaces, :class:`psrt.netns.VirtualCluster`)
-whose links are shaped with ``tc ... tbf``. The link rate is chosen so that the serial step's communication
-(push every gradient, then pull every parameter) takes about as long as the model's forward and backward on this
-machine: the script first times the compute here, then sets ``rate = 2 x model bytes / compute time``
-(``--link`` overrides it). The worker then measures, each as the median of its steps (the four take turns,
-``--rounds`` times ``--steps`` steps, so a change in the machine's load touches all of them alike):
+One shard server and one worker run on two emulated hosts (network namespaces,
+:class:`psrt.emulation.netns.VirtualCluster`) whose links are shaped with ``tc ... tbf``. The link rate is chosen so
+that the serial step's communication (push every gradient, then pull every parameter) takes about as long as the model's
+forward and backward on this machine: the script first times the compute here, then sets ``rate = 2 x model bytes /
+compute time`` (``--link`` overrides it). The worker then measures, each as the median of its steps (the four take
+turns, ``--rounds`` times ``--steps`` steps, so a change in the machine's load touches all of them alike):
 
 - ``compute``: forward + backward of the model alone, no psrt;
 - ``comm``: ``client.push_pull`` of every gradient alone, no compute;
@@ -40,8 +40,8 @@ import time
 from typing import Any, Optional
 
 import psrt
-from psrt.netns import VirtualCluster, check_available
-from psrt.process import SERVER_READY, Child, parse_results, psrt_command, result_line
+from psrt.control.process import SERVER_READY, Child, parse_results, psrt_command, result_line
+from psrt.emulation.netns import VirtualCluster, check_available
 
 try:  # optional: `--help` works without it, and main() says what to install
     import torch

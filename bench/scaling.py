@@ -4,7 +4,7 @@ Every server, worker and the scheduler run in their own network namespace with t
 veth pairs to a bridge, and every host's link is shaped in both directions with ``tc ... tbf`` to ``--link``
 (default 50 Mbit/s). The sweep runs W workers x S servers; each run is a real job (``psrt scheduler``,
 ``psrt server``, ``psrt worker`` processes) whose workers report their steps/s. Each point is compared with
-:func:`psrt.perfmodel.predict` (calibrated on this machine first).
+:func:`psrt.emulation.perfmodel.predict` (calibrated on this machine first).
 
 The default scenario is the seed paper's shape: a 256 KB model in 16 KiB partitions (16 chunks, so S=4 shards
 hold 4 each), 50 Mbit/s links and 140 ms of compute per step. One worker's communication is then a small part of
@@ -39,10 +39,10 @@ import threading
 import time
 from typing import Optional
 
-from psrt import models, perfmodel
-from psrt.models import model_tensors
-from psrt.netns import VirtualCluster, check_available, parse_rate
-from psrt.process import Child, parse_results, psrt_command, stop_children
+from psrt.control.process import Child, parse_results, psrt_command, stop_children
+from psrt.emulation import models, perfmodel
+from psrt.emulation.models import model_tensors
+from psrt.emulation.netns import VirtualCluster, check_available, parse_rate
 
 
 class CpuSampler:

@@ -28,14 +28,14 @@ from pathlib import Path
 import numpy as np
 
 import psrt
-from psrt.local import LocalShards
-from psrt.models import model_bytes, model_tensors
+from psrt.cluster.local import LocalShards
+from psrt.emulation.models import model_bytes, model_tensors
 
 WORKER = """
 import sys, time
 import numpy as np
 import psrt
-from psrt.models import model_tensors
+from psrt.emulation.models import model_tensors
 with psrt.Client() as c:
     params = {n: np.zeros(s, np.float32) for n, s in model_tensors("1MB")}
     c.init(params, optimizer=psrt.SGD(lr=0.1))

@@ -67,7 +67,7 @@ from _common import parse_size, start_child, start_server
 
 import psrt
 from psrt.config import ClientConfig
-from psrt.process import Child, ready_line, ready_pattern
+from psrt.control.process import Child, ready_line, ready_pattern
 
 KIB, MIB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (4 * KIB, 64 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB)

@@ -18,7 +18,6 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
         "the uncompiled sources from the current directory: run from elsewhere. psrt has no pure-Python fallback."
     ) from exc
 
-from psrt.client import Client, Handle
 from psrt.errors import (
     AuthenticationError,
     BindError,
@@ -36,6 +35,7 @@ from psrt.errors import (
 )
 from psrt.memory import tune_allocator
 from psrt.optim import SGD, AdaGrad, Adam, AdamW, Optimizer
+from psrt.worker.client import Client, Handle
 
 __version__ = "0.1.0"
 

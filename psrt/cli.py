@@ -32,7 +32,7 @@ __all__ = ["main", "build_parser"]
 
 
 def _server(args: argparse.Namespace) -> int:
-    from psrt.daemon import run_server
+    from psrt.cluster.daemon import run_server
 
     if args.scheduler is None:  # with a scheduler, the mode and the bound come from it
         _staleness_needs_ssp(args)
@@ -45,7 +45,7 @@ def _server(args: argparse.Namespace) -> int:
 
 
 def _scheduler(args: argparse.Namespace) -> int:
-    from psrt.daemon import run_scheduler
+    from psrt.cluster.daemon import run_scheduler
 
     _staleness_needs_ssp(args)
 
@@ -54,7 +54,7 @@ def _scheduler(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from psrt.launch import launch
+    from psrt.cluster.launch import launch
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return launch(args.servers, args.workers, command, mode=args.mode, host=args.host, start_timeout=args.timeout,
@@ -62,7 +62,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    from psrt.security import KEY_FILES, keygen
+    from psrt.control.security import KEY_FILES, keygen
 
     keys = keygen(args.directory)
     names = ", ".join(n for pair in KEY_FILES.values() for n in pair)
@@ -73,26 +73,26 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from psrt.launch import run_role
+    from psrt.cluster.launch import run_role
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return run_role(command)
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from psrt.stats import checkpoint_job
+    from psrt.cluster.stats import checkpoint_job
 
     return checkpoint_job(args.scheduler, timeout=args.timeout)
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from psrt.stats import watch
+    from psrt.cluster.stats import watch
 
     return watch(args.scheduler, interval=args.interval, count=args.count)
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from psrt.loadgen import run_worker
+    from psrt.emulation.loadgen import run_worker
 
     servers = args.servers.split(",") if args.servers else None
     run_worker(args.model, args.compute_ms, args.steps, warmup=args.warmup, compute=args.compute, servers=servers,
@@ -101,9 +101,9 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace) -> int:
-    from psrt import perfmodel
-    from psrt.models import model_bytes, model_tensors
-    from psrt.netns import parse_rate
+    from psrt.emulation import perfmodel
+    from psrt.emulation.models import model_bytes, model_tensors
+    from psrt.emulation.netns import parse_rate
 
     cal = perfmodel.calibrate() if args.calibrate else perfmodel.Calibration(
         agg_bytes_per_s=args.agg_rate, msg_overhead_s=args.msg_overhead_us * 1e-6, rtt_s=args.rtt_us * 1e-6)

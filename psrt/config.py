@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from psrt.checks import MAX_PORT, check_endpoint
-from psrt.compression import check as compression_check
+from psrt.dtypes import check_compression
 from psrt.errors import ConfigError
 
 __all__ = ["WireLimits", "ServerConfig", "ClientConfig", "ClusterConfig", "MODES", "ROLES"]
@@ -173,10 +173,10 @@ class ServerConfig:
         The shard's rank, its place in the job's shard order, which names its checkpoint files; under a
         scheduler, the slot it asks for. None: the scheduler's choice, or by hand the restored checkpoint's, or 0.
     keys : str or os.PathLike, optional
-        The job's key directory (:mod:`psrt.security`): CURVE on every socket, and only the job's client key
+        The job's key directory (:mod:`psrt.control.security`): CURVE on every socket, and only the job's client key
         is accepted. Default: ``PSRT_KEYS``; None or empty: no security.
     shm : bool
-        Offer workers on this host shared-memory lanes (:mod:`psrt.lanes`). Default: ``PSRT_SHM`` (on).
+        Offer workers on this host shared-memory lanes (:mod:`psrt.shm.lanes`). Default: ``PSRT_SHM`` (on).
     """
 
     bind: str = "tcp://127.0.0.1:5701"
@@ -240,12 +240,12 @@ class ClientConfig:
         what it waits for and where; the call itself keeps waiting until ``timeout``.
     compression : str or None
         ``"fp16"`` or ``"bf16"``: float32 gradients travel as 16-bit floats; ``"topk:RATIO"`` (0 < RATIO <= 1):
-        only the RATIO largest entries of each chunk travel, the rest kept for later (:mod:`psrt.compression`);
+        only the RATIO largest entries of each chunk travel, the rest kept for later (:mod:`psrt.wire.compression`);
         None (default, or ``PSRT_COMPRESSION`` empty): full precision.
     keys : str or os.PathLike, optional
         The job's key directory: CURVE on every socket. Default: ``PSRT_KEYS``; None or empty: no security.
     shm : bool
-        Move tensor bytes through shared memory to shards on this host (:mod:`psrt.lanes`; not with
+        Move tensor bytes through shared memory to shards on this host (:mod:`psrt.shm.lanes`; not with
         ``compression``). Default: ``PSRT_SHM`` (on).
     """
 
@@ -263,7 +263,7 @@ class ClientConfig:
         _positive("timeout", self.timeout, float, "PSRT_TIMEOUT")
         _positive("warn_after", self.warn_after, float, "PSRT_WARN_AFTER")
         try:
-            object.__setattr__(self, "compression", compression_check(self.compression))
+            object.__setattr__(self, "compression", check_compression(self.compression))
         except ValueError as exc:  # name the variable only when the value came from it
             where = " (PSRT_COMPRESSION)" if os.environ.get("PSRT_COMPRESSION") == self.compression else ""
             raise ConfigError(f"{exc}{where}") from None

@@ -50,9 +50,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError('psrt.torch needs PyTorch: pip install "psrt[torch]" (or pip install torch); '
                       f"importing torch failed: {exc}") from exc
 
-from psrt.client import Client, Handle
 from psrt.errors import ConfigError, PsrtTypeError
 from psrt.optim import Optimizer
+from psrt.worker.client import Client, Handle
 
 __all__ = ["DistributedOptimizer"]
 

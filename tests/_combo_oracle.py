@@ -114,7 +114,7 @@ class Oracle:
         self.pushes = [LEAVE_AFTER if leaves and w == 1 else STEPS for w in range(WORKERS)]
         self.row_ids = cw.all_row_ids(WORKERS, SERVERS)
         self.position = {int(i): p for p, i in enumerate(self.row_ids)}
-        from psrt.rowkernels import shard_of
+        from psrt.kernels.rows import shard_of
 
         self.row_shard = shard_of(self.row_ids, SERVERS)
 

@@ -71,7 +71,7 @@ def dense_grad(kind: str, worker: int, step: int, tensor: int) -> np.ndarray:
 
 def count_ids(worker: int, num_shards: int) -> np.ndarray:
     """Worker ``worker``'s counter row on each shard (in shard order): the first ids from 1000 (w + 1) on it."""
-    from psrt.rowkernels import shard_of
+    from psrt.kernels.rows import shard_of
 
     candidates = np.arange(1000 * (worker + 1), 1000 * (worker + 1) + 200, dtype=np.int64)
     shards = shard_of(candidates, num_shards)

@@ -6,7 +6,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from psrt.local import LocalShards
+from psrt.cluster.local import LocalShards
 
 
 @pytest.fixture

@@ -89,8 +89,8 @@ def test_convergence_workers_train_on_loopback(shards):
                               stdout=subprocess.PIPE, text=True) for r in range(4)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * 4
+    from psrt.control.process import parse_results
     from psrt.examples.torch_digits import make_model
-    from psrt.process import parse_results
 
     r0 = parse_results(outs[0])[0]
     assert r0["steps"] == 11 and len(r0["ends"]) == 11 and r0["curve"][-1][0] == 11

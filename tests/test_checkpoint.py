@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import psrt
-from psrt import checkpoint
 from psrt.config import ServerConfig
-from psrt.recovery import Checkpointer
-from psrt.store import Store
+from psrt.shard import checkpoint
+from psrt.shard.recovery import Checkpointer
+from psrt.shard.store import Store
 
 
 def busy_store() -> Store:
@@ -131,7 +131,7 @@ def test_checkpoint_options_need_a_directory():
 
 
 def _serve_one(config: ServerConfig):
-    from psrt.server import Server
+    from psrt.shard.server import Server
 
     return Server(config)
 
@@ -173,7 +173,7 @@ def test_a_killed_shard_restarted_with_restore_is_ridden_through_with_no_push_ap
     import sys
     import time
 
-    from psrt.process import SERVER_READY, Child, psrt_command
+    from psrt.control.process import SERVER_READY, Child, psrt_command
 
     workers, steps, every = 2, 120, 5
     serve = ("server", "--workers", str(workers), "--checkpoint-dir", str(tmp_path), "--checkpoint-every",
@@ -226,7 +226,7 @@ def test_under_a_scheduler_a_restarted_server_takes_its_slot_back(tmp_path):
     import sys
     import time
 
-    from psrt.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command
+    from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command
 
     workers, steps, every = 2, 120, 5
     sched = Child(psrt_command("scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "1", "--workers",
@@ -279,7 +279,7 @@ def test_psrt_checkpoint_asks_every_shard_of_a_running_job(tmp_path):
     import subprocess
     import sys
 
-    from psrt.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command, stop_children
+    from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command, stop_children
 
     children = [Child(psrt_command("scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "2", "--workers", "1"),
                       label="scheduler", ready=SCHEDULER_READY)]
@@ -314,7 +314,7 @@ def test_checkpoints_include_embedding_tables(tmp_path, shards):
         before = c.pull_rows("items", ids)
         (path,) = c.checkpoint()
     group.close()
-    from psrt.server import Server
+    from psrt.shard.server import Server
 
     server = Server(ServerConfig(bind=group.endpoints[0], num_workers=1, checkpoint_dir=str(tmp_path), restore=True))
     try:
@@ -336,7 +336,7 @@ def test_a_table_with_no_rows_yet_is_checkpointed_and_restored(tmp_path, shards)
         (path,) = c.checkpoint()  # zero-length row and slot arrays in the file
         assert Path(path).exists()
     group.close()  # a clean shutdown writes one more, the same way
-    from psrt.server import Server
+    from psrt.shard.server import Server
 
     server = Server(ServerConfig(bind=group.endpoints[0], num_workers=1, checkpoint_dir=str(tmp_path), restore=True))
     try:

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 import psrt
-from psrt import cli, launch
+from psrt import cli
+from psrt.cluster import launch
 
 PSRT = [sys.executable, "-m", "psrt.cli"]
 
@@ -131,7 +132,7 @@ def test_a_port_out_of_range_is_a_usage_error_naming_it(args, port):
 
 def test_a_port_out_of_range_is_refused_in_process_too():
     from psrt.config import ServerConfig
-    from psrt.scheduler import Scheduler
+    from psrt.control.scheduler import Scheduler
 
     with pytest.raises(psrt.ConfigError, match="99999"):
         ServerConfig(bind="tcp://127.0.0.1:99999")

@@ -16,7 +16,7 @@ import pytest
 
 import psrt
 from psrt.config import ClusterConfig
-from psrt.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command, stop_children
+from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command, stop_children
 
 WORKER = str(Path(__file__).with_name("_cluster_worker.py"))
 PSRT = psrt_command()

@@ -56,7 +56,7 @@ from _combo_oracle import LEAVE_AFTER, SERVERS, STALENESS, STEPS, WORKERS, Oracl
 
 import psrt  # noqa: E402
 from psrt.config import ClientConfig, ClusterConfig  # noqa: E402
-from psrt.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command, stop_children  # noqa: E402
+from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command, stop_children  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import psrt
-from psrt import compression
 from psrt.config import ClientConfig
+from psrt.wire import compression
 
 
 @pytest.mark.parametrize("codec", ["fp16", "bf16"])

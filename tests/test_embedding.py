@@ -1,14 +1,15 @@
-"""The shard-side row store (psrt.embedding): growth, the id index, deterministic rows, row-wise steps."""
+"""The shard-side row store (psrt.shard.embedding): growth, the id index, deterministic rows, row-wise steps."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from psrt import reference
-from psrt.embedding import RowTable, TableSpec, coalesce
 from psrt.errors import ConfigError
+from psrt.kernels import reference
 from psrt.optim import SGD, AdaGrad, Adam
+from psrt.shard.embedding import RowTable, coalesce
+from psrt.tablespec import TableSpec
 
 
 def table(**kw) -> RowTable:

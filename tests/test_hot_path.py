@@ -13,7 +13,7 @@ import psrt
 from psrt import transport, wire
 from psrt.config import ClientConfig, WireLimits
 from psrt.errors import ProtocolError
-from psrt.pulls import PullQueue, Waiter
+from psrt.shard.pulls import PullQueue, Waiter
 from psrt.wire.codec import pack_header
 
 LIMITS = WireLimits()

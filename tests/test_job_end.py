@@ -23,9 +23,9 @@ import pytest
 
 import psrt
 from psrt import wire
-from psrt.link import SchedulerLink
-from psrt.process import SCHEDULER_READY, Child, stop_children
-from psrt.scheduler import Scheduler
+from psrt.control.link import SchedulerLink
+from psrt.control.process import SCHEDULER_READY, Child, stop_children
+from psrt.control.scheduler import Scheduler
 
 PSRT = [sys.executable, "-m", "psrt.cli"]
 WORKER = str(Path(__file__).with_name("_crash_worker.py"))

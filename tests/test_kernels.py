@@ -1,4 +1,4 @@
-"""The compiled kernels (psrt.kernels) against their NumPy twins (psrt.reference), and the wrappers' validation."""
+"""The compiled kernels (psrt.kernels) against their NumPy twins (psrt.kernels.reference); the wrappers' checks."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from psrt import _core, kernels, reference
+from psrt import _core, kernels
 from psrt.errors import KernelArgumentError, KernelTypeError
+from psrt.kernels import reference
 
 DTYPES = [np.float32, np.float64]
 ODD_SIZES = [0, 1, 7, 1023, 65537]

@@ -17,10 +17,11 @@ import pytest
 import zmq
 
 import psrt
-from psrt import lanes, shm
+from psrt import shm
 from psrt.config import ClientConfig, ServerConfig
 from psrt.errors import ConfigError
-from psrt.server import Server
+from psrt.shard.server import Server
+from psrt.shm import lanes
 
 
 def _room() -> int:
@@ -437,7 +438,7 @@ def test_a_sync_round_is_read_from_the_shards_own_memory_under_its_counter(shard
 
 
 def test_psrt_stats_counts_the_bytes_that_came_through_shared_memory():
-    from psrt.stats import format_table
+    from psrt.cluster.stats import format_table
 
     row = {"endpoint": "tcp://127.0.0.1:1", "keys": 1, "param_bytes": 4e6, "pushes": 10, "pulls": 10, "rounds": 10,
            "queued_pulls": 0, "deferred_pushes": 0, "errors": 0, "bytes_in": 1_000_000, "bytes_out": 0,
@@ -480,7 +481,7 @@ def test_a_lane_grows_to_hold_every_call_in_flight(shards):
 
 
 def test_a_secured_job_sets_up_lanes_over_its_authenticated_sockets(shards, tmp_path, monkeypatch):
-    from psrt import security
+    from psrt.control import security
 
     keys = security.keygen(tmp_path / "job").directory
     monkeypatch.setenv("PSRT_KEYS", str(keys))  # the shard processes take the job's keys from the environment

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from psrt.process import Child, stop_children
+from psrt.control.process import Child, stop_children
 
 PSRT = [sys.executable, "-m", "psrt.cli"]
 WORKER = str(Path(__file__).with_name("_liveness_worker.py"))
@@ -27,7 +27,7 @@ NAMED_WITHIN_S = 5.0
 
 
 class Proc:
-    """A :class:`psrt.process.Child` whose collected output lines are read in order, pattern after pattern."""
+    """A :class:`psrt.control.process.Child` whose collected output lines are read in order, pattern after pattern."""
 
     def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
         self.child = Child(cmd, env=env)

@@ -1,4 +1,4 @@
-"""Model shape lists and sizes (``psrt.models``)."""
+"""Model shape lists and sizes (``psrt.emulation.models``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 
 from psrt import ConfigError
-from psrt.models import MODELS, model_bytes, model_tensors
+from psrt.emulation.models import MODELS, model_bytes, model_tensors
 
 
 @pytest.mark.parametrize("spec", [*MODELS, "1MB", "4MiB", "4097"])

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from psrt.netns import VirtualCluster
-from psrt.process import SERVER_READY, psrt_command
+from psrt.control.process import SERVER_READY, psrt_command
+from psrt.emulation.netns import VirtualCluster
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None,
                                 reason="needs root, iproute2 and unshare for network namespaces")

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from psrt import errors as psrt_errors
-from psrt import models, perfmodel
-from psrt.models import MODELS, model_tensors, parse_size
-from psrt.process import parse_results
+from psrt.control.process import parse_results
+from psrt.emulation import models, perfmodel
+from psrt.emulation.models import MODELS, model_tensors, parse_size
 
 CAL = perfmodel.Calibration(agg_bytes_per_s=5e9, msg_overhead_s=50e-6, rtt_s=200e-6)
 LINK = 1e9  # bits/s
@@ -98,7 +98,7 @@ def test_load_worker_under_launch_reports_steps_per_second():
 
 
 def test_emulated_cluster_needs_root(monkeypatch):
-    from psrt import netns
+    from psrt.emulation import netns
 
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     with pytest.raises(psrt_errors.ConfigError, match="needs root"):

@@ -1,4 +1,4 @@
-"""Child processes (psrt.process): ready lines, output, teardown of the whole group, no orphans."""
+"""Child processes (psrt.control.process): ready lines, output, teardown of the whole group, no orphans."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from psrt import ConfigError, PsrtTimeoutError
-from psrt.process import (
+from psrt.control.process import (
     SCHEDULER_READY,
     SERVER_READY,
     Child,
@@ -121,7 +121,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period():
 
 def test_children_die_with_their_parent():
     # A parent that starts a child and is then killed outright (no cleanup runs): the kernel ends the child.
-    code = ("import os, signal, sys; from psrt.process import Child; "
+    code = ("import os, signal, sys; from psrt.control.process import Child; "
             "c = Child([sys.executable, '-c', 'import time; time.sleep(60)']); print(c.pid, flush=True); "
             "os.kill(os.getpid(), signal.SIGKILL)")
     proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)

@@ -211,7 +211,7 @@ def test_one_dtype_table_serves_kernels_wire_and_client():
 
 def test_no_module_but_wire_indexes_a_raw_header():
     """The server, client and scheduler work on typed records: none of them subscripts a header dict."""
-    for name in ("server.py", "client.py", "scheduler.py", "stats.py"):
+    for name in ("shard/server.py", "worker/client.py", "control/scheduler.py", "cluster/stats.py"):
         tree = ast.parse((PSRT_DIR / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Subscript) and isinstance(node.value, (ast.Attribute, ast.Name)):

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 
 import psrt
-from psrt import checkpoint, wire
+from psrt import wire
 from psrt.config import ClientConfig, ServerConfig
+from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command
 from psrt.partition import PartitionMap
-from psrt.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command
-from psrt.server import Server
-from psrt.store import Store
+from psrt.shard import checkpoint
+from psrt.shard.server import Server
+from psrt.shard.store import Store
 
 RIDE = str(Path(__file__).with_name("_ride_worker.py"))
 

@@ -1,12 +1,13 @@
-"""The row kernels (psrt.rowkernels) against their NumPy twins (psrt.reference), and their validation."""
+"""The row kernels (psrt.kernels.rows) against their NumPy twins (psrt.kernels.reference), and their validation."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from psrt import reference, rowkernels
 from psrt.errors import KernelArgumentError, KernelTypeError
+from psrt.kernels import reference
+from psrt.kernels import rows as rowkernels
 
 DTYPES = [np.float32, np.float64]
 RTOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}

@@ -26,14 +26,14 @@ import zmq
 import zmq.auth
 
 import psrt
-from psrt import security
+from psrt.control import security
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from _common import Relay, serving  # noqa: E402  (bench/ is not a package; the chaos bench uses the same relay)
 
 from psrt.config import ClientConfig, ServerConfig, WireLimits
-from psrt.scheduler import Scheduler, SchedulerLink
-from psrt.server import Server
+from psrt.control.scheduler import Scheduler, SchedulerLink
+from psrt.shard.server import Server
 
 PSRT = [sys.executable, "-m", "psrt.cli"]
 COUNTERS = ("inits", "pushes", "pulls", "rounds", "duplicates", "errors", "dropped_replies", "bytes_in", "bytes_out")

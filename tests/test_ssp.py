@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import psrt
-from psrt.store import Store
+from psrt.shard.store import Store
 
 WORKER = str(Path(__file__).with_name("_ssp_worker.py"))
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import psrt
-from psrt.store import Store
+from psrt.shard.store import Store
 
 KEY = ("w", 0)
 

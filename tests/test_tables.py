@@ -11,9 +11,11 @@ import pytest
 import zmq
 
 import psrt
-from psrt import reference, wire
+from psrt import wire
 from psrt.config import ClientConfig
-from psrt.embedding import RowTable, TableSpec, coalesce
+from psrt.kernels import reference
+from psrt.shard.embedding import RowTable, coalesce
+from psrt.tablespec import TableSpec
 
 
 def cfg() -> ClientConfig:

@@ -9,8 +9,8 @@ import pytest
 import zmq
 
 import psrt
-from psrt import compression
 from psrt.config import ClientConfig
+from psrt.wire import compression
 
 
 def test_topk_sends_the_largest_entries_and_keeps_the_rest_as_residual():
@@ -179,7 +179,7 @@ def test_a_topk_frame_over_the_shards_frame_limit_goes_dense():
     import threading
 
     from psrt.config import ServerConfig, WireLimits
-    from psrt.server import Server
+    from psrt.shard.server import Server
 
     limit = 1 << 16
     limits = WireLimits(max_header_bytes=4096, max_tensor_bytes=limit)  # sockets: MAXMSGSIZE of limit + 1 KiB
@@ -203,7 +203,7 @@ def test_a_topk_frame_over_the_shards_frame_limit_goes_dense():
 def test_a_restarted_shard_gets_no_residual_owed_to_its_earlier_life(tmp_path):
     import signal
 
-    from psrt.process import SERVER_READY, Child, psrt_command
+    from psrt.control.process import SERVER_READY, Child, psrt_command
 
     serve = ("server", "--workers", "1", "--mode", "async", "--checkpoint-dir", str(tmp_path))
     shard = Child(psrt_command(*serve, "--bind", "tcp://127.0.0.1:*"), label="shard", ready=SERVER_READY)

@@ -19,8 +19,8 @@ import zmq
 import psrt
 from psrt import transport
 from psrt.config import ClientConfig
-from psrt.scheduler import Scheduler, SchedulerLink
-from psrt.server import Server, ServerConfig
+from psrt.control.scheduler import Scheduler, SchedulerLink
+from psrt.shard.server import Server, ServerConfig
 
 PSRT = [sys.executable, "-m", "psrt.cli"]
 

@@ -138,7 +138,7 @@ def train_worker(servers: Optional[Sequence[str]] = None, rank: Optional[int] = 
 def run_local(servers: int = 2, workers: int = 2, mode: str = "sync", epochs: int = 30, lr: float = 0.1,
               batch: int = 32, seed: int = 0) -> int:
     """``psrt launch`` a scheduler, ``servers`` shards and ``workers`` copies of this trainer; returns the exit code."""
-    from psrt.launch import launch
+    from psrt.cluster.launch import launch
 
     _require_sklearn()  # say so once, here, rather than in a traceback from every worker
     cmd = [sys.executable, "-m", "psrt.examples.digits", "--epochs", str(epochs), "--lr", str(lr),

@@ -15,7 +15,7 @@ known ZeroMQ pitfalls of a parameter server:
   ``zmq.MessageTracker``.
 - ``MAXMSGSIZE`` from the decode limits: a peer sending a frame no valid message can hold is disconnected
   before the frame is buffered whole.
-- CURVE, when a process has keys (:mod:`psrt.security`): serving sockets are CURVE servers with a ZAP domain
+- CURVE, when a process has keys (:mod:`psrt.control.security`): serving sockets are CURVE servers with a ZAP domain
   and ``ZAP_ENFORCE_DOMAIN`` (CURVE fails open without a ZAP handler; with it, a missing handler fails
   closed), and their context runs a ZAP handler that accepts only the job's client key. Connecting sockets
   carry a handshake monitor: ZeroMQ keeps a refused handshake from the application, so the monitor turns it

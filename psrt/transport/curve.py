@@ -22,7 +22,7 @@ __all__ = ["ZAP_DOMAIN", "Context", "create_certificates", "read_certificate", "
 
 log = logging.getLogger("psrt.auth")
 
-#: A :class:`psrt.security.JobKeys` (not imported here: security builds on the transport, not the reverse).
+#: A :class:`psrt.control.security.JobKeys` (not imported here: security builds on the transport, not the reverse).
 JobKeys = Any
 
 #: The ZAP domain of psrt's serving sockets.

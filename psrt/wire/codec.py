@@ -17,9 +17,10 @@ from typing import Any, Optional, Sequence
 import msgpack
 import numpy as np
 
-from psrt import compression, dtypes
+from psrt import dtypes
 from psrt.config import WireLimits
 from psrt.errors import ProtocolError
+from psrt.wire import compression
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -57,7 +58,7 @@ class TensorMeta:
     shape: tuple[int, ...]
     count: int
     nbytes: int
-    #: A compressed gradient (:mod:`psrt.compression`): ``"fp16"``, ``"bf16"`` or ``"topk"``; ``dtype`` is then
+    #: A compressed gradient (:mod:`psrt.wire.compression`): ``"fp16"``, ``"bf16"`` or ``"topk"``; ``dtype`` is then
     #: float32, the values' dtype once widened, while the frame holds 2 bytes per value (top-k: 8 per entry sent).
     encoding: Optional[str] = None
 

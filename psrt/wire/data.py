@@ -14,10 +14,9 @@ from typing import Any, ClassVar, Optional, Sequence, Union
 
 import numpy as np
 
-from psrt import compression
 from psrt.config import WireLimits
 from psrt.errors import ProtocolError
-from psrt.wire import lanes
+from psrt.wire import compression, lanes
 from psrt.wire.codec import (
     MAX_U63,
     PROTOCOL_VERSION,

@@ -4,7 +4,7 @@ Ids travel as one raw frame of little-endian int64 (``count * 8`` bytes), rows a
 ``count * dim`` elements of the table's dtype; the header says ``count``, ``dim`` and ``dtype``, and each frame
 must hold exactly that many bytes. Everything is checked as hostile input, as the dense ops are
 (:mod:`psrt.wire.codec`); the policy caps (rows per message, rows per table) are the shard's, checked by
-:mod:`psrt.tables` before any state changes.
+:mod:`psrt.shard.tables` before any state changes.
 
 ==============  ==========================================================  ===================================
 request         fields (besides ``v, op, id``) + frames                     reply
@@ -31,6 +31,7 @@ import numpy as np
 from psrt import dtypes
 from psrt.config import WireLimits
 from psrt.errors import ProtocolError
+from psrt.kernels.rows import INITIALIZERS
 from psrt.wire.codec import MAX_U63, check_fields, encode, string, uint
 
 __all__ = ["InitTableRequest", "PushRowsRequest", "PullRowsRequest", "RowsReply", "REQUEST_FIELDS", "IDS_DTYPE",
@@ -42,7 +43,7 @@ IDS_DTYPE = np.dtype("<i8")
 #: Longest row on the wire.
 MAX_ROW_DIM = 1 << 20
 _MAX_WORKER = 1 << 31
-_INITS = ("zeros", "uniform", "normal")
+_INITS = tuple(INITIALIZERS)
 
 REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "init_table": frozenset({"v", "op", "id", "worker", "table", "dim", "dtype", "optimizer", "init", "a", "b",

@@ -1,0 +1,431 @@
+"""The control plane: rendezvous, node table, barriers and the end of a job. No tensor bytes pass through here.
+
+Servers and workers register with the scheduler in any order. When all S servers and W workers are in, every
+one of them gets the node table: its rank, W, S, the mode, and the shard endpoints in shard order (which fixes
+the shard map every worker computes). If the job does not form before the start deadline, every process still
+waiting gets an error naming who is missing, and the scheduler exits non-zero: no silent hang at start-up.
+
+Workers call ``barrier`` (all W must arrive before any is released, within the deadline, else the error names
+the missing ranks) and ``done`` when they finish; once all W are done the scheduler tells the servers to shut
+down and exits.
+
+Liveness: once the job has formed, every server and worker heartbeats (:mod:`psrt.control.link`). A process silent for
+``heartbeat_timeout`` seconds (dead, stopped, or cut off) is named in an ``abort`` notice to every other process,
+whose waits then raise :class:`~psrt.errors.PeerFailedError`, and the scheduler exits non-zero.
+
+Elastic jobs (``elastic=True``): a worker that dies or says ``done`` leaves the job instead, and a worker may
+register after the job formed (a free rank, or the rank of one that left). Every change is sent to the servers
+as a ``members`` notice with a new epoch; a joining worker gets its table only once every server's heartbeat
+confirms that epoch, so its first push finds it a member everywhere. The job ends when its last worker leaves
+with ``done``. The semantics are written out in docs/elastic.md.
+
+A server that writes checkpoints and dies is waited for: restarted with ``--restore`` on any endpoint, it takes
+its rank's slot back and the workers are told where it is now (:mod:`psrt.control.restarts`).
+
+Control messages are single header frames with the data plane's framing and decode rules; their records and
+encoders live in :mod:`psrt.wire.control`, which lists every field.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from psrt import transport, wire
+from psrt.config import MODES
+from psrt.control import security
+from psrt.control.barriers import Barriers
+from psrt.control.formation import Formation
+from psrt.control.link import SchedulerLink, Table
+from psrt.control.restarts import Member as _Member
+from psrt.control.restarts import Restarts
+from psrt.errors import ConfigError, ProtocolError
+
+__all__ = ["Scheduler", "SchedulerLink", "Table"]
+
+log = logging.getLogger("psrt.scheduler")
+
+Peer = tuple[str, int]  # (role, rank)
+
+
+@dataclass(frozen=True)
+class _Join:
+    """A worker joining an elastic job: its table waits until every server has adopted ``epoch``."""
+
+    identity: bytes
+    rid: int
+    rank: int
+    epoch: int
+    deadline: float
+
+
+class Scheduler(Restarts):
+    """The job's scheduler, bound to ``bind``.
+
+    Parameters
+    ----------
+    bind : str
+        Endpoint to bind (``tcp://HOST:*`` picks a free port; see :attr:`endpoint`).
+    num_servers, num_workers : int
+        S and W: the job forms when all have registered.
+    mode : str
+        ``"sync"``, ``"async"`` or ``"ssp"``, handed to the servers in the table.
+    start_timeout : float
+        Seconds from start for everyone to register, and for each barrier to fill.
+    heartbeat_timeout : float
+        Seconds of silence after which a registered process is taken for dead.
+    elastic : bool
+        Let workers leave (by dying or ``done``) and join while the job runs, instead of failing the job.
+    staleness : int
+        ``ssp`` mode: how many pushes a worker may run ahead of the slowest, handed to the servers.
+    restart_grace : float
+        Seconds a server that writes checkpoints (``restorable``) may take to restart (on any endpoint) and take
+        its slot back, before its death fails the job (:mod:`psrt.control.restarts`).
+    keys : str or os.PathLike, optional
+        The job's key directory: serve with CURVE, accepting only the job's client key. None: no security.
+
+    Raises
+    ------
+    BindError
+        When ``bind`` cannot be bound (e.g. the port is taken).
+    ConfigError
+        When ``keys`` names a missing or unusable key directory.
+    """
+
+    def __init__(self, bind: str, num_servers: int, num_workers: int, mode: str = "sync",
+                 start_timeout: float = 120.0, heartbeat_timeout: float = 2.5, elastic: bool = False,
+                 keys: Optional[security.PathLike] = None, restart_grace: float = 30.0, staleness: int = 0) -> None:
+        if num_servers < 1 or num_workers < 1:
+            raise ConfigError(f"need at least one server and one worker, got S={num_servers}, W={num_workers}")
+        if mode not in MODES:
+            raise ConfigError(f"mode must be 'sync', 'async' or 'ssp', got {mode!r}")
+        self.num_servers, self.num_workers, self.mode = num_servers, num_workers, mode
+        self.start_timeout = start_timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.elastic = elastic
+        self.restart_grace = restart_grace
+        if type(staleness) is not int or staleness < 0:
+            raise ConfigError(f"staleness must be a whole number of pushes >= 0, got {staleness!r}")
+        self.staleness = staleness
+        self._restarting: dict[int, tuple[float, str]] = {}  # server index -> (deadline, name)
+        self._claims = []  # restarted servers waiting for their slot (psrt.control.restarts)
+        self._epoch = 0  # elastic: membership changes so far
+        self._server_epochs: dict[int, int] = {}
+        self._joins: list[_Join] = []
+        self._emptied_at: Optional[float] = None  # elastic: when the last worker died (none left)
+        job_keys = security.load_keys(keys, serve=True, connect=False)
+        self._ctx = transport.new_context()
+        try:
+            self._chan = transport.RouterChannel(self._ctx, bind, hwm=10_000, send_timeout=5.0, keys=job_keys,
+                                                 max_frame=wire.CONTROL_LIMITS.max_header_bytes)
+        except BaseException:
+            self._ctx.term()
+            raise
+        self.endpoint = self._chan.endpoint
+        self._stop = threading.Event()
+        self._forming = Formation(num_servers, num_workers, time.monotonic())  # registrations, until it forms
+        self.servers: list[tuple[bytes, str]] = []  # (identity, endpoint) in shard order, once formed
+        self.workers: dict[int, bytes] = {}  # rank -> identity, once formed
+        self._formed = False
+        self._barriers = Barriers(start_timeout)
+        #: News of a worker's end, held back a moment (see _hold).
+        self._news: list[tuple[float, Callable[[], None]]] = []
+        self._done: set[int] = set()
+        self._members: dict[Peer, _Member] = {}  # watched once the job forms
+        self.exit_code: Optional[int] = None
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return."""
+        self._stop.set()
+
+    def serve(self) -> int:
+        """Run until the job ends; returns 0 when every worker finished, 1 when the job failed to form."""
+        deadline = time.monotonic() + self.start_timeout
+        try:
+            while not self._stop.is_set() and self.exit_code is None:
+                if self._chan.poll(0.1):
+                    for _ in range(256):
+                        msg = self._chan.recv()
+                        if msg is None:
+                            break
+                        self._handle(*msg)
+                now = time.monotonic()
+                if not self._formed:
+                    self._report_forming(now)
+                if not self._formed and now > deadline:
+                    self._fail_start()
+                for (ident, r), message in self._barriers.expire(now, set(self.workers)):
+                    self._error(ident, r, "barrier_timeout", message)
+                while self._news and self._news[0][0] <= now:
+                    self._news.pop(0)[1]()
+                self._watch(now)
+                if self._claims:
+                    self._place_claims(now)
+                if self.elastic:
+                    self._expire_joins(now)
+            return self.exit_code if self.exit_code is not None else 0
+        finally:
+            self._refuse_claims("the job has ended")
+            # Give queued shutdown/error messages a moment to leave before the socket goes.
+            self._chan.close(linger=1.0)
+            self._ctx.term()
+
+    # ------------------------------------------------------------------ handlers
+    def _handle(self, identity: bytes, frames: list[Any]) -> None:
+        try:
+            req = wire.decode_control_request(frames)
+        except ProtocolError as exc:
+            data_rid = wire.data_request_id(frames, wire.CONTROL_LIMITS)
+            if data_rid is not None:  # a client was given this address as a shard's: say so, in its own protocol
+                self._send(identity, wire.encode_error(data_rid, "not_a_shard", (
+                    f"{self.endpoint} is a psrt scheduler, not a shard server: pass it as scheduler= (or "
+                    "PSRT_SCHEDULER), or list the endpoints of `psrt server` processes in servers=[...]")))
+                return
+            rid = getattr(exc, "request_id", None)
+            self._error(identity, rid if rid is not None else 0, "protocol", str(exc))
+            return
+        if isinstance(req, wire.Heartbeat):
+            self._heartbeat(identity, req, frames[0])
+        elif isinstance(req, wire.TableQuery):
+            self._send_table(identity, req.id, -1)
+        elif isinstance(req, wire.Register):
+            self._register(identity, req)
+        elif isinstance(req, wire.Barrier):
+            self._barrier(identity, req)
+        elif isinstance(req, wire.Failed):
+            self._failed(identity, req)
+        else:
+            self._finish(identity, req)
+
+    def _register(self, identity: bytes, req: wire.Register) -> None:
+        role, rank = req.role, req.rank
+        if self._formed:
+            # A restarted worker re-registering under its rank gets the table again.
+            if role == "worker" and rank in self.workers:
+                self.workers[rank] = identity
+                self._send_table(identity, req.id, rank)
+            elif role == "worker" and self.elastic:
+                self._join(identity, req)
+            elif role == "server" and req.restore:
+                self._claim(identity, req)
+            else:
+                self._error(identity, req.id, "formed", f"the job has already formed with {self.num_servers} "
+                                                        f"servers and {self.num_workers} workers; a new {role} "
+                                                        "cannot join")
+            return
+        refused = self._forming.add(identity, req)
+        if refused is not None:
+            self._error(identity, req.id, *refused)
+            return
+        log.info("registered %s %s (%d/%d servers, %d/%d workers)", role, req.endpoint or req.host,
+                 *self._forming.counts())
+        if self._forming.complete:
+            self._form()
+        else:  # taken at once: the process waits knowing the job is forming, not wondering whether anyone listens
+            self._send(identity, wire.encode_forming(req.id, *self._forming.counts()))
+
+    def _report_forming(self, now: float) -> None:
+        """While the job forms, tell every waiting process how far it got."""
+        if self._forming.report_due(now):
+            counts = self._forming.counts()
+            log.info("job forming: %d of %d servers and %d of %d workers registered", *counts)
+            for p in self._forming.pending:
+                self._send(p.identity, wire.encode_forming(p.request.id, *counts))
+
+    def _form(self) -> None:
+        servers, workers = self._forming.servers(), self._forming.ranks()
+        self.servers = [(p.identity, p.request.endpoint) for p in servers]
+        self.workers = {rank: p.identity for rank, p in workers}
+        self._formed = True
+        for index, p in enumerate(servers):
+            self._send_table(p.identity, p.request.id, index)
+        for rank, p in workers:
+            self._send_table(p.identity, p.request.id, rank)
+        self._forming.pending = []
+        now = time.monotonic()
+        for index, p in enumerate(servers):
+            self._members[("server", index)] = _Member(p.identity, f"server {index} ({p.request.endpoint})", now,
+                                                       p.request.restorable)
+        for rank, p in workers:
+            where = p.request.host or "host unknown"
+            self._members[("worker", rank)] = _Member(p.identity, f"worker {rank} ({where})", now)
+        log.info("job formed: %d servers, %d workers", self.num_servers, self.num_workers)
+
+    def _send_table(self, identity: bytes, rid: int, rank: int) -> None:
+        workers = len(self.workers) if self.elastic and self._formed else self.num_workers
+        self._send(identity, wire.encode_table(rid, rank, self.num_servers, workers, self.mode,
+                                               [ep for _, ep in self.servers], self.elastic, self.staleness))
+
+    def _fail_start(self) -> None:
+        message = self._forming.missing(self.start_timeout)
+        log.error(message)
+        for p in self._forming.pending:
+            self._error(p.identity, p.request.id, "start_timeout", message)
+        self._forming.pending = []
+        self.exit_code = 1
+
+    def _barrier(self, identity: bytes, req: wire.Barrier) -> None:
+        if not self._formed or req.rank not in self.workers:
+            self._error(identity, req.id, "rank", f"barrier from rank {req.rank}, which is not a registered worker")
+            return
+        self._barriers.arrive(req.name, req.rank, (identity, req.id), time.monotonic())
+        self._release_barriers()
+
+    def _release_barriers(self) -> None:
+        for ident, r in self._barriers.release(set(self.workers)):
+            self._send(ident, wire.encode_ok(r))
+
+    def _finish(self, identity: bytes, req: wire.Done) -> None:
+        self._done.add(req.rank)
+        self._members.pop(("worker", req.rank), None)  # a worker that is done may stop heartbeating
+        self._send(identity, wire.encode_ok(req.id))
+        if self.elastic and req.rank in self.workers:
+            self._leave([req.rank], "said done")
+        if self._formed and self._done >= set(self.workers) and not self._joins:
+            self._tell_servers(wire.encode_shutdown())
+            log.info("all %d workers done; servers told to shut down", self.num_workers)
+            self.exit_code = 0
+        elif self._formed and not self.elastic and req.rank in self.workers:
+            # The others go on; a sync round that needs a finished worker can never complete: the servers say so.
+            finished = wire.encode_finished(sorted(self._done & set(self.workers)))
+            self._hold(lambda: self._tell_servers(finished))
+
+    def _tell_servers(self, frames: list[Any]) -> None:
+        for ident, _ in self.servers:
+            self._send(ident, frames)
+
+    def _hold(self, deliver: Callable[[], None]) -> None:
+        """Deliver the news of a worker's end in a second: by then its process is gone, so a launcher sees it end
+        before the others that the news ends, and reports its exit code, not theirs."""
+        self._news.append((time.monotonic() + 1.0, deliver))
+
+    def _failed(self, identity: bytes, req: wire.Failed) -> None:
+        """A worker's program raised: the job fails at once, naming it (an elastic job goes on without it)."""
+        self._send(identity, wire.encode_ok(req.id))
+        member = self._members.pop(("worker", req.rank), None)
+        if member is None or self.exit_code is not None:
+            return  # not a member (any more): nothing waits on it
+        if not self.elastic:
+            message = f"{member.name} failed: {req.message}; the job cannot go on"
+            self._hold(lambda: self._abort(message) if self.exit_code is None else None)
+            return
+        log.warning("%s failed (%s); it leaves the job", member.name, req.message)
+        self._leave([req.rank], "failed")
+        if not self.workers:
+            self._emptied_at = time.monotonic()
+
+    # ------------------------------------------------------------------ liveness
+    def _heartbeat(self, identity: bytes, req: wire.Heartbeat, frame: Any) -> None:
+        member = self._members.get((req.role, req.rank))
+        if member is None and req.role == "worker" and req.rank in self._done:
+            return  # the last beat of a worker that said done, sent as it closed: nothing to answer
+        if member is None:
+            self._error(identity, req.id, "not_member", f"{req.role} {req.rank} is not a member of the job")
+            return
+        if member.identity != identity and req.role == "worker":
+            # A worker heartbeats from its own socket: notices go there from now on, named by its address.
+            member.identity = identity
+            member.name = f"worker {req.rank} ({transport.peer_address(frame) or 'local'}, pid {req.pid})"
+        member.last_seen = time.monotonic()
+        self._send(identity, wire.encode_ok(req.id))
+        if req.role == "server" and self._joins:
+            self._server_epochs[req.rank] = req.epoch
+            self._admit_joins()
+
+    def _watch(self, now: float) -> None:
+        if self.exit_code is not None:
+            return
+        dead = [(peer, m) for peer, m in self._members.items() if now - m.last_seen > self.heartbeat_timeout]
+        for (role, index), m in [d for d in dead if d[1].restorable]:
+            log.warning("%s stopped heartbeating; waiting up to %gs for it to restart from its checkpoint",
+                        m.name, self.restart_grace)
+            del self._members[(role, index)]
+            self._restarting[index] = (now + self.restart_grace, m.name)
+        dead = [d for d in dead if not d[1].restorable]
+        late = [name for deadline, name in self._restarting.values() if now > deadline]
+        if late:
+            self._abort("; ".join(f"{name} stopped heartbeating and did not restart within {self.restart_grace:g}s"
+                                  for name in late) + "; the job cannot go on")
+            return
+        if self.elastic and dead and all(role == "worker" for (role, _), _ in dead):
+            for (_, rank), m in dead:
+                log.warning("%s stopped heartbeating %.1fs ago; it leaves the job", m.name, now - m.last_seen)
+                del self._members[("worker", rank)]
+            self._leave([rank for (_, rank), _ in dead], "stopped heartbeating")
+            if not self.workers:
+                self._emptied_at = now
+        elif dead:
+            for peer, _ in dead:
+                del self._members[peer]
+            self._abort("; ".join(f"{m.name} stopped heartbeating {now - m.last_seen:.1f}s ago" for _, m in dead)
+                        + "; the job cannot go on")
+        elif self._emptied_at is not None and not self.workers and now - self._emptied_at > self.start_timeout:
+            self._abort(f"every worker of the elastic job died and none joined within {self.start_timeout:g}s")
+
+    def _abort(self, message: str) -> None:
+        """End the job: every process still in it hears why, and the scheduler exits non-zero."""
+        log.error(message)
+        for m in self._members.values():
+            self._send(m.identity, wire.encode_abort("peer_failed", message))
+        for ident, r in self._barriers.clear():
+            self._error(ident, r, "peer_failed", message)
+        self._refuse_claims(message)
+        self.exit_code = 1
+
+    # ------------------------------------------------------------------ elastic membership
+    def _join(self, identity: bytes, req: wire.Register) -> None:
+        joining = {j.rank for j in self._joins}
+        rank = req.rank
+        if rank < 0:
+            rank = next(r for r in range(len(self.workers) + len(joining) + 1)
+                        if r not in self.workers and r not in joining)
+        elif rank in joining:
+            self._error(identity, req.id, "rank", f"worker rank {rank} is already joining")
+            return
+        now = time.monotonic()
+        self.workers[rank] = identity
+        self._done.discard(rank)
+        self._emptied_at = None
+        self._members[("worker", rank)] = _Member(identity, f"worker {rank} ({req.host or 'host unknown'})", now)
+        self._broadcast_members(f"worker {rank} joins")
+        self._joins.append(_Join(identity, req.id, rank, self._epoch, now + 10.0))
+        self._admit_joins()
+
+    def _leave(self, ranks: list[int], why: str) -> None:
+        for rank in ranks:
+            self.workers.pop(rank, None)
+        self._broadcast_members(f"worker{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} {why}")
+        self._release_barriers()
+
+    def _broadcast_members(self, why: str) -> None:
+        self._epoch += 1
+        log.info("members, epoch %d (%s): workers %s", self._epoch, why, sorted(self.workers))
+        for ident, _ in self.servers:
+            self._send(ident, wire.encode_members(self._epoch, sorted(self.workers)))
+
+    def _admit_joins(self) -> None:
+        confirmed = min((self._server_epochs.get(i, 0) for i in range(len(self.servers))), default=0)
+        for join in [j for j in self._joins if j.epoch <= confirmed]:
+            self._joins.remove(join)
+            self._send_table(join.identity, join.rid, join.rank)
+
+    def _expire_joins(self, now: float) -> None:
+        for join in [j for j in self._joins if now > j.deadline]:
+            self._joins.remove(join)
+            self._error(join.identity, join.rid, "join_timeout", "the servers did not confirm this worker's joining "
+                                                                 "within 10s")
+            self._members.pop(("worker", join.rank), None)
+            self._leave([join.rank], "could not join")
+
+    # ------------------------------------------------------------------ sending
+    def _send(self, identity: bytes, frames: list[Any]) -> None:
+        try:
+            self._chan.send(identity, frames)
+        except transport.SendDropped as exc:
+            log.warning("control message to a departed peer dropped: %s", exc)
+
+    def _error(self, identity: bytes, rid: int, code: str, message: str) -> None:
+        self._send(identity, wire.encode_control_error(rid, code, message))

@@ -1,0 +1,251 @@
+"""Several hosts on one machine: Linux network namespaces joined by veth pairs to a bridge.
+
+Each host is a namespace with its own address on a private subnet that exists only inside these namespaces;
+its link can be shaped in both directions with ``tc ... tbf`` (one qdisc on each end of its veth pair), which
+emulates a cluster whose hosts have a given NIC bandwidth. Used by the multi-host tests and the scaling
+benchmark. Needs root and iproute2.
+
+Each host also has a /dev/shm of its own (a directory of the machine's /dev/shm, bind-mounted over /dev/shm in
+the private mount namespace of every process started on that host), so processes on one emulated host share
+memory as on a real one, and processes on two do not: shared-memory lanes (:mod:`psrt.shm.lanes`) between emulated
+hosts would bypass the links being emulated.
+
+Every name carries the creating process's pid (``psrt<pid>-<host>``, bridge ``psbr<pid><letter>``), so a run that
+crashed before cleaning up is recognised and removed by the next one (:func:`remove_leftovers`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+from typing import Any, Optional, Sequence
+
+from psrt.control.process import Child, pid_alive, popen, stop_children, stop_processes
+from psrt.errors import ConfigError, PsrtError
+
+__all__ = ["VirtualCluster", "remove_leftovers", "parse_rate", "check_available"]
+
+_NS = re.compile(r"^psrt(\d+)-[A-Za-z0-9_.-]+$")
+_BR = re.compile(r"^psbr(\d+)[a-z]$")
+_SHM = re.compile(r"^psrt(\d+)[a-z]-[A-Za-z0-9_.-]+\.shm$")
+#: Where each emulated host's /dev/shm lives.
+SHM_ROOT = "/dev/shm"
+#: Clusters made by this process so far: each one's link names differ, since the kernel removes a deleted
+#: namespace's veth pair only after ``ip netns del`` returns, and a new cluster must not collide with it.
+_made = 0
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+def parse_rate(rate: str) -> int:
+    """Bits per second of a tc-style rate such as ``1gbit``, ``500mbit`` or ``100kbit``."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?bit)\s*", rate.lower())
+    if not m:
+        raise ConfigError(f"link rate {rate!r} is not a rate such as 1gbit, 500mbit or 100kbit")
+    bits = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if bits <= 0:
+        raise ConfigError(f"link rate {rate!r} must be positive")
+    return bits
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise PsrtError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
+    return proc
+
+
+def check_available() -> None:
+    """Raise :class:`ConfigError` saying what is missing unless we are root with iproute2 installed."""
+    if os.geteuid() != 0:
+        raise ConfigError("an emulated cluster needs root (network namespaces, veth, bridges, tc): run as root, "
+                          "or use plain loopback instead")
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("unshare", "util-linux")):
+        if shutil.which(tool) is None:
+            raise ConfigError(f"`{tool}` not found: install {package} (apt-get install {package})")
+
+
+def remove_leftovers() -> list[str]:
+    """Delete namespaces and bridges left by psrt runs whose process is gone; returns what was removed."""
+    removed = []
+    listing = _ip("netns", "list", check=False).stdout.split("\n")
+    for line in listing:
+        name = line.split(" ")[0].strip()
+        m = _NS.match(name)
+        if m and not pid_alive(int(m.group(1))):
+            for pid in _ip("netns", "pids", name, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _ip("netns", "del", name, check=False)
+            removed.append(name)
+    for line in _ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
+        parts = line.split(":")
+        name = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
+        m = _BR.match(name)
+        if m and not pid_alive(int(m.group(1))):
+            _ip("link", "del", name, check=False)
+            removed.append(name)
+    for name in os.listdir(SHM_ROOT) if os.path.isdir(SHM_ROOT) else []:
+        m = _SHM.match(name)
+        if m and not pid_alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(SHM_ROOT, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+class VirtualCluster:
+    """Hosts in network namespaces on one bridge, optionally with shaped links.
+
+    Parameters
+    ----------
+    hosts : sequence of str
+        Host names (letters, digits, ``_.-``); each gets a namespace and an address.
+    link : str, optional
+        Bandwidth of every host's link in each direction, e.g. ``"1gbit"``; unshaped when None.
+    subnet : int, optional
+        Third octet of the private ``10.213.N.0/24`` subnet (default: derived from the pid).
+
+    Examples
+    --------
+    >>> with VirtualCluster(["a", "b"], link="1gbit") as vc:   # doctest: +SKIP
+    ...     vc.run("a", ["ping", "-c1", vc.address("b")])
+    """
+
+    def __init__(self, hosts: Sequence[str], link: Optional[str] = None, subnet: Optional[int] = None) -> None:
+        check_available()
+        if not hosts or len(hosts) > 250 or len(set(hosts)) != len(hosts):
+            raise ConfigError("hosts must be 1 to 250 distinct names")
+        for h in hosts:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,20}", h):
+                raise ConfigError(f"host name {h!r} may only use letters, digits and _.- (at most 20)")
+        self.rate_bits = parse_rate(link) if link else None
+        # The bucket: 1 ms of traffic, and at least 128 KiB so a 64 KiB GSO packet passes whole (a smaller bucket
+        # makes tbf cut every such packet into MTU-sized ones, which costs more CPU than the data it moves).
+        self.burst_bytes = max(int(self.rate_bits / 8 / 1000), 128 * 1024) if self.rate_bits else 0
+        self.hosts = list(hosts)
+        self.pid = os.getpid()
+        self.subnet = subnet if subnet is not None else 10 + self.pid % 240
+        global _made
+        self._tag = "abcdefghijklmnopqrstuvwxyz"[_made % 26]
+        _made += 1
+        self.bridge = f"psbr{self.pid}{self._tag}"
+        self._procs: list[subprocess.Popen] = []
+        self._children: list[Child] = []
+        self._created_ns: list[str] = []
+        self._shm: dict[str, str] = {}  # host -> the directory that is its /dev/shm
+        self._bridge_made = False
+        remove_leftovers()
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+
+    def veth(self, host: str) -> str:
+        """The outer end (in the root namespace, on the bridge) of ``host``'s veth pair: cut it to cut the host off."""
+        return f"pv{self.pid}{self._tag}{self.hosts.index(host)}"
+
+    def namespace(self, host: str) -> str:
+        """The namespace name of ``host``."""
+        return f"psrt{self.pid}-{host}"
+
+    def address(self, host: str) -> str:
+        """The IPv4 address of ``host``."""
+        return f"10.213.{self.subnet}.{self.hosts.index(host) + 1}"
+
+    def _tbf(self) -> list[str]:
+        assert self.rate_bits is not None
+        burst = self.burst_bytes  # the performance model counts it (Scenario.burst_bytes)
+        # A deep queue (1 s of traffic): W workers pushing to one server at once must queue, not drop, or TCP
+        # retransmission timeouts would dominate what we measure.
+        return ["tbf", "rate", f"{self.rate_bits}bit", "burst", str(burst), "latency", "1s"]
+
+    def _create(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self._bridge_made = True
+        _ip("link", "set", self.bridge, "up")
+        for i, host in enumerate(self.hosts):
+            ns = self.namespace(host)
+            self._shm[host] = os.path.join(SHM_ROOT, f"psrt{self.pid}{self._tag}-{host}.shm")
+            os.mkdir(self._shm[host], 0o1777)
+            os.chmod(self._shm[host], 0o1777)  # as /dev/shm itself (the umask would narrow mkdir's mode)
+            outer, inner = self.veth(host), f"pn{self.pid}{self._tag}{i}"
+            _ip("netns", "add", ns)
+            self._created_ns.append(ns)
+            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            _ip("link", "set", inner, "netns", ns)
+            _ip("-n", ns, "link", "set", inner, "name", "eth0")
+            _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            # Keep TCP's window across the idle compute phase of a step, as tuned data-centre hosts do;
+            # otherwise every step would restart in slow start and the round-trip time would dominate.
+            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"],
+                           capture_output=True, timeout=30)
+            _ip("link", "set", outer, "master", self.bridge)
+            _ip("link", "set", outer, "up")
+            if self.rate_bits:
+                tbf = self._tbf()
+                for args in (["tc", "qdisc", "add", "dev", outer, "root", *tbf],
+                             ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *tbf]):
+                    proc = subprocess.run(args, capture_output=True, text=True, timeout=30)
+                    if proc.returncode:
+                        raise PsrtError(f"`{' '.join(args)}` failed: {proc.stderr.strip()}")
+
+    def _exec(self, host: str) -> list[str]:
+        if host not in self.hosts:
+            raise ConfigError(f"no host {host!r} in this cluster (hosts: {', '.join(self.hosts)})")
+        # A private mount namespace per process, in which the host's own directory is /dev/shm.
+        return ["ip", "netns", "exec", self.namespace(host), "unshare", "--mount", "--propagation", "private",
+                "sh", "-c", 'mount --bind "$0" /dev/shm && exec "$@"', self._shm[host]]
+
+    def spawn(self, host: str, cmd: Sequence[str], **kwargs: Any) -> Child:
+        """Start ``cmd`` inside ``host``'s namespace as a :class:`~psrt.control.process.Child` (``kwargs`` go to it,
+        labelled ``host`` unless given); :meth:`close` stops it if it still runs."""
+        child = Child(cmd, wrap=self._exec(host), **{"label": host, **kwargs})
+        self._procs.append(child.proc)
+        self._children.append(child)
+        return child
+
+    def popen(self, host: str, cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        """Start ``cmd`` inside ``host``'s namespace as :class:`subprocess.Popen` does (``kwargs`` go to it), in a
+        process group of its own that :meth:`close` stops if it still runs; :meth:`spawn` also reads its output."""
+        proc = popen([*self._exec(host), *cmd], label=host, **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, host: str, cmd: Sequence[str], timeout: float = 60.0) -> subprocess.CompletedProcess:
+        """Run ``cmd`` inside ``host``'s namespace to completion."""
+        return subprocess.run(["ip", "netns", "exec", self.namespace(host), *cmd], capture_output=True, text=True,
+                              timeout=timeout)
+
+    def close(self) -> None:
+        """Stop every process started here and remove the namespaces, links and bridge."""
+        stop_processes(self._procs, grace=5.0)
+        stop_children(self._children, grace=0.0)  # already stopped: this joins their readers and closes pipes
+        self._procs.clear()
+        self._children.clear()
+        for ns in self._created_ns:
+            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _ip("netns", "del", ns, check=False)  # removes the veth pair with it
+        self._created_ns.clear()
+        if self._bridge_made:
+            _ip("link", "del", self.bridge, check=False)
+            self._bridge_made = False
+        for directory in self._shm.values():
+            shutil.rmtree(directory, ignore_errors=True)
+        self._shm.clear()
+
+    def __enter__(self) -> VirtualCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,241 @@
+"""Validated entry points to the row kernels of :mod:`psrt._core`: embedding tables' gather, scatter-add,
+row-wise optimizer steps, the id index and the deterministic row initializer.
+
+As in :mod:`psrt.kernels`, the compiled kernels never raise; these wrappers check dtypes, shapes, contiguity,
+writability and that every slot lies inside the table, and raise :class:`~psrt.errors.KernelTypeError` or
+:class:`~psrt.errors.KernelArgumentError`. Tables are 2-D ``(rows, dim)`` C-contiguous arrays; slots and ids
+are 1-D C-contiguous int64 arrays. :mod:`psrt.kernels.reference` holds the NumPy twin of each kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from psrt import _core, dtypes
+from psrt.errors import KernelArgumentError, KernelTypeError
+
+__all__ = ["gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows", "adam_rows",
+           "index_find", "shard_of", "init_rows", "INIT_KINDS", "INITIALIZERS"]
+
+#: Initializer names and their kernel codes (see :func:`init_rows`).
+#: The row initializers and the parameters each takes; the kernel knows each by its position here.
+INITIALIZERS: dict[str, tuple[str, ...]] = {"zeros": (), "uniform": ("low", "high"), "normal": ("std",)}
+INIT_KINDS = {kind: code for code, kind in enumerate(INITIALIZERS)}
+
+_I64 = np.dtype(np.int64)
+
+
+def _table(name: str, a: object, writable: bool = True) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise KernelTypeError(f"{name} must be a numpy.ndarray, got {type(a).__name__}")
+    if a.dtype not in dtypes.SUPPORTED or not a.dtype.isnative:
+        raise KernelTypeError(f"{name} has dtype {a.dtype}; the kernels take {dtypes.describe()} (native order)")
+    if a.ndim != 2 or not a.flags.c_contiguous:
+        raise KernelArgumentError(f"{name} must be a 2-D C-contiguous (rows, dim) array, got shape {a.shape}")
+    if writable and not a.flags.writeable:
+        raise KernelArgumentError(f"{name} is read-only but is updated in place; pass a writable array")
+    return a
+
+
+def _ids(name: str, a: object, writable: bool = False) -> np.ndarray:
+    if not isinstance(a, np.ndarray) or a.dtype != _I64 or a.ndim != 1 or not a.flags.c_contiguous:
+        raise KernelTypeError(f"{name} must be a 1-D C-contiguous int64 array")
+    if writable and not a.flags.writeable:
+        raise KernelArgumentError(f"{name} is read-only but is written; pass a writable array")
+    return a
+
+
+def _slots(slots: object, rows: int, n: int) -> np.ndarray:
+    s = _ids("slots", slots)
+    if len(s) != n:
+        raise KernelArgumentError(f"slots has {len(s)} entries but there are {n} rows of values")
+    if len(s) and (int(s.min()) < 0 or int(s.max()) >= rows):
+        raise KernelArgumentError(f"slots must lie in [0, {rows}): the table has {rows} rows")
+    return s
+
+
+def _same(table: np.ndarray, *others: tuple[str, np.ndarray], rows: bool = True) -> None:
+    for name, a in others:
+        if a.dtype != table.dtype:
+            raise KernelTypeError(f"{name} has dtype {a.dtype} but the table has {table.dtype}; use one dtype")
+        if a.shape[1] != table.shape[1] or (rows and a.shape[0] != table.shape[0]):
+            raise KernelArgumentError(f"{name} has shape {a.shape}, which does not fit the table's {table.shape}")
+
+
+def _num(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise KernelArgumentError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise KernelArgumentError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def gather_rows(table: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = table[slots[i]]``.
+
+    Parameters
+    ----------
+    table : numpy.ndarray
+        ``(rows, dim)`` table (may be read-only).
+    slots : numpy.ndarray
+        int64 slots, each in ``[0, rows)``; repeats allowed.
+    out : numpy.ndarray
+        Writable ``(len(slots), dim)`` array of the table's dtype.
+    """
+    t, o = _table("table", table, writable=False), _table("out", out)
+    _same(t, ("out", o), rows=False)
+    _core.gather_rows(t, _slots(slots, t.shape[0], o.shape[0]), o)
+
+
+def scatter_add_rows(dst: np.ndarray, slots: np.ndarray, src: np.ndarray) -> None:
+    """``dst[slots[i]] += src[i]`` in order, so that rows of repeated slots are summed.
+
+    Parameters
+    ----------
+    dst : numpy.ndarray
+        Writable ``(rows, dim)`` table.
+    slots : numpy.ndarray
+        int64 slots in ``[0, rows)``; repeats allowed.
+    src : numpy.ndarray
+        ``(len(slots), dim)`` values of the table's dtype (may be read-only).
+    """
+    d, s = _table("dst", dst), _table("src", src, writable=False)
+    _same(d, ("src", s), rows=False)
+    _core.scatter_add_rows(d, _slots(slots, d.shape[0], s.shape[0]), s)
+
+
+def sgd_rows(param: np.ndarray, slots: np.ndarray, grad: np.ndarray, lr: float, scale: float = 1.0,
+             weight_decay: float = 0.0) -> None:
+    """Plain SGD on the rows ``param[slots]`` with ``grad`` (distinct slots: coalesce first).
+
+    Parameters
+    ----------
+    param : numpy.ndarray
+        ``(rows, dim)`` parameters, updated in place.
+    slots : numpy.ndarray
+        Distinct int64 slots.
+    grad : numpy.ndarray
+        ``(len(slots), dim)`` gradient rows.
+    lr, scale, weight_decay : float
+        As :func:`psrt.kernels.sgd_step`.
+    """
+    p, g = _table("param", param), _table("grad", grad, writable=False)
+    _same(p, ("grad", g), rows=False)
+    _core.sgd_rows(p, _slots(slots, p.shape[0], g.shape[0]), g, _num("lr", lr), _num("scale", scale),
+                   _num("weight_decay", weight_decay))
+
+
+def momentum_rows(param: np.ndarray, buf: np.ndarray, slots: np.ndarray, grad: np.ndarray, lr: float,
+                  momentum: float, scale: float = 1.0, weight_decay: float = 0.0, nesterov: bool = False) -> None:
+    """SGD with momentum on the touched rows; only their momentum buffers change (distinct slots).
+
+    Parameters are those of :func:`sgd_rows`, plus ``buf`` (the ``(rows, dim)`` momentum buffers), ``momentum``
+    and ``nesterov`` as :func:`psrt.kernels.momentum_step`.
+    """
+    p, b, g = _table("param", param), _table("buf", buf), _table("grad", grad, writable=False)
+    _same(p, ("buf", b))
+    _same(p, ("grad", g), rows=False)
+    _core.momentum_rows(p, b, _slots(slots, p.shape[0], g.shape[0]), g, _num("lr", lr), _num("momentum", momentum),
+                        _num("scale", scale), _num("weight_decay", weight_decay), bool(nesterov))
+
+
+def adagrad_rows(param: np.ndarray, acc: np.ndarray, slots: np.ndarray, grad: np.ndarray, lr: float, eps: float,
+                 scale: float = 1.0, weight_decay: float = 0.0) -> None:
+    """Adagrad on the touched rows and their sums: torch.optim.Adagrad with a sparse gradient (distinct slots).
+
+    Parameters are those of :func:`sgd_rows`, plus ``acc`` (the ``(rows, dim)`` sums of squares) and ``eps``.
+    """
+    p, a, g = _table("param", param), _table("acc", acc), _table("grad", grad, writable=False)
+    _same(p, ("acc", a))
+    _same(p, ("grad", g), rows=False)
+    _core.adagrad_rows(p, a, _slots(slots, p.shape[0], g.shape[0]), g, _num("lr", lr), _num("eps", eps),
+                       _num("scale", scale), _num("weight_decay", weight_decay))
+
+
+def adam_rows(param: np.ndarray, m: np.ndarray, v: np.ndarray, slots: np.ndarray, grad: np.ndarray, lr: float,
+              beta1: float, beta2: float, eps: float, step: int, scale: float = 1.0) -> None:
+    """torch.optim.SparseAdam on the touched rows and their moments (distinct slots).
+
+    The update is ``param -= lr*sqrt(1-beta2**step)/(1-beta1**step) * m / (sqrt(v) + eps)``, SparseAdam's
+    placement of ``eps``; ``step`` is the table's step count, from 1.
+    """
+    p, mm, vv = _table("param", param), _table("m", m), _table("v", v)
+    g = _table("grad", grad, writable=False)
+    _same(p, ("m", mm), ("v", vv))
+    _same(p, ("grad", g), rows=False)
+    if type(step) is bool or not isinstance(step, (int, np.integer)) or step < 1:
+        raise KernelArgumentError(f"step must be a positive integer, got {step!r}")
+    b1, b2 = _num("beta1", beta1), _num("beta2", beta2)
+    step_size = _num("lr", lr) * math.sqrt(1.0 - b2 ** int(step)) / (1.0 - b1 ** int(step))
+    _core.adam_rows(p, mm, vv, _slots(slots, p.shape[0], g.shape[0]), g, step_size, 1.0, b1, b2, _num("eps", eps),
+                    _num("scale", scale))
+
+
+def index_find(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, out: np.ndarray, row_ids: np.ndarray,
+               used: int, insert: bool) -> int:
+    """Look ids up in an open-addressing id index; with ``insert``, give missing ids the next slots.
+
+    ``keys``/``vals`` are the index's cells (capacity a power of two, ``vals < 0`` empty), which must keep room
+    for ``len(ids)`` more inserts below full; ``row_ids`` (slot to id) must have room for them. Returns the new
+    number of slots in use; ``out[i]`` is the slot of ``ids[i]`` (-1 for a missing id without ``insert``).
+    """
+    k, v = _ids("keys", keys, writable=True), _ids("vals", vals, writable=True)
+    i, o, r = _ids("ids", ids), _ids("out", out, writable=True), _ids("row_ids", row_ids, writable=True)
+    cap = len(k)
+    if len(v) != cap or cap & (cap - 1) or cap == 0:
+        raise KernelArgumentError("keys and vals must have the same power-of-two length")
+    if len(o) != len(i):
+        raise KernelArgumentError(f"out has {len(o)} entries for {len(i)} ids")
+    if insert and (used + len(i) >= cap or used + len(i) > len(r)):
+        raise KernelArgumentError("the index or row_ids has no room for the inserts; grow them first")
+    return int(_core.index_find(k, v, i, o, r, int(used), bool(insert)))
+
+
+def shard_of(ids: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard of each id, ``mix64(id) % num_shards``: a stable hash, so hot or strided ids spread evenly.
+
+    Parameters
+    ----------
+    ids : numpy.ndarray
+        1-D int64 ids.
+    num_shards : int
+        S, positive.
+    """
+    i = _ids("ids", ids)
+    if type(num_shards) is not int or num_shards < 1:
+        raise KernelArgumentError(f"num_shards must be a positive integer, got {num_shards!r}")
+    out = np.empty(len(i), np.int64)
+    _core.shard_of(i, out, num_shards)
+    return out
+
+
+def init_rows(table: np.ndarray, start: int, ids: np.ndarray, seed: int, kind: str, a: float, b: float) -> None:
+    """Fill ``table[start:start+len(ids)]`` with the initial rows of ``ids``, a pure function of (seed, id).
+
+    Parameters
+    ----------
+    table : numpy.ndarray
+        Writable ``(rows, dim)`` table.
+    start : int
+        First row to fill; ``start + len(ids)`` must not pass the table's end.
+    ids : numpy.ndarray
+        int64 ids.
+    seed : int
+        The table's seed, in ``[0, 2**64)``.
+    kind : str
+        ``"zeros"``, ``"uniform"`` (on ``[a, b)``) or ``"normal"`` (mean ``a``, deviation ``b``); the exact
+        definition is in :func:`psrt._core.init_rows`.
+    a, b : float
+        The initializer's parameters.
+    """
+    t, i = _table("table", table), _ids("ids", ids)
+    if kind not in INIT_KINDS:
+        raise KernelArgumentError(f"kind must be one of {sorted(INIT_KINDS)}, got {kind!r}")
+    if type(start) is not int or start < 0 or start + len(i) > t.shape[0]:
+        raise KernelArgumentError(f"rows [{start}, {start}+{len(i)}) do not fit a table of {t.shape[0]} rows")
+    if type(seed) is not int or not 0 <= seed < 1 << 64:
+        raise KernelArgumentError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    _core.init_rows(t, start, i, seed, INIT_KINDS[kind], _num("a", a), _num("b", b))

@@ -1,0 +1,91 @@
+"""How a shard answers: parameters (zero-copy over the socket, in a 16-bit form, or through shared memory), acks
+and errors, each counted (bytes out, dropped replies, errors).
+
+A ``params`` reply over the socket sends the parameter buffers themselves, zero-copy, and remembers each send's
+tracker on its entry, so a later step copies the buffer first if ZeroMQ is still reading it
+(:meth:`psrt.shard.store.Entry.writable_param`). Over a shared-memory lane only the header crosses the socket.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from psrt import transport, wire
+from psrt.shard.counters import Counters
+from psrt.shard.store import Entry, Key
+from psrt.shm.lanes import ShardLane, ShardLanes
+
+__all__ = ["ShardReplies"]
+
+log = logging.getLogger("psrt.server")
+
+
+class ShardReplies:
+    """The replies of one shard, sent on its ROUTER ``channel``.
+
+    Parameters
+    ----------
+    channel : psrt.transport.RouterChannel
+        The shard's socket.
+    lanes : ShardLanes
+        Its shared-memory lanes with workers of this host.
+    counters : Counters
+        What the shard counts.
+    """
+
+    def __init__(self, channel: transport.RouterChannel, lanes: ShardLanes, counters: Counters) -> None:
+        self._chan, self.lanes, self.counters = channel, lanes, counters
+
+    def params(self, identity: bytes, request_id: int, keys: list[Key], entries: list[Entry], rounds: bool,
+               job: Optional[wire.JobInfo] = None, codec: Optional[str] = None,
+               lane: Optional[ShardLane] = None) -> None:
+        """Send the parameters of ``entries``; ``rounds``: the shard's pushes gather into sync rounds."""
+        tensors = [wire.tensor_entry(k[0], k[1], e.param.dtype, (e.param.size,)) for k, e in zip(keys, entries)]
+        if lane is not None:  # the parameters go through shared memory, the header over the socket
+            segment, offsets = lane
+            # Rounds (sync, W > 1): a round's result stays put until every worker pushes again, so each worker
+            # copies it from the shard's own memory; otherwise (or for a key not there) it is written into the lane.
+            places = self.lanes.places(entries) if rounds else [[] for _ in entries]
+            written = [(o, e.param) for o, e, p in zip(offsets, entries, places) if not p]
+            self.lanes.write(segment, [o for o, _ in written], [a for _, a in written])
+            self.counters.shm_bytes_out += sum(e.param.nbytes for e in entries)
+            self.reply(identity, wire.encode_params(request_id, tensors, [e.version for e in entries], [], job,
+                                                    lane=segment.generation, places=places))
+            return
+        payload: list[Any] = [e.param for e in entries]
+        if codec is not None:
+            for i, e in enumerate(entries):
+                packed = e.packed_param(codec)  # None: float64, or out of fp16's range
+                if packed is not None:
+                    tensors[i][2], payload[i] = packed
+        frames = wire.encode_params(request_id, tensors, [e.version for e in entries], payload, job)
+        try:
+            trackers = self._chan.send(identity, frames, track=True)
+        except transport.SendDropped as exc:
+            self.counters.dropped_replies += 1
+            log.warning("reply to a worker dropped: %s", exc)
+            return
+        self.counters.bytes_out += sum(map(len, frames))
+        # One tracker per frame (None where the frame was copied); the parameters' frames follow the header.
+        # A 16-bit copy is the frame's own: only frames of the parameters themselves are tracked.
+        for entry, frame, tracker in zip(entries, payload, trackers[1:]):
+            if tracker is not None and frame is entry.param:
+                entry.trackers.append(tracker)
+
+    def reply(self, identity: bytes, frames: list[Any]) -> None:
+        """Send a reply whose buffers (if any) are small: acks, rows, stats, lane set-up."""
+        try:
+            self._chan.send(identity, frames)
+        except transport.SendDropped as exc:
+            self.counters.dropped_replies += 1
+            log.warning("reply to a worker dropped: %s", exc)
+            return
+        self.counters.bytes_out += len(frames[0])
+
+    def error(self, identity: bytes, request_id: int, code: str, message: str, counted: bool = True) -> None:
+        """Send an ``error`` reply (the request changed nothing); ``counted``: a shard error (an operator's
+        refused request is not one)."""
+        self.counters.errors += counted
+        log.info("error reply (%s): %s", code, message)
+        self.reply(identity, wire.encode_error(request_id, code, message))

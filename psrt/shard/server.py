@@ -1,0 +1,413 @@
+"""The shard server: one process owning a disjoint part of the parameters, serving workers on a ROUTER socket.
+
+The loop is single-threaded: it receives a message, validates it completely, and only then changes state, so a
+malformed or inconsistent request gets an error reply and leaves every parameter as it was. The optimizer
+kernels release the GIL and ZeroMQ moves bytes on its own I/O thread, so transfers overlap the arithmetic.
+
+Modes (:mod:`psrt.shard.store` holds the round rules): **sync** sums a round's W pushes per key and steps once with
+``scale = 1/W``; a push a round ahead waits, queued, and a pull waits for the round its worker's pushes joined.
+**async** applies every push on arrival. **ssp** applies on arrival too, but answers a pull at clock c (the
+worker's pushes so far) once every worker's pushes to the pulled keys reach c - ``staleness``.
+
+Every push carries ``(worker, session, seq)``; a push already applied is acknowledged again but not re-applied.
+Checkpoints (``config.checkpoint_dir``, :mod:`psrt.shard.recovery`): the whole state with the sequence numbers, every
+``checkpoint_every`` rounds, every ``checkpoint_secs`` seconds, on request and at a clean shutdown, named by the
+shard's rank; ``config.restore`` resumes from the newest of its rank.
+Embedding tables (``init_table``, ``push_rows``, ``pull_rows``) are served by :mod:`psrt.shard.tables`, per table.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from psrt import kernels, optim, transport, wire
+from psrt.config import ServerConfig
+from psrt.control import security
+from psrt.errors import ConfigError, ProtocolError, RequestRefused
+from psrt.shard import admission, checkpoint, tables
+from psrt.shard.answers import ShardReplies
+from psrt.shard.counters import Counters, report
+from psrt.shard.pulls import PullQueue, Waiter
+from psrt.shard.recovery import Checkpointer, Recovery
+from psrt.shard.store import Entry, Key, Store
+from psrt.shm.lanes import ShardLane, ShardLanes
+from psrt.wire import compression
+
+if TYPE_CHECKING:
+    from psrt.control.link import SchedulerLink
+
+__all__ = ["Server", "RequestError"]
+
+log = logging.getLogger("psrt.server")
+
+#: Messages handled per wake-up before the loop checks for a stop request again.
+_BATCH = 256
+
+#: A well-formed request the shard must refuse; ``code`` goes into the error reply.
+RequestError = RequestRefused
+
+
+class Server(Recovery):
+    """A shard server bound to ``config.bind``.
+
+    Parameters
+    ----------
+    config : ServerConfig
+        Endpoint, W, mode, limits and keys (with keys, only the job's clients get a message through).
+    scheduled : bool
+        The rank (and with it the checkpoint to restore) comes from a scheduler: :meth:`join` its table before
+        serving. Else the shard takes its rank and restores (``config.restore``) at once.
+
+    Raises
+    ------
+    BindError
+        When the endpoint cannot be bound.
+    ConfigError
+        When ``config.keys`` names a missing or unusable key directory, ``config.checkpoint_dir`` is unwritable,
+        or ``config.restore`` finds a directory holding checkpoints of other shards only.
+    CheckpointError
+        When another running shard writes this rank's checkpoints, or none of them can be read.
+
+    Examples
+    --------
+    >>> server = Server(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2))  # doctest: +SKIP
+    >>> server.serve()  # until server.stop() or SIGTERM             # doctest: +SKIP
+    """
+
+    def __init__(self, config: ServerConfig, scheduled: bool = False) -> None:
+        self.config = config
+        keys = security.load_keys(config.keys, serve=True, connect=False)
+        checkpoint.check_directory(config.checkpoint_dir)  # unwritable: fail now, not at every checkpoint
+        self._ctx = transport.new_context()
+        try:
+            self._chan = transport.RouterChannel(self._ctx, config.bind, config.hwm, config.send_timeout,
+                                                 keys=keys, max_frame=config.limits.max_frame_bytes)
+        except Exception:
+            self._ctx.term()
+            raise
+        self.endpoint: str = self._chan.endpoint
+        self.lanes = ShardLanes(self.endpoint, config.shm)  # shared memory for workers on this host
+        self.store = Store(config.mode, config.num_workers)
+        self.counters = Counters()
+        self.replies = ShardReplies(self._chan, self.lanes, self.counters)
+        self._reply, self._error = self.replies.reply, self.replies.error
+        self._stop = threading.Event()
+        self._pulls = PullQueue(lambda key: self.store.entries[key].version)
+        # ssp: pulls waiting for the slowest worker's clock (per key) to come within the staleness bound.
+        self._stale_pulls = PullQueue(lambda key: self.store.slowest_clock(self.store.entries[key]))
+        self._deferred: dict[int, deque[tuple[bytes, wire.PushRequest, list[Entry], Optional[ShardLane]]]] = {}
+        self._draining = False
+        self._ckpt = Checkpointer(config)
+        self.restored_from: Optional[Path] = None
+        self.tables = tables.TableService(self.store, self._reply, self._error, config.nonfinite)
+        self.tables.staleness = config.staleness
+        if not scheduled:
+            try:
+                self._restore()
+            except BaseException:
+                self.close()
+                raise
+
+    # ------------------------------------------------------------------ loop
+    @property
+    def context(self):
+        """The server's ZeroMQ context (its scheduler link shares it)."""
+        return self._ctx
+
+    def serve(self, control: Optional[SchedulerLink] = None) -> None:
+        """Serve requests until :meth:`stop` is called or, with ``control``, the scheduler ends the job."""
+        poll = self.config.poll_interval
+        while not self._stop.is_set():
+            if self._chan.poll(poll):
+                for _ in range(_BATCH):
+                    msg = self._chan.recv()
+                    if msg is None:
+                        break
+                    self.handle(*msg)
+                    if not self._chan.readable():  # reading event flags: far cheaper than a failing receive
+                        break
+            if self._ckpt.due_by_time():
+                self._checkpoint_quietly()
+            if control is not None and control.tick(self.set_members, self.set_finished):
+                log.info("the scheduler ended the job")
+                return
+
+    def set_members(self, workers: list[int]) -> None:
+        """Adopt an elastic job's workers: rounds in progress stop waiting for those who left.
+
+        Queued early pushes of workers that left are dropped; pulls waiting for a round this completes are
+        answered.
+        """
+        members = frozenset(workers)
+        log.info("members: workers %s", sorted(members))
+        for worker in [w for w in self._deferred if w not in members]:
+            del self._deferred[worker]
+        completed = self.store.set_members(members)
+        self.tables.set_members()
+        for key in completed:
+            self.counters.rounds += 1
+            self._wake(key)
+        if self.config.mode == "ssp":  # the slowest worker may have been the one that left
+            for key in list(self.store.entries):
+                self._wake(key)
+        if self._deferred:
+            self._drain_deferred()
+        if completed:
+            self._after_rounds()
+
+    def set_finished(self, workers: list[int]) -> None:
+        """Adopt the workers of a fixed job that said ``done`` while others go on.
+
+        A sync round that still needs one of them can never complete: what waits on it (pulls, push_pulls and
+        queued early pushes) is refused now, naming the worker, and so is every later push or pull that would
+        need it. In ssp mode they no longer bound the others' reads.
+        """
+        self.store.finished = frozenset(workers)
+        log.info("workers %s finished", sorted(self.store.finished))
+        stuck = {k: w for k, e in self.store.entries.items() if (w := self.store.missing_finished(e)) is not None}
+        for waiter in self._pulls.take(stuck):
+            self._error(waiter.identity, waiter.request_id, "peer_finished",
+                        _finished_message(stuck[next(k for k in waiter.keys if k in stuck)]))
+        for worker, queue in list(self._deferred.items()):
+            for identity, req, _, _ in queue:
+                self._error(identity, req.id, "peer_finished", _finished_message(min(self.store.finished)))
+            del self._deferred[worker]
+        self.tables.set_finished(_finished_message)
+        if self.config.mode == "ssp":
+            for key in list(self.store.entries):
+                self._wake(key)
+
+    def _refuse_if_finished(self, worker: Optional[int], entries: list[Entry]) -> None:
+        for entry in entries:
+            missing = self.store.missing_finished(entry, worker)
+            if missing is not None:
+                raise RequestError("peer_finished", _finished_message(missing))
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return after the message in hand."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Close the socket and the ZeroMQ context; let go of the rank's checkpoint files."""
+        self._chan.close()
+        self._ctx.term()
+        self.lanes.close()
+        self._ckpt.close()
+
+    def handle(self, identity: bytes, frames: list[Any]) -> None:
+        """Handle one message from ``identity``; never raises."""
+        self.counters.bytes_in += sum(map(len, frames))
+        try:
+            req = wire.decode_request(frames, self.config.limits)
+        except ProtocolError as exc:
+            rid = getattr(exc, "request_id", None)
+            self._error(identity, rid if rid is not None else 0, "protocol", str(exc))
+            return
+        except Exception as exc:  # a decoder bug must not take the shard down either
+            log.exception("internal error decoding a message")
+            self._error(identity, 0, "internal", f"{type(exc).__name__}: {exc}")
+            return
+        try:
+            if isinstance(req, wire.PushRequest):
+                self._push(identity, req)
+            elif isinstance(req, wire.PullRequest):
+                self._pull(identity, req)
+            elif isinstance(req, wire.InitRequest):
+                self._init(identity, req)
+            elif isinstance(req, tables.REQUESTS):
+                self.tables.handle(identity, req)
+            elif isinstance(req, wire.LaneProbeRequest):
+                self._reply(identity, self.lanes.probe(req))
+            elif isinstance(req, wire.LaneOpenRequest):
+                self._reply(identity, self.lanes.open(req))
+            elif isinstance(req, wire.LaneCloseRequest):
+                self._reply(identity, self.lanes.close_lane(req))
+            elif isinstance(req, wire.CheckpointRequest):
+                self._reply(identity, wire.encode_saved(req.id, str(self.checkpoint())))
+            else:
+                self._reply(identity, wire.encode_stats(req.id, self.stats()))
+        except RequestError as exc:  # an operator's refused checkpoint request is no error of the shard's traffic
+            self._error(identity, req.id, exc.code, str(exc), counted=not isinstance(req, wire.CheckpointRequest))
+        except ConfigError as exc:
+            self._error(identity, req.id, "config", str(exc))
+        except checkpoint.CheckpointError as exc:
+            self._error(identity, req.id, "checkpoint", str(exc), counted=False)
+        except Exception as exc:  # a bug must not take the shard down; say what happened
+            log.exception("internal error handling %s", req.op)
+            self._error(identity, req.id, "internal", f"{type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ ops
+    def _init(self, identity: bytes, req: wire.InitRequest) -> None:
+        opt = optim.from_wire(req.optimizer)
+        for i, meta in enumerate(req.tensors):
+            entry = self.store.get(meta.key)
+            if entry is not None:
+                admission.check_shape(entry, meta)
+            elif self.config.nonfinite == "reject" and not kernels.all_finite(req.array(i)):
+                raise RequestError("nonfinite", f"initial value of {meta.name!r} part {meta.part} has NaN or Inf")
+        conflicts = []
+        entries = []
+        for i, meta in enumerate(req.tensors):
+            entry = self.store.get(meta.key)
+            if entry is None:  # the first initialization of a key wins
+                entry = self.store.create(meta.key, req.array(i), opt)
+                if self.store.rounds:
+                    self.lanes.place(entry)  # workers of this host copy each round's result themselves
+            elif entry.optimizer != opt:
+                conflicts.append(i)
+            entries.append(entry)
+        self.counters.inits += 1
+        members = self.store.members
+        job = wire.JobInfo(self.config.mode, self.config.num_workers if members is None else len(members), conflicts)
+        self._send_params(identity, req.id, req.keys(), entries, job)
+
+    def _push(self, identity: bytes, req: wire.PushRequest) -> None:
+        lane = self.lanes.push_lane(req)  # over a lane: the gradients are read where the worker wrote them
+        entries = admission.validate_push(self.store, req, self.config.nonfinite)
+        if self.store.finished and not self.store.is_duplicate(req.worker, req.session, req.seq):
+            self._refuse_if_finished(req.worker, entries)
+        if lane is not None:
+            self.counters.shm_bytes_in += sum(m.nbytes for m in req.tensors)
+        if self._deferred.get(req.worker) or not self.store.can_join(req.worker, entries):
+            # This worker is a round ahead on some key: hold the whole (validated) message until it can join.
+            self._deferred.setdefault(req.worker, deque()).append((identity, req, entries, lane))
+            return
+        self._accept(identity, req, entries, lane)
+
+    def _accept(self, identity: bytes, req: wire.PushRequest, entries: list[Entry], lane: Optional[ShardLane]) -> None:
+        keys = req.keys()
+        if self.store.is_duplicate(req.worker, req.session, req.seq):
+            self.counters.duplicates += 1
+            self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), True, lane)
+            return
+        grads = [req.array(i) for i in range(len(entries))]
+        # A push_pull's lane areas stay untouched until its answer, which comes after its round: held, not copied.
+        targets, completed = self.store.admit(req.worker, entries, grads, hold=lane is not None and req.pull)
+        if self.config.mode == "ssp":
+            self.store.tick_clocks(req.worker, entries)
+        self.store.record(req.worker, req.session, req.seq)
+        self.counters.pushes += 1
+        self.counters.rounds += len(completed)
+        self._answer_push(identity, req, keys, targets, False, lane)
+        for i in completed:
+            self._wake(keys[i])
+        if completed and self._deferred:
+            self._drain_deferred()
+        if completed:
+            self._after_rounds()
+
+    def _answer_push(self, identity: bytes, req: wire.PushRequest, keys: list[Key], targets: list[int],
+                     duplicate: bool, lane: Optional[ShardLane]) -> None:
+        if not req.pull:
+            self._reply(identity, wire.encode_ack(req.id, targets, duplicate))
+            return
+        self.counters.pulls += 1  # the pull half of a push_pull is a pull too
+        # A worker pushing 16-bit gradients gets the parameters of its push_pull back in the same form.
+        codec = next((m.encoding for m in req.tensors if m.encoding in compression.WIRE_NAMES), None)
+        if self.config.mode == "ssp":
+            self._wait_for_clock(identity, req.id, keys, req.worker, codec, lane)
+        else:
+            self._wait_for(identity, req.id, dict(zip(keys, targets)), keys, codec, lane)
+
+    def _drain_deferred(self) -> None:
+        """Admit queued early pushes whose keys have moved on to a round they can join."""
+        if self._draining:
+            return  # the outer call's loop will see what this one would have
+        self._draining = True
+        try:
+            progress = True
+            while progress:
+                progress = False
+                for worker in list(self._deferred):
+                    queue = self._deferred[worker]
+                    while queue:
+                        # Validated on arrival; keys are never removed or reshaped, so that still holds.
+                        identity, req, entries, lane = queue[0]
+                        if not self.store.can_join(worker, entries):
+                            break
+                        queue.popleft()
+                        self._accept(identity, req, entries, lane)
+                        progress = True
+                    if not queue:
+                        del self._deferred[worker]
+        finally:
+            self._draining = False
+
+    def _pull(self, identity: bytes, req: wire.PullRequest) -> None:
+        want: dict[Key, int] = {}
+        keys: list[Key] = []
+        deferred = self._deferred.get(req.worker, ())
+        queued = len(deferred)
+        for pk in req.keys:
+            entry = admission.entry_of(self.store, pk.key)
+            if pk.min_version > self.store.reachable(entry, queued):
+                raise RequestError(
+                    "version",
+                    f"pull of {pk.name!r} part {pk.part} asks for version {pk.min_version} but the key is at "
+                    f"{entry.version}; no push of this worker will produce it",
+                )
+            keys.append(pk.key)
+            # This worker's pushes reached the shard before this pull (one socket keeps their order), even when
+            # their acks have not reached the worker yet: in sync mode the pull waits for the rounds they joined.
+            mine = 0
+            if self.store.rounds:
+                mine = self.store.targets(req.worker, [entry])[0] + sum(1 for _, r, _, _ in deferred
+                                                                         if pk.key in r.keys())
+            want[pk.key] = max(want.get(pk.key, 0), pk.min_version, mine)
+            if self.store.finished and want[pk.key] > entry.version:
+                self._refuse_if_finished(None, [entry])
+        lane = self.lanes.pull_lane(req, [self.store.entries[k].param for k in keys])
+        self.counters.pulls += 1
+        if self.config.mode == "ssp":
+            self._wait_for_clock(identity, req.id, keys, req.worker, lane=lane)
+        else:
+            self._wait_for(identity, req.id, want, keys, lane=lane)
+
+    # ------------------------------------------------------------------ waiting pulls
+    def _wait_for_clock(self, identity: bytes, request_id: int, keys: list[Key], worker: int,
+                        codec: Optional[str] = None, lane: Optional[ShardLane] = None) -> None:
+        """ssp: answer once, for each key, every worker has pushed it at least c - staleness times, where c is
+        how many times ``worker`` has (clocks are per key: any pattern of pushes keeps the bound)."""
+        entries, s = self.store.entries, self.config.staleness
+        least = {k: entries[k].clocks.get(worker, 0) - s for k in keys}
+        if self._stale_pulls.add(Waiter(identity, request_id, keys, least, codec=codec, lane=lane)):
+            self._send_params(identity, request_id, keys, [self.store.entries[k] for k in keys], codec=codec,
+                              lane=lane)
+
+    def _wait_for(self, identity: bytes, request_id: int, want: dict[Key, int], keys: list[Key],
+                  codec: Optional[str] = None, lane: Optional[ShardLane] = None) -> None:
+        entries = self.store.entries  # keys already at their versions (always with W = 1, or async): no Waiter
+        if any(entries[k].version < v for k, v in want.items()) and not self._pulls.add(
+                Waiter(identity, request_id, keys, want, codec=codec, lane=lane)):
+            return  # queued: _wake answers it
+        self._send_params(identity, request_id, keys, [entries[k] for k in keys], codec=codec, lane=lane)
+
+    def _wake(self, key: Key) -> None:
+        for queue in (self._pulls, self._stale_pulls):
+            for w in queue.wake(key) if queue else ():  # (nothing waits: the usual case with W = 1, or async)
+                self._send_params(w.identity, w.request_id, w.keys, [self.store.entries[k] for k in w.keys],
+                                  codec=w.codec, lane=w.lane)
+
+    # ------------------------------------------------------------------ replies
+    def _send_params(self, identity: bytes, request_id: int, keys: list[Key], entries: list[Entry],
+                     job: Optional[wire.JobInfo] = None, codec: Optional[str] = None,
+                     lane: Optional[ShardLane] = None) -> None:
+        self.replies.params(identity, request_id, keys, entries, self.store.rounds, job, codec, lane)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        """The shard's counters and state sizes, as a flat mapping of numbers and strings."""
+        return report(self.counters, self.store, endpoint=self.endpoint, mode=self.config.mode,
+                      num_workers=self.config.num_workers, queued_pulls=len(self._pulls) + len(self._stale_pulls),
+                      deferred_pushes=sum(len(q) for q in self._deferred.values()), lanes=self.lanes.count,
+                      **self.tables.stats())
+
+
+def _finished_message(worker: int) -> str:
+    return (f"worker {worker} finished (said done) while this sync round still needs its push: in a sync job "
+            "every worker pushes every round, so it can never complete; let every worker run the same number of "
+            "steps, or start the job with --elastic so that workers may finish early")

@@ -1,0 +1,443 @@
+"""The client a worker embeds in its training loop: push gradients, pull parameters.
+
+A :class:`Client` holds one DEALER socket per shard. Its tensors are spread over the shards by
+:class:`~psrt.partition.PartitionMap`; every call turns into per-shard messages that are all sent at once, so the
+shards work in parallel and a split tensor's chunks stream through a shard one after the other. Replies are
+received straight into the output arrays (no intermediate copies).
+
+Every call has a non-blocking form returning a :class:`Handle`; ZeroMQ's I/O thread moves the bytes while the
+caller computes, and :meth:`Handle.wait` collects the replies (:mod:`psrt.worker.calls` routes them). A client is not
+thread-safe: use it from the thread that created it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from psrt import dtypes, transport, wire
+from psrt.checks import check_endpoint
+from psrt.config import ClientConfig, ClusterConfig
+from psrt.control import security
+from psrt.control.link import Heartbeat, SchedulerLink, join_as_worker
+from psrt.errors import ConfigError, ConnectionLostError, PsrtError, PsrtTypeError
+from psrt.optim import SGD, Optimizer
+from psrt.partition import Chunk, PartitionMap
+from psrt.shm.lanes import WorkerLanes, call_bytes
+from psrt.worker import exits
+from psrt.worker.buffers import ReceivePool
+from psrt.worker.calls import Handle, ShardCalls
+from psrt.worker.embedding_client import EmbeddingCalls
+from psrt.worker.pushes import PushPlans, payload_of
+
+__all__ = ["Client", "Handle"]
+
+
+
+class Client(EmbeddingCalls):
+    """A worker's connection to the shard servers.
+
+    Parameters
+    ----------
+    servers : sequence of str, optional
+        The shard endpoints, e.g. ``["tcp://127.0.0.1:5701", "tcp://127.0.0.1:5702"]``. Every worker must list
+        them in the same order: the order decides which shard holds which chunk. When omitted, the client
+        registers with the scheduler (``scheduler`` or the environment: ``PSRT_SCHEDULER``, ``DMLC_PS_ROOT_URI``
+        and ``DMLC_PS_ROOT_PORT``) and gets the shards, its rank and W from the job's table.
+    rank : int, optional
+        This worker's rank in ``[0, num_workers)``; it identifies its pushes. With a scheduler: a requested rank
+        (default: ``PSRT_WORKER_ID``/``DMLC_WORKER_ID``, else assigned).
+    num_workers : int, optional
+        W, which must match the shards' ``--workers`` (with a scheduler: checked against the job's W).
+    scheduler : str, optional
+        The scheduler's endpoint, overriding the environment.
+    config : ClientConfig, optional
+        Timeouts, partition size and limits; defaults come from the environment (``PSRT_TIMEOUT``, ...).
+    cluster : ClusterConfig, optional
+        The job's configuration; :meth:`ClusterConfig.from_env` when omitted.
+
+    Examples
+    --------
+    >>> client = psrt.Client(servers=["tcp://127.0.0.1:5701"], rank=0, num_workers=1)  # doctest: +SKIP
+    >>> client.init({"w": np.zeros(10, np.float32)}, optimizer=psrt.SGD(lr=0.1))         # doctest: +SKIP
+    >>> params = client.push_pull({"w": np.ones(10, np.float32)})                         # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        servers: Optional[Sequence[str]] = None,
+        rank: Optional[int] = None,
+        num_workers: Optional[int] = None,
+        *,
+        scheduler: Optional[str] = None,
+        config: Optional[ClientConfig] = None,
+        cluster: Optional[ClusterConfig] = None,
+        compression: Optional[str] = None,
+    ) -> None:
+        self.config = config if config is not None else ClientConfig()
+        if compression is not None:
+            self.config = dataclasses.replace(self.config, compression=compression)
+        security.load_keys(self.config.keys)  # a bad key directory fails here, before any socket or thread
+        self._closed = True  # until the sockets exist
+        self._link: Optional[SchedulerLink] = None
+        self._heartbeat: Optional[Heartbeat] = None
+        self._elastic = False
+        self._barriers = 0
+        if servers is None:
+            cluster = cluster if cluster is not None else ClusterConfig.from_env()
+            scheduler = scheduler or cluster.scheduler
+            if scheduler is None:
+                raise ConfigError("no servers and no scheduler: pass servers=[...] or scheduler='tcp://HOST:PORT', "
+                                  "or set PSRT_SCHEDULER (or DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT)")
+            check_endpoint(scheduler, what="scheduler")
+            self._start_timeout = cluster.start_timeout
+            self._ctx = transport.new_context()
+            try:
+                self._link, self._heartbeat, table = join_as_worker(
+                    self._ctx, scheduler, cluster, rank if rank is not None else cluster.worker_id, num_workers,
+                    warn_after=self.config.warn_after, keys=self.config.keys)
+            except BaseException:
+                self._ctx.term()
+                raise
+            servers, rank, num_workers = table.servers, table.rank, table.num_workers
+            self._elastic = table.elastic
+        else:
+            rank = 0 if rank is None else rank
+            num_workers = 1 if num_workers is None else num_workers
+            self._start_timeout = self.config.timeout
+            self._ctx = None
+        if isinstance(servers, str) or not isinstance(servers, Sequence) or not servers:
+            raise ConfigError("servers must be a non-empty list of endpoints such as ['tcp://127.0.0.1:5701']")
+        for ep in servers:
+            check_endpoint(ep, what="servers")
+        if len(set(servers)) != len(servers):
+            raise ConfigError(f"servers lists an endpoint twice: {list(servers)}")
+        if type(num_workers) is not int or num_workers < 1:
+            raise ConfigError(f"num_workers must be a positive integer, got {num_workers!r}")
+        if type(rank) is not int or not 0 <= rank < num_workers:
+            raise ConfigError(f"rank must be an integer in [0, num_workers={num_workers}), got {rank!r}")
+        self._rank = rank
+        self._num_workers = num_workers
+        if self._ctx is None:
+            self._ctx = transport.new_context()
+        hb = self._heartbeat
+        self._calls = ShardCalls(self._ctx, servers, self.config, check=hb.check if hb is not None else None,
+                                 moves=hb.moves if hb is not None else None)
+        self.servers = self._calls.servers  # one list: a shard that restarted elsewhere is named where it is now
+        self._map = PartitionMap(len(self.servers), self.config.partition_bytes, self.config.limits.max_header_bytes)
+        # A fresh session per client: a restarted worker's sequence numbers are not mistaken for replays.
+        self._session = secrets.randbits(63)
+        self._seq = [0] * len(self.servers)
+        self._residuals: dict = {}  # top-k compression: what earlier pushes left out, by chunk key
+        self._clock = 0  # pushes so far (ssp: a pull at clock c waits for every worker to reach c - staleness)
+        self._plans: dict[tuple[str, ...], dict[int, list[list[Chunk]]]] = {}
+        self._receive = ReceivePool()
+        # Shared memory with shards on this host (not for compressed gradients, which are small already).
+        self._lanes = WorkerLanes(self._calls.ask, len(self.servers), rank, self._session,
+                                  self.config.shm and self.config.compression is None, self._calls.close_lanes)
+        self._calls.lane_lost, self._calls.lanes, self._calls.rank = self._lanes.reset, self._lanes, rank
+        self._pushes = PushPlans(self._calls, self._lanes, rank, self._session, self._seq, self.config.compression,
+                                 self._residuals)
+        self._closed = False
+        exits.track(self)  # closed at interpreter exit if the program does not close it
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def rank(self) -> int:
+        """This worker's rank."""
+        return self._rank
+
+    @property
+    def num_workers(self) -> int:
+        """W, the number of workers in the job."""
+        return self._num_workers
+
+    @property
+    def partition(self) -> PartitionMap:
+        """The shard map of the initialized tensors."""
+        return self._map
+
+    # ------------------------------------------------------------------ public API
+    def init(self, params: Mapping[str, Any], optimizer: Optional[Optimizer] = None,
+             timeout: Optional[float] = None) -> dict[str, np.ndarray]:
+        """Register tensors with their initial values and the optimizer the shards apply to them.
+
+        The first initialization of a key wins: workers that initialize it later get the stored value back,
+        so all workers start from identical parameters.
+
+        Parameters
+        ----------
+        params : mapping of str to array
+            Initial values (float32 or float64).
+        optimizer : Optimizer, optional
+            A named optimizer (:class:`psrt.SGD`, :class:`psrt.Adam`, ...); ``psrt.SGD()``, ``SGD(lr=0.001)``,
+            when omitted.
+        timeout : float, optional
+            Seconds to wait for the shards.
+
+        Returns
+        -------
+        dict of str to numpy.ndarray
+            The values the shards hold after the call (which may be another worker's).
+
+        Raises
+        ------
+        ConfigError
+            When a tensor exists with another optimizer, or the shards run with another W.
+        """
+        self._check_open()
+        optimizer = SGD() if optimizer is None else optimizer
+        if not isinstance(optimizer, Optimizer):
+            raise PsrtTypeError(f"optimizer must be psrt.SGD, psrt.Adam, psrt.AdamW or psrt.AdaGrad, "
+                                f"got {type(optimizer).__name__}")
+        if not isinstance(params, Mapping) or not params:
+            raise ConfigError("params must be a non-empty dict of name -> array")
+        arrays = {}
+        for name, value in params.items():
+            if not isinstance(name, str) or not 0 < len(name) <= self.config.limits.max_name_len:
+                raise ConfigError(f"tensor names must be non-empty strings, got {name!r}")
+            a = np.ascontiguousarray(value)
+            if a.dtype not in dtypes.SUPPORTED:
+                raise PsrtTypeError(f"tensor {name!r} has dtype {a.dtype}; psrt holds {dtypes.describe()} "
+                                    f"(use .astype(np.float32))")
+            arrays[name] = a
+        chunks = self._map.add({n: (a.shape, a.dtype) for n, a in arrays.items()})
+        self._pushes.forget(arrays)  # top-k: no residual of an earlier life of these names carries over
+        # The tensors count as initialized only once every shard has accepted them: whatever goes wrong below,
+        # the client forgets them again, so a corrected retry starts from the state before this call.
+        try:
+            return self._init_chunks(chunks, arrays, optimizer, timeout)
+        except BaseException:
+            self._map.remove(arrays)
+            for chunk in chunks:
+                self._calls.versions.pop(chunk.key, None)
+            self._plans.clear()
+            self._pushes.clear()
+            raise
+
+    def _init_chunks(self, chunks: list[Chunk], arrays: dict[str, np.ndarray], optimizer: Optimizer,
+                     timeout: Optional[float]) -> dict[str, np.ndarray]:
+        chunks = sorted(chunks, key=lambda c: (c.name, c.part))
+        outputs = {n: np.empty(a.shape, a.dtype) for n, a in arrays.items()}
+        handle = Handle(self._calls, "init", outputs)
+        spec = optimizer.to_wire()
+        for shard, messages in self._map.messages(chunks).items():
+            for msg in messages:
+                entries, payload = payload_of(msg, arrays)
+                self._calls.send(handle, shard, msg, lambda rid, e=entries, p=payload: wire.encode_init(
+                    rid, self._rank, self._session, spec, e, p))
+        result = handle.wait(timeout)
+        for shard, job in handle._jobs.items():
+            if not self._elastic and job.num_workers != self._num_workers:
+                raise ConfigError(f"shard {self.servers[shard]} runs with --workers {job.num_workers} "
+                                  f"but this client has num_workers={self._num_workers}")
+        if handle._conflicts:
+            raise ConfigError(f"tensors {sorted(set(handle._conflicts))} were initialized by another worker with "
+                              "a different optimizer; every worker must pass the same optimizer")
+        return result  # type: ignore[return-value]
+
+    def push(self, grads: Mapping[str, Any], timeout: Optional[float] = None) -> None:
+        """Push gradients and wait until every shard has taken them (summed into the round, or applied).
+
+        Parameters
+        ----------
+        grads : mapping of str to numpy.ndarray
+            Gradients of initialized tensors, each with the tensor's shape and dtype.
+        timeout : float, optional
+            Seconds to wait.
+        """
+        self.push_async(grads).wait(timeout)
+
+    def pull(self, names: Optional[Iterable[str]] = None, timeout: Optional[float] = None,
+             out: Optional[Mapping[str, np.ndarray]] = None) -> dict[str, np.ndarray]:
+        """Pull parameters: all tensors, or those named.
+
+        In sync mode, after a push the pull waits for the round that push joined, so it returns parameters
+        that include this worker's gradient.
+
+        Parameters
+        ----------
+        names : iterable of str, optional
+            Tensors to pull (default: all).
+        timeout : float, optional
+            Seconds to wait.
+        out : mapping of str to numpy.ndarray, optional
+            Arrays to receive into (each C-contiguous, writable, of the tensor's shape and dtype), e.g. the
+            previous step's parameters: the bytes land there straight from the socket, with no allocation.
+            Tensors not in ``out`` get fresh arrays.
+        """
+        return self.pull_async(names, out=out).wait(timeout)  # type: ignore[return-value]
+
+    def push_pull(self, grads: Mapping[str, Any], timeout: Optional[float] = None,
+                  out: Optional[Mapping[str, np.ndarray]] = None) -> dict[str, np.ndarray]:
+        """Push gradients and return the parameters they updated, once updated (the round in sync mode).
+
+        ``out`` is as for :meth:`pull`.
+        """
+        return self.push_pull_async(grads, out=out).wait(timeout)  # type: ignore[return-value]
+
+    def push_async(self, grads: Mapping[str, Any]) -> Handle:
+        """Start a push; returns a :class:`Handle`. Do not modify ``grads`` until the handle is done."""
+        return self._push(grads, "push")
+
+    def pull_async(self, names: Optional[Iterable[str]] = None,
+                   out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:
+        """Start a pull; returns a :class:`Handle` whose ``wait()`` gives the parameters.
+
+        Do not read or write ``out`` arrays until the handle is done.
+        """
+        self._check_open()
+        names = list(self._map.tensors) if names is None else list(names)
+        if not names:
+            raise ConfigError("nothing to pull: this client has initialized no tensors; call client.init({...}) "
+                              "first" if not self._map.tensors else "nothing to pull: names is empty")
+        outputs = self._outputs(names, out)
+        handle = Handle(self._calls, "pull", outputs)
+        for shard, messages in self._plan(tuple(names)).items():
+            lane = self._lanes.lane_for(shard, call_bytes(messages, False, True))
+            for msg in messages:
+                keys = [[c.name, c.part, self._calls.versions.get(c.key, 0)] for c in msg]
+                any_version = [[c.name, c.part, 0] for c in msg]
+                plain = lambda rid, k=keys, c=self._clock: wire.encode_pull(rid, self._rank, k, c)  # noqa: E731
+                resend = lambda rid, k=any_version, c=self._clock: wire.encode_pull(rid, self._rank, k, c)  # noqa: E731
+                if lane is None:
+                    self._calls.send(handle, shard, msg, plain, resend)
+                    continue
+                use = WorkerLanes.carry(lane, msg, None, True)
+                self._calls.send(handle, shard, msg, lambda rid, k=keys, c=self._clock, u=use: wire.encode_pull(
+                    rid, self._rank, k, c, u.ref), resend, use, plain)
+        return handle
+
+    def push_pull_async(self, grads: Mapping[str, Any], out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:
+        """Start a push_pull; returns a :class:`Handle` whose ``wait()`` gives the updated parameters.
+
+        Do not modify ``grads`` nor touch ``out`` arrays until the handle is done.
+        """
+        return self._push(grads, "push_pull", out)
+
+    def stats(self, timeout: Optional[float] = None) -> list[dict[str, Any]]:
+        """Each shard's counters (keys, bytes, pushes, pulls, rounds, queue depths, ...), in shard order."""
+        self._check_open()
+        handle = Handle(self._calls, "stats", None)
+        for shard in range(len(self.servers)):
+            self._calls.send(handle, shard, [], wire.encode_stats_request)
+        handle.wait(timeout)
+        return [handle._stats[s] for s in range(len(self.servers))]
+
+    def checkpoint(self, timeout: Optional[float] = None) -> list[str]:
+        """Ask every shard to write a checkpoint now; returns each one's file, in shard order.
+
+        Raises
+        ------
+        ServerError
+            When a shard has no checkpoint directory (``psrt server --checkpoint-dir``) or cannot write.
+        """
+        self._check_open()
+        handle = Handle(self._calls, "checkpoint", None)
+        for shard in range(len(self.servers)):
+            self._calls.send(handle, shard, [], wire.encode_checkpoint_request)
+        handle.wait(timeout)
+        return [handle._saved[s] for s in range(len(self.servers))]
+
+    def barrier(self, timeout: Optional[float] = None) -> None:
+        """Wait until every worker of the job has reached this barrier (needs a scheduler when W > 1).
+
+        Raises
+        ------
+        ServerError
+            When the scheduler's deadline passes first; the message names the ranks that never arrived.
+        """
+        self._check_open()
+        if self._link is None:
+            if self._num_workers == 1:
+                return
+            raise ConfigError("barrier() needs a scheduler: create the client with psrt.Client() under "
+                              "`psrt launch` or with PSRT_SCHEDULER set")
+        self._barriers += 1
+        self._link.barrier(f"barrier-{self._barriers}", self._start_timeout + 10.0 if timeout is None else timeout)
+
+    def close(self, failure: Optional[str] = None) -> None:
+        """Close the sockets, telling the scheduler this worker is done; replies in flight are discarded.
+
+        Never raises; returns within seconds whatever the job's state. A client still open at interpreter exit
+        is closed then (:mod:`psrt.worker.exits`). ``failure``: the program failed (one line saying how); the scheduler
+        is told so, and ends a fixed job at once, naming this worker (an elastic job goes on without it).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._lanes.close(timeout=0.5)  # the shards free this client's shared memory now
+        except PsrtError:
+            pass  # best effort: a shard that does not hear it drops the lanes when it needs the room
+        self._calls.close()
+        if self._link is not None:
+            if failure is not None and self._heartbeat is not None:
+                self._heartbeat.stop()  # first: the scheduler's word ends the others, and this process goes first
+            try:
+                self._link.done() if failure is None else self._link.failed(failure)
+            except PsrtError:
+                pass  # the job is ending either way; the scheduler may already be gone
+            if self._heartbeat is not None:
+                self._heartbeat.stop()  # after done: until then the scheduler still expects heartbeats
+            self._link.close()
+        if self._heartbeat is None or not self._heartbeat.alive:  # a heartbeat thread frozen by interpreter
+            self._ctx.term()  # shutdown holds its socket, and term() would wait for it forever
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        self.close(failure=exits.failure_of(exc))  # never raises: the user's exception stays the one reported
+
+    def __del__(self) -> None:  # a forgotten close() must not leave a context behind
+        try:
+            if getattr(self, "_calls", None) is not None:
+                self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ sending
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectionLostError("this client is closed")
+
+    def _plan(self, names: tuple[str, ...]) -> dict[int, list[list[Chunk]]]:
+        """The per-shard messages for a set of tensors; computed once per set (a training loop repeats it)."""
+        plan = self._plans.get(names)
+        if plan is None:
+            plan = self._map.messages(self._map.chunks_of(names))
+            if len(self._plans) < 4096:  # a loop pushing each of a model's tensors apart repeats that many sets
+                self._plans[names] = plan
+        return plan
+
+    def _outputs(self, names: Iterable[str], out: Optional[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """Destination arrays: the caller's ``out`` where given (checked), else reused or fresh ones."""
+        return self._receive.outputs(names, self._map.tensors, out)
+
+    def _push(self, grads: Mapping[str, Any], op: str, out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:
+        self._check_open()
+        # typing.Mapping's isinstance check is slow; a plain dict, the usual argument, skips it.
+        if (type(grads) is not dict and not isinstance(grads, Mapping)) or not grads:
+            raise ConfigError("grads must be a non-empty dict of name -> array")
+        arrays = {}
+        for name, g in grads.items():
+            spec = self._map.tensors.get(name)
+            if spec is None:
+                raise ConfigError(f"tensor {name!r} was never initialized; call client.init() with it first")
+            shape, dtype = spec
+            a = np.ascontiguousarray(g)
+            if a.dtype != dtype:
+                raise PsrtTypeError(f"gradient {name!r} has dtype {a.dtype} but the tensor is {dtype}; "
+                                    f"cast it with .astype(np.{dtype.name})")
+            if a.shape != shape:
+                raise ConfigError(f"gradient {name!r} has shape {a.shape} but the tensor has shape {shape}")
+            arrays[name] = a
+        outputs = self._outputs(arrays, out) if op == "push_pull" else None
+        handle = Handle(self._calls, op, outputs)
+        self._clock += 1  # ssp: this worker's count of pushes, this one included
+        self._pushes.send(handle, arrays, op == "push_pull", self._clock, self._plan)
+        return handle

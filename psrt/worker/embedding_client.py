@@ -1,0 +1,307 @@
+"""The worker's side of embedding tables: ``init_embedding``, ``pull_rows``, ``push_rows`` and their async forms.
+
+:class:`EmbeddingCalls` is mixed into :class:`psrt.Client`. A table's rows are spread over the S shards by a
+stable hash of the id, ``shard = mix64(id) % S`` (splitmix64's finaliser, :func:`psrt.kernels.rows.shard_of`),
+so rows spread evenly whatever the id pattern (contiguous, strided, or hot ids alike) and every worker computes
+the same map. A call sorts its ids by shard once (a stable argsort), sends one message per shard with that
+shard's ids as a contiguous int64 frame, receives each shard's rows straight into one buffer, and puts them
+back in the caller's order with one fancy-index assignment: no Python loop over rows. With S = 1 there is no
+reordering at all and the rows land in the output directly. A pull sends each distinct id once
+(``np.unique``) and gathers the rows of repeated ids back from the one copy received.
+
+A push goes to every shard, even one with no ids this time (an empty message), so that in sync mode every
+shard's round counts every worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from psrt import dtypes, optim, wire
+from psrt.errors import ConfigError, ProtocolError, PsrtTypeError
+from psrt.kernels import rows as rowkernels
+from psrt.tablespec import INITIALIZERS, TableSpec
+from psrt.worker.calls import Handle
+
+__all__ = ["EmbeddingCalls", "RowsHandle"]
+
+#: Most ids the client puts in one ``init_table`` message (the shard's default cap is 4x this).
+_INIT_ROWS = 1 << 20
+
+
+@dataclass(frozen=True)
+class _RowKey:
+    """Stands for a table's slice on one shard where :mod:`psrt.worker.calls` expects a chunk (versions, routing)."""
+
+    name: str
+    shard: int
+    start: int
+    stop: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """A key no dense chunk has (dense parts are >= 0)."""
+        return (self.name, -1 - self.shard)
+
+
+class RowsHandle(Handle):
+    """A ``pull_rows`` in flight; :meth:`wait` returns the ``(len(ids), dim)`` rows in the caller's order.
+
+    ``buf`` receives the shards' rows; the caller's row i is ``buf[gather[i]]`` (ids repeated or reordered) or,
+    with ``order``, ``out[order] = buf`` (distinct ids sorted by shard); with neither, ``buf`` is ``out``.
+    """
+
+    def __init__(self, calls: Any, name: str, out: np.ndarray, buf: np.ndarray, order: Optional[np.ndarray],
+                 gather: Optional[np.ndarray] = None) -> None:
+        super().__init__(calls, "pull_rows", None)
+        self._name, self._out, self._buf, self._order, self._gather = name, out, buf, order, gather
+
+    def wait(self, timeout: Optional[float] = None) -> np.ndarray:  # type: ignore[override]
+        """Wait for every shard's rows and return them (see :meth:`psrt.Handle.wait` for the errors)."""
+        super().wait(timeout)
+        if self._gather is not None:
+            np.take(self._buf, self._gather, axis=0, out=self._out)
+            self._gather = None
+        elif self._order is not None:
+            self._out[self._order] = self._buf
+            self._order = None
+        return self._out
+
+    def _take_rows(self, ch: Any, reply: wire.RowsReply, chunks: list[Any]) -> None:
+        """Receive one shard's ``rows`` frame straight into place (called by :mod:`psrt.worker.calls`)."""
+        key = chunks[0]
+        dest = self._buf[key.start:key.stop]
+        if (reply.table != self._name or reply.count != len(dest) or reply.dim != dest.shape[1]
+                or reply.dtype != dest.dtype):
+            raise ProtocolError(f"rows reply for {reply.table!r} ({reply.count} x {reply.dim}) does not match "
+                                f"the request ({len(dest)} x {dest.shape[1]} of {self._name!r})")
+        if not ch.more():
+            raise ProtocolError("rows reply has no rows frame")
+        got = ch.recv_into(memoryview(dest).cast("B") if dest.size else bytearray())
+        if got != reply.nbytes or ch.more():
+            raise ProtocolError(f"rows frame has {got} bytes (or extra frames); expected {reply.nbytes}")
+        versions = self._calls.versions
+        versions[key.key] = max(versions.get(key.key, 0), reply.version)
+
+
+@dataclass
+class _Table:
+    dim: int
+    dtype: np.dtype
+    num_rows: Optional[int]
+
+
+class EmbeddingCalls:
+    """Embedding-table calls of :class:`psrt.Client` (it provides ``_calls``, ``_rank``, ``_session``, ...)."""
+
+    _calls: Any
+    _rank: int
+    _session: int
+    servers: list[str]
+
+    def _check_open(self) -> None:  # provided by Client
+        raise NotImplementedError
+
+    @property
+    def _tables(self) -> dict[str, _Table]:
+        tables = self.__dict__.get("_row_tables")
+        if tables is None:
+            tables = self.__dict__["_row_tables"] = {}
+            self.__dict__["_row_seq"] = {}
+            self.__dict__["_row_clock"] = {}
+        return tables
+
+    def init_embedding(self, name: str, dim: int, optimizer: Optional[optim.Optimizer] = None, *,
+                       initial: Optional[Any] = None, num_rows: Optional[int] = None, dtype: Any = np.float32,
+                       init: str = "normal", std: float = 0.01, low: float = -0.05, high: float = 0.05,
+                       seed: int = 0, timeout: Optional[float] = None) -> None:
+        """Create (or join) the embedding table ``name``; the first definition wins and the rest must agree.
+
+        Parameters
+        ----------
+        name : str
+            The table's name.
+        dim : int
+            Row length.
+        optimizer : Optimizer, optional
+            The row-wise optimizer (torch's sparse semantics; :class:`psrt.AdaGrad` as ``torch.optim.Adagrad``,
+            :class:`psrt.Adam` as ``torch.optim.SparseAdam``); ``SGD(lr=0.01)`` when omitted.
+        initial : array, optional
+            ``(num_rows, dim)`` rows of a fixed table, set where a row does not exist yet.
+        num_rows : int, optional
+            A fixed table's size (implied by ``initial``); ids outside ``[0, num_rows)`` are refused. Without
+            it (and ``initial``) the table is dynamic: any int64 id, rows made on first touch.
+        dtype : dtype
+            float32 (default) or float64.
+        init, std, low, high : str, float
+            How rows made on first touch start: ``"normal"`` (mean 0, deviation ``std``), ``"uniform"`` (on
+            ``[low, high)``) or ``"zeros"``; a pure function of ``(seed, id)``
+            (:func:`psrt.kernels.rows.init_rows`), so shards, workers and restarted jobs agree.
+        seed : int
+            The table's seed.
+        timeout : float, optional
+            Seconds to wait for the shards.
+
+        Raises
+        ------
+        ConfigError
+            On a bad argument, or when the table exists with another definition (a ``ServerError``).
+        """
+        self._check_open()
+        optimizer = optim.SGD(lr=0.01) if optimizer is None else optimizer
+        dtype = np.dtype(dtype)
+        if dtype not in dtypes.SUPPORTED:
+            raise PsrtTypeError(f"dtype must be {dtypes.describe()}, got {dtype}")
+        rows = None
+        if initial is not None:
+            rows = np.ascontiguousarray(initial, dtype=dtype)
+            if rows.ndim != 2 or rows.shape[1] != dim or (num_rows is not None and rows.shape[0] != num_rows):
+                raise ConfigError(f"initial must have shape (num_rows, {dim}), got {rows.shape}")
+            num_rows = rows.shape[0]
+        if init not in INITIALIZERS:
+            raise ConfigError(f"init must be one of {sorted(INITIALIZERS)}, got {init!r}")
+        a, b = (low, high) if init == "uniform" else (0.0, std)
+        TableSpec(dim=dim, dtype=dtype, optimizer=optimizer, init=init, a=float(a), b=float(b), seed=seed,
+                  num_rows=num_rows)  # checks every field before anything is sent
+        handle = Handle(self._calls, "init_embedding", None)
+        spec = optimizer.to_wire()
+        splits = self._split(np.arange(num_rows, dtype=np.int64)) if rows is not None else None
+        for shard in range(len(self.servers)):
+            pieces: list[tuple[np.ndarray, Optional[np.ndarray]]] = [(np.empty(0, np.int64), None)]
+            if splits is not None and rows is not None:
+                order, offsets = splits
+                sel = order[offsets[shard]:offsets[shard + 1]] if order is not None else slice(None)
+                ids, mine = np.arange(num_rows, dtype=np.int64)[sel], rows[sel]
+                pieces = [(ids[i:i + _INIT_ROWS], np.ascontiguousarray(mine[i:i + _INIT_ROWS]))
+                          for i in range(0, max(len(ids), 1), _INIT_ROWS)]
+            for ids, part in pieces:
+                self._calls.send(handle, shard, [_RowKey(name, shard, 0, 0)], lambda rid, i=ids, p=part:
+                                 wire.encode_init_table(rid, self._rank, name, dim, dtype, spec, init, float(a),
+                                                        float(b), seed, num_rows, i, p))
+        handle.wait(timeout)
+        self._tables[name] = _Table(dim, dtype, num_rows)
+
+    def _split(self, ids: np.ndarray) -> tuple[Optional[np.ndarray], np.ndarray]:
+        """``(order, offsets)``: ids sorted by shard (None: already in order, S = 1) and each shard's range."""
+        s = len(self.servers)
+        if s == 1:
+            return None, np.array([0, len(ids)])
+        shards = rowkernels.shard_of(ids, s)
+        order = np.argsort(shards, kind="stable")
+        offsets = np.zeros(s + 1, np.int64)
+        np.cumsum(np.bincount(shards, minlength=s), out=offsets[1:])
+        return order, offsets
+
+    def _ids(self, name: str, ids: Any) -> tuple[_Table, np.ndarray]:
+        self._check_open()
+        table = self._tables.get(name)
+        if table is None:
+            raise ConfigError(f"table {name!r} was never initialized; call client.init_embedding({name!r}, ...)")
+        a = np.asarray(ids)
+        if a.ndim != 1 or a.dtype.kind not in "iu":
+            raise PsrtTypeError(f"ids must be a 1-D integer array, got {a.ndim}-D {a.dtype}")
+        if a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max:
+            raise ConfigError("ids must fit int64")
+        a = np.ascontiguousarray(a, dtype=np.int64)
+        if table.num_rows is not None and a.size and (int(a.min()) < 0 or int(a.max()) >= table.num_rows):
+            bad = a[(a < 0) | (a >= table.num_rows)][0]
+            raise ConfigError(f"id {int(bad)} is outside table {name!r}'s rows [0, {table.num_rows})")
+        return table, a
+
+    def pull_rows(self, name: str, ids: Any, timeout: Optional[float] = None,
+                  out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The rows of ``ids`` (any order, repeats allowed) as a ``(len(ids), dim)`` array.
+
+        In sync mode, after this worker's :meth:`push_rows` the rows include that push's round.
+
+        Parameters
+        ----------
+        name : str
+            The table.
+        ids : array of int
+            Row ids.
+        timeout : float, optional
+            Seconds to wait.
+        out : numpy.ndarray, optional
+            A C-contiguous, writable ``(len(ids), dim)`` array of the table's dtype to receive into.
+        """
+        return self.pull_rows_async(name, ids, out=out).wait(timeout)
+
+    def pull_rows_async(self, name: str, ids: Any, out: Optional[np.ndarray] = None) -> RowsHandle:
+        """Start a :meth:`pull_rows`; returns a handle whose ``wait()`` gives the rows."""
+        table, a = self._ids(name, ids)
+        shape = (len(a), table.dim)
+        if out is None:
+            out = np.empty(shape, table.dtype)
+        elif (not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != table.dtype
+              or not out.flags.c_contiguous or not out.flags.writeable):
+            raise ConfigError(f"out must be a writable C-contiguous array of shape {shape} and dtype {table.dtype}")
+        # A repeated id travels once: the shards send one row per distinct id, scattered back in the caller's order.
+        unique, inverse = np.unique(a, return_inverse=True)
+        gather = None
+        if len(unique) < len(a):
+            a, order, offsets = unique, *self._split(unique)
+            gather = inverse.reshape(-1)
+            if order is not None:  # where each distinct id's row lands in the shard-sorted buffer
+                where = np.empty_like(order)
+                where[order] = np.arange(len(order))
+                gather = where[gather]
+        else:
+            order, offsets = self._split(a)
+        sorted_ids = a if order is None else a[order]
+        buf = out if order is None and gather is None else np.empty((len(a), table.dim), table.dtype)
+        handle = RowsHandle(self._calls, name, out, buf, None if gather is not None else order, gather)
+        for shard in range(len(self.servers)):
+            lo, hi = int(offsets[shard]), int(offsets[shard + 1])
+            if lo == hi:
+                continue
+            key = _RowKey(name, shard, lo, hi)
+            mine = sorted_ids[lo:hi]
+            version = self._calls.versions.get(key.key, 0)
+            clock = self.__dict__["_row_clock"].get(name, 0)
+            self._calls.send(handle, shard, [key], lambda rid, i=mine, v=version, c=clock: wire.encode_pull_rows(
+                rid, self._rank, name, v, i, c), lambda rid, i=mine, c=clock: wire.encode_pull_rows(
+                rid, self._rank, name, 0, i, c))
+        return handle
+
+    def push_rows(self, name: str, ids: Any, grads: Any, timeout: Optional[float] = None) -> None:
+        """Push gradient rows of ``ids``; rows of repeated ids are summed (then, in sync mode, averaged over W).
+
+        Parameters
+        ----------
+        name : str
+            The table.
+        ids : array of int
+            Row ids, any order, repeats allowed.
+        grads : numpy.ndarray
+            ``(len(ids), dim)`` gradient rows of the table's dtype.
+        timeout : float, optional
+            Seconds to wait until every shard has taken its part.
+        """
+        self.push_rows_async(name, ids, grads).wait(timeout)
+
+    def push_rows_async(self, name: str, ids: Any, grads: Any) -> Handle:
+        """Start a :meth:`push_rows`; do not modify ``grads`` until the handle is done."""
+        table, a = self._ids(name, ids)
+        g = np.ascontiguousarray(grads)
+        if g.dtype != table.dtype:
+            raise PsrtTypeError(f"grads of table {name!r} must be {table.dtype}, got {g.dtype}")
+        if g.shape != (len(a), table.dim):
+            raise ConfigError(f"grads must have shape {(len(a), table.dim)} for {len(a)} ids, got {g.shape}")
+        order, offsets = self._split(a)
+        if order is not None:
+            a, g = a[order], g[order]
+        handle = Handle(self._calls, "push_rows", None)
+        seqs = self.__dict__["_row_seq"].setdefault(name, [0] * len(self.servers))
+        clocks = self.__dict__["_row_clock"]
+        clock = clocks[name] = clocks.get(name, 0) + 1  # ssp: this worker's pushes to the table, this one too
+        for shard in range(len(self.servers)):
+            lo, hi = int(offsets[shard]), int(offsets[shard + 1])
+            seq = seqs[shard]
+            seqs[shard] += 1
+            self._calls.send(handle, shard, [_RowKey(name, shard, lo, hi)], lambda rid, q=seq, i=a[lo:hi],
+                             r=g[lo:hi]: wire.encode_push_rows(rid, self._rank, self._session, q, name, i, r, clock))
+        return handle

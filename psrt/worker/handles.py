@@ -1,0 +1,71 @@
+"""A call in flight: what a client's non-blocking calls return, and what every call waits on.
+
+A :class:`Handle` gathers the replies of one user-level call (one request per message, maybe to many shards),
+as :class:`psrt.worker.calls.ShardCalls` routes them to it; :meth:`Handle.wait` returns its result.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from psrt import wire
+from psrt.checks import check_seconds
+
+__all__ = ["Handle"]
+
+
+class Handle:
+    """A call in flight. :meth:`wait` returns its result: parameters for pulls, None for pushes."""
+
+    def __init__(self, calls: Any, op: str, outputs: Optional[dict[str, np.ndarray]]) -> None:
+        self._calls = calls
+        self.op = op
+        self._outputs = outputs
+        self._outstanding: set[int] = set()
+        self._error: Optional[BaseException] = None
+        self._conflicts: list[str] = []
+        self._jobs: dict[int, wire.JobInfo] = {}  # init: what each shard said about the job
+        self._stats: dict[int, dict[str, Any]] = {}  # stats: each shard's counters
+        self._saved: dict[int, str] = {}  # checkpoint: each shard's file
+        self._answers: dict[int, Any] = {}  # lane_probe / lane_open: each shard's reply record
+
+    def done(self) -> bool:
+        """True when every reply has arrived (takes in any replies already queued, never blocks)."""
+        if self._outstanding and not self._calls.closed:
+            self._calls.progress(self, 0.0)
+        return not self._outstanding
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[dict[str, np.ndarray]]:
+        """Wait for every reply of this call and return its result.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait (``inf``: no limit; 0: take in what has arrived); the client's configured timeout
+            when omitted.
+
+        Returns
+        -------
+        dict of str to numpy.ndarray or None
+            The parameters for ``pull``/``push_pull``/``init``, None for ``push``.
+
+        Raises
+        ------
+        ConfigError
+            When ``timeout`` is negative or not a number.
+        ShardTimeoutError
+            Naming the shard(s) that did not answer in time.
+        ServerError
+            When a shard answered with an error.
+        """
+        calls = self._calls
+        calls.wait(self, calls.config.timeout if timeout is None else check_seconds(timeout, "timeout", zero=True))
+        if self._error is not None:
+            raise self._error
+        return self._outputs
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
