@@ -16,9 +16,9 @@ rounds in the arrays' own dtype, and the build disables floating-point contracti
 both variants give bit-identical results.
 """
 
-from libc.math cimport sqrt, pow
+from libc.math cimport cos, log, pow, sin, sqrt
+from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.string cimport memcpy
-from libc.stdint cimport uint32_t, uint64_t
 
 cdef extern from *:
     r"""
@@ -343,11 +343,7 @@ def seq_bump(uint64_t[::1] seq):
 # ---------------------------------------------------------------------------------------------- row kernels
 # Embedding tables: rows of a 2-D table addressed by slot numbers. The dense per-element loops above are reused
 # for each row, so a row step rounds exactly as a dense step of the same row would. Slots outside the table are
-# skipped (the wrappers in psrt.rowkernels refuse them first; this only keeps a bypassing caller in bounds).
-
-from libc.stdint cimport int64_t
-from libc.string cimport memcpy
-from libc.math cimport log, cos, sin
+# skipped (the wrappers in psrt.kernels.rows refuse them first; this only keeps a bypassing caller in bounds).
 
 cdef extern from *:
     r"""
