@@ -4,9 +4,10 @@ numbers.
 A key is ``(name, part)``: one chunk of a tensor, held flat. Its ``version`` counts the optimizer steps applied
 to it. The store also owns the rules of a round, since they read nothing but its state: in sync mode a round's
 pushes are summed into the key's single accumulator as they arrive, whatever W is, and the optimizer steps once
-with ``scale = 1/W`` when the last of the W arrives (:meth:`Store.admit`); a worker already in a key's round must
-wait for it to complete before pushing again (:meth:`Store.can_join`); and a pull may only ask for a version
-that this worker's pushes can still produce (:meth:`Store.reachable`). In async mode every push is one step.
+with ``scale = 1/W`` when the last of the W arrives (:meth:`Store.apply_push`, once :mod:`psrt.shard.admission`
+checked the push); a worker already in a key's round must wait for it to complete before pushing again
+(:meth:`Store.can_join`); and a pull may only ask for a version that this worker's pushes can still produce
+(:meth:`Store.reachable`). In async mode every push is one step.
 
 Replies send parameters zero-copy; the store remembers the send trackers and, before a step would overwrite a
 buffer ZeroMQ is still sending, swaps in a copy (copy-on-write). In BSP the previous round's replies are long
@@ -196,11 +197,12 @@ class Store:
         """Whether a push of ``worker`` to these keys can be taken now (else it waits for their rounds)."""
         return not self.rounds or not any(worker in e.contributors for e in entries)
 
-    def admit(self, worker: int, entries: list[Entry], grads: list[np.ndarray],
-              hold: bool = False) -> tuple[list[int], list[int]]:
-        """Take one push: sum it into each key's round (sync) or apply it (async, or W = 1).
+    def apply_push(self, worker: int, entries: list[Entry], grads: list[np.ndarray],
+                   hold: bool = False) -> tuple[list[int], list[int]]:
+        """Apply one push: sum it into each key's round (sync) or step with it (async, or W = 1).
 
-        The caller has checked :meth:`can_join` and validated every gradient, so nothing here can fail halfway.
+        The caller has checked :meth:`can_join` and validated every gradient (:mod:`psrt.shard.admission`), so
+        nothing here can fail halfway.
         ``hold``: the gradients stay unchanged until their round completes (a push_pull over a shared-memory
         lane), so a round sums them all at its end (:meth:`Entry.settle`) instead of one by one.
 
