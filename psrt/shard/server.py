@@ -89,6 +89,7 @@ class Server(Recovery):
         self.endpoint: str = self._chan.endpoint
         self.lanes = ShardLanes(self.endpoint, config.shm)  # shared memory for workers on this host
         self.store = Store(config.mode, config.num_workers)
+        self.store.use_shared_memory(self.lanes.arena)  # workers of this host copy each round's result themselves
         self.counters = Counters()
         self.replies = ShardReplies(self._chan, self.lanes, self.counters)
         self._reply, self._error = self.replies.reply, self.replies.error
@@ -252,8 +253,6 @@ class Server(Recovery):
             entry = self.store.get(meta.key)
             if entry is None:  # the first initialization of a key wins
                 entry = self.store.create(meta.key, req.array(i), opt)
-                if self.store.rounds:
-                    self.lanes.place(entry)  # workers of this host copy each round's result themselves
             elif entry.optimizer != opt:
                 conflicts.append(i)
             entries.append(entry)
