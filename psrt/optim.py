@@ -4,6 +4,10 @@ An optimizer travels to the shards by name with its hyperparameters (``{"name": 
 never as a pickle, and each shard rebuilds it with :func:`from_wire`, which validates every field. Update rules
 and defaults follow torch.optim: :class:`SGD` (momentum, Nesterov, L2 weight decay), :class:`Adam` (L2 weight
 decay), :class:`AdamW` (decoupled weight decay) and :class:`AdaGrad`.
+
+Each optimizer steps a dense parameter (:meth:`Optimizer.step`, for the dense keys of a shard) and the touched rows
+of an embedding table (:meth:`Optimizer.step_rows`, torch's sparse semantics), each with one kernel of
+:mod:`psrt.kernels` or :mod:`psrt.kernels.rows`: a new optimizer is its class and its kernels, nothing else.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 
 from psrt import kernels
 from psrt.errors import ConfigError
+from psrt.kernels import rows as rowkernels
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "AdaGrad", "from_wire", "OPTIMIZERS"]
 
@@ -41,8 +46,9 @@ def _unit(name: str, value: float) -> float:
 class Optimizer:
     """Base class of the named optimizers.
 
-    Subclasses declare their state ``slots`` (arrays shaped like the parameter, zero at the start) and
-    implement :meth:`step`, which calls one fused kernel from :mod:`psrt.kernels`.
+    Subclasses declare their state ``slots`` (arrays shaped like the parameter, :meth:`slot_fill` at the start)
+    and implement :meth:`step`, which calls one fused kernel from :mod:`psrt.kernels`, and :meth:`step_rows`,
+    which calls its row-wise twin from :mod:`psrt.kernels.rows`.
     """
 
     name: ClassVar[str] = ""
@@ -55,13 +61,43 @@ class Optimizer:
             out[f.name] = getattr(self, f.name)
         return out
 
+    def slot_fill(self, slot: str) -> float:
+        """The value every entry of state ``slot`` starts from (0 unless an optimizer says otherwise)."""
+        return 0.0
+
     def init_slots(self, param: np.ndarray) -> dict[str, np.ndarray]:
         """Allocate this optimizer's state for one parameter array."""
-        return {s: np.zeros_like(param) for s in self.slots}
+        return {s: np.full_like(param, self.slot_fill(s)) for s in self.slots}
 
     def step(self, param: np.ndarray, slots: dict[str, np.ndarray], grad: np.ndarray, scale: float, step: int) -> None:
         """Apply one update in place; the gradient used is ``scale * grad``; ``step`` counts from 1."""
         raise NotImplementedError
+
+    def step_rows(self, param: np.ndarray, slots: dict[str, np.ndarray], rows: np.ndarray, grad: np.ndarray,
+                  scale: float, step: int) -> None:
+        """Apply one update to the rows ``param[rows]`` and their state only, as torch's sparse optimizers do.
+
+        Parameters
+        ----------
+        param : numpy.ndarray
+            ``(capacity, dim)`` table of rows, updated in place.
+        slots : dict of str to numpy.ndarray
+            The state arrays (:attr:`slots`), each shaped like ``param``.
+        rows : numpy.ndarray
+            Distinct int64 row indices (coalesce repeated ids first).
+        grad : numpy.ndarray
+            ``(len(rows), dim)`` gradient rows; ``scale * grad`` is used.
+        scale : float
+            Gradient scale.
+        step : int
+            The table's step count, from 1.
+
+        Raises
+        ------
+        ConfigError
+            When the optimizer has no row-wise step.
+        """
+        raise ConfigError(f"optimizer {self.name!r} has no row-wise step")
 
 
 @dataclass(frozen=True)
@@ -106,6 +142,13 @@ class SGD(Optimizer):
             )
         else:
             kernels.sgd_step(param, grad, self.lr, scale, self.weight_decay)
+
+    def step_rows(self, param, slots, rows, grad, scale, step) -> None:  # noqa: D102
+        if self.momentum:
+            rowkernels.momentum_rows(param, slots["momentum_buffer"], rows, grad, self.lr, self.momentum, scale,
+                                     self.weight_decay, self.nesterov)
+        else:
+            rowkernels.sgd_rows(param, rows, grad, self.lr, scale, self.weight_decay)
 
 
 @dataclass(frozen=True)
@@ -159,6 +202,12 @@ class Adam(Optimizer):
             step, scale, decoupled, l2,
         )
 
+    def step_rows(self, param, slots, rows, grad, scale, step) -> None:
+        """torch.optim.SparseAdam on the touched rows (:func:`psrt.kernels.rows.adam_rows`): no weight decay, which
+        :class:`psrt.tablespec.TableSpec` refuses for a table; AdamW without weight decay steps the same."""
+        rowkernels.adam_rows(param, slots["exp_avg"], slots["exp_avg_sq"], rows, grad, self.lr, self.beta1,
+                             self.beta2, self.eps, step, scale)
+
 
 @dataclass(frozen=True)
 class AdamW(Adam):
@@ -204,12 +253,19 @@ class AdaGrad(Optimizer):
         for f in ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
             object.__setattr__(self, f, _nonneg(f, getattr(self, f)))
 
-    def init_slots(self, param: np.ndarray) -> dict[str, np.ndarray]:  # noqa: D102
-        return {"sum": np.full_like(param, self.initial_accumulator_value)}
+    def slot_fill(self, slot: str) -> float:  # noqa: D102
+        return self.initial_accumulator_value if slot == "sum" else 0.0
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (from 1): ``lr / (1 + (step-1)*lr_decay)``."""
+        return self.lr / (1.0 + (step - 1) * self.lr_decay)
 
     def step(self, param, slots, grad, scale, step) -> None:  # noqa: D102
-        clr = self.lr / (1.0 + (step - 1) * self.lr_decay)
-        kernels.adagrad_step(param, slots["sum"], grad, clr, self.eps, scale, self.weight_decay)
+        kernels.adagrad_step(param, slots["sum"], grad, self.lr_at(step), self.eps, scale, self.weight_decay)
+
+    def step_rows(self, param, slots, rows, grad, scale, step) -> None:  # noqa: D102
+        rowkernels.adagrad_rows(param, slots["sum"], rows, grad, self.lr_at(step), self.eps, scale,
+                                self.weight_decay)
 
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {cls.name: cls for cls in (SGD, Adam, AdamW, AdaGrad)}

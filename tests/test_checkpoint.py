@@ -25,8 +25,8 @@ def busy_store() -> Store:
     s.create(("empty", 0), np.zeros(0, np.float32), psrt.AdaGrad(lr=0.1))
     for _ in range(3):
         for worker in range(3):
-            s.admit(worker, [a, b], [rng.standard_normal(1000).astype(np.float32), rng.standard_normal(7)])
-    s.admit(1, [a], [np.ones(1000, np.float32)])  # round 4 of key a in progress: worker 1 is in it
+            s.apply_push(worker, [a, b], [rng.standard_normal(1000).astype(np.float32), rng.standard_normal(7)])
+    s.apply_push(1, [a], [np.ones(1000, np.float32)])  # round 4 of key a in progress: worker 1 is in it
     for worker in range(3):
         s.record(worker, 1000 + worker, 3 + worker)
     s.set_members(frozenset({0, 1, 2}))
@@ -61,7 +61,7 @@ def test_a_checkpoint_restores_everything_exactly(tmp_path):
     # It goes on exactly as the original: the round in progress completes the same way in both.
     for store in (s, restored):
         for worker in (0, 2):
-            store.admit(worker, [store.entries[("w", 0)]], [np.full(1000, 2.0, np.float32)])
+            store.apply_push(worker, [store.entries[("w", 0)]], [np.full(1000, 2.0, np.float32)])
     same(s, restored)
     assert restored.entries[("w", 0)].version == 4
 
@@ -69,7 +69,7 @@ def test_a_checkpoint_restores_everything_exactly(tmp_path):
 def test_the_newest_complete_checkpoint_wins_and_torn_or_corrupt_ones_are_skipped(tmp_path, caplog):
     s = busy_store()
     first = checkpoint.save(s, tmp_path, "shard-x", {})
-    s.admit(0, [s.entries[("w", 1)]], [np.ones(7)])
+    s.apply_push(0, [s.entries[("w", 1)]], [np.ones(7)])
     second = checkpoint.save(s, tmp_path, "shard-x", {})
     assert checkpoint.load_latest(tmp_path, "shard-x")[2] == second
     data = second.read_bytes()

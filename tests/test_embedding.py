@@ -85,3 +85,32 @@ def test_memory_is_reported_and_specs_are_checked():
         TableSpec(dim=4, dtype=np.dtype(np.float32), optimizer=Adam(weight_decay=0.1))
     with pytest.raises(ConfigError):
         TableSpec(dim=0, dtype=np.dtype(np.float32), optimizer=SGD())
+
+
+def test_a_table_steps_a_new_optimizer_through_its_own_class():
+    # A new optimizer is its class and its kernels: the table needs no change to step it.
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from psrt import optim
+    from psrt.kernels import rows as rowkernels
+
+    @dataclass(frozen=True)
+    class HalfSGD(optim.Optimizer):
+        lr: float = 0.1
+        name: ClassVar[str] = "half_sgd"
+        slots: ClassVar[tuple[str, ...]] = ("seen",)
+
+        def slot_fill(self, slot: str) -> float:
+            return 2.0
+
+        def step_rows(self, param, slots, rows, grad, scale, step) -> None:
+            rowkernels.sgd_rows(param, rows, grad, self.lr / 2, scale)
+            slots["seen"][rows] += step
+
+    t = table(optimizer=HalfSGD(), init="zeros")
+    slots, grads = t.push(np.array([4, 9], np.int64), np.ones((2, 8), np.float32))
+    t.apply(slots, grads, 1.0)
+    t.apply(slots, grads, 1.0)
+    assert np.array_equal(t.gather(np.array([4, 9, 1], np.int64))[:, 0], np.float32([-0.1, -0.1, 0]))
+    assert t.slots["seen"][t.find(np.array([4, 1], np.int64)), 0].tolist() == [2 + 1 + 2, 2]

@@ -343,3 +343,41 @@ def test_optimizers_are_immutable():
     opt = psrt.Adam()
     with pytest.raises(dataclasses.FrozenInstanceError):
         opt.lr = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("cls", sorted(optim.OPTIMIZERS.values(), key=lambda c: c.name), ids=lambda c: c.name)
+def test_every_optimizer_steps_rows_in_its_own_class(cls):
+    # One dispatch: a table asks the optimizer for its row step, so each named optimizer defines it (or inherits a
+    # named parent's, as AdamW does Adam's) instead of a type switch elsewhere knowing every optimizer.
+    assert cls.step_rows is not optim.Optimizer.step_rows
+
+
+@pytest.mark.parametrize("opt", [psrt.SGD(lr=0.1, weight_decay=0.01), psrt.SGD(lr=0.1, momentum=0.9),
+                                 psrt.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+                                 psrt.AdaGrad(lr=0.1, lr_decay=0.5, weight_decay=0.01, initial_accumulator_value=0.1)],
+                         ids=repr)
+def test_a_row_step_equals_the_dense_step_on_the_touched_rows(opt):
+    # The same rule (AdaGrad's lr_decay included) whether a tensor or a table's rows step; untouched rows stay.
+    rng = np.random.default_rng(1)
+    param = rng.standard_normal((5, 8)).astype(np.float32)
+    slots = opt.init_slots(param)
+    rows = np.array([1, 3], np.int64)
+    dense = param[rows].copy()
+    dense_slots = {k: v[rows].copy() for k, v in slots.items()}
+    for step in (1, 2, 3):
+        grad = rng.standard_normal((2, 8)).astype(np.float32)
+        opt.step_rows(param, slots, rows, grad, 0.5, step)
+        opt.step(dense, dense_slots, grad, 0.5, step)
+    assert np.array_equal(param[rows], dense)
+    for name in slots:
+        assert np.array_equal(slots[name][rows], dense_slots[name])
+        assert np.all(slots[name][[0, 2, 4]] == np.float32(opt.slot_fill(name)))
+
+
+def test_an_optimizer_without_a_row_step_says_so():
+    @dataclasses.dataclass(frozen=True)
+    class Plain(optim.Optimizer):
+        name = "plain"
+
+    with pytest.raises(ConfigError, match="optimizer 'plain' has no row-wise step"):
+        Plain().step_rows(np.zeros((2, 2)), {}, np.array([0], np.int64), np.zeros((1, 2)), 1.0, 1)

@@ -20,7 +20,7 @@ def store(mode: str = "sync", workers: int = 3) -> Store:
 def push(s: Store, worker: int, value: float) -> tuple[int, bool]:
     entry = s.entries[KEY]
     assert s.can_join(worker, [entry])
-    targets, completed = s.admit(worker, [entry], [np.full(4, value)])
+    targets, completed = s.apply_push(worker, [entry], [np.full(4, value)])
     return targets[0], bool(completed)
 
 

@@ -46,7 +46,7 @@ class ShardReplies:
             segment, offsets = lane
             # Rounds (sync, W > 1): a round's result stays put until every worker pushes again, so each worker
             # copies it from the shard's own memory; otherwise (or for a key not there) it is written into the lane.
-            places = self.lanes.places(entries) if rounds else [[] for _ in entries]
+            places = [e.shared_place() for e in entries] if rounds else [[] for _ in entries]
             written = [(o, e.param) for o, e, p in zip(offsets, entries, places) if not p]
             self.lanes.write(segment, [o for o, _ in written], [a for _, a in written])
             self.counters.shm_bytes_out += sum(e.param.nbytes for e in entries)

@@ -23,7 +23,6 @@ from typing import Any, Optional
 import numpy as np
 
 from psrt import optim
-from psrt.errors import ConfigError
 from psrt.kernels import rows as rowkernels
 from psrt.tablespec import TableSpec
 
@@ -90,14 +89,10 @@ class RowTable:
         self.round = RowRound()
         cap = min(_MIN_ROWS, max_rows)
         self.param = np.zeros((cap, spec.dim), spec.dtype)
-        self.slots = {name: np.zeros_like(self.param) for name in self._slot_names()}
+        self.slots = {name: np.zeros_like(self.param) for name in spec.optimizer.slots}
         self.row_ids = np.zeros(cap, np.int64)
         self._keys = np.zeros(2 * _MIN_ROWS, np.int64)
         self._vals = np.full(2 * _MIN_ROWS, -1, np.int64)
-
-    def _slot_names(self) -> tuple[str, ...]:
-        opt = self.spec.optimizer
-        return tuple(opt.slots)
 
     @property
     def capacity(self) -> int:
@@ -155,7 +150,7 @@ class RowTable:
         spec = self.spec
         rowkernels.init_rows(self.param, start, self.row_ids[start:stop], spec.seed, spec.init, spec.a, spec.b)
         for name, a in self.slots.items():
-            a[start:stop] = getattr(spec.optimizer, "initial_accumulator_value", 0.0) if name == "sum" else 0.0
+            a[start:stop] = spec.optimizer.slot_fill(name)
 
     def set_missing(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Give the rows of ids not seen before the values ``rows`` (distinct ids); existing rows are kept."""
@@ -178,21 +173,7 @@ class RowTable:
 
     def apply(self, slots: np.ndarray, grad: np.ndarray, scale: float) -> None:
         """One optimizer step on the rows ``slots`` (distinct) with ``scale * grad``; bumps the version."""
-        opt, step = self.spec.optimizer, self.version + 1
-        p = self.param
-        if isinstance(opt, optim.AdaGrad):
-            clr = opt.lr / (1.0 + (step - 1) * opt.lr_decay)
-            rowkernels.adagrad_rows(p, self.slots["sum"], slots, grad, clr, opt.eps, scale, opt.weight_decay)
-        elif isinstance(opt, optim.Adam):
-            rowkernels.adam_rows(p, self.slots["exp_avg"], self.slots["exp_avg_sq"], slots, grad, opt.lr,
-                                 opt.beta1, opt.beta2, opt.eps, step, scale)
-        elif isinstance(opt, optim.SGD) and opt.momentum:
-            rowkernels.momentum_rows(p, self.slots["momentum_buffer"], slots, grad, opt.lr, opt.momentum, scale,
-                                     opt.weight_decay, opt.nesterov)
-        elif isinstance(opt, optim.SGD):
-            rowkernels.sgd_rows(p, slots, grad, opt.lr, scale, opt.weight_decay)
-        else:
-            raise ConfigError(f"optimizer {opt.name!r} has no row-wise step")
+        self.spec.optimizer.step_rows(self.param, self.slots, slots, grad, scale, self.version + 1)
         self.version += 1
 
     def push(self, ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

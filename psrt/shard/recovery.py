@@ -255,10 +255,8 @@ class Recovery:
         else:  # under a scheduler, the job's table does
             store.set_job(mode, workers)
             self._ckpt.mode = mode
+        store.use_shared_memory(self.lanes.arena)
         self.store, self.restored_from = store, path
-        if store.rounds:
-            for entry in store.entries.values():
-                self.lanes.place(entry)
 
     def checkpoint(self) -> Path:
         """Write a checkpoint now; returns its path.

@@ -40,15 +40,12 @@ from psrt.wire import compression
 if TYPE_CHECKING:
     from psrt.control.link import SchedulerLink
 
-__all__ = ["Server", "RequestError"]
+__all__ = ["Server"]
 
 log = logging.getLogger("psrt.server")
 
 #: Messages handled per wake-up before the loop checks for a stop request again.
 _BATCH = 256
-
-#: A well-formed request the shard must refuse; ``code`` goes into the error reply.
-RequestError = RequestRefused
 
 
 class Server(Recovery):
@@ -92,6 +89,7 @@ class Server(Recovery):
         self.endpoint: str = self._chan.endpoint
         self.lanes = ShardLanes(self.endpoint, config.shm)  # shared memory for workers on this host
         self.store = Store(config.mode, config.num_workers)
+        self.store.use_shared_memory(self.lanes.arena)  # workers of this host copy each round's result themselves
         self.counters = Counters()
         self.replies = ShardReplies(self._chan, self.lanes, self.counters)
         self._reply, self._error = self.replies.reply, self.replies.error
@@ -185,7 +183,7 @@ class Server(Recovery):
         for entry in entries:
             missing = self.store.missing_finished(entry, worker)
             if missing is not None:
-                raise RequestError("peer_finished", _finished_message(missing))
+                raise RequestRefused("peer_finished", _finished_message(missing))
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return after the message in hand."""
@@ -230,7 +228,7 @@ class Server(Recovery):
                 self._reply(identity, wire.encode_saved(req.id, str(self.checkpoint())))
             else:
                 self._reply(identity, wire.encode_stats(req.id, self.stats()))
-        except RequestError as exc:  # an operator's refused checkpoint request is no error of the shard's traffic
+        except RequestRefused as exc:  # an operator's refused checkpoint request is no error of the shard's traffic
             self._error(identity, req.id, exc.code, str(exc), counted=not isinstance(req, wire.CheckpointRequest))
         except ConfigError as exc:
             self._error(identity, req.id, "config", str(exc))
@@ -248,15 +246,13 @@ class Server(Recovery):
             if entry is not None:
                 admission.check_shape(entry, meta)
             elif self.config.nonfinite == "reject" and not kernels.all_finite(req.array(i)):
-                raise RequestError("nonfinite", f"initial value of {meta.name!r} part {meta.part} has NaN or Inf")
+                raise RequestRefused("nonfinite", f"initial value of {meta.name!r} part {meta.part} has NaN or Inf")
         conflicts = []
         entries = []
         for i, meta in enumerate(req.tensors):
             entry = self.store.get(meta.key)
             if entry is None:  # the first initialization of a key wins
                 entry = self.store.create(meta.key, req.array(i), opt)
-                if self.store.rounds:
-                    self.lanes.place(entry)  # workers of this host copy each round's result themselves
             elif entry.optimizer != opt:
                 conflicts.append(i)
             entries.append(entry)
@@ -286,7 +282,7 @@ class Server(Recovery):
             return
         grads = [req.array(i) for i in range(len(entries))]
         # A push_pull's lane areas stay untouched until its answer, which comes after its round: held, not copied.
-        targets, completed = self.store.admit(req.worker, entries, grads, hold=lane is not None and req.pull)
+        targets, completed = self.store.apply_push(req.worker, entries, grads, hold=lane is not None and req.pull)
         if self.config.mode == "ssp":
             self.store.tick_clocks(req.worker, entries)
         self.store.record(req.worker, req.session, req.seq)
@@ -345,7 +341,7 @@ class Server(Recovery):
         for pk in req.keys:
             entry = admission.entry_of(self.store, pk.key)
             if pk.min_version > self.store.reachable(entry, queued):
-                raise RequestError(
+                raise RequestRefused(
                     "version",
                     f"pull of {pk.name!r} part {pk.part} asks for version {pk.min_version} but the key is at "
                     f"{entry.version}; no push of this worker will produce it",

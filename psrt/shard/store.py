@@ -4,12 +4,19 @@ numbers.
 A key is ``(name, part)``: one chunk of a tensor, held flat. Its ``version`` counts the optimizer steps applied
 to it. The store also owns the rules of a round, since they read nothing but its state: in sync mode a round's
 pushes are summed into the key's single accumulator as they arrive, whatever W is, and the optimizer steps once
-with ``scale = 1/W`` when the last of the W arrives (:meth:`Store.admit`); a worker already in a key's round must
-wait for it to complete before pushing again (:meth:`Store.can_join`); and a pull may only ask for a version
-that this worker's pushes can still produce (:meth:`Store.reachable`). In async mode every push is one step.
+with ``scale = 1/W`` when the last of the W arrives (:meth:`Store.apply_push`, once :mod:`psrt.shard.admission`
+checked the push); a worker already in a key's round must wait for it to complete before pushing again
+(:meth:`Store.can_join`); and a pull may only ask for a version that this worker's pushes can still produce
+(:meth:`Store.reachable`). In async mode every push is one step.
+
+An :class:`Entry` owns its parameters' storage: private memory, or, where pushes gather into rounds and the shard
+has shared memory, an area of the shard's shared parameters (:mod:`psrt.shm.arena`) under a seqlock counter, from
+which workers of this host copy a round's result themselves. The store decides which, in one place
+(:meth:`Store.use_shared_memory`, for the keys it holds and every key it creates later).
 
 Replies send parameters zero-copy; the store remembers the send trackers and, before a step would overwrite a
-buffer ZeroMQ is still sending, swaps in a copy (copy-on-write). In BSP the previous round's replies are long
+buffer ZeroMQ is still sending, swaps in a copy (copy-on-write; a shared key's copy is private, and its
+readers of this host are answered through their lanes from then on). In BSP the previous round's replies are long
 gone by the time the next round completes, so in practice no copy is made.
 """
 
@@ -24,6 +31,7 @@ from psrt import kernels
 from psrt.config import MODES
 from psrt.errors import ConfigError
 from psrt.optim import Optimizer
+from psrt.shm.arena import Arena, SharedArea
 from psrt.wire import compression
 
 __all__ = ["Entry", "Store", "WorkerLog"]
@@ -56,9 +64,12 @@ class Entry:
     trackers: list[Any] = field(default_factory=list)
     #: 16-bit copies of ``param`` for the replies of 16-bit workers: codec -> (version, (wire name, array) or None).
     packed: dict[str, tuple[int, Any]] = field(default_factory=dict)
-    #: When ``param`` lives in shared memory that workers of this host copy from (:mod:`psrt.shm.lanes`): its seqlock
-    #: counter, odd while a step writes the parameters.
-    seq: Optional[np.ndarray] = None
+    #: Where ``param`` lies while it is in the shard's shared memory, which workers of this host copy it from
+    #: (:meth:`share`); None while it is private.
+    shared: Optional[SharedArea] = None
+    #: ``shared.seqlock`` while shared, else None: the parameters' seqlock counter, odd while a step writes them
+    #: (kept at hand: every step reads it).
+    seqlock: Optional[np.ndarray] = None
 
     def packed_param(self, codec: str) -> Any:
         """``param`` in a 16-bit form (:func:`psrt.wire.compression.encode`), made once per version: the W replies of
@@ -68,24 +79,45 @@ class Entry:
             cached = self.packed[codec] = (self.version, compression.encode(codec, self.param))
         return cached[1]
 
+    def share(self, arena: Arena) -> bool:
+        """Move the parameters into ``arena`` (shared memory), under a seqlock counter; False when it has no room
+        (they stay private)."""
+        area = arena.allocate(self.param.dtype, self.param.size)
+        if area is None:
+            return False
+        np.copyto(area.param, self.param.reshape(-1))
+        self.param = area.param.reshape(self.param.shape)
+        self.shared, self.seqlock = area, area.seqlock
+        return True
+
+    def shared_place(self) -> list[int]:
+        """``[generation, offset, counter]`` where a worker of this host copies the parameters from, or ``[]``
+        where they are private (never shared, or copied since: copy-on-write) and the shard writes them into the
+        worker's lane."""
+        area = self.shared
+        if area is None or self.seqlock is None:
+            return []
+        return [area.generation, area.offset, kernels.seq_read(self.seqlock)]
+
     def writable_param(self) -> np.ndarray:
         """The parameter buffer, replaced by a copy first if a zero-copy send may still be reading it."""
         if self.trackers:
             if any(not t.done for t in self.trackers):
                 self.param = self.param.copy()
-                self.seq = None  # the shared copy keeps this version for its readers; later ones get copies
+                # Private from now on: the shared area keeps this version for its readers; later ones get copies.
+                self.shared = self.seqlock = None
             self.trackers.clear()
         return self.param
 
     def apply(self, grad: np.ndarray, scale: float) -> None:
         """One optimizer step with ``scale * grad``; bumps the version."""
         param = self.writable_param()
-        if self.seq is not None:
-            kernels.seq_bump(self.seq)  # odd: a worker of this host copying the parameters now tries again
+        if self.seqlock is not None:
+            kernels.seq_bump(self.seqlock)  # odd: a worker of this host copying the parameters now tries again
         self.optimizer.step(param, self.slots, grad, scale, self.version + 1)
         self.version += 1
-        if self.seq is not None:
-            kernels.seq_bump(self.seq)
+        if self.seqlock is not None:
+            kernels.seq_bump(self.seqlock)
 
     def add_to_round(self, worker: int, grad: np.ndarray, hold: bool = False) -> None:
         """Add a worker's gradient to the round: summed into the accumulator now (the first one overwrites it),
@@ -139,6 +171,8 @@ class Store:
         self.members: Optional[frozenset[int]] = None
         #: A fixed job's workers that said ``done`` while others go on (the scheduler's ``finished`` notice).
         self.finished: frozenset[int] = frozenset()
+        #: The shard's shared parameters, where keys of a job with rounds live (:meth:`use_shared_memory`).
+        self.arena: Optional[Arena] = None
         self.set_job(mode, num_workers)
 
     def set_job(self, mode: str, num_workers: int) -> None:
@@ -196,11 +230,12 @@ class Store:
         """Whether a push of ``worker`` to these keys can be taken now (else it waits for their rounds)."""
         return not self.rounds or not any(worker in e.contributors for e in entries)
 
-    def admit(self, worker: int, entries: list[Entry], grads: list[np.ndarray],
-              hold: bool = False) -> tuple[list[int], list[int]]:
-        """Take one push: sum it into each key's round (sync) or apply it (async, or W = 1).
+    def apply_push(self, worker: int, entries: list[Entry], grads: list[np.ndarray],
+                   hold: bool = False) -> tuple[list[int], list[int]]:
+        """Apply one push: sum it into each key's round (sync) or step with it (async, or W = 1).
 
-        The caller has checked :meth:`can_join` and validated every gradient, so nothing here can fail halfway.
+        The caller has checked :meth:`can_join` and validated every gradient (:mod:`psrt.shard.admission`), so
+        nothing here can fail halfway.
         ``hold``: the gradients stay unchanged until their round completes (a push_pull over a shared-memory
         lane), so a round sums them all at its end (:meth:`Entry.settle`) instead of one by one.
 
@@ -270,11 +305,30 @@ class Store:
         return self.entries.get(key)
 
     def create(self, key: Key, value: np.ndarray, optimizer: Optimizer) -> Entry:
-        """Store a copy of ``value`` as the parameters of a new key, with fresh optimizer state."""
+        """Store a copy of ``value`` as the parameters of a new key, with fresh optimizer state (in shared memory
+        where :meth:`use_shared_memory` says)."""
         param = np.array(value, copy=True).reshape(-1)
         entry = Entry(param=param, optimizer=optimizer, slots=optimizer.init_slots(param))
         self.entries[key] = entry
+        self._place(entry)
         return entry
+
+    def use_shared_memory(self, arena: Optional[Arena]) -> None:
+        """Keep parameters in ``arena`` (None: nowhere) where pushes gather into rounds: those of every key held now
+        (a restored checkpoint's), and of each key created later.
+
+        A round's result stays put until every worker pushes again, so the workers of this host copy it from the
+        shard's memory themselves; where every push is a step (async, ssp, W = 1) they stay private and each
+        answer is written into the worker's lane.
+        """
+        self.arena = arena
+        for entry in self.entries.values():
+            self._place(entry)
+
+    def _place(self, entry: Entry) -> None:
+        # The one decision of where a key's parameters live; a key that stays private is answered through lanes.
+        if self.arena is not None and self.rounds and entry.shared is None:
+            entry.share(self.arena)
 
     def is_duplicate(self, worker: int, session: int, seq: int) -> bool:
         """True when ``seq`` was already applied for this worker's session (a retry or replay).

@@ -27,15 +27,11 @@ from psrt.shard.embedding import RowTable
 from psrt.shard.store import WorkerLog
 from psrt.tablespec import TableSpec
 
-__all__ = ["RowLimits", "TableService", "Refused", "REQUESTS"]
+__all__ = ["RowLimits", "TableService", "REQUESTS"]
 
 #: The requests :class:`TableService` serves.
 REQUESTS = (wire.InitTableRequest, wire.PushRowsRequest, wire.PullRowsRequest)
 RowRequest = Union[wire.InitTableRequest, wire.PushRowsRequest, wire.PullRowsRequest]
-
-
-#: A well-formed table request the shard refuses; ``code`` goes into the error reply.
-Refused = RequestRefused
 
 
 @dataclass(frozen=True)
@@ -104,12 +100,12 @@ class TableService:
         """Serve one table request; a refused one gets an error reply and changes nothing."""
         try:
             self._handle(identity, req)
-        except Refused as exc:
+        except RequestRefused as exc:
             self._error(identity, req.id, exc.code, str(exc))
 
     def _handle(self, identity: bytes, req: RowRequest) -> None:
         if len(req.ids) > self.limits.max_rows_per_message:
-            raise Refused("too_many_rows", f"{len(req.ids)} ids in one message; this shard takes at most "
+            raise RequestRefused("too_many_rows", f"{len(req.ids)} ids in one message; this shard takes at most "
                                            f"{self.limits.max_rows_per_message} (PSRT_MAX_ROWS_PER_MESSAGE)")
         if isinstance(req, wire.PushRowsRequest):
             self._push(identity, req)
@@ -121,7 +117,7 @@ class TableService:
     def _table(self, name: str) -> RowTable:
         table = self.tables.get(name)
         if table is None:
-            raise Refused("unknown_table", f"table {name!r} is not initialized on this shard; call "
+            raise RequestRefused("unknown_table", f"table {name!r} is not initialized on this shard; call "
                                            "client.init_embedding() first")
         return table
 
@@ -129,21 +125,21 @@ class TableService:
         n = table.spec.num_rows
         if n is not None and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= n):
             bad = ids[(ids < 0) | (ids >= n)][0]
-            raise Refused("id_range", f"id {int(bad)} is outside table {table.name!r}'s rows [0, {n})")
+            raise RequestRefused("id_range", f"id {int(bad)} is outside table {table.name!r}'s rows [0, {n})")
         if not table.room_for(len(ids)):
             found = table.find(ids)
             new = len(np.unique(ids[found < 0]))
             if not table.room_for(new):
-                raise Refused("table_full", f"table {table.name!r} would hold {table.used + new} rows on this "
+                raise RequestRefused("table_full", f"table {table.name!r} would hold {table.used + new} rows on this "
                                             f"shard; the cap is {table.max_rows} (PSRT_MAX_TABLE_ROWS)")
 
     def _check_rows(self, table: RowTable, req: Any, rows: np.ndarray, what: str) -> None:
         spec = table.spec
         if req.dim != spec.dim or req.dtype != spec.dtype:
-            raise Refused("mismatch", f"table {table.name!r} holds rows of {spec.dim} x {spec.dtype} but the "
+            raise RequestRefused("mismatch", f"table {table.name!r} holds rows of {spec.dim} x {spec.dtype} but the "
                                       f"message has {req.dim} x {req.dtype}")
         if self.nonfinite == "reject" and not kernels.all_finite(rows.reshape(-1)):
-            raise Refused("nonfinite", f"{what} of table {table.name!r} has NaN or Inf; nothing was applied")
+            raise RequestRefused("nonfinite", f"{what} of table {table.name!r} has NaN or Inf; nothing was applied")
 
     # ------------------------------------------------------------------ init
     def _init(self, identity: bytes, req: wire.InitTableRequest) -> None:
@@ -152,7 +148,7 @@ class TableService:
         table = self.tables.get(req.table)
         existed = table is not None
         if table is not None and table.spec != spec:
-            raise Refused("mismatch", f"table {req.table!r} exists with another definition (the table's vs this "
+            raise RequestRefused("mismatch", f"table {req.table!r} exists with another definition (the table's vs this "
                                       f"init's: {table.spec.differences(spec)}); every worker must pass the same one")
         if table is None:
             table = RowTable(spec, self.limits.max_table_rows, req.table)
@@ -160,7 +156,7 @@ class TableService:
             self._check_rows(table, req, req.rows, "initial value")
             self._check_ids(table, req.ids)
             if len(np.unique(req.ids)) != len(req.ids):
-                raise Refused("duplicate_ids", "initial rows list an id twice")
+                raise RequestRefused("duplicate_ids", "initial rows list an id twice")
         self.tables[req.table] = table  # only once everything above passed
         if req.rows is not None:
             table.set_missing(req.ids, req.rows)
@@ -170,7 +166,7 @@ class TableService:
     def _push(self, identity: bytes, req: wire.PushRowsRequest) -> None:
         table = self._table(req.table)
         if not self.store.is_member(req.worker):
-            raise Refused("not_member", f"worker {req.worker} is not a member of this elastic job")
+            raise RequestRefused("not_member", f"worker {req.worker} is not a member of this elastic job")
         self._check_rows(table, req, req.grads, "gradient")
         self._check_ids(table, req.ids)
         key = (req.table, req.worker)
@@ -178,7 +174,7 @@ class TableService:
         if self.store.finished and not (log is not None and log.session == req.session and req.seq <= log.last_seq):
             missing = self.store.missing_finished(table.round, req.worker)
             if missing is not None:
-                raise Refused("peer_finished", self.finished_message(missing))
+                raise RequestRefused("peer_finished", self.finished_message(missing))
         if self._deferred.get(key) or (self.store.rounds and req.worker in table.round.contributors):
             self._deferred.setdefault(key, deque()).append((identity, req))  # a round ahead: wait for it
             return
@@ -280,12 +276,12 @@ class TableService:
         queued = len(self._deferred.get((req.table, req.worker), ()))
         reachable = table.version + (1 + queued if self.store.mode == "sync" else 0)
         if req.min_version > reachable:
-            raise Refused("version", f"pull of table {req.table!r} asks for version {req.min_version} but it is "
+            raise RequestRefused("version", f"pull of table {req.table!r} asks for version {req.min_version} but it is "
                                      f"at {table.version}; no push of this worker will produce it")
         if req.min_version > table.version and self.store.finished:
             missing = self.store.missing_finished(table.round)
             if missing is not None:
-                raise Refused("peer_finished", self.finished_message(missing))
+                raise RequestRefused("peer_finished", self.finished_message(missing))
         self.pulls += 1
         if self._ready(req.table, table, req):
             self._answer(identity, table, req)
@@ -304,7 +300,7 @@ class TableService:
         if not table.room_for(len(req.ids)):
             try:
                 self._check_ids(table, req.ids)
-            except Refused as exc:
+            except RequestRefused as exc:
                 self._error(identity, req.id, exc.code, str(exc))
                 return
         self._reply(identity, wire.encode_rows(req.id, req.table, table.version, table.gather(req.ids)))

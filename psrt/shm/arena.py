@@ -7,26 +7,52 @@ after one cache line holding its seqlock counter (:func:`psrt.kernels.seq_bump`)
 writes the parameters, even otherwise. A reply names ``[generation, offset, counter]``; a worker copies the
 parameters and keeps the copy only if the counter read before and after equals the one named
 (:func:`psrt.kernels.seq_read`), else it asks again over the socket.
+
+The arena only hands out areas (:meth:`Arena.allocate`); a shard's entry decides to move its parameters there
+and owns them from then on (:class:`psrt.shard.store.Entry`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 
 from psrt import kernels, shm
 from psrt.errors import ProtocolError, PsrtError
 
-__all__ = ["ARENA_BYTES", "Arena", "ArenaReader"]
+__all__ = ["ARENA_BYTES", "Arena", "ArenaReader", "SharedArea"]
 
 log = logging.getLogger("psrt.lanes")
 
 #: The smallest segment of shared parameters a shard makes.
 ARENA_BYTES = 1 << 20
 _COUNTER = np.dtype(np.uint64)
+
+
+@dataclass(frozen=True)
+class SharedArea:
+    """Where one key's parameters lie in a shard's shared parameters (the shard's entry owns it).
+
+    Parameters
+    ----------
+    generation : int
+        The segment's generation.
+    offset : int
+        Where the parameters start in the segment (64-byte aligned; the counter's cache line is just before).
+    param : numpy.ndarray
+        The parameters there, flat and writable.
+    seqlock : numpy.ndarray
+        Their seqlock counter there (one uint64): odd while a step writes the parameters.
+    """
+
+    generation: int
+    offset: int
+    param: np.ndarray
+    seqlock: np.ndarray
 
 
 class Arena:
@@ -45,15 +71,15 @@ class Arena:
         self._next = generation
         self._segments: list[shm.Segment] = []
         self._top = 0
-        self._places: dict[int, tuple[int, int, np.ndarray]] = {}  # id(entry) -> (generation, offset, param)
 
-    def place(self, entry: Any) -> None:
-        """Move a key's parameters into shared memory under a seqlock counter (``entry.seq``).
+    def allocate(self, dtype: np.dtype, count: int) -> Optional[SharedArea]:
+        """Room for ``count`` parameters of ``dtype`` under a seqlock counter (which starts at 0).
 
-        When /dev/shm has no room the parameters stay private, and the key is answered through lanes.
+        Returns None when /dev/shm has no room: the parameters then stay private, and the key is answered
+        through lanes.
         """
-        param = entry.param
-        need = shm.ALIGN + shm.aligned(param.nbytes)  # the counter's cache line, then the parameters
+        nbytes = np.dtype(dtype).itemsize * count
+        need = shm.ALIGN + shm.aligned(nbytes)  # the counter's cache line, then the parameters
         segment = self._segments[-1] if self._segments else None
         if segment is None or self._top + need > segment.size:
             # Sized by what is there already: few segments for a large model, little reserved beyond it.
@@ -64,28 +90,13 @@ class Arena:
                 segment = shm.Segment.create(f"psrt-{self._tag}-{os.getpid()}-a{generation}", generation, size)
             except OSError as exc:
                 log.info("parameters stay private (no room in %s: %s)", shm.SHM_DIR, exc.strerror)
-                return
+                return None
             self._segments.append(segment)
             self._top = shm.HEADER_BYTES
         offset = self._top + shm.ALIGN
-        self._top = offset + shm.aligned(param.nbytes)
-        shared = segment.array(offset, param.dtype, param.size)
-        np.copyto(shared, param.reshape(-1))
-        entry.param = shared.reshape(param.shape)
-        entry.seq = segment.array(offset - shm.ALIGN, _COUNTER, 1)
-        self._places[id(entry)] = (segment.generation, offset, entry.param)
-
-    def places(self, entries: Sequence[Any]) -> list[list[int]]:
-        """Per entry: ``[generation, offset, counter]`` where a worker copies its parameters from, or ``[]`` where
-        the shard must write them into the worker's lane (never placed, or moved since: copy-on-write)."""
-        out: list[list[int]] = []
-        for e in entries:
-            place = self._places.get(id(e))
-            if place is None or place[2] is not e.param or e.seq is None:
-                out.append([])
-            else:
-                out.append([place[0], place[1], kernels.seq_read(e.seq)])
-        return out
+        self._top = offset + shm.aligned(nbytes)
+        return SharedArea(segment.generation, offset, segment.array(offset, dtype, count),
+                          segment.array(offset - shm.ALIGN, _COUNTER, 1))
 
     def close(self) -> None:
         """Remove the segments' files (mappings held elsewhere stay valid)."""

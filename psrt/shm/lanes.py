@@ -302,15 +302,11 @@ class ShardLanes:
             self._drop(next(iter(self._segments)))
         return wire.encode_lane(req.id, name, generation, req.size)
 
-    def place(self, entry: Any) -> None:
-        """Move a key's parameters into the shard's shared parameters (:class:`psrt.shm.arena.Arena`); nothing
-        without lanes."""
-        if self._arena is not None:
-            self._arena.place(entry)
-
-    def places(self, entries: Sequence[Any]) -> list[list[int]]:
-        """Where each entry's parameters are for a worker to copy (:meth:`psrt.shm.arena.Arena.places`)."""
-        return self._arena.places(entries) if self._arena is not None else [[] for _ in entries]
+    @property
+    def arena(self) -> Optional[Arena]:
+        """The shard's shared parameters (:class:`psrt.shm.arena.Arena`), which its store keeps a sync job's keys
+        in; None without lanes."""
+        return self._arena
 
     def close_lane(self, req: wire.LaneCloseRequest) -> list[Any]:
         """A worker is done with a segment (its client closes): let it go now rather than at eviction."""
