@@ -157,34 +157,36 @@ _bind_endpoint = _argument(config.parse_bind)
 def _add_flags(parser: argparse.ArgumentParser, kind: type, defaults: Any, joined: Sequence[str] = ()) -> None:
     """Add the flags of config dataclass ``kind`` (:func:`psrt.config.flags`), defaulting to ``defaults``' values.
 
-    The help text says each default: the field's variable and value, and for the ``joined`` fields that a job's
-    scheduler gives them instead.
+    The help text says each default, and for the ``joined`` fields that a job's scheduler gives them instead.
     """
     for f, flag in config.flags(kind):
         default = None if flag.unset else getattr(defaults, f.name)
-        default = flag.fallback if default is None else default
-        said = config.field_default(f)
-        said = flag.fallback if said is None else said
-        env = f.metadata.get("env")
-        if flag.default_help is not None:
-            says = flag.default_help.format(default=said)
-        elif env and isinstance(said, bool):
-            says = f"${env[0]}"
-        elif env:
-            says = f"${env[0]}; empty: off" if said is None else f"${env[0]} or {said:g}" \
-                if isinstance(said, float) else f"${env[0]} or {said}"
-        else:
-            says = ""
-        if f.name in joined:
-            says += "; from the scheduler with --scheduler"
-        kwargs: dict[str, Any] = dict(default=default, help=f"{flag.help} (default: {says})" if says else flag.help)
-        if isinstance(said, bool):
+        says = _default_text(f, flag) + ("; from the scheduler with --scheduler" if f.name in joined else "")
+        kwargs: dict[str, Any] = dict(default=flag.fallback if default is None else default,
+                                      help=f"{flag.help} (default: {says})" if says else flag.help)
+        if isinstance(config.field_default(f), bool):
             kwargs["action"] = "store_true"
         else:
             kwargs.update(metavar=flag.metavar, choices=flag.choices)
             if flag.parse is not None:
                 kwargs["type"] = _argument(flag.parse)
         parser.add_argument(flag.name, **kwargs)
+
+
+def _default_text(f: dataclasses.Field, flag: config.Flag) -> str:
+    """A flag's default in its help text: the field's variable and default value, or the flag's own words."""
+    value = config.field_default(f)
+    value = flag.fallback if value is None else value
+    if flag.default_help is not None:
+        return flag.default_help.format(default=value)
+    env = f.metadata.get("env")
+    if not env:
+        return ""
+    if isinstance(value, bool):
+        return f"${env[0]}"
+    if value is None:
+        return f"${env[0]}; empty: off"
+    return f"${env[0]} or {value:g}" if isinstance(value, float) else f"${env[0]} or {value}"
 
 
 def _settings(kind: type, args: argparse.Namespace) -> dict[str, Any]:
