@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import signal
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from psrt import __version__
-from psrt.checks import MAX_PORT, check_port, check_seconds, endpoint_error
-from psrt.config import MODES, ClusterConfig, ServerConfig
+from psrt import __version__, config
+from psrt.checks import MAX_PORT, check_port
+from psrt.config import JOB_SETTINGS, MODES, START_TIMEOUT, ClusterConfig, ServerConfig
 from psrt.errors import ConfigError, PsrtError
 
 __all__ = ["main", "build_parser"]
@@ -37,20 +38,16 @@ def _server(args: argparse.Namespace) -> int:
     if args.scheduler is None:  # with a scheduler, the mode and the bound come from it
         _staleness_needs_ssp(args)
 
-    return run_server(bind=args.bind, scheduler=args.scheduler, host=args.host, num_workers=args.workers,
-                      mode=args.mode, nonfinite=args.nonfinite, metrics_port=args.metrics_port,
-                      metrics_host=args.metrics_host, checkpoint_dir=args.checkpoint_dir,
-                      checkpoint_every=args.checkpoint_every, checkpoint_secs=args.checkpoint_secs,
-                      restore=args.restore, rank=args.rank, keys=args.keys, staleness=args.staleness)
+    return run_server(scheduler=args.scheduler, host=args.host, metrics_port=args.metrics_port,
+                      metrics_host=args.metrics_host, **_settings(ServerConfig, args))
 
 
 def _scheduler(args: argparse.Namespace) -> int:
     from psrt.cluster.daemon import run_scheduler
 
     _staleness_needs_ssp(args)
-
-    return run_scheduler(args.bind, args.servers, args.workers, args.mode, start_timeout=args.timeout,
-                         elastic=args.elastic, keys=args.keys, staleness=args.staleness)
+    given = {name: value for name, value in _settings(ClusterConfig, args).items() if value is not None}
+    return run_scheduler(args.bind, dataclasses.replace(ClusterConfig.from_env(), **given))
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -136,40 +133,65 @@ def _model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _nonnegative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse type: its ConfigError becomes the usage error ``argument --FLAG: MESSAGE``."""
+
+    @functools.wraps(parse)  # argparse names the type in its own messages (a plain ValueError: "invalid int value")
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
-def _positive_int(text: str) -> int:
-    value = _nonnegative(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+_nonnegative = _argument(config.parse_whole)
+_positive_int = _argument(config.parse_count)
+_seconds = _argument(config.parse_seconds)
+_interval = _argument(config.parse_interval)
+_endpoint = _argument(config.parse_endpoint)
+_bind_endpoint = _argument(config.parse_bind)
 
 
-def _seconds(text: str) -> float:
-    """A number of seconds > 0; ``inf``: no limit."""
-    try:
-        return check_seconds(float(text), "a timeout")
-    except (ValueError, ConfigError):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0 (inf: no limit), got {text!r}") from None
+def _add_flags(parser: argparse.ArgumentParser, kind: type, defaults: Any, joined: Sequence[str] = ()) -> None:
+    """Add the flags of config dataclass ``kind`` (:func:`psrt.config.flags`), defaulting to ``defaults``' values.
+
+    The help text says each default, and for the ``joined`` fields that a job's scheduler gives them instead.
+    """
+    for f, flag in config.flags(kind):
+        default = None if flag.unset else getattr(defaults, f.name)
+        says = _default_text(f, flag) + ("; from the scheduler with --scheduler" if f.name in joined else "")
+        kwargs: dict[str, Any] = dict(default=flag.fallback if default is None else default,
+                                      help=f"{flag.help} (default: {says})" if says else flag.help)
+        if isinstance(config.field_default(f), bool):
+            kwargs["action"] = "store_true"
+        else:
+            kwargs.update(metavar=flag.metavar, choices=flag.choices)
+            if flag.parse is not None:
+                kwargs["type"] = _argument(flag.parse)
+        parser.add_argument(flag.name, **kwargs)
 
 
-def _interval(text: str) -> float:
-    """A finite number of seconds > 0 (a pause between two things: inf would never end)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
-    return value
+def _default_text(f: dataclasses.Field, flag: config.Flag) -> str:
+    """A flag's default in its help text: the field's variable and default value, or the flag's own words."""
+    value = config.field_default(f)
+    value = flag.fallback if value is None else value
+    if flag.default_help is not None:
+        return flag.default_help.format(default=value)
+    env = f.metadata.get("env")
+    if not env:
+        return ""
+    if isinstance(value, bool):
+        return f"${env[0]}"
+    if value is None:
+        return f"${env[0]}; empty: off"
+    return f"${env[0]} or {value:g}" if isinstance(value, float) else f"${env[0]} or {value}"
+
+
+def _settings(kind: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The values of config dataclass ``kind``'s flags, by field name (None: not given, the config's default)."""
+    return {f.name: getattr(args, flag.dest) for f, flag in config.flags(kind)}
 
 
 def _staleness_needs_ssp(args: argparse.Namespace) -> None:
@@ -188,24 +210,12 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _endpoint(text: str, wildcard: bool = False) -> str:
-    """A ZeroMQ endpoint checked up front, so a typo is a usage error rather than a ZeroMQ traceback."""
-    problem = endpoint_error(text, bind=wildcard)
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
-    return text
-
-
 def _port(text: str) -> int:
     """A TCP port in 1..65535 (a larger number would wrap around, a smaller one fail deep inside a server)."""
     try:
         return check_port(int(text))
     except (ValueError, ConfigError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1..{MAX_PORT})") from None
-
-
-def _bind_endpoint(text: str) -> str:
-    return _endpoint(text, wildcard=True)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -224,47 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
-    defaults = ServerConfig()
     env = ClusterConfig.from_env()
 
     s = sub.add_parser("server", help="run one shard server", description=(
         "Run one shard server: it holds the keys the shard map assigns to it, sums the workers' gradients and "
         "applies the optimizer. With --scheduler it joins a job (binding an ephemeral port and announcing it); "
         "with --bind alone it serves standalone."))
-    s.add_argument("--bind", default=None, type=_bind_endpoint,
-                   help="ZeroMQ endpoint to bind; tcp://HOST:* picks a free port (default tcp://127.0.0.1:5701, "
-                        "or an ephemeral port on --host with --scheduler)")
     s.add_argument("--scheduler", default=None, type=_endpoint, help="join the job of the scheduler at tcp://HOST:PORT")
     s.add_argument("--host", default=None,
                    help="with --scheduler: the address to bind and announce (default: $PSRT_NODE_HOST, or the "
                         "local address that reaches the scheduler)")
-    s.add_argument("--workers", type=int, default=defaults.num_workers,
-                   help="W: pushes that complete a sync round (default: $PSRT_NUM_WORKERS or 1; from the "
-                        "scheduler with --scheduler)")
-    s.add_argument("--mode", choices=MODES, default=defaults.mode,
-                   help="sync (BSP), async or ssp (bounded staleness) (default: $PSRT_MODE or sync; from the "
-                        "scheduler with --scheduler)")
-    s.add_argument("--staleness", type=_nonnegative, default=None, metavar="S",
-                   help="ssp: pushes a worker may run ahead of the slowest (default: $PSRT_STALENESS or 0; from "
-                        "the scheduler with --scheduler)")
-    s.add_argument("--nonfinite", choices=("reject", "allow"), default=defaults.nonfinite,
-                   help="what to do with NaN/Inf gradients (default: reject)")
-    s.add_argument("--checkpoint-dir", default=None, help="write checkpoints (parameters, optimizer state, "
-                   "versions, sequence numbers) in this directory")
-    s.add_argument("--checkpoint-every", type=_positive_int, default=0, metavar="N",
-                   help="a checkpoint every N rounds (sync: at versions that are multiples of N; async: N pushes)")
-    s.add_argument("--checkpoint-secs", type=_interval, default=0.0, metavar="T",
-                   help="a checkpoint every T seconds while the parameters change")
-    s.add_argument("--restore", action="store_true",
-                   help="start from the newest complete checkpoint of this shard in --checkpoint-dir: its rank's, "
-                        "or the directory's only shard (no checkpoint at all: start fresh)")
-    s.add_argument("--rank", type=_nonnegative, default=None, metavar="R",
-                   help="this shard's rank (its place in the workers' list of servers), which names its "
-                        "checkpoints; with --scheduler, the slot to take (default: the scheduler's choice, or the "
-                        "restored checkpoint's, or 0)")
-    s.add_argument("--keys", default=defaults.keys, metavar="DIR",
-                   help="the job's key directory (psrt keygen): CURVE on every socket, only the job's client key "
-                        "accepted (default: $PSRT_KEYS; empty: off)")
+    _add_flags(s, ServerConfig, ServerConfig(), joined=JOB_SETTINGS)
     s.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics on this port (needs prometheus_client)")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
@@ -276,19 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         "everyone still waiting is told who is missing. No tensor bytes pass through it."))
     c.add_argument("--bind", default="tcp://127.0.0.1:5700", type=_bind_endpoint,
                    help="endpoint to bind (default %(default)s)")
-    c.add_argument("--servers", type=int, default=env.num_servers or 1, help="S (default: $PSRT_NUM_SERVERS or 1)")
-    c.add_argument("--workers", type=int, default=env.num_workers or 1, help="W (default: $PSRT_NUM_WORKERS or 1)")
-    c.add_argument("--mode", choices=MODES, default=env.mode,
-                   help="sync (BSP), async or ssp (bounded staleness) (default: $PSRT_MODE or sync)")
-    c.add_argument("--staleness", type=_nonnegative, default=None, metavar="S",
-                   help="ssp: pushes a worker may run ahead of the slowest (default: $PSRT_STALENESS or 0)")
-    c.add_argument("--timeout", type=_seconds, default=env.start_timeout,
-                   help="seconds for everyone to register and for each barrier (default: $PSRT_START_TIMEOUT or 120)")
-    c.add_argument("--elastic", action="store_true", default=env.elastic,
-                   help="workers may leave (die or finish) and join while the job runs (default: $PSRT_ELASTIC)")
-    c.add_argument("--keys", default=env.keys, metavar="DIR",
-                   help="the job's key directory (psrt keygen): CURVE, only the job's client key accepted "
-                        "(default: $PSRT_KEYS; empty: off)")
+    _add_flags(c, ClusterConfig, env)
     c.set_defaults(func=_scheduler)
 
     la = sub.add_parser("launch", help="run a scheduler, S servers and W copies of CMD on this machine", description=(
@@ -303,11 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ssp: pushes a worker may run ahead of the slowest (default: $PSRT_STALENESS or 0)")
     la.add_argument("--host", default="127.0.0.1", help="address to bind on (default %(default)s)")
     la.add_argument("--timeout", type=_seconds, default=env.start_timeout,
-                    help="seconds for the job to form and for each barrier (default: $PSRT_START_TIMEOUT or 120)")
+                    help=f"seconds for the job to form and for each barrier (default: $PSRT_START_TIMEOUT or "
+                         f"{START_TIMEOUT:g})")
     la.add_argument("--transport", choices=("auto", "tcp", "ipc"), default="auto",
                     help="worker-to-shard transport: ipc (Unix sockets) or tcp; auto: ipc on loopback "
                          "(default %(default)s)")
-    la.add_argument("--elastic", action="store_true", default=ClusterConfig.from_env().elastic,
+    la.add_argument("--elastic", action="store_true", default=env.elastic,
                     help="an elastic job: a worker that dies leaves the job instead of ending it "
                          "(default: $PSRT_ELASTIC); see docs/elastic.md")
     la.add_argument("--secure", action="store_true",

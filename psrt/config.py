@@ -27,7 +27,14 @@ variable                   also read                      meaning               
                                                           CURVE on every socket; empty: off
 ``PSRT_SHM``                                              ``0``: no shared memory between a worker     ``1``
                                                           and a shard of one host (sockets only)
+``PSRT_MAX_ROWS_PER_MESSAGE``                             most ids one embedding message may carry    4M
+``PSRT_MAX_TABLE_ROWS``                                   most rows of one table on one shard         2^28
 =========================  =============================  ==========================================  ==========
+
+Each variable is named once, on the field it feeds (its ``env`` metadata), and read by one reader; the defaults
+that other modules need too are named once here (:data:`START_TIMEOUT`...). A field with ``flag`` metadata is
+also a command-line flag: ``psrt server`` builds its flags from :class:`ServerConfig`'s fields and ``psrt
+scheduler`` from :class:`ClusterConfig`'s (:func:`flags`), so a new option is one field with its help text.
 
 Under ``srun`` or ``mpirun`` the role and worker rank also follow from ``SLURM_PROCID``/``SLURM_NTASKS``,
 ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE``, ``PMI_RANK``/``PMI_SIZE`` or ``PMIX_RANK`` (see
@@ -38,52 +45,243 @@ Under ``srun`` or ``mpirun`` the role and worker rank also follow from ``SLURM_P
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, Callable, Mapping, Optional
 
-from psrt.checks import MAX_PORT, check_endpoint
+from psrt.checks import MAX_PORT, check_endpoint, check_seconds, endpoint_error
 from psrt.dtypes import check_compression
 from psrt.errors import ConfigError
 
-__all__ = ["WireLimits", "ServerConfig", "ClientConfig", "ClusterConfig", "MODES", "ROLES"]
+__all__ = ["WireLimits", "RowLimits", "ServerConfig", "ClientConfig", "ClusterConfig", "Flag", "flags",
+           "field_default", "MODES", "NONFINITE", "PROCESS_ROLES", "JOB_SETTINGS", "START_TIMEOUT",
+           "HEARTBEAT_INTERVAL", "HEARTBEAT_TIMEOUT", "RESTART_GRACE", "WARN_AFTER", "parse_whole", "parse_count",
+           "parse_seconds", "parse_interval", "parse_endpoint", "parse_bind"]
 
 MODES = ("sync", "async", "ssp")
 
+#: What a shard does with a gradient holding NaN or Inf: refuse the push, or apply it.
+NONFINITE = ("reject", "allow")
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
+#: The roles a process of a job can take (``PSRT_ROLE``); the scheduler is the one the others register with.
+PROCESS_ROLES = ("scheduler", "server", "worker")
+
+#: The :class:`ServerConfig` fields a shard that joins a scheduler's job takes from the scheduler's table.
+JOB_SETTINGS = ("num_workers", "mode", "staleness")
+
+#: Seconds for a job to form and for each barrier (``PSRT_START_TIMEOUT``).
+START_TIMEOUT = 120.0
+#: Seconds between the heartbeats a registered process sends the scheduler (``PSRT_HEARTBEAT_INTERVAL``).
+HEARTBEAT_INTERVAL = 0.5
+#: Seconds of silence after which a process (or the scheduler) is taken for dead (``PSRT_HEARTBEAT_TIMEOUT``).
+HEARTBEAT_TIMEOUT = 2.5
+#: Seconds a checkpointing server that died has to restart and take its slot back (``PSRT_RESTART_GRACE``).
+RESTART_GRACE = 30.0
+#: Seconds a wait lasts before it logs, once, what it waits for (``PSRT_WARN_AFTER``).
+WARN_AFTER = 5.0
+
+#: Environment variables that give a process's global rank and the job size under MPI or Slurm.
+_LAUNCHER_RANK = ("PSRT_GLOBAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+_LAUNCHER_SIZE = ("PSRT_WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+class _Environment:
+    """The one reader of psrt's environment variables; each method returns None for a variable unset or empty.
+
+    Parameters
+    ----------
+    env : mapping, optional
+        The variables (``os.environ`` by default).
+    """
+
+    def __init__(self, env: Optional[Mapping[str, str]] = None) -> None:
+        self.env = os.environ if env is None else env
+
+    def text(self, *names: str) -> Optional[str]:
+        """The value of the first of ``names`` that is set and not empty."""
+        for name in names:
+            if self.env.get(name):
+                return self.env[name]
+        return None
+
+    def whole(self, *names: str) -> Optional[int]:
+        """An integer."""
+        raw = self.text(*names)
+        if raw is None:
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"environment variable {_named(names)} = {raw!r} must be an integer") from None
+
+    def seconds(self, *names: str) -> Optional[float]:
+        """A number of seconds (the config that takes it checks it is > 0; ``inf``: no limit)."""
+        raw = self.text(*names)
+        if raw is None:
+            return None
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"environment variable {_named(names)} = {raw!r} must be a number of seconds") from None
+
+    def flag(self, *names: str) -> Optional[bool]:
+        """On or off: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``."""
+        raw = self.text(*names)
+        if raw is None:
+            return None
+        raw = raw.lower()
+        if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+            raise ConfigError(f"environment variable {_named(names)} = {raw!r} must be 1 or 0")
+        return raw in ("1", "true", "yes", "on")
+
+    def switch(self, name: str) -> Optional[bool]:
+        """Strictly ``1`` (on) or ``0`` (off), blanks around it ignored (``PSRT_SHM``)."""
+        value = self.env.get(name, "").strip()
+        if value not in ("0", "1", ""):
+            raise ConfigError(f"{name} must be 0 or 1, got {value!r}")
+        return None if value == "" else value == "1"
+
+
+def _named(names: tuple[str, ...]) -> str:
+    return names[0] + (f" (or {', '.join(names[1:])})" if len(names) > 1 else "")
+
+
+#: How a field's variable is read: an :class:`_Environment` method, called as ``read(reader, *names)``.
+_Read = Callable[..., Any]
+
+
+def _env_fed(default: Any, *names: str, read: _Read = _Environment.text, flag: Optional[Flag] = None) -> Any:
+    """A field whose default is read from the first of ``names`` each time a config is made, else ``default``."""
+
+    def factory() -> Any:
+        value = read(_Environment(), *names)
+        return default if value is None else value
+
+    return field(default_factory=factory, metadata=_metadata(default, names, read, flag))
+
+
+def _env_named(default: Any, *names: str, read: _Read = _Environment.text, flag: Optional[Flag] = None) -> Any:
+    """A field with a plain default, which :meth:`ClusterConfig.from_env` reads from the first of ``names``."""
+    return field(default=default, metadata=_metadata(default, names, read, flag))
+
+
+def _flagged(default: Any, flag: Flag) -> Any:
+    """A field that no variable feeds, with a command-line flag."""
+    return field(default=default, metadata={"flag": flag})
+
+
+def _metadata(default: Any, names: tuple[str, ...], read: _Read, flag: Optional[Flag]) -> dict[str, Any]:
+    meta: dict[str, Any] = {"env": names, "read": read, "default": default}
+    if flag is not None:
+        meta["flag"] = flag
+    return meta
+
+
+# The text of a command-line flag, parsed: each raises a ConfigError saying what was expected, which the
+# command line turns into its one-line usage error.
+
+def parse_whole(text: str) -> int:
+    """A whole number >= 0."""
     try:
-        return int(raw)
+        value = int(text)
     except ValueError:
-        raise ConfigError(f"environment variable {name}={raw!r} must be an integer") from None
+        raise ConfigError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise ConfigError(f"must be >= 0, got {value}")
+    return value
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
+def parse_count(text: str) -> int:
+    """A whole number >= 1."""
+    value = parse_whole(text)
+    if value < 1:
+        raise ConfigError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse_seconds(text: str) -> float:
+    """A number of seconds > 0; ``inf``: no limit."""
     try:
-        return float(raw)
+        return check_seconds(float(text), "a timeout")
+    except ValueError:  # float()'s, or check_seconds' ConfigError
+        raise ConfigError(f"expected a number of seconds > 0 (inf: no limit), got {text!r}") from None
+
+
+def parse_interval(text: str) -> float:
+    """A finite number of seconds > 0 (a pause between two things: inf would never end)."""
+    try:
+        value = float(text)
     except ValueError:
-        raise ConfigError(f"environment variable {name}={raw!r} must be a number") from None
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"expected a finite number of seconds > 0, got {text!r}")
+    return value
 
 
-def _env_str(name: str, default: str) -> str:
-    return os.environ.get(name) or default
+def parse_endpoint(text: str) -> str:
+    """A ZeroMQ endpoint to connect to, checked up front (a typo is a usage error, not a ZeroMQ traceback)."""
+    problem = endpoint_error(text)
+    if problem:
+        raise ConfigError(problem)
+    return text
 
 
-def _env_shm() -> bool:
-    """``PSRT_SHM``: ``1`` (default) or ``0``."""
-    value = os.environ.get("PSRT_SHM", "1").strip()
-    if value not in ("0", "1", ""):
-        raise ConfigError(f"PSRT_SHM must be 0 or 1, got {value!r}")
-    return value != "0"
+def parse_bind(text: str) -> str:
+    """A ZeroMQ endpoint to bind (``tcp://HOST:*`` picks a free port)."""
+    problem = endpoint_error(text, bind=True)
+    if problem:
+        raise ConfigError(problem)
+    return text
 
 
-def _env_keys() -> Optional[str]:
-    return os.environ.get("PSRT_KEYS") or None
+@dataclass(frozen=True)
+class Flag:
+    """How a configuration field is given on the command line (the field's ``flag`` metadata).
+
+    Parameters
+    ----------
+    name : str
+        The flag, e.g. ``"--workers"``; the parsed arguments hold its value as :attr:`dest`.
+    help : str
+        What it sets. The help text adds the default: the field's variable and default value, or ``default_help``.
+    parse : callable, optional
+        The flag's text to a value (:func:`parse_whole`..., or a type such as ``int``); None: the text itself.
+        A bool field is an on/off flag and takes no value.
+    choices : tuple, optional
+        The values allowed.
+    metavar : str, optional
+        The value's name in the usage line.
+    unset : bool
+        The flag's default is None, "not given", and the config's own default applies, decided when the config
+        is made (``--bind`` depends on ``--scheduler``; ``--staleness`` is checked against ``--mode`` if given).
+    fallback : optional
+        The flag's default where the field's is None (``psrt scheduler --servers``: 1).
+    default_help : str, optional
+        The default in words (``{default}``: the field's default value).
+    """
+
+    name: str
+    help: str
+    parse: Optional[Callable[[str], Any]] = None
+    choices: Optional[tuple[str, ...]] = None
+    metavar: Optional[str] = None
+    unset: bool = False
+    fallback: Any = None
+    default_help: Optional[str] = None
+
+    @property
+    def dest(self) -> str:
+        """The attribute of the parsed arguments holding the value (``--checkpoint-dir``: ``checkpoint_dir``)."""
+        return self.name.lstrip("-").replace("-", "_")
+
+
+def flags(config: type) -> list[tuple[Field, Flag]]:
+    """The fields of the config dataclass ``config`` that are command-line flags, in field order, with their flag."""
+    return [(f, f.metadata["flag"]) for f in fields(config) if "flag" in f.metadata]
+
+
+def field_default(f: Field) -> Any:
+    """Field ``f``'s default as its help says it: the value when its variable is unset, or the plain default."""
+    return f.metadata.get("default", None if f.default is MISSING else f.default)
 
 
 def _check_keys(value: object) -> None:
@@ -133,6 +331,22 @@ class WireLimits:
 
 
 @dataclass(frozen=True)
+class RowLimits:
+    """A shard's caps on embedding traffic (:mod:`psrt.shard.tables`).
+
+    Parameters
+    ----------
+    max_rows_per_message : int
+        Most ids one ``push_rows``/``pull_rows``/``init_table`` may carry (``PSRT_MAX_ROWS_PER_MESSAGE``).
+    max_table_rows : int
+        Most rows one table may hold on this shard (``PSRT_MAX_TABLE_ROWS``).
+    """
+
+    max_rows_per_message: int = _env_fed(1 << 22, "PSRT_MAX_ROWS_PER_MESSAGE", read=_Environment.whole)
+    max_table_rows: int = _env_fed(1 << 28, "PSRT_MAX_TABLE_ROWS", read=_Environment.whole)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Configuration of one shard server.
 
@@ -177,24 +391,50 @@ class ServerConfig:
         is accepted. Default: ``PSRT_KEYS``; None or empty: no security.
     shm : bool
         Offer workers on this host shared-memory lanes (:mod:`psrt.shm.lanes`). Default: ``PSRT_SHM`` (on).
+    row_limits : RowLimits
+        Caps on embedding traffic. Default: ``PSRT_MAX_ROWS_PER_MESSAGE``, ``PSRT_MAX_TABLE_ROWS``.
+
+    Fields with ``flag`` metadata are ``psrt server``'s flags (:class:`Flag`); those in :data:`JOB_SETTINGS` come
+    from the scheduler when the shard joins a job.
     """
 
-    bind: str = "tcp://127.0.0.1:5701"
-    num_workers: int = field(default_factory=lambda: _env_int("PSRT_NUM_WORKERS", 1))
-    mode: str = field(default_factory=lambda: _env_str("PSRT_MODE", "sync"))
-    staleness: int = field(default_factory=lambda: _env_int("PSRT_STALENESS", 0))
-    nonfinite: str = field(default_factory=lambda: _env_str("PSRT_NONFINITE", "reject"))
+    bind: str = _flagged("tcp://127.0.0.1:5701", Flag(
+        "--bind", "ZeroMQ endpoint to bind; tcp://HOST:* picks a free port", parse=parse_bind, unset=True,
+        default_help="{default}, or an ephemeral port on --host with --scheduler"))
+    num_workers: int = _env_fed(1, "PSRT_NUM_WORKERS", read=_Environment.whole, flag=Flag(
+        "--workers", "W: pushes that complete a sync round", parse=int))
+    mode: str = _env_fed("sync", "PSRT_MODE", flag=Flag(
+        "--mode", "sync (BSP), async or ssp (bounded staleness)", choices=MODES))
+    staleness: int = _env_fed(0, "PSRT_STALENESS", read=_Environment.whole, flag=Flag(
+        "--staleness", "ssp: pushes a worker may run ahead of the slowest", parse=parse_whole, metavar="S",
+        unset=True))
+    nonfinite: str = _env_fed("reject", "PSRT_NONFINITE", flag=Flag(
+        "--nonfinite", "what to do with NaN/Inf gradients", choices=NONFINITE))
     hwm: int = 100_000
     send_timeout: float = 10.0
     poll_interval: float = 0.1
     limits: WireLimits = field(default_factory=WireLimits)
-    checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = 0
-    checkpoint_secs: float = 0.0
-    restore: bool = False
-    rank: Optional[int] = None
-    keys: Optional[str | os.PathLike] = field(default_factory=_env_keys)
-    shm: bool = field(default_factory=_env_shm)
+    checkpoint_dir: Optional[str] = _flagged(None, Flag(
+        "--checkpoint-dir", "write checkpoints (parameters, optimizer state, versions, sequence numbers) in this "
+        "directory"))
+    checkpoint_every: int = _flagged(0, Flag(
+        "--checkpoint-every", "a checkpoint every N rounds (sync: at versions that are multiples of N; async: N "
+        "pushes)", parse=parse_count, metavar="N"))
+    checkpoint_secs: float = _flagged(0.0, Flag(
+        "--checkpoint-secs", "a checkpoint every T seconds while the parameters change", parse=parse_interval,
+        metavar="T"))
+    restore: bool = _flagged(False, Flag(
+        "--restore", "start from the newest complete checkpoint of this shard in --checkpoint-dir: its rank's, or "
+        "the directory's only shard (no checkpoint at all: start fresh)"))
+    rank: Optional[int] = _flagged(None, Flag(
+        "--rank", "this shard's rank (its place in the workers' list of servers), which names its checkpoints; "
+        "with --scheduler, the slot to take", parse=parse_whole, metavar="R",
+        default_help="the scheduler's choice, or the restored checkpoint's, or 0"))
+    keys: Optional[str | os.PathLike] = _env_fed(None, "PSRT_KEYS", flag=Flag(
+        "--keys", "the job's key directory (psrt keygen): CURVE on every socket, only the job's client key "
+        "accepted", metavar="DIR"))
+    shm: bool = _env_fed(True, "PSRT_SHM", read=_Environment.switch)
+    row_limits: RowLimits = field(default_factory=RowLimits)
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
@@ -213,7 +453,7 @@ class ServerConfig:
             raise ConfigError(f"staleness must be a whole number of pushes >= 0, got {self.staleness!r}")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be 'sync', 'async' or 'ssp', got {self.mode!r}")
-        if self.nonfinite not in ("reject", "allow"):
+        if self.nonfinite not in NONFINITE:
             raise ConfigError(f"nonfinite must be 'reject' or 'allow', got {self.nonfinite!r}")
         _positive("hwm", self.hwm)
         _positive("send_timeout", self.send_timeout, float)
@@ -249,14 +489,14 @@ class ClientConfig:
         ``compression``). Default: ``PSRT_SHM`` (on).
     """
 
-    timeout: float = field(default_factory=lambda: _env_float("PSRT_TIMEOUT", 60.0))
-    partition_bytes: int = field(default_factory=lambda: _env_int("PSRT_PARTITION_BYTES", 4 << 20))
+    timeout: float = _env_fed(60.0, "PSRT_TIMEOUT", read=_Environment.seconds)
+    partition_bytes: int = _env_fed(4 << 20, "PSRT_PARTITION_BYTES", read=_Environment.whole)
     hwm: int = 100_000
     limits: WireLimits = field(default_factory=WireLimits)
-    warn_after: float = field(default_factory=lambda: _env_float("PSRT_WARN_AFTER", 5.0))
-    compression: Optional[str] = field(default_factory=lambda: _env_str("PSRT_COMPRESSION", "") or None)
-    keys: Optional[str | os.PathLike] = field(default_factory=_env_keys)
-    shm: bool = field(default_factory=_env_shm)
+    warn_after: float = _env_fed(WARN_AFTER, "PSRT_WARN_AFTER", read=_Environment.seconds)
+    compression: Optional[str] = _env_fed(None, "PSRT_COMPRESSION")
+    keys: Optional[str | os.PathLike] = _env_fed(None, "PSRT_KEYS")
+    shm: bool = _env_fed(True, "PSRT_SHM", read=_Environment.switch)
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
@@ -272,12 +512,6 @@ class ClientConfig:
             raise ConfigError(f"partition_bytes must be at least 8, got {self.partition_bytes}")
         _positive("hwm", self.hwm)
 
-
-ROLES = ("scheduler", "server", "worker")
-
-#: Environment variables that give a process's global rank and the job size under MPI or Slurm.
-_LAUNCHER_RANK = ("PSRT_GLOBAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
-_LAUNCHER_SIZE = ("PSRT_WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
 @dataclass(frozen=True)
@@ -317,27 +551,37 @@ class ClusterConfig:
         ``ssp`` mode: how many pushes a worker may run ahead of the slowest (``PSRT_STALENESS``).
     keys : str or None
         The job's key directory (``PSRT_KEYS``): CURVE on every socket; None: no security.
+
+    Fields with ``flag`` metadata are ``psrt scheduler``'s flags (:class:`Flag`).
     """
 
-    role: Optional[str] = None
-    scheduler: Optional[str] = None
-    num_servers: Optional[int] = None
-    num_workers: Optional[int] = None
-    mode: str = "sync"
-    worker_id: Optional[int] = None
-    node_host: Optional[str] = None
-    start_timeout: float = 120.0
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 2.5
-    elastic: bool = False
-    keys: Optional[str] = None
-    restart_grace: float = 30.0
-    staleness: int = 0
+    role: Optional[str] = _env_named(None, "PSRT_ROLE", "DMLC_ROLE")
+    scheduler: Optional[str] = _env_named(None, "PSRT_SCHEDULER")  # or DMLC_PS_ROOT_URI and _PORT (from_env)
+    num_servers: Optional[int] = _env_named(None, "PSRT_NUM_SERVERS", "DMLC_NUM_SERVER", read=_Environment.whole,
+                                            flag=Flag("--servers", "S", parse=int, fallback=1))
+    num_workers: Optional[int] = _env_named(None, "PSRT_NUM_WORKERS", "DMLC_NUM_WORKER", read=_Environment.whole,
+                                            flag=Flag("--workers", "W", parse=int, fallback=1))
+    mode: str = _env_named("sync", "PSRT_MODE", flag=Flag(
+        "--mode", "sync (BSP), async or ssp (bounded staleness)", choices=MODES))
+    worker_id: Optional[int] = _env_named(None, "PSRT_WORKER_ID", "DMLC_WORKER_ID", read=_Environment.whole)
+    node_host: Optional[str] = _env_named(None, "PSRT_NODE_HOST", "DMLC_NODE_HOST")
+    start_timeout: float = _env_named(START_TIMEOUT, "PSRT_START_TIMEOUT", read=_Environment.seconds, flag=Flag(
+        "--timeout", "seconds for everyone to register and for each barrier", parse=parse_seconds))
+    heartbeat_interval: float = _env_named(HEARTBEAT_INTERVAL, "PSRT_HEARTBEAT_INTERVAL", read=_Environment.seconds)
+    heartbeat_timeout: float = _env_named(HEARTBEAT_TIMEOUT, "PSRT_HEARTBEAT_TIMEOUT", read=_Environment.seconds)
+    elastic: bool = _env_named(False, "PSRT_ELASTIC", read=_Environment.flag, flag=Flag(
+        "--elastic", "workers may leave (die or finish) and join while the job runs"))
+    keys: Optional[str] = _env_named(None, "PSRT_KEYS", flag=Flag(
+        "--keys", "the job's key directory (psrt keygen): CURVE, only the job's client key accepted", metavar="DIR"))
+    restart_grace: float = _env_named(RESTART_GRACE, "PSRT_RESTART_GRACE", read=_Environment.seconds)
+    staleness: int = _env_named(0, "PSRT_STALENESS", read=_Environment.whole, flag=Flag(
+        "--staleness", "ssp: pushes a worker may run ahead of the slowest", parse=parse_whole, metavar="S",
+        unset=True))
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
-        if self.role is not None and self.role not in ROLES:
-            raise ConfigError(f"role must be one of {ROLES}, got {self.role!r} (set PSRT_ROLE or DMLC_ROLE)")
+        if self.role is not None and self.role not in PROCESS_ROLES:
+            raise ConfigError(f"role must be one of {PROCESS_ROLES}, got {self.role!r} (set PSRT_ROLE or DMLC_ROLE)")
         if self.scheduler is not None:
             check_endpoint(self.scheduler, what="the scheduler (PSRT_SCHEDULER, or DMLC_PS_ROOT_URI and _PORT)")
         for name in ("num_servers", "num_workers"):
@@ -363,86 +607,37 @@ class ClusterConfig:
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> ClusterConfig:
         """Build the configuration from environment variables (``os.environ`` by default)."""
-        env = os.environ if env is None else env
-
-        def get(*names: str) -> Optional[str]:
-            for n in names:
-                if env.get(n):
-                    return env[n]
-            return None
-
-        def named(names: tuple[str, ...]) -> str:
-            return names[0] + (f" (or {', '.join(names[1:])})" if len(names) > 1 else "")
-
-        def get_int(*names: str) -> Optional[int]:
-            raw = get(*names)
-            if raw is None:
-                return None
-            try:
-                return int(raw)
-            except ValueError:
-                raise ConfigError(f"environment variable {named(names)} = {raw!r} must be an integer") from None
-
-        def get_flag(name: str) -> bool:
-            raw = (get(name) or "0").lower()
-            if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-                raise ConfigError(f"environment variable {name} = {raw!r} must be 1 or 0")
-            return raw in ("1", "true", "yes", "on")
-
-        def get_float(name: str, default: float) -> float:
-            raw = get(name)
-            if raw is None:
-                return default
-            try:
-                return float(raw)
-            except ValueError:
-                raise ConfigError(f"environment variable {name} = {raw!r} must be a number of seconds") from None
-
-        scheduler = get("PSRT_SCHEDULER")
-        if scheduler is None and get("DMLC_PS_ROOT_URI"):
-            port = get("DMLC_PS_ROOT_PORT")
+        reader = _Environment(env)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            value = f.metadata["read"](reader, *f.metadata["env"])
+            if value is not None:
+                values[f.name] = value
+        if "scheduler" not in values and reader.text("DMLC_PS_ROOT_URI"):
+            port = reader.text("DMLC_PS_ROOT_PORT")
             if port is None:
                 raise ConfigError("DMLC_PS_ROOT_URI is set but DMLC_PS_ROOT_PORT is not")
             port = port.strip()
             if not port.isdigit() or not 1 <= int(port) <= MAX_PORT:
                 raise ConfigError(f"environment variable DMLC_PS_ROOT_PORT = {port!r} must be a TCP port "
                                   f"(1..{MAX_PORT})")
-            scheduler = f"tcp://{get('DMLC_PS_ROOT_URI')}:{port}"
-        num_servers = get_int("PSRT_NUM_SERVERS", "DMLC_NUM_SERVER")
-        num_workers = get_int("PSRT_NUM_WORKERS", "DMLC_NUM_WORKER")
-        role = get("PSRT_ROLE", "DMLC_ROLE")
-        worker_id = get_int("PSRT_WORKER_ID", "DMLC_WORKER_ID")
-        rank, size = get_int(*_LAUNCHER_RANK), get_int(*_LAUNCHER_SIZE)
-        if rank is not None and role is None:
+            values["scheduler"] = f"tcp://{reader.text('DMLC_PS_ROOT_URI')}:{port}"
+        rank, size = reader.whole(*_LAUNCHER_RANK), reader.whole(*_LAUNCHER_SIZE)
+        if rank is not None and "role" not in values:
+            num_servers = values.get("num_servers")
             if num_servers is None:
                 raise ConfigError("started under a launcher (rank variable set) but the number of servers is "
                                   "unknown: set PSRT_NUM_SERVERS (or DMLC_NUM_SERVER)")
             if rank == 0:
-                role = "scheduler"
+                values["role"] = "scheduler"
             elif rank <= num_servers:
-                role = "server"
+                values["role"] = "server"
             else:
-                role = "worker"
-                if worker_id is None:
-                    worker_id = rank - 1 - num_servers
-            if num_workers is None and size is not None:
-                num_workers = size - 1 - num_servers
-                if num_workers < 1:
+                values["role"] = "worker"
+                values.setdefault("worker_id", rank - 1 - num_servers)
+            if "num_workers" not in values and size is not None:
+                values["num_workers"] = size - 1 - num_servers
+                if values["num_workers"] < 1:
                     raise ConfigError(f"{size} processes leave no workers after 1 scheduler and {num_servers} "
                                       "servers; start more processes")
-        return cls(
-            role=role,
-            scheduler=scheduler,
-            num_servers=num_servers,
-            num_workers=num_workers,
-            mode=get("PSRT_MODE") or "sync",
-            worker_id=worker_id,
-            node_host=get("PSRT_NODE_HOST", "DMLC_NODE_HOST"),
-            start_timeout=get_float("PSRT_START_TIMEOUT", 120.0),
-            heartbeat_interval=get_float("PSRT_HEARTBEAT_INTERVAL", 0.5),
-            heartbeat_timeout=get_float("PSRT_HEARTBEAT_TIMEOUT", 2.5),
-            elastic=get_flag("PSRT_ELASTIC"),
-            restart_grace=get_float("PSRT_RESTART_GRACE", 30.0),
-            staleness=get_int("PSRT_STALENESS") or 0,
-            keys=get("PSRT_KEYS"),
-        )
+        return cls(**values)

@@ -14,7 +14,7 @@ import sys
 from typing import IO, Any, Callable, Optional
 from urllib.parse import urlsplit
 
-from psrt.config import ClusterConfig, ServerConfig
+from psrt.config import JOB_SETTINGS, ClusterConfig, ServerConfig
 from psrt.control.process import ready_line, stopped_line
 from psrt.errors import ConfigError
 
@@ -44,39 +44,25 @@ def _stop_on_signals(stop: Callable[[], None]) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host: Optional[str] = None,
-               num_workers: Optional[int] = None, mode: Optional[str] = None, nonfinite: str = "reject",
-               metrics_port: Optional[int] = None, metrics_host: str = "127.0.0.1",
-               checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0, checkpoint_secs: float = 0.0,
-               restore: bool = False, keys: Optional[str] = None, staleness: Optional[int] = None,
-               rank: Optional[int] = None, out: IO[str] = sys.stdout) -> int:
+def run_server(scheduler: Optional[str] = None, host: Optional[str] = None, metrics_port: Optional[int] = None,
+               metrics_host: str = "127.0.0.1", out: IO[str] = sys.stdout, **settings: Any) -> int:
     """Run one shard server until it is told to stop; returns the exit code.
 
     Parameters
     ----------
-    bind : str, optional
-        Endpoint to bind (default ``tcp://127.0.0.1:5701``, or an ephemeral port on ``host`` with a scheduler).
     scheduler : str, optional
-        Join the job of the scheduler at this endpoint: register, take W and the mode from it, stop when it says.
+        Join the job of the scheduler at this endpoint: register, take W, the mode and the staleness bound from
+        it (:data:`~psrt.config.JOB_SETTINGS`), stop when it says.
     host : str, optional
         With ``scheduler``: the address to bind and announce (default: the one that routes to the scheduler).
-    num_workers, mode : optional
-        W and ``"sync"``/``"async"``/``"ssp"`` of a standalone server (default: :class:`~psrt.config.ServerConfig`'s).
-    nonfinite : str
-        ``"reject"`` or ``"allow"`` NaN/Inf gradients.
     metrics_port, metrics_host : optional
         Serve Prometheus metrics there (needs prometheus_client).
-    checkpoint_dir, checkpoint_every, checkpoint_secs, restore : optional
-        Checkpoints: where, every how many rounds and seconds, and whether to start from the newest of this
-        shard's (:class:`~psrt.config.ServerConfig`). A clean shutdown writes one too.
-    keys : str, optional
-        The job's key directory (CURVE on every socket); default ``PSRT_KEYS``, empty: off.
-    staleness : int, optional
-        A standalone ``ssp`` server's staleness bound (default ``PSRT_STALENESS`` or 0).
-    rank : int, optional
-        The shard's rank, which names its checkpoints; with ``scheduler``, the slot it asks for.
     out : text stream
         Where the ready and stopped lines go.
+    **settings
+        :class:`~psrt.config.ServerConfig` fields (``bind``, ``num_workers``, ``checkpoint_dir``...); one that is
+        None or left out takes the config's default, and ``bind`` with ``scheduler`` an ephemeral port on
+        ``host``. A clean shutdown of a shard with ``checkpoint_dir`` writes a checkpoint.
     """
     from psrt.control.link import SchedulerLink
     from psrt.memory import tune_allocator
@@ -84,19 +70,13 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
 
     tune_allocator()
     link = None
-    ckpt: dict[str, Any] = dict(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                                checkpoint_secs=checkpoint_secs, restore=restore, rank=rank)
-    if keys is not None:
-        ckpt["keys"] = keys
+    settings = {name: value for name, value in settings.items() if value is not None}
     if scheduler:
         host = host or host_towards(scheduler)
-        config = ServerConfig(bind=bind or f"tcp://{host}:*", nonfinite=nonfinite, **ckpt)
-    else:
-        defaults = ServerConfig()
-        config = ServerConfig(bind=bind or "tcp://127.0.0.1:5701", nonfinite=nonfinite,
-                              num_workers=defaults.num_workers if num_workers is None else num_workers,
-                              mode=mode or defaults.mode,
-                              staleness=defaults.staleness if staleness is None else staleness, **ckpt)
+        for name in JOB_SETTINGS:  # the scheduler's table gives them
+            settings.pop(name, None)
+        settings.setdefault("bind", f"tcp://{host}:*")
+    config = ServerConfig(**settings)
     server = Server(config, scheduled=bool(scheduler))
     _stop_on_signals(server.stop)
     metrics = None
@@ -143,44 +123,31 @@ def run_server(bind: Optional[str] = None, scheduler: Optional[str] = None, host
     return 0
 
 
-def run_scheduler(bind: str, num_servers: int, num_workers: int, mode: str = "sync",
-                  start_timeout: Optional[float] = None, elastic: Optional[bool] = None,
-                  keys: Optional[str] = None, staleness: Optional[int] = None, out: IO[str] = sys.stdout) -> int:
+def run_scheduler(bind: str, cluster: ClusterConfig, out: IO[str] = sys.stdout) -> int:
     """Run a job's scheduler until the job ends; returns its exit code (nonzero if the job failed to form).
 
     Parameters
     ----------
     bind : str
         Endpoint to bind.
-    num_servers, num_workers : int
-        S and W.
-    mode : str
-        ``"sync"``, ``"async"`` or ``"ssp"``.
-    start_timeout : float, optional
-        Seconds for everyone to register and for each barrier (default: ``PSRT_START_TIMEOUT`` or 120).
-    elastic : bool, optional
-        Workers may leave and join while the job runs (default: ``PSRT_ELASTIC``); see docs/elastic.md.
-    keys : str, optional
-        The job's key directory (CURVE, only the job's client key accepted); default ``PSRT_KEYS``.
-    staleness : int, optional
-        ``ssp`` mode: pushes a worker may run ahead of the slowest (default ``PSRT_STALENESS`` or 0).
+    cluster : ClusterConfig
+        The job: S and W (both needed), the mode and staleness bound, the start deadline, heartbeats, whether it
+        is elastic, the restart grace and the key directory.
     out : text stream
         Where the ready and stopped lines go.
     """
     from psrt.control.scheduler import Scheduler
 
-    cluster = ClusterConfig.from_env()
-    if start_timeout is None:
-        start_timeout = cluster.start_timeout
-    if elastic is None:
-        elastic = cluster.elastic
-    sched = Scheduler(bind, num_servers, num_workers, mode, start_timeout=start_timeout,
-                      heartbeat_timeout=cluster.heartbeat_timeout, elastic=elastic, restart_grace=cluster.restart_grace,
-                      keys=cluster.keys if keys is None else keys,
-                      staleness=cluster.staleness if staleness is None else staleness)
+    if cluster.num_servers is None or cluster.num_workers is None:
+        raise ConfigError("the scheduler needs S and W: --servers and --workers, or PSRT_NUM_SERVERS and "
+                          "PSRT_NUM_WORKERS (or DMLC_NUM_SERVER and DMLC_NUM_WORKER)")
+    sched = Scheduler(bind, cluster.num_servers, cluster.num_workers, cluster.mode,
+                      start_timeout=cluster.start_timeout, heartbeat_timeout=cluster.heartbeat_timeout,
+                      elastic=cluster.elastic, restart_grace=cluster.restart_grace, keys=cluster.keys,
+                      staleness=cluster.staleness)
     _stop_on_signals(sched.stop)
-    print(ready_line("scheduler", sched.endpoint, servers=num_servers, workers=num_workers, mode=mode), file=out,
-          flush=True)
+    print(ready_line("scheduler", sched.endpoint, servers=cluster.num_servers, workers=cluster.num_workers,
+                     mode=cluster.mode), file=out, flush=True)
     code = sched.serve()
     print(stopped_line("scheduler", code=code), file=out, flush=True)
     return code

@@ -296,8 +296,7 @@ def run_role(command: Sequence[str], cluster: Optional[ClusterConfig] = None) ->
         if cluster.num_servers is None or cluster.num_workers is None:
             raise ConfigError("psrt run: the scheduler needs PSRT_NUM_SERVERS and PSRT_NUM_WORKERS "
                               "(or DMLC_NUM_SERVER and DMLC_NUM_WORKER)")
-        return run_scheduler(scheduler_bind(cluster.scheduler), cluster.num_servers, cluster.num_workers, cluster.mode,
-                             start_timeout=cluster.start_timeout, elastic=cluster.elastic)
+        return run_scheduler(scheduler_bind(cluster.scheduler), cluster)
     if cluster.role == "server":
         return run_server(scheduler=cluster.scheduler, host=cluster.node_host or None)
     if not command:

@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable, Optional
 
 from psrt import transport, wire
+from psrt.config import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, WARN_AFTER
 from psrt.control import security
 from psrt.errors import (
     ConfigError,
@@ -88,8 +89,9 @@ class SchedulerLink:
         When ``keys`` names a missing or unusable key directory.
     """
 
-    def __init__(self, context: Any, endpoint: str, warn_after: float = 5.0, heartbeat_interval: float = 0.5,
-                 heartbeat_timeout: float = 2.5, keys: Optional[security.PathLike] = None) -> None:
+    def __init__(self, context: Any, endpoint: str, warn_after: float = WARN_AFTER,
+                 heartbeat_interval: float = HEARTBEAT_INTERVAL, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+                 keys: Optional[security.PathLike] = None) -> None:
         self.endpoint = endpoint
         self.channel = transport.DealerChannel(context, endpoint, hwm=1000, keys=security.load_keys(keys),
                                                max_frame=wire.CONTROL_LIMITS.max_header_bytes)
@@ -271,8 +273,8 @@ class Heartbeat:
         The job's key directory: connect with CURVE. None: no security.
     """
 
-    def __init__(self, context: Any, endpoint: str, rank: int, interval: float = 0.5, timeout: float = 2.5,
-                 keys: Optional[security.PathLike] = None) -> None:
+    def __init__(self, context: Any, endpoint: str, rank: int, interval: float = HEARTBEAT_INTERVAL,
+                 timeout: float = HEARTBEAT_TIMEOUT, keys: Optional[security.PathLike] = None) -> None:
         self._keys = security.load_keys(keys)  # here, not in the thread: a bad directory is the caller's error
         self.endpoint, self.rank = endpoint, rank
         self.interval, self.timeout = interval, timeout
@@ -341,7 +343,7 @@ class Heartbeat:
 
 
 def join_as_worker(context: Any, scheduler: str, cluster: Any, rank: Optional[int], num_workers: Optional[int],
-                   warn_after: float = 5.0, keys: Optional[security.PathLike] = None,
+                   warn_after: float = WARN_AFTER, keys: Optional[security.PathLike] = None,
                    ) -> tuple[SchedulerLink, Heartbeat, Table]:
     """Register a worker with the scheduler (a requested ``rank``, or None), wait for the job to form, and start
     its heartbeat: from then on the scheduler watches it. Returns the link, the heartbeat and the job's table.

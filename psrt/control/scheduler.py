@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from psrt import transport, wire
-from psrt.config import MODES
+from psrt.config import HEARTBEAT_TIMEOUT, MODES, RESTART_GRACE, START_TIMEOUT
 from psrt.control import security
 from psrt.control.barriers import Barriers
 from psrt.control.formation import Formation
@@ -96,8 +96,9 @@ class Scheduler(Restarts):
     """
 
     def __init__(self, bind: str, num_servers: int, num_workers: int, mode: str = "sync",
-                 start_timeout: float = 120.0, heartbeat_timeout: float = 2.5, elastic: bool = False,
-                 keys: Optional[security.PathLike] = None, restart_grace: float = 30.0, staleness: int = 0) -> None:
+                 start_timeout: float = START_TIMEOUT, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+                 elastic: bool = False, keys: Optional[security.PathLike] = None,
+                 restart_grace: float = RESTART_GRACE, staleness: int = 0) -> None:
         if num_servers < 1 or num_workers < 1:
             raise ConfigError(f"need at least one server and one worker, got S={num_servers}, W={num_workers}")
         if mode not in MODES:

@@ -101,7 +101,7 @@ class Server(Recovery):
         self._draining = False
         self._ckpt = Checkpointer(config)
         self.restored_from: Optional[Path] = None
-        self.tables = tables.TableService(self.store, self._reply, self._error, config.nonfinite)
+        self.tables = tables.TableService(self.store, self._reply, self._error, config.nonfinite, config.row_limits)
         self.tables.staleness = config.staleness
         if not scheduled:
             try:

@@ -8,55 +8,29 @@ for a version the table has not reached waits, queued, for the round that makes 
 every push is one step. Pushes are exactly-once per ``(table, worker, session, seq)``.
 
 Every request is validated in full before any state changes (ids and row counts, dtype and dim, fixed tables'
-id range, NaN/Inf by the shard's policy, and the caps :class:`RowLimits` sets), so a refused message changes
-nothing. The shard (:class:`psrt.shard.server.Server`) hands these requests to :class:`TableService`.
+id range, NaN/Inf by the shard's policy, and the caps of :class:`~psrt.config.RowLimits`), so a refused message
+changes nothing. The shard (:class:`psrt.shard.server.Server`) hands these requests to :class:`TableService`.
 """
 
 from __future__ import annotations
 
-import os
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
 from psrt import kernels, optim, wire
-from psrt.errors import ConfigError, RequestRefused
+from psrt.config import RowLimits
+from psrt.errors import RequestRefused
 from psrt.shard.embedding import RowTable
 from psrt.shard.store import WorkerLog
 from psrt.tablespec import TableSpec
 
-__all__ = ["RowLimits", "TableService", "REQUESTS"]
+__all__ = ["TableService", "REQUESTS"]
 
 #: The requests :class:`TableService` serves.
 REQUESTS = (wire.InitTableRequest, wire.PushRowsRequest, wire.PullRowsRequest)
 RowRequest = Union[wire.InitTableRequest, wire.PushRowsRequest, wire.PullRowsRequest]
-
-
-@dataclass(frozen=True)
-class RowLimits:
-    """The shard's caps on embedding traffic.
-
-    Parameters
-    ----------
-    max_rows_per_message : int
-        Most ids one ``push_rows``/``pull_rows``/``init_table`` may carry (``PSRT_MAX_ROWS_PER_MESSAGE``).
-    max_table_rows : int
-        Most rows one table may hold on this shard (``PSRT_MAX_TABLE_ROWS``).
-    """
-
-    max_rows_per_message: int = 1 << 22
-    max_table_rows: int = 1 << 28
-
-    @classmethod
-    def from_env(cls) -> RowLimits:
-        """The caps from the environment, defaults where unset."""
-        try:
-            return cls(int(os.environ.get("PSRT_MAX_ROWS_PER_MESSAGE", cls.max_rows_per_message)),
-                       int(os.environ.get("PSRT_MAX_TABLE_ROWS", cls.max_table_rows)))
-        except ValueError as exc:
-            raise ConfigError(f"PSRT_MAX_ROWS_PER_MESSAGE / PSRT_MAX_TABLE_ROWS must be integers: {exc}") from None
 
 
 class TableService:
@@ -73,7 +47,8 @@ class TableService:
     nonfinite : str
         The shard's NaN/Inf policy (``"reject"`` refuses such gradients).
     limits : RowLimits, optional
-        Caps; from the environment when omitted (:meth:`RowLimits.from_env`).
+        Caps (the shard's :attr:`ServerConfig.row_limits <psrt.config.ServerConfig>`); from the environment when
+        omitted.
     """
 
     def __init__(self, store: Any, reply: Callable[[bytes, list[Any]], None],
@@ -83,7 +58,7 @@ class TableService:
         self._reply = reply
         self._error = error
         self.nonfinite = nonfinite
-        self.limits = limits if limits is not None else RowLimits.from_env()
+        self.limits = limits if limits is not None else RowLimits()
         self.tables: dict[str, RowTable] = {}
         self.logs: dict[tuple[str, int], WorkerLog] = {}
         self._deferred: dict[tuple[str, int], deque[tuple[bytes, wire.PushRowsRequest]]] = {}

@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence, Union
 
-from psrt.config import MODES, WireLimits
+from psrt.config import MODES, PROCESS_ROLES, WireLimits
 from psrt.errors import ProtocolError
 from psrt.wire.codec import MAX_U63, check_version, encode, op_of, string, uint, unpack_header
 
 __all__ = [
     "CONTROL_LIMITS",
-    "ROLES",
+    "REGISTERING_ROLES",
     "Register",
     "Barrier",
     "Done",
@@ -55,8 +55,8 @@ __all__ = [
 #: Control messages are small: tighter limits than the data plane's.
 CONTROL_LIMITS = WireLimits(max_header_bytes=1 << 16, max_tensors=1 << 12)
 
-#: Roles that register with the scheduler.
-ROLES = ("server", "worker")
+#: The roles that register with the scheduler (every process role but the scheduler's own).
+REGISTERING_ROLES = tuple(role for role in PROCESS_ROLES if role != "scheduler")
 
 _MAX_ENDPOINT = 1024
 _MAX_BARRIER_NAME = 256
@@ -185,7 +185,7 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
         op = op_of(h, _REQUEST_FIELDS, "control")
         rid = uint(h, "id")
         if op == "register":
-            role = string(h, "role", allowed=ROLES)
+            role = string(h, "role", allowed=REGISTERING_ROLES)
             endpoint = string(h, "endpoint", _MAX_ENDPOINT)
             if role == "server" and "://" not in endpoint:
                 raise ProtocolError(f"a server must announce an endpoint like tcp://HOST:PORT, got {endpoint!r}")
@@ -201,7 +201,7 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
         if op == "failed":
             return Failed(rid, _rank(h), string(h, "message", _MAX_MESSAGE))
         if op == "heartbeat":
-            return Heartbeat(rid, string(h, "role", allowed=ROLES), _rank(h), uint(h, "pid", 1 << 32),
+            return Heartbeat(rid, string(h, "role", allowed=REGISTERING_ROLES), _rank(h), uint(h, "pid", 1 << 32),
                              uint(h, "epoch"))
         return TableQuery(rid)
     except ProtocolError as exc:
