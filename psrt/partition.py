@@ -28,6 +28,9 @@ MAX_CHUNKS_PER_MESSAGE = 4096
 #: place: about 30), with room to spare; a message's chunks fill at most half of ``max_header_bytes``, the other
 #: half is the fixed fields' (an optimizer's spec, lane references).
 HEADER_BYTES_PER_CHUNK = 64
+#: Most sets of tensor names a client keeps the messages of (a training loop repeats a few sets; one that pushes
+#: each tensor of a model apart repeats that many).
+MAX_CACHED_PLANS = 4096
 #: The smallest piece a tensor is cut into to spread it over the shards (smaller ones cost more per message
 #: than they gain in parallel).
 MIN_PIECE_BYTES = 256 << 10

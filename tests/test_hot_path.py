@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
+from unittest import mock
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import psrt
 from psrt import transport, wire
 from psrt.config import ClientConfig, WireLimits
 from psrt.errors import ProtocolError
 from psrt.shard.pulls import PullQueue, Waiter
+from psrt.wire import data, replies
 from psrt.wire.codec import pack_header
 
 LIMITS = WireLimits()
@@ -178,3 +183,77 @@ def test_a_plain_params_reply_decodes_by_the_short_path_as_by_the_general_one():
         header = {**msgpack.unpackb(frames[0]), **bad}
         with pytest.raises(ProtocolError, match=match):
             wire.decode_reply(msgpack.packb(header), LIMITS)
+
+
+# The fast paths are cut from the one field table of their message: random headers pin them to the general ones.
+_HSETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_U63 = st.integers(0, 2**63 - 1)
+_ITEMSIZE = {"<f4": 4, "<f8": 8, "<f2": 2, "bf16": 2}
+_ENTRIES = st.lists(st.tuples(st.sampled_from(["w", "b", "layer.0/ünï", "x" * 300]), st.integers(0, 2**40),
+                              st.sampled_from(sorted(_ITEMSIZE)), st.integers(0, 16)), max_size=6)
+
+
+def _outcome(decode: Any, *args: Any) -> Any:
+    """What a decoder makes of a message: its record, or the error it raises."""
+    try:
+        return decode(*args)
+    except ProtocolError as exc:
+        return ("error", str(exc))
+
+
+@_HSETTINGS
+@given(entries=_ENTRIES, worker=st.integers(0, 2**31 + 1), session=_U63, rid=_U63, seq=_U63, clock=_U63,
+       pull=st.booleans(), generation=st.none() | _U63)
+def test_a_push_from_its_prefix_is_byte_for_byte_the_push_packed_whole(entries, worker, session, rid, seq, clock,
+                                                                         pull, generation):
+    entries = [[name, part, dname, [count]] for name, part, dname, count in entries]
+    payload = [np.zeros(count * _ITEMSIZE[dname], np.uint8) for _, _, dname, (count,) in entries]
+    lane = None
+    if generation is not None:
+        lane = wire.LaneRef(generation, [64 * (i + 1) for i in range(len(entries))],
+                            [64 * (i + 1) for i in range(len(entries))] if pull else [])
+        payload = []
+    whole = wire.encode_push(rid, worker, session, seq, entries, payload, pull, clock, lane)
+    # The header holds the table's fields in the table's order (a lane's place after the fixed ones).
+    fields: dict[str, Any] = {"v": wire.PROTOCOL_VERSION, "op": "push_pull" if pull else "push", "worker": worker,
+                              "session": session, "tensors": entries}
+    assert tuple(fields) == data.PUSH_FIXED
+    if lane is not None:
+        fields["lane"] = lane.to_wire()
+    fields.update(id=rid, seq=seq, clock=clock)
+    assert tuple(fields)[-3:] == data.PUSH_PER_CALL
+    got = msgpack.unpackb(whole[0])
+    assert got == fields and list(got) == list(fields)
+    # Its constant bytes are msgpack's own: integers msgpack packs as uint64 too give the very same bytes.
+    big = {"id": rid | 1 << 32, "seq": seq | 1 << 32, "clock": clock | 1 << 32}
+    assert bytes(wire.encode_push(big["id"], worker, session, big["seq"], entries, payload, pull, big["clock"],
+                                  lane)[0]) == pack_header({**fields, **big})
+    if lane is None:
+        fast = wire.encode_push_after(wire.push_prefix(worker, session, entries, pull), rid, seq, clock, payload)
+        assert bytes(fast[0]) == bytes(whole[0])
+        assert [bytes(f) for f in fast[1:]] == [bytes(f) for f in whole[1:]]
+    # Decoded (the short path for a push without a lane), it is the record of msgpack's packing of the fields.
+    frames = [bytes(whole[0]), *whole[1:]]
+    assert _outcome(wire.decode_request, frames, LIMITS) == \
+        _outcome(wire.decode_request, [pack_header(fields), *whole[1:]], LIMITS)
+
+
+def _general_reply(data: bytes, limits: WireLimits) -> Any:
+    with mock.patch.object(replies, "_plain_params", lambda h, limits: None):  # the short path declines all
+        return wire.decode_reply(data, limits)
+
+
+@_HSETTINGS
+@given(entries=_ENTRIES, rid=st.integers(-1, 2**63), versions=st.lists(st.integers(-1, 2**63) | st.booleans(),
+                                                                        max_size=7),
+       v=st.sampled_from([wire.PROTOCOL_VERSION, 2]), op=st.sampled_from(["params", "parms"]), topk=st.booleans())
+def test_a_plain_params_reply_decodes_by_the_short_path_as_by_the_general_one_whatever_it_holds(
+        entries, rid, versions, v, op, topk):
+    tensors = [[name, part, "topk" if topk and i == 0 else dname, [count]]
+               for i, (name, part, dname, count) in enumerate(entries)]
+    header = msgpack.packb({"v": v, "op": op, "id": rid, "tensors": tensors, "versions": versions})
+    assert _outcome(wire.decode_reply, header, LIMITS) == _outcome(_general_reply, header, LIMITS)
+    valid = [[name, part, dname, [count]] for name, part, dname, count in entries]
+    frames = wire.encode_params(abs(rid) % 2**63, valid, list(range(len(valid))), [])
+    assert _outcome(wire.decode_reply, bytes(frames[0]), LIMITS) == \
+        _outcome(_general_reply, bytes(frames[0]), LIMITS)

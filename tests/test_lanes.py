@@ -101,6 +101,56 @@ def test_a_dead_shards_files_are_removed_and_a_live_ones_kept():
             (shm.SHM_DIR / n).unlink(missing_ok=True)
 
 
+def test_a_segment_name_is_built_and_parsed_in_one_place_and_names_every_file_a_shard_makes(tmp_path):
+    tag = shm.endpoint_tag("tcp://127.0.0.1:5555")
+    names = [shm.SegmentName(tag, 4321, shm.SegmentName.BEACON), shm.SegmentName(tag, 4321, shm.SegmentName.LANE, 7),
+             shm.SegmentName(tag, 1, shm.SegmentName.ARENA, 2**63)]
+    assert [str(n) for n in names] == [f"psrt-{tag}-4321-beacon", f"psrt-{tag}-4321-g7", f"psrt-{tag}-1-a{2**63}"]
+    assert [shm.SegmentName.parse(str(n)) for n in names] == names
+    assert names[0].sibling(shm.SegmentName.ARENA, 2**63) == shm.SegmentName(tag, 4321, shm.SegmentName.ARENA, 2**63)
+    for bad in ["../../etc/passwd", "psrt-abc", f"psrt-{tag}-1-b3", f"psrt-{tag}-1-g", f"psrt-{tag}-1-g1/../x",
+                f"psrt-{tag.upper()}-1-g1", f"psrt-{tag}-12345678901-g1", None, 5]:
+        assert shm.SegmentName.parse(bad) is None and not shm.valid_name(bad)
+    # What the shard side makes parses back to its own process and the kind it is.
+    beacon = shm.Beacon(tag, tmp_path)
+    try:
+        assert shm.SegmentName.parse(beacon.name) == shm.SegmentName.own(tag, shm.SegmentName.BEACON)
+        assert shm.SegmentName.own(tag, shm.SegmentName.BEACON).pid == os.getpid()
+    finally:
+        beacon.remove()
+    endpoint = f"ipc:///tmp/{secrets.token_hex(8)}"  # a tag no other shard has
+    shard = lanes.ShardLanes(endpoint, True)
+    try:
+        beacon = msgpack.unpackb(shard.probe(psrt.wire.LaneProbeRequest(1))[0])["name"]
+        lane = msgpack.unpackb(shard.open(psrt.wire.LaneOpenRequest(2, 0, 5, shm.Beacon.read(beacon), 1 << 16))[0])
+        own = shm.SegmentName.own(shm.endpoint_tag(endpoint), shm.SegmentName.LANE, lane["generation"])
+        assert shm.SegmentName.parse(lane["name"]) == own
+        assert shm.SegmentName.parse(beacon) == own.sibling(shm.SegmentName.BEACON, 0)
+    finally:
+        shard.close()
+
+
+def test_a_call_below_the_transports_copy_threshold_stays_on_sockets_without_asking_the_shard():
+    asked = []
+    worker = lanes.WorkerLanes(lambda shard, encode: asked.append(shard) or psrt.wire.BeaconReply(1, ""), 1, 0, 5, True)
+    assert worker.lane_for(0, psrt.transport.ZERO_COPY_BYTES - 1) is None and asked == []
+    assert worker.lane_for(0, psrt.transport.ZERO_COPY_BYTES) is None and asked == [0]  # it asked: no beacon here
+
+
+def test_the_shared_parameters_log_under_their_own_name(monkeypatch, caplog):
+    from psrt.shm.arena import Arena
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm.Segment, "create", full)
+    with caplog.at_level("INFO", logger="psrt.arena"):
+        area = Arena(shm.endpoint_tag("tcp://x:1"), iter(range(1, 9)).__next__).allocate(np.dtype(np.float32), 4)
+    assert [(r.name, r.getMessage()) for r in caplog.records] == \
+        [("psrt.arena", f"parameters stay private (no room in {shm.SHM_DIR}: No space left on device)")]
+    assert area is None  # nothing shared: the entry keeps its private parameters
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 def train(endpoints: list[str], shm_on: bool, steps: int = 6) -> tuple[dict, list[dict]]:
     """A fixed sequence of pushes, push_pulls and pulls (tensors above and below the lane threshold)."""

@@ -7,10 +7,10 @@ died:
 
 - A **server** heartbeats from its serving loop (:meth:`SchedulerLink.tick`), so a server that hangs stops
   heartbeating just as one that dies does.
-- A **worker** heartbeats from a :class:`Heartbeat` thread with its own socket: the training loop may compute
-  for minutes between calls into psrt. Its verdicts reach the training loop through :meth:`Heartbeat.check`,
+- A **worker** heartbeats from a :class:`HeartbeatThread` with its own socket: the training loop may compute
+  for minutes between calls into psrt. Its verdicts reach the training loop through :meth:`HeartbeatThread.check`,
   which every wait of the client calls; the new endpoints of shards that restarted elsewhere, through
-  :attr:`Heartbeat.moves`.
+  :attr:`HeartbeatThread.moves`.
 
 A heartbeat is answered with ``ok``; no answer for ``heartbeat_timeout`` seconds means the scheduler is gone.
 """
@@ -36,7 +36,7 @@ from psrt.errors import (
     ServerError,
 )
 
-__all__ = ["SchedulerLink", "Heartbeat", "Table", "join_as_worker"]
+__all__ = ["SchedulerLink", "HeartbeatThread", "Table", "join_as_worker"]
 
 log = logging.getLogger("psrt.scheduler")
 
@@ -104,7 +104,7 @@ class SchedulerLink:
         self._last_answer = time.monotonic()
         #: The newest membership of an elastic job this process has adopted.
         self.epoch = 0
-        #: Called while a request waits; raises to end the wait (a worker passes :meth:`Heartbeat.check`).
+        #: Called while a request waits; raises to end the wait (a worker passes :meth:`HeartbeatThread.check`).
         self.check: Callable[[], None] = lambda: None
 
     def _ask(self, op: str, encode: Any, timeout: float) -> wire.ControlReply:
@@ -243,16 +243,12 @@ class SchedulerLink:
             raise _silent(self.endpoint, now - self._last_answer)
         return False
 
-    def shutdown_requested(self) -> bool:
-        """Alias of :meth:`tick` (which also heartbeats): True once the scheduler has said the job is over."""
-        return self.tick()
-
     def close(self) -> None:
         """Close the socket."""
         self.channel.close()
 
 
-class Heartbeat:
+class HeartbeatThread:
     """A worker's heartbeat to the scheduler: a daemon thread with its own socket.
 
     Started by :class:`psrt.Client` once it has registered (never at import). :meth:`check` raises the
@@ -344,7 +340,7 @@ class Heartbeat:
 
 def join_as_worker(context: Any, scheduler: str, cluster: Any, rank: Optional[int], num_workers: Optional[int],
                    warn_after: float = WARN_AFTER, keys: Optional[security.PathLike] = None,
-                   ) -> tuple[SchedulerLink, Heartbeat, Table]:
+                   ) -> tuple[SchedulerLink, HeartbeatThread, Table]:
     """Register a worker with the scheduler (a requested ``rank``, or None), wait for the job to form, and start
     its heartbeat: from then on the scheduler watches it. Returns the link, the heartbeat and the job's table.
 
@@ -364,7 +360,7 @@ def join_as_worker(context: Any, scheduler: str, cluster: Any, rank: Optional[in
     except BaseException:
         link.close()
         raise
-    heartbeat = Heartbeat(context, scheduler, table.rank, cluster.heartbeat_interval, cluster.heartbeat_timeout,
+    heartbeat = HeartbeatThread(context, scheduler, table.rank, cluster.heartbeat_interval, cluster.heartbeat_timeout,
                           keys=keys)
     link.check = heartbeat.check
     return link, heartbeat, table

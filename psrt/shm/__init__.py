@@ -3,9 +3,10 @@
 A shard that serves over shared memory owns every segment: it creates each file with ``O_CREAT | O_EXCL`` and
 mode 0600 (only its own user can map it), reserves the space with ``posix_fallocate`` (a full tmpfs fails here
 with ENOSPC rather than with SIGBUS at the first write), and maps it. Names are per shard process and per job:
-``psrt-<tag>-<pid>-beacon``, ``psrt-<tag>-<pid>-g<generation>`` (a worker's lane) and ``psrt-<tag>-<pid>-a<generation>``
-(parameters every worker of the host may read), where ``tag`` is derived from the endpoint
-the shard serves (one job per endpoint). ``multiprocessing.shared_memory`` is avoided on purpose: its resource
+``psrt-<tag>-<pid>-beacon``, ``psrt-<tag>-<pid>-g<generation>`` (a worker's lane) and
+``psrt-<tag>-<pid>-a<generation>`` (parameters every worker of the host may read), where ``tag`` is derived from
+the endpoint the shard serves (one job per endpoint); :class:`SegmentName` builds and parses them.
+``multiprocessing.shared_memory`` is avoided on purpose: its resource
 tracker unlinks segments other processes still use and warns about "leaks" in processes that only attached.
 
 Lifetime: a worker unlinks a segment's file as soon as it has mapped it, so the memory lives exactly as long as
@@ -27,16 +28,17 @@ import os
 import re
 import secrets
 import struct
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 
 from psrt.control.process import pid_alive
 from psrt.errors import ConfigError
 
-__all__ = ["SHM_DIR", "HEADER_BYTES", "ALIGN", "Segment", "Beacon", "endpoint_tag", "valid_name", "available",
-           "remove_leftovers", "aligned"]
+__all__ = ["SHM_DIR", "HEADER_BYTES", "ALIGN", "SegmentName", "Segment", "Beacon", "endpoint_tag", "valid_name",
+           "available", "remove_leftovers", "aligned"]
 
 #: Where segments live: a tmpfs every process of the host shares.
 SHM_DIR = Path("/dev/shm")
@@ -48,7 +50,57 @@ ALIGN = 64
 _MAGIC = b"PSRTSHM1"
 _HEADER = struct.Struct("<8sQQ")
 #: A name a shard may give a worker: one file directly in SHM_DIR, never a path.
-_NAME = re.compile(r"psrt-[0-9a-f]{12}-[0-9]{1,10}-(beacon|[ga][0-9]{1,19})")
+_NAME = re.compile(r"psrt-([0-9a-f]{12})-([0-9]{1,10})-(?:beacon|([ga])([0-9]{1,19}))")
+
+
+@dataclass(frozen=True)
+class SegmentName:
+    """The name of a file a shard makes in :data:`SHM_DIR`: ``psrt-<tag>-<pid>-<kind>``.
+
+    Attributes
+    ----------
+    tag : str
+        12 hex digits derived from the endpoint the shard serves (:func:`endpoint_tag`).
+    pid : int
+        The shard's process: a file whose process is gone is a leftover (:func:`remove_leftovers`).
+    kind : str
+        :attr:`BEACON`, :attr:`LANE` (a worker's segment) or :attr:`ARENA` (parameters every worker of the
+        host may read).
+    generation : int
+        The segment's number (unique per shard process); 0 for the beacon.
+    """
+
+    tag: str
+    pid: int
+    kind: str
+    generation: int = 0
+
+    BEACON: ClassVar[str] = "beacon"
+    LANE: ClassVar[str] = "g"
+    ARENA: ClassVar[str] = "a"
+
+    @classmethod
+    def parse(cls, name: object) -> Optional[SegmentName]:
+        """The parts of ``name``, or None when it is not one a shard creates (a worker opens nothing else, and
+        never a path)."""
+        match = _NAME.fullmatch(name) if isinstance(name, str) else None
+        if match is None:
+            return None
+        tag, pid, kind, generation = match.groups()
+        return cls(tag, int(pid), kind or cls.BEACON, int(generation or 0))
+
+    @classmethod
+    def own(cls, tag: str, kind: str, generation: int = 0) -> SegmentName:
+        """The name of this process's beacon or segment ``generation``."""
+        return cls(tag, os.getpid(), kind, generation)
+
+    def sibling(self, kind: str, generation: int) -> SegmentName:
+        """The name of another file of the same shard process (a worker finds the shared parameters so)."""
+        return SegmentName(self.tag, self.pid, kind, generation)
+
+    def __str__(self) -> str:
+        last = self.kind if self.kind == self.BEACON else f"{self.kind}{self.generation}"
+        return f"psrt-{self.tag}-{self.pid}-{last}"
 
 
 def aligned(n: int) -> int:
@@ -63,7 +115,7 @@ def endpoint_tag(endpoint: str) -> str:
 
 def valid_name(name: str) -> bool:
     """Whether ``name`` is one a shard creates (a worker opens nothing else, and never a path)."""
-    return isinstance(name, str) and _NAME.fullmatch(name) is not None
+    return SegmentName.parse(name) is not None
 
 
 def available(directory: Path = SHM_DIR) -> bool:
@@ -83,9 +135,10 @@ def remove_leftovers(directory: Path = SHM_DIR) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        if not valid_name(name):
+        parsed = SegmentName.parse(name)
+        if parsed is None:
             continue
-        pid = int(name.split("-")[2])
+        pid = parsed.pid
         if pid == os.getpid() or pid_alive(pid):
             continue
         try:
@@ -156,7 +209,8 @@ class Segment:
         OSError
             When it cannot be opened (another host's shard: it does not exist here).
         """
-        if not valid_name(name) or name.endswith("-beacon"):
+        parsed = SegmentName.parse(name)
+        if parsed is None or parsed.kind == SegmentName.BEACON:
             raise ConfigError(f"{name!r} is not a psrt segment name")
         segment = cls._map(name, generation, size, directory, writable=True)
         try:
@@ -176,7 +230,8 @@ class Segment:
         OSError
             When it cannot be opened.
         """
-        if not valid_name(name) or not name.rsplit("-", 1)[1].startswith("a"):
+        parsed = SegmentName.parse(name)
+        if parsed is None or parsed.kind != SegmentName.ARENA:
             raise ConfigError(f"{name!r} is not a psrt parameter segment name")
         return cls._map(name, generation, None, directory, writable=False)
 
@@ -228,7 +283,7 @@ class Beacon:
     """
 
     def __init__(self, tag: str, directory: Path = SHM_DIR) -> None:
-        self.name = f"psrt-{tag}-{os.getpid()}-beacon"
+        self.name = str(SegmentName.own(tag, SegmentName.BEACON))
         self.token = secrets.token_hex(16)
         self._path = directory / self.name
         fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -240,7 +295,8 @@ class Beacon:
     @staticmethod
     def read(name: str, directory: Path = SHM_DIR) -> Optional[str]:
         """The token in the beacon ``name`` on this host, or None when there is no such beacon here."""
-        if not valid_name(name) or not name.endswith("-beacon"):
+        parsed = SegmentName.parse(name)
+        if parsed is None or parsed.kind != SegmentName.BEACON:
             return None
         try:
             fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -15,7 +15,6 @@ and owns them from then on (:class:`psrt.shard.store.Entry`).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -26,7 +25,7 @@ from psrt.errors import ProtocolError, PsrtError
 
 __all__ = ["ARENA_BYTES", "Arena", "ArenaReader", "SharedArea"]
 
-log = logging.getLogger("psrt.lanes")
+log = logging.getLogger("psrt.arena")
 
 #: The smallest segment of shared parameters a shard makes.
 ARENA_BYTES = 1 << 20
@@ -87,7 +86,8 @@ class Arena:
             size = shm.HEADER_BYTES + max(need, ARENA_BYTES, min(placed, 64 << 20))
             generation = self._next()
             try:
-                segment = shm.Segment.create(f"psrt-{self._tag}-{os.getpid()}-a{generation}", generation, size)
+                name = shm.SegmentName.own(self._tag, shm.SegmentName.ARENA, generation)
+                segment = shm.Segment.create(str(name), generation, size)
             except OSError as exc:
                 log.info("parameters stay private (no room in %s: %s)", shm.SHM_DIR, exc.strerror)
                 return None
@@ -108,8 +108,8 @@ class ArenaReader:
     """A worker's read-only view of one shard's shared parameters (segments mapped on first use)."""
 
     def __init__(self) -> None:
-        #: The shard's beacon name, which the segment names derive from ("" until the lane is set up).
-        self.beacon = ""
+        #: The name of the shard's beacon, which its segments' names derive from (None until a lane is set up).
+        self.beacon: Optional[shm.SegmentName] = None
         self._segments: dict[int, shm.Segment] = {}
 
     def forget(self) -> None:
@@ -127,7 +127,10 @@ class ArenaReader:
         generation, offset, counter = place
         segment = self._segments.get(generation)
         if segment is None:
-            name = self.beacon.rsplit("-", 1)[0] + f"-a{generation}"
+            if self.beacon is None:
+                raise ProtocolError(f"cannot map the shard's shared parameters of generation {generation}: no lane "
+                                    "to this shard names its segments")
+            name = str(self.beacon.sibling(shm.SegmentName.ARENA, generation))
             try:
                 segment = self._segments[generation] = shm.Segment.read_only(name, generation)
             except (PsrtError, OSError) as exc:

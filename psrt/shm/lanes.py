@@ -1,7 +1,8 @@
 """Shared-memory lanes: tensor bytes between a worker and a shard on the same host go through a segment
 (:mod:`psrt.shm`), and ZeroMQ carries only the headers (:mod:`psrt.wire.lanes` has the messages).
 
-Setting one up, the first time a worker sends a shard enough bytes (:data:`MIN_LANE_BYTES` in one call):
+Setting one up, the first time a worker sends a shard enough bytes in one call (at least
+:data:`psrt.transport.ZERO_COPY_BYTES`: below it a copy costs less than what a lane saves):
 
 1. ``lane_probe``: the shard names its beacon, a 0600 file in /dev/shm holding a random token.
 2. The worker reads the token from that file on its own host. A worker elsewhere finds no such file (or another
@@ -22,7 +23,6 @@ it again over sockets, so losing a lane never loses a call. ``PSRT_SHM=0`` (``Cl
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -33,17 +33,16 @@ import numpy as np
 from psrt import shm, wire
 from psrt.errors import PsrtError, RequestRefused
 from psrt.shm.arena import Arena, ArenaReader
+from psrt.transport import ZERO_COPY_BYTES
 
 if TYPE_CHECKING:
     from psrt.partition import Chunk
 
-__all__ = ["MIN_LANE_BYTES", "MAX_LANES", "MAX_LANE_BYTES", "LANE_CODES", "Lane", "LaneUse", "WorkerLanes",
+__all__ = ["MAX_LANES", "MAX_LANE_BYTES", "LANE_CODES", "Lane", "LaneUse", "WorkerLanes",
            "ShardLanes", "ShardLane", "call_bytes"]
 
 log = logging.getLogger("psrt.lanes")
 
-#: A call moving fewer bytes than this to a shard stays on sockets (a copy into a segment saves nothing there).
-MIN_LANE_BYTES = 1 << 16
 #: Segments one shard keeps at most.
 MAX_LANES = 64
 #: The largest segment a shard creates.
@@ -129,7 +128,7 @@ class WorkerLanes:
 
     def lane_for(self, shard: int, nbytes: int) -> Optional[Lane]:
         """The lane a call moving ``nbytes`` (areas, aligned) to ``shard`` uses, or None for sockets."""
-        if not self._enabled or nbytes < MIN_LANE_BYTES:
+        if not self._enabled or nbytes < ZERO_COPY_BYTES:  # a small call: a copy into a segment saves nothing
             return None
         lane = self._lanes[shard]
         if lane is False:
@@ -180,7 +179,7 @@ class WorkerLanes:
                     log.debug("shard %d: no shared memory with this host (beacon %r)", shard, beacon.name)
                     return None
                 self._token[shard] = token
-                self._arenas[shard].beacon = beacon.name
+                self._arenas[shard].beacon = shm.SegmentName.parse(beacon.name)
             size = shm.HEADER_BYTES + max(shm.aligned(nbytes), 1 << 20)
             reply = self._ask(shard, lambda rid: wire.encode_lane_open(rid, self._worker, self._session, token,
                                                                        size))
@@ -287,7 +286,7 @@ class ShardLanes:
             raise RequestRefused("lane_size", f"a segment holds more than {shm.HEADER_BYTES} and at most "
                                               f"{MAX_LANE_BYTES} bytes, not {req.size}")
         generation = self._new_generation()
-        name = f"psrt-{self._tag}-{os.getpid()}-g{generation}"
+        name = str(shm.SegmentName.own(self._tag, shm.SegmentName.LANE, generation))
         try:
             segment = shm.Segment.create(name, generation, req.size)
         except OSError as exc:

@@ -37,7 +37,9 @@ from psrt.transport.curve import ZAP_DOMAIN, JobKeys, create_certificates, read_
 __all__ = ["ZERO_COPY_BYTES", "ZAP_DOMAIN", "new_context", "RouterChannel", "DealerChannel", "Poller",
            "SendDropped", "peer_address", "create_certificates", "read_certificate"]
 
-#: Frames at least this large go zero-copy (pyzmq copies smaller frames anyway).
+#: Below this many bytes a copy costs less than avoiding it: smaller frames are copied into ZeroMQ's messages
+#: (pyzmq copies them anyway), and a call moving fewer bytes to a shard stays on the sockets instead of taking a
+#: shared-memory lane (:mod:`psrt.shm.lanes`).
 ZERO_COPY_BYTES = 1 << 16
 
 _HEARTBEAT_IVL_MS = 2000

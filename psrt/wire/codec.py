@@ -24,6 +24,8 @@ from psrt.wire import compression
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "MAX_U63",
+    "MAX_WORKER",
     "Key",
     "TensorMeta",
     "pack_header",
@@ -45,7 +47,10 @@ PROTOCOL_VERSION = 1
 Key = tuple[str, int]
 
 MAX_DIM = 1 << 40
+#: Largest unsigned integer a field may hold (ids, sessions, sequence numbers, versions, clocks).
 MAX_U63 = (1 << 63) - 1
+#: Largest worker rank, and number of workers W, on the wire.
+MAX_WORKER = 1 << 31
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Sequence, Union
 
+import msgpack
 import numpy as np
 
 from psrt.config import WireLimits
@@ -19,6 +20,7 @@ from psrt.errors import ProtocolError
 from psrt.wire import compression, lanes
 from psrt.wire.codec import (
     MAX_U63,
+    MAX_WORKER,
     PROTOCOL_VERSION,
     Key,
     TensorMeta,
@@ -48,14 +50,27 @@ __all__ = [
     "encode_stats_request", "encode_checkpoint_request",
 ]
 
-#: Largest worker rank on the wire.
-MAX_WORKER = 1 << 31
 _NO_LANE = object()
+
+
+def _push_fixed(worker: int, session: int, entries: list[list[Any]], pull: bool) -> dict[str, Any]:
+    """The fields of a ``push`` (``push_pull``) header that a repeated push of the same tensors repeats, in the
+    order they are packed (once per set of tensors, :func:`push_prefix`); over a shared-memory lane, ``lane``
+    follows them."""
+    return {"v": PROTOCOL_VERSION, "op": "push_pull" if pull else "push", "worker": worker, "session": session,
+            "tensors": entries}
+
+
+#: A push header's fields: those of :func:`_push_fixed`, then those that change with every push, each packed as a
+#: uint64, in the order of :func:`encode_push_after`'s arguments.
+PUSH_FIXED = tuple(_push_fixed(0, 0, [], False))
+PUSH_PER_CALL = ("id", "seq", "clock")
+_PUSH = frozenset(PUSH_FIXED + PUSH_PER_CALL)
 
 _REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "init": frozenset({"v", "op", "id", "worker", "session", "optimizer", "tensors"}),
-    "push": frozenset({"v", "op", "id", "worker", "session", "seq", "clock", "tensors"}),
-    "push_pull": frozenset({"v", "op", "id", "worker", "session", "seq", "clock", "tensors"}),
+    "push": _PUSH,
+    "push_pull": _PUSH,
     "pull": frozenset({"v", "op", "id", "worker", "clock", "keys"}),
     "stats": frozenset({"v", "op", "id"}),
     "checkpoint": frozenset({"v", "op", "id"}),
@@ -192,7 +207,7 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         if type(h.get("id")) is int and 0 <= h["id"] <= MAX_U63:
             request_id = h["id"]
         check_version(h)
-        if request_id is not None and h.keys() == _REQUEST_FIELDS["push"]:  # push(_pull), every step's: short path
+        if request_id is not None and h.keys() == _PUSH:  # push(_pull), every step's: short path
             if (req := _plain_push(h, frames, limits, request_id)) is not None:
                 return req
         if type(h.get("op")) is str and h["op"] in _ROW_OPS:  # embedding tables: psrt.wire.rows
@@ -225,8 +240,7 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
             raise ProtocolError(f"a {op!r} over a shared-memory lane takes no buffer frames, got {len(buffers)}")
         if ref is None:
             check_buffers(metas, buffers)
-        if len(metas) > 1 and len({m.key for m in metas}) != len(metas):
-            raise ProtocolError("a tensor key appears twice in one message")
+        _check_distinct(metas)
         if op == "init":
             return InitRequest(metas, buffers, rid, worker, session, h["optimizer"])
         return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull", clock, ref)
@@ -244,9 +258,13 @@ def _plain_push(h: dict[str, Any], frames: Sequence[Any], limits: WireLimits, ri
         return None
     metas, buffers = tensor_metas(h["tensors"], limits, compressed=True), list(frames[1:])  # as the general path
     check_buffers(metas, buffers)
+    _check_distinct(metas)
+    return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull", clock)
+
+
+def _check_distinct(metas: list[TensorMeta]) -> None:
     if len(metas) > 1 and len({m.key for m in metas}) != len(metas):
         raise ProtocolError("a tensor key appears twice in one message")
-    return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull", clock)
 
 
 def _pull_keys(keys: Any, limits: WireLimits) -> list[PullKey]:
@@ -273,36 +291,60 @@ def encode_init(rid: int, worker: int, session: int, optimizer: dict[str, Any], 
 
 def encode_push(rid: int, worker: int, session: int, seq: int, entries: list[list[Any]],
                 payload: Sequence[np.ndarray], pull: bool, clock: int = 0, lane: Optional[LaneRef] = None) -> list[Any]:
-    """Frames of a ``push`` (or, with ``pull``, a ``push_pull``) request; with ``lane``, no payload."""
-    header = {"op": "push_pull" if pull else "push", "id": rid, "worker": worker, "session": session, "seq": seq,
-              "clock": clock, "tensors": entries}
-    if lane is not None:
-        header["lane"] = lane.to_wire()
-    return encode(header, payload)
+    """Frames of a ``push`` (or, with ``pull``, a ``push_pull``) request; with ``lane``, no payload.
+
+    Without ``lane``, the bytes of :func:`encode_push_after` from the :func:`push_prefix` of the same fields.
+    """
+    return encode_push_after(_push_prefix(worker, session, entries, pull, lane), rid, seq, clock, payload)
 
 
 def push_prefix(worker: int, session: int, entries: list[list[Any]], pull: bool) -> bytes:
     """The part of a ``push`` (``push_pull``) header that a repeated push of the same tensors repeats, packed once.
 
     :func:`encode_push_after` completes it with the fields that change from push to push (``id, seq, clock``), so
-    a training loop's step packs three integers instead of the whole header; decoded, the two headers are equal.
+    a training loop's step packs three integers instead of the whole header; the result is the bytes
+    :func:`encode_push` makes of the same fields.
     """
-    packed = pack_header({"v": PROTOCOL_VERSION, "op": "push_pull" if pull else "push", "worker": worker,
-                          "session": session, "tensors": entries})
-    # A map of 5 entries packs as a fixmap (0x85): the complete header has 8, which still fits one (0x80 | n).
-    assert packed[0] == 0x85
-    return b"\x88" + packed[1:]
+    return _push_prefix(worker, session, entries, pull, None)
 
 
-#: ``id, seq, clock`` as msgpack key strings and uint64 values (any integer a client sends fits one).
-_PUSH_TAIL = struct.Struct(">3sBQ4sBQ6sBQ")
+def _push_prefix(worker: int, session: int, entries: list[list[Any]], pull: bool, lane: Optional[LaneRef]) -> bytes:
+    fixed = _push_fixed(worker, session, entries, pull)
+    if lane is not None:
+        fixed["lane"] = lane.to_wire()
+    # The fixed fields packed as a map of their own, under the head of the whole header's map (_push_template).
+    return _MAP_HEADS[len(fixed)] + pack_header(fixed)[1:]
+
+
+def _push_template() -> tuple[dict[int, bytes], struct.Struct, tuple[bytes, ...]]:
+    """The constant parts of a push header, derived once, at import, from its field tables and msgpack.
+
+    A map of fewer than 16 entries packs as one head byte that counts them (a fixmap), then each key and value
+    in order. So a push header is the whole map's head, the fixed fields packed as a map without its head, and
+    the per-call fields: each its packed key, the uint64 marker and 8 bytes (every integer a client sends fits).
+    Returns the heads by the number of fixed fields (without and with ``lane``), the per-call part's format and
+    the constant bytes before each of its integers; checked against msgpack's packing of a whole header.
+    """
+    big = (1 << 64) - 1  # msgpack packs it as a uint64
+    keys = tuple(msgpack.packb(k) + msgpack.packb(big)[:1] for k in PUSH_PER_CALL)
+    tail = struct.Struct(">" + "".join(f"{len(k)}sQ" for k in keys))
+    heads = {}
+    for fixed in (PUSH_FIXED, (*PUSH_FIXED, "lane")):
+        whole = pack_header({**dict.fromkeys(fixed), **dict.fromkeys(PUSH_PER_CALL, big)})
+        heads[len(fixed)] = whole[:1]
+        cut = whole[:1] + pack_header(dict.fromkeys(fixed))[1:] + tail.pack(*(x for k in keys for x in (k, big)))
+        if cut != whole:
+            raise AssertionError(f"a push header of {len(whole)} bytes does not pack as its parts")
+    return heads, tail, keys
+
+
+_MAP_HEADS, _PUSH_TAIL, (_ID, _SEQ, _CLOCK) = _push_template()
 
 
 def encode_push_after(prefix: bytes, rid: int, seq: int, clock: int, payload: Sequence[np.ndarray]) -> list[Any]:
     """Frames of a ``push`` (``push_pull``) request from its :func:`push_prefix`: as :func:`encode_push` with the
     fields the prefix was packed with."""
-    return with_buffers(prefix + _PUSH_TAIL.pack(b"\xa2id", 0xCF, rid, b"\xa3seq", 0xCF, seq, b"\xa5clock", 0xCF,
-                                                 clock), payload)
+    return with_buffers(prefix + _PUSH_TAIL.pack(_ID, rid, _SEQ, seq, _CLOCK, clock), payload)
 
 
 def encode_pull(rid: int, worker: int, keys: list[list[Any]], clock: int = 0,

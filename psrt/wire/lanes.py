@@ -30,14 +30,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from psrt.errors import ProtocolError
-from psrt.wire.codec import MAX_U63, check_fields, encode, string, uint
+from psrt.wire.codec import MAX_U63, MAX_WORKER, check_fields, encode, string, uint
 
 __all__ = ["places", "LaneRef", "LaneProbeRequest", "LaneOpenRequest", "LaneCloseRequest", "BeaconReply",
            "LaneReply", "ClosedReply", "REQUEST_FIELDS", "REPLY_FIELDS", "decode_lane_request", "decode_lane_reply",
            "lane_ref", "encode_lane_probe", "encode_lane_open", "encode_lane_close", "encode_beacon", "encode_closed",
            "encode_lane"]
 
-_MAX_WORKER = 1 << 31
 _MAX_NAME = 64
 
 REQUEST_FIELDS: dict[str, frozenset[str]] = {
@@ -165,7 +164,7 @@ def decode_lane_request(h: dict[str, Any], buffers: list[Any]) -> Any:
         return LaneProbeRequest(rid)
     if op == "lane_close":
         return LaneCloseRequest(rid, uint(h, "generation"))
-    return LaneOpenRequest(rid, uint(h, "worker", _MAX_WORKER), uint(h, "session"), string(h, "token", 64),
+    return LaneOpenRequest(rid, uint(h, "worker", MAX_WORKER), uint(h, "session"), string(h, "token", 64),
                            uint(h, "size", lo=1))
 
 

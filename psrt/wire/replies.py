@@ -17,6 +17,7 @@ from psrt.errors import ProtocolError
 from psrt.wire import compression, lanes
 from psrt.wire.codec import (
     MAX_U63,
+    MAX_WORKER,
     PROTOCOL_VERSION,
     TensorMeta,
     check_fields,
@@ -33,12 +34,10 @@ from psrt.wire.rows import RowsReply, decode_rows_reply
 __all__ = ["JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "SavedReply", "Reply", "decode_reply",
            "encode_params", "encode_ack", "encode_stats", "encode_error", "encode_saved"]
 
-#: Largest W on the wire.
-MAX_WORKER = 1 << 31
-
+#: A ``params`` reply's fields; answering ``init`` it adds the job's, over a shared-memory lane the lane's.
 _PARAMS = frozenset({"v", "op", "id", "tensors", "versions"})
-_JOB = frozenset({"mode", "num_workers", "conflicts"})
-_PARAMS_JOB = _PARAMS | _JOB
+_PARAMS_JOB = _PARAMS | frozenset({"mode", "num_workers", "conflicts"})
+_PARAMS_LANE = _PARAMS | frozenset({"lane", "places"})
 _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "params": _PARAMS,
     "ack": frozenset({"v", "op", "id", "versions", "duplicate"}),
@@ -133,7 +132,7 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
         return decode_rows_reply(h, limits)
     if type(op) is str and op in lanes.REPLY_FIELDS:
         return lanes.decode_lane_reply(h)
-    if type(op) is str and op == "params" and h.keys() in (_PARAMS_JOB, _PARAMS | {"lane", "places"}):
+    if type(op) is str and op == "params" and h.keys() in (_PARAMS_JOB, _PARAMS_LANE):
         fields = h.keys()
     else:
         fields = _REPLY_FIELDS.get(op) if type(op) is str else None
@@ -142,12 +141,7 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
     check_fields(op, h, fields)
     rid = uint(h, "id")
     if op == "params":
-        # Parameters may come back in the 16-bit form the worker pushed in; never as top-k.
-        metas = tensor_metas(h["tensors"], limits, compressed=True)
-        for m in metas:
-            if m.encoding == compression.TOPK:
-                raise ProtocolError("params reply: parameters never travel as top-k")
-        versions = uint_list(h, "versions", len(metas))
+        metas, versions = _params_of(h, limits)
         job = None
         if "mode" in h:
             conflicts = uint_list(h, "conflicts")
@@ -173,19 +167,23 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
 
 
 def _plain_params(h: dict[str, Any], limits: WireLimits) -> Optional[ParamsReply]:
-    """A plain ``params`` reply with in-range integers, in fewer steps (None: the general path says what is wrong,
-    in its order: version, op, id, tensors, versions)."""
-    v, op, rid, versions = h["v"], h["op"], h["id"], h["versions"]
+    """A plain ``params`` reply (no job or lane fields), in fewer steps: None when its version, op or id is not
+    right, for the general path to say so; then the tensors and versions, checked as the general path does."""
+    v, op, rid = h["v"], h["op"], h["id"]
     if not (type(v) is int and v == PROTOCOL_VERSION and type(op) is str and op == "params" and type(rid) is int
-            and 0 <= rid <= MAX_U63 and type(versions) is list):
+            and 0 <= rid <= MAX_U63):
         return None
+    return ParamsReply(rid, *_params_of(h, limits))
+
+
+def _params_of(h: dict[str, Any], limits: WireLimits) -> tuple[list[TensorMeta], list[int]]:
+    """A ``params`` reply's tensors and their versions, checked in this order."""
+    # Parameters may come back in the 16-bit form the worker pushed in; never as top-k.
     metas = tensor_metas(h["tensors"], limits, compressed=True)
-    if len(versions) != len(metas):
-        return None
-    for m, version in zip(metas, versions):
-        if m.encoding == compression.TOPK or type(version) is not int or not 0 <= version <= MAX_U63:
-            return None
-    return ParamsReply(rid, metas, versions)
+    for m in metas:
+        if m.encoding == compression.TOPK:
+            raise ProtocolError("params reply: parameters never travel as top-k")
+    return metas, uint_list(h, "versions", len(metas))
 
 
 def encode_params(rid: int, entries: list[list[Any]], versions: list[int], payload: Sequence[np.ndarray],

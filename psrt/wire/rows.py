@@ -32,7 +32,7 @@ from psrt import dtypes
 from psrt.config import WireLimits
 from psrt.errors import ProtocolError
 from psrt.kernels.rows import INITIALIZERS
-from psrt.wire.codec import MAX_U63, check_fields, encode, string, uint
+from psrt.wire.codec import MAX_U63, MAX_WORKER, check_fields, encode, string, uint
 
 __all__ = ["InitTableRequest", "PushRowsRequest", "PullRowsRequest", "RowsReply", "REQUEST_FIELDS", "IDS_DTYPE",
            "MAX_ROW_DIM", "decode_row_request", "decode_rows_reply", "encode_init_table", "encode_push_rows",
@@ -42,7 +42,6 @@ __all__ = ["InitTableRequest", "PushRowsRequest", "PullRowsRequest", "RowsReply"
 IDS_DTYPE = np.dtype("<i8")
 #: Longest row on the wire.
 MAX_ROW_DIM = 1 << 20
-_MAX_WORKER = 1 << 31
 _INITS = tuple(INITIALIZERS)
 
 REQUEST_FIELDS: dict[str, frozenset[str]] = {
@@ -166,7 +165,7 @@ def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLi
     """
     op = h["op"]
     check_fields(op, h, REQUEST_FIELDS[op])
-    rid, worker = uint(h, "id"), uint(h, "worker", _MAX_WORKER)
+    rid, worker = uint(h, "id"), uint(h, "worker", MAX_WORKER)
     pull = op == "pull_rows"
     table, dim, dtype, count = _shape(h, limits, with_dtype=not pull)
     want = 1 if pull else (0 if op == "init_table" and count == 0 else 2)

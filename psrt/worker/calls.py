@@ -66,10 +66,10 @@ class ShardCalls:
         Timeouts, high-water marks, decode limits and keys.
     check : callable, optional
         Called while waiting; raises to end every wait at once (the job failed:
-        :meth:`psrt.control.link.Heartbeat.check`).
+        :meth:`psrt.control.link.HeartbeatThread.check`).
     moves : dict, optional
         Shards that restarted on another endpoint, filled by another thread
-        (:attr:`psrt.control.link.Heartbeat.moves`):
+        (:attr:`psrt.control.link.HeartbeatThread.moves`):
         every wait takes them in, re-points the shard's socket and sends again what it never answered.
     """
 

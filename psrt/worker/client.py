@@ -22,10 +22,10 @@ from psrt import dtypes, transport, wire
 from psrt.checks import check_endpoint
 from psrt.config import ClientConfig, ClusterConfig
 from psrt.control import security
-from psrt.control.link import Heartbeat, SchedulerLink, join_as_worker
+from psrt.control.link import HeartbeatThread, SchedulerLink, join_as_worker
 from psrt.errors import ConfigError, ConnectionLostError, PsrtError, PsrtTypeError
 from psrt.optim import SGD, Optimizer
-from psrt.partition import Chunk, PartitionMap
+from psrt.partition import MAX_CACHED_PLANS, Chunk, PartitionMap
 from psrt.shm.lanes import WorkerLanes, call_bytes
 from psrt.worker import exits
 from psrt.worker.buffers import ReceivePool
@@ -83,7 +83,7 @@ class Client(EmbeddingCalls):
         security.load_keys(self.config.keys)  # a bad key directory fails here, before any socket or thread
         self._closed = True  # until the sockets exist
         self._link: Optional[SchedulerLink] = None
-        self._heartbeat: Optional[Heartbeat] = None
+        self._heartbeat: Optional[HeartbeatThread] = None
         self._elastic = False
         self._barriers = 0
         if servers is None:
@@ -410,7 +410,7 @@ class Client(EmbeddingCalls):
         plan = self._plans.get(names)
         if plan is None:
             plan = self._map.messages(self._map.chunks_of(names))
-            if len(self._plans) < 4096:  # a loop pushing each of a model's tensors apart repeats that many sets
+            if len(self._plans) < MAX_CACHED_PLANS:
                 self._plans[names] = plan
         return plan
 

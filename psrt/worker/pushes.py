@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import numpy as np
 
 from psrt import wire
-from psrt.partition import Chunk
+from psrt.partition import MAX_CACHED_PLANS, Chunk
 from psrt.shm.lanes import LaneUse, WorkerLanes, call_bytes
 from psrt.wire import compression
 from psrt.worker.calls import Handle, ShardCalls
@@ -105,7 +105,7 @@ class PushPlans:
                 if self._compress is None:
                     prefixes = [self._prefix(msg, pull) for msg in msgs]
                 plan.append(_ShardPush(shard, msgs, call_bytes(msgs, True, pull), prefixes))
-            if len(self._plans) < 4096:  # as the client's plans: a loop may push each tensor of a model apart
+            if len(self._plans) < MAX_CACHED_PLANS:
                 self._plans[(names, pull)] = plan
         return plan
 
