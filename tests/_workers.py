@@ -1,19 +1,43 @@
-"""Worker programs the integration tests run as separate processes.
+"""The worker programs the tests run as processes of their own, one role each.
 
-``python tests/_workers.py ROLE JSON_ARGS`` runs one worker and prints one JSON line with its result.
+``python tests/_workers.py ROLE JSON_ARGS`` runs the role's function with the JSON object's fields as keyword
+arguments. A role may print progress lines first (``training`` once its first step is done, ``done N`` at a normal
+end); its result comes last, as one ``psrt-worker-result {json}`` line (:func:`psrt.control.process.result_line`,
+read back with :func:`psrt.control.process.parse_results`, also behind ``psrt launch``'s ``[worker N]`` prefix). A
+result holding an ``error`` exits 1. Under ``psrt launch`` every worker gets the same arguments: a role that treats
+one rank apart (``how``, ``die_at``) reads its rank from its client.
+
+Roles that join a job through its scheduler take ``psrt.Client()`` from the environment (``PSRT_SCHEDULER``,
+``PSRT_WORKER_ID``); the others take the shards' endpoints as ``servers``. ``tests/_helpers.py`` builds the command
+lines (:func:`_helpers.worker_command`) and collects the results. The pairwise combination suite keeps its own
+worker (``tests/_combo_worker.py``), which designs its gradients for its oracle.
+
+torch is imported only by the roles and functions that use it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import stat
 import sys
+import time
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 import psrt
 from psrt.config import ClientConfig
+from psrt.control.process import result_line
+
+#: Clients a script leaves open (``crash``'s ``return`` and ``raise``): kept here, as a script's module scope
+#: would keep them, so that they stay open until the interpreter exits and its exit hook closes them.
+LEFT_OPEN: list[psrt.Client] = []
 
 
+# ---------------------------------------------------------------------------------------------- exact sums
 def async_pusher(servers: list[str], rank: int, workers: int, steps: int, size: int, partition_bytes: int) -> dict:
     """Push ``steps`` integer-valued gradients (rank+1+step mod 7) of ``size`` float32; SGD lr=1."""
     config = ClientConfig(partition_bytes=partition_bytes, timeout=60)
@@ -56,7 +80,331 @@ def sync_slice(servers: list[str], rank: int, workers: int, steps: int, seed: in
     return {"w": p["w"].tolist(), "b": p["b"].tolist(), "stats": stats}
 
 
+def ride(servers: Optional[list[str]], rank: int, workers: int, steps: int, step_s: float) -> dict:
+    """A worker whose every push is recognisable: push (rank, step) adds W at index rank*T + step of ``w``.
+
+    With SGD lr=1 in sync mode over W workers, each applied push moves its own index of ``w`` by exactly -1: after
+    training, an index at 0 is a push lost, -1 applied once, -2 applied twice. Returns the counts, the longest
+    step, and per rank the steps whose push was lost. ``servers`` None: join the job of the scheduler in
+    ``PSRT_SCHEDULER``.
+    """
+    size = workers * steps
+    gaps, last = [], None
+    with psrt.Client(servers, rank=rank, num_workers=workers, config=ClientConfig(timeout=60)) as client:
+        client.init({"w": np.zeros(size, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        grad = np.zeros(size, np.float32)
+        for step in range(steps):
+            grad[:] = 0
+            grad[rank * steps + step] = workers
+            client.push_pull({"w": grad})
+            now = time.monotonic()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            if step == 0:
+                print("training", flush=True)
+            time.sleep(step_s)
+        final = client.pull()["w"]
+        if servers is None:
+            client.barrier()  # nobody says done (ending the job) before everyone has pulled
+    values, counts = np.unique(final, return_counts=True)
+    lost = {r: [int(s) for s in np.flatnonzero(final[r * steps:(r + 1) * steps] == 0)] for r in range(workers)}
+    return {"rank": rank, "counts": {str(float(v)): int(c) for v, c in zip(values, counts)}, "max_gap": max(gaps),
+            "lost": lost}
+
+
+# ---------------------------------------------------------------------------------------------- under a scheduler
+def scheduled(steps: int = 3, exit_code: int = 0) -> dict:
+    """Finds everything through the scheduler (``psrt.Client()`` with no arguments) and trains ``steps`` sync
+    rounds; worker 1 exits with ``exit_code`` at once when it is not 0 (the launcher must stop everything)."""
+    with psrt.Client() as client:
+        if exit_code and client.rank == 1:
+            sys.exit(exit_code)
+        params = client.init({"w": np.zeros(100_000, np.float32), "b": np.zeros(3, np.float32)},
+                             optimizer=psrt.SGD(lr=1.0))
+        client.barrier()
+        for _ in range(steps):
+            grads = {"w": np.full(100_000, client.rank + 1, np.float32), "b": np.ones(3, np.float32)}
+            params = client.push_pull(grads)
+        client.barrier()
+    return {"rank": client.rank, "num_workers": client.num_workers, "servers": client.servers,
+            "w0": float(params["w"][0]), "b0": float(params["b"][0])}
+
+
+def liveness(steps: int, step_s: float, die_at: str = "") -> dict:
+    """Trains until told otherwise, then reports how its job ended.
+
+    Prints ``training`` once its first step is done, then pushes and pulls every ``step_s`` seconds until ``steps``
+    steps are done or psrt raises: ``error`` (the exception's type), ``message`` and ``at`` (``time.time()``) say
+    which. ``die_at="RANK:STEP"``: that worker kills itself (SIGKILL) after that step, as a crash would.
+    """
+    result = {"error": None, "message": "", "at": 0.0, "steps": 0, "max_gap": 0.0, "rank": -1}
+    die = die_at.split(":")
+    try:
+        with psrt.Client() as client:
+            result["rank"] = client.rank
+            start = client.init({"w": np.zeros(1000, np.float32)}, optimizer=psrt.SGD(lr=0.1))
+            result["init_w0"] = float(start["w"][0])
+            last = None
+            for step in range(steps):
+                params = client.push_pull({"w": np.ones(1000, np.float32)})
+                now = time.monotonic()
+                if last is not None:  # the longest wait for one step: a stall shows here
+                    result["max_gap"] = max(result["max_gap"], now - last)
+                last = now
+                result["steps"] = step + 1
+                result["w0"] = float(params["w"][0])
+                if step == 0:
+                    print("training", flush=True)
+                if len(die) == 2 and int(die[0]) == client.rank and int(die[1]) == step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(step_s)
+    except psrt.PsrtError as exc:
+        result.update(error=type(exc).__name__, message=str(exc), at=time.time())
+    return result
+
+
+def crash(steps: int, how: str = "-1:0:none", tensors: str = "dense") -> dict:
+    """Trains with push_pull while one rank misbehaves as ``how`` says: ``RANK:STEP:WHAT``.
+
+    Worker RANK, after STEP steps, does WHAT: ``raise`` (an uncaught RuntimeError, client left open), ``raise-with``
+    (the same inside ``with psrt.Client()``), ``exit-N`` (``sys.exit(N)``, client left open), ``return`` (the
+    script simply ends, client left open), ``finish`` (close the client and end, as a worker with fewer steps
+    would). ``tensors="rows"`` adds an embedding table to every step. Prints ``training`` after the first step,
+    and ``done STEPS`` at a normal end.
+    """
+    rank_s, step_s, what = (how.split(":") + [""])[:3]
+    bad_rank, bad_step = int(rank_s), int(step_s)
+    rows = tensors == "rows"
+    client = psrt.Client()
+    LEFT_OPEN.append(client)
+    scope = client if what == "raise-with" or client.rank != bad_rank else contextlib.nullcontext()
+    with scope:
+        client.init({"w": np.zeros(1000, np.float32)}, optimizer=psrt.SGD(lr=0.1))
+        if rows:
+            client.init_embedding("t", dim=4, optimizer=psrt.SGD(lr=0.1), init="zeros")
+        for step in range(steps):
+            if client.rank == bad_rank and step == bad_step:
+                if what.startswith("raise"):
+                    raise RuntimeError("user bug in the training script")
+                if what.startswith("exit-"):
+                    sys.exit(int(what.split("-")[1]))
+                if what == "finish":
+                    client.close()
+                break
+            client.push_pull({"w": np.ones(1000, np.float32)})
+            if rows:
+                client.push_rows("t", np.array([1, 2]), np.ones((2, 4), np.float32))
+                client.pull_rows("t", np.array([1, 2]))
+            if step == 0:
+                print("training", flush=True)
+        else:
+            print(f"done {steps}", flush=True)
+    return {"rank": client.rank}
+
+
+def secure() -> dict:
+    """Trains 3 sync rounds in a job with keys (``PSRT_KEYS``), and tries the job's shards without them."""
+    keys = os.environ["PSRT_KEYS"]
+    mode = stat.S_IMODE(os.stat(keys).st_mode)
+    with psrt.Client() as client:
+        params = client.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        for _ in range(3):
+            params = client.push_pull({"w": np.full(4, client.rank + 1, np.float32)})
+        try:  # the job's shards must refuse a client without the keys
+            with psrt.Client(client.servers, config=ClientConfig(timeout=5.0, keys="")) as intruder:
+                intruder.stats()
+            refused = False
+        except psrt.AuthenticationError:
+            refused = True
+        client.barrier()
+    return {"rank": client.rank, "keys": keys, "mode": mode, "w0": float(params["w"][0]), "refused": refused}
+
+
+def momentum(steps: int) -> dict:
+    """``steps`` SGD-momentum steps on two tensors; per tensor: its first value at init, at the end, and whether
+    every entry ended equal."""
+    with psrt.Client() as c:
+        zeros = {"a": np.zeros(1000, np.float32), "b": np.zeros(1000, np.float32)}
+        start = c.init(zeros, optimizer=psrt.SGD(lr=0.5, momentum=0.5))
+        for _ in range(steps):
+            c.push_pull({"a": np.ones(1000, np.float32), "b": np.full(1000, 2.0, np.float32)})
+        end = c.pull()
+    return {n: [float(start[n][0]), float(end[n][0]), bool((end[n] == end[n][0]).all())] for n in ("a", "b")}
+
+
+# ---------------------------------------------------------------------------------------------- shared memory
+def lane_probe(servers: list[str], size: int = 300_000, steps: int = 1, value: float = 1.0) -> dict:
+    """``steps`` push_pulls of ``value`` (SGD lr=1) on a tensor above the lane threshold: the first and last
+    parameter, and the shard's count of bytes that came through shared memory and of pushes."""
+    with psrt.Client(servers, config=ClientConfig(timeout=30)) as c:
+        c.init({"w": np.zeros(size, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        for _ in range(steps):
+            p = c.push_pull({"w": np.full(size, value, np.float32)})
+        s = c.stats()[0]
+    return {"first": float(p["w"][0]), "last": float(p["w"][-1]), "shm_bytes_in": s["shm_bytes_in"],
+            "pushes": s["pushes"]}
+
+
+# ---------------------------------------------------------------------------------------------- bounded staleness
+def ssp(servers: list[str], rank: int, workers: int, steps: int, step_s: float, pattern: str = "dense") -> dict:
+    """``steps`` steps, each pushing the gradient rank+1 and pulling, sleeping ``step_s`` after each, in one of
+    several push patterns.
+
+    Patterns: ``dense`` (one push_pull of tensor "a"), ``rows`` (push_rows then pull_rows of a table), and, over two
+    tensors "a" and "b": ``apart`` (push a, push b, then pull both), ``backward`` (push b, then a, as a framework's
+    backward does, then pull), ``subset`` (push a every step, b every other step, then pull both), ``async``
+    (non-blocking pushes of a and b overlapped, then a non-blocking pull). Returns per step the wall-clock time
+    before the step's first push was sent and after its pull returned, and the final values.
+    """
+    ids = np.array([3, 7], np.int64)
+    before, after = [], []
+
+    def g() -> np.ndarray:
+        return np.full(8, rank + 1, np.float32)
+
+    with psrt.Client(servers, rank=rank, num_workers=workers) as client:
+        if pattern == "rows":
+            client.init_embedding("t", dim=4, optimizer=psrt.SGD(lr=1.0), init="zeros")
+        else:
+            client.init({"a": np.zeros(8, np.float32), "b": np.zeros(8, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        for step in range(steps):
+            before.append(time.time())
+            if pattern == "rows":
+                client.push_rows("t", ids, np.full((2, 4), rank + 1, np.float32))
+                client.pull_rows("t", ids)
+            elif pattern == "dense":
+                client.push_pull({"a": g()})
+            elif pattern in ("apart", "backward"):
+                for name in ("a", "b") if pattern == "apart" else ("b", "a"):
+                    client.push({name: g()})
+                client.pull(["a", "b"])
+            elif pattern == "subset":
+                client.push({"a": g()})
+                if step % 2 == 0:
+                    client.push({"b": g()})
+                client.pull(["a", "b"])
+            else:  # async
+                handles = [client.push_async({"a": g()}), client.push_async({"b": g()})]
+                for h in handles:
+                    h.wait()
+                client.pull_async(["a", "b"]).wait()
+            after.append(time.time())
+            time.sleep(step_s)
+        if pattern == "rows":
+            final = {"a": client.pull_rows("t", ids).reshape(-1)[:8].tolist()}
+        else:
+            final = {k: v.tolist() for k, v in client.pull().items()}
+    return {"rank": rank, "before": before, "after": after, "w": final}
+
+
+# ---------------------------------------------------------------------------------------------- with torch
+def make_cnn(seed: int) -> Any:
+    """A small float64 CNN on 8x8 single-channel images, 10 classes."""
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+        torch.nn.Linear(8 * 4 * 4, 10),
+    ).double()
+
+
+def batches(steps: int, size: int = 32) -> list[tuple[Any, Any]]:
+    """The same ``steps`` batches of (images, labels) in every process."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    return [(torch.randn(size, 1, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 10, (size,), generator=g))
+            for _ in range(steps)]
+
+
+def torch_cnn(servers: list[str], rank: int, workers: int, steps: int, out: str, lr: float, momentum: float,
+              weight_decay: float, overlap: bool = True, overlap_forward: bool = False,
+              synchronize: bool = False) -> dict:
+    """Trains :func:`make_cnn` with :class:`psrt.torch.DistributedOptimizer` on its half of every batch and saves
+    its initial and final parameters to the ``.npz`` file ``out``, read right after the loop (after
+    ``opt.synchronize()`` only if ``synchronize`` is true)."""
+    import torch
+
+    import psrt.torch
+
+    model = make_cnn(100 + rank)  # a different start per worker: the first init wins
+    opt = psrt.torch.DistributedOptimizer(
+        model.named_parameters(), optimizer=psrt.SGD(lr=lr, momentum=momentum, weight_decay=weight_decay),
+        client=psrt.Client(servers, rank=rank, num_workers=workers), overlap=overlap,
+        overlap_forward=overlap_forward)
+    initial = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for x, y in batches(steps):
+        opt.zero_grad()
+        loss_fn(model(x[rank::workers]), y[rank::workers]).backward()
+        opt.step()
+    if synchronize:
+        opt.synchronize()
+    final = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    np.savez(out, **{f"initial/{k}": v for k, v in initial.items()}, **{f"final/{k}": v for k, v in final.items()})
+    opt.close()
+    opt.client.close()
+    return {"rank": rank}
+
+
+def click_batch(step: int, size: int, bag: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """The click model's whole batch at ``step``: ``(size, bag)`` ids with hot ids repeating, and 0/1 labels."""
+    rng = np.random.default_rng(1000 + step)
+    ids = (rng.zipf(1.3, (size, bag)) - 1) % vocab
+    return ids.astype(np.int64), rng.integers(0, 2, size).astype(np.float32)
+
+
+def click_loss(rows: Any, w: Any, b: Any, labels: Any, bag: int) -> Any:
+    """Mean-pooled bags, a linear head, binary cross-entropy (the mean over the samples given)."""
+    import torch
+
+    pooled = rows.view(-1, bag, rows.shape[-1]).mean(1)
+    return torch.nn.functional.binary_cross_entropy_with_logits(pooled @ w + b, labels)
+
+
+def embedding_clicks(servers: list[str], rank: int, workers: int, bag: int, size: int, vocab: int, steps: int,
+                     lr: float, init: str, out: str) -> dict:
+    """An EmbeddingBag-style click model, rows and dense head on psrt: worker ``rank`` of W trains on its slice of
+    every batch (:func:`click_batch`), from the ``.npz`` file ``init``; rank 0 writes the final rows and dense
+    weights to ``out``."""
+    import torch
+
+    start = np.load(init)
+    opt = psrt.AdaGrad(lr=lr)
+    with psrt.Client(servers, rank=rank, num_workers=workers, config=ClientConfig(timeout=60)) as c:
+        c.init_embedding("items", dim=start["emb"].shape[1], optimizer=opt, initial=start["emb"])
+        dense = c.init({"w": start["w"], "b": start["b"]}, optimizer=opt)
+        per = size // workers
+        for step in range(steps):
+            ids, labels = click_batch(step, size, bag, vocab)
+            ids, labels = ids[rank * per:(rank + 1) * per].reshape(-1), labels[rank * per:(rank + 1) * per]
+            rows = torch.from_numpy(c.pull_rows("items", ids)).requires_grad_()
+            w, b = (torch.from_numpy(dense[k]).requires_grad_() for k in ("w", "b"))
+            click_loss(rows, w, b, torch.from_numpy(labels), bag).backward()
+            pushed = c.push_rows_async("items", ids, rows.grad.numpy())
+            dense = c.push_pull({"w": w.grad.numpy(), "b": b.grad.numpy()})
+            pushed.wait()
+        if rank == 0:
+            final = c.pull_rows("items", np.arange(vocab))
+            np.savez(out, emb=final, w=dense["w"], b=dense["b"])
+    return {"rank": rank}
+
+
+ROLES: dict[str, Callable[..., dict]] = {f.__name__: f for f in (
+    async_pusher, sync_slice, ride, scheduled, liveness, crash, secure, momentum, lane_probe, ssp, torch_cnn,
+    embedding_clicks)}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) not in (2, 3) or argv[1] not in ROLES:
+        print(f"usage: python {argv[0]} ROLE [JSON_ARGS]; ROLE is one of {', '.join(ROLES)}", file=sys.stderr)
+        return 2
+    result = ROLES[argv[1]](**(json.loads(argv[2]) if len(argv) == 3 else {}))
+    print(result_line(result), flush=True)
+    return 1 if result.get("error") else 0
+
+
 if __name__ == "__main__":
-    role, args = sys.argv[1], json.loads(sys.argv[2])
-    result = {"async_pusher": async_pusher, "sync_slice": sync_slice}[role](**args)
-    print(json.dumps(result), flush=True)
+    sys.exit(main(sys.argv))

@@ -35,6 +35,7 @@ def test_human_units():
     assert [_common.human_bytes(n) for n in (64 << 10, 4 << 20, 100)] == ["64 KiB", "4 MiB", "100 B"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_")))
 def test_every_bench_script_starts(script):
     proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
@@ -43,6 +44,7 @@ def test_every_bench_script_starts(script):
     assert proc.stdout.startswith("usage:")
 
 
+@pytest.mark.integration
 def test_start_server_gives_a_ready_server_and_stops_it_cleanly():
     server = _common.start_server(1, timeout=30)
     try:
@@ -79,6 +81,7 @@ def test_convergence_lead_table_and_verdicts():
     assert "| sync fp16 | 3.40 | not reached | 90.0 % | 0.5 kB | 1 |" in convergence.table(results)
 
 
+@pytest.mark.integration
 def test_convergence_workers_train_on_loopback(shards):
     """The bench's worker, W = 4 of them against one local shard, one epoch with top-k pushes."""
     pytest.importorskip("torch")
@@ -107,6 +110,7 @@ def run_bench(script: str, args: list[str], tmp_path: Path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.integration
 def test_peers_reports_every_psrt_row_with_bandwidths_and_checks(tmp_path):
     """peers.py end to end on a tiny workload, only the psrt rows (Ray and torch are an extra)."""
     report = run_bench("peers.py", ["--systems", "psrt,psrt-tuned,psrt-sockets", "--elements", "20000",
@@ -135,6 +139,7 @@ def test_peers_target_compares_plain_psrt_with_the_faster_baseline():
     assert peers._target(rows)["verdict"] == "MISS"
 
 
+@pytest.mark.integration
 def test_pslite_pattern_runs_every_row_and_checks_exactly(tmp_path):
     """pslite.py end to end on tiny keys: every row's goodput is counted and its parameters are exact."""
     report = run_bench("pslite.py", ["--servers", "2", "--workers", "2", "--key-bytes", "4K", "--keys-per-server",

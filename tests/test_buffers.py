@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import psrt
+
+pytestmark = pytest.mark.integration
 
 
 def test_returned_arrays_are_reused_only_once_free(shards):

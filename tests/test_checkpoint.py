@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _helpers import LIVENESS, NAMED_AFTER_S, finish_worker, start_worker, stop_workers, worker_command
 
 import psrt
 from psrt.config import ServerConfig
@@ -136,6 +137,7 @@ def _serve_one(config: ServerConfig):
     return Server(config)
 
 
+@pytest.mark.integration
 def test_a_server_restores_its_state_and_answers_a_checkpoint_request(tmp_path, shards):
     group = shards(1, workers=1, extra=("--checkpoint-dir", str(tmp_path)))
     with psrt.Client(group.endpoints) as c:
@@ -158,6 +160,7 @@ def test_a_server_restores_its_state_and_answers_a_checkpoint_request(tmp_path, 
         server.close()
 
 
+@pytest.mark.integration
 def test_a_shard_without_a_directory_refuses_a_checkpoint_request(shards):
     group = shards(1)
     with psrt.Client(group.endpoints) as c:
@@ -165,12 +168,15 @@ def test_a_shard_without_a_directory_refuses_a_checkpoint_request(shards):
             c.checkpoint()
 
 
+#: The issue's bound on the workers' longest step across a shard's restart on its own address (by hand: the
+#: client resends what the dead shard never answered once its socket reconnects; no heartbeat is involved).
+RECOVERY_WITHIN_S = 5.0
+
+
+@pytest.mark.integration
 def test_a_killed_shard_restarted_with_restore_is_ridden_through_with_no_push_applied_twice(tmp_path):
     """kill -9 of a standalone shard during sync training; restarted on its address with --restore."""
-    import json
     import signal
-    import subprocess
-    import sys
     import time
 
     from psrt.control.process import SERVER_READY, Child, psrt_command
@@ -180,9 +186,8 @@ def test_a_killed_shard_restarted_with_restore_is_ridden_through_with_no_push_ap
              str(every))
     shard = Child(psrt_command(*serve, "--bind", "tcp://127.0.0.1:*"), label="shard", ready=SERVER_READY)
     endpoint = shard.wait_ready(30).group(1)
-    script = str(Path(__file__).with_name("_ride_worker.py"))
-    procs = [subprocess.Popen([sys.executable, script, endpoint, str(r), str(workers), str(steps), "0.02"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(workers)]
+    procs = [start_worker("ride", servers=[endpoint], rank=r, workers=workers, steps=steps, step_s=0.02)
+             for r in range(workers)]
     restarted = None
     try:
         for p in procs:
@@ -193,15 +198,9 @@ def test_a_killed_shard_restarted_with_restore_is_ridden_through_with_no_push_ap
         restarted = Child(psrt_command(*serve, "--bind", endpoint, "--restore"), label="shard",
                           ready=SERVER_READY)
         restarted.wait_ready(30)
-        results = []
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err
-            results.append(json.loads(out.strip().splitlines()[-1]))
+        results = [finish_worker(p)[0] for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        stop_workers(procs)
         for c in (shard, restarted):
             if c is not None:
                 c.stop()
@@ -211,19 +210,17 @@ def test_a_killed_shard_restarted_with_restore_is_ridden_through_with_no_push_ap
         lost = counts.get("0.0", 0)
         assert lost % workers == 0 and lost // workers <= every, counts  # at most the rounds since the checkpoint
         assert counts["-1.0"] + lost == workers * steps
-        assert res["max_gap"] < 5.0, res  # recovery time
+        assert res["max_gap"] < RECOVERY_WITHIN_S, res
     assert results[0]["counts"] == results[1]["counts"]
     assert "restored" in restarted.output, restarted.output
     print(f"ride-through: {results[0]['counts'].get('0.0', 0) // workers} rounds lost, longest step "
           f"{max(r['max_gap'] for r in results):.2f}s")
 
 
+@pytest.mark.integration
 def test_under_a_scheduler_a_restarted_server_takes_its_slot_back(tmp_path):
-    import json
     import signal
     import socket
-    import subprocess
-    import sys
     import time
 
     from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command
@@ -238,11 +235,8 @@ def test_under_a_scheduler_a_restarted_server_takes_its_slot_back(tmp_path):
     serve = ("server", "--scheduler", scheduler, "--bind", f"tcp://127.0.0.1:{port}", "--checkpoint-dir",
              str(tmp_path), "--checkpoint-every", str(every))
     shard = Child(psrt_command(*serve), label="shard", ready=SERVER_READY)
-    script = str(Path(__file__).with_name("_ride_worker.py"))
-    env = {**os.environ, "PSRT_SCHEDULER": scheduler}
-    procs = [subprocess.Popen([sys.executable, script, "-", str(r), str(workers), str(steps), "0.02"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**env, "PSRT_WORKER_ID": str(r)}) for r in range(workers)]
+    procs = [start_worker("ride", env={"PSRT_SCHEDULER": scheduler, "PSRT_WORKER_ID": str(r)}, servers=None, rank=r,
+                          workers=workers, steps=steps, step_s=0.02) for r in range(workers)]
     restarted = None
     try:
         shard.wait_ready(30)
@@ -251,19 +245,15 @@ def test_under_a_scheduler_a_restarted_server_takes_its_slot_back(tmp_path):
         time.sleep(1.0)
         shard.signal(signal.SIGKILL)
         shard.wait(10)
-        time.sleep(3.5)  # past the heartbeat timeout: the scheduler waits for the restart instead of failing
+        # Past the time the scheduler takes to find the shard silent (and a beat more): it waits for the restart
+        # instead of failing the job.
+        time.sleep(NAMED_AFTER_S + LIVENESS.heartbeat_interval)
         restarted = Child(psrt_command(*serve, "--restore"), label="shard", ready=SERVER_READY)
         assert "rank=0" in restarted.wait_ready(30).string
-        results = []
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err
-            results.append(json.loads(out.strip().splitlines()[-1]))
+        results = [finish_worker(p)[0] for p in procs]
         assert sched.wait(30) == 0, sched.output
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        stop_workers(procs)
         for c in (shard, restarted, sched):
             if c is not None:
                 c.stop()
@@ -275,9 +265,9 @@ def test_under_a_scheduler_a_restarted_server_takes_its_slot_back(tmp_path):
         assert counts.get("0.0", 0) // workers <= every, counts
 
 
+@pytest.mark.integration
 def test_psrt_checkpoint_asks_every_shard_of_a_running_job(tmp_path):
     import subprocess
-    import sys
 
     from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command, stop_children
 
@@ -288,8 +278,7 @@ def test_psrt_checkpoint_asks_every_shard_of_a_running_job(tmp_path):
         for _ in range(2):
             children.append(Child(psrt_command("server", "--scheduler", scheduler, "--checkpoint-dir",
                                                str(tmp_path)), label="server", ready=SERVER_READY))
-        worker = str(Path(__file__).with_name("_liveness_worker.py"))
-        children.append(Child([sys.executable, worker, "100000", "0.01"], label="worker",
+        children.append(Child(worker_command("liveness", steps=100_000, step_s=0.01), label="worker",
                               env={"PSRT_SCHEDULER": scheduler}, ready=re.compile("^training")))
         children[-1].wait_ready(60)
         proc = subprocess.run(psrt_command("checkpoint", scheduler), capture_output=True, text=True, timeout=60)
@@ -304,6 +293,7 @@ def test_psrt_checkpoint_asks_every_shard_of_a_running_job(tmp_path):
         stop_children(children)
 
 
+@pytest.mark.integration
 def test_checkpoints_include_embedding_tables(tmp_path, shards):
     group = shards(1, workers=1, extra=("--checkpoint-dir", str(tmp_path)))
     ids = np.array([5, 17, 5, 123_456_789, 2], np.int64)
@@ -328,6 +318,7 @@ def test_checkpoints_include_embedding_tables(tmp_path, shards):
         server.close()
 
 
+@pytest.mark.integration
 def test_a_table_with_no_rows_yet_is_checkpointed_and_restored(tmp_path, shards):
     group = shards(1, workers=1, extra=("--checkpoint-dir", str(tmp_path)))
     with psrt.Client(group.endpoints) as c:

@@ -23,6 +23,7 @@ def run_psrt(*args: str, env: dict | None = None, timeout: float = 60) -> subpro
                           env={**os.environ, **(env or {})})
 
 
+@pytest.mark.integration
 def test_version_prints_the_package_version():
     proc = run_psrt("--version")
     assert proc.returncode == 0, proc.stderr
@@ -35,6 +36,7 @@ def subcommands() -> dict:
     return group.choices
 
 
+@pytest.mark.integration
 def test_every_subcommand_has_a_description():
     commands = subcommands()
     assert {"server", "scheduler", "launch", "run", "stats", "worker", "model", "demo"} <= set(commands)
@@ -64,6 +66,7 @@ def one_line_error(proc: subprocess.CompletedProcess, code: int = 2) -> str:
     return lines[-1]
 
 
+@pytest.mark.integration
 def test_a_missing_worker_program_is_a_one_line_error():
     proc = run_psrt("launch", "-s", "1", "-w", "1", "--", "/nonexistent/psrt-test-program")
     assert "cannot start the workers: /nonexistent/psrt-test-program: no such program" in one_line_error(proc)
@@ -73,6 +76,7 @@ def test_a_missing_worker_program_is_a_one_line_error():
     assert "/nonexistent/psrt-test-program: No such file or directory" in line
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("args", [
     ("server", "--bind", "tcp://nonsense"),
     ("server", "--bind", "foo://x"),
@@ -91,6 +95,7 @@ def test_valid_endpoints_pass_the_check():
     assert cli._bind_endpoint("tcp://0.0.0.0:*") == "tcp://0.0.0.0:*"
 
 
+@pytest.mark.integration
 def test_a_taken_metrics_port_is_a_one_line_error():
     pytest.importorskip("prometheus_client")
     with socket.socket() as s:
@@ -101,6 +106,7 @@ def test_a_taken_metrics_port_is_a_one_line_error():
     assert f"--metrics-port: cannot listen on 127.0.0.1:{port}" in one_line_error(proc)
 
 
+@pytest.mark.integration
 def test_the_demo_without_scikit_learn_says_what_to_install():
     code = "import sys; sys.modules['sklearn'] = None; from psrt.cli import main; sys.exit(main(['demo']))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -118,6 +124,7 @@ def test_ctrl_c_ends_a_command_without_a_traceback(monkeypatch, capsys):
     assert "Traceback" not in captured.out + captured.err
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("args, port", [
     (("server", "--bind", "tcp://127.0.0.1:99999"), "99999"),
     (("scheduler", "--bind", "tcp://127.0.0.1:70000"), "70000"),
@@ -142,6 +149,7 @@ def test_a_port_out_of_range_is_refused_in_process_too():
         psrt.Client(servers=["tcp://127.0.0.1:99999"])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("args, says", [
     (("scheduler", "--timeout", "-1"), "--timeout"),
     (("launch", "-s", "1", "-w", "1", "--timeout", "-1", "--", "true"), "--timeout"),
@@ -161,6 +169,7 @@ def test_a_value_that_cannot_be_meant_is_a_usage_error(args, says):
     assert "ready" not in proc.stdout  # refused before anything started
 
 
+@pytest.mark.integration
 def test_an_unwritable_checkpoint_dir_fails_at_start(tmp_path):
     (tmp_path / "file").write_text("")
     where = tmp_path / "file" / "checkpoints"  # under a regular file: no user can write there, root neither
@@ -182,6 +191,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("uri, bound", [("127.0.0.1", "127.0.0.1"), ("localhost", "127.0.0.1"),
                                         ("0.0.0.0", "0.0.0.0")])
 def test_psrt_run_binds_the_schedulers_uri_not_every_interface(uri, bound):
@@ -200,6 +210,7 @@ def test_psrt_run_binds_the_schedulers_uri_not_every_interface(uri, bound):
         proc.stdout.close()
 
 
+@pytest.mark.integration
 def test_psrt_run_refuses_a_scheduler_address_of_another_host():
     env = {"DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": "203.0.113.77", "DMLC_PS_ROOT_PORT": "5700",
            "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": "1"}
@@ -215,6 +226,7 @@ def test_scheduler_bind_resolves_names_and_keeps_the_explicit_everywhere():
         launch.scheduler_bind("tcp://no-such-host.invalid:5700")
 
 
+@pytest.mark.integration
 def test_launch_exits_143_on_sigterm():
     import signal
 
@@ -235,12 +247,14 @@ def test_launch_exits_143_on_sigterm():
             proc.communicate()
 
 
+@pytest.mark.integration
 def test_launch_on_an_address_of_another_host_says_why_the_scheduler_did_not_start():
     line = one_line_error(run_psrt("launch", "-s", "1", "-w", "1", "--host", "203.0.113.77", "--", "true"))
     assert line.startswith("psrt: error: scheduler exited with code 2 before it was ready")
     assert "cannot bind tcp://203.0.113.77" in line and not line.endswith("''")  # it ended in '' (output streamed)
 
 
+@pytest.mark.integration
 def test_launch_labels_each_server_with_its_rank():
     import re
 

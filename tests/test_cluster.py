@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
 import sys
 import urllib.request
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
+from _helpers import launched_results, worker_command
 
 import psrt
 from psrt.config import ClusterConfig
-from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command, stop_children
+from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, parse_results, psrt_command, stop_children
 
-WORKER = str(Path(__file__).with_name("_cluster_worker.py"))
 PSRT = psrt_command()
 
 
@@ -44,15 +42,11 @@ def launch(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProces
     return proc, marker
 
 
-def results(stdout: str) -> list[dict]:
-    return sorted((json.loads(line.split("] ", 1)[1]) for line in stdout.splitlines()
-                   if line.startswith("[worker") and "{" in line), key=lambda r: r["rank"])
-
-
+@pytest.mark.integration
 def test_launch_runs_a_job_and_leaves_nothing_behind():
-    proc, marker = launch("-s", "2", "-w", "3", "--", sys.executable, WORKER, "4")
+    proc, marker = launch("-s", "2", "-w", "3", "--", *worker_command("scheduled", steps=4))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    res = results(proc.stdout)
+    res = launched_results(proc.stdout)
     assert [r["rank"] for r in res] == [0, 1, 2]
     # Sync mode, SGD lr=1, 4 rounds of the averaged gradient (1+2+3)/3 = 2 on w and 1 on b.
     assert all(r["w0"] == -8.0 and r["b0"] == -4.0 and r["num_workers"] == 3 for r in res)
@@ -63,8 +57,10 @@ def test_launch_runs_a_job_and_leaves_nothing_behind():
     assert processes_with_marker(marker) == []
 
 
+@pytest.mark.integration
 def test_launch_stops_everything_when_a_worker_fails():
-    proc, marker = launch("-s", "1", "-w", "3", "--timeout", "20", "--", sys.executable, WORKER, "2", "7")
+    proc, marker = launch("-s", "1", "-w", "3", "--timeout", "20", "--", *worker_command("scheduled", steps=2,
+                                                                                         exit_code=7))
     assert proc.returncode == 7
     assert "worker 1 exited with code 7" in proc.stdout
     assert processes_with_marker(marker) == []
@@ -73,6 +69,7 @@ def test_launch_stops_everything_when_a_worker_fails():
 KILL_SELF = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
 
 
+@pytest.mark.integration
 def test_launch_exits_128_plus_n_for_a_worker_killed_by_signal_n():
     proc, marker = launch("-s", "1", "-w", "2", "--timeout", "20", "--", sys.executable, "-c", KILL_SELF)
     assert proc.returncode == 128 + 9, proc.stdout + proc.stderr  # as a shell reports it, not 247
@@ -80,6 +77,7 @@ def test_launch_exits_128_plus_n_for_a_worker_killed_by_signal_n():
     assert processes_with_marker(marker) == []
 
 
+@pytest.mark.integration
 def test_psrt_run_exits_128_plus_n_for_a_worker_killed_by_signal_n():
     env = {**os.environ, "PSRT_ROLE": "worker", "PSRT_SCHEDULER": "tcp://127.0.0.1:5700"}
     proc = subprocess.run([*PSRT, "run", "--", sys.executable, "-c", KILL_SELF], capture_output=True, text=True,
@@ -87,6 +85,7 @@ def test_psrt_run_exits_128_plus_n_for_a_worker_killed_by_signal_n():
     assert proc.returncode == 137, proc.stderr
 
 
+@pytest.mark.integration
 def test_launch_rejects_a_missing_command():
     proc = subprocess.run([*PSRT, "launch", "-s", "1", "-w", "1"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "no worker command" in proc.stderr
@@ -96,6 +95,7 @@ def start(cmd: list[str], env: dict | None = None, ready: re.Pattern | None = No
     return Child(cmd, env=env, ready=ready, label=" ".join(cmd[3:5]))
 
 
+@pytest.mark.integration
 def test_missing_processes_are_named_at_the_start_deadline():
     # The deadline leaves a loaded machine ample time to start the one server that does come.
     procs = [start([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "2", "--workers", "2",
@@ -113,6 +113,7 @@ def test_missing_processes_are_named_at_the_start_deadline():
         stop_children(procs)
 
 
+@pytest.mark.integration
 def test_daemons_by_hand_with_stats_and_metrics(tmp_path):
     procs = [start([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "2", "--workers", "1"],
                    ready=SCHEDULER_READY)]
@@ -150,6 +151,7 @@ def test_daemons_by_hand_with_stats_and_metrics(tmp_path):
         stop_children(procs)
 
 
+@pytest.mark.integration
 def test_psrt_run_takes_roles_from_dmlc_environment():
     import socket
 
@@ -160,12 +162,12 @@ def test_psrt_run_takes_roles_from_dmlc_environment():
             "DMLC_NUM_WORKER": "2", "DMLC_NODE_HOST": "127.0.0.1"}
     procs = [start([*PSRT, "run"], env={**base, "DMLC_ROLE": "scheduler"}),
              start([*PSRT, "run"], env={**base, "DMLC_ROLE": "server"})]
-    procs += [start([*PSRT, "run", "--", sys.executable, WORKER, "2"],
+    procs += [start([*PSRT, "run", "--", *worker_command("scheduled", steps=2)],
                     env={**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i)}) for i in (1, 0)]
     try:
         outs = [p.communicate(timeout=60) for p in procs]
         assert [p.returncode for p in procs] == [0, 0, 0, 0], outs
-        res = [json.loads(line) for out in outs[2:] for line in out.splitlines() if line.startswith("{")]
+        res = [r for out in outs[2:] for r in parse_results(out)]
         assert sorted(r["rank"] for r in res) == [0, 1]
         assert {r["rank"] for r in res if r["servers"]} == {0, 1}
         assert [r["rank"] for r in res] == [1, 0]  # DMLC_WORKER_ID was honoured

@@ -37,6 +37,7 @@ def test_fp16_never_turns_a_large_gradient_into_inf():
     assert compression.encode("fp16", np.ones(3, np.float32))[0] == "<f2"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("codec", ["fp16", "bf16"])
 def test_compressed_pushes_halve_the_bytes_and_train_like_float32(shards, codec):
     """The same gradients pushed at full precision and compressed: fp16 ends within 1e-3 of float32 (the target);
@@ -58,6 +59,7 @@ def test_compressed_pushes_halve_the_bytes_and_train_like_float32(shards, codec)
     np.testing.assert_allclose(finals[codec], finals[None], rtol=1e-3 if codec == "fp16" else 5e-3)
 
 
+@pytest.mark.integration
 def test_a_gradient_out_of_fp16_range_travels_at_full_precision(shards):
     group = shards(1, workers=1)
     with psrt.Client(group.endpoints, compression="fp16") as c:
@@ -72,6 +74,7 @@ def test_an_unknown_compression_is_refused():
         ClientConfig(compression="zstd")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("codec", ["fp16", "bf16"])
 def test_a_16_bit_push_pull_gets_16_bit_parameters_back_and_pull_gets_full_precision(shards, codec):
     group = shards(1, workers=1)

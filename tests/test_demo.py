@@ -10,6 +10,8 @@ import pytest
 
 pytest.importorskip("sklearn")
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_launched_digits_training_reaches_high_accuracy(mode):

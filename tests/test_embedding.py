@@ -44,6 +44,12 @@ def test_growth_is_geometric_and_slack_small():
     assert t.find(np.array([10**9], np.int64))[0] == -1
 
 
+def test_coalesce_matches_numpy():
+    slots = np.array([2, 2, 1], np.int64)
+    u, s = coalesce(slots, np.ones((3, 2), np.float32))
+    assert u.tolist() == [1, 2] and s.tolist() == [[1, 1], [2, 2]]
+
+
 def test_coalesce_sums_duplicates():
     slots = np.array([3, 1, 3, 3, 0], np.int64)
     rows = np.arange(10, dtype=np.float32).reshape(5, 2)

@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-WORKER = Path(__file__).with_name("_embed_worker.py")
+from _helpers import run_workers  # noqa: E402
+from _workers import click_batch as batch  # noqa: E402
+from _workers import click_loss as loss_of  # noqa: E402
+
+pytestmark = pytest.mark.integration
 
 
 def test_two_sync_workers_match_torch_sparse_adagrad(shards, tmp_path):
-    sys.path.insert(0, str(WORKER.parent))
-    try:
-        from _embed_worker import batch, loss_of
-    finally:
-        sys.path.pop(0)
     vocab, dim, bag, size, steps, lr = 200, 16, 4, 64, 30, 0.05
     torch.manual_seed(0)
     emb = torch.nn.Embedding(vocab, dim, sparse=True)
@@ -41,18 +34,7 @@ def test_two_sync_workers_match_torch_sparse_adagrad(shards, tmp_path):
     out = tmp_path / "final.npz"
     common = dict(servers=group.endpoints, workers=2, bag=bag, size=size, vocab=vocab, steps=steps, lr=lr,
                   init=str(tmp_path / "init.npz"), out=str(out))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), json.dumps({**common, "rank": r})], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=180)
-            assert p.returncode == 0, err
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    run_workers("embedding_clicks", [{**common, "rank": r} for r in range(2)], timeout=180)
     got = np.load(out)
     touched = np.unique(np.concatenate([batch(s, size, bag, vocab)[0].reshape(-1) for s in range(steps)]))
     assert len(touched) > 20

@@ -97,6 +97,7 @@ def test_dealer_knows_where_each_reply_ends():
         ctx.term()
 
 
+@pytest.mark.integration
 def test_replies_queued_behind_the_awaited_one_reach_their_own_calls(shards):
     group = shards(1, workers=1, mode="async")
     with psrt.Client(group.endpoints, rank=0, num_workers=1, config=ClientConfig(timeout=20)) as c:
@@ -110,6 +111,7 @@ def test_replies_queued_behind_the_awaited_one_reach_their_own_calls(shards):
         assert c.stats()[0]["queued_pulls"] == 0
 
 
+@pytest.mark.integration
 def test_a_push_pull_whose_round_is_complete_is_answered_at_once_and_counted(shards):
     group = shards(1, workers=1, mode="sync")
     with psrt.Client(group.endpoints, rank=0, num_workers=1, config=ClientConfig(timeout=20)) as c:
@@ -158,6 +160,7 @@ def test_a_push_from_its_packed_prefix_decodes_as_the_whole_header_does(pull, ri
     assert wire.decode_request(got, LIMITS) == wire.decode_request(want, LIMITS)
 
 
+@pytest.mark.integration
 def test_a_repeated_push_sends_the_header_of_a_fresh_one(shards):
     group = shards(2, workers=1, mode="async")
     with psrt.Client(group.endpoints, rank=0, num_workers=1, config=ClientConfig(timeout=20)) as c:

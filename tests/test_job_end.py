@@ -2,8 +2,8 @@
 with its code; a worker that finishes early in a sync job is named to the others; nothing psrt starts keeps a
 process alive.
 
-Real jobs on loopback: a ``psrt scheduler``, a ``psrt server`` and worker processes (``_crash_worker.py``), or
-``psrt launch``.
+Real jobs on loopback: a ``psrt scheduler``, a ``psrt server`` and worker processes (``tests/_workers.py crash``),
+or ``psrt launch``; and the scheduler's words to its peers, with the scheduler on a thread.
 """
 
 from __future__ import annotations
@@ -14,37 +14,36 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
+from _helpers import LIVENESS, NAMED_WITHIN_S, NEWS_HELD_S, bound, scheduling, worker_command
 
 import psrt
 from psrt import wire
 from psrt.control.link import SchedulerLink
 from psrt.control.process import SCHEDULER_READY, Child, stop_children
-from psrt.control.scheduler import Scheduler
 
 PSRT = [sys.executable, "-m", "psrt.cli"]
-WORKER = str(Path(__file__).with_name("_crash_worker.py"))
+#: A worker's end reaches the others, by the design, once the scheduler has held the news (NEWS_HELD_S) and the
+#: notice has passed the polls of a heartbeat interval; the bound allows a loaded host, capped by the issue's
+#: "named within 5 s".
+TOLD_WITHIN_S = bound(NEWS_HELD_S + LIVENESS.heartbeat_interval, NAMED_WITHIN_S)
 
 
 class Job:
     """A scheduler, one server and W crash workers started by hand, as a multi-host job would be."""
 
-    def __init__(self, workers: int, how: str, mode: str = "sync", extra_env: dict[str, str] | None = None,
-                 steps: int = 1000) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PSRT_TIMEOUT": "60", **(extra_env or {})}
+    def __init__(self, workers: int, how: str, mode: str = "sync", tensors: str = "dense", steps: int = 1000) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PSRT_TIMEOUT": "60"}
         self.children: list[Child] = []
         self.scheduler = self._start([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "1",
                                       "--workers", str(workers), "--mode", mode, "--timeout", "60"], env)
         endpoint = self.scheduler.wait_ready(30).group(1)
         env["PSRT_SCHEDULER"] = endpoint
         self.server = self._start([*PSRT, "server", "--scheduler", endpoint], env)
-        self.workers = [self._start([sys.executable, WORKER, str(steps)], {**env, "PSRT_WORKER_ID": str(r),
-                                                                          "HOW": how}) for r in range(workers)]
+        self.workers = [self._start(worker_command("crash", steps=steps, how=how, tensors=tensors),
+                                    {**env, "PSRT_WORKER_ID": str(r)}) for r in range(workers)]
 
     def _start(self, cmd: list[str], env: dict[str, str]) -> Child:
         ready = SCHEDULER_READY if "scheduler" in cmd else None
@@ -74,6 +73,7 @@ def _waited(child: Child, timeout: float) -> tuple[int, float]:
     return code, time.monotonic() - start
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("what", ["raise", "raise-with", "exit-7"])
 def test_a_script_that_fails_ends_its_process_and_the_job_promptly(job, what):
     # Worker 1 fails after 3 steps: with its client left open (raise, exit-7) or inside `with psrt.Client()`.
@@ -88,11 +88,12 @@ def test_a_script_that_fails_ends_its_process_and_the_job_promptly(job, what):
         j.workers[0].output
     assert j.scheduler.wait(10) != 0 and j.server.wait(10) != 0
     print(f"{what}: worker 1 exited {took:.2f}s after the start, worker 0 {took0:.2f}s after it")
-    assert took0 < 5.0
+    assert took0 < TOLD_WITHIN_S
     # The user's traceback starts at the user's line, not in psrt's close().
     assert "in close" not in j.workers[0].output and "in __exit__" not in j.workers[0].output, j.workers[0].output
 
 
+@pytest.mark.integration
 def test_a_script_that_returns_without_closing_its_client_exits_and_says_done(job):
     j = job(1, "0:5:return")
     code, took = _waited(j.workers[0], 20)
@@ -101,9 +102,10 @@ def test_a_script_that_returns_without_closing_its_client_exits_and_says_done(jo
     assert j.scheduler.wait(10) == 0 and j.server.wait(10) == 0  # its client said done: the job ended cleanly
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("tensors", ["dense", "rows"])
 def test_a_worker_that_finishes_early_in_a_sync_job_is_named_to_the_others(job, tensors):
-    j = job(2, "1:4:finish", extra_env={"MODE_TENSORS": tensors})
+    j = job(2, "1:4:finish", tensors=tensors)
     assert j.workers[1].wait(20) == 0
     finished_at = time.monotonic()
     code, _ = _waited(j.workers[0], 20)
@@ -111,10 +113,11 @@ def test_a_worker_that_finishes_early_in_a_sync_job_is_named_to_the_others(job, 
     out = j.workers[0].output
     assert code != 0 and "PeerFailedError" in out and "worker 1 finished" in out and "--elastic" in out, out
     print(f"{tensors}: the early finish named to worker 0 after {took:.2f}s")
-    assert took < 5.0
+    assert took < TOLD_WITHIN_S
     assert "ShardTimeoutError" not in out
 
 
+@pytest.mark.integration
 def test_in_ssp_a_finished_worker_does_not_hold_the_others_back(job):
     j = job(2, "1:4:finish", mode="ssp", steps=40)
     assert j.workers[1].wait(20) == 0
@@ -122,11 +125,13 @@ def test_in_ssp_a_finished_worker_does_not_hold_the_others_back(job):
     assert "done 40" in j.workers[0].output
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("what", "code"), [("raise", 1), ("exit-3", 3)])
 def test_launch_exits_with_the_failing_workers_code(what, code):
     start = time.monotonic()
-    proc = subprocess.run([*PSRT, "launch", "-s", "1", "-w", "2", "--", sys.executable, WORKER, "1000"],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, "HOW": f"1:3:{what}"})
+    proc = subprocess.run([*PSRT, "launch", "-s", "1", "-w", "2", "--", *worker_command("crash", steps=1000,
+                                                                                         how=f"1:3:{what}")],
+                          capture_output=True, text=True, timeout=60)
     took = time.monotonic() - start
     assert proc.returncode == code, proc.stdout + proc.stderr
     assert f"psrt launch: worker 1 exited with code {code}" in proc.stdout, proc.stdout
@@ -134,8 +139,9 @@ def test_launch_exits_with_the_failing_workers_code(what, code):
     assert took < 20.0
 
 
+@pytest.mark.integration
 def test_a_normal_job_end_logs_no_dropped_control_message():
-    proc = subprocess.run([*PSRT, "launch", "-s", "2", "-w", "3", "--", sys.executable, WORKER, "20"],
+    proc = subprocess.run([*PSRT, "launch", "-s", "2", "-w", "3", "--", *worker_command("crash", steps=20)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("done 20") == 3
@@ -143,18 +149,6 @@ def test_a_normal_job_end_logs_no_dropped_control_message():
 
 
 # ---------------------------------------------------------------------------------------------- the scheduler's words
-@contextmanager
-def scheduling(servers: int, workers: int, start_timeout: float = 30.0) -> Iterator[Scheduler]:
-    sched = Scheduler("tcp://127.0.0.1:*", servers, workers, start_timeout=start_timeout)
-    thread = threading.Thread(target=sched.serve, daemon=True)
-    thread.start()
-    try:
-        yield sched
-    finally:
-        sched.stop()
-        thread.join(10)
-
-
 def test_a_registration_is_taken_at_once_and_the_wait_says_the_job_is_forming(caplog):
     with scheduling(1, 2, start_timeout=3.0) as sched:
         ctx = psrt.transport.new_context()

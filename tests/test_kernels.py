@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from _helpers import RTOL, assert_close
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -17,19 +18,8 @@ from psrt.kernels import reference
 
 DTYPES = [np.float32, np.float64]
 ODD_SIZES = [0, 1, 7, 1023, 65537]
-#: Relative tolerance per dtype; the absolute tolerance is scaled by the magnitude of the expected values so that
-#: cancellation (a parameter stepping through zero) is judged against the size of the numbers involved.
-RTOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-11}
 
 HSETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
-    assert actual.dtype == expected.dtype
-    assert actual.shape == expected.shape
-    rtol = RTOL[expected.dtype]
-    mag = float(np.max(np.abs(expected))) if expected.size else 0.0
-    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * max(1.0, mag))
 
 
 def rand(rng: np.random.Generator, n: int, dtype, scale: float = 1.0) -> np.ndarray:

@@ -5,22 +5,21 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
-import textwrap
-import threading
 
-import msgpack
 import numpy as np
 import pytest
-import zmq
+from _helpers import RawPeer, packed, push_header, run_workers, serving, worker_command
+from _workers import async_pusher_expected
 
 import psrt
 from psrt import shm
 from psrt.config import ClientConfig, ServerConfig
+from psrt.control.process import parse_results
 from psrt.errors import ConfigError
-from psrt.shard.server import Server
 from psrt.shm import lanes
 
 
@@ -86,6 +85,7 @@ def test_attach_checks_the_generation_and_the_size_the_shard_announced():
         seg.unlink()
 
 
+@pytest.mark.integration
 def test_a_dead_shards_files_are_removed_and_a_live_ones_kept():
     tag = secrets.token_hex(6)
     dead, live = dead_pid(), os.getpid()
@@ -173,6 +173,7 @@ def train(endpoints: list[str], shm_on: bool, steps: int = 6) -> tuple[dict, lis
         return {"last": {n: a.copy() for n, a in got.items()}, "final": final}, c.stats()
 
 
+@pytest.mark.integration
 def test_lanes_give_bit_for_bit_what_sockets_give(shards):
     over_lanes, lane_stats = train(shards(2, mode="async").endpoints, True)
     over_sockets, socket_stats = train(shards(2, mode="async").endpoints, False)
@@ -186,11 +187,9 @@ def test_lanes_give_bit_for_bit_what_sockets_give(shards):
     assert sum(s["bytes_in"] for s in lane_stats) < 0.5 * sum(s["bytes_in"] for s in socket_stats)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("psrt_shm", ["1", "0"])
 def test_concurrent_workers_over_lanes_end_exact(shards, monkeypatch, psrt_shm):
-    from _workers import async_pusher_expected
-    from test_server import run_workers
-
     monkeypatch.setenv("PSRT_SHM", psrt_shm)
     workers, steps, size = 3, 12, 200_003
     group = shards(2, workers=workers, mode="async")
@@ -206,6 +205,7 @@ def test_concurrent_workers_over_lanes_end_exact(shards, monkeypatch, psrt_shm):
     assert lane_bytes == (workers * steps * size * 4 if psrt_shm == "1" else 0)
 
 
+@pytest.mark.integration
 def test_psrt_shm_0_on_the_shard_keeps_every_worker_on_sockets(shards, monkeypatch):
     monkeypatch.setenv("PSRT_SHM", "0")
     group = shards(1)
@@ -218,41 +218,28 @@ def test_psrt_shm_0_on_the_shard_keeps_every_worker_on_sockets(shards, monkeypat
     assert out["w"][0] == np.float32(-0.001)  # SGD's default lr
 
 
+@pytest.mark.integration
 def test_a_worker_with_its_own_dev_shm_is_not_on_the_shards_host(shards, tmp_path):
     """Same address, another /dev/shm (a private mount, as in another container or host): sockets, and right."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1) for a private /dev/shm")
     group = shards(1)
-    script = tmp_path / "worker.py"
-    script.write_text(textwrap.dedent(f"""
-        import numpy as np, psrt
-        from psrt.config import ClientConfig
-        with psrt.Client({group.endpoints!r}, config=ClientConfig(timeout=20)) as c:
-            c.init({{"w": np.zeros({BIG}, np.float32)}}, optimizer=psrt.SGD(lr=1.0))
-            for _ in range(3):
-                p = c.push_pull({{"w": np.full({BIG}, 2.0, np.float32)}})
-            s = c.stats()[0]
-            print(float(p["w"][0]), float(p["w"][-1]), s["shm_bytes_in"], s["pushes"])
-    """))
+    worker = shlex.join(worker_command("lane_probe", servers=group.endpoints, size=BIG, steps=3, value=2.0))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run(["unshare", "--mount", "sh", "-c",
-                           f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} {script}"],
+    proc = subprocess.run(["unshare", "--mount", "sh", "-c", f"mount -t tmpfs tmpfs /dev/shm && exec {worker}"],
                           capture_output=True, text=True, timeout=120, env=env)
     if proc.returncode != 0 and ("unshare:" in proc.stderr or "mount:" in proc.stderr):
         pytest.skip(f"cannot mount a private /dev/shm here: {proc.stderr.strip()}")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["-6.0", "-6.0", "0", "3"]
+    assert parse_results(proc.stdout) == [{"first": -6.0, "last": -6.0, "shm_bytes_in": 0, "pushes": 3}]
 
 
 # ---------------------------------------------------------------------------------------------- hostile lanes
-class LanePeer:
+class LanePeer(RawPeer):
     """A bare DEALER that sets up a lane by hand, then sends whatever lane headers a test wants."""
 
     def __init__(self, endpoint: str, size: int = 1 << 20, worker: int = 0, session: int = 5) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
+        super().__init__(endpoint)
         beacon, _ = self.ask({"op": "lane_probe", "id": 1})
         self.beacon = beacon["name"]
         self.token = shm.Beacon.read(self.beacon)
@@ -262,21 +249,12 @@ class LanePeer:
         self.generation = lane["generation"]
         self.segment = shm.Segment.attach(lane["name"], lane["generation"], lane["size"])
 
-    def ask(self, header: dict, frames: tuple = ()) -> tuple[dict, list[bytes]]:
-        self.sock.send_multipart([msgpack.packb({"v": 1, **header}), *frames])
-        assert self.sock.poll(5000), "the shard did not answer"
-        reply = self.sock.recv_multipart()
-        return msgpack.unpackb(reply[0]), reply[1:]
-
-    def close(self) -> None:
-        self.sock.close()
-        self.ctx.term()
-
 
 def push(lane: list, op: str = "push", seq: int = 0, n: int = 4) -> dict:
-    return dict(op=op, id=9, worker=0, session=5, seq=seq, clock=1, tensors=[["w", 0, "<f4", [n]]], lane=lane)
+    return push_header(op=op, session=5, seq=seq, tensors=[["w", 0, "<f4", [n]]], lane=lane)
 
 
+@pytest.mark.integration
 def test_hostile_lane_headers_get_errors_and_change_nothing(shards):
     group = shards(1)
     with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
@@ -332,13 +310,8 @@ def test_hostile_lane_headers_get_errors_and_change_nothing(shards):
 def inproc_server(monkeypatch):
     """A shard in this process (its serving loop on a thread) keeping at most one lane."""
     monkeypatch.setattr(lanes, "MAX_LANES", 1)
-    server = Server(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True))
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
-    yield server
-    server.stop()
-    thread.join(10)
-    server.close()
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
+        yield server
 
 
 def test_a_lane_the_shard_dropped_is_replaced_and_no_call_is_lost(inproc_server):
@@ -356,6 +329,7 @@ def test_a_lane_the_shard_dropped_is_replaced_and_no_call_is_lost(inproc_server)
     assert inproc_server.lanes.count <= 1
 
 
+@pytest.mark.integration
 def test_no_file_outlives_its_shard_and_a_killed_ones_are_removed_by_the_next(shards):
     group = shards(1, workers=2)  # sync with W = 2: the shard shares its parameters
     pid = group.procs[0].pid
@@ -399,6 +373,7 @@ def test_a_lane_hands_out_aligned_areas_and_starts_over_when_nothing_is_in_fligh
     assert lanes.call_bytes([[]], True, True) == 0
 
 
+@pytest.mark.integration
 def test_a_result_overwritten_before_it_was_copied_is_asked_for_again(shards):
     """Sync: worker 0 reads its push_pull only after both workers finished the next round, so the shared copy
     it was pointed to has changed (its counter moved): it asks again and gets the newer parameters, exactly."""
@@ -421,6 +396,7 @@ def test_a_result_overwritten_before_it_was_copied_is_asked_for_again(shards):
     assert stats["pulls"] == pulls_before + 1, "one pull went again over the socket"
 
 
+@pytest.mark.integration
 def test_random_lane_headers_never_harm_the_shard(shards):
     """Any generation and offsets, any lengths: an error reply, or (all in bounds) a zero gradient applied."""
     from hypothesis import HealthCheck, example, given, settings
@@ -460,6 +436,7 @@ def test_random_lane_headers_never_harm_the_shard(shards):
         peer.close()
 
 
+@pytest.mark.integration
 def test_a_sync_round_is_read_from_the_shards_own_memory_under_its_counter(shards):
     """W = 2: both answers point at the shard's shared parameters (no copy per worker on the shard)."""
     group = shards(1, workers=2)
@@ -470,11 +447,11 @@ def test_a_sync_round_is_read_from_the_shards_own_memory_under_its_counter(shard
         for worker, peer in enumerate(peers):
             peer.segment.array(64, np.dtype(np.float32), 4)[:] = 2.0 * (worker + 1)
             header = {**push([peer.generation, [64], [128]], op="push_pull"), "worker": worker, "session": 10 + worker}
-            peer.sock.send_multipart([msgpack.packb({"v": 1, **header})])
+            peer.send([packed(header)])
         replies = []
         for peer in peers:
-            assert peer.sock.poll(5000), "the round was not answered"
-            replies.append(msgpack.unpackb(peer.sock.recv_multipart()[0]))
+            assert peer.answered(5.0), "the round was not answered"
+            replies.append(peer.recv()[0])
         places = [r["places"] for r in replies]
         assert places[0] == places[1] and len(places[0]) == 1 and len(places[0][0]) == 3
         generation, offset, counter = places[0][0]
@@ -500,6 +477,7 @@ def test_psrt_stats_counts_the_bytes_that_came_through_shared_memory():
     assert line.split()[-5:] == ["2.0", "2.0", "4.0", "400.0", "75"]
 
 
+@pytest.mark.integration
 def test_a_closing_client_gives_its_lanes_back(shards):
     group = shards(2, mode="async")
     with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
@@ -510,6 +488,7 @@ def test_a_closing_client_gives_its_lanes_back(shards):
         assert [s["lanes"] for s in c.stats()] == [0, 0], "the first client's segments are gone"
 
 
+@pytest.mark.integration
 def test_a_lane_grows_to_hold_every_call_in_flight(shards):
     """Eight non-blocking pushes at once: the first lane holds two, the rest go over the socket; once idle, the next
     lane is made big enough and every later round goes through shared memory whole."""
@@ -530,6 +509,7 @@ def test_a_lane_grows_to_hold_every_call_in_flight(shards):
     assert all(np.all(final[n] == -3.0) for n in names)
 
 
+@pytest.mark.integration
 def test_a_secured_job_sets_up_lanes_over_its_authenticated_sockets(shards, tmp_path, monkeypatch):
     from psrt.control import security
 

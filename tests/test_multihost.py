@@ -6,22 +6,21 @@ The namespaces, veth pairs and bridge are created by the test and removed after 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from _helpers import worker_command
 
-from psrt.control.process import SERVER_READY, psrt_command
+from psrt.control.process import SERVER_READY, parse_results, psrt_command
 from psrt.emulation.netns import VirtualCluster
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None,
-                                reason="needs root, iproute2 and unshare for network namespaces")
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None,
+                                 reason="needs root, iproute2 and unshare for network namespaces")]
 
-WORKER = str(Path(__file__).with_name("_cluster_worker.py"))
 PSRT = psrt_command()
 
 
@@ -37,12 +36,11 @@ def test_job_across_namespaces():
         sched = vc.spawn("sched", [*PSRT, "scheduler", "--bind", endpoint, "--servers", "2", "--workers", "2",
                                    "--timeout", "60"])
         servers = [vc.spawn(h, [*PSRT, "server", "--scheduler", endpoint]) for h in ("srv0", "srv1")]
-        workers = [vc.spawn(h, [sys.executable, WORKER, "3"], env={"PSRT_SCHEDULER": endpoint})
+        workers = [vc.spawn(h, worker_command("scheduled", steps=3), env={"PSRT_SCHEDULER": endpoint})
                    for h in ("wrk0", "wrk1")]
         outs = [p.communicate(timeout=90) for p in workers]
         assert [p.returncode for p in workers] == [0, 0], outs
-        res = sorted((json.loads(line) for out in outs for line in out.splitlines() if line.startswith("{")),
-                     key=lambda r: r["rank"])
+        res = sorted((r for out in outs for r in parse_results(out)), key=lambda r: r["rank"])
         assert [r["rank"] for r in res] == [0, 1]
         # Each server bound and announced the address of its own namespace, so all traffic crossed the bridge.
         hosts_seen = sorted(ep.split("//")[1].split(":")[0] for ep in res[0]["servers"])
@@ -54,16 +52,6 @@ def test_job_across_namespaces():
     assert vc.bridge not in links
 
 
-LANE_PROBE = """
-import sys, numpy as np, psrt
-from psrt.config import ClientConfig
-with psrt.Client([sys.argv[1]], config=ClientConfig(timeout=30)) as c:
-    c.init({"w": np.zeros(300_000, np.float32)}, optimizer=psrt.SGD(lr=1.0))
-    p = c.push_pull({"w": np.ones(300_000, np.float32)})
-    print(float(p["w"][0]), c.stats()[0]["shm_bytes_in"])
-"""
-
-
 def test_each_emulated_host_has_its_own_shared_memory():
     """A worker shares memory with a shard on its own emulated host, never with one on another host."""
     with VirtualCluster(["a", "b"]) as vc:
@@ -73,11 +61,11 @@ def test_each_emulated_host_has_its_own_shared_memory():
         server.wait_ready(30)
         got = {}
         for host in ("b", "a"):  # across the bridge first, then beside the shard
-            worker = vc.spawn(host, [sys.executable, "-c", LANE_PROBE, endpoint])
+            worker = vc.spawn(host, worker_command("lane_probe", servers=[endpoint], size=300_000))
             out = worker.communicate(timeout=60)
             assert worker.returncode == 0, out
-            value, lane_bytes = out.split()[-2:]
-            got[host] = (float(value), int(lane_bytes))
+            (probe,) = parse_results(out)
+            got[host] = (probe["first"], probe["shm_bytes_in"])
         assert got == {"b": (-1.0, 0), "a": (-2.0, 1_200_000)}
         beacons = os.listdir(vc._shm["a"])  # the shard's beacon, on its own host only
         assert len(beacons) == 1 and beacons[0].split("-")[2] == str(server.pid), beacons

@@ -80,6 +80,7 @@ def test_shipped_models_and_sizes():
         model_tensors("resnet9000")
 
 
+@pytest.mark.integration
 def test_model_command_prints_a_table():
     proc = subprocess.run([sys.executable, "-m", "psrt.cli", "model", "--model", "vgg16", "--workers", "1,64,4096",
                            "--servers", "1,64"], capture_output=True, text=True, timeout=60)
@@ -87,6 +88,7 @@ def test_model_command_prints_a_table():
     assert "saturate at W" in proc.stdout and proc.stdout.count("server link") >= 2
 
 
+@pytest.mark.integration
 def test_load_worker_under_launch_reports_steps_per_second():
     proc = subprocess.run([sys.executable, "-m", "psrt.cli", "launch", "-s", "2", "-w", "2", "--", sys.executable,
                            "-m", "psrt.cli", "worker", "--model", "resnet50", "--steps", "3", "--warmup", "1"],

@@ -65,6 +65,7 @@ def test_exit_status_is_what_a_shell_reports():
     assert describe_exit(-9) == "was killed by signal 9 (SIGKILL)"
 
 
+@pytest.mark.integration
 def test_a_child_collects_its_output_and_reports_its_endpoint():
     code = "import sys; print('hello'); print('psrt-server ready endpoint=tcp://x:1', flush=True); " \
            "sys.stderr.write('on stderr\\n')"
@@ -74,6 +75,7 @@ def test_a_child_collects_its_output_and_reports_its_endpoint():
     assert child.output.splitlines() == ["hello", "psrt-server ready endpoint=tcp://x:1", "on stderr"]
 
 
+@pytest.mark.integration
 def test_a_child_streams_its_output_behind_its_label():
     out = io.StringIO()
     child = Child([PY, "-c", "print('a'); print('b')"], label="worker 3", out=out)
@@ -81,12 +83,14 @@ def test_a_child_streams_its_output_behind_its_label():
     assert out.getvalue() == "[worker 3] a\n[worker 3] b\n" and child.output == ""
 
 
+@pytest.mark.integration
 def test_a_child_that_exits_before_ready_says_so_with_its_output():
     child = Child([PY, "-c", "print('bad flag'); raise SystemExit(3)"], label="psrt server 0", ready=SERVER_READY)
     with pytest.raises(ChildError, match=r"psrt server 0 exited with code 3 before it was ready: 'bad flag'"):
         child.wait_ready(30)
 
 
+@pytest.mark.integration
 def test_waiting_for_a_ready_line_has_a_deadline():
     with Child([PY, "-c", "import time; time.sleep(60)"], ready=SERVER_READY) as child:
         t = time.monotonic()
@@ -98,6 +102,7 @@ def test_waiting_for_a_ready_line_has_a_deadline():
     assert child.returncode is not None
 
 
+@pytest.mark.integration
 def test_stop_takes_the_whole_process_group():
     code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
             "time.sleep(60)']); print(f'pid={p.pid}', flush=True); time.sleep(60)")
@@ -108,6 +113,7 @@ def test_stop_takes_the_whole_process_group():
     assert gone_within(grandchild, 10)
 
 
+@pytest.mark.integration
 def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period():
     code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('pid=0', flush=True); " \
            "time.sleep(60)"
@@ -119,6 +125,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period():
     assert time.monotonic() - t < 10
 
 
+@pytest.mark.integration
 def test_children_die_with_their_parent():
     # A parent that starts a child and is then killed outright (no cleanup runs): the kernel ends the child.
     code = ("import os, signal, sys; from psrt.control.process import Child; "
@@ -129,6 +136,7 @@ def test_children_die_with_their_parent():
     assert gone_within(int(proc.stdout.split()[0]), 10)
 
 
+@pytest.mark.integration
 def test_a_missing_program_is_a_config_error():
     with pytest.raises(ConfigError, match=r"cannot start worker 0: /nonexistent/prog: No such file or directory"):
         Child(["/nonexistent/prog"], label="worker 0")

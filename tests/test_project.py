@@ -219,3 +219,137 @@ def test_every_subpackage_is_installed():
     listed = set(pyproject()["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "psrt").rglob("__init__.py")}
     assert found == listed
+
+
+# ---------------------------------------------------------------------------------------------- integration tests
+#: What starts a process, a network namespace or a job, by the name a test module reaches it by (a module, a class,
+#: a function; ``shards`` is the fixture of tests/conftest.py): a test that reaches one, itself or through a
+#: fixture or a helper (of its module, tests/_helpers.py, tests/conftest.py), is an integration test. A shard
+#: server or a scheduler on a thread of the test process (``_helpers.serving``, ``_helpers.scheduling``) is not:
+#: it starts in milliseconds, and it is how the unit tests reach one component over real sockets.
+STARTERS = {"subprocess", "multiprocessing", "pty", "Popen", "Child", "LocalShards", "VirtualCluster", "psrt_command",
+            "start_child", "start_server", "shards"}
+#: ``os`` functions that start a process (``os.fork``, ``os.system``, ``os.exec*``, ``os.spawn*``, ...).
+OS_STARTERS = re.compile(r"(fork|forkpty|system|popen|posix_spawnp?|exec\w*|spawn\w*)$")
+
+
+def _mentions_starter(node: ast.AST, starting: set[str], modules: dict[str, set[str]]) -> bool:
+    """Whether ``node`` reaches something that starts a process: one of ``starting`` (or :data:`STARTERS`) by name
+    or as a parameter (a fixture it asks for), an attribute of that name, a starting attribute of a local module
+    (``modules``: its name or alias in this module -> what it defines that starts one), an ``os`` function that
+    starts a process. Names ``node`` assigns itself (a local ``shards = ...``) are its own, not a starter."""
+    names = STARTERS | starting
+    own = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and sub.id in names - own:
+            return True
+        if isinstance(sub, ast.arg) and sub.arg in names:
+            return True
+        if isinstance(sub, ast.Attribute):
+            owner = sub.value.id if isinstance(sub.value, ast.Name) else None
+            if sub.attr in STARTERS or (owner == "os" and OS_STARTERS.match(sub.attr)) \
+                    or sub.attr in modules.get(owner, ()):
+                return True
+    return False
+
+
+def starting_names(tree: ast.Module, local: dict[str, set[str]]) -> tuple[set[str], dict[str, set[str]]]:
+    """The module-level names of ``tree`` (functions, fixtures, classes, constants) that start a process when used,
+    and the local modules it imports whole (by the name it uses -> what they start); ``local`` gives what each of
+    the test directory's modules it may import (``_helpers``, ``conftest``, another test module) starts. A fixed
+    point: a helper that calls a helper that starts a process starts one too."""
+    starting: set[str] = set()
+    modules: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module in local:
+            starting |= {a.asname or a.name for a in node.names if a.name in local[node.module]}
+        elif isinstance(node, ast.Import):
+            modules.update({a.asname or a.name: local[a.name] for a in node.names if a.name in local})
+    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Assign))]
+    changed = True
+    while changed:
+        changed = False
+        for node in defs:
+            names = {node.name} if not isinstance(node, ast.Assign) else \
+                {t.id for t in node.targets if isinstance(t, ast.Name)}
+            if names - starting and _mentions_starter(node, starting, modules):
+                starting |= names
+                changed = True
+    return starting, modules
+
+
+def _marked_integration(node: ast.AST) -> bool:
+    return any("mark.integration" in ast.unparse(d) for d in getattr(node, "decorator_list", []))
+
+
+def unmarked_starters(sources: dict[str, str]) -> list[str]:
+    """``module.py::test`` for every test in ``sources`` (module name -> source, the test directory's modules) that
+    starts a process, a namespace or a job without the ``integration`` mark (on itself, its class, or its
+    module's ``pytestmark``)."""
+    trees = {name: ast.parse(text) for name, text in sources.items()}
+    local: dict[str, set[str]] = {}
+    found = []
+    # The helpers first (conftest, _helpers, _workers, ...), then the test modules, which may import each other.
+    for name in sorted(trees, key=lambda n: (n.startswith("test_"), n)):
+        tree = trees[name]
+        starting, modules = starting_names(tree, local)
+        local[name] = starting
+        if not name.startswith("test_"):
+            continue
+        reach = starting | local.get("conftest", set())  # conftest's fixtures need no import
+        if any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+               and "mark.integration" in ast.unparse(n.value) for n in tree.body):
+            continue
+        tests = [(n, None) for n in tree.body if isinstance(n, ast.FunctionDef)]
+        tests += [(m, c) for c in tree.body if isinstance(c, ast.ClassDef) and c.name.startswith("Test")
+                  for m in c.body if isinstance(m, ast.FunctionDef)]
+        for fn, cls in tests:
+            if fn.name.startswith("test_") and not _marked_integration(fn) and not _marked_integration(cls) \
+                    and _mentions_starter(fn, reach, modules):
+                found.append(f"{name}.py::{fn.name}")
+    return found
+
+
+def test_every_test_that_starts_a_process_is_marked_integration():
+    sources = {p.stem: p.read_text() for p in (ROOT / "tests").glob("*.py")}
+    found = unmarked_starters(sources)
+    assert found == [], ("these tests start a process, a namespace or a job: mark them @pytest.mark.integration "
+                         "(docs/architecture.md, Tests) so that `-m \"not integration\"` leaves them out: "
+                         + ", ".join(found))
+
+
+def test_the_integration_check_sees_through_fixtures_and_helpers():
+    helpers = "import subprocess\ndef run(cmd):\n    return subprocess.run(cmd)\ndef pure():\n    return 1\n"
+    conftest = "import pytest\n@pytest.fixture\ndef shards():\n    yield None\n"
+    module = '''
+import os
+import pytest
+from _helpers import pure, run
+
+@pytest.fixture
+def job(shards):
+    return shards(1)
+
+def launch(*args):
+    return run(["psrt", *args])
+
+def test_pure():
+    assert pure() == 1
+
+def test_by_fixture(job):
+    pass
+
+def test_by_helper_of_a_helper():
+    launch("--help")
+
+def test_by_os():
+    os.system("true")
+
+@pytest.mark.integration
+def test_marked(shards):
+    pass
+'''
+    found = unmarked_starters({"_helpers": helpers, "conftest": conftest, "test_x": module})
+    assert found == ["test_x.py::test_by_fixture", "test_x.py::test_by_helper_of_a_helper", "test_x.py::test_by_os"]
+    marked = "import pytest\npytestmark = [pytest.mark.integration]\n" + module.split("\n", 3)[3]
+    assert unmarked_starters({"_helpers": helpers, "conftest": conftest, "test_y": marked}) == []

@@ -6,9 +6,9 @@ import ast
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
+from _helpers import packed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,10 +19,6 @@ from psrt.errors import ConfigError, ProtocolError
 
 LIMITS = WireLimits()
 PSRT_DIR = Path(psrt.__file__).parent
-
-
-def packed(header: dict[str, Any]) -> bytes:
-    return msgpack.packb({"v": wire.PROTOCOL_VERSION, **header}, use_bin_type=True)
 
 
 def params_header(**extra: Any) -> dict[str, Any]:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _helpers import finish_worker, run_workers, start_worker, stop_workers
 
 import psrt
 from psrt import wire
@@ -23,8 +21,6 @@ from psrt.partition import PartitionMap
 from psrt.shard import checkpoint
 from psrt.shard.server import Server
 from psrt.shard.store import Store
-
-RIDE = str(Path(__file__).with_name("_ride_worker.py"))
 
 
 def saved(directory: Path, prefix: str, value: float, mode: str = "sync", workers: int = 1) -> Path:
@@ -65,6 +61,7 @@ def test_by_hand_restore_takes_the_directory_s_only_shard_or_the_rank_named(tmp_
             s.close()
 
 
+@pytest.mark.integration
 def test_by_hand_a_directory_without_this_shard_s_checkpoint_exits_2_naming_what_it_holds(tmp_path):
     saved(tmp_path, checkpoint.file_prefix(1), 1.0)
     saved(tmp_path, checkpoint.file_prefix(3), 3.0)
@@ -134,12 +131,11 @@ def test_the_restore_warning_compares_with_the_job_the_scheduler_gave(tmp_path, 
 
 # ---------------------------------------------------------------------------------------------- scheduler
 def _workers(scheduler: str, workers: int, steps: int) -> list[subprocess.Popen]:
-    env = {**os.environ, "PSRT_SCHEDULER": scheduler}
-    return [subprocess.Popen([sys.executable, RIDE, "-", str(r), str(workers), str(steps), "0.02"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**env, "PSRT_WORKER_ID": str(r)}) for r in range(workers)]
+    return [start_worker("ride", env={"PSRT_SCHEDULER": scheduler, "PSRT_WORKER_ID": str(r)}, servers=None, rank=r,
+                         workers=workers, steps=steps, step_s=0.02) for r in range(workers)]
 
 
+@pytest.mark.integration
 def test_a_shard_restarted_on_another_endpoint_takes_back_its_rank_and_the_workers_ride_through(tmp_path):
     """SIGKILL of a checkpointing shard in sync training; restarted at once with --restore on a new port."""
     workers, steps, every = 2, 150, 5
@@ -173,15 +169,12 @@ def test_a_shard_restarted_on_another_endpoint_takes_back_its_rank_and_the_worke
         assert f"rank={chunk.shard}" in again.string and again.group(1) != old
         results = []
         for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err
+            result, err = finish_worker(p)
             assert f"moved from {old} to {again.group(1)}" in err, err
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            results.append(result)
         assert sched.wait(30) == 0, sched.output
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        stop_workers(procs)
         for c in children:
             c.stop()
     assert f"rejoined the job (was {old})" in sched.output, sched.output
@@ -201,6 +194,7 @@ def test_a_shard_restarted_on_another_endpoint_takes_back_its_rank_and_the_worke
           f"{max(r['max_gap'] for r in results):.2f}s")
 
 
+@pytest.mark.integration
 def test_a_restarted_server_cannot_take_the_slot_of_a_live_one(tmp_path):
     sched = Child(psrt_command("scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "1", "--workers", "1"),
                   label="scheduler", ready=SCHEDULER_READY)
@@ -230,32 +224,12 @@ def test_a_restarted_server_cannot_take_the_slot_of_a_live_one(tmp_path):
         line = proc.stderr.strip().splitlines()[-1]
         assert line.startswith("psrt: error: ") and "rank_alive" in line, proc.stderr
         assert f"server 0 ({endpoint}) is alive" in line, proc.stderr
-        out, err = procs[0].communicate(timeout=120)  # the job goes on, untouched
-        assert procs[0].returncode == 0, err
-        assert json.loads(out.strip().splitlines()[-1])["counts"] == {"-1.0": 400}
+        assert finish_worker(procs[0])[0]["counts"] == {"-1.0": 400}  # the job goes on, untouched
         assert sched.wait(30) == 0, sched.output
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        stop_workers(procs)
         for c in children:
             c.stop()
-
-
-_JOB_WORKER = textwrap.dedent("""
-    import json, sys
-    import numpy as np
-    import psrt
-    steps = int(sys.argv[1])
-    with psrt.Client() as c:
-        zeros = {"a": np.zeros(1000, np.float32), "b": np.zeros(1000, np.float32)}
-        start = c.init(zeros, optimizer=psrt.SGD(lr=0.5, momentum=0.5))
-        for _ in range(steps):
-            params = c.push_pull({"a": np.ones(1000, np.float32), "b": np.full(1000, 2.0, np.float32)})
-        end = c.pull()
-        print(json.dumps({n: [float(start[n][0]), float(end[n][0]), bool((end[n] == end[n][0]).all())]
-                          for n in ("a", "b")}), flush=True)
-""")
 
 
 def _job(directory: Path, steps: int, restore: bool) -> dict:
@@ -268,19 +242,18 @@ def _job(directory: Path, steps: int, restore: bool) -> dict:
         scheduler = sched.wait_ready(30).group(1)
         serve = ("server", "--scheduler", scheduler, "--checkpoint-dir", str(directory)) + (("--restore",) * restore)
         children += [Child(psrt_command(*serve), label=f"shard {i}", ready=SERVER_READY) for i in range(2)]
-        worker = subprocess.run([sys.executable, "-c", _JOB_WORKER, str(steps)], capture_output=True, text=True,
-                                timeout=120, env={**os.environ, "PSRT_SCHEDULER": scheduler})
-        assert worker.returncode == 0, worker.stderr
+        (seen,) = run_workers("momentum", [dict(steps=steps)], env={"PSRT_SCHEDULER": scheduler})
         assert sched.wait(30) == 0, sched.output
         for c in children[1:]:
             assert c.wait(30) == 0, c.output
             assert "final checkpoint" in c.output, c.output
-        return json.loads(worker.stdout.strip().splitlines()[-1])
+        return seen
     finally:
         for c in children:
             c.stop()
 
 
+@pytest.mark.integration
 def test_a_finished_job_restarted_from_its_final_checkpoints_resumes_exactly(tmp_path):
     first = _job(tmp_path, 3, restore=False)
     # SGD lr=0.5, momentum=0.5 (torch semantics, W=1): buf = 0.5 buf + g; p -= 0.5 buf. Exact in binary.

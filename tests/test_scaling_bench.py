@@ -84,6 +84,7 @@ def test_targets_need_their_points(scaling):
     assert len(scaling.check_targets(asyncs)) == 2
 
 
+@pytest.mark.integration
 def test_loopback_run_exits_0_and_says_why_it_judges_nothing():
     # The bench end to end on plain loopback, tiny: two jobs of a few steps (no namespaces, no root needed).
     proc = subprocess.run([sys.executable, str(BENCH), "--loopback", "--workers", "1,2", "--servers", "1",

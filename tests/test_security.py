@@ -8,34 +8,31 @@ TCP relay that records what it forwards.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import stat
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import numpy as np
 import pytest
-import zmq
 import zmq.auth
+from _helpers import RawPeer, Relay, launched_results, scheduling, serving, worker_command
 
 import psrt
-from psrt.control import security
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from _common import Relay, serving  # noqa: E402  (bench/ is not a package; the chaos bench uses the same relay)
-
 from psrt.config import ClientConfig, ServerConfig, WireLimits
-from psrt.control.scheduler import Scheduler, SchedulerLink
+from psrt.control import security
+from psrt.control.scheduler import SchedulerLink
 from psrt.shard.server import Server
 
 PSRT = [sys.executable, "-m", "psrt.cli"]
+#: How long a refused peer's call would wait without the handshake monitor (its timeout here); the monitor reports
+#: a refusal at once, so that the call ends within half of it, a margin a loaded host cannot eat, tells the two apart.
+WAIT_S = 5.0
+REFUSED_WITHIN_S = WAIT_S / 2
 COUNTERS = ("inits", "pushes", "pulls", "rounds", "duplicates", "errors", "dropped_replies", "bytes_in", "bytes_out")
 
 
@@ -70,6 +67,7 @@ def client_config(keys: Optional[Path], timeout: float = 5.0, **kw) -> ClientCon
 
 
 # ---------------------------------------------------------------------------------------------- keys on disk
+@pytest.mark.integration
 def test_keygen_writes_loadable_keys_with_private_secrets(tmp_path):
     target = tmp_path / "made" / "keys"
     proc = subprocess.run([*PSRT, "keygen", str(target)], capture_output=True, text=True, timeout=30)
@@ -104,6 +102,7 @@ def test_a_missing_key_file_is_named(job_keys):
         psrt.Client(["tcp://127.0.0.1:1"], config=client_config(job_keys))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("command", [["server"], ["scheduler"]])
 def test_keys_in_a_missing_directory_are_a_one_line_error(command, tmp_path):
     missing = tmp_path / "nonexistent"
@@ -132,7 +131,7 @@ def test_a_client_without_the_jobs_keys_is_refused_and_reaches_nothing(who, job_
     keys = {"other-job": other_keys, "stolen-server-key": stolen_server_key, "no-keys": None}[who]
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", keys=str(job_keys))) as server:
         before = counters(server)
-        with psrt.Client([server.endpoint], config=client_config(keys, timeout=5.0)) as c:
+        with psrt.Client([server.endpoint], config=client_config(keys, timeout=WAIT_S)) as c:
             started = time.monotonic()
             with pytest.raises(psrt.AuthenticationError) as info:
                 c.init({"w": np.ones(5, np.float32)})
@@ -141,7 +140,7 @@ def test_a_client_without_the_jobs_keys_is_refused_and_reaches_nothing(who, job_
                 c.stats()
         time.sleep(0.2)  # anything that did slip through would be counted by now
         assert counters(server) == before
-    assert elapsed < 2.0, f"refusal took {elapsed:.2f}s: the handshake monitor should report it at once"
+    assert elapsed < REFUSED_WITHIN_S, f"refusal took {elapsed:.2f}s: the handshake monitor should report it at once"
     message = str(info.value)
     assert server.endpoint in message and "PSRT_KEYS" in message and "--keys" in message
     assert info.value.endpoint == server.endpoint
@@ -151,14 +150,10 @@ def test_a_client_without_the_jobs_keys_is_refused_and_reaches_nothing(who, job_
 def test_a_raw_null_mechanism_peer_reaches_no_handler(job_keys):
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", keys=str(job_keys))) as server:
         before = counters(server)
-        with zmq.Context() as ctx:
-            peer = ctx.socket(zmq.DEALER)
-            peer.setsockopt(zmq.LINGER, 0)
-            peer.connect(server.endpoint)
-            peer.send_multipart(psrt.wire.encode_stats_request(1))
-            peer.send_multipart(psrt.wire.encode_pull(2, 0, [["w", 0, 0]]))
-            answered = peer.poll(1000)
-            peer.close()
+        with RawPeer(server.endpoint) as peer:
+            peer.send(psrt.wire.encode_stats_request(1))
+            peer.send(psrt.wire.encode_pull(2, 0, [["w", 0, 0]]))
+            answered = peer.answered(1.0)
         assert not answered
         assert counters(server) == before
 
@@ -171,29 +166,17 @@ def test_a_keyed_client_refuses_an_unsecured_shard(job_keys):
         assert counters(server)["errors"] == 0 and counters(server)["bytes_in"] == 0
 
 
-@contextmanager
-def scheduling(keys: Path) -> Iterator[Scheduler]:
-    sched = Scheduler("tcp://127.0.0.1:*", 1, 1, start_timeout=30.0, keys=str(keys))
-    thread = threading.Thread(target=sched.serve, daemon=True)
-    thread.start()
-    try:
-        yield sched
-    finally:
-        sched.stop()
-        thread.join(10)
-
-
 @pytest.mark.parametrize("who", ["other-job", "stolen-server-key", "no-keys"])
 def test_the_scheduler_refuses_an_unkeyed_registration(who, job_keys, other_keys, stolen_server_key):
     keys = {"other-job": other_keys, "stolen-server-key": stolen_server_key, "no-keys": None}[who]
-    with scheduling(job_keys) as sched:
+    with scheduling(1, 1, keys=str(job_keys)) as sched:
         ctx = psrt.transport.new_context()
         link = SchedulerLink(ctx, sched.endpoint, keys=keys)
         try:
             started = time.monotonic()
             with pytest.raises(psrt.AuthenticationError, match="PSRT_KEYS") as info:
-                link.register("worker", timeout=5.0)
-            assert time.monotonic() - started < 2.0
+                link.register("worker", timeout=WAIT_S)
+            assert time.monotonic() - started < REFUSED_WITHIN_S
             assert sched.endpoint in str(info.value)
         finally:
             link.close()
@@ -243,19 +226,12 @@ def test_maxmsgsize_follows_the_decode_limits(job_keys):
         np.testing.assert_array_equal(got["w"], -np.ones(limit // 4, np.float32))
         before = counters(server)
         # A frame no valid message can hold gets its sender disconnected before any decoding: no error reply.
-        keys = security.load_keys(job_keys)
-        with zmq.Context() as ctx:
-            peer = ctx.socket(zmq.DEALER)
-            peer.setsockopt(zmq.LINGER, 0)
-            peer.curve_serverkey, peer.curve_publickey, peer.curve_secretkey = (
-                keys.server_public, keys.client_public, keys.client_secret)
-            peer.connect(server.endpoint)
-            peer.send_multipart(psrt.wire.encode_stats_request(1))
-            assert peer.poll(5000), "a keyed peer is answered"
-            peer.recv_multipart()
-            peer.send_multipart([b"x" * (limit + 4096)])
-            answered = peer.poll(1000)
-            peer.close()
+        with RawPeer(server.endpoint, keys=security.load_keys(job_keys)) as peer:
+            peer.send(psrt.wire.encode_stats_request(1))
+            assert peer.answered(5.0), "a keyed peer is answered"
+            peer.recv()
+            peer.send([b"x" * (limit + 4096)])
+            answered = peer.answered(1.0)
         assert not answered
         after = counters(server)
         assert after == {**before, "bytes_in": after["bytes_in"], "bytes_out": after["bytes_out"]}
@@ -263,6 +239,7 @@ def test_maxmsgsize_follows_the_decode_limits(job_keys):
 
 
 # ---------------------------------------------------------------------------------------------- processes
+@pytest.mark.integration
 def test_a_shard_process_takes_its_keys_from_psrt_keys(job_keys, monkeypatch, shards):
     monkeypatch.setenv("PSRT_KEYS", str(job_keys))
     group = shards(1)
@@ -274,41 +251,15 @@ def test_a_shard_process_takes_its_keys_from_psrt_keys(job_keys, monkeypatch, sh
             c.stats()
 
 
-SECURE_WORKER = '''
-import json, os, stat, sys
-import numpy as np
-import psrt
-from psrt.config import ClientConfig
-
-keys = os.environ["PSRT_KEYS"]
-mode = stat.S_IMODE(os.stat(keys).st_mode)
-with psrt.Client() as client:
-    params = client.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))
-    for _ in range(3):
-        params = client.push_pull({"w": np.full(4, client.rank + 1, np.float32)})
-    try:  # the job's shards must refuse a client without the keys
-        with psrt.Client(client.servers, config=ClientConfig(timeout=5.0, keys="")) as intruder:
-            intruder.stats()
-        refused = False
-    except psrt.AuthenticationError:
-        refused = True
-    client.barrier()
-print(json.dumps({"rank": client.rank, "keys": keys, "mode": mode, "w0": float(params["w"][0]),
-                  "refused": refused}), flush=True)
-'''
-
-
+@pytest.mark.integration
 def test_launch_secure_trains_and_leaves_no_key_directory(tmp_path):
-    worker = tmp_path / "worker.py"
-    worker.write_text(SECURE_WORKER)
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PSRT_KEYS"}
-    proc = subprocess.run([*PSRT, "launch", "--secure", "-s", "1", "-w", "2", "--", sys.executable, str(worker)],
+    proc = subprocess.run([*PSRT, "launch", "--secure", "-s", "1", "-w", "2", "--", *worker_command("secure")],
                           capture_output=True, text=True, timeout=120, env={**env, "TMPDIR": str(scratch)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = sorted((json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines()
-                   if line.startswith("[worker") and "{" in line), key=lambda r: r["rank"])
+    rows = launched_results(proc.stdout)
     assert [r["rank"] for r in rows] == [0, 1]
     assert all(r["w0"] == -4.5 for r in rows)  # 3 sync rounds of the mean gradient (1 + 2) / 2
     assert all(r["refused"] for r in rows)
@@ -318,6 +269,7 @@ def test_launch_secure_trains_and_leaves_no_key_directory(tmp_path):
     assert list(scratch.iterdir()) == []
 
 
+@pytest.mark.integration
 def test_psrt_stats_needs_the_keys_of_a_secured_scheduler(job_keys):
     env = {k: v for k, v in os.environ.items() if k != "PSRT_KEYS"}
     sched = subprocess.Popen([*PSRT, "scheduler", "--bind", "tcp://127.0.0.1:*", "--keys", str(job_keys)],

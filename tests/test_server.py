@@ -2,44 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
-import zmq
+from _helpers import RawPeer, packed, push_header, run_workers
+from _workers import async_pusher_expected
 
 import psrt
 from psrt import wire
 from psrt.config import ClientConfig
 
-WORKERS = Path(__file__).with_name("_workers.py")
-sys.path.insert(0, str(WORKERS.parent))
-from _workers import async_pusher_expected  # noqa: E402  (the worker programs' module, by path)
-
-
-def run_workers(role: str, args: list[dict], timeout: float = 120) -> list[dict]:
-    """Run one worker process per args dict, all at once; return their JSON results in order."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKERS), role, json.dumps(a)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for a in args]
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            assert p.returncode == 0, err
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-    return results
+pytestmark = pytest.mark.integration
 
 
 def small(timeout: float = 20, partition_bytes: int = 4 << 20) -> ClientConfig:
@@ -195,75 +171,34 @@ def test_timeout_names_the_shard(shards):
         assert isinstance(info.value, TimeoutError)
 
 
-def test_nobody_listening_times_out():
-    with zmq.Context() as ctx:
-        s = ctx.socket(zmq.ROUTER)
-        port = s.bind_to_random_port("tcp://127.0.0.1")
-        s.close(linger=0)
-    endpoint = f"tcp://127.0.0.1:{port}"
-    with psrt.Client([endpoint], config=small(timeout=0.3)) as c:
-        with pytest.raises(psrt.ShardTimeoutError, match=endpoint):
-            c.init({"w": np.zeros(3, np.float32)})
-
-
 # ---------------------------------------------------------------------------------------------- hostile input
-class RawPeer:
-    """A bare DEALER speaking the wire protocol by hand."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-
-    def ask(self, frames: list, timeout: float = 5.0) -> tuple[dict, list[bytes]]:
-        self.sock.send_multipart(frames)
-        assert self.sock.poll(int(timeout * 1000)), "the shard did not answer"
-        reply = self.sock.recv_multipart()
-        return msgpack.unpackb(reply[0]), reply[1:]
-
-    def close(self) -> None:
-        self.sock.close()
-        self.ctx.term()
-
-
-def header(**fields) -> bytes:
-    return msgpack.packb({"v": 1, **fields})
-
-
-def push_header(**over) -> dict:
-    base = dict(op="push", id=9, worker=0, session=1, seq=0, clock=1, tensors=[["w", 0, "<f4", [4]]])
-    base.update(over)
-    return base
-
-
 MALFORMED = {
     "empty": [b""],
     "random-bytes": [os.urandom(64)],
-    "truncated-header": [header(**push_header())[:-5], np.ones(4, np.float32).tobytes()],
+    "truncated-header": [packed(push_header())[:-5], np.ones(4, np.float32).tobytes()],
     "not-a-map": [msgpack.packb([1, 2, 3])],
-    "wrong-version": [msgpack.packb({"v": 99, **push_header()}), np.ones(4, np.float32).tobytes()],
-    "unknown-op": [header(op="explode", id=1)],
-    "missing-field": [header(op="push", id=1, worker=0, tensors=[]), b""],
-    "bool-as-int": [header(**push_header(seq=True)), np.ones(4, np.float32).tobytes()],
-    "wrong-frame-count": [header(**push_header())],
-    "extra-frame": [header(**push_header()), np.ones(4, np.float32).tobytes(), b"x"],
-    "unknown-dtype": [header(**push_header(tensors=[["w", 0, "<i4", [4]]])), np.ones(4, np.int32).tobytes()],
-    "object-dtype": [header(**push_header(tensors=[["w", 0, "O", [4]]])), b"\0" * 32],
-    "big-endian-dtype": [header(**push_header(tensors=[["w", 0, ">f4", [4]]])), np.ones(4, ">f4").tobytes()],
-    "wrong-byte-count": [header(**push_header()), np.ones(3, np.float32).tobytes()],
-    "huge-shape": [header(**push_header(tensors=[["w", 0, "<f4", [2**40, 2**40, 2**40]]])), b"\0" * 16],
-    "negative-dim": [header(**push_header(tensors=[["w", 0, "<f4", [-4]]])), b"\0" * 16],
-    "bin-in-header": [msgpack.packb({"v": 1, **push_header(), "x": b"\0" * 8}, use_bin_type=True)],
-    "unknown-key": [header(**push_header(tensors=[["nope", 0, "<f4", [4]]])), np.ones(4, np.float32).tobytes()],
-    "size-mismatch": [header(**push_header(tensors=[["w", 0, "<f4", [2]]])), np.ones(2, np.float32).tobytes()],
-    "dtype-mismatch": [header(**push_header(tensors=[["w", 0, "<f8", [4]]])), np.ones(4, np.float64).tobytes()],
-    "nan-gradient": [header(**push_header()), np.array([1, np.nan, 1, 1], np.float32).tobytes()],
-    "inf-gradient": [header(**push_header()), np.array([1, 1, -np.inf, 1], np.float32).tobytes()],
-    "bad-optimizer": [header(op="init", id=3, worker=0, session=1, optimizer={"name": "pickle"},
-                             tensors=[["z", 0, "<f4", [1]]]), np.ones(1, np.float32).tobytes()],
-    "pull-unreachable": [header(op="pull", id=4, worker=0, clock=0, keys=[["w", 0, 99]])],
-    "pull-bad-keys": [header(op="pull", id=4, worker=0, clock=0, keys=[["w", "0", 0]])],
+    "wrong-version": [packed(push_header(), version=99), np.ones(4, np.float32).tobytes()],
+    "unknown-op": [packed(dict(op="explode", id=1))],
+    "missing-field": [packed(dict(op="push", id=1, worker=0, tensors=[])), b""],
+    "bool-as-int": [packed(push_header(seq=True)), np.ones(4, np.float32).tobytes()],
+    "wrong-frame-count": [packed(push_header())],
+    "extra-frame": [packed(push_header()), np.ones(4, np.float32).tobytes(), b"x"],
+    "unknown-dtype": [packed(push_header(tensors=[["w", 0, "<i4", [4]]])), np.ones(4, np.int32).tobytes()],
+    "object-dtype": [packed(push_header(tensors=[["w", 0, "O", [4]]])), b"\0" * 32],
+    "big-endian-dtype": [packed(push_header(tensors=[["w", 0, ">f4", [4]]])), np.ones(4, ">f4").tobytes()],
+    "wrong-byte-count": [packed(push_header()), np.ones(3, np.float32).tobytes()],
+    "huge-shape": [packed(push_header(tensors=[["w", 0, "<f4", [2**40, 2**40, 2**40]]])), b"\0" * 16],
+    "negative-dim": [packed(push_header(tensors=[["w", 0, "<f4", [-4]]])), b"\0" * 16],
+    "bin-in-header": [packed({**push_header(), "x": b"\0" * 8})],
+    "unknown-key": [packed(push_header(tensors=[["nope", 0, "<f4", [4]]])), np.ones(4, np.float32).tobytes()],
+    "size-mismatch": [packed(push_header(tensors=[["w", 0, "<f4", [2]]])), np.ones(2, np.float32).tobytes()],
+    "dtype-mismatch": [packed(push_header(tensors=[["w", 0, "<f8", [4]]])), np.ones(4, np.float64).tobytes()],
+    "nan-gradient": [packed(push_header()), np.array([1, np.nan, 1, 1], np.float32).tobytes()],
+    "inf-gradient": [packed(push_header()), np.array([1, 1, -np.inf, 1], np.float32).tobytes()],
+    "bad-optimizer": [packed(dict(op="init", id=3, worker=0, session=1, optimizer={"name": "pickle"},
+                                  tensors=[["z", 0, "<f4", [1]]])), np.ones(1, np.float32).tobytes()],
+    "pull-unreachable": [packed(dict(op="pull", id=4, worker=0, clock=0, keys=[["w", 0, 99]]))],
+    "pull-bad-keys": [packed(dict(op="pull", id=4, worker=0, clock=0, keys=[["w", "0", 0]]))],
 }
 
 

@@ -2,34 +2,23 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from _helpers import run_workers
 
 import psrt
 from psrt.shard.store import Store
-
-WORKER = str(Path(__file__).with_name("_ssp_worker.py"))
 
 
 def run_pair(shards, staleness: int, steps: int = 16, what: str = "dense") -> tuple[dict, dict]:
     group = shards(1, workers=2, mode="ssp", extra=("--staleness", str(staleness)))
     # Worker 0 is fast (no pause between steps), worker 1 slow (0.1 s).
-    procs = [subprocess.Popen([sys.executable, WORKER, group.endpoints[0], str(r), "2", str(steps), str(pause), what],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r, pause in ((0, 0.0), (1, 0.1))]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=120)
-        assert p.returncode == 0, stderr
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out[0], out[1]
+    fast, slow = run_workers("ssp", [dict(servers=group.endpoints, rank=r, workers=2, steps=steps, step_s=pause,
+                                          pattern=what) for r, pause in ((0, 0.0), (1, 0.1))])
+    return fast, slow
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("what", ["dense", "rows"])
 @pytest.mark.parametrize("staleness", [2, 0])
 def test_a_fast_worker_runs_at_most_staleness_pushes_ahead(shards, staleness, what):
@@ -49,6 +38,7 @@ def test_a_fast_worker_runs_at_most_staleness_pushes_ahead(shards, staleness, wh
         assert ahead >= steps // 2, ahead  # not sync: the fast worker finishes most steps before the slow one starts
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("pattern", ["apart", "backward", "subset", "async"])
 def test_the_bound_holds_and_nothing_hangs_whatever_the_push_pattern(shards, pattern):
     # Clocks are per tensor: a worker that pushes its tensors in separate calls (as psrt.torch does) is not
@@ -61,12 +51,12 @@ def test_the_bound_holds_and_nothing_hangs_whatever_the_push_pattern(shards, pat
     assert slow["w"] == {"a": [-3.0 * steps] * 8, "b": [-3.0 * pushes_b] * 8}  # each push applied once
 
 
+@pytest.mark.integration
 def test_one_worker_pushing_tensors_apart_with_no_staleness_does_not_wait_on_itself(shards):
     group = shards(1, workers=1, mode="ssp", extra=("--staleness", "0"))
-    out = subprocess.run([sys.executable, WORKER, group.endpoints[0], "0", "1", "5", "0", "apart"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1])["w"] == {"a": [-5.0] * 8, "b": [-5.0] * 8}
+    (out,) = run_workers("ssp", [dict(servers=group.endpoints, rank=0, workers=1, steps=5, step_s=0.0,
+                                      pattern="apart")], timeout=60)
+    assert out["w"] == {"a": [-5.0] * 8, "b": [-5.0] * 8}
 
 
 def test_the_slowest_clock_counts_every_worker_and_only_members():

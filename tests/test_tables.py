@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import threading
 
-import msgpack
 import numpy as np
 import pytest
-import zmq
+from _helpers import RawPeer
 
 import psrt
-from psrt import wire
 from psrt.config import ClientConfig
 from psrt.kernels import reference
-from psrt.shard.embedding import RowTable, coalesce
+from psrt.shard.embedding import RowTable
 from psrt.tablespec import TableSpec
+
+pytestmark = pytest.mark.integration
 
 
 def cfg() -> ClientConfig:
@@ -92,16 +92,8 @@ def test_fixed_tables_refuse_ids_outside_their_rows(shards):
 
 
 def _raw(endpoint: str, header: dict, frames: list[bytes]) -> dict:
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.linger = 0
-    s.connect(endpoint)
-    try:
-        s.send_multipart([msgpack.packb({"v": wire.PROTOCOL_VERSION, **header}), *frames])
-        assert s.poll(10_000)
-        return msgpack.unpackb(s.recv_multipart()[0])
-    finally:
-        s.close()
+    with RawPeer(endpoint) as peer:
+        return peer.ask(header, frames, timeout=10.0)[0]
 
 
 def test_hostile_row_messages_change_nothing(shards):
@@ -146,12 +138,6 @@ def test_row_cap_per_message_and_table(shards, monkeypatch):
             c.pull_rows("d", np.arange(100, 200))
         c.pull_rows("d", np.arange(50))  # existing rows: still served
         assert c.stats()[0]["table_rows"] == 100
-
-
-def test_coalesce_matches_numpy():
-    slots = np.array([2, 2, 1], np.int64)
-    u, s = coalesce(slots, np.ones((3, 2), np.float32))
-    assert u.tolist() == [1, 2] and s.tolist() == [[1, 1], [2, 2]]
 
 
 def test_ctr_example_learns_under_launch():

@@ -3,10 +3,9 @@ shard's refusal of hostile top-k frames (an error reply, nothing changed)."""
 
 from __future__ import annotations
 
-import msgpack
 import numpy as np
 import pytest
-import zmq
+from _helpers import RawPeer, packed, serving
 
 import psrt
 from psrt.config import ClientConfig
@@ -57,6 +56,7 @@ def _pushed_bytes(shards, codec, grads, n):
         return (c.stats()[0]["bytes_in"] - before) / len(grads), c.pull()["w"]
 
 
+@pytest.mark.integration
 def test_topk_001_sends_at_most_3_percent_of_the_bytes(shards):
     rng = np.random.default_rng(1)
     n = 100_000
@@ -67,6 +67,7 @@ def test_topk_001_sends_at_most_3_percent_of_the_bytes(shards):
     assert 0 < np.count_nonzero(w) <= 5 * 1000
 
 
+@pytest.mark.integration
 def test_topk_ratio_one_trains_exactly_like_float32(shards):
     rng = np.random.default_rng(2)
     grads = [rng.standard_normal(1000).astype(np.float32) for _ in range(5)]
@@ -75,6 +76,7 @@ def test_topk_ratio_one_trains_exactly_like_float32(shards):
     np.testing.assert_array_equal(sparse, dense)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
 def test_a_constant_gradient_reaches_half_the_parameters_within_200_steps(shards, mode):
     """Error feedback: entries too small to be sent grow in the residual until they are."""
@@ -97,7 +99,7 @@ def _frame(index, values) -> bytes:
 
 def _push(dname="topk", shape=(8,), op="push", **extra) -> bytes:
     fields = dict(worker=0, session=1, seq=0, clock=1) if op == "push" else dict(worker=0, session=1, optimizer={})
-    return msgpack.packb({"v": 1, "op": op, "id": 7, **fields, "tensors": [["w", 0, dname, list(shape)]], **extra})
+    return packed({"op": op, "id": 7, **fields, "tensors": [["w", 0, dname, list(shape)]], **extra})
 
 
 HOSTILE = {
@@ -114,32 +116,27 @@ HOSTILE = {
 }
 
 
+@pytest.mark.integration
 def test_hostile_topk_frames_are_refused_and_change_nothing(shards):
     group = shards(1, workers=1)
     w0 = np.arange(8, dtype=np.float32)
     with psrt.Client(group.endpoints, config=ClientConfig(timeout=20)) as c:
         c.init({"w": w0}, optimizer=psrt.SGD(lr=1.0))
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(group.endpoints[0])
+        peer = RawPeer(group.endpoints[0])
         try:
             for name, frames in HOSTILE.items():
-                sock.send_multipart(frames)
-                assert sock.poll(5000), name
-                reply = msgpack.unpackb(sock.recv_multipart()[0])
+                peer.send(frames)
+                assert peer.answered(5.0), name
+                reply, _ = peer.recv()
                 assert reply["op"] == "error" and reply["message"], name
             np.testing.assert_array_equal(c.pull()["w"], w0)
             stats = c.stats()[0]
             assert stats["errors"] == len(HOSTILE) and stats["rounds"] == 0 and stats["pushes"] == 0
             # A well-formed top-k frame from the same peer is taken: entries 1 and 5 move, nothing else.
-            sock.send_multipart([_push(), _frame([1, 5], [1.0, -2.0])])
-            assert sock.poll(5000)
-            assert msgpack.unpackb(sock.recv_multipart()[0])["op"] == "ack"
+            assert peer.ask([_push(), _frame([1, 5], [1.0, -2.0])])[0]["op"] == "ack"
             np.testing.assert_array_equal(c.pull()["w"], w0 - np.array([0, 1, 0, 0, 0, -2, 0, 0], np.float32))
         finally:
-            sock.close()
-            ctx.term()
+            peer.close()
 
 
 # ---------------------------------------------------------------------------------------------- the residual's life
@@ -160,6 +157,7 @@ def test_undo_takes_out_one_push_and_keeps_the_pushes_encoded_after_it():
     np.testing.assert_allclose(residuals[key], start, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.integration
 def test_a_refused_push_gives_back_what_it_took_from_the_residuals(shards):
     group = shards(1, workers=1)  # --nonfinite reject: a push holding a NaN is refused whole
     with psrt.Client(group.endpoints, config=ClientConfig(timeout=20, compression="topk:0.5")) as c:
@@ -176,17 +174,11 @@ def test_a_refused_push_gives_back_what_it_took_from_the_residuals(shards):
 
 
 def test_a_topk_frame_over_the_shards_frame_limit_goes_dense():
-    import threading
-
     from psrt.config import ServerConfig, WireLimits
-    from psrt.shard.server import Server
 
     limit = 1 << 16
     limits = WireLimits(max_header_bytes=4096, max_tensor_bytes=limit)  # sockets: MAXMSGSIZE of limit + 1 KiB
-    server = Server(ServerConfig(bind="tcp://127.0.0.1:*", limits=limits))
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
-    try:
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", limits=limits)) as server:
         n = limit // 4  # its dense chunk is exactly the limit; at topk:1 its frame would be twice that
         config = ClientConfig(timeout=5, compression="topk:1", limits=limits, partition_bytes=limit)
         with psrt.Client([server.endpoint], config=config) as c:
@@ -194,12 +186,9 @@ def test_a_topk_frame_over_the_shards_frame_limit_goes_dense():
             g = np.arange(n, dtype=np.float32)
             got = c.push_pull({"w": g})  # the socket used to cut the 2x frame off: a timeout
         np.testing.assert_array_equal(got["w"], -g)
-    finally:
-        server.stop()
-        thread.join(10)
-        server.close()
 
 
+@pytest.mark.integration
 def test_a_restarted_shard_gets_no_residual_owed_to_its_earlier_life(tmp_path):
     import signal
 

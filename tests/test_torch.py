@@ -13,14 +13,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _helpers import run_workers  # noqa: E402
+from _workers import batches, make_cnn  # noqa: E402
+
 import psrt  # noqa: E402
 import psrt.torch  # noqa: E402
 from psrt.errors import ConfigError, PsrtTypeError  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _torch_worker import batches, make_cnn  # noqa: E402
+pytestmark = pytest.mark.integration
 
-WORKER = str(Path(__file__).resolve().parent / "_torch_worker.py")
 SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}
 
 
@@ -48,11 +49,9 @@ def test_two_sync_workers_on_half_batches_match_torch_on_the_whole_batch(shards,
     """The default reads the parameters right after the loop, no synchronize(); overlap_forward reads after it."""
     steps = 30
     group = shards(2, workers=2, mode="sync")
-    procs = [subprocess.Popen([sys.executable, WORKER, json.dumps(dict(
-        servers=group.endpoints, rank=r, workers=2, steps=steps, out=str(tmp_path / f"w{r}.npz"),
-        overlap_forward=overlap_forward, synchronize=overlap_forward, **SGD))])
-        for r in range(2)]
-    assert [p.wait(120) for p in procs] == [0, 0]
+    run_workers("torch_cnn", [dict(servers=group.endpoints, rank=r, workers=2, steps=steps,
+                                   out=str(tmp_path / f"w{r}.npz"), overlap_forward=overlap_forward,
+                                   synchronize=overlap_forward, **SGD) for r in range(2)])
     w0, w1 = (np.load(tmp_path / f"w{r}.npz") for r in range(2))
     names = [k.split("/", 1)[1] for k in w0.files if k.startswith("initial/")]
     for k in names:  # construction made both workers identical: the first init won

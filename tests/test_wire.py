@@ -7,6 +7,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from _helpers import frames_of, push_header
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -60,12 +61,6 @@ def header_for(op: str, req_id: int = 42) -> tuple[dict[str, Any], list[np.ndarr
 
 
 ALL_OPS = ["init", "push", "push_pull", "pull", "stats", "checkpoint"]
-
-
-def frames_of(header: dict[str, Any], arrays=(), *, version: int = wire.PROTOCOL_VERSION) -> list[bytes]:
-    """Pack frames as a peer might, without going through encode's checks (``v`` first unless present)."""
-    h = {"v": version, **header} if "v" not in header else header
-    return [msgpack.packb(h, use_bin_type=True)] + [a.tobytes() for a in arrays]
 
 
 def record_fields(req: wire.Request) -> dict[str, Any]:
@@ -382,8 +377,7 @@ def test_init_optimizer_must_be_a_map(value):
 
 
 def push_with(entries: list, buffers: list[bytes]) -> list[bytes]:
-    header = {"op": "push", "id": 5, "worker": 0, "session": 1, "seq": 0, "clock": 1, "tensors": entries}
-    return [msgpack.packb({"v": 1, **header}, use_bin_type=True), *buffers]
+    return frames_of(push_header(id=5, tensors=entries), buffers)
 
 
 @pytest.mark.parametrize("value", [{}, "w", None, 3, [["w", 0, "<f4"]]], ids=repr)
