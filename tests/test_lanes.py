@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import msgpack
 import numpy as np
 import pytest
 from _helpers import RawPeer, packed, push_header, run_workers, serving, worker_command
