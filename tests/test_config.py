@@ -14,7 +14,7 @@ import psrt
 from psrt import cli, config
 from psrt.cluster.daemon import run_server
 from psrt.config import ClusterConfig, RowLimits, ServerConfig
-from psrt.control.link import Heartbeat, SchedulerLink
+from psrt.control.link import HeartbeatThread, SchedulerLink
 from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command, stop_children
 from psrt.control.scheduler import Scheduler
 from psrt.shard.server import Server
@@ -63,7 +63,7 @@ def test_the_defaults_are_named_once():
     assert ClusterConfig.from_env({}) == cluster
     assert (config.START_TIMEOUT, config.HEARTBEAT_INTERVAL, config.HEARTBEAT_TIMEOUT, config.RESTART_GRACE) == (
         120.0, 0.5, 2.5, 30.0)
-    defaults = {name: p.default for cls in (Scheduler, SchedulerLink, Heartbeat)
+    defaults = {name: p.default for cls in (Scheduler, SchedulerLink, HeartbeatThread)
                 for name, p in inspect.signature(cls).parameters.items()}
     assert defaults["start_timeout"] is config.START_TIMEOUT
     assert defaults["heartbeat_timeout"] is defaults["timeout"] is config.HEARTBEAT_TIMEOUT
