@@ -57,6 +57,12 @@ class Chunk:
         """Size of the chunk in bytes."""
         return self.count * self.dtype.itemsize
 
+    def of(self, array: np.ndarray) -> np.ndarray:
+        """This chunk's elements of its C-contiguous tensor ``array``, flat: a view, never a copy (the whole
+        array's flat view when the chunk is all of it)."""
+        flat = array.reshape(-1)
+        return flat if self.start == 0 and self.count == flat.size else flat[self.start:self.start + self.count]
+
 
 class PartitionMap:
     """A deterministic assignment of tensor chunks to ``num_shards`` shards.

@@ -133,9 +133,11 @@ def test_a_segment_name_is_built_and_parsed_in_one_place_and_names_every_file_a_
 
 def test_a_call_below_the_transports_copy_threshold_stays_on_sockets_without_asking_the_shard():
     asked = []
-    worker = lanes.WorkerLanes(lambda shard, encode: asked.append(shard) or psrt.wire.BeaconReply(1, ""), 1, 0, 5, True)
-    assert worker.lane_for(0, psrt.transport.ZERO_COPY_BYTES - 1) is None and asked == []
-    assert worker.lane_for(0, psrt.transport.ZERO_COPY_BYTES) is None and asked == [0]  # it asked: no beacon here
+    worker = lanes.WorkerLanes(1, 0, 5, True)
+    ask = lambda encode: asked.append(encode) or psrt.wire.BeaconReply(1, "")  # noqa: E731
+    assert worker.lane_for(0, psrt.transport.ZERO_COPY_BYTES - 1, ask) is None and asked == []
+    assert worker.lane_for(0, psrt.transport.ZERO_COPY_BYTES, ask) is None  # it asked: no beacon here
+    assert asked == [psrt.wire.encode_lane_probe]
 
 
 def test_the_shared_parameters_log_under_their_own_name(monkeypatch, caplog):

@@ -43,6 +43,9 @@ __all__ = ["MAX_LANES", "MAX_LANE_BYTES", "LANE_CODES", "Lane", "LaneUse", "Work
 
 log = logging.getLogger("psrt.lanes")
 
+#: ``ask(encode)``: send a shard one request, its frames made by ``encode(request_id)``; returns the reply record.
+Ask = Callable[[Callable[[int], list[Any]]], Any]
+
 #: Segments one shard keeps at most.
 MAX_LANES = 64
 #: The largest segment a shard creates.
@@ -95,12 +98,11 @@ class LaneUse:
 class WorkerLanes:
     """A client's lanes, one per shard: set up on first use, grown when a call does not fit.
 
+    It sends nothing itself: setting a lane up asks the shard through the ``ask`` a call passes
+    (:meth:`lane_for`), and the generations :meth:`release` returns are the ones to tell the shards of.
+
     Parameters
     ----------
-    ask : callable
-        ``ask(shard, encode)`` sends one request and returns the reply record (raises on an error reply).
-    close : callable
-        ``close({shard: generation}, timeout)`` sends ``lane_close`` to those shards and waits (best effort).
     num_shards : int
         The shards' count.
     worker, session : int
@@ -109,11 +111,7 @@ class WorkerLanes:
         False: every call goes over sockets.
     """
 
-    def __init__(self, ask: Callable[[int, Callable[[int], list[Any]]], Any], num_shards: int, worker: int,
-                 session: int, enabled: bool,
-                 close: Callable[[dict[int, int], float], None] = lambda generations, timeout: None) -> None:
-        self._ask = ask
-        self._close = close
+    def __init__(self, num_shards: int, worker: int, session: int, enabled: bool) -> None:
         self._worker = worker
         self._session = session
         self._enabled = enabled
@@ -126,8 +124,12 @@ class WorkerLanes:
         self._demand = [0] * num_shards
         self._spill = [0] * num_shards
 
-    def lane_for(self, shard: int, nbytes: int) -> Optional[Lane]:
-        """The lane a call moving ``nbytes`` (areas, aligned) to ``shard`` uses, or None for sockets."""
+    def lane_for(self, shard: int, nbytes: int, ask: Ask) -> Optional[Lane]:
+        """The lane a call moving ``nbytes`` (areas, aligned) to ``shard`` uses, or None for sockets.
+
+        ``ask(encode)`` sends ``shard`` one request and returns the reply record (raising on an error reply):
+        how a lane is set up when one must be.
+        """
         if not self._enabled or nbytes < ZERO_COPY_BYTES:  # a small call: a copy into a segment saves nothing
             return None
         lane = self._lanes[shard]
@@ -137,7 +139,7 @@ class WorkerLanes:
             if not lane.live:
                 self._spill[shard] = 0
                 if self._demand[shard] > lane.segment.size - shm.HEADER_BYTES:  # idle: now make it big enough
-                    return self._open(shard, self._demand[shard])
+                    return self._open(shard, self._demand[shard], ask)
             if lane.fits(nbytes):
                 return lane
             if lane.live and not lane.retired:
@@ -146,14 +148,14 @@ class WorkerLanes:
                 self._demand[shard] = max(self._demand[shard], lane.top - shm.HEADER_BYTES + self._spill[shard])
                 return None
         # A first segment holds two such calls (the next can be on its way while this one's answer comes in).
-        return self._open(shard, max(2 * nbytes, self._demand[shard]))
+        return self._open(shard, max(2 * nbytes, self._demand[shard]), ask)
 
-    def close(self, timeout: float) -> None:
-        """Give every open lane back to its shard (waiting at most ``timeout`` seconds for all of them)."""
+    def release(self) -> dict[int, int]:
+        """Stop using lanes (the client closes); returns ``{shard: generation}`` of every open one, to tell each
+        shard with ``lane_close`` so that it frees the segment now rather than when it needs the room."""
         generations = {s: lane.segment.generation for s, lane in enumerate(self._lanes) if isinstance(lane, Lane)}
         self._lanes = [False] * len(self._lanes)
-        if generations:
-            self._close(generations, timeout)
+        return generations
 
     def reset(self, shard: int) -> None:
         """Forget ``shard``'s lane (it restarted, or refused the lane): the next call sets one up again."""
@@ -165,7 +167,7 @@ class WorkerLanes:
         # A restarted shard numbers its segments afresh: nothing mapped from its predecessor may be reused.
         self._arenas[shard].forget()
 
-    def _open(self, shard: int, nbytes: int) -> Optional[Lane]:
+    def _open(self, shard: int, nbytes: int, ask: Ask) -> Optional[Lane]:
         old = self._lanes[shard]
         if isinstance(old, Lane):
             old.retired = True
@@ -173,7 +175,7 @@ class WorkerLanes:
         try:
             token = self._token[shard]
             if token is None:
-                beacon = self._ask(shard, wire.encode_lane_probe)
+                beacon = ask(wire.encode_lane_probe)
                 token = shm.Beacon.read(beacon.name) if beacon.name else None
                 if token is None:
                     log.debug("shard %d: no shared memory with this host (beacon %r)", shard, beacon.name)
@@ -181,8 +183,7 @@ class WorkerLanes:
                 self._token[shard] = token
                 self._arenas[shard].beacon = shm.SegmentName.parse(beacon.name)
             size = shm.HEADER_BYTES + max(shm.aligned(nbytes), 1 << 20)
-            reply = self._ask(shard, lambda rid: wire.encode_lane_open(rid, self._worker, self._session, token,
-                                                                       size))
+            reply = ask(lambda rid: wire.encode_lane_open(rid, self._worker, self._session, token, size))
             segment = shm.Segment.attach(reply.name, reply.generation, reply.size)
         except (PsrtError, OSError) as exc:
             # An older shard, another host, a full /dev/shm: sockets work everywhere.
@@ -208,7 +209,7 @@ class WorkerLanes:
             if arrays is not None:
                 offset = lane.take(c.nbytes)
                 view = segment.array(offset, c.dtype, c.count)
-                np.copyto(view, arrays[c.name].reshape(-1)[c.start:c.start + c.count])
+                np.copyto(view, c.of(arrays[c.name]))
                 inputs.append(view)
                 in_offsets.append(offset)
             if outputs:

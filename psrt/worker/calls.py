@@ -1,17 +1,27 @@
 """Calls in flight from a client to its shards: one DEALER socket per shard, request ids, and replies.
 
-:class:`ShardCalls` sends each request with a fresh id, remembers which :class:`Handle` (one user-level call,
-possibly many requests) it belongs to, and routes every reply back by that id, receiving a ``params`` reply's
-buffers straight into the handle's output arrays. It also keeps the versions each key is known to have reached,
-which a later pull asks for. A reply that answers nothing pending (a late one, after a timeout) is dropped.
+:class:`ShardCalls` routes: every request a :class:`psrt.worker.sender.ShardSender` sends is tracked under a
+fresh id (:meth:`ShardCalls.track`) as a :class:`Request`, which remembers the :class:`Handle` (one user-level
+call, possibly many requests) it belongs to; every reply is routed back by that id, a ``params`` reply's buffers
+received straight into the handle's output arrays. When a request must go again, the routing gives it back to
+the sender that sent it, which knows how:
+
+- the shard refused the request's shared-memory lane: over the socket (:meth:`ShardSender.without_lane`);
+- the shard restarted (its socket reconnected, or it came back on another endpoint) before answering: in its
+  socket form (:meth:`ShardSender.resend`), unless the shard keeps dropping the connection without answering
+  anything, which fails the calls instead;
+- the shared parameters a reply named were overwritten while being copied: those chunks are pulled again
+  (:meth:`ShardSender.pull_again`), once the reply has been taken in, never from inside the receive path.
+
+:class:`Versions` keeps the versions each key is known to have reached on its shard, which a later pull asks
+for. A reply that answers nothing pending (a late one, after a timeout) is dropped.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -27,30 +37,106 @@ from psrt.errors import (
     refusal,
 )
 from psrt.partition import Chunk
-from psrt.shm.lanes import LANE_CODES, LaneUse
+from psrt.shm.lanes import LANE_CODES, LaneUse, WorkerLanes
 from psrt.wire import compression
 from psrt.worker.handles import Handle
 
-__all__ = ["Handle", "ShardCalls"]
+__all__ = ["Handle", "Request", "Sender", "ShardCalls", "Versions"]
 
 log = logging.getLogger("psrt.client")
 
 Key = tuple[str, int]
+#: Makes a request's frames from its id.
+Encode = Callable[[int], list[Any]]
 
 
-@dataclass
-class _Pending:
-    handle: Handle
+class Sender(Protocol):
+    """What the routing asks of the sender of a request that must go again
+    (:class:`psrt.worker.sender.ShardSender`)."""
+
     shard: int
-    chunks: list[Chunk]
-    #: Makes the request's frames again, for a shard that restarted without answering it.
-    resend: Callable[[int], list[Any]]
-    #: Over a shared-memory lane: the request's areas (given back when it is answered), and the frames that
-    #: send it over the socket instead, should the shard refuse the lane.
-    lane: Optional[LaneUse] = None
-    plain: Optional[Callable[[int], list[Any]]] = None
-    #: Called when the shard refuses the request (top-k: its residual changes are taken back).
-    refused: Optional[Callable[[], None]] = None
+
+    def resend(self, rid: int, request: Request) -> None:
+        """The shard restarted before answering: send ``request`` again in its socket form."""
+
+    def without_lane(self, rid: int, request: Request, why: str) -> None:
+        """The shard refused ``request``'s lane: send it again over the socket, under the same id."""
+
+    def pull_again(self, handle: Handle, chunks: list[tuple[Chunk, int]]) -> None:
+        """Pull ``(chunk, version)`` pairs again over the socket for ``handle``."""
+
+
+class Request:
+    """A request in flight: the call its reply belongs to, and what sending it again takes.
+
+    Attributes
+    ----------
+    handle : Handle
+        The call.
+    sender : Sender
+        Who sent it (to ``sender.shard``), and sends it again.
+    chunks : sequence of Chunk
+        The dense chunks it carries or asks for: a reply's tensors and versions are theirs, in order.
+    table : str or None
+        An embedding table's name, for its requests: a reply's one version is the table's on this shard.
+    resend : callable
+        Makes its frames again, over the socket, for a shard that restarted without answering it.
+    lane : LaneUse or None
+        Over a shared-memory lane: its areas, given back when it is answered.
+    plain : callable or None
+        Over a lane: its frames over the socket, should the shard refuse the lane.
+    refused : callable or None
+        Called when the shard refuses it (top-k: its residual changes are taken back).
+    """
+
+    __slots__ = ("handle", "sender", "shard", "chunks", "table", "resend", "lane", "plain", "refused")
+
+    def __init__(self, handle: Handle, sender: Sender, chunks: Sequence[Chunk], table: Optional[str],
+                 resend: Encode, lane: Optional[LaneUse] = None, plain: Optional[Encode] = None,
+                 refused: Optional[Callable[[], None]] = None) -> None:
+        self.handle = handle
+        self.sender = sender
+        self.shard: int = sender.shard
+        self.chunks = chunks
+        self.table = table
+        self.resend = resend
+        self.lane = lane
+        self.plain = plain
+        self.refused = refused
+
+    def release(self) -> None:
+        """It was answered: its lane areas are free."""
+        if self.lane is not None:
+            self.lane.lane.give_back()
+            self.lane = None
+
+    def abandon(self) -> None:
+        """Nobody waits for it any more: the shard may still write its lane areas, so that segment is never
+        handed out again."""
+        if self.lane is not None:
+            self.lane.lane.retired = True
+
+
+class Versions:
+    """The highest version each key is known to have reached, from acks and replies, by shard.
+
+    ``chunks[shard]`` holds dense keys ``(name, part)``, ``tables[shard]`` embedding tables by name. A shard that
+    restarted (maybe from a checkpoint, behind what it was) is forgotten whole (:meth:`forget`).
+    """
+
+    def __init__(self, num_shards: int) -> None:
+        self.chunks: list[dict[Key, int]] = [{} for _ in range(num_shards)]
+        self.tables: list[dict[str, int]] = [{} for _ in range(num_shards)]
+
+    def forget(self, shard: int) -> None:
+        """Nothing learned from ``shard`` holds any more (the dicts are emptied in place: senders hold them)."""
+        self.chunks[shard].clear()
+        self.tables[shard].clear()
+
+    def drop(self, chunks: Sequence[Chunk]) -> None:
+        """Forget the versions of ``chunks`` (tensors whose ``init`` failed)."""
+        for c in chunks:
+            self.chunks[c.shard].pop(c.key, None)
 
 
 class ShardCalls:
@@ -64,6 +150,9 @@ class ShardCalls:
         Shard endpoints, in shard order.
     config : ClientConfig
         Timeouts, high-water marks, decode limits and keys.
+    lanes : WorkerLanes
+        The client's shared-memory lanes: a reply may name parameters in a shard's shared memory, and a
+        restarted shard's lanes are gone.
     check : callable, optional
         Called while waiting; raises to end every wait at once (the job failed:
         :meth:`psrt.control.link.HeartbeatThread.check`).
@@ -71,12 +160,18 @@ class ShardCalls:
         Shards that restarted on another endpoint, filled by another thread
         (:attr:`psrt.control.link.HeartbeatThread.moves`):
         every wait takes them in, re-points the shard's socket and sends again what it never answered.
+    restarted : callable, optional
+        Called with a shard that came back (maybe from a checkpoint, behind what it was) before what it never
+        answered goes again (top-k compression: the residuals owed to its earlier life are dropped).
     """
 
-    def __init__(self, context: Any, servers: Sequence[str], config: ClientConfig,
-                 check: Optional[Callable[[], None]] = None, moves: Optional[dict[int, str]] = None) -> None:
+    def __init__(self, context: Any, servers: Sequence[str], config: ClientConfig, lanes: WorkerLanes,
+                 check: Optional[Callable[[], None]] = None, moves: Optional[dict[int, str]] = None,
+                 restarted: Optional[Callable[[int], None]] = None) -> None:
         self._check = check
         self._moves = moves
+        self._lanes = lanes
+        self._restarted = restarted
         self.servers = list(servers)
         self.config = config
         keys = security.load_keys(config.keys)
@@ -84,19 +179,12 @@ class ShardCalls:
                                                  max_frame=config.limits.max_frame_bytes) for ep in self.servers]
         self._poller = transport.Poller(self.channels)
         self._next_id = 1
-        self._pending: dict[int, _Pending] = {}
-        #: The highest version each key is known to have reached (from acks and params replies).
-        self.versions: dict[Key, int] = {}
-        self._key_shard: dict[Key, int] = {}
+        self._pending: dict[int, Request] = {}
+        self.versions = Versions(len(self.channels))
         self._connections = [0] * len(self.channels)  # handshakes seen per shard (see _ride_through)
         self._unanswered = [0] * len(self.channels)  # reconnections since the shard last answered anything
-        #: Called with a shard whose shared-memory lane is gone (it restarted, or refused the lane); and with one
-        #: that restarted (maybe from a checkpoint, behind what it was).
-        self.lane_lost: Callable[[int], None] = lambda shard: None
-        self.restarted: Callable[[int], None] = lambda shard: None
-        #: The client's lanes (:class:`psrt.shm.lanes.WorkerLanes`), which copy parameters a shard shares; its rank.
-        self.lanes: Any = None
-        self.rank = 0
+        #: Chunks to pull again (their shared parameters changed while being copied), once replies are taken in.
+        self._again: list[tuple[Request, list[tuple[Chunk, int]]]] = []
         self.closed = False
 
     def close(self) -> None:
@@ -107,52 +195,18 @@ class ShardCalls:
                 ch.close()
             self._pending.clear()
 
-    def send(self, handle: Handle, shard: int, chunks: list[Chunk], encode: Callable[[int], list[Any]],
-             resend: Optional[Callable[[int], list[Any]]] = None, lane: Optional[LaneUse] = None,
-             plain: Optional[Callable[[int], list[Any]]] = None, refused: Optional[Callable[[], None]] = None) -> None:
-        """Send one request to ``shard``, its frames made by ``encode(request_id)``; the reply goes to ``handle``.
-
-        ``resend`` makes the frames to send again if the shard restarts before answering (default: ``encode``;
-        a pull passes one that asks for any version, since a restored shard may be behind what it was). A request
-        over a shared-memory lane passes its ``lane`` areas, and ``plain``: its frames over the socket (``resend``
-        must make socket frames too, as a restarted shard has no lanes).
-        """
+    def track(self, request: Request) -> int:
+        """A fresh id for ``request``, about to be sent: its reply will be routed to ``request.handle`` by it."""
         rid = self._next_id
-        self._next_id += 1
-        for c in chunks:
-            self._key_shard[c.key] = shard
-        self._pending[rid] = _Pending(handle, shard, chunks, encode if resend is None else resend, lane, plain, refused)
-        handle._outstanding.add(rid)
-        try:
-            self.channels[shard].send(encode(rid), self.config.timeout)
-        except PsrtError:
-            del self._pending[rid]
-            handle._outstanding.discard(rid)
-            raise
+        self._next_id = rid + 1
+        self._pending[rid] = request
+        request.handle._outstanding.add(rid)
+        return rid
 
-    def ask(self, shard: int, encode: Callable[[int], list[Any]]) -> Any:
-        """One request to ``shard`` that no tensor rides on (a lane set-up), waited for: the reply record.
-
-        Raises
-        ------
-        ServerError
-            When the shard answers with an error (e.g. an older shard that does not know the op).
-        """
-        handle = Handle(self, "lane set-up", None)
-        self.send(handle, shard, [], encode)
-        handle.wait(self.config.timeout)
-        return handle._answers[shard]
-
-    def close_lanes(self, generations: dict[int, int], timeout: float) -> None:
-        """Tell shards this client is done with its lanes (``{shard: generation}``); best effort, at most
-        ``timeout`` seconds: a shard that does not hear it drops the lane when it needs the room."""
-        handle = Handle(self, "lane_close", None)
-        try:
-            for shard, generation in generations.items():
-                self.send(handle, shard, [], lambda rid, g=generation: wire.encode_lane_close(rid, g))
-            handle.wait(timeout)
-        except PsrtError:
-            pass
+    def untrack(self, rid: int) -> None:
+        """Request ``rid`` could not be sent (or sent again): no reply is awaited for it."""
+        request = self._pending.pop(rid)
+        request.handle._outstanding.discard(rid)
 
     # ------------------------------------------------------------------ receiving
     def wait(self, handle: Handle, timeout: float) -> None:
@@ -181,7 +235,7 @@ class ShardCalls:
                 late = sorted({self._pending[r].shard for r in handle._outstanding})
                 names = ", ".join(self.servers[s] for s in late)
                 for rid in handle._outstanding:
-                    self._abandon(self._pending.pop(rid))
+                    self._pending.pop(rid).abandon()
                 handle._outstanding.clear()
                 handle._fail(ShardTimeoutError(
                     f"shard {names} did not answer {handle.op} within {timeout:g}s", shard=self.servers[late[0]]
@@ -200,21 +254,10 @@ class ShardCalls:
     def _forget(self, handle: Handle) -> None:
         """Stop waiting for ``handle``'s replies: any that still come are dropped as late."""
         for rid in handle._outstanding:
-            self._abandon(self._pending.pop(rid, None))
+            request = self._pending.pop(rid, None)
+            if request is not None:
+                request.abandon()
         handle._outstanding.clear()
-
-    @staticmethod
-    def _abandon(pending: Optional[_Pending]) -> None:
-        """A request nobody waits for any more: the shard may still write its lane areas, so that segment is
-        never handed out again."""
-        if pending is not None and pending.lane is not None:
-            pending.lane.lane.retired = True
-
-    @staticmethod
-    def _release(pending: _Pending) -> None:
-        if pending.lane is not None:
-            pending.lane.lane.give_back()
-            pending.lane = None
 
     def progress(self, handle: Handle, timeout: float) -> None:
         """Take in the replies that arrive within ``timeout`` seconds, whichever handle each answers (those queued
@@ -228,11 +271,24 @@ class ShardCalls:
             self._receive(index)
             while handle._outstanding and ch.readable():
                 self._receive(index)
+        if self._again:
+            self._pull_again()
         for shard, ch in enumerate(self.channels):
             if ch.connections != self._connections[shard]:
                 if self._connections[shard]:
                     self._ride_through(shard)
                 self._connections[shard] = ch.connections
+
+    def _pull_again(self) -> None:
+        """Chunks whose shared parameters changed while being copied: their senders ask for them over the socket."""
+        again, self._again = self._again, []
+        for i, (request, chunks) in enumerate(again):
+            try:
+                request.sender.pull_again(request.handle, chunks)
+            except PsrtError as exc:
+                for later, _ in again[i + 1:]:  # never sent: their calls must not end without those chunks
+                    later.handle._fail(exc)
+                raise
 
     def _follow_moves(self) -> None:
         """Shards that came back on another endpoint: connect there; the new handshake rides through as any."""
@@ -248,31 +304,32 @@ class ShardCalls:
                 self._connections[shard] = -1  # never connected before: its first handshake must ride through too
 
     def _ride_through(self, shard: int) -> None:
-        """A shard came back (restarted, maybe from a checkpoint): send again what it never answered.
+        """A shard came back (restarted, maybe from a checkpoint): its senders send again what it never answered.
 
         What it restored may be behind what it was, so the versions learned from it are forgotten; pushes it
         already applied carry their sequence numbers and are not applied twice.
         """
-        pending = [(rid, p) for rid, p in self._pending.items() if p.shard == shard]
+        unanswered = [(rid, p) for rid, p in self._pending.items() if p.shard == shard]
         self._unanswered[shard] += 1
         if self._unanswered[shard] > 3:  # it drops what is sent: resending would loop until the timeout
             error = ConnectionLostError(
                 f"{self.servers[shard]} dropped the connection {self._unanswered[shard]} times without answering "
                 "anything: it is not a psrt shard (a psrt scheduler drops messages over 64 KiB), or it refuses "
                 "this client's messages (larger than its limits allow, e.g. a tensor over its max_tensor_bytes)")
-            for rid, p in pending:
+            for rid, p in unanswered:
                 del self._pending[rid]
                 p.handle._outstanding.discard(rid)
-                self._abandon(p)
+                p.abandon()
                 p.handle._fail(error)
             return
         log.warning("shard %s reconnected (restarted?): sending again the %d requests it has not answered",
-                    self.servers[shard], len(pending))
-        self.versions = {k: v for k, v in self.versions.items() if self._key_shard.get(k) != shard}
-        self.lane_lost(shard)  # its lanes died with it; what was sent over one goes again over the socket
-        self.restarted(shard)
-        for rid, p in pending:
-            self.channels[shard].send(p.resend(rid), self.config.timeout)
+                    self.servers[shard], len(unanswered))
+        self.versions.forget(shard)
+        self._lanes.reset(shard)  # its lanes died with it; what was sent over one goes again over the socket
+        if self._restarted is not None:
+            self._restarted(shard)
+        for rid, p in unanswered:
+            p.sender.resend(rid, p)
 
     def _receive(self, shard: int) -> None:
         ch = self.channels[shard]
@@ -288,36 +345,18 @@ class ShardCalls:
         if pending is None or pending.shard != shard:
             ch.discard_rest()  # a late reply to a call that timed out, or one this shard was never asked
             return
-        del self._pending[reply.id]
-        handle = pending.handle
         if (isinstance(reply, wire.ErrorReply) and reply.code in LANE_CODES and pending.plain is not None):
             ch.discard_rest()
-            self._without_lane(reply.id, pending, reply.message)
+            pending.sender.without_lane(reply.id, pending, reply.message)  # still awaited, under the same id
             return
-        handle._outstanding.discard(reply.id)
+        del self._pending[reply.id]
+        pending.handle._outstanding.discard(reply.id)
         try:
             self._take(ch, reply, pending)
         finally:
-            self._release(pending)
+            pending.release()
 
-    def _without_lane(self, rid: int, pending: _Pending, why: str) -> None:
-        """The shard refused a request's lane (and changed nothing): send it again over the socket. Its areas
-        stay taken until this answer comes, since a socket send may still be reading them."""
-        endpoint = self.servers[pending.shard]
-        log.info("shard %s refused a shared-memory lane (%s); sending over the socket", endpoint, why)
-        self.lane_lost(pending.shard)
-        assert pending.plain is not None
-        frames, pending.plain = pending.plain(rid), None  # refused once: the socket from now on
-        self._pending[rid] = pending
-        try:
-            self.channels[pending.shard].send(frames, self.config.timeout)
-        except PsrtError as exc:
-            del self._pending[rid]
-            pending.handle._outstanding.discard(rid)
-            self._release(pending)
-            pending.handle._fail(exc)
-
-    def _take(self, ch: transport.DealerChannel, reply: Any, pending: _Pending) -> None:
+    def _take(self, ch: transport.DealerChannel, reply: Any, pending: Request) -> None:
         """Take in one reply to a pending request (already removed from the pending table)."""
         shard = pending.shard
         endpoint = self.servers[shard]
@@ -335,10 +374,13 @@ class ShardCalls:
             return
         if isinstance(reply, wire.RowsReply):  # embedding rows: psrt.worker.embedding_client.RowsHandle
             try:
-                handle._take_rows(ch, reply, pending.chunks)  # type: ignore[attr-defined]
+                handle._take_rows(ch, reply, shard)  # type: ignore[attr-defined]
             except ProtocolError as exc:
                 ch.discard_rest()
                 handle._fail(ProtocolError(f"shard {endpoint}: {exc}"))
+                return
+            known = self.versions.tables[shard]
+            known[reply.table] = max(known.get(reply.table, 0), reply.version)
             return
         ch.discard_rest()
         if isinstance(reply, wire.ErrorReply):
@@ -346,12 +388,19 @@ class ShardCalls:
                 pending.refused()
             handle._fail(refusal(endpoint, handle.op, reply.code, reply.message))
         elif isinstance(reply, wire.AckReply):
-            if len(reply.versions) != len(pending.chunks):
+            table = pending.table
+            expected = len(pending.chunks) if table is None else 1
+            if len(reply.versions) != expected:
                 handle._fail(ProtocolError(f"shard {endpoint}: ack lists {len(reply.versions)} versions for "
-                                           f"{len(pending.chunks)} tensors"))
+                                           f"{expected} tensors"))
                 return
+            if table is not None:
+                tables = self.versions.tables[shard]
+                tables[table] = max(tables.get(table, 0), reply.versions[0])
+                return
+            known = self.versions.chunks[shard]
             for chunk, version in zip(pending.chunks, reply.versions):
-                self.versions[chunk.key] = max(self.versions.get(chunk.key, 0), version)
+                known[chunk.key] = max(known.get(chunk.key, 0), version)
         elif isinstance(reply, wire.SavedReply):
             handle._saved[shard] = reply.path
         elif isinstance(reply, (wire.BeaconReply, wire.LaneReply, wire.ClosedReply)):
@@ -359,7 +408,7 @@ class ShardCalls:
         else:
             handle._stats[shard] = reply.stats
 
-    def _receive_params(self, ch: transport.DealerChannel, reply: wire.ParamsReply, pending: _Pending) -> None:
+    def _receive_params(self, ch: transport.DealerChannel, reply: wire.ParamsReply, pending: Request) -> None:
         chunks = pending.chunks
         outputs = pending.handle._outputs
         if outputs is None or len(reply.tensors) != len(chunks):
@@ -368,31 +417,28 @@ class ShardCalls:
             if (meta.name != chunk.name or meta.part != chunk.part or meta.dtype != chunk.dtype
                     or meta.count != chunk.count):
                 raise ProtocolError(f"reply tensor {meta.name!r} part {meta.part} does not match the request")
+        known = self.versions.chunks[pending.shard]
         if reply.lane is not None:  # the parameters are in this request's lane areas, or the shard's memory
             use = pending.lane
             if use is None or reply.lane != use.ref.generation or len(use.ref.outputs) != len(chunks) \
-                    or ch.more() or reply.places is None or self.lanes is None:
+                    or ch.more() or reply.places is None:
                 raise ProtocolError("reply names a shared-memory lane this request did not use")
             again = []
             for i, (chunk, version, place) in enumerate(zip(chunks, reply.versions, reply.places)):
-                dest = outputs[chunk.name].reshape(-1)[chunk.start:chunk.start + chunk.count]
+                dest = chunk.of(outputs[chunk.name])
                 if not place:
                     np.copyto(dest, use.output(i, chunk.dtype, chunk.count))
-                elif not self.lanes.copy_shared(pending.shard, place, dest):
-                    again.append(chunk)  # the next round overwrote it meanwhile: ask again, over the socket
+                elif not self._lanes.copy_shared(pending.shard, place, dest):
+                    again.append((chunk, version))  # the next round overwrote it meanwhile: ask again (socket)
                     continue
-                self.versions[chunk.key] = max(self.versions.get(chunk.key, 0), version)
+                known[chunk.key] = max(known.get(chunk.key, 0), version)
             if again:
-                keys = [[c.name, c.part, v] for c, v in zip(chunks, reply.versions) if c in again]
-                self.send(pending.handle, pending.shard, again,
-                          lambda rid, k=keys: wire.encode_pull(rid, self.rank, k, 0))
+                self._again.append((pending, again))
             return
         for meta, chunk, version in zip(reply.tensors, chunks, reply.versions):
             if not ch.more():
                 raise ProtocolError("reply has fewer buffer frames than tensors")
-            dest = outputs[chunk.name].reshape(-1)
-            if chunk.start or chunk.count != dest.size:  # a part of the tensor (a whole one needs no slice)
-                dest = dest[chunk.start:chunk.start + chunk.count]
+            dest = chunk.of(outputs[chunk.name])
             if meta.encoding is None:
                 got = ch.recv_into(memoryview(dest).cast("B") if dest.size else bytearray())
             else:  # 16-bit parameters (this worker pushes 16-bit gradients): widen into the destination
@@ -404,7 +450,6 @@ class ShardCalls:
                 raise ProtocolError(f"tensor {meta.name!r} part {meta.part}: frame has {got} bytes, "
                                     f"expected {meta.nbytes}")
             key = chunk.key
-            self.versions[key] = max(self.versions.get(key, 0), version)
+            known[key] = max(known.get(key, 0), version)
         if ch.more():
             raise ProtocolError("reply has more buffer frames than tensors")
-

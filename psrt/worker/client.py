@@ -1,9 +1,10 @@
 """The client a worker embeds in its training loop: push gradients, pull parameters.
 
 A :class:`Client` holds one DEALER socket per shard. Its tensors are spread over the shards by
-:class:`~psrt.partition.PartitionMap`; every call turns into per-shard messages that are all sent at once, so the
-shards work in parallel and a split tensor's chunks stream through a shard one after the other. Replies are
-received straight into the output arrays (no intermediate copies).
+:class:`~psrt.partition.PartitionMap`; every call turns into per-shard messages (:mod:`psrt.worker.plans`) that
+are all sent at once, each shard's by its :class:`~psrt.worker.sender.ShardSender`, so the shards work in parallel
+and a split tensor's chunks stream through a shard one after the other. Replies are received straight into the
+output arrays (no intermediate copies).
 
 Every call has a non-blocking form returning a :class:`Handle`; ZeroMQ's I/O thread moves the bytes while the
 caller computes, and :meth:`Handle.wait` collects the replies (:mod:`psrt.worker.calls` routes them). A client is not
@@ -25,19 +26,21 @@ from psrt.control import security
 from psrt.control.link import HeartbeatThread, SchedulerLink, join_as_worker
 from psrt.errors import ConfigError, ConnectionLostError, PsrtError, PsrtTypeError
 from psrt.optim import SGD, Optimizer
-from psrt.partition import MAX_CACHED_PLANS, Chunk, PartitionMap
-from psrt.shm.lanes import WorkerLanes, call_bytes
+from psrt.partition import Chunk, PartitionMap
+from psrt.shm.lanes import WorkerLanes
 from psrt.worker import exits
 from psrt.worker.buffers import ReceivePool
-from psrt.worker.calls import Handle, ShardCalls
-from psrt.worker.embedding_client import EmbeddingCalls
-from psrt.worker.pushes import PushPlans, payload_of
+from psrt.worker.calls import ShardCalls
+from psrt.worker.compress import Compressor
+from psrt.worker.embedding_client import EmbeddingClient, RowsHandle
+from psrt.worker.handles import Handle
+from psrt.worker.plans import Plans
+from psrt.worker.sender import ShardSender
 
 __all__ = ["Client", "Handle"]
 
 
-
-class Client(EmbeddingCalls):
+class Client:
     """A worker's connection to the shard servers.
 
     Parameters
@@ -123,24 +126,24 @@ class Client(EmbeddingCalls):
         self._num_workers = num_workers
         if self._ctx is None:
             self._ctx = transport.new_context()
-        hb = self._heartbeat
-        self._calls = ShardCalls(self._ctx, servers, self.config, check=hb.check if hb is not None else None,
-                                 moves=hb.moves if hb is not None else None)
-        self.servers = self._calls.servers  # one list: a shard that restarted elsewhere is named where it is now
-        self._map = PartitionMap(len(self.servers), self.config.partition_bytes, self.config.limits.max_header_bytes)
         # A fresh session per client: a restarted worker's sequence numbers are not mistaken for replays.
         self._session = secrets.randbits(63)
-        self._seq = [0] * len(self.servers)
-        self._residuals: dict = {}  # top-k compression: what earlier pushes left out, by chunk key
         self._clock = 0  # pushes so far (ssp: a pull at clock c waits for every worker to reach c - staleness)
-        self._plans: dict[tuple[str, ...], dict[int, list[list[Chunk]]]] = {}
-        self._receive = ReceivePool()
+        compress = self.config.compression
+        self._compressor = None if compress is None else Compressor(compress, self.config.limits.max_tensor_bytes)
         # Shared memory with shards on this host (not for compressed gradients, which are small already).
-        self._lanes = WorkerLanes(self._calls.ask, len(self.servers), rank, self._session,
-                                  self.config.shm and self.config.compression is None, self._calls.close_lanes)
-        self._calls.lane_lost, self._calls.lanes, self._calls.rank = self._lanes.reset, self._lanes, rank
-        self._pushes = PushPlans(self._calls, self._lanes, rank, self._session, self._seq, self.config.compression,
-                                 self._residuals)
+        self._lanes = WorkerLanes(len(servers), rank, self._session, self.config.shm and compress is None)
+        hb = self._heartbeat
+        self._calls = ShardCalls(self._ctx, servers, self.config, self._lanes,
+                                 check=hb.check if hb is not None else None, moves=hb.moves if hb is not None else None,
+                                 restarted=self._compressor.restarted if self._compressor is not None else None)
+        self.servers = self._calls.servers  # one list: a shard that restarted elsewhere is named where it is now
+        self._senders = [ShardSender(shard, self._calls, self._lanes, rank, self._session, self._compressor)
+                         for shard in range(len(self.servers))]
+        self._map = PartitionMap(len(self.servers), self.config.partition_bytes, self.config.limits.max_header_bytes)
+        self._plans = Plans(self._map, rank, self._session, prefixes=compress is None)
+        self._receive = ReceivePool()
+        self._embedding = EmbeddingClient(self._calls, self._senders, rank, self._session)
         self._closed = False
         exits.track(self)  # closed at interpreter exit if the program does not close it
 
@@ -205,17 +208,16 @@ class Client(EmbeddingCalls):
                                     f"(use .astype(np.float32))")
             arrays[name] = a
         chunks = self._map.add({n: (a.shape, a.dtype) for n, a in arrays.items()})
-        self._pushes.forget(arrays)  # top-k: no residual of an earlier life of these names carries over
+        if self._compressor is not None:
+            self._compressor.forget(arrays)  # top-k: no residual of an earlier life of these names carries over
         # The tensors count as initialized only once every shard has accepted them: whatever goes wrong below,
         # the client forgets them again, so a corrected retry starts from the state before this call.
         try:
             return self._init_chunks(chunks, arrays, optimizer, timeout)
         except BaseException:
             self._map.remove(arrays)
-            for chunk in chunks:
-                self._calls.versions.pop(chunk.key, None)
+            self._calls.versions.drop(chunks)
             self._plans.clear()
-            self._pushes.clear()
             raise
 
     def _init_chunks(self, chunks: list[Chunk], arrays: dict[str, np.ndarray], optimizer: Optimizer,
@@ -225,10 +227,7 @@ class Client(EmbeddingCalls):
         handle = Handle(self._calls, "init", outputs)
         spec = optimizer.to_wire()
         for shard, messages in self._map.messages(chunks).items():
-            for msg in messages:
-                entries, payload = payload_of(msg, arrays)
-                self._calls.send(handle, shard, msg, lambda rid, e=entries, p=payload: wire.encode_init(
-                    rid, self._rank, self._session, spec, e, p))
+            self._senders[shard].init(handle, messages, arrays, spec)
         result = handle.wait(timeout)
         for shard, job in handle._jobs.items():
             if not self._elastic and job.num_workers != self._num_workers:
@@ -296,19 +295,8 @@ class Client(EmbeddingCalls):
                               "first" if not self._map.tensors else "nothing to pull: names is empty")
         outputs = self._outputs(names, out)
         handle = Handle(self._calls, "pull", outputs)
-        for shard, messages in self._plan(tuple(names)).items():
-            lane = self._lanes.lane_for(shard, call_bytes(messages, False, True))
-            for msg in messages:
-                keys = [[c.name, c.part, self._calls.versions.get(c.key, 0)] for c in msg]
-                any_version = [[c.name, c.part, 0] for c in msg]
-                plain = lambda rid, k=keys, c=self._clock: wire.encode_pull(rid, self._rank, k, c)  # noqa: E731
-                resend = lambda rid, k=any_version, c=self._clock: wire.encode_pull(rid, self._rank, k, c)  # noqa: E731
-                if lane is None:
-                    self._calls.send(handle, shard, msg, plain, resend)
-                    continue
-                use = WorkerLanes.carry(lane, msg, None, True)
-                self._calls.send(handle, shard, msg, lambda rid, k=keys, c=self._clock, u=use: wire.encode_pull(
-                    rid, self._rank, k, c, u.ref), resend, use, plain)
+        for part in self._plans.pull(tuple(names)):
+            self._senders[part.shard].pull(handle, part, self._clock)
         return handle
 
     def push_pull_async(self, grads: Mapping[str, Any], out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:
@@ -322,8 +310,8 @@ class Client(EmbeddingCalls):
         """Each shard's counters (keys, bytes, pushes, pulls, rounds, queue depths, ...), in shard order."""
         self._check_open()
         handle = Handle(self._calls, "stats", None)
-        for shard in range(len(self.servers)):
-            self._calls.send(handle, shard, [], wire.encode_stats_request)
+        for sender in self._senders:
+            sender.send(handle, wire.encode_stats_request)
         handle.wait(timeout)
         return [handle._stats[s] for s in range(len(self.servers))]
 
@@ -337,10 +325,96 @@ class Client(EmbeddingCalls):
         """
         self._check_open()
         handle = Handle(self._calls, "checkpoint", None)
-        for shard in range(len(self.servers)):
-            self._calls.send(handle, shard, [], wire.encode_checkpoint_request)
+        for sender in self._senders:
+            sender.send(handle, wire.encode_checkpoint_request)
         handle.wait(timeout)
         return [handle._saved[s] for s in range(len(self.servers))]
+
+    # ------------------------------------------------------------------ embedding tables
+    def init_embedding(self, name: str, dim: int, optimizer: Optional[Optimizer] = None, *,
+                       initial: Optional[Any] = None, num_rows: Optional[int] = None, dtype: Any = np.float32,
+                       init: str = "normal", std: float = 0.01, low: float = -0.05, high: float = 0.05,
+                       seed: int = 0, timeout: Optional[float] = None) -> None:
+        """Create (or join) the embedding table ``name``; the first definition wins and the rest must agree.
+
+        Parameters
+        ----------
+        name : str
+            The table's name.
+        dim : int
+            Row length.
+        optimizer : Optimizer, optional
+            The row-wise optimizer (torch's sparse semantics; :class:`psrt.AdaGrad` as ``torch.optim.Adagrad``,
+            :class:`psrt.Adam` as ``torch.optim.SparseAdam``); ``SGD(lr=0.01)`` when omitted.
+        initial : array, optional
+            ``(num_rows, dim)`` rows of a fixed table, set where a row does not exist yet.
+        num_rows : int, optional
+            A fixed table's size (implied by ``initial``); ids outside ``[0, num_rows)`` are refused. Without
+            it (and ``initial``) the table is dynamic: any int64 id, rows made on first touch.
+        dtype : dtype
+            float32 (default) or float64.
+        init, std, low, high : str, float
+            How rows made on first touch start: ``"normal"`` (mean 0, deviation ``std``), ``"uniform"`` (on
+            ``[low, high)``) or ``"zeros"``; a pure function of ``(seed, id)``
+            (:func:`psrt.kernels.rows.init_rows`), so shards, workers and restarted jobs agree.
+        seed : int
+            The table's seed.
+        timeout : float, optional
+            Seconds to wait for the shards.
+
+        Raises
+        ------
+        ConfigError
+            On a bad argument, or when the table exists with another definition (a ``ServerError``).
+        """
+        self._check_open()
+        self._embedding.init_embedding(name, dim, optimizer, initial, num_rows, dtype, init, std, low, high, seed,
+                                       timeout)
+
+    def pull_rows(self, name: str, ids: Any, timeout: Optional[float] = None,
+                  out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The rows of ``ids`` (any order, repeats allowed) as a ``(len(ids), dim)`` array.
+
+        In sync mode, after this worker's :meth:`push_rows` the rows include that push's round.
+
+        Parameters
+        ----------
+        name : str
+            The table.
+        ids : array of int
+            Row ids.
+        timeout : float, optional
+            Seconds to wait.
+        out : numpy.ndarray, optional
+            A C-contiguous, writable ``(len(ids), dim)`` array of the table's dtype to receive into.
+        """
+        return self.pull_rows_async(name, ids, out=out).wait(timeout)
+
+    def pull_rows_async(self, name: str, ids: Any, out: Optional[np.ndarray] = None) -> RowsHandle:
+        """Start a :meth:`pull_rows`; returns a handle whose ``wait()`` gives the rows."""
+        self._check_open()
+        return self._embedding.pull_rows_async(name, ids, out)
+
+    def push_rows(self, name: str, ids: Any, grads: Any, timeout: Optional[float] = None) -> None:
+        """Push gradient rows of ``ids``; rows of repeated ids are summed (then, in sync mode, averaged over W).
+
+        Parameters
+        ----------
+        name : str
+            The table.
+        ids : array of int
+            Row ids, any order, repeats allowed.
+        grads : numpy.ndarray
+            ``(len(ids), dim)`` gradient rows of the table's dtype.
+        timeout : float, optional
+            Seconds to wait until every shard has taken its part.
+        """
+        self.push_rows_async(name, ids, grads).wait(timeout)
+
+    def push_rows_async(self, name: str, ids: Any, grads: Any) -> Handle:
+        """Start a :meth:`push_rows`; do not modify ``grads`` until the handle is done."""
+        self._check_open()
+        return self._embedding.push_rows_async(name, ids, grads)
 
     def barrier(self, timeout: Optional[float] = None) -> None:
         """Wait until every worker of the job has reached this barrier (needs a scheduler when W > 1).
@@ -369,10 +443,7 @@ class Client(EmbeddingCalls):
         if self._closed:
             return
         self._closed = True
-        try:
-            self._lanes.close(timeout=0.5)  # the shards free this client's shared memory now
-        except PsrtError:
-            pass  # best effort: a shard that does not hear it drops the lanes when it needs the room
+        self._close_lanes(timeout=0.5)
         self._calls.close()
         if self._link is not None:
             if failure is not None and self._heartbeat is not None:
@@ -401,18 +472,23 @@ class Client(EmbeddingCalls):
             pass
 
     # ------------------------------------------------------------------ sending
+    def _close_lanes(self, timeout: float) -> None:
+        """Tell the shards this client is done with its lanes, so that they free its shared memory now; best
+        effort, at most ``timeout`` seconds: a shard that does not hear it drops the lane when it needs the room."""
+        generations = self._lanes.release()
+        if not generations:
+            return
+        handle = Handle(self._calls, "lane_close", None)
+        try:
+            for shard, generation in generations.items():
+                self._senders[shard].send(handle, lambda rid, g=generation: wire.encode_lane_close(rid, g))
+            handle.wait(timeout)
+        except PsrtError:
+            pass
+
     def _check_open(self) -> None:
         if self._closed:
             raise ConnectionLostError("this client is closed")
-
-    def _plan(self, names: tuple[str, ...]) -> dict[int, list[list[Chunk]]]:
-        """The per-shard messages for a set of tensors; computed once per set (a training loop repeats it)."""
-        plan = self._plans.get(names)
-        if plan is None:
-            plan = self._map.messages(self._map.chunks_of(names))
-            if len(self._plans) < MAX_CACHED_PLANS:
-                self._plans[names] = plan
-        return plan
 
     def _outputs(self, names: Iterable[str], out: Optional[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """Destination arrays: the caller's ``out`` where given (checked), else reused or fresh ones."""
@@ -439,5 +515,7 @@ class Client(EmbeddingCalls):
         outputs = self._outputs(arrays, out) if op == "push_pull" else None
         handle = Handle(self._calls, op, outputs)
         self._clock += 1  # ssp: this worker's count of pushes, this one included
-        self._pushes.send(handle, arrays, op == "push_pull", self._clock, self._plan)
+        pull, clock, senders = op == "push_pull", self._clock, self._senders
+        for part in self._plans.push(tuple(arrays), pull):
+            senders[part.shard].push(handle, part, arrays, pull, clock)
         return handle

@@ -1,7 +1,7 @@
 """The worker's side of embedding tables: ``init_embedding``, ``pull_rows``, ``push_rows`` and their async forms.
 
-:class:`EmbeddingCalls` is mixed into :class:`psrt.Client`. A table's rows are spread over the S shards by a
-stable hash of the id, ``shard = mix64(id) % S`` (splitmix64's finaliser, :func:`psrt.kernels.rows.shard_of`),
+:class:`EmbeddingClient` serves these calls for :class:`psrt.Client`. A table's rows are spread over the S shards
+by a stable hash of the id, ``shard = mix64(id) % S`` (splitmix64's finaliser, :func:`psrt.kernels.rows.shard_of`),
 so rows spread evenly whatever the id pattern (contiguous, strided, or hot ids alike) and every worker computes
 the same map. A call sorts its ids by shard once (a stable argsort), sends one message per shard with that
 shard's ids as a contiguous int64 frame, receives each shard's rows straight into one buffer, and puts them
@@ -16,7 +16,7 @@ shard's round counts every worker.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -24,40 +24,29 @@ from psrt import dtypes, optim, wire
 from psrt.errors import ConfigError, ProtocolError, PsrtTypeError
 from psrt.kernels import rows as rowkernels
 from psrt.tablespec import INITIALIZERS, TableSpec
-from psrt.worker.calls import Handle
+from psrt.worker.calls import ShardCalls
+from psrt.worker.handles import Handle
+from psrt.worker.sender import ShardSender
 
-__all__ = ["EmbeddingCalls", "RowsHandle"]
+__all__ = ["EmbeddingClient", "RowsHandle"]
 
 #: Most ids the client puts in one ``init_table`` message (the shard's default cap is 4x this).
 _INIT_ROWS = 1 << 20
 
 
-@dataclass(frozen=True)
-class _RowKey:
-    """Stands for a table's slice on one shard where :mod:`psrt.worker.calls` expects a chunk (versions, routing)."""
-
-    name: str
-    shard: int
-    start: int
-    stop: int
-
-    @property
-    def key(self) -> tuple[str, int]:
-        """A key no dense chunk has (dense parts are >= 0)."""
-        return (self.name, -1 - self.shard)
-
-
 class RowsHandle(Handle):
     """A ``pull_rows`` in flight; :meth:`wait` returns the ``(len(ids), dim)`` rows in the caller's order.
 
-    ``buf`` receives the shards' rows; the caller's row i is ``buf[gather[i]]`` (ids repeated or reordered) or,
-    with ``order``, ``out[order] = buf`` (distinct ids sorted by shard); with neither, ``buf`` is ``out``.
+    ``buf`` receives the shards' rows, shard s's in ``buf[offsets[s]:offsets[s + 1]]``; the caller's row i is
+    ``buf[gather[i]]`` (ids repeated or reordered) or, with ``order``, ``out[order] = buf`` (distinct ids sorted by
+    shard); with neither, ``buf`` is ``out``.
     """
 
-    def __init__(self, calls: Any, name: str, out: np.ndarray, buf: np.ndarray, order: Optional[np.ndarray],
-                 gather: Optional[np.ndarray] = None) -> None:
+    def __init__(self, calls: Any, name: str, out: np.ndarray, buf: np.ndarray, offsets: np.ndarray,
+                 order: Optional[np.ndarray], gather: Optional[np.ndarray] = None) -> None:
         super().__init__(calls, "pull_rows", None)
-        self._name, self._out, self._buf, self._order, self._gather = name, out, buf, order, gather
+        self._name, self._out, self._buf, self._offsets = name, out, buf, offsets
+        self._order, self._gather = order, gather
 
     def wait(self, timeout: Optional[float] = None) -> np.ndarray:  # type: ignore[override]
         """Wait for every shard's rows and return them (see :meth:`psrt.Handle.wait` for the errors)."""
@@ -70,10 +59,10 @@ class RowsHandle(Handle):
             self._order = None
         return self._out
 
-    def _take_rows(self, ch: Any, reply: wire.RowsReply, chunks: list[Any]) -> None:
-        """Receive one shard's ``rows`` frame straight into place (called by :mod:`psrt.worker.calls`)."""
-        key = chunks[0]
-        dest = self._buf[key.start:key.stop]
+    def _take_rows(self, ch: Any, reply: wire.RowsReply, shard: int) -> None:
+        """Receive ``shard``'s ``rows`` frame straight into place (called by :mod:`psrt.worker.calls`, which then
+        takes the table's version in)."""
+        dest = self._buf[int(self._offsets[shard]):int(self._offsets[shard + 1])]
         if (reply.table != self._name or reply.count != len(dest) or reply.dim != dest.shape[1]
                 or reply.dtype != dest.dtype):
             raise ProtocolError(f"rows reply for {reply.table!r} ({reply.count} x {reply.dim}) does not match "
@@ -83,8 +72,6 @@ class RowsHandle(Handle):
         got = ch.recv_into(memoryview(dest).cast("B") if dest.size else bytearray())
         if got != reply.nbytes or ch.more():
             raise ProtocolError(f"rows frame has {got} bytes (or extra frames); expected {reply.nbytes}")
-        versions = self._calls.versions
-        versions[key.key] = max(versions.get(key.key, 0), reply.version)
 
 
 @dataclass
@@ -94,63 +81,31 @@ class _Table:
     num_rows: Optional[int]
 
 
-class EmbeddingCalls:
-    """Embedding-table calls of :class:`psrt.Client` (it provides ``_calls``, ``_rank``, ``_session``, ...)."""
+class EmbeddingClient:
+    """The embedding-table calls of a :class:`psrt.Client`, which checks it is open before each.
 
-    _calls: Any
-    _rank: int
-    _session: int
-    servers: list[str]
+    Parameters
+    ----------
+    calls : ShardCalls
+        The client's requests in flight.
+    senders : sequence of ShardSender
+        The client's senders, in shard order.
+    rank, session : int
+        The worker's rank and session.
+    """
 
-    def _check_open(self) -> None:  # provided by Client
-        raise NotImplementedError
+    def __init__(self, calls: ShardCalls, senders: Sequence[ShardSender], rank: int, session: int) -> None:
+        self._calls = calls
+        self._senders = senders
+        self._rank, self._session = rank, session
+        self._tables: dict[str, _Table] = {}
+        self._seq: dict[str, list[int]] = {}  # per table, the next push sequence number per shard
+        self._clock: dict[str, int] = {}  # per table, this worker's push_rows so far (ssp)
 
-    @property
-    def _tables(self) -> dict[str, _Table]:
-        tables = self.__dict__.get("_row_tables")
-        if tables is None:
-            tables = self.__dict__["_row_tables"] = {}
-            self.__dict__["_row_seq"] = {}
-            self.__dict__["_row_clock"] = {}
-        return tables
-
-    def init_embedding(self, name: str, dim: int, optimizer: Optional[optim.Optimizer] = None, *,
-                       initial: Optional[Any] = None, num_rows: Optional[int] = None, dtype: Any = np.float32,
-                       init: str = "normal", std: float = 0.01, low: float = -0.05, high: float = 0.05,
-                       seed: int = 0, timeout: Optional[float] = None) -> None:
-        """Create (or join) the embedding table ``name``; the first definition wins and the rest must agree.
-
-        Parameters
-        ----------
-        name : str
-            The table's name.
-        dim : int
-            Row length.
-        optimizer : Optimizer, optional
-            The row-wise optimizer (torch's sparse semantics; :class:`psrt.AdaGrad` as ``torch.optim.Adagrad``,
-            :class:`psrt.Adam` as ``torch.optim.SparseAdam``); ``SGD(lr=0.01)`` when omitted.
-        initial : array, optional
-            ``(num_rows, dim)`` rows of a fixed table, set where a row does not exist yet.
-        num_rows : int, optional
-            A fixed table's size (implied by ``initial``); ids outside ``[0, num_rows)`` are refused. Without
-            it (and ``initial``) the table is dynamic: any int64 id, rows made on first touch.
-        dtype : dtype
-            float32 (default) or float64.
-        init, std, low, high : str, float
-            How rows made on first touch start: ``"normal"`` (mean 0, deviation ``std``), ``"uniform"`` (on
-            ``[low, high)``) or ``"zeros"``; a pure function of ``(seed, id)``
-            (:func:`psrt.kernels.rows.init_rows`), so shards, workers and restarted jobs agree.
-        seed : int
-            The table's seed.
-        timeout : float, optional
-            Seconds to wait for the shards.
-
-        Raises
-        ------
-        ConfigError
-            On a bad argument, or when the table exists with another definition (a ``ServerError``).
-        """
-        self._check_open()
+    def init_embedding(self, name: str, dim: int, optimizer: Optional[optim.Optimizer], initial: Optional[Any],
+                       num_rows: Optional[int], dtype: Any, init: str, std: float, low: float, high: float, seed: int,
+                       timeout: Optional[float]) -> None:
+        """:meth:`psrt.Client.init_embedding`."""
         optimizer = optim.SGD(lr=0.01) if optimizer is None else optimizer
         dtype = np.dtype(dtype)
         if dtype not in dtypes.SUPPORTED:
@@ -169,7 +124,7 @@ class EmbeddingCalls:
         handle = Handle(self._calls, "init_embedding", None)
         spec = optimizer.to_wire()
         splits = self._split(np.arange(num_rows, dtype=np.int64)) if rows is not None else None
-        for shard in range(len(self.servers)):
+        for shard, sender in enumerate(self._senders):
             pieces: list[tuple[np.ndarray, Optional[np.ndarray]]] = [(np.empty(0, np.int64), None)]
             if splits is not None and rows is not None:
                 order, offsets = splits
@@ -178,15 +133,15 @@ class EmbeddingCalls:
                 pieces = [(ids[i:i + _INIT_ROWS], np.ascontiguousarray(mine[i:i + _INIT_ROWS]))
                           for i in range(0, max(len(ids), 1), _INIT_ROWS)]
             for ids, part in pieces:
-                self._calls.send(handle, shard, [_RowKey(name, shard, 0, 0)], lambda rid, i=ids, p=part:
-                                 wire.encode_init_table(rid, self._rank, name, dim, dtype, spec, init, float(a),
-                                                        float(b), seed, num_rows, i, p))
+                sender.send(handle, lambda rid, i=ids, p=part: wire.encode_init_table(
+                    rid, self._rank, name, dim, dtype, spec, init, float(a), float(b), seed, num_rows, i, p),
+                    table=name)
         handle.wait(timeout)
         self._tables[name] = _Table(dim, dtype, num_rows)
 
     def _split(self, ids: np.ndarray) -> tuple[Optional[np.ndarray], np.ndarray]:
         """``(order, offsets)``: ids sorted by shard (None: already in order, S = 1) and each shard's range."""
-        s = len(self.servers)
+        s = len(self._senders)
         if s == 1:
             return None, np.array([0, len(ids)])
         shards = rowkernels.shard_of(ids, s)
@@ -196,7 +151,6 @@ class EmbeddingCalls:
         return order, offsets
 
     def _ids(self, name: str, ids: Any) -> tuple[_Table, np.ndarray]:
-        self._check_open()
         table = self._tables.get(name)
         if table is None:
             raise ConfigError(f"table {name!r} was never initialized; call client.init_embedding({name!r}, ...)")
@@ -211,27 +165,8 @@ class EmbeddingCalls:
             raise ConfigError(f"id {int(bad)} is outside table {name!r}'s rows [0, {table.num_rows})")
         return table, a
 
-    def pull_rows(self, name: str, ids: Any, timeout: Optional[float] = None,
-                  out: Optional[np.ndarray] = None) -> np.ndarray:
-        """The rows of ``ids`` (any order, repeats allowed) as a ``(len(ids), dim)`` array.
-
-        In sync mode, after this worker's :meth:`push_rows` the rows include that push's round.
-
-        Parameters
-        ----------
-        name : str
-            The table.
-        ids : array of int
-            Row ids.
-        timeout : float, optional
-            Seconds to wait.
-        out : numpy.ndarray, optional
-            A C-contiguous, writable ``(len(ids), dim)`` array of the table's dtype to receive into.
-        """
-        return self.pull_rows_async(name, ids, out=out).wait(timeout)
-
-    def pull_rows_async(self, name: str, ids: Any, out: Optional[np.ndarray] = None) -> RowsHandle:
-        """Start a :meth:`pull_rows`; returns a handle whose ``wait()`` gives the rows."""
+    def pull_rows_async(self, name: str, ids: Any, out: Optional[np.ndarray]) -> RowsHandle:
+        """:meth:`psrt.Client.pull_rows_async`."""
         table, a = self._ids(name, ids)
         shape = (len(a), table.dim)
         if out is None:
@@ -253,38 +188,22 @@ class EmbeddingCalls:
             order, offsets = self._split(a)
         sorted_ids = a if order is None else a[order]
         buf = out if order is None and gather is None else np.empty((len(a), table.dim), table.dtype)
-        handle = RowsHandle(self._calls, name, out, buf, None if gather is not None else order, gather)
-        for shard in range(len(self.servers)):
+        handle = RowsHandle(self._calls, name, out, buf, offsets, None if gather is not None else order, gather)
+        versions = self._calls.versions.tables
+        clock = self._clock.get(name, 0)
+        for shard, sender in enumerate(self._senders):
             lo, hi = int(offsets[shard]), int(offsets[shard + 1])
             if lo == hi:
                 continue
-            key = _RowKey(name, shard, lo, hi)
             mine = sorted_ids[lo:hi]
-            version = self._calls.versions.get(key.key, 0)
-            clock = self.__dict__["_row_clock"].get(name, 0)
-            self._calls.send(handle, shard, [key], lambda rid, i=mine, v=version, c=clock: wire.encode_pull_rows(
-                rid, self._rank, name, v, i, c), lambda rid, i=mine, c=clock: wire.encode_pull_rows(
-                rid, self._rank, name, 0, i, c))
+            version = versions[shard].get(name, 0)
+            sender.send(handle, lambda rid, i=mine, v=version: wire.encode_pull_rows(
+                rid, self._rank, name, v, i, clock), lambda rid, i=mine: wire.encode_pull_rows(
+                rid, self._rank, name, 0, i, clock), table=name)
         return handle
 
-    def push_rows(self, name: str, ids: Any, grads: Any, timeout: Optional[float] = None) -> None:
-        """Push gradient rows of ``ids``; rows of repeated ids are summed (then, in sync mode, averaged over W).
-
-        Parameters
-        ----------
-        name : str
-            The table.
-        ids : array of int
-            Row ids, any order, repeats allowed.
-        grads : numpy.ndarray
-            ``(len(ids), dim)`` gradient rows of the table's dtype.
-        timeout : float, optional
-            Seconds to wait until every shard has taken its part.
-        """
-        self.push_rows_async(name, ids, grads).wait(timeout)
-
     def push_rows_async(self, name: str, ids: Any, grads: Any) -> Handle:
-        """Start a :meth:`push_rows`; do not modify ``grads`` until the handle is done."""
+        """:meth:`psrt.Client.push_rows_async`."""
         table, a = self._ids(name, ids)
         g = np.ascontiguousarray(grads)
         if g.dtype != table.dtype:
@@ -295,13 +214,12 @@ class EmbeddingCalls:
         if order is not None:
             a, g = a[order], g[order]
         handle = Handle(self._calls, "push_rows", None)
-        seqs = self.__dict__["_row_seq"].setdefault(name, [0] * len(self.servers))
-        clocks = self.__dict__["_row_clock"]
-        clock = clocks[name] = clocks.get(name, 0) + 1  # ssp: this worker's pushes to the table, this one too
-        for shard in range(len(self.servers)):
+        seqs = self._seq.setdefault(name, [0] * len(self._senders))
+        clock = self._clock[name] = self._clock.get(name, 0) + 1  # ssp: this worker's pushes to the table, this too
+        for shard, sender in enumerate(self._senders):
             lo, hi = int(offsets[shard]), int(offsets[shard + 1])
             seq = seqs[shard]
             seqs[shard] += 1
-            self._calls.send(handle, shard, [_RowKey(name, shard, lo, hi)], lambda rid, q=seq, i=a[lo:hi],
-                             r=g[lo:hi]: wire.encode_push_rows(rid, self._rank, self._session, q, name, i, r, clock))
+            sender.send(handle, lambda rid, q=seq, i=a[lo:hi], r=g[lo:hi]: wire.encode_push_rows(
+                rid, self._rank, self._session, q, name, i, r, clock), table=name)
         return handle

@@ -1,0 +1,93 @@
+"""A call's per-shard messages, computed once per set of tensors (a training loop repeats the same sets).
+
+For each set of tensor names a client pushes or pulls, :class:`Plans` keeps one :class:`ShardPlan` per shard:
+the messages (:meth:`psrt.partition.PartitionMap.messages`), the bytes the call takes in a shared-memory lane
+(:func:`psrt.shm.lanes.call_bytes`), and for an uncompressed push each message's packed header prefix
+(:func:`psrt.wire.push_prefix`), so that a step's push over the socket packs only its ``id, seq, clock``
+(:class:`psrt.worker.sender.ShardSender` sends them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from psrt import wire
+from psrt.partition import MAX_CACHED_PLANS, Chunk, PartitionMap
+from psrt.shm.lanes import call_bytes
+
+__all__ = ["Plans", "ShardPlan"]
+
+
+@dataclass
+class ShardPlan:
+    """One shard's part of a call on a set of tensors."""
+
+    shard: int
+    messages: list[list[Chunk]]
+    #: What the call takes in a lane (:func:`psrt.shm.lanes.call_bytes`).
+    lane_bytes: int
+    #: Per message, a push's packed header prefix (None for pulls, and with compression: the general path).
+    prefixes: list[Optional[bytes]]
+
+
+class Plans:
+    """The :class:`ShardPlan` lists of the sets of tensors a client calls on, cached.
+
+    Parameters
+    ----------
+    partition : PartitionMap
+        The client's shard map (after it changes, :meth:`clear`).
+    rank, session : int
+        The worker's rank and session, in every push header.
+    prefixes : bool
+        Whether pushes have header prefixes (not with compression, whose header entries depend on the values).
+    """
+
+    def __init__(self, partition: PartitionMap, rank: int, session: int, prefixes: bool) -> None:
+        self._map = partition
+        self._rank, self._session, self._prefixes = rank, session, prefixes
+        self._pushes: dict[tuple[str, ...], list[ShardPlan]] = {}
+        self._push_pulls: dict[tuple[str, ...], list[ShardPlan]] = {}
+        self._pulls: dict[tuple[str, ...], list[ShardPlan]] = {}
+
+    def clear(self) -> None:
+        """Forget every cached set (the tensors were partitioned again)."""
+        self._pushes.clear()
+        self._push_pulls.clear()
+        self._pulls.clear()
+
+    def push(self, names: tuple[str, ...], pull: bool) -> list[ShardPlan]:
+        """The per-shard parts of a push (``pull``: push_pull) of the tensors ``names``."""
+        cache = self._push_pulls if pull else self._pushes
+        plan = cache.get(names)
+        if plan is None:
+            plan = []
+            for shard, msgs in self._messages(names).items():
+                prefixes: list[Optional[bytes]] = [None] * len(msgs)
+                if self._prefixes:
+                    prefixes = [self._prefix(msg, pull) for msg in msgs]
+                plan.append(ShardPlan(shard, msgs, call_bytes(msgs, True, pull), prefixes))
+            self._keep(cache, names, plan)
+        return plan
+
+    def pull(self, names: tuple[str, ...]) -> list[ShardPlan]:
+        """The per-shard parts of a pull of the tensors ``names``."""
+        plan = self._pulls.get(names)
+        if plan is None:
+            plan = [ShardPlan(shard, msgs, call_bytes(msgs, False, True), [None] * len(msgs))
+                    for shard, msgs in self._messages(names).items()]
+            self._keep(self._pulls, names, plan)
+        return plan
+
+    def _messages(self, names: tuple[str, ...]) -> dict[int, list[list[Chunk]]]:
+        return self._map.messages(self._map.chunks_of(names))
+
+    @staticmethod
+    def _keep(cache: dict[tuple[str, ...], list[ShardPlan]], names: tuple[str, ...], plan: list[ShardPlan]) -> None:
+        if len(cache) < MAX_CACHED_PLANS:
+            cache[names] = plan
+
+    def _prefix(self, msg: list[Chunk], pull: bool) -> bytes:
+        entries = [wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)) for c in msg]
+        return wire.push_prefix(self._rank, self._session, entries, pull)

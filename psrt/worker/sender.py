@@ -1,0 +1,192 @@
+"""What a client sends one shard, and how: :class:`ShardSender`.
+
+A client has one sender per shard, and every request it makes of that shard goes through it: ``init``, pushes,
+pulls, embedding rows, counters, checkpoints, lane set-up. A call moving enough bytes to a shard on this host goes
+through the shard's shared-memory lane (:mod:`psrt.shm.lanes`: the tensor bytes in a segment, the socket carrying
+the header), anything else over the shard's DEALER socket. Each request is tracked by
+:class:`~psrt.worker.calls.ShardCalls`, which routes its reply, with the forms it may have to go again in; the
+routing gives a request back to its sender when it must:
+
+- :meth:`ShardSender.without_lane`: the shard refused the lane (it restarted, or dropped the segment), so the
+  request goes again over the socket, under the same id;
+- :meth:`ShardSender.resend`: the shard restarted before answering, so the request goes again in its socket form
+  (a pull then asks for any version: a shard restored from a checkpoint may be behind what it was; a push keeps
+  its sequence number and is not applied twice);
+- :meth:`ShardSender.pull_again`: the shared parameters a reply named were overwritten while being copied.
+
+A push's requests come from a plan cached per set of tensors (:class:`psrt.worker.plans.ShardPlan`): over the
+socket and uncompressed, a step packs only ``id, seq, clock`` after the header prefix packed once. Compressed
+gradients, whose header entries depend on the values, and calls over a lane take the general path
+(:func:`psrt.wire.encode_push`); :class:`psrt.worker.compress.Compressor` encodes the former.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from psrt import wire
+from psrt.errors import PsrtError
+from psrt.partition import Chunk
+from psrt.shm.lanes import LaneUse, WorkerLanes
+from psrt.worker.calls import Encode, Request, ShardCalls
+from psrt.worker.compress import Compressor
+from psrt.worker.handles import Handle
+from psrt.worker.plans import ShardPlan
+
+__all__ = ["ShardSender", "payload_of"]
+
+log = logging.getLogger("psrt.client")
+
+
+def payload_of(chunks: Sequence[Chunk], arrays: Mapping[str, np.ndarray],
+               lane: Optional[LaneUse] = None) -> tuple[list[list[Any]], list[np.ndarray]]:
+    """The header entries of a message's chunks and their bytes: views of the caller's arrays (no copy), or with
+    ``lane``, their copies in its segment."""
+    entries = [wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)) for c in chunks]
+    return entries, (list(lane.inputs) if lane is not None else [c.of(arrays[c.name]) for c in chunks])
+
+
+class ShardSender:
+    """Sends one shard the client's requests, and sends them again when they must go again.
+
+    Parameters
+    ----------
+    shard : int
+        The shard's index (its socket is ``calls.channels[shard]``).
+    calls : ShardCalls
+        The client's requests in flight: each request sent here is tracked there, which routes its reply.
+    lanes : WorkerLanes
+        The client's shared-memory lanes.
+    rank, session : int
+        The worker's rank and session, in every request that names the worker.
+    compressor : Compressor, optional
+        The gradient compression of pushes (none: pushes go at full precision).
+    """
+
+    def __init__(self, shard: int, calls: ShardCalls, lanes: WorkerLanes, rank: int, session: int,
+                 compressor: Optional[Compressor] = None) -> None:
+        self.shard = shard
+        self._calls = calls
+        self._channel = calls.channels[shard]  # re-pointed in place when the shard moves
+        self._lanes = lanes
+        self._rank, self._session = rank, session
+        self._compressor = compressor
+        self._timeout = calls.config.timeout
+        self._known = calls.versions.chunks[shard]  # the versions a pull asks for
+        #: The sequence number of this client's next push to the shard (the shard applies each once).
+        self.seq = 0
+
+    # ------------------------------------------------------------------ sending
+    def send(self, handle: Handle, encode: Encode, resend: Optional[Encode] = None,
+             chunks: Sequence[Chunk] = (), table: Optional[str] = None) -> None:
+        """Send one request over the socket, its frames made by ``encode(request_id)``; the reply goes to ``handle``.
+
+        ``resend`` makes the frames to send again should the shard restart before answering (default:
+        ``encode``). ``chunks`` (dense tensors) or ``table`` (an embedding table) say what the reply's versions
+        and tensors are of.
+        """
+        self._send(Request(handle, self, chunks, table, encode if resend is None else resend), encode)
+
+    def _send(self, request: Request, encode: Encode) -> None:
+        rid = self._calls.track(request)
+        try:
+            self._channel.send(encode(rid), self._timeout)
+        except PsrtError:
+            self._calls.untrack(rid)
+            raise
+
+    def ask(self, encode: Encode) -> Any:
+        """One request no tensor rides on (a lane set-up), waited for: the reply record.
+
+        Raises
+        ------
+        ServerError
+            When the shard answers with an error (e.g. an older shard that does not know the op).
+        """
+        handle = Handle(self._calls, "lane set-up", None)
+        self.send(handle, encode)
+        handle.wait(self._timeout)
+        return handle._answers[self.shard]
+
+    def init(self, handle: Handle, messages: list[list[Chunk]], arrays: Mapping[str, np.ndarray],
+             optimizer: dict[str, Any]) -> None:
+        """Send the ``init`` requests of ``messages`` (chunks of ``arrays``), with the optimizer's wire spec."""
+        rank, session = self._rank, self._session
+        for msg in messages:
+            entries, payload = payload_of(msg, arrays)
+            self.send(handle, lambda rid, e=entries, p=payload: wire.encode_init(rid, rank, session, optimizer, e, p),
+                      chunks=msg)
+
+    def pull(self, handle: Handle, plan: ShardPlan, clock: int) -> None:
+        """Send the pull requests of ``plan``: each asks for the versions this client's pushes target."""
+        rank, known = self._rank, self._known
+        lane = self._lanes.lane_for(self.shard, plan.lane_bytes, self.ask)
+        for msg in plan.messages:
+            keys = [[c.name, c.part, known.get(c.key, 0)] for c in msg]
+            any_version = [[c.name, c.part, 0] for c in msg]
+            plain = lambda rid, k=keys: wire.encode_pull(rid, rank, k, clock)  # noqa: E731
+            resend = lambda rid, k=any_version: wire.encode_pull(rid, rank, k, clock)  # noqa: E731
+            if lane is None:
+                self._send(Request(handle, self, msg, None, resend), plain)
+                continue
+            use = WorkerLanes.carry(lane, msg, None, True)
+            self._send(Request(handle, self, msg, None, resend, use, plain),
+                       lambda rid, k=keys, u=use: wire.encode_pull(rid, rank, k, clock, u.ref))
+
+    def push(self, handle: Handle, plan: ShardPlan, arrays: dict[str, np.ndarray], pull: bool, clock: int) -> None:
+        """Send the push (``pull``: push_pull) requests of ``plan``, the gradients ``arrays`` checked by the caller."""
+        rank, session = self._rank, self._session
+        lane = self._lanes.lane_for(self.shard, plan.lane_bytes, self.ask)
+        for msg, prefix in zip(plan.messages, plan.prefixes):
+            seq = self.seq
+            self.seq = seq + 1
+            if lane is None and prefix is not None:  # the usual small push: over the socket, uncompressed
+                payload = [c.of(arrays[c.name]) for c in msg]
+                encode = lambda rid, h=prefix, q=seq, p=payload: wire.encode_push_after(  # noqa: E731
+                    h, rid, q, clock, p)
+                self._send(Request(handle, self, msg, None, encode), encode)
+                continue
+            # Over a lane the gradients are copied into the segment; the socket form stays at hand.
+            use = None if lane is None else WorkerLanes.carry(lane, msg, arrays, pull)
+            entries, payload = payload_of(msg, arrays, use)
+            refused = None
+            if self._compressor is not None:
+                refused = self._compressor.compress(self.shard, msg, entries, payload)
+            plain = lambda rid, q=seq, e=entries, p=payload: wire.encode_push(  # noqa: E731
+                rid, rank, session, q, e, p, pull, clock)
+            if use is None:
+                self._send(Request(handle, self, msg, None, plain, None, None, refused), plain)
+                continue
+            self._send(Request(handle, self, msg, None, plain, use, plain, refused),
+                       lambda rid, q=seq, e=entries, u=use: wire.encode_push(
+                           rid, rank, session, q, e, [], pull, clock, u.ref))
+
+    # ------------------------------------------------------------------ sending again
+    def resend(self, rid: int, request: Request) -> None:
+        """The shard restarted without answering ``request``: send it again, in its socket form."""
+        self._channel.send(request.resend(rid), self._timeout)
+
+    def without_lane(self, rid: int, request: Request, why: str) -> None:
+        """The shard refused ``request``'s lane (and changed nothing): send it again over the socket, under the
+        same id. Its areas stay taken until this answer comes, since a socket send may still be reading them."""
+        log.info("shard %s refused a shared-memory lane (%s); sending over the socket",
+                 self._calls.servers[self.shard], why)
+        self._lanes.reset(self.shard)
+        assert request.plain is not None
+        frames, request.plain = request.plain(rid), None  # refused once: the socket from now on
+        try:
+            self._channel.send(frames, self._timeout)
+        except PsrtError as exc:
+            self._calls.untrack(rid)
+            request.release()
+            request.handle._fail(exc)
+
+    def pull_again(self, handle: Handle, chunks: list[tuple[Chunk, int]]) -> None:
+        """Pull ``(chunk, version)`` pairs again over the socket for ``handle``: their parameters in the shard's
+        shared memory were overwritten by a later round while being copied."""
+        keys = [[c.name, c.part, v] for c, v in chunks]
+        rank = self._rank
+        self.send(handle, lambda rid: wire.encode_pull(rid, rank, keys, 0), chunks=[c for c, _ in chunks])
