@@ -24,17 +24,17 @@ known ZeroMQ pitfalls of a parameter server:
 
 from __future__ import annotations
 
+import struct
 from typing import Any, Optional, Sequence
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from psrt.checks import check_endpoint
-from psrt.errors import AuthenticationError, BindError, ConnectionLostError, ShardTimeoutError
+from psrt.errors import AuthenticationError, BindError, ConnectionLostError, ProtocolError, ShardTimeoutError
 from psrt.transport import curve
 from psrt.transport.curve import ZAP_DOMAIN, JobKeys, create_certificates, read_certificate
 
-__all__ = ["ZERO_COPY_BYTES", "ZAP_DOMAIN", "new_context", "RouterChannel", "DealerChannel", "Poller",
+__all__ = ["ZERO_COPY_BYTES", "ZAP_DOMAIN", "new_context", "RouterChannel", "DealerChannel", "Poller", "monitor_event",
            "SendDropped", "peer_address", "create_certificates", "read_certificate"]
 
 #: Below this many bytes a copy costs less than avoiding it: smaller frames are copied into ZeroMQ's messages
@@ -57,6 +57,25 @@ _EVENTS = int(zmq.EVENTS)
 _RCVMORE = int(zmq.RCVMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
+
+#: A monitor event's first frame (zmq_socket_monitor(3)): the event as uint16, its value as uint32, no padding.
+#: Read here rather than by ``zmq.utils.monitor``, which imports ``zmq.asyncio`` (and asyncio, some 40 ms) into
+#: every process at import.
+_MONITOR_EVENT = struct.Struct("=HI")
+
+
+def monitor_event(frames: Sequence[bytes]) -> tuple[int, int]:
+    """The ``(event, value)`` of a message from a socket monitor.
+
+    Raises
+    ------
+    ProtocolError
+        When the message does not have a monitor event's shape (two frames, the first of 6 bytes).
+    """
+    if len(frames) != 2 or len(frames[0]) != _MONITOR_EVENT.size:
+        raise ProtocolError(f"not a socket monitor event: {len(frames)} frames")
+    event, value = _MONITOR_EVENT.unpack(frames[0])
+    return event, value
 
 #: ZeroMQ takes milliseconds as a C int: a longer wait (or ``inf``, the user's "no limit") is its -1, "forever".
 _MAX_MS = (1 << 31) - 1
@@ -278,14 +297,14 @@ class DealerChannel:
         """
         while True:
             try:
-                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+                event, value = monitor_event(self.monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 break
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._failure = None
                 self.connections += 1
             else:
-                self._failure = curve.handshake_advice(event["event"], event["value"], self.endpoint, self._keys_dir)
+                self._failure = curve.handshake_advice(event, value, self.endpoint, self._keys_dir)
         if self._failure is not None:
             raise AuthenticationError(self._failure, endpoint=self.endpoint)
 
