@@ -7,6 +7,9 @@ The CNTK performance study found initialization overhead dominating short runs; 
    is left (target: start to exit < 5 s on a 2-core machine).
 2. ``client.init`` of ResNet-50's 161 trainable tensors (25.6 M float32 = 102 MB) and of one 100 MB tensor on
    4 fresh shard servers.
+3. What each process pays to import its role (``python -X importtime``, median of the repeats, each a fresh
+   interpreter): ``import psrt`` (target <= 120 ms), a worker's client, a shard, the scheduler, the command
+   line, and NumPy and ZeroMQ alone beside them.
 
 Usage::
 
@@ -82,6 +85,34 @@ def init_once(spec: str, servers: int) -> float:
         return time.perf_counter() - t
 
 
+#: What each role's process imports first (the statement run in a fresh interpreter).
+ROLES = {
+    "import psrt": "import psrt",
+    "worker (psrt.Client)": "import psrt; psrt.Client",
+    "shard (psrt.shard.server)": "import psrt.shard.server",
+    "scheduler (psrt.control.scheduler)": "import psrt.control.scheduler",
+    "command line (psrt.cli)": "import psrt.cli",
+    "numpy alone": "import numpy",
+    "zmq alone": "import zmq",
+}
+
+
+def import_ms(statement: str) -> float:
+    """Milliseconds a fresh interpreter spends importing what ``statement`` imports (the sum of its top-level
+    imports in ``-X importtime``; the interpreter's own start-up and ``site`` are not counted)."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", statement], capture_output=True, text=True,
+                         timeout=120, check=True, cwd="/")
+    total, after_site = 0, False
+    for line in out.stderr.splitlines():
+        if not line.startswith("import time:") or line.count("|") != 2:
+            continue
+        _, cumulative, name = line.split("|")
+        if after_site and name.startswith(" ") and not name.startswith("  "):
+            total += int(cumulative)
+        after_site = after_site or name.strip() == "site"
+    return total / 1000
+
+
 def main() -> int:
     """Run the measurements and print them."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -111,10 +142,19 @@ def main() -> int:
         inits[spec] = {"bytes": nbytes, "seconds": times}
         print(f"init of {spec} ({nbytes / 1e6:.0f} MB, {len(model_tensors(spec))} tensors) on {args.servers} "
               f"shards: median {statistics.median(times):.3f}s ({nbytes / 1e6 / statistics.median(times):.0f} MB/s)")
+
+    imports = {role: statistics.median(import_ms(stmt) for _ in range(max(args.repeats, 5)))
+               for role, stmt in ROLES.items()}
+    print("import cost per process (median, ms):")
+    for role, ms in imports.items():
+        print(f"  {role:<36} {ms:7.1f}")
+    light = "PASS" if imports["import psrt"] <= 120 else "MISS"
+    print(f"  target import psrt <= 120 ms: {light} ({imports['import psrt']:.1f} ms)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"launch": runs, "init": inits, "servers": args.servers, "workers": args.workers}, f, indent=1)
-    return 0 if verdict == "PASS" else 1
+            json.dump({"launch": runs, "init": inits, "imports_ms": imports, "servers": args.servers,
+                       "workers": args.workers}, f, indent=1)
+    return 0 if verdict == "PASS" and light == "PASS" else 1
 
 
 if __name__ == "__main__":
