@@ -19,9 +19,10 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import msgpack
 import numpy as np
+import pytest
 import zmq
 
-from psrt import wire
+from psrt import shm, wire
 from psrt.config import ClusterConfig
 from psrt.control.process import parse_results
 from psrt.control.scheduler import Scheduler
@@ -215,3 +216,15 @@ def bound(design_s: float, promised_s: Optional[float] = None) -> float:
 
 #: The issue's promise, "a dead peer is named within 5 s", as the ceiling of what the design allows a loaded host.
 NAMED_WITHIN_S = bound(NAMED_AFTER_S, promised_s=5.0)
+
+
+# ---------------------------------------------------------------------------------------------- shared memory
+def needs_shm(megabytes: int) -> Any:
+    """A skip mark for tests that need a writable /dev/shm with ``megabytes`` MB free."""
+    try:
+        st = os.statvfs(shm.SHM_DIR)
+        room = st.f_bavail * st.f_frsize
+    except OSError:
+        room = 0
+    return pytest.mark.skipif(not shm.available() or room < megabytes << 20,
+                              reason=f"needs a writable /dev/shm with {megabytes} MB free")

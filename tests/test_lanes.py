@@ -13,7 +13,7 @@ import sys
 import msgpack
 import numpy as np
 import pytest
-from _helpers import RawPeer, packed, push_header, run_workers, serving, worker_command
+from _helpers import RawPeer, needs_shm, packed, push_header, run_workers, serving, worker_command
 from _workers import async_pusher_expected
 
 import psrt
@@ -23,17 +23,7 @@ from psrt.control.process import parse_results
 from psrt.errors import ConfigError
 from psrt.shm import lanes
 
-
-def _room() -> int:
-    try:
-        st = os.statvfs(shm.SHM_DIR)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
-
-
-pytestmark = pytest.mark.skipif(not shm.available() or _room() < 256 << 20,
-                                reason="needs a writable /dev/shm with 256 MB free")
+pytestmark = needs_shm(256)
 
 BIG = 300_000  # float32 values: 1.2 MB, well over the lane threshold
 

@@ -4,28 +4,18 @@ private otherwise), and the entry owns what it got (its area, its seqlock counte
 from __future__ import annotations
 
 import itertools
-import os
 import secrets
 
 import numpy as np
 import pytest
+from _helpers import needs_shm
 
 import psrt
 from psrt import kernels, shm
 from psrt.shard.store import Store
 from psrt.shm.arena import Arena
 
-
-def _room() -> int:
-    try:
-        st = os.statvfs(shm.SHM_DIR)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
-
-
-pytestmark = pytest.mark.skipif(not shm.available() or _room() < 64 << 20,
-                                reason="needs a writable /dev/shm with 64 MB free")
+pytestmark = needs_shm(64)
 
 
 @pytest.fixture

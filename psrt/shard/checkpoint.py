@@ -93,6 +93,13 @@ def rank_of(prefix: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def _present(directory: Path) -> bool:
+    """Whether the checkpoint directory exists (it need not: nothing was saved yet); a file there is an error."""
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"checkpoint directory {directory} is not a directory")
+    return directory.exists()
+
+
 def holdings(directory: Path) -> dict[str, int]:
     """The shards whose checkpoints ``directory`` holds: file-name prefix -> number of files (none is read).
 
@@ -101,10 +108,8 @@ def holdings(directory: Path) -> dict[str, int]:
     ConfigError
         When ``directory`` exists but is not a directory.
     """
-    if directory.exists() and not directory.is_dir():
-        raise ConfigError(f"checkpoint directory {directory} is not a directory")
     held: dict[str, int] = {}
-    for p in directory.glob(f"*{_SUFFIX}") if directory.exists() else ():
+    for p in directory.glob(f"*{_SUFFIX}") if _present(directory) else ():
         if (m := _FILE.match(p.name)) and not p.name.startswith("."):
             held[m.group(1)] = held.get(m.group(1), 0) + 1
     return held
@@ -303,9 +308,7 @@ def load_latest(directory: Path, prefix: str) -> Optional[Restored]:
     ConfigError
         When ``directory`` exists but is not a directory.
     """
-    if directory.exists() and not directory.is_dir():
-        raise ConfigError(f"checkpoint directory {directory} is not a directory")
-    if not directory.exists():
+    if not _present(directory):
         return None
     for path in reversed(files_of(directory, prefix)):
         try:
