@@ -55,7 +55,8 @@ def _launch(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return launch(args.servers, args.workers, command, mode=args.mode, host=args.host, start_timeout=args.timeout,
-                  transport=args.transport, secure=args.secure, elastic=args.elastic, staleness=args.staleness)
+                  transport=args.transport, secure=args.secure, elastic=args.elastic, staleness=args.staleness,
+                  clients=args.clients)
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -92,8 +93,9 @@ def _worker(args: argparse.Namespace) -> int:
     from psrt.emulation.loadgen import run_worker
 
     servers = args.servers.split(",") if args.servers else None
+    clients = args.clients if args.clients is not None else ClusterConfig.from_env().clients
     run_worker(args.model, args.compute_ms, args.steps, warmup=args.warmup, compute=args.compute, servers=servers,
-               rank=args.rank, num_workers=args.workers, lr=args.lr)
+               rank=args.rank, num_workers=args.workers, lr=args.lr, clients=clients)
     return 0
 
 
@@ -282,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--secure", action="store_true",
                     help="make a private key directory for this job, hand it to every process by PSRT_KEYS "
                          "(CURVE on every socket), and remove it at the end")
+    la.add_argument("--clients", type=_positive_int, default=1, metavar="N",
+                    help="workers per copy of CMD: start ceil(W/N) copies, each told by PSRT_CLIENTS and "
+                         "PSRT_WORKER_ID to host N of them (psrt worker does; default %(default)s)")
     la.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS: the worker program")
     la.set_defaults(func=_launch)
 
@@ -329,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--rank", type=int, default=None, help="worker rank (with --servers, or requested)")
     wk.add_argument("--workers", type=int, default=None, help="W (with --servers)")
     wk.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default %(default)s)")
+    wk.add_argument("--clients", type=_positive_int, default=None, metavar="N",
+                    help="workers to run in this process, each a full peer with its own rank and result line "
+                         "(default: $PSRT_CLIENTS or 1)")
     wk.set_defaults(func=_worker)
 
     mo = sub.add_parser("model", help="predict step time and throughput with the performance model", description=(

@@ -10,6 +10,7 @@ variable                   also read                      meaning               
 ``PSRT_NUM_SERVERS``       ``DMLC_NUM_SERVER``            S
 ``PSRT_NUM_WORKERS``       ``DMLC_NUM_WORKER``            W                                           1
 ``PSRT_WORKER_ID``         ``DMLC_WORKER_ID``             a worker's requested rank
+``PSRT_CLIENTS``                                          workers ``psrt worker`` runs in one process  1
 ``PSRT_NODE_HOST``         ``DMLC_NODE_HOST``             the address this host is reached at
 ``PSRT_MODE``                                             ``sync`` (BSP), ``async`` or ``ssp``        ``sync``
 ``PSRT_STALENESS``                                        ``ssp``: pushes a worker may run ahead       0
@@ -535,6 +536,9 @@ class ClusterConfig:
         ``"sync"``, ``"async"`` or ``"ssp"``.
     worker_id : int or None
         A worker's requested rank (otherwise the scheduler assigns one in order of registration).
+    clients : int
+        Workers one ``psrt worker`` process runs (``PSRT_CLIENTS``), each a full peer with its own rank, the
+        first ``worker_id`` and the next ones after it (``psrt launch --clients N`` sets both).
     node_host : str or None
         The address other hosts reach this process at.
     start_timeout : float
@@ -564,6 +568,7 @@ class ClusterConfig:
     mode: str = _env_named("sync", "PSRT_MODE", flag=Flag(
         "--mode", "sync (BSP), async or ssp (bounded staleness)", choices=MODES))
     worker_id: Optional[int] = _env_named(None, "PSRT_WORKER_ID", "DMLC_WORKER_ID", read=_Environment.whole)
+    clients: int = _env_named(1, "PSRT_CLIENTS", read=_Environment.whole)
     node_host: Optional[str] = _env_named(None, "PSRT_NODE_HOST", "DMLC_NODE_HOST")
     start_timeout: float = _env_named(START_TIMEOUT, "PSRT_START_TIMEOUT", read=_Environment.seconds, flag=Flag(
         "--timeout", "seconds for everyone to register and for each barrier", parse=parse_seconds))
@@ -590,6 +595,8 @@ class ClusterConfig:
                 _positive(name, value)
         if self.worker_id is not None and (type(self.worker_id) is not int or self.worker_id < 0):
             raise ConfigError(f"worker_id must be a non-negative integer, got {self.worker_id!r}")
+        if type(self.clients) is not int or self.clients < 1:
+            raise ConfigError(f"clients must be a whole number of workers >= 1, got {self.clients!r} (PSRT_CLIENTS)")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be 'sync', 'async' or 'ssp', got {self.mode!r} (PSRT_MODE)")
         if type(self.staleness) is not int or self.staleness < 0:

@@ -94,3 +94,4 @@ def test_a_monitor_event_is_read_from_its_frames():
     for frames in ([b"\x00" * 6], [b"\x00" * 5, b"tcp://x"], []):
         with pytest.raises(ProtocolError, match="not a socket monitor event"):
             transport.monitor_event(frames)
+

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import zmq.auth
 from _helpers import RawPeer, Relay, launched_results, scheduling, serving, worker_command
 
 import psrt
+from psrt import transport
 from psrt.config import ClientConfig, ServerConfig, WireLimits
 from psrt.control import security
 from psrt.control.scheduler import SchedulerLink
@@ -290,3 +292,28 @@ def test_psrt_stats_needs_the_keys_of_a_secured_scheduler(job_keys):
         sched.terminate()
         sched.wait(10)
         sched.stdout.close()
+
+
+def test_a_handshake_that_does_not_finish_is_no_key_problem_without_keys():
+    """A keyless socket whose handshakes end with no detail (here: a peer that hangs up at once; at scale: a
+    scheduler too busy to greet within the handshake interval) keeps waiting, as ZeroMQ reconnects; a mismatch of
+    keys would fail as a protocol error instead (tests/test_security.py)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(10)
+    ctx = zmq.Context()
+    ch = transport.DealerChannel(ctx, f"tcp://127.0.0.1:{listener.getsockname()[1]}", 1000)
+    try:
+        for _ in range(2):  # two handshakes cut short, each reported by the monitor
+            listener.accept()[0].close()
+        deadline = time.monotonic() + 10
+        while not ch.monitor.poll(100) and time.monotonic() < deadline:
+            pass
+        time.sleep(0.2)
+        ch.check_handshake()  # does not raise
+        assert not ch.refused
+    finally:
+        ch.close()
+        ctx.term()
+        listener.close()

@@ -41,7 +41,7 @@ from psrt.control.process import (
 )
 from psrt.errors import ConfigError, PsrtTimeoutError
 
-__all__ = ["launch", "run_role", "scheduler_bind", "exit_status", "SCHEDULER_READY"]
+__all__ = ["launch", "run_role", "scheduler_bind", "exit_status", "worker_copies", "SCHEDULER_READY"]
 
 log = logging.getLogger("psrt.launch")
 
@@ -52,7 +52,7 @@ _EVERYWHERE = ("0.0.0.0", "*", "::", "[::]")
 def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str = "sync",
            host: str = "127.0.0.1", start_timeout: Optional[float] = None, out: IO[str] = sys.stdout,
            extra_env: Optional[dict[str, str]] = None, transport: str = "auto", secure: bool = False,
-           elastic: bool = False, staleness: Optional[int] = None) -> int:
+           elastic: bool = False, staleness: Optional[int] = None, clients: int = 1) -> int:
     """Run a whole job on this machine; returns the exit code (the first failure's, else 0).
 
     Parameters
@@ -84,6 +84,10 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
     elastic : bool
         An elastic job (docs/elastic.md): a worker that dies leaves the job instead of ending it, and the
         launcher goes on with the others; the job ends when every worker has exited.
+    clients : int
+        Workers per copy of ``command``: ceil(W / clients) copies, copy k told to host the workers of ranks
+        ``k * clients`` on (``PSRT_WORKER_ID``), ``clients`` of them, the last copy the rest (``PSRT_CLIENTS``).
+        ``psrt worker`` understands it (``--clients``); another program must run that many clients itself.
     """
     if transport not in ("auto", "tcp", "ipc"):
         raise ConfigError(f"transport must be auto, tcp or ipc, got {transport!r}")
@@ -91,6 +95,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         transport = "ipc" if host in ("127.0.0.1", "localhost") and os.name == "posix" else "tcp"
     if num_servers < 1 or num_workers < 1:
         raise ConfigError(f"need -s >= 1 and -w >= 1, got -s {num_servers} -w {num_workers}")
+    if isinstance(clients, bool) or not isinstance(clients, int) or not 1 <= clients:
+        raise ConfigError(f"--clients must be a whole number of workers >= 1, got {clients!r}")
     if not command:
         raise ConfigError("no worker command: use psrt launch -s S -w W -- CMD ARGS")
     if staleness is not None and mode != "ssp":
@@ -136,8 +142,10 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         servers = [start("server", psrt_command("server", "--scheduler", endpoint, "--host", host, *bind(i)),
                          {**job_env, "PSRT_ROLE": "server"}, ready=SERVER_READY, relabel=_server_label)
                    for i in range(num_servers)]
-        workers = [start(f"worker {i}", command, {**job_env, "PSRT_ROLE": "worker", "PSRT_WORKER_ID": str(i)})
-                   for i in range(num_workers)]
+        workers = [start(_workers_label(first, count), command,
+                         {**job_env, "PSRT_ROLE": "worker", "PSRT_WORKER_ID": str(first),
+                          "PSRT_CLIENTS": str(count)})
+                   for first, count in worker_copies(num_workers, clients)]
         return _supervise(sched, servers, workers, procs, out, lock, elastic)
     except KeyboardInterrupt as exc:
         by = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
@@ -151,6 +159,15 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
             shutil.rmtree(sockdir, ignore_errors=True)
         if keydir:
             shutil.rmtree(keydir, ignore_errors=True)
+
+
+def worker_copies(num_workers: int, clients: int) -> list[tuple[int, int]]:
+    """The copies of the worker command a job of W workers takes at ``clients`` a copy: ``(first rank, count)``."""
+    return [(first, min(clients, num_workers - first)) for first in range(0, num_workers, clients)]
+
+
+def _workers_label(first: int, count: int) -> str:
+    return f"worker {first}" if count == 1 else f"workers {first}-{first + count - 1}"
 
 
 def _server_label(ready: re.Match) -> str:

@@ -40,22 +40,36 @@ class Formation:
 
     def __init__(self, num_servers: int, num_workers: int, now: float) -> None:
         self.num_servers, self.num_workers = num_servers, num_workers
-        self.pending: list[Pending] = []  # in arrival order
+        # By identity, in arrival order; the counts and the requested ranks kept beside them, so that a
+        # registration costs the same whether it is the first or the thousandth.
+        self._pending: dict[bytes, Pending] = {}
+        self._count = {"server": 0, "worker": 0}
+        self._asked: dict[tuple[str, int], bytes] = {}  # (role, requested rank) -> identity
         self._reported_at, self._reported = now, self.counts()
+
+    @property
+    def pending(self) -> list[Pending]:
+        """The registrations waiting, in arrival order."""
+        return list(self._pending.values())
+
+    def clear(self) -> None:
+        """Forget every registration (they were answered: the job formed, or failed to)."""
+        self._pending.clear()
+        self._asked.clear()
+        self._count = {"server": 0, "worker": 0}
 
     def of(self, role: str) -> list[Pending]:
         """The registrations of ``role``, in arrival order."""
-        return [p for p in self.pending if p.request.role == role]
+        return [p for p in self._pending.values() if p.request.role == role]
 
     def counts(self) -> tuple[int, int, int, int]:
         """(servers registered, S, workers registered, W)."""
-        return len(self.of("server")), self.num_servers, len(self.of("worker")), self.num_workers
+        return self._count["server"], self.num_servers, self._count["worker"], self.num_workers
 
     @property
     def complete(self) -> bool:
         """Whether every server and worker has registered."""
-        servers, _, workers, _ = self.counts()
-        return servers == self.num_servers and workers == self.num_workers
+        return self._count["server"] == self.num_servers and self._count["worker"] == self.num_workers
 
     def add(self, identity: bytes, req: wire.Register) -> Optional[tuple[str, str]]:
         """Take a registration; returns ``(code, message)`` of the error that refuses it instead, or None."""
@@ -63,16 +77,24 @@ class Formation:
         limit = self.num_workers if role == "worker" else self.num_servers
         if rank >= limit:  # a server's rank: the shard its checkpoint belongs to
             return "rank", f"{role} rank {rank} is out of range for {limit} {role}s"
-        if rank >= 0 and any(p.request.role == role and p.request.rank == rank and p.identity != identity
-                             for p in self.pending):
+        if rank >= 0 and self._asked.get((role, rank), identity) != identity:
             return "rank", f"{role} rank {rank} is already registered"
-        self.pending = [p for p in self.pending if p.identity != identity]  # a resend replaces the first
-        servers, _, workers, _ = self.counts()
-        if (servers if role == "server" else workers) >= (self.num_servers if role == "server" else self.num_workers):
+        self._remove(identity)  # a resend replaces the first
+        if self._count[role] >= limit:
             return "full", (f"the job expects {self.num_servers} servers and {self.num_workers} workers; this {role} "
                             "is one too many")
-        self.pending.append(Pending(identity, req))
+        self._pending[identity] = Pending(identity, req)
+        self._count[role] += 1
+        if rank >= 0:
+            self._asked[(role, rank)] = identity
         return None
+
+    def _remove(self, identity: bytes) -> None:
+        old = self._pending.pop(identity, None)
+        if old is not None:
+            self._count[old.request.role] -= 1
+            if old.request.rank >= 0:
+                self._asked.pop((old.request.role, old.request.rank), None)
 
     def report_due(self, now: float) -> bool:
         """Whether to tell the waiting processes how far the job got (the counts moved, 2 s since the last)."""

@@ -245,7 +245,7 @@ class Scheduler(Restarts):
             self._send_table(p.identity, p.request.id, index)
         for rank, p in workers:
             self._send_table(p.identity, p.request.id, rank)
-        self._forming.pending = []
+        self._forming.clear()
         now = time.monotonic()
         for index, p in enumerate(servers):
             self._members[("server", index)] = _Member(p.identity, f"server {index} ({p.request.endpoint})", now,
@@ -265,7 +265,7 @@ class Scheduler(Restarts):
         log.error(message)
         for p in self._forming.pending:
             self._error(p.identity, p.request.id, "start_timeout", message)
-        self._forming.pending = []
+        self._forming.clear()
         self.exit_code = 1
 
     def _barrier(self, identity: bytes, req: wire.Barrier) -> None:

@@ -57,6 +57,7 @@ _EVENTS = int(zmq.EVENTS)
 _RCVMORE = int(zmq.RCVMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
+_NO_DETAIL = int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 #: A monitor event's first frame (zmq_socket_monitor(3)): the event as uint16, its value as uint32, no padding.
 #: Read here rather than by ``zmq.utils.monitor``, which imports ``zmq.asyncio`` (and asyncio, some 40 ms) into
@@ -303,6 +304,11 @@ class DealerChannel:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._failure = None
                 self.connections += 1
+            elif event == _NO_DETAIL and self._keys_dir is None:
+                # Without keys a handshake fails with no detail only when it did not finish: the peer too busy
+                # to greet within the handshake interval, or the connection dropped. ZeroMQ connects again; keys
+                # on one side only fail as a protocol error (a mechanism mismatch), which is reported.
+                continue
             else:
                 self._failure = curve.handshake_advice(event, value, self.endpoint, self._keys_dir)
         if self._failure is not None:

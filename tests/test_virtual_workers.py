@@ -1,0 +1,85 @@
+"""Virtual workers: ``psrt worker --clients N`` runs N full peers in one process, ``psrt launch --clients N``
+starts ceil(W/N) such processes; every worker keeps its own rank, pushes and result line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+from _helpers import launched_results
+
+from psrt.cluster.launch import worker_copies
+from psrt.config import ClusterConfig
+from psrt.control.process import psrt_command
+from psrt.emulation import loadgen
+from psrt.errors import ConfigError
+
+PSRT = psrt_command()
+
+
+@pytest.mark.integration
+def test_a_launched_job_of_virtual_workers_ends_exact_and_sees_every_peer():
+    proc = subprocess.run([*PSRT, "launch", "-s", "2", "-w", "5", "--clients", "2", "--", *PSRT, "worker",
+                           "--model", "64KB", "--steps", "3", "--warmup", "1", "--lr", "0.5"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = launched_results(proc.stdout)
+    assert [r["rank"] for r in results] == [0, 1, 2, 3, 4]
+    assert all(r["num_workers"] == 5 for r in results)
+    # Three processes (2 + 2 + 1 workers), each worker's own line, labelled by the ranks its process hosts.
+    assert sorted(Counter(r["pid"] for r in results).values()) == [1, 2, 2]
+    for label in ("[workers 0-1]", "[workers 2-3]", "[worker 4]"):
+        assert label in proc.stdout
+    # Sync SGD: every gradient element is 1e-3, so each of the 4 rounds moves every parameter by lr * 1e-3, the
+    # same on every worker to the bit (the shard steps once per round, whatever process its peers live in).
+    expected = np.float32(0)
+    for _ in range(4):
+        expected = expected - np.float32(0.5) * np.float32(1e-3)
+    assert {r["param0"] for r in results} == {float(expected)}
+    # Every worker pushed each round: the shard counted W peers' pushes, not one per process.
+    shard_pushes = sum(int(line.rsplit("pushes=", 1)[1].split()[0]) for line in proc.stdout.splitlines()
+                       if "psrt-server stopped" in line)
+    assert shard_pushes == 5 * 4
+
+
+def test_a_job_is_split_into_copies_of_at_most_n_workers():
+    assert worker_copies(5, 2) == [(0, 2), (2, 2), (4, 1)]
+    assert worker_copies(4, 1) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert worker_copies(1000, 250) == [(0, 250), (250, 250), (500, 250), (750, 250)]
+    assert worker_copies(3, 8) == [(0, 3)]
+
+
+def test_the_number_of_clients_comes_from_the_environment_and_is_checked():
+    assert ClusterConfig.from_env({}).clients == 1
+    assert ClusterConfig.from_env({"PSRT_CLIENTS": "250"}).clients == 250
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(ConfigError, match="PSRT_CLIENTS|clients"):
+            ClusterConfig.from_env({"PSRT_CLIENTS": bad})
+    with pytest.raises(ConfigError, match="--clients must be a whole number of workers >= 1"):
+        loadgen.run_worker("64KB", 0, 1, clients=0, servers=["tcp://127.0.0.1:1"])
+    with pytest.raises(ConfigError, match="need --workers >= 4"):
+        loadgen.run_worker("64KB", 0, 1, clients=2, servers=["tcp://127.0.0.1:1"], rank=2, num_workers=3)
+
+
+def test_the_first_error_of_the_workers_of_a_process_is_the_one_raised():
+    def fails_late() -> dict:
+        time.sleep(0.3)
+        raise RuntimeError("late")
+
+    def fails_first() -> dict:
+        raise ValueError("first")
+
+    with pytest.raises(ValueError, match="first"):
+        loadgen._run_together([fails_late, fails_first, lambda: {"rank": 2}])
+    assert loadgen._run_together([lambda: {"rank": 0}, lambda: {"rank": 1}]) == [{"rank": 0}, {"rank": 1}]
+
+
+@pytest.mark.integration
+def test_the_worker_command_rejects_a_bad_count_of_clients():
+    proc = subprocess.run([*PSRT, "worker", "--model", "64KB", "--clients", "0"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PSRT_SCHEDULER": "tcp://127.0.0.1:1"})
+    assert proc.returncode == 2 and "--clients" in proc.stderr and "must be >= 1" in proc.stderr
