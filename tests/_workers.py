@@ -392,9 +392,34 @@ def embedding_clicks(servers: list[str], rank: int, workers: int, bag: int, size
     return {"rank": rank}
 
 
+def virtual_crash(fail_rank: int, steps: int = 1000) -> dict:
+    """``PSRT_CLIENTS`` workers on threads of this process, as ``psrt worker --clients`` runs them
+    (:func:`psrt.emulation.loadgen._run_together`), ranks from ``PSRT_WORKER_ID`` on; the worker of rank
+    ``fail_rank`` raises at its fourth step, the others push_pull until the job's end reaches them."""
+    from psrt.config import ClusterConfig
+    from psrt.emulation.loadgen import _run_together
+
+    cluster = ClusterConfig.from_env()
+    first = cluster.worker_id or 0
+
+    def worker(rank: int) -> Callable[[], dict]:
+        def run() -> dict:
+            with psrt.Client(rank=rank) as c:
+                c.init({"w": np.zeros(8, np.float32)}, optimizer=psrt.SGD(lr=0.1))
+                for step in range(steps):
+                    if rank == fail_rank and step == 3:
+                        raise RuntimeError(f"worker {rank} fails on purpose")
+                    c.push_pull({"w": np.ones(8, np.float32)})
+            return {"rank": rank}
+        return run
+
+    _run_together([worker(first + i) for i in range(cluster.clients)])  # raises the first worker's error
+    return {"rank": first}
+
+
 ROLES: dict[str, Callable[..., dict]] = {f.__name__: f for f in (
     async_pusher, sync_slice, ride, scheduled, liveness, crash, secure, momentum, lane_probe, ssp, torch_cnn,
-    embedding_clicks)}
+    embedding_clicks, virtual_crash)}
 
 
 def main(argv: list[str]) -> int:

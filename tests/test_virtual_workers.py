@@ -10,7 +10,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from _helpers import launched_results
+from _helpers import launched_results, worker_command
 
 from psrt.cluster.launch import worker_copies
 from psrt.config import ClusterConfig
@@ -83,3 +83,17 @@ def test_the_worker_command_rejects_a_bad_count_of_clients():
     proc = subprocess.run([*PSRT, "worker", "--model", "64KB", "--clients", "0"], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PSRT_SCHEDULER": "tcp://127.0.0.1:1"})
     assert proc.returncode == 2 and "--clients" in proc.stderr and "must be >= 1" in proc.stderr
+
+
+@pytest.mark.integration
+def test_a_virtual_worker_that_raises_ends_its_process_and_the_job():
+    start = time.monotonic()
+    proc = subprocess.run([*PSRT, "launch", "-s", "1", "-w", "4", "--clients", "2", "--",
+                           *worker_command("virtual_crash", fail_rank=1)], capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "psrt launch: workers 0-1 exited with code 1" in proc.stdout, out
+    assert "RuntimeError: worker 1 fails on purpose" in out
+    print(f"psrt launch returned 1 {took:.2f}s after it started")
+    assert took < 20.0
