@@ -59,6 +59,10 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 _NO_DETAIL = int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
+#: Handshakes in a row that a keyless socket sees end without detail before it takes them for a refusal: a secured
+#: peer drops a keyless one at every attempt (ZeroMQ retries every 0.1 s or so), a busy one misses one greeting.
+UNFINISHED_HANDSHAKES = 3
+
 #: A monitor event's first frame (zmq_socket_monitor(3)): the event as uint16, its value as uint32, no padding.
 #: Read here rather than by ``zmq.utils.monitor``, which imports ``zmq.asyncio`` (and asyncio, some 40 ms) into
 #: every process at import.
@@ -279,6 +283,7 @@ class DealerChannel:
         # The last handshake's failure, kept until one succeeds: ZeroMQ does not retry a connection refused by
         # ZAP, so every later wait must fail the same way instead of running into its timeout.
         self._failure: Optional[str] = None
+        self._unfinished = 0  # keyless: handshakes in a row that ended without detail
         #: Handshakes that succeeded: more than one means the peer went away and came back (a restarted shard).
         self.connections = 0
         self._poller = zmq.Poller()
@@ -303,11 +308,13 @@ class DealerChannel:
                 break
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._failure = None
+                self._unfinished = 0
                 self.connections += 1
-            elif event == _NO_DETAIL and self._keys_dir is None:
-                # Without keys a handshake fails with no detail only when it did not finish: the peer too busy
-                # to greet within the handshake interval, or the connection dropped. ZeroMQ connects again; keys
-                # on one side only fail as a protocol error (a mechanism mismatch), which is reported.
+            elif event == _NO_DETAIL and self._keys_dir is None and self._unfinished + 1 < UNFINISHED_HANDSHAKES:
+                # Without keys a handshake that fails with no detail did not finish: the peer was too busy to greet
+                # within the handshake interval, or dropped the connection. ZeroMQ connects again. Only a peer that
+                # keeps dropping it (a secured one: keys on one side only) is a refusal.
+                self._unfinished += 1
                 continue
             else:
                 self._failure = curve.handshake_advice(event, value, self.endpoint, self._keys_dir)
