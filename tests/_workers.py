@@ -417,9 +417,50 @@ def virtual_crash(fail_rank: int, steps: int = 1000) -> dict:
     return {"rank": first}
 
 
+def virtual_vanish(vanish_rank: int, steps: int = 100_000, step_s: float = 0.01) -> dict:
+    """``PSRT_CLIENTS`` workers on threads of this process; at its fifth step the worker of rank ``vanish_rank``
+    goes silent (its heartbeat stops, its thread hangs) while the process lives on, as a virtual worker that died
+    inside a healthy process would. It prints ``vanished AT`` (``time.time()``); every other worker trains until psrt
+    raises and prints its own result line (``error``, ``message``, ``at``). Returns once the others have ended."""
+    import threading
+
+    from psrt.config import ClusterConfig
+
+    cluster = ClusterConfig.from_env()
+    first = cluster.worker_id or 0
+    lock = threading.Lock()
+
+    def run(rank: int) -> None:
+        result = {"rank": rank, "error": None, "message": "", "at": 0.0}
+        try:
+            c = psrt.Client(rank=rank)
+            LEFT_OPEN.append(c)  # the vanished one is closed only by the interpreter's exit
+            c.init({"w": np.zeros(8, np.float32)}, optimizer=psrt.SGD(lr=0.1))
+            for step in range(steps):
+                if rank == vanish_rank and step == 5:
+                    c._heartbeat.stop()
+                    print(f"vanished {time.time()}", flush=True)
+                    time.sleep(60)
+                    return
+                c.push_pull({"w": np.ones(8, np.float32)})
+                time.sleep(step_s)
+        except psrt.PsrtError as exc:
+            result.update(error=type(exc).__name__, message=str(exc), at=time.time())
+        with lock:
+            print(result_line(result), flush=True)
+
+    threads = [threading.Thread(target=run, args=(first + i,), daemon=True) for i in range(cluster.clients)]
+    for t in threads:
+        t.start()
+    for i, t in enumerate(threads):
+        if first + i != vanish_rank:  # the vanished one hangs: the process ends without it
+            t.join()
+    return {"rank": -1, "error": "the workers ended"}  # the process's own line: its exit code is 1
+
+
 ROLES: dict[str, Callable[..., dict]] = {f.__name__: f for f in (
     async_pusher, sync_slice, ride, scheduled, liveness, crash, secure, momentum, lane_probe, ssp, torch_cnn,
-    embedding_clicks, virtual_crash)}
+    embedding_clicks, virtual_crash, virtual_vanish)}
 
 
 def main(argv: list[str]) -> int:

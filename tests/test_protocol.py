@@ -106,9 +106,13 @@ def test_control_requests_and_replies_round_trip():
         (wire.encode_done(3, 0), wire.Done(3, 0)),
         (wire.encode_table_query(4), wire.TableQuery(4)),
         (wire.encode_heartbeat(5, "worker", 2, 4242, 3), wire.Heartbeat(5, "worker", 2, 4242, 3)),
+        (wire.encode_beats(6, [3, 0, 9], 4242), wire.Beats(6, (3, 0, 9), 4242)),
+        (wire.encode_beats(7, range(wire.MAX_BEAT_RANKS), 1), wire.Beats(7, tuple(range(wire.MAX_BEAT_RANKS)), 1)),
     ]
     for frames, record in cases:
         assert wire.decode_control_request(frames) == record
+    with pytest.raises(ProtocolError, match="max_array_len"):  # more ranks than one beats carries: msgpack's limit
+        wire.decode_control_request(wire.encode_beats(8, range(wire.MAX_BEAT_RANKS + 1), 1))
     replies = [
         (wire.encode_table(5, 1, 2, 3, "sync", ["tcp://a:1", "ipc:///tmp/x"]),
          wire.Table(5, 1, 2, 3, "sync", ["tcp://a:1", "ipc:///tmp/x"])),
@@ -120,6 +124,7 @@ def test_control_requests_and_replies_round_trip():
         (wire.encode_ok(6), wire.Ok(6)),
         (wire.encode_control_error(7, "rank", "taken"), wire.ControlError(7, "rank", "taken")),
         (wire.encode_shutdown(), wire.Shutdown(0)),
+        (wire.encode_not_members(6, [4, 7], "gone"), wire.NotMembers(6, (4, 7), "gone")),
     ]
     for frames, record in replies:
         assert wire.decode_control_reply(frames) == record
@@ -147,6 +152,12 @@ def test_control_requests_and_replies_round_trip():
     ({"op": "table", "id": 1, "extra": 0}, "unexpected fields"),
     ({"op": ["table"], "id": 1}, "unknown op"),
     ({"op": "shutdown", "id": 1}, "unknown op"),  # a reply op is not a request
+    ({"op": "beats", "id": 1, "ranks": [], "pid": 1}, "ranks"),
+    ({"op": "beats", "id": 1, "ranks": [0, -1], "pid": 1}, "ranks"),
+    ({"op": "beats", "id": 1, "ranks": [0, True], "pid": 1}, "ranks"),
+    ({"op": "beats", "id": 1, "ranks": 3, "pid": 1}, "ranks"),
+    ({"op": "beats", "id": 1, "ranks": [0], "pid": -1}, "pid"),
+    ({"op": "beats", "id": 1, "ranks": [0]}, "missing fields"),
 ])
 def test_malformed_control_requests_are_refused_with_their_id(header, match):
     with pytest.raises(ProtocolError, match=match) as info:
@@ -178,6 +189,8 @@ def test_malformed_control_requests_are_refused_with_their_id(header, match):
     ({"op": "ok", "id": "1"}, "id"),
     ({"op": {"ok": 1}, "id": 1}, "unknown op"),
     ({"op": "register", "id": 1}, "unknown op"),
+    ({"op": "not_members", "id": 1, "workers": [], "message": "x"}, "workers"),
+    ({"op": "not_members", "id": 1, "workers": [1], "message": 3}, "message"),
 ])
 def test_malformed_control_replies_are_refused(header, match):
     with pytest.raises(ProtocolError, match=match):

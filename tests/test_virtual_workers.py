@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from collections import Counter
 
+import msgpack
 import numpy as np
 import pytest
-from _helpers import launched_results, worker_command
+import zmq
+from _helpers import NAMED_WITHIN_S, launched_results, worker_command
 
+from psrt import wire
 from psrt.cluster.launch import worker_copies
 from psrt.config import ClusterConfig
+from psrt.control.link import HeartbeatThread
 from psrt.control.process import psrt_command
 from psrt.emulation import loadgen
-from psrt.errors import ConfigError
+from psrt.errors import ConfigError, PeerFailedError
 
 PSRT = psrt_command()
 
@@ -97,3 +102,96 @@ def test_a_virtual_worker_that_raises_ends_its_process_and_the_job():
     assert "RuntimeError: worker 1 fails on purpose" in out
     print(f"psrt launch returned 1 {took:.2f}s after it started")
     assert took < 20.0
+
+
+@pytest.mark.integration
+def test_a_virtual_worker_that_goes_silent_is_named_to_the_others_while_its_process_lives():
+    """One of three workers of a process stops heartbeating (its process and its siblings go on): the scheduler
+    judges each rank's silence on its own, even when one message carries the process's beats."""
+    proc = subprocess.run([*PSRT, "launch", "-s", "1", "-w", "3", "--clients", "3", "--",
+                           *worker_command("virtual_vanish", vanish_rank=1)], capture_output=True, text=True,
+                          timeout=90)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    vanished_at = float(out.split("vanished ", 1)[1].split()[0])
+    survivors = [r for r in launched_results(proc.stdout) if r["rank"] in (0, 2)]
+    assert sorted(r["rank"] for r in survivors) == [0, 2], out
+    for r in survivors:
+        assert r["error"] == "PeerFailedError" and "worker 1 " in r["message"], r
+        assert "stopped heartbeating" in r["message"], r
+        print(f"worker {r['rank']} heard of worker 1 {r['at'] - vanished_at:.2f}s after it went silent")
+        assert r["at"] - vanished_at < NAMED_WITHIN_S, r
+
+
+def _heartbeat_threads() -> int:
+    return sum(t.name == "psrt-heartbeat" and t.is_alive() for t in threading.enumerate())
+
+
+def test_the_workers_of_a_process_beat_in_one_message_from_one_thread_and_hear_their_own_news():
+    """Three workers' heartbeats to one scheduler (a bare ROUTER here): one thread, one socket, one ``beats`` per
+    interval naming all three; a ``not_members`` reply fails only the ranks it names; an abort fails the rest."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    before = _heartbeat_threads()
+    beats = [HeartbeatThread(None, endpoint, rank, interval=0.2, timeout=30.0) for rank in (4, 7, 9)]
+    try:
+        assert _heartbeat_threads() == before + 1
+        senders, seen = set(), set()
+        deadline = time.monotonic() + 10
+        while seen != {4, 7, 9} and time.monotonic() < deadline:
+            if router.poll(1000):
+                identity, frame = router.recv_multipart()
+                header = msgpack.unpackb(frame)
+                assert header["op"] == "beats" and header["pid"] == os.getpid(), header
+                senders.add(identity)
+                seen = set(header["ranks"])
+        assert seen == {4, 7, 9} and len(senders) == 1
+        (identity,) = senders
+        router.send_multipart([identity, *wire.encode_not_members(0, [7], "worker 7 left the job")])
+        deadline = time.monotonic() + 10
+        while beats[1].failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(PeerFailedError, match="no longer counts worker 7"):
+            beats[1].check()
+        beats[0].check(), beats[2].check()  # the others are unaffected
+        # Rank 7 is no longer named in the beats that follow (one may have left before the reply came).
+        ranks = [4, 7, 9]
+        deadline = time.monotonic() + 10
+        while 7 in ranks and time.monotonic() < deadline:
+            if router.poll(1000):
+                identity, frame = router.recv_multipart()
+                ranks = sorted(msgpack.unpackb(frame)["ranks"])
+        assert ranks == [4, 9]
+        router.send_multipart([identity, *wire.encode_abort("peer_failed", "worker 3 died")])
+        deadline = time.monotonic() + 10
+        while beats[2].failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for b in (beats[0], beats[2]):
+            with pytest.raises(PeerFailedError, match="worker 3 died"):
+                b.check()
+    finally:
+        for b in beats:
+            b.stop()
+        router.close()
+        ctx.term()
+    assert _heartbeat_threads() == before  # the thread ends with its last worker
+
+
+def test_a_worker_that_fails_in_a_fixed_job_fails_the_other_workers_of_its_process_at_once():
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    beats = [HeartbeatThread(None, endpoint, rank, interval=0.2, timeout=30.0) for rank in (0, 1)]
+    try:
+        beats[0].stop(failure="RuntimeError: boom")
+        with pytest.raises(PeerFailedError, match=r"worker 0 \(in this process\) failed: RuntimeError: boom"):
+            beats[1].check()
+    finally:
+        for b in beats:
+            b.stop()
+        router.close()
+        ctx.term()

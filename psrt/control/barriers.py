@@ -7,6 +7,7 @@ that never arrived), or of every barrier when the job fails.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 __all__ = ["Barriers"]
@@ -32,16 +33,17 @@ class Barriers:
         """Worker ``rank`` reached barrier ``name``."""
         self._open.setdefault(name, _Barrier(now + self.timeout)).arrived[rank] = waiting
 
-    def release(self, members: set[int]) -> list[Waiting]:
+    def release(self, members: AbstractSet[int]) -> list[Waiting]:
         """The workers to let go: those of every barrier that all of ``members`` have reached."""
         released = []
         for name, b in list(self._open.items()):
-            if members <= set(b.arrived):
+            # The count first: a barrier of W workers checks its members once, not at each of W arrivals.
+            if len(b.arrived) >= len(members) and members <= b.arrived.keys():
                 released += b.arrived.values()
                 del self._open[name]
         return released
 
-    def expire(self, now: float, members: set[int]) -> list[tuple[Waiting, str]]:
+    def expire(self, now: float, members: AbstractSet[int]) -> list[tuple[Waiting, str]]:
         """The workers of every barrier past its deadline, each with the error saying who never came."""
         expired = []
         for name, b in list(self._open.items()):

@@ -7,10 +7,11 @@ died:
 
 - A **server** heartbeats from its serving loop (:meth:`SchedulerLink.tick`), so a server that hangs stops
   heartbeating just as one that dies does.
-- A **worker** heartbeats from a :class:`HeartbeatThread` with its own socket: the training loop may compute
-  for minutes between calls into psrt. Its verdicts reach the training loop through :meth:`HeartbeatThread.check`,
-  which every wait of the client calls; the new endpoints of shards that restarted elsewhere, through
-  :attr:`HeartbeatThread.moves`.
+- A **worker** heartbeats from its process's heartbeat thread, with a socket of its own: the training loop may
+  compute for minutes between calls into psrt. Every worker of the process shares that thread, which names them
+  all in one ``beats`` message per interval (:class:`HeartbeatThread` is one worker's part in it). Its verdicts
+  reach the training loop through :meth:`HeartbeatThread.check`, which every wait of the client calls; the new
+  endpoints of shards that restarted elsewhere, through :attr:`HeartbeatThread.moves`.
 
 A heartbeat is answered with ``ok``; no answer for ``heartbeat_timeout`` seconds means the scheduler is gone.
 """
@@ -21,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from psrt import transport, wire
 from psrt.config import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, WARN_AFTER
@@ -249,16 +250,23 @@ class SchedulerLink:
 
 
 class HeartbeatThread:
-    """A worker's heartbeat to the scheduler: a daemon thread with its own socket.
+    """A worker's heartbeat to the scheduler, sent by its process's heartbeat thread.
 
-    Started by :class:`psrt.Client` once it has registered (never at import). :meth:`check` raises the
-    :class:`~psrt.errors.PeerFailedError` the thread learned of: the scheduler aborted the job because a peer
-    died, or the scheduler itself went silent.
+    Started by :class:`psrt.Client` once it has registered (never at import). Every worker of a process that beats
+    to the same scheduler shares one daemon thread and one socket (:class:`_Beater`), which sends one ``beats``
+    message per interval naming all of them: a process hosting hundreds of workers (``psrt worker --clients N``)
+    costs the scheduler one message per interval, not hundreds, and runs one thread for them, not hundreds. Each
+    worker is still its own peer: it beats until :meth:`stop`, and the scheduler judges each rank's silence on
+    its own.
+
+    :meth:`check` raises the :class:`~psrt.errors.PeerFailedError` the thread learned of: the scheduler aborted the
+    job because a peer died, stopped counting this worker, or itself went silent.
 
     Parameters
     ----------
     context : zmq.Context
-        The ZeroMQ context (thread-safe; the socket is the thread's own).
+        Unused: the process's heartbeat thread runs in a context of its own, so that closing a client's context
+        never waits for it. Kept so that callers need not change.
     endpoint : str
         The scheduler's endpoint.
     rank : int
@@ -271,17 +279,14 @@ class HeartbeatThread:
 
     def __init__(self, context: Any, endpoint: str, rank: int, interval: float = HEARTBEAT_INTERVAL,
                  timeout: float = HEARTBEAT_TIMEOUT, keys: Optional[security.PathLike] = None) -> None:
-        self._keys = security.load_keys(keys)  # here, not in the thread: a bad directory is the caller's error
+        job_keys = security.load_keys(keys)  # here, not in the thread: a bad directory is the caller's error
         self.endpoint, self.rank = endpoint, rank
         self.interval, self.timeout = interval, timeout
         self.failure: Optional[PeerFailedError] = None
         #: Shards that came back on another endpoint (``moved`` notices): shard index -> endpoint, taken (popped)
         #: by the client's waits. Plain dict operations, atomic under the GIL.
         self.moves: dict[int, str] = {}
-        self._ctx = context
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="psrt-heartbeat", daemon=True)
-        self._thread.start()
+        self._beater = _Beater.join(self, endpoint, interval, timeout, job_keys)
 
     def check(self) -> None:
         """Raise the failure the heartbeat learned of, if any."""
@@ -290,52 +295,134 @@ class HeartbeatThread:
             # the traceback of the one the user is already being shown.
             raise PeerFailedError(str(self.failure), peer=self.failure.peer)
 
-    def stop(self, timeout: float = 2.0) -> None:
-        """Stop the thread (and close its socket)."""
-        self._stop.set()
-        self._thread.join(timeout)
+    def stop(self, timeout: float = 2.0, failure: Optional[str] = None) -> None:
+        """Stop beating for this worker (the process's thread ends, closing its socket, with its last worker).
+
+        ``failure``: this worker's program raised (one line saying how) in a job that cannot go on without it. The
+        other workers of this process then fail at once, as the scheduler's abort would tell them a moment later,
+        so that the process ends promptly with the first error rather than with the job's.
+        """
+        self._beater.leave(self, timeout, failure)
 
     @property
     def alive(self) -> bool:
-        """Whether the thread still runs (it did not stop in time)."""
-        return self._thread.is_alive()
+        """Whether the heartbeat still runs for this worker (it did not stop in time)."""
+        return self._beater.beats_for(self)
+
+
+class _Beater:
+    """One process's heartbeat thread and socket to one scheduler, beating for every worker that joined it."""
+
+    _lock = threading.Lock()
+    _running: dict[tuple[Any, ...], _Beater] = {}
+
+    def __init__(self, key: tuple[Any, ...], endpoint: str, interval: float, timeout: float,
+                 keys: Optional[security.JobKeys]) -> None:
+        self._key, self.endpoint, self.interval, self.timeout, self._keys = key, endpoint, interval, timeout, keys
+        self._members: dict[int, HeartbeatThread] = {}  # rank -> handle; changed under _lock
+        self._joined = threading.Event()  # a new member: beat at once, so that it is seen as soon as it registered
+        self._pid = os.getpid()
+        self._thread = threading.Thread(target=self._run, name="psrt-heartbeat", daemon=True)
+
+    @classmethod
+    def join(cls, handle: HeartbeatThread, endpoint: str, interval: float, timeout: float,
+             keys: Optional[security.JobKeys]) -> _Beater:
+        """The running beater for this scheduler (and keys, and timing), started if there is none, with ``handle``
+        among its members."""
+        key = (endpoint, None if keys is None else keys.client_public, interval, timeout, os.getpid())
+        with cls._lock:
+            beater = cls._running.get(key)
+            if beater is None:
+                beater = cls._running[key] = _Beater(key, endpoint, interval, timeout, keys)
+                beater._members[handle.rank] = handle
+                beater._thread.start()
+            else:
+                beater._members[handle.rank] = handle
+                beater._joined.set()
+        return beater
+
+    def leave(self, handle: HeartbeatThread, timeout: float, failure: Optional[str] = None) -> None:
+        with self._lock:
+            if self._members.get(handle.rank) is handle:
+                del self._members[handle.rank]
+            last = not self._members
+            if failure is not None:
+                for h in self._members.values():
+                    if h.failure is None:
+                        h.failure = PeerFailedError(f"worker {handle.rank} (in this process) failed: {failure}; the "
+                                                    "job cannot go on", peer=f"worker {handle.rank}")
+            if last and self._running.get(self._key) is self:
+                del self._running[self._key]  # a worker that comes later starts a fresh thread
+        if last:
+            self._joined.set()  # wake the thread: it sees no members and ends
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout)
+
+    def beats_for(self, handle: HeartbeatThread) -> bool:
+        return self._thread.is_alive() and self._members.get(handle.rank) is handle
+
+    def _fail(self, failure: PeerFailedError, ranks: Optional[Sequence[int]] = None) -> None:
+        with self._lock:
+            handles = list(self._members.values()) if ranks is None else [
+                self._members[r] for r in ranks if r in self._members]
+        for h in handles:
+            h.failure = failure if ranks is None else PeerFailedError(
+                f"the scheduler at {self.endpoint} no longer counts worker {h.rank} in the job: {failure}",
+                peer=f"worker {h.rank}")
 
     def _run(self) -> None:
-        channel = transport.DealerChannel(self._ctx, self.endpoint, hwm=100, keys=self._keys,
+        # A context of its own: the clients' contexts close with them, this socket lives as long as its last worker.
+        context = transport.new_context()
+        channel = transport.DealerChannel(context, self.endpoint, hwm=100, keys=self._keys,
                                           max_frame=wire.CONTROL_LIMITS.max_header_bytes)
-        pid = os.getpid()
         last_answer = next_beat = time.monotonic()
         try:
-            while not self._stop.is_set():
+            while True:
+                with self._lock:
+                    ranks = sorted(r for r, h in self._members.items() if h.failure is None)
+                    if not self._members:
+                        return
                 now = time.monotonic()
-                if now >= next_beat:
+                if now >= next_beat or self._joined.is_set():
+                    self._joined.clear()
                     next_beat = now + self.interval
-                    try:
-                        channel.send(wire.encode_heartbeat(0, "worker", self.rank, pid), self.interval)
-                    except PsrtError:
-                        pass  # judged by the scheduler's silence below
+                    for i in range(0, len(ranks), wire.MAX_BEAT_RANKS):
+                        try:
+                            channel.send(wire.encode_beats(0, ranks[i:i + wire.MAX_BEAT_RANKS], self._pid),
+                                         self.interval)
+                        except PsrtError:
+                            pass  # judged by the scheduler's silence below
                 if channel.poll(max(0.0, min(next_beat - now, 0.1))):
                     while channel.readable():
                         notice = _recv(channel, self.endpoint)
                         last_answer = time.monotonic()
                         if isinstance(notice, wire.Abort):
-                            self.failure = _aborted(self.endpoint, notice)
+                            self._fail(_aborted(self.endpoint, notice))
                             return
                         if isinstance(notice, wire.Moved):
-                            self.moves[notice.shard] = notice.endpoint
+                            with self._lock:
+                                handles = list(self._members.values())
+                            for h in handles:
+                                h.moves[notice.shard] = notice.endpoint
+                        elif isinstance(notice, wire.NotMembers):
+                            self._fail(PeerFailedError(notice.message), notice.workers)
                         elif isinstance(notice, wire.ControlError):
-                            self.failure = PeerFailedError(f"the scheduler at {self.endpoint} no longer counts this "
-                                                           f"worker in the job: {notice.message}",
-                                                           peer=f"worker {self.rank}")
+                            self._fail(PeerFailedError(f"the scheduler at {self.endpoint} refused this process's "
+                                                       f"heartbeat: [{notice.code}] {notice.message}"))
                             return
                 silence = time.monotonic() - last_answer
                 if silence > self.timeout:
-                    self.failure = _silent(self.endpoint, silence)
+                    self._fail(_silent(self.endpoint, silence))
                     return
-        except PsrtError as exc:  # a malformed message from the scheduler: say so where the user will look
-            self.failure = PeerFailedError(f"heartbeat to the scheduler at {self.endpoint} failed: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a malformed message (or a bug): say so where the user will look
+            self._fail(PeerFailedError(f"heartbeat to the scheduler at {self.endpoint} failed: "
+                                       f"{type(exc).__name__}: {exc}"))
         finally:
+            with self._lock:
+                if self._running.get(self._key) is self:
+                    del self._running[self._key]
             channel.close()
+            context.term()
 
 
 def join_as_worker(context: Any, scheduler: str, cluster: Any, rank: Optional[int], num_workers: Optional[int],

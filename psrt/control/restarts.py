@@ -126,6 +126,6 @@ class Restarts:
         if self.elastic and self._epoch:
             self._send(identity, wire.encode_members(self._epoch, sorted(self.workers)))
         if old != req.endpoint:  # the workers' clients re-point their socket to this shard
-            for (role, _), member in list(self._members.items()):
-                if role == "worker":
-                    self._send(member.identity, wire.encode_moved(index, req.endpoint))
+            # Once per socket: the workers of one process share their heartbeat's (and hear it for all of them).
+            for ident in {m.identity: None for (role, _), m in self._members.items() if role == "worker"}:
+                self._send(ident, wire.encode_moved(index, req.endpoint))

@@ -12,6 +12,10 @@ down and exits.
 Liveness: once the job has formed, every server and worker heartbeats (:mod:`psrt.control.link`). A process silent for
 ``heartbeat_timeout`` seconds (dead, stopped, or cut off) is named in an ``abort`` notice to every other process,
 whose waits then raise :class:`~psrt.errors.PeerFailedError`, and the scheduler exits non-zero.
+The workers of one process beat together, one ``beats`` message per interval naming their ranks, so a thousand
+workers in four processes cost the scheduler four messages per interval; each rank's silence is still judged on
+its own. The scheduler judges silence only once it has read every message waiting for it: a heartbeat it has
+not yet read because it was itself starved of CPU is no silence.
 
 Elastic jobs (``elastic=True``): a worker that dies or says ``done`` leaves the job instead, and a worker may
 register after the job formed (a free rank, or the rank of one that left). Every change is sent to the servers
@@ -60,6 +64,33 @@ class _Join:
     rank: int
     epoch: int
     deadline: float
+
+
+def _ranges(ranks: list[int], most: int = 32) -> str:
+    """Ranks as ranges, ``0-30, 92, 95-99``; past ``most`` ranges, how many more."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:most])
+    return text + (f" and {sum(b - a + 1 for a, b in runs[most:])} more" if len(runs) > most else "")
+
+
+def _silence_report(dead: list[tuple[tuple[str, int], _Member]], now: float) -> str:
+    """Who stopped heartbeating: each by name when few, else the servers by name and the workers as rank ranges (a
+    thousand names in one line would say less)."""
+    if len(dead) <= 8:
+        return "; ".join(f"{m.name} stopped heartbeating {now - m.last_seen:.1f}s ago" for _, m in dead)
+    parts = [f"{m.name} stopped heartbeating {now - m.last_seen:.1f}s ago" for (role, _), m in dead
+             if role == "server"]
+    workers = [(rank, m) for (role, rank), m in dead if role == "worker"]
+    if workers:
+        quiet = [now - m.last_seen for _, m in workers]
+        parts.append(f"{len(workers)} workers ({_ranges([r for r, _ in workers])}) stopped heartbeating "
+                     f"{min(quiet):.1f}-{max(quiet):.1f}s ago")
+    return "; ".join(parts)
 
 
 class Scheduler(Restarts):
@@ -147,22 +178,26 @@ class Scheduler(Restarts):
         deadline = time.monotonic() + self.start_timeout
         try:
             while not self._stop.is_set() and self.exit_code is None:
+                caught_up = True
                 if self._chan.poll(0.1):
-                    for _ in range(256):
+                    for _ in range(4096):
                         msg = self._chan.recv()
                         if msg is None:
                             break
                         self._handle(*msg)
+                    else:
+                        caught_up = False  # more waiting: read on before judging anyone silent
                 now = time.monotonic()
                 if not self._formed:
                     self._report_forming(now)
                 if not self._formed and now > deadline:
                     self._fail_start()
-                for (ident, r), message in self._barriers.expire(now, set(self.workers)):
+                for (ident, r), message in self._barriers.expire(now, self.workers.keys()):
                     self._error(ident, r, "barrier_timeout", message)
                 while self._news and self._news[0][0] <= now:
                     self._news.pop(0)[1]()
-                self._watch(now)
+                if caught_up:  # a heartbeat still queued here is no silence (a starved scheduler reads late)
+                    self._watch(now)
                 if self._claims:
                     self._place_claims(now)
                 if self.elastic:
@@ -188,7 +223,9 @@ class Scheduler(Restarts):
             rid = getattr(exc, "request_id", None)
             self._error(identity, rid if rid is not None else 0, "protocol", str(exc))
             return
-        if isinstance(req, wire.Heartbeat):
+        if isinstance(req, wire.Beats):
+            self._beats(identity, req, frames[0])
+        elif isinstance(req, wire.Heartbeat):
             self._heartbeat(identity, req, frames[0])
         elif isinstance(req, wire.TableQuery):
             self._send_table(identity, req.id, -1)
@@ -276,7 +313,7 @@ class Scheduler(Restarts):
         self._release_barriers()
 
     def _release_barriers(self) -> None:
-        for ident, r in self._barriers.release(set(self.workers)):
+        for ident, r in self._barriers.release(self.workers.keys()):
             self._send(ident, wire.encode_ok(r))
 
     def _finish(self, identity: bytes, req: wire.Done) -> None:
@@ -336,6 +373,30 @@ class Scheduler(Restarts):
             self._server_epochs[req.rank] = req.epoch
             self._admit_joins()
 
+    def _beats(self, identity: bytes, req: wire.Beats, frame: Any) -> None:
+        """The heartbeat of a process's workers, all in one message."""
+        now = time.monotonic()
+        strangers = []
+        address = None
+        for rank in req.ranks:
+            member = self._members.get(("worker", rank))
+            if member is None:
+                if rank not in self._done:  # the last beat of a worker that said done needs no answer
+                    strangers.append(rank)
+                continue
+            if member.identity != identity:
+                # Notices go to the heartbeat's socket from now on, and the member is named by its address.
+                if address is None:
+                    address = transport.peer_address(frame) or "local"
+                member.identity = identity
+                member.name = f"worker {rank} ({address}, pid {req.pid})"
+            member.last_seen = now
+        self._send(identity, wire.encode_ok(req.id))
+        if strangers:
+            self._send(identity, wire.encode_not_members(req.id, strangers, (
+                f"worker{'s' if len(strangers) > 1 else ''} {_ranges(strangers)} "
+                f"{'are' if len(strangers) > 1 else 'is'} not a member of the job")))
+
     def _watch(self, now: float) -> None:
         if self.exit_code is not None:
             return
@@ -361,16 +422,15 @@ class Scheduler(Restarts):
         elif dead:
             for peer, _ in dead:
                 del self._members[peer]
-            self._abort("; ".join(f"{m.name} stopped heartbeating {now - m.last_seen:.1f}s ago" for _, m in dead)
-                        + "; the job cannot go on")
+            self._abort(_silence_report(dead, now) + "; the job cannot go on")
         elif self._emptied_at is not None and not self.workers and now - self._emptied_at > self.start_timeout:
             self._abort(f"every worker of the elastic job died and none joined within {self.start_timeout:g}s")
 
     def _abort(self, message: str) -> None:
         """End the job: every process still in it hears why, and the scheduler exits non-zero."""
         log.error(message)
-        for m in self._members.values():
-            self._send(m.identity, wire.encode_abort("peer_failed", message))
+        for ident in {m.identity: None for m in self._members.values()}:  # once per socket, in order
+            self._send(ident, wire.encode_abort("peer_failed", message))
         for ident, r in self._barriers.clear():
             self._error(ident, r, "peer_failed", message)
         self._refuse_claims(message)

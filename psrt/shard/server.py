@@ -228,8 +228,9 @@ class Server(Recovery):
                 self._reply(identity, wire.encode_saved(req.id, str(self.checkpoint())))
             else:
                 self._reply(identity, wire.encode_stats(req.id, self.stats()))
-        except RequestRefused as exc:  # an operator's refused checkpoint request is no error of the shard's traffic
-            self._error(identity, req.id, exc.code, str(exc), counted=not isinstance(req, wire.CheckpointRequest))
+        except RequestRefused as exc:  # an operator's refused checkpoint, a lane not offered: no error of the traffic
+            self._error(identity, req.id, exc.code, str(exc),
+                        counted=not isinstance(req, (wire.CheckpointRequest, wire.LaneOpenRequest)))
         except ConfigError as exc:
             self._error(identity, req.id, "config", str(exc))
         except checkpoint.CheckpointError as exc:

@@ -14,9 +14,13 @@ Then a push copies each gradient into the segment once and the shard's kernels r
 pull names where the parameters are to go, the shard writes them there, and the worker copies them into the
 caller's arrays. The worker allocates the areas (:class:`Lane`, a bump allocator that starts over whenever
 nothing is in flight, which in a training loop is once per step); a call that does not fit goes over sockets and
-the next segment is sized for it. A shard keeps at most :data:`MAX_LANES` segments (least recently used ones
-go); a request naming a segment the shard no longer has is refused with a ``lane_*`` code and the worker sends
-it again over sockets, so losing a lane never loses a call. ``PSRT_SHM=0`` (``ClientConfig.shm``,
+the next segment is sized for it. A shard keeps at most :data:`MAX_LANES` segments: past that, a new one takes
+the place of the least recently used only if it has been idle for :data:`LANE_IDLE_S` (its worker is likely
+gone); else the new worker is refused (``lane_full``) and stays on sockets. Evicting busy lanes instead would
+make a thousand workers of one host take each other's lanes in turn, every request a refusal and a resend. A
+request naming a segment the shard no longer has is refused with a ``lane_*`` code and the worker sends it
+again over sockets, so losing a lane never loses a call. A refused ``lane_open`` is an answer, not a shard
+error. ``PSRT_SHM=0`` (``ClientConfig.shm``,
 ``ServerConfig.shm``) turns lanes off on either side.
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
@@ -38,7 +43,7 @@ from psrt.transport import ZERO_COPY_BYTES
 if TYPE_CHECKING:
     from psrt.partition import Chunk
 
-__all__ = ["MAX_LANES", "MAX_LANE_BYTES", "LANE_CODES", "Lane", "LaneUse", "WorkerLanes",
+__all__ = ["MAX_LANES", "LANE_IDLE_S", "MAX_LANE_BYTES", "LANE_CODES", "Lane", "LaneUse", "WorkerLanes",
            "ShardLanes", "ShardLane", "call_bytes"]
 
 log = logging.getLogger("psrt.lanes")
@@ -48,6 +53,8 @@ Ask = Callable[[Callable[[int], list[Any]]], Any]
 
 #: Segments one shard keeps at most.
 MAX_LANES = 64
+#: Seconds a shard's least recently used lane must have been idle for a new worker's lane to take its place.
+LANE_IDLE_S = 30.0
 #: The largest segment a shard creates.
 MAX_LANE_BYTES = 1 << 36
 #: Error codes a shard refuses a lane request with; the worker then sends the request again over sockets.
@@ -243,7 +250,8 @@ class ShardLanes:
     def __init__(self, endpoint: str, enabled: bool) -> None:
         self._tag = shm.endpoint_tag(endpoint)
         self._beacon: Optional[shm.Beacon] = None
-        self._segments: OrderedDict[int, shm.Segment] = OrderedDict()
+        self._segments: OrderedDict[int, shm.Segment] = OrderedDict()  # least recently used first
+        self._used: dict[int, float] = {}  # generation -> when a request last used it
         self._by_worker: dict[tuple[int, int], int] = {}
         self._generation = 0
         self._arena: Optional[Arena] = None  # sync mode: parameters workers of this host copy themselves
@@ -277,7 +285,7 @@ class ShardLanes:
         ------
         RequestRefused
             ``lane_off`` (no lanes here), ``lane_token`` (the worker is on another host), ``lane_size`` or
-            ``lane_space`` (/dev/shm cannot hold it).
+            ``lane_space`` (/dev/shm cannot hold it), ``lane_full`` (:data:`MAX_LANES` lanes in use).
         """
         if self._beacon is None:
             raise RequestRefused("lane_off", "this shard serves no shared memory (PSRT_SHM=0 or no /dev/shm)")
@@ -286,6 +294,12 @@ class ShardLanes:
         if not shm.HEADER_BYTES < req.size <= MAX_LANE_BYTES:
             raise RequestRefused("lane_size", f"a segment holds more than {shm.HEADER_BYTES} and at most "
                                               f"{MAX_LANE_BYTES} bytes, not {req.size}")
+        now = time.monotonic()
+        if (req.worker, req.session) not in self._by_worker and len(self._segments) >= MAX_LANES:
+            oldest = next(iter(self._segments))
+            if now - self._used.get(oldest, 0.0) < LANE_IDLE_S:
+                raise RequestRefused("lane_full", f"this shard serves {MAX_LANES} shared-memory lanes in use: this "
+                                                  "worker's tensors go over the socket")
         generation = self._new_generation()
         name = str(shm.SegmentName.own(self._tag, shm.SegmentName.LANE, generation))
         try:
@@ -298,7 +312,8 @@ class ShardLanes:
             self._drop(old)
         self._by_worker[(req.worker, req.session)] = generation
         self._segments[generation] = segment
-        while len(self._segments) > MAX_LANES:  # least recently used first
+        self._used[generation] = now
+        while len(self._segments) > MAX_LANES:  # least recently used first (idle, as checked above)
             self._drop(next(iter(self._segments)))
         return wire.encode_lane(req.id, name, generation, req.size)
 
@@ -319,6 +334,7 @@ class ShardLanes:
     def _drop(self, generation: int) -> None:
         # Requests still holding views keep the mapping alive; only the name goes, and later requests are refused.
         segment = self._segments.pop(generation, None)
+        self._used.pop(generation, None)
         if segment is not None:
             segment.unlink()
 
@@ -341,6 +357,7 @@ class ShardLanes:
             raise RequestRefused("lane_stale", f"no shared-memory segment of generation {ref.generation} here "
                                                "(a stale or unknown lane): send the tensors over the socket")
         self._segments.move_to_end(ref.generation)
+        self._used[ref.generation] = time.monotonic()
         if isinstance(req, wire.PushRequest):
             buffers = []
             for meta, offset in zip(req.tensors, ref.inputs):

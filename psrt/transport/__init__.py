@@ -15,6 +15,9 @@ known ZeroMQ pitfalls of a parameter server:
   ``zmq.MessageTracker``.
 - ``MAXMSGSIZE`` from the decode limits: a peer sending a frame no valid message can hold is disconnected
   before the frame is buffered whole.
+- One context for every client of a process (:func:`acquire_context`), as ZeroMQ advises: a process hosting
+  hundreds of workers (``psrt worker --clients N``) then runs one I/O thread for them, not two threads each, and
+  ``MAX_SOCKETS`` is raised to what the process's file limit allows (each client holds a few sockets per shard).
 - CURVE, when a process has keys (:mod:`psrt.control.security`): serving sockets are CURVE servers with a ZAP domain
   and ``ZAP_ENFORCE_DOMAIN`` (CURVE fails open without a ZAP handler; with it, a missing handler fails
   closed), and their context runs a ZAP handler that accepts only the job's client key. Connecting sockets
@@ -24,7 +27,10 @@ known ZeroMQ pitfalls of a parameter server:
 
 from __future__ import annotations
 
+import os
+import resource
 import struct
+import threading
 from typing import Any, Optional, Sequence
 
 import zmq
@@ -34,8 +40,9 @@ from psrt.errors import AuthenticationError, BindError, ConnectionLostError, Pro
 from psrt.transport import curve
 from psrt.transport.curve import ZAP_DOMAIN, JobKeys, create_certificates, read_certificate
 
-__all__ = ["ZERO_COPY_BYTES", "ZAP_DOMAIN", "new_context", "RouterChannel", "DealerChannel", "Poller", "monitor_event",
-           "SendDropped", "peer_address", "create_certificates", "read_certificate"]
+__all__ = ["ZERO_COPY_BYTES", "ZAP_DOMAIN", "new_context", "acquire_context", "release_context", "RouterChannel",
+           "DealerChannel", "Poller", "monitor_event", "SendDropped", "peer_address", "create_certificates",
+           "read_certificate"]
 
 #: Below this many bytes a copy costs less than avoiding it: smaller frames are copied into ZeroMQ's messages
 #: (pyzmq copies them anyway), and a call moving fewer bytes to a shard stays on the sockets instead of taking a
@@ -100,6 +107,45 @@ class SendDropped(Exception):
 def new_context() -> zmq.Context:
     """A fresh ZeroMQ context (its I/O thread starts here, never at import)."""
     return curve.Context()
+
+
+_shared_lock = threading.Lock()
+_shared: Optional[tuple[int, zmq.Context]] = None  # (the pid that made it, the context)
+_shared_users = 0
+
+
+def acquire_context() -> zmq.Context:
+    """The context the clients of this process share: made by the first (never at import), with one I/O thread
+    per two cores (up to four) and ``MAX_SOCKETS`` raised to the process's open-file limit; each
+    :func:`acquire_context` is paired with a :func:`release_context`, and the last one terminates it.
+
+    A child made by ``fork`` does not inherit it: it makes its own (a context does not survive a fork).
+    """
+    global _shared, _shared_users
+    with _shared_lock:
+        if _shared is None or _shared[0] != os.getpid():
+            context = new_context()
+            context.set(zmq.IO_THREADS, min(4, max(1, (os.cpu_count() or 1) // 2)))
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            limit = context.get(zmq.SOCKET_LIMIT)
+            context.set(zmq.MAX_SOCKETS, max(1023, limit if soft == resource.RLIM_INFINITY else min(limit, soft)))
+            _shared, _shared_users = (os.getpid(), context), 0
+        _shared_users += 1
+        return _shared[1]
+
+
+def release_context(context: zmq.Context) -> None:
+    """Give back a context from :func:`acquire_context`; the last user's release terminates it (its sockets must be
+    closed by then, else this waits for them)."""
+    global _shared, _shared_users
+    with _shared_lock:
+        if _shared is None or _shared[1] is not context:
+            return  # made before a fork, or released already
+        _shared_users -= 1
+        if _shared_users > 0:
+            return
+        _shared = None
+    context.term()
 
 
 def _max_frame(sock: zmq.Socket, max_frame: Optional[int]) -> None:

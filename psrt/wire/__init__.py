@@ -52,6 +52,7 @@ request         fields                                                   reply
 ``failed``      ``rank, message``: the worker's program raised            ``ok``
 ``table``       (none)                                                   ``table`` (rank -1)
 ``heartbeat``   ``role, rank, pid, epoch``: every heartbeat interval      ``ok``
+``beats``       ``ranks, pid``: a process's workers, every interval      ``ok`` (and ``not_members``)
 ==============  =======================================================  =====================================
 
 Replies: ``table {rank, num_servers, num_workers, mode, servers, elastic}``, ``forming {servers, num_servers,
@@ -60,6 +61,7 @@ servers when every worker is done, ``abort {code, message}`` to every process wh
 names the dead peer), and, in an elastic job, ``members {epoch, workers}`` to the servers whenever the workers
 change; in a fixed job, ``finished {workers}`` to the servers when workers said ``done`` while others go on;
 ``moved {shard, endpoint}`` to the workers when a shard restarted from its checkpoint on another endpoint.
+A ``beats`` naming ranks the scheduler does not count is also answered ``not_members {workers, message}``.
 """
 
 from psrt.wire.codec import (
@@ -75,8 +77,10 @@ from psrt.wire.codec import (
 )
 from psrt.wire.control import (
     CONTROL_LIMITS,
+    MAX_BEAT_RANKS,
     Abort,
     Barrier,
+    Beats,
     ControlError,
     ControlReply,
     ControlRequest,
@@ -87,6 +91,7 @@ from psrt.wire.control import (
     Heartbeat,
     Members,
     Moved,
+    NotMembers,
     Ok,
     Register,
     Shutdown,
@@ -96,6 +101,7 @@ from psrt.wire.control import (
     decode_control_request,
     encode_abort,
     encode_barrier,
+    encode_beats,
     encode_control_error,
     encode_done,
     encode_failed,
@@ -104,6 +110,7 @@ from psrt.wire.control import (
     encode_heartbeat,
     encode_members,
     encode_moved,
+    encode_not_members,
     encode_ok,
     encode_register,
     encode_shutdown,
@@ -189,5 +196,5 @@ __all__ = [
     "encode_lane_open", "encode_beacon", "encode_lane", "LaneCloseRequest", "ClosedReply", "encode_lane_close",
     "encode_closed",
     "encode_control_error", "encode_shutdown", "encode_abort", "encode_heartbeat", "encode_members",
-    "Moved", "encode_moved",
+    "Moved", "encode_moved", "Beats", "MAX_BEAT_RANKS", "encode_beats", "NotMembers", "encode_not_members",
 ]

@@ -22,6 +22,8 @@ __all__ = [
     "Failed",
     "TableQuery",
     "Heartbeat",
+    "Beats",
+    "MAX_BEAT_RANKS",
     "ControlRequest",
     "Table",
     "Ok",
@@ -32,6 +34,7 @@ __all__ = [
     "Moved",
     "Finished",
     "Forming",
+    "NotMembers",
     "ControlReply",
     "decode_control_request",
     "decode_control_reply",
@@ -41,6 +44,7 @@ __all__ = [
     "encode_failed",
     "encode_table_query",
     "encode_heartbeat",
+    "encode_beats",
     "encode_table",
     "encode_ok",
     "encode_control_error",
@@ -50,6 +54,7 @@ __all__ = [
     "encode_moved",
     "encode_finished",
     "encode_forming",
+    "encode_not_members",
 ]
 
 #: Control messages are small: tighter limits than the data plane's.
@@ -61,6 +66,9 @@ REGISTERING_ROLES = tuple(role for role in PROCESS_ROLES if role != "scheduler")
 _MAX_ENDPOINT = 1024
 _MAX_BARRIER_NAME = 256
 _MAX_MESSAGE = 1 << 12
+#: Worker ranks one ``beats`` message may carry (a process with more sends several): 4096 ranks of up to nine
+#: msgpack bytes each stay well inside :data:`CONTROL_LIMITS`.
+MAX_BEAT_RANKS = 1 << 12
 
 _REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "register": frozenset({"v", "op", "id", "role", "endpoint", "host", "rank", "restorable", "restore"}),
@@ -69,6 +77,7 @@ _REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "failed": frozenset({"v", "op", "id", "rank", "message"}),
     "table": frozenset({"v", "op", "id"}),
     "heartbeat": frozenset({"v", "op", "id", "role", "rank", "pid", "epoch"}),
+    "beats": frozenset({"v", "op", "id", "ranks", "pid"}),
 }
 _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "table": frozenset({"v", "op", "id", "rank", "num_servers", "num_workers", "mode", "servers", "elastic",
@@ -81,6 +90,7 @@ _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "moved": frozenset({"v", "op", "id", "shard", "endpoint"}),
     "finished": frozenset({"v", "op", "id", "workers"}),
     "forming": frozenset({"v", "op", "id", "servers", "num_servers", "workers", "num_workers"}),
+    "not_members": frozenset({"v", "op", "id", "workers", "message"}),
 }
 
 
@@ -156,7 +166,19 @@ class Heartbeat:
     op: ClassVar[str] = "heartbeat"
 
 
-ControlRequest = Union[Register, Barrier, Done, Failed, TableQuery, Heartbeat]
+@dataclass(frozen=True)
+class Beats:
+    """``beats``: the workers ``ranks`` of one process are alive, in one message (a process hosting many workers,
+    ``psrt worker --clients N``, beats once per interval for all of them); answered with ``ok``, and with
+    :class:`NotMembers` for ranks the scheduler does not count."""
+
+    id: int
+    ranks: tuple[int, ...]
+    pid: int
+    op: ClassVar[str] = "beats"
+
+
+ControlRequest = Union[Register, Barrier, Done, Failed, TableQuery, Heartbeat, Beats]
 
 
 def _rank(h: dict[str, Any]) -> int:
@@ -164,6 +186,14 @@ def _rank(h: dict[str, Any]) -> int:
     if type(value) is not int or not -1 <= value <= MAX_U63:
         raise ProtocolError("field 'rank' must be an integer >= -1 (-1: let the scheduler assign one)")
     return value
+
+
+def _ranks(h: dict[str, Any], key: str, most: int, lo: int = 0) -> tuple[int, ...]:
+    value = h[key]
+    if type(value) is not list or not lo <= len(value) <= most or any(
+            type(r) is not int or not 0 <= r <= MAX_U63 for r in value):
+        raise ProtocolError(f"field {key!r} must be a list of {lo} to {most} worker ranks")
+    return tuple(value)
 
 
 def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_LIMITS) -> ControlRequest:
@@ -203,6 +233,8 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
         if op == "heartbeat":
             return Heartbeat(rid, string(h, "role", allowed=REGISTERING_ROLES), _rank(h), uint(h, "pid", 1 << 32),
                              uint(h, "epoch"))
+        if op == "beats":
+            return Beats(rid, _ranks(h, "ranks", MAX_BEAT_RANKS, lo=1), uint(h, "pid", 1 << 32))
         return TableQuery(rid)
     except ProtocolError as exc:
         exc.request_id = request_id  # type: ignore[attr-defined]
@@ -239,6 +271,11 @@ def encode_table_query(rid: int) -> list[Any]:
 def encode_heartbeat(rid: int, role: str, rank: int, pid: int, epoch: int = 0) -> list[Any]:
     """Frames of a ``heartbeat`` request."""
     return encode({"op": "heartbeat", "id": rid, "role": role, "rank": rank, "pid": pid, "epoch": epoch})
+
+
+def encode_beats(rid: int, ranks: Sequence[int], pid: int) -> list[Any]:
+    """Frames of a ``beats`` request (at most :data:`MAX_BEAT_RANKS` ranks)."""
+    return encode({"op": "beats", "id": rid, "ranks": list(ranks), "pid": pid})
 
 
 # ---------------------------------------------------------------------------------------------- replies
@@ -346,7 +383,18 @@ class Forming:
     op: ClassVar[str] = "forming"
 
 
-ControlReply = Union[Table, Ok, ControlError, Shutdown, Abort, Members, Moved, Finished, Forming]
+@dataclass(frozen=True)
+class NotMembers:
+    """``not_members``: the reply to a ``beats`` naming ranks the scheduler does not count in the job (they left an
+    elastic job, or never joined); ``message`` says why. The process's other workers are unaffected."""
+
+    id: int
+    workers: tuple[int, ...]
+    message: str
+    op: ClassVar[str] = "not_members"
+
+
+ControlReply = Union[Table, Ok, ControlError, Shutdown, Abort, Members, Moved, Finished, Forming, NotMembers]
 
 
 def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIMITS) -> ControlReply:
@@ -386,6 +434,8 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
         return Moved(rid, uint(h, "shard", 1 << 31), endpoint)
     if op == "forming":
         return Forming(rid, uint(h, "servers"), uint(h, "num_servers"), uint(h, "workers"), uint(h, "num_workers"))
+    if op == "not_members":
+        return NotMembers(rid, _ranks(h, "workers", MAX_BEAT_RANKS, lo=1), string(h, "message", _MAX_MESSAGE))
     if op == "error":
         return ControlError(rid, string(h, "code", 64), string(h, "message", 1 << 16))
     if op == "abort":
@@ -439,3 +489,8 @@ def encode_shutdown() -> list[Any]:
 def encode_abort(code: str, message: str) -> list[Any]:
     """Frames of the ``abort`` notice (id 0)."""
     return encode({"op": "abort", "id": 0, "code": code, "message": message})
+
+
+def encode_not_members(rid: int, workers: Sequence[int], message: str) -> list[Any]:
+    """Frames of a ``not_members`` reply."""
+    return encode({"op": "not_members", "id": rid, "workers": list(workers), "message": message[:_MAX_MESSAGE]})

@@ -97,13 +97,13 @@ class Client:
                                   "or set PSRT_SCHEDULER (or DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT)")
             check_endpoint(scheduler, what="scheduler")
             self._start_timeout = cluster.start_timeout
-            self._ctx = transport.new_context()
+            self._ctx = transport.acquire_context()
             try:
                 self._link, self._heartbeat, table = join_as_worker(
                     self._ctx, scheduler, cluster, rank if rank is not None else cluster.worker_id, num_workers,
                     warn_after=self.config.warn_after, keys=self.config.keys)
             except BaseException:
-                self._ctx.term()
+                transport.release_context(self._ctx)
                 raise
             servers, rank, num_workers = table.servers, table.rank, table.num_workers
             self._elastic = table.elastic
@@ -125,7 +125,7 @@ class Client:
         self._rank = rank
         self._num_workers = num_workers
         if self._ctx is None:
-            self._ctx = transport.new_context()
+            self._ctx = transport.acquire_context()
         # A fresh session per client: a restarted worker's sequence numbers are not mistaken for replays.
         self._session = secrets.randbits(63)
         self._clock = 0  # pushes so far (ssp: a pull at clock c waits for every worker to reach c - staleness)
@@ -447,7 +447,9 @@ class Client:
         self._calls.close()
         if self._link is not None:
             if failure is not None and self._heartbeat is not None:
-                self._heartbeat.stop()  # first: the scheduler's word ends the others, and this process goes first
+                # First: the scheduler's word ends the others, and this process goes first (its other workers, in a
+                # job that cannot go on without this one, end with it).
+                self._heartbeat.stop(failure=None if self._elastic else failure)
             try:
                 self._link.done() if failure is None else self._link.failed(failure)
             except PsrtError:
@@ -455,8 +457,9 @@ class Client:
             if self._heartbeat is not None:
                 self._heartbeat.stop()  # after done: until then the scheduler still expects heartbeats
             self._link.close()
-        if self._heartbeat is None or not self._heartbeat.alive:  # a heartbeat thread frozen by interpreter
-            self._ctx.term()  # shutdown holds its socket, and term() would wait for it forever
+        # The last client of the process terminates the shared context; the heartbeat's socket has a context of
+        # its own (psrt.control.link), so this never waits for it.
+        transport.release_context(self._ctx)
 
     def __enter__(self) -> Client:
         return self
