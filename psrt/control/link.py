@@ -57,6 +57,19 @@ def _recv(channel: transport.DealerChannel, endpoint: str) -> wire.ControlReply:
         raise ProtocolError(f"the scheduler at {endpoint} sent a malformed message: {exc}") from None
 
 
+#: When each kind of wait last warned in this process: a process of hundreds of workers that all wait for the same
+#: thing (the job to form, a barrier) logs it once, not once per worker.
+_warned: dict[str, float] = {}
+
+
+def _first_word(wait: str, now: float, within: float) -> bool:
+    """Whether a warning about ``wait`` is news: none was logged in this process for ``within`` seconds."""
+    if now - _warned.get(wait, -within) < within:
+        return False
+    _warned[wait] = now  # a race between two threads costs at most one line more
+    return True
+
+
 def _silent(endpoint: str, seconds: float) -> PeerFailedError:
     return PeerFailedError(f"the scheduler at {endpoint} stopped answering heartbeats {seconds:.1f}s ago: it died, "
                            "or this process is cut off from it; this process cannot go on in the job",
@@ -121,7 +134,10 @@ class SchedulerLink:
             now = time.monotonic()
             if warn_at is not None and now >= warn_at:
                 warn_at = None  # once per request: one line says it all
-                if forming is not None:
+                # Said once per process: its other workers (psrt worker --clients N) wait for the same thing.
+                if not _first_word(f"{op} {self.endpoint}", now, self.warn_after):
+                    pass
+                elif forming is not None:
                     log.warning("job forming: %d of %d servers and %d of %d workers registered with the scheduler "
                                 "at %s after %.0fs; waiting for the rest (start deadline %gs)", forming.servers,
                                 forming.num_servers, forming.workers, forming.num_workers, self.endpoint,

@@ -258,8 +258,9 @@ class Scheduler(Restarts):
         if refused is not None:
             self._error(identity, req.id, *refused)
             return
-        log.info("registered %s %s (%d/%d servers, %d/%d workers)", role, req.endpoint or req.host,
-                 *self._forming.counts())
+        # Each at debug level (a thousand workers make a thousand lines); the progress is logged every few seconds.
+        log.debug("registered %s %s (%d/%d servers, %d/%d workers)", role, req.endpoint or req.host,
+                  *self._forming.counts())
         if self._forming.complete:
             self._form()
         else:  # taken at once: the process waits knowing the job is forming, not wondering whether anyone listens
