@@ -148,6 +148,12 @@ class Pipeline:
             # Wakes on the first reply of any call in flight (short slices: a client closed meanwhile is noticed).
             handle._calls.progress(handle, min(remaining, 0.25))
 
+    def ready(self, s: Slot) -> bool:
+        """Whether ``s``'s new value is in (:meth:`wait_for` would not block), after taking in the replies that
+        are there."""
+        self.pump()
+        return s.state == IDLE or (s.state == PULLING and _finished(s.pull))  # type: ignore[arg-type]
+
     def wait_for(self, s: Slot) -> None:
         """Block until ``s``'s new value is in its array, sending queued pushes as credit frees."""
         while s.state != IDLE:
