@@ -322,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     wk = sub.add_parser("worker", help="a synthetic load-test worker reporting its steps/s", description=(
         "A synthetic load-test worker: each step it computes for --compute-ms, then push_pulls a gradient of the "
-        "model's shape. It prints one psrt-worker-result JSON line with its steps/s."))
+        "model's shape (with --overlap: each tensor pushed from an emulated backward, its parameters awaited in the "
+        "next forward). It prints one psrt-worker-result JSON line with its steps/s."))
     wk.add_argument("--model", required=True,
                     help="model size (e.g. 4MB, 100MiB) or a shipped network: resnet50, vgg16, bert-base")
     wk.add_argument("--compute-ms", type=float, default=0.0, help="emulated compute per step (default 0)")

@@ -166,11 +166,10 @@ class _Loop:
         backward = compute_s - forward
         due = time.perf_counter()  # when the compute so far is done
         for s in pipe.slots:
-            if pipe.ready(s):
-                pipe.wait_for(s)  # at once
-            else:
-                pipe.wait_for(s)
-                due = max(due, time.perf_counter())  # the compute waited for these parameters
+            blocked = not pipe.ready(s)
+            pipe.wait_for(s)
+            if blocked:  # the compute waited for these parameters: it goes on from now
+                due = max(due, time.perf_counter())
             due = self._compute(due, forward * self.shares[s.index], pipe, scratch)
         for s in reversed(pipe.slots):
             due = self._compute(due, backward * self.shares[s.index], pipe, scratch)
@@ -189,11 +188,13 @@ class _Loop:
         _busy(seconds, scratch)
         return time.perf_counter()
 
-    def _run_step(self, client: psrt.Client, pipe: Optional[Pipeline], scratch: np.ndarray) -> dict[str, np.ndarray]:
+    def _run_step(self, client: psrt.Client, pipe: Optional[Pipeline],
+                  scratch: np.ndarray) -> Optional[dict[str, np.ndarray]]:
+        """One step: the parameters it pulled, or None when overlapped (they land in the pipeline's arrays)."""
         if pipe is None:
             return self._step(client, scratch)
         self._overlapped_step(pipe, scratch)
-        return {}
+        return None
 
     def run(self, servers: Optional[Sequence[str]], rank: Optional[int], num_workers: Optional[int]) -> dict[str, Any]:
         """One worker, start to end: its result, printed."""
