@@ -28,6 +28,16 @@ Usage (root: namespaces, veth, tc)::
     python bench/overlap.py --loopback       # no root, no shaping: communication is then far below compute
 
 Needs torch: ``pip install -e ".[bench,torch]"``.
+
+``--loadgen`` measures the load generator's overlap instead (``psrt worker --overlap``, no torch needed): the same
+two hosts, a sized model split into ``--layers`` tensors, ``--compute-ms`` of emulated (sleeping) compute, and the
+link calibrated the same way, so that one ``push_pull`` of the model takes about the compute time. It times, as the
+median of ``--rounds`` turns, a ``psrt worker`` of each kind: ``comm`` (``--compute-ms 0``: push_pull alone),
+``serial`` (compute, then push_pull) and ``overlap`` (``--overlap``), and prints the overlapped step against
+``max(compute, comm)`` (target: <= 1.25x) and against ``compute + comm``::
+
+    python bench/overlap.py --loadgen                       # 2MB in 16 layers, 100 ms of compute
+    python bench/overlap.py --loadgen --loopback            # unshaped: communication far below compute
 """
 
 from __future__ import annotations
@@ -41,6 +51,8 @@ from typing import Any, Optional
 
 import psrt
 from psrt.control.process import SERVER_READY, Child, parse_results, psrt_command, result_line
+from psrt.emulation.models import model_bytes as tensors_bytes
+from psrt.emulation.models import model_tensors
 from psrt.emulation.netns import VirtualCluster, check_available
 
 try:  # optional: `--help` works without it, and main() says what to install
@@ -51,6 +63,8 @@ except ImportError:
     torch = None
 
 TARGET = 0.8
+#: The load generator's overlapped step, at most this many times max(compute, comm).
+LOADGEN_TARGET = 1.25
 
 
 def make_model(depth: int, width: int) -> Any:  # a torch.nn.Module
@@ -183,6 +197,71 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
+def run_loadgen(args: argparse.Namespace) -> dict[str, Any]:
+    """The load generator's steps, serial and overlapped, on the calibrated link (module docstring)."""
+    nbytes = tensors_bytes(model_tensors(args.model, layers=args.layers))
+    link = args.link
+    if link is None and not args.loopback:
+        link = f"{int(2 * nbytes * 8 / (args.compute_ms / 1e3) / 1e6)}mbit"  # push + pull of the model ~ compute
+    vc: Optional[VirtualCluster] = None
+    procs: list[Child] = []
+    times: dict[str, list[float]] = {"comm": [], "serial": [], "overlap": []}
+    try:
+        if not args.loopback:
+            check_available()
+            vc = VirtualCluster(["server", "worker"], link=link)
+        host = vc.address("server") if vc else "127.0.0.1"
+        cmd = psrt_command("server", "--bind", f"tcp://{host}:*", "--workers", "1", "--mode", "sync")
+        server = vc.spawn("server", cmd, ready=SERVER_READY) if vc else Child(cmd, ready=SERVER_READY, label="server")
+        procs.append(server)
+        endpoint = server.wait_ready(30).group(1)
+
+        def step_ms(compute_ms: float, overlap: bool) -> float:
+            wcmd = psrt_command("worker", "--servers", endpoint, "--rank", "0", "--workers", "1", "--model",
+                                args.model, "--layers", str(args.layers), "--compute-ms", str(compute_ms),
+                                "--steps", str(args.steps), "--warmup", "2", *(["--overlap"] if overlap else []))
+            w = vc.spawn("worker", wcmd, label="worker") if vc else Child(wcmd, label="worker")
+            out = w.communicate(timeout=300)
+            if w.returncode != 0:
+                raise RuntimeError(f"the worker failed ({w.returncode}):\n{out[-3000:]}")
+            (result,) = parse_results(out)
+            return 1e3 * result["seconds"] / result["steps"]
+
+        for _ in range(args.rounds):  # turns: a change in the machine's load touches all three alike
+            times["comm"].append(step_ms(0, False))
+            times["serial"].append(step_ms(args.compute_ms, False))
+            times["overlap"].append(step_ms(args.compute_ms, True))
+    finally:
+        for p in procs:
+            p.stop()
+        if vc is not None:
+            vc.close()
+    record: dict[str, Any] = {f"{k}_ms": statistics.median(v) for k, v in times.items()}
+    record.update(link=link or "loopback", model=args.model, layers=args.layers, model_bytes=nbytes,
+                  compute_ms=args.compute_ms)
+    record["overlap_vs_max"] = record["overlap_ms"] / max(args.compute_ms, record["comm_ms"])
+    record["overlap_vs_sum"] = record["overlap_ms"] / (args.compute_ms + record["comm_ms"])
+    record["serial_vs_sum"] = record["serial_ms"] / (args.compute_ms + record["comm_ms"])
+    record["pass"] = bool(record["overlap_vs_max"] <= LOADGEN_TARGET)
+    return record
+
+
+def main_loadgen(args: argparse.Namespace) -> int:
+    r = run_loadgen(args)
+    print(f"link {r['link']}, model {r['model']} ({r['model_bytes'] / 1e6:.2f} MB) in {r['layers']} tensors, "
+          f"compute {r['compute_ms']:g} ms (sleep)")
+    print(f"communication (push_pull)     {r['comm_ms']:7.1f} ms")
+    print(f"serial step                   {r['serial_ms']:7.1f} ms  ({r['serial_vs_sum']:.2f} x compute + comm)")
+    print(f"overlapped step (--overlap)   {r['overlap_ms']:7.1f} ms  ({r['overlap_vs_max']:.2f} x max(compute, comm), "
+          f"{r['overlap_vs_sum']:.2f} x compute + comm)")
+    print(f"{'PASS' if r['pass'] else 'MISS'}: overlapped step {r['overlap_vs_max']:.2f} x max(compute, comm), "
+          f"target <= {LOADGEN_TARGET}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0 if r["pass"] else 1
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--role", default="main", choices=["main", "worker"], help=argparse.SUPPRESS)
@@ -196,7 +275,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--link", help="link rate, e.g. 300mbit (default: calibrated so comm ~ compute)")
     parser.add_argument("--loopback", action="store_true", help="no namespaces or shaping (no root needed)")
     parser.add_argument("--json", metavar="PATH", help="write the result record here")
+    parser.add_argument("--loadgen", action="store_true",
+                        help="measure psrt worker --overlap instead of psrt.torch (no torch needed)")
+    parser.add_argument("--model", default="2MB", help="--loadgen: model size (default %(default)s)")
+    parser.add_argument("--layers", type=int, default=16, help="--loadgen: tensors (default %(default)s)")
+    parser.add_argument("--compute-ms", type=float, default=100.0,
+                        help="--loadgen: emulated compute per step (default %(default)s)")
     args = parser.parse_args(argv)
+    if args.loadgen:
+        return main_loadgen(args)
     if torch is None:
         print('overlap: needs PyTorch: pip install -e ".[bench,torch]"', file=sys.stderr)
         return 2

@@ -95,7 +95,8 @@ def _worker(args: argparse.Namespace) -> int:
     servers = args.servers.split(",") if args.servers else None
     clients = args.clients if args.clients is not None else ClusterConfig.from_env().clients
     run_worker(args.model, args.compute_ms, args.steps, warmup=args.warmup, compute=args.compute, servers=servers,
-               rank=args.rank, num_workers=args.workers, lr=args.lr, clients=clients)
+               rank=args.rank, num_workers=args.workers, lr=args.lr, clients=clients, overlap=args.overlap,
+               layers=args.layers)
     return 0
 
 
@@ -321,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     wk = sub.add_parser("worker", help="a synthetic load-test worker reporting its steps/s", description=(
         "A synthetic load-test worker: each step it computes for --compute-ms, then push_pulls a gradient of the "
-        "model's shape. It prints one psrt-worker-result JSON line with its steps/s."))
+        "model's shape (with --overlap: each tensor pushed from an emulated backward, its parameters awaited in the "
+        "next forward). It prints one psrt-worker-result JSON line with its steps/s."))
     wk.add_argument("--model", required=True,
                     help="model size (e.g. 4MB, 100MiB) or a shipped network: resnet50, vgg16, bert-base")
     wk.add_argument("--compute-ms", type=float, default=0.0, help="emulated compute per step (default 0)")
@@ -337,6 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--clients", type=_positive_int, default=None, metavar="N",
                     help="workers to run in this process, each a full peer with its own rank and result line "
                          "(default: $PSRT_CLIENTS or 1)")
+    wk.add_argument("--overlap", action="store_true",
+                    help="overlap communication with compute as a framework does: an emulated backward (2/3 of "
+                         "--compute-ms) pushes the tensors one by one, last layer first, and the next forward "
+                         "(1/3) waits for each one's parameters, first layer first")
+    wk.add_argument("--layers", type=_positive_int, default=None, metavar="N",
+                    help="split a sized model into N equal tensors, the layers --overlap pushes one by one "
+                         "(default: one tensor per 4 MiB)")
     wk.set_defaults(func=_worker)
 
     mo = sub.add_parser("model", help="predict step time and throughput with the performance model", description=(

@@ -33,13 +33,13 @@ tied weights used through another module) must call ``synchronize()`` first.
 
 The client is single-threaded: the work is driven from the hooks, ``step``, the forward pre-hooks and
 :meth:`DistributedOptimizer.synchronize`, all on the training thread; ZeroMQ's I/O thread moves the bytes in
-between. ``overlap=False`` pushes everything in one call at ``step()`` and waits for all of it: the plain,
-serial step.
+between. The scheduling itself (the queue, the window, each pull after its push) is
+:class:`psrt.worker.overlap.Pipeline`, which the load generator's ``psrt worker --overlap`` drives too.
+``overlap=False`` pushes everything in one call at ``step()`` and waits for all of it: the plain, serial step.
 """
 
 from __future__ import annotations
 
-import heapq
 from typing import Any, Iterable, Optional
 
 import numpy as np
@@ -52,38 +52,24 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 
 from psrt.errors import ConfigError, PsrtTypeError
 from psrt.optim import Optimizer
-from psrt.worker.client import Client, Handle
+from psrt.worker.client import Client
+from psrt.worker.overlap import DEFAULT_WINDOW, IDLE, Pipeline, Slot
 
 __all__ = ["DistributedOptimizer"]
 
 _DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
-# A parameter's place in a step: no work in flight, gradient queued, push in flight, pull in flight.
-_IDLE, _QUEUED, _PUSHING, _PULLING = range(4)
 
+class _Slot(Slot):
+    """One parameter: the pipeline's slot over its storage (shared memory, no copy), and its backward passes."""
 
-def _finished(handle: Handle) -> bool:
-    """Whether every reply of ``handle`` is in, without polling (the caller has just taken replies in)."""
-    return not handle._outstanding
-
-
-class _Slot:
-    """One parameter: its storage as an array, and where its gradient and pull are in the current step."""
-
-    __slots__ = ("name", "index", "param", "array", "nbytes", "passes", "state", "epoch", "grad", "push", "pull")
+    __slots__ = ("param", "passes")
 
     def __init__(self, name: str, index: int, param: torch.Tensor) -> None:
-        self.name = name
-        self.index = index  # forward order: the order the parameters were registered in the model
+        # index: forward order, the order the parameters were registered in the model
+        super().__init__(name, index, param.detach().numpy())
         self.param = param
-        self.array: np.ndarray = param.detach().numpy()  # shares the parameter's memory
-        self.nbytes = self.array.nbytes
         self.passes = 0
-        self.state = _IDLE
-        self.epoch = -1  # the step whose gradient this slot last queued
-        self.grad: Optional[np.ndarray] = None
-        self.push: Optional[Handle] = None
-        self.pull: Optional[Handle] = None
 
 
 def _check_parameter(name: Any, p: Any) -> None:
@@ -154,7 +140,7 @@ class DistributedOptimizer:
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.Tensor]], optimizer: Optional[Optimizer] = None,
                  client: Optional[Client] = None, *, backward_passes_per_step: int = 1, overlap: bool = True,
-                 overlap_forward: bool = False, window: int = 4 << 20, timeout: Optional[float] = None) -> None:
+                 overlap_forward: bool = False, window: int = DEFAULT_WINDOW, timeout: Optional[float] = None) -> None:
         self._closed = True
         self._hooks: list[Any] = []
         if type(backward_passes_per_step) is not int or backward_passes_per_step < 1:
@@ -184,7 +170,6 @@ class DistributedOptimizer:
         self._k = backward_passes_per_step
         self._overlap = overlap
         self._overlap_forward = overlap_forward
-        self._window = window
         self._timeout = timeout
         self._own_client = client is None
         self.client = Client() if client is None else client
@@ -199,11 +184,8 @@ class DistributedOptimizer:
             np.copyto(s.array, stored[s.name])  # into the parameter's own storage
         self._trainable = [s for s in self._slots if s.param.requires_grad]
         self._by_param = {id(s.param): s for s in self._trainable}
-        self._queue: list[tuple[int, int]] = []  # (forward index, slot index): first layers first
-        self._sending: list[_Slot] = []  # pushes in flight, in send order
-        self._inflight = 0  # their bytes
-        self._busy = 0  # slots not idle
-        self._epoch = 0  # steps taken
+        # Its epoch counts the steps taken; only trainable slots are ever queued.
+        self._pipe = Pipeline(self.client, self._slots, window, timeout)
         self._closed = False
         for s in self._trainable:
             self._hooks.append(s.param.register_post_accumulate_grad_hook(
@@ -227,7 +209,7 @@ class DistributedOptimizer:
         """
         self._check_open()
         if not set_to_none:
-            self._drain_pushes()
+            self._pipe.drain_pushes()
         for s in self._trainable:
             if set_to_none:
                 s.param.grad = None
@@ -251,22 +233,21 @@ class DistributedOptimizer:
             for s in self._trainable:
                 s.passes = 0
             return
-        self._finish_previous()  # a step without a backward in between: the last step's work must be done
+        pipe = self._pipe
+        pipe.finish_previous()  # a step without a backward in between: the last step's work must be done
         for s in self._trainable:
-            if s.epoch < self._epoch:  # backward did not push it: fewer passes than expected, or no gradient
-                self._enqueue(s)
+            if s.epoch < pipe.epoch:  # backward did not push it: fewer passes than expected, or no gradient
+                pipe.enqueue(s, self._gradient(s))
             s.passes = 0
-        self._epoch += 1
-        self._pump()
+        pipe.end_step()
         if not self._overlap_forward:
             for s in self._trainable:  # the pulls asked for during backward have been landing all along
-                self._wait_for(s)
+                pipe.wait_for(s)
 
     def synchronize(self) -> None:
         """Wait until every push and pull of the last step is done: the model holds the new parameters."""
         self._check_open()
-        for s in self._slots:
-            self._wait_for(s)
+        self._pipe.synchronize()
 
     def close(self) -> None:
         """Remove the hooks and close the client if this optimizer created it (pulls in flight are dropped)."""
@@ -293,22 +274,23 @@ class DistributedOptimizer:
             raise ConfigError(f"parameter {s.name!r} got a gradient {s.passes + 1} times since the last step(), "
                               f"but backward_passes_per_step={self._k}: call opt.step() after every "
                               f"{self._k} backward pass(es)")
-        if s.state != _IDLE and s.epoch < self._epoch:
-            self._finish_previous()  # the first gradient of a step while the last step's work is in flight
+        pipe = self._pipe
+        if s.state != IDLE and s.epoch < pipe.epoch:
+            pipe.finish_previous()  # the first gradient of a step while the last step's work is in flight
         s.passes += 1
         if self._overlap and s.passes == self._k:
-            self._enqueue(s)
-            self._pump()
+            pipe.enqueue(s, self._gradient(s))
+            pipe.pump()
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if not self._busy or self._closed:
+        if not self._pipe.busy or self._closed:
             return
         for p in module.parameters(recurse=False):
             s = self._by_param.get(id(p))
-            if s is not None and s.state != _IDLE:
-                self._wait_for(s)
+            if s is not None and s.state != IDLE:
+                self._pipe.wait_for(s)
 
-    # ------------------------------------------------------------------ moving the bytes
+    # ------------------------------------------------------------------ the gradients
     def _gradient(self, s: _Slot) -> np.ndarray:
         g = s.param.grad
         if g is None:
@@ -320,71 +302,6 @@ class DistributedOptimizer:
             raise PsrtTypeError(f"parameter {s.name!r} got a gradient on {g.device} of dtype {g.dtype}; expected "
                                 f"the parameter's cpu {s.param.dtype}")
         return g.detach().numpy()  # the gradient's own memory (the client copies it only if not contiguous)
-
-    def _enqueue(self, s: _Slot) -> None:
-        s.grad = self._gradient(s)
-        s.state = _QUEUED
-        s.epoch = self._epoch
-        self._busy += 1
-        heapq.heappush(self._queue, (s.index, s.index))
-
-    def _pump(self) -> None:
-        """Take in the replies that are there, turn acknowledged pushes into pulls, send queued pushes."""
-        self._poll()
-        done = [s for s in self._sending if _finished(s.push)]  # type: ignore[arg-type]
-        for s in done:
-            self._sending.remove(s)
-            self._pushed(s)
-        while self._queue and (not self._sending or self._inflight < self._window):
-            s = self._slots[heapq.heappop(self._queue)[1]]
-            s.push = self.client.push_async({s.name: s.grad})
-            s.state = _PUSHING
-            self._sending.append(s)
-            self._inflight += s.nbytes
-
-    def _poll(self) -> None:
-        """Take in every reply already queued: one poll, through any unfinished call, serves all of them."""
-        for s in self._sending:
-            if not _finished(s.push):  # type: ignore[arg-type]
-                s.push.done()  # type: ignore[union-attr]
-                return
-        for s in self._slots:
-            if s.state == _PULLING and not _finished(s.pull):  # type: ignore[arg-type]
-                s.pull.done()  # type: ignore[union-attr]
-                return
-
-    def _pushed(self, s: _Slot) -> None:
-        s.push.wait(0.0)  # type: ignore[union-attr]  # finished: raises the shard's error, if any
-        self._inflight -= s.nbytes
-        s.grad = None
-        s.push = None
-        # The ack told the client the version this push joins; the pull asks for it (sync: this round).
-        s.pull = self.client.pull_async([s.name], out={s.name: s.array})
-        s.state = _PULLING
-
-    def _wait_for(self, s: _Slot) -> None:
-        """Block until ``s``'s new value is in its storage, sending queued pushes as credit frees."""
-        while s.state != _IDLE:
-            self._pump()
-            if s.state == _PULLING:
-                s.pull.wait(self._timeout)  # type: ignore[union-attr]
-                s.pull = None
-                s.state = _IDLE
-                self._busy -= 1
-            elif s.state in (_QUEUED, _PUSHING):
-                self._sending[0].push.wait(self._timeout)  # type: ignore[union-attr]
-
-    def _drain_pushes(self) -> None:
-        while self._queue or self._sending:
-            self._pump()
-            if self._sending:
-                self._sending[0].push.wait(self._timeout)  # type: ignore[union-attr]
-
-    def _finish_previous(self) -> None:
-        """Finish the work of earlier steps (not the gradients this step has already queued)."""
-        for s in self._slots:
-            if s.state != _IDLE and s.epoch < self._epoch:
-                self._wait_for(s)
 
     def _check_open(self) -> None:
         if self._closed:

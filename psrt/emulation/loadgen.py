@@ -18,6 +18,22 @@ result line. Nothing is aggregated before the shard, which sees N peers. They re
 with all of them; their emulated compute (``sleep``) overlaps as it would on N machines, while ``--compute
 numpy`` shares this process's core. When one of them raises, its client tells the scheduler, the job ends, and
 the process exits with the first error.
+
+``overlap = True`` (``psrt worker --overlap``) emulates what a framework's step overlaps, with the pipeline
+:mod:`psrt.torch` uses (:class:`psrt.worker.overlap.Pipeline`). A step's compute is a forward pass of
+:data:`FORWARD_SHARE` (1/3) of ``compute_ms`` and a backward pass of the rest (a backward computes the gradients of
+both a layer's inputs and its weights: about twice a forward's work), and each pass is spread over the model's
+tensors in proportion to their bytes (a dense layer's work grows with its weights). Backward goes last layer first:
+after each tensor's share of backward its gradient is handed to the pipeline, which pushes it at once (at most
+:data:`~psrt.worker.overlap.DEFAULT_WINDOW` bytes in flight, the first layers' first when several wait) and asks
+for its pull the moment the push is acknowledged. The next forward goes first layer first and waits for each
+tensor's new parameters just before its share of forward: the last layers' pulls still travel while the first
+layers compute. With ``--compute sleep`` the pipeline keeps moving while the compute sleeps (as a framework's
+communication thread would, a GPU computing meanwhile); with ``--compute numpy`` it moves between the tensors'
+shares only (as :mod:`psrt.torch`'s hooks do, on the one training thread). The timed steps end once the last
+step's parameters are all in. A step then costs about max(compute, communication) instead of their sum, when the
+model has several tensors (``layers = N``, ``psrt worker --layers N``, splits a sized model into N). Each tensor is
+still pushed once a step, so a sync job takes the same rounds, to the same parameters, as without overlap.
 """
 
 from __future__ import annotations
@@ -35,8 +51,12 @@ from psrt.config import ClusterConfig
 from psrt.control.process import result_line
 from psrt.emulation.models import model_bytes, model_tensors
 from psrt.errors import ConfigError
+from psrt.worker.overlap import Pipeline, Slot
 
-__all__ = ["run_worker"]
+__all__ = ["run_worker", "FORWARD_SHARE"]
+
+#: The part of a step's compute that is the forward pass, with ``overlap``; backward takes the rest.
+FORWARD_SHARE = 1 / 3
 
 
 def _busy(seconds: float, scratch: np.ndarray) -> None:
@@ -53,7 +73,8 @@ def _cpu_seconds() -> float:
 
 def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compute: str = "sleep",
                servers: Optional[Sequence[str]] = None, rank: Optional[int] = None,
-               num_workers: Optional[int] = None, lr: float = 1e-3, clients: int = 1) -> list[dict[str, Any]]:
+               num_workers: Optional[int] = None, lr: float = 1e-3, clients: int = 1, overlap: bool = False,
+               layers: Optional[int] = None) -> list[dict[str, Any]]:
     """Run the load-test loop of ``clients`` workers; returns (and prints) each worker's result.
 
     Parameters
@@ -74,6 +95,11 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
         SGD learning rate on the shards.
     clients : int
         Workers to run in this process, each a full peer (module docstring).
+    overlap : bool
+        Push each tensor from an emulated backward and wait for each one's parameters in the next forward,
+        first layers first (module docstring); False: compute, then one ``push_pull`` of every tensor.
+    layers : int, optional
+        Split a sized model into this many tensors of equal size (default: one per 4 MiB).
 
     Raises
     ------
@@ -93,10 +119,13 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
     if servers is not None and num_workers is not None and rank + clients > num_workers:
         raise ConfigError(f"--rank {rank} and --clients {clients} need --workers >= {rank + clients}, "
                           f"got {num_workers}")
-    shapes = model_tensors(model)
+    if not isinstance(overlap, bool):
+        raise ConfigError(f"overlap must be True or False, got {overlap!r}")
+    shapes = model_tensors(model, layers=layers)
     params = {name: np.zeros(shape, np.float32) for name, shape in shapes}
     grads = {name: np.full(shape, 1e-3, np.float32) for name, shape in shapes}  # shared: read, never written
-    loop = _Loop(model, shapes, params, grads, compute_ms, steps, warmup, compute, lr, barriers=servers is None)
+    loop = _Loop(model, shapes, params, grads, compute_ms, steps, warmup, compute, lr, barriers=servers is None,
+                 overlap=overlap)
     ranks = [None if rank is None else rank + i for i in range(clients)]
     if clients == 1:
         return [loop.run(servers, ranks[0], num_workers)]
@@ -109,10 +138,14 @@ class _Loop:
 
     def __init__(self, model: str, shapes: list[tuple[str, tuple[int, ...]]], params: dict[str, np.ndarray],
                  grads: dict[str, np.ndarray], compute_ms: float, steps: int, warmup: int, compute: str, lr: float,
-                 barriers: bool) -> None:
+                 barriers: bool, overlap: bool = False) -> None:
         self.model, self.params, self.grads = model, params, grads
+        self.names = [name for name, _ in shapes]  # forward order
         self.first = shapes[0][0]
         self.nbytes = model_bytes(shapes)
+        self.overlap = overlap
+        # Each tensor's part of a pass's compute: its part of the model's bytes.
+        self.shares = [params[name].nbytes / max(1, self.nbytes) for name in self.names]
         self.compute_ms, self.steps, self.warmup, self.compute, self.lr = compute_ms, steps, warmup, compute, lr
         # With explicit shards there is no scheduler to meet at; sync rounds keep step.
         self.barriers = barriers
@@ -125,20 +158,66 @@ class _Loop:
             _busy(self.compute_ms / 1000.0, scratch)
         return client.push_pull(self.grads)
 
+    def _overlapped_step(self, pipe: Pipeline, scratch: np.ndarray) -> None:
+        """A forward that waits for each tensor's parameters just before its share, then a backward that hands
+        each tensor's gradient to the pipeline once its share is computed, last layer first."""
+        compute_s = self.compute_ms / 1000.0
+        forward = compute_s * FORWARD_SHARE
+        backward = compute_s - forward
+        due = time.perf_counter()  # when the compute so far is done
+        for s in pipe.slots:
+            blocked = not pipe.ready(s)
+            pipe.wait_for(s)
+            if blocked:  # the compute waited for these parameters: it goes on from now
+                due = max(due, time.perf_counter())
+            due = self._compute(due, forward * self.shares[s.index], pipe, scratch)
+        for s in reversed(pipe.slots):
+            due = self._compute(due, backward * self.shares[s.index], pipe, scratch)
+            pipe.enqueue(s, self.grads[s.name])
+            pipe.pump()
+        pipe.end_step()
+
+    def _compute(self, due: float, seconds: float, pipe: Pipeline, scratch: np.ndarray) -> float:
+        """``seconds`` more of compute after ``due``; returns when it is done. Sleeping, it ends on a deadline
+        (the pipeline moving meanwhile, and a late wake-up taken from the next share); NumPy work takes its
+        full time from now, whatever moving the bytes cost at the boundary."""
+        if self.compute == "sleep":
+            due += seconds
+            pipe.idle(due)
+            return due
+        _busy(seconds, scratch)
+        return time.perf_counter()
+
+    def _run_step(self, client: psrt.Client, pipe: Optional[Pipeline],
+                  scratch: np.ndarray) -> Optional[dict[str, np.ndarray]]:
+        """One step: the parameters it pulled, or None when overlapped (they land in the pipeline's arrays)."""
+        if pipe is None:
+            return self._step(client, scratch)
+        self._overlapped_step(pipe, scratch)
+        return None
+
     def run(self, servers: Optional[Sequence[str]], rank: Optional[int], num_workers: Optional[int]) -> dict[str, Any]:
         """One worker, start to end: its result, printed."""
         scratch = np.ones(1 << 16, np.float32)
         with psrt.Client(servers, rank=rank, num_workers=num_workers) as client:
-            client.init(self.params, optimizer=psrt.SGD(lr=self.lr))
+            stored = client.init(self.params, optimizer=psrt.SGD(lr=self.lr))
+            # Overlapped, each worker's pulls land in its own arrays (init's, fresh for this client).
+            pipe = Pipeline(client, [Slot(n, i, stored[n]) for i, n in enumerate(self.names)]) if self.overlap \
+                else None
             if self.barriers:
                 client.barrier()
             for _ in range(self.warmup):
-                self._step(client, scratch)
+                self._run_step(client, pipe, scratch)
+            if pipe is not None:
+                pipe.synchronize()  # the timed steps start with nothing in flight
             if self.barriers:
                 client.barrier()
             cpu0, t0, started_at = _cpu_seconds(), time.perf_counter(), time.time()
             for _ in range(self.steps):
-                latest = self._step(client, scratch)
+                latest = self._run_step(client, pipe, scratch)
+            if pipe is not None:
+                pipe.synchronize()  # the last step ends when its parameters are in
+                latest = stored
             elapsed = time.perf_counter() - t0
             cpu = _cpu_seconds() - cpu0
             result = {
@@ -156,6 +235,8 @@ class _Loop:
                 "ended_at": started_at + elapsed,
                 "pid": os.getpid(),
                 "param0": float(latest[self.first].reshape(-1)[0]),
+                "overlap": self.overlap,
+                "tensors": len(self.names),
             }
             if self.barriers:
                 client.barrier()  # nobody leaves (and ends the job) while others are still timing

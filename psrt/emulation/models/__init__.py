@@ -13,7 +13,7 @@ import math
 import re
 from functools import cache
 from importlib import resources
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 from psrt.errors import ConfigError
 
@@ -47,12 +47,18 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _FACTORS[unit])
 
 
-def model_tensors(spec: str, partition_bytes: int = 4 << 20) -> list[tuple[str, tuple[int, ...]]]:
+def model_tensors(spec: str, partition_bytes: int = 4 << 20,
+                  layers: Optional[int] = None) -> list[tuple[str, tuple[int, ...]]]:
     """``[(name, shape), ...]`` of a shipped model, or of a synthetic float32 model of the given size.
 
-    A synthetic model is one tensor per ``partition_bytes`` (the last one smaller), named ``t0``, ``t1``, ...
+    A synthetic model is one tensor per ``partition_bytes`` (the last one smaller), named ``t0``, ``t1``, ...;
+    with ``layers = N``, N tensors of (nearly: the first ones take the remainder) equal size instead, the layers
+    an overlapped step pushes one by one (``psrt worker --layers N``). A shipped model has its own tensors.
     """
     if spec in MODELS:
+        if layers is not None:
+            raise ConfigError(f"--layers splits a sized model (such as 64KB); {spec} has its own "
+                              f"{len(load(spec)['tensors'])} tensors: leave --layers out")
         return [(t["name"], tuple(t["shape"])) for t in load(spec)["tensors"]]
     try:
         nbytes = parse_size(spec)
@@ -60,6 +66,12 @@ def model_tensors(spec: str, partition_bytes: int = 4 << 20) -> list[tuple[str, 
         raise ConfigError(f"model {spec!r} is neither a shipped model ({', '.join(MODELS)}) nor a size such as "
                           "100MB") from None
     count = max(1, nbytes // 4)
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= count:
+            raise ConfigError(f"--layers must be a whole number from 1 to the model's {count} float32 values, "
+                              f"got {layers!r}")
+        per, extra = divmod(count, layers)
+        return [(f"t{i}", (per + (i < extra),)) for i in range(layers)]
     per = max(1, partition_bytes // 4)
     n = math.ceil(count / per)
     return [(f"t{i}", (min(per, count - i * per),)) for i in range(n)]

@@ -1,0 +1,211 @@
+"""One worker's per-tensor pushes and pulls, overlapped with its compute: what a framework's backward pass does.
+
+Backward produces the gradients last layer first; the next forward needs the parameters first layer first. A
+:class:`Pipeline` carries one step's traffic between the two, tensor by tensor:
+
+- a gradient handed to it (:meth:`Pipeline.enqueue`) waits in a priority queue in forward order, and at most
+  ``window`` bytes of pushes are handed to the sockets at a time (at least one tensor): when several gradients
+  are queued, the first layers' leave first, as they are the first needed;
+- as soon as a shard acknowledges a push, the pull of that tensor is asked for, received straight into the
+  tensor's own array (the ack told the client the version the push joins: in sync mode the pull waits for that
+  round, in async it is answered at once, in ssp when the staleness bound allows);
+- :meth:`Pipeline.wait_for` blocks until one tensor's new value is in its array, sending queued pushes as
+  credit frees, so a forward can wait for each layer's parameters just before it uses them.
+
+The pipeline is driven by its caller, on one thread (a client is not thread-safe): :mod:`psrt.torch` from its
+backward hooks, ``step`` and forward pre-hooks, the load generator (``psrt worker --overlap``) from its emulated
+layers. ZeroMQ's I/O thread moves the bytes in between; :meth:`Pipeline.pump` takes in the replies already there
+and starts what they allow, :meth:`Pipeline.idle` keeps doing so until a deadline (for a caller whose compute
+leaves the thread free).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from psrt.errors import ConfigError, ConnectionLostError
+from psrt.worker.handles import Handle
+
+__all__ = ["Slot", "Pipeline", "IDLE", "QUEUED", "PUSHING", "PULLING", "DEFAULT_WINDOW"]
+
+#: A tensor's place in a step: no work in flight, gradient queued, push in flight, pull in flight.
+IDLE, QUEUED, PUSHING, PULLING = range(4)
+
+#: Gradient bytes handed to the sockets at a time, by default.
+DEFAULT_WINDOW = 4 << 20
+
+
+def _finished(handle: Handle) -> bool:
+    """Whether every reply of ``handle`` is in, without polling (the caller has just taken replies in)."""
+    return not handle._outstanding
+
+
+class Slot:
+    """One tensor: the array its new values land in, and where its gradient and pull are in the current step.
+
+    Parameters
+    ----------
+    name : str
+        The tensor's name, as initialized on the shards.
+    index : int
+        Its place in forward order (the first layer's is 0): the order the queue sends in, and its position in
+        the pipeline's slots.
+    array : numpy.ndarray
+        The C-contiguous, writable array its pulls are received into (a model's own parameter storage).
+    """
+
+    __slots__ = ("name", "index", "array", "nbytes", "state", "epoch", "grad", "push", "pull")
+
+    def __init__(self, name: str, index: int, array: np.ndarray) -> None:
+        self.name = name
+        self.index = index
+        self.array = array
+        self.nbytes = array.nbytes
+        self.state = IDLE
+        self.epoch = -1  # the step whose gradient this slot last queued
+        self.grad: Optional[np.ndarray] = None
+        self.push: Optional[Handle] = None
+        self.pull: Optional[Handle] = None
+
+
+class Pipeline:
+    """The pushes and pulls of a worker's tensors, one tensor at a time, first layers first (module docstring).
+
+    Parameters
+    ----------
+    client : psrt.Client
+        The worker's client, with every slot's tensor initialized.
+    slots : sequence of Slot
+        Every tensor, in forward order: ``slots[i].index == i``.
+    window : int
+        At most this many gradient bytes handed to the sockets at a time (at least one tensor).
+    timeout : float, optional
+        Seconds to wait for any one reply (the client's timeout by default).
+    """
+
+    def __init__(self, client: Any, slots: Sequence[Slot], window: int = DEFAULT_WINDOW,
+                 timeout: Optional[float] = None) -> None:
+        if type(window) is not int or window < 1:
+            raise ConfigError(f"window must be a positive number of bytes, got {window!r}")
+        if any(s.index != i for i, s in enumerate(slots)):
+            raise ConfigError("the slots must be given in forward order, slot i with index i")
+        self.client = client
+        self.slots = list(slots)
+        self.window = window
+        self.timeout = timeout
+        self.busy = 0  # slots not idle
+        self.epoch = 0  # steps ended
+        self._queue: list[tuple[int, int]] = []  # (forward index, slot index): first layers first
+        self._sending: list[Slot] = []  # pushes in flight, in send order
+        self._inflight = 0  # their bytes
+
+    def enqueue(self, s: Slot, grad: np.ndarray) -> None:
+        """Queue ``s``'s gradient for this step (sent by the next :meth:`pump`); do not modify ``grad`` until
+        ``s``'s push is acknowledged."""
+        s.grad = grad
+        s.state = QUEUED
+        s.epoch = self.epoch
+        self.busy += 1
+        heapq.heappush(self._queue, (s.index, s.index))
+
+    def end_step(self) -> None:
+        """This step's gradients are all queued: the next ones belong to the next step."""
+        self.epoch += 1
+        self.pump()
+
+    def pump(self) -> None:
+        """Take in the replies that are there, turn acknowledged pushes into pulls, send queued pushes."""
+        self._poll()
+        done = [s for s in self._sending if _finished(s.push)]  # type: ignore[arg-type]
+        for s in done:
+            self._sending.remove(s)
+            self._pushed(s)
+        while self._queue and (not self._sending or self._inflight < self.window):
+            s = self.slots[heapq.heappop(self._queue)[1]]
+            s.push = self.client.push_async({s.name: s.grad})
+            s.state = PUSHING
+            self._sending.append(s)
+            self._inflight += s.nbytes
+
+    def idle(self, deadline: float) -> None:
+        """Keep the transfers moving until ``deadline`` (a :func:`time.perf_counter` value): pump as each reply
+        arrives, so that a pull is asked for, and a queued push sent, the moment a shard's answer allows it."""
+        while True:
+            self.pump()
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            handle = self._unfinished()
+            if handle is None:
+                time.sleep(remaining)
+                return
+            if handle._calls.closed:
+                raise ConnectionLostError("this client is closed")
+            # Wakes on the first reply of any call in flight (short slices: a client closed meanwhile is noticed).
+            handle._calls.progress(handle, min(remaining, 0.25))
+
+    def ready(self, s: Slot) -> bool:
+        """Whether ``s``'s new value is in (:meth:`wait_for` would not block), after taking in the replies that
+        are there."""
+        self.pump()
+        return s.state == IDLE or (s.state == PULLING and _finished(s.pull))  # type: ignore[arg-type]
+
+    def wait_for(self, s: Slot) -> None:
+        """Block until ``s``'s new value is in its array, sending queued pushes as credit frees."""
+        while s.state != IDLE:
+            self.pump()
+            if s.state == PULLING:
+                s.pull.wait(self.timeout)  # type: ignore[union-attr]
+                s.pull = None
+                s.state = IDLE
+                self.busy -= 1
+            elif s.state in (QUEUED, PUSHING):
+                self._sending[0].push.wait(self.timeout)  # type: ignore[union-attr]
+
+    def synchronize(self) -> None:
+        """Wait until every push and pull in flight is done: every slot's array holds its new value."""
+        for s in self.slots:
+            self.wait_for(s)
+
+    def drain_pushes(self) -> None:
+        """Wait until every queued gradient has been pushed and acknowledged (their memory may then change)."""
+        while self._queue or self._sending:
+            self.pump()
+            if self._sending:
+                self._sending[0].push.wait(self.timeout)  # type: ignore[union-attr]
+
+    def finish_previous(self) -> None:
+        """Finish the work of earlier steps (not the gradients this step has already queued)."""
+        for s in self.slots:
+            if s.state != IDLE and s.epoch < self.epoch:
+                self.wait_for(s)
+
+    # ------------------------------------------------------------------ internals
+    def _unfinished(self) -> Optional[Handle]:
+        """A call still waiting for a reply, if any."""
+        for s in self._sending:
+            if not _finished(s.push):  # type: ignore[arg-type]
+                return s.push
+        for s in self.slots:
+            if s.state == PULLING and not _finished(s.pull):  # type: ignore[arg-type]
+                return s.pull
+        return None
+
+    def _poll(self) -> None:
+        """Take in every reply already queued: one poll, through any unfinished call, serves all of them."""
+        handle = self._unfinished()
+        if handle is not None:
+            handle.done()
+
+    def _pushed(self, s: Slot) -> None:
+        s.push.wait(0.0)  # type: ignore[union-attr]  # finished: raises the shard's error, if any
+        self._inflight -= s.nbytes
+        s.grad = None
+        s.push = None
+        # The ack told the client the version this push joins; the pull asks for it (sync: this round).
+        s.pull = self.client.pull_async([s.name], out={s.name: s.array})
+        s.state = PULLING

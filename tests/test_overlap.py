@@ -1,0 +1,146 @@
+"""The overlapped load generator (``psrt worker --overlap``): each tensor pushed from an emulated backward, last layer
+first, each one's parameters awaited in the next forward, first layer first, through the pipeline psrt.torch uses
+(:class:`psrt.worker.overlap.Pipeline`); the job ends exactly where the serial one does, in every mode."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from _helpers import BENCH, launched_results, serving
+
+import psrt
+from psrt import cli
+from psrt.config import ServerConfig
+from psrt.control.process import psrt_command
+from psrt.emulation import loadgen
+from psrt.emulation.models import model_tensors
+
+PSRT = psrt_command()
+LR = 0.5
+LAYERS = 4
+
+
+def sgd(updates: int) -> float:
+    """param0 after ``updates`` float32 SGD steps on the load generator's gradient (1e-3 everywhere), ``lr = LR``,
+    from 0: a sync job's after that many rounds (the mean of W equal gradients), an async one's after that many
+    pushes (each applied on its own)."""
+    p = np.float32(0)
+    for _ in range(updates):
+        p = p - np.float32(LR) * np.float32(1e-3)
+    return float(p)
+
+
+class Recording(psrt.Client):
+    """A real client that notes, per call, which tensors it pushes and which pulls the caller waits on."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pushed: list[str] = []
+        self.awaited: list[str] = []
+
+    def push_async(self, grads):
+        self.pushed.extend(grads)
+        return super().push_async(grads)
+
+    def pull_async(self, names=None, out=None):
+        handle = super().pull_async(names, out=out)
+        wait, names = handle.wait, list(self.partition.tensors if names is None else names)
+
+        def noted(timeout=None):
+            self.awaited.extend(names)
+            return wait(timeout)
+
+        handle.wait = noted
+        return handle
+
+
+def test_an_overlapped_worker_pushes_the_last_layer_first_and_awaits_the_first_layer_first(monkeypatch):
+    clients: list[Recording] = []
+
+    def recording(*args, **kwargs):
+        clients.append(Recording(*args, **kwargs))
+        return clients[-1]
+
+    monkeypatch.setattr(psrt, "Client", recording)
+    steps, warmup = 3, 1
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync")) as server:
+        results = loadgen.run_worker("64KB", 4, steps, warmup=warmup, servers=[server.endpoint], num_workers=2,
+                                     lr=LR, clients=2, overlap=True, layers=LAYERS)
+        assert server.counters.pushes == 2 * (steps + warmup) * LAYERS  # one push per tensor per step
+    names = [f"t{i}" for i in range(LAYERS)]
+    for client in clients:
+        # Every step's backward pushes the last layer first; the forwards after it (and the waits that end the
+        # warm-up and the timed steps) take each tensor's parameters first layer first.
+        assert client.pushed == names[::-1] * (steps + warmup)
+        assert client.awaited == names * (steps + warmup)
+    assert [r["param0"] for r in results] == [sgd(steps + warmup)] * 2
+    assert all(r["overlap"] is True and r["tensors"] == LAYERS for r in results)
+
+
+@pytest.mark.parametrize("compute", ["sleep", "numpy"])
+def test_overlapped_virtual_workers_end_on_the_serial_jobs_parameters(compute):
+    """Same rounds, same gradients: every worker's param0 is the serial job's, to the bit."""
+    ends = {}
+    for overlap in (False, True):
+        with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=3, mode="sync")) as server:
+            results = loadgen.run_worker("64KB", 6, 3, warmup=1, compute=compute, servers=[server.endpoint],
+                                         num_workers=3, lr=LR, clients=3, overlap=overlap, layers=LAYERS)
+            rounds = server.counters.rounds
+        ends[overlap] = {r["param0"] for r in results}
+        assert rounds == 4 * LAYERS, "a sync round per tensor per step"
+        assert [r["overlap"] for r in results] == [overlap] * 3
+    assert ends[True] == ends[False] == {sgd(4)}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", [[], ["--mode", "async"], ["--mode", "ssp", "--staleness", "0"]],
+                         ids=["sync", "async", "ssp"])
+def test_a_launched_overlapped_job_applies_every_push_once(mode):
+    steps, warmup, workers = 3, 1, 4
+    args = [*PSRT, "launch", "-s", "2", "-w", str(workers), "--clients", "2", *mode, "--", *PSRT, "worker",
+            "--model", "64KB", "--layers", str(LAYERS), "--compute-ms", "20", "--steps", str(steps),
+            "--warmup", str(warmup), "--lr", str(LR), "--overlap"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = launched_results(proc.stdout)
+    assert [r["rank"] for r in results] == list(range(workers))
+    stopped = [line for line in proc.stdout.splitlines() if "psrt-server stopped" in line]
+    pushes = sum(int(line.rsplit("pushes=", 1)[1].split()[0]) for line in stopped)
+    assert pushes == workers * (steps + warmup) * LAYERS  # every tensor of every step, once
+    if not mode:  # sync: a round per step, the serial job's parameters on every worker
+        assert {r["param0"] for r in results} == {sgd(steps + warmup)}
+    else:
+        # async and ssp apply each push on arrival (scale 1). With s = 0 each worker's last pull of t0 waits
+        # until every worker has pushed it as often: all read every push. Async reads at least its own pushes.
+        everything = sgd(workers * (steps + warmup))
+        if mode[1] == "ssp":
+            assert {r["param0"] for r in results} == {everything}
+        else:
+            own = sgd(steps + warmup)
+            assert all(everything <= r["param0"] <= own for r in results), results
+
+
+def test_layers_split_a_sized_model_and_are_refused_for_a_shipped_one(capsys):
+    assert model_tensors("64KB", layers=3) == [("t0", (5334,)), ("t1", (5333,)), ("t2", (5333,))]
+    assert cli.main(["worker", "--model", "resnet50", "--layers", "4", "--servers", "tcp://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("psrt: error: --layers splits a sized model") and "leave --layers out" in err
+    assert cli.main(["worker", "--model", "8", "--layers", "3", "--servers", "tcp://127.0.0.1:1"]) == 2
+    assert "--layers must be a whole number from 1 to the model's 2 float32 values" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_the_overlap_bench_measures_the_load_generator_on_loopback(tmp_path):
+    out = tmp_path / "loadgen.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "overlap.py"), "--loadgen", "--loopback", "--model", "64KB",
+                           "--layers", "4", "--compute-ms", "20", "--steps", "3", "--rounds", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr  # 1: a MISS, which a loaded machine may give
+    record = json.loads(out.read_text())
+    assert {"comm_ms", "serial_ms", "overlap_ms", "overlap_vs_max", "overlap_vs_sum", "pass"} <= set(record)
+    assert record["layers"] == 4 and record["link"] == "loopback"
+    assert "overlapped step (--overlap)" in proc.stdout and "max(compute, comm)" in proc.stdout
