@@ -66,6 +66,10 @@ class _Join:
     deadline: float
 
 
+#: Seconds between the scheduler's looks at every member's last heartbeat (a silent one is named at most this late).
+WATCH_EVERY = 0.1
+
+
 def _ranges(ranks: list[int], most: int = 32) -> str:
     """Ranks as ranges, ``0-30, 92, 95-99``; past ``most`` ranges, how many more."""
     runs: list[list[int]] = []
@@ -167,6 +171,7 @@ class Scheduler(Restarts):
         self._news: list[tuple[float, Callable[[], None]]] = []
         self._done: set[int] = set()
         self._members: dict[Peer, _Member] = {}  # watched once the job forms
+        self._next_watch = 0.0
         self.exit_code: Optional[int] = None
 
     def stop(self) -> None:
@@ -196,7 +201,10 @@ class Scheduler(Restarts):
                     self._error(ident, r, "barrier_timeout", message)
                 while self._news and self._news[0][0] <= now:
                     self._news.pop(0)[1]()
-                if caught_up:  # a heartbeat still queued here is no silence (a starved scheduler reads late)
+                # A heartbeat still queued here is no silence (a starved scheduler reads late); and the watch looks
+                # at every member, so it runs a few times per interval, not after every message.
+                if caught_up and now >= self._next_watch:
+                    self._next_watch = now + WATCH_EVERY
                     self._watch(now)
                 if self._claims:
                     self._place_claims(now)
