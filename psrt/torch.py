@@ -52,6 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 
 from psrt.errors import ConfigError, PsrtTypeError
 from psrt.optim import Optimizer
+from psrt.worker import exits
 from psrt.worker.client import Client
 from psrt.worker.overlap import DEFAULT_WINDOW, IDLE, Pipeline, Slot
 
@@ -249,8 +250,12 @@ class DistributedOptimizer:
         self._check_open()
         self._pipe.synchronize()
 
-    def close(self) -> None:
-        """Remove the hooks and close the client if this optimizer created it (pulls in flight are dropped)."""
+    def close(self, failure: Optional[str] = None) -> None:
+        """Remove the hooks and close the client if this optimizer created it (pulls in flight are dropped).
+
+        ``failure``: the program failed (one line saying how), for that client to tell the scheduler, as
+        :meth:`psrt.Client.close` does; leaving the optimizer's ``with`` block by an exception passes it.
+        """
         if self._closed:
             return
         self._closed = True
@@ -258,13 +263,15 @@ class DistributedOptimizer:
             h.remove()
         self._hooks.clear()
         if self._own_client:
-            self.client.close()
+            self.client.close(failure=failure)
 
     def __enter__(self) -> DistributedOptimizer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        # A script that raises here failed: its client must say so, not that it is done (which a fixed job would
+        # take for an early finish, and a job of one worker for success).
+        self.close(failure=exits.failure_of(exc))
 
     # ------------------------------------------------------------------ hooks
     def _on_grad(self, s: _Slot) -> None:

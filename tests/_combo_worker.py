@@ -12,9 +12,18 @@ embedding table, for ``steps`` steps with one call pattern:
 
 After each step it records what it read (the parameters the step returned, the table's rows), and at the end,
 after a barrier, the final parameters; all of it goes to the ``.npz`` file ``out``, and a JSON line with the
-shards' stats to stdout. The JSON arguments also say when to leave the job (``leave_after``, ``leave_by``:
-``close`` or ``raise``), when to pause for the test (``pause_after``, until the file ``go`` exists) and when to
-let worker 0 run ahead (``lead``). ``calls: torch_embedding`` runs a torch ``nn.Embedding`` instead.
+shards' stats (and the process id) to stdout. The JSON arguments also say when to leave the job
+(``leave_after``, ``leave_by``: ``close`` or ``raise``), when to pause for the test (``pause_after``, until the
+file ``go`` exists) and when to let worker 0 run ahead (``lead``). ``calls: torch_embedding`` runs a torch
+``nn.Embedding`` instead.
+
+``python tests/_combo_worker.py '[JSON, JSON, ...]'`` runs one such worker per object on threads of this one
+process, as ``psrt worker --clients N`` does (:func:`psrt.emulation.loadgen._run_together`): each object names its
+worker's ``rank``, and each worker has its own client, rank, session and result line (its process's workers share
+the process's heartbeat thread and ZeroMQ context). A worker's script that raises ends its thread, not the
+interpreter, so there it closes its client as ``with psrt.Client()`` does, telling the scheduler ``failed`` (in a
+process of its own, psrt closes the client still open at interpreter exit, :mod:`psrt.worker.exits`); once every
+worker's thread has ended, the process exits with the first error any of them raised.
 
 Gradients are functions of (worker, step, tensor) only (:func:`dense_grad`, :func:`row_push`), so the test
 computes in NumPy what every read must hold (SGD, lr = 1, from zeros). Entry ``w`` of every tensor is worker
@@ -26,9 +35,11 @@ worker and shard, a counter row on that shard, and shared data rows pushed with 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -45,6 +56,14 @@ FINE_BASE = 1 << 18  # top-k's magnitudes: (FINE_BASE + i) / 2**16, i < n; exact
 TABLE, DIM = "emb", 4
 DATA_IDS = np.arange(10, 22, dtype=np.int64)
 ROWS_PER_PUSH = 8
+#: One whole line at a time on stdout, from whichever worker's thread.
+_PRINT = threading.Lock()
+
+
+def say(line: str) -> None:
+    """Print ``line`` whole: the workers of a shared process print from their threads."""
+    with _PRINT:
+        print(line, flush=True)
 
 
 def grad_kind(compression: Optional[str]) -> str:
@@ -105,7 +124,7 @@ class _Recorder:
         if self.rows:
             arrays["rows"] = np.stack(self.rows)
         np.savez(Path(self.out), **arrays)
-        print(json.dumps(result), flush=True)
+        say(json.dumps({**result, "pid": os.getpid()}))
 
     def add(self, params: list[np.ndarray], rows: Optional[np.ndarray]) -> None:
         for t, p in enumerate(params):
@@ -131,7 +150,7 @@ def _between_steps(args: dict[str, Any], rank: int, step: int) -> None:
         elif rank == 1 and step == 1:
             _wait_for(lead["file"])
     if args.get("pause_after") == step:
-        print("paused", flush=True)
+        say(f"paused {rank}")
         _wait_for(args["go"])
     time.sleep(args.get("sleep", 0.0))
 
@@ -143,11 +162,24 @@ def _leave(rec: _Recorder, result: dict[str, Any], how: Optional[str]) -> None:
         raise RuntimeError(f"worker {result['rank']}'s training script failed after step {result['steps']}")
 
 
+def _as_script(args: dict[str, Any], client: Any) -> Any:
+    """Where a worker's script that raises closes its client: on a thread of a shared process, at once, as ``with
+    psrt.Client()`` does (the interpreter does not exit); in a process of its own, psrt does, at interpreter exit."""
+    return client if args.get("rank") is not None else contextlib.nullcontext()
+
+
 def _train_client(args: dict[str, Any], rec: _Recorder) -> None:
     import psrt
 
+    client = psrt.Client(rank=args.get("rank"))
+    with _as_script(args, client):
+        _client_steps(client, args, rec)
+
+
+def _client_steps(client: Any, args: dict[str, Any], rec: _Recorder) -> None:
+    import psrt
+
     calls, steps, leave = args["calls"], args["steps"], args.get("leave_after")
-    client = psrt.Client()
     rank, workers, shards = client.rank, client.num_workers, len(client.servers)
     kind = grad_kind(client.config.compression)
     names = [f"t{t}" for t in range(len(SIZES))]
@@ -184,7 +216,7 @@ def _train_client(args: dict[str, Any], rec: _Recorder) -> None:
             rows = client.pull_rows(TABLE, ids_all)
         rec.add([params[n] for n in names], rows)
         if step == 0:
-            print("training", flush=True)
+            say(f"training {rank}")
         _between_steps(args, rank, step + 1)
     result: dict[str, Any] = {"rank": rank, "steps": last, "left": leave is not None}
     if leave is not None:
@@ -221,9 +253,20 @@ def _train_torch(args: dict[str, Any], rec: _Recorder) -> None:
         def forward(self, gs: list[torch.Tensor]) -> torch.Tensor:
             return sum(m(g) for m, g in zip(self.parts, gs))
 
-    steps, leave = args["steps"], args.get("leave_after")
     model = Model()
-    opt = psrt.torch.DistributedOptimizer(model.named_parameters(), optimizer=psrt.SGD(lr=1.0))
+    # A shared process's worker brings its client (its own rank); else the optimizer makes one from the environment.
+    client = psrt.Client(rank=args["rank"]) if args.get("rank") is not None else None
+    with _as_script(args, client):
+        opt = psrt.torch.DistributedOptimizer(model.named_parameters(), optimizer=psrt.SGD(lr=1.0), client=client)
+        _torch_steps(model, opt, args, rec)
+
+
+def _torch_steps(model: Any, opt: Any, args: dict[str, Any], rec: _Recorder) -> None:
+    import torch
+
+    import psrt
+
+    steps, leave = args["steps"], args.get("leave_after")
     client = opt.client
     rank, workers, shards = client.rank, client.num_workers, len(client.servers)
     kind = grad_kind(client.config.compression)
@@ -246,7 +289,7 @@ def _train_torch(args: dict[str, Any], rec: _Recorder) -> None:
             rows = client.pull_rows(TABLE, ids_all)
         rec.add(seen, rows)
         if step == 0:
-            print("training", flush=True)
+            say(f"training {rank}")
         if args.get("pause_after") == step + 1:
             opt.synchronize()  # nothing in flight while the test hurts a shard
         _between_steps(args, rank, step + 1)
@@ -254,13 +297,15 @@ def _train_torch(args: dict[str, Any], rec: _Recorder) -> None:
     result: dict[str, Any] = {"rank": rank, "steps": last, "left": leave is not None}
     if leave is not None:
         _leave(rec, result, args.get("leave_by"))
-        opt.close()  # closes the client it made: a worker of an elastic job leaves it here
+        opt.close()
+        client.close()  # (opt.close() closed it if it made it): a worker of an elastic job leaves it here
         return
     client.barrier()
     final = client.pull()
     rec.add([final[n] for n in names], client.pull_rows(TABLE, ids_all) if args["table"] else None)
     result["stats"] = client.stats()
     opt.close()
+    client.close()
     rec.finish(result)
 
 
@@ -274,28 +319,42 @@ def _torch_embedding(args: dict[str, Any]) -> None:
 
     torch.manual_seed(0)
     model = torch.nn.Embedding(10, 4, sparse=args["sparse"])
-    opt = psrt.torch.DistributedOptimizer(model.named_parameters(), optimizer=psrt.SGD(lr=1.0))
-    print("training", flush=True)
-    try:
-        for _ in range(3):
-            opt.zero_grad()
-            model(torch.tensor([1, 2])).sum().backward()  # a sparse gradient is refused here, as it arrives
-            opt.step()
-        opt.synchronize()
-    except psrt.PsrtError as exc:
-        if isinstance(exc, psrt.PsrtTypeError):
-            raise  # the refusal itself: the script fails as any script does on an uncaught exception
-        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
-        sys.exit(1)
-    opt.close()
-    print(json.dumps({"error": None}), flush=True)
+    client = psrt.Client(rank=args["rank"]) if args.get("rank") is not None else None
+    with _as_script(args, client):
+        opt = psrt.torch.DistributedOptimizer(model.named_parameters(), optimizer=psrt.SGD(lr=1.0), client=client)
+        say(f"training {opt.client.rank}")
+        try:
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.tensor([1, 2])).sum().backward()  # a sparse gradient is refused here, as it arrives
+                opt.step()
+            opt.synchronize()
+        except psrt.PsrtError as exc:
+            if isinstance(exc, psrt.PsrtTypeError):
+                raise  # the refusal itself: the script fails as any script does on an uncaught exception
+            say(json.dumps({"rank": opt.client.rank, "error": type(exc).__name__, "message": str(exc)}))
+            sys.exit(1)
+        opt.close()
+        opt.client.close()
+        say(json.dumps({"rank": opt.client.rank, "error": None}))
 
 
-def main(args: dict[str, Any]) -> None:
+def _worker(args: dict[str, Any]) -> None:
     if args.get("calls") == "torch_embedding":
         _torch_embedding(args)
         return
     (_train_torch if args["calls"] == "torch" else _train_client)(args, _Recorder(args["out"]))
+
+
+def main(spec: Any) -> None:
+    """One worker (a JSON object), or one per object of a JSON list on threads of this process (module docstring)."""
+    if isinstance(spec, dict):
+        _worker(spec)
+        return
+    from psrt.emulation.loadgen import _run_together
+
+    assert all(a.get("rank") is not None for a in spec), "each worker of a shared process names its rank"
+    _run_together([lambda a=a: _worker(a) for a in spec])  # raises the first error, once every thread ended
 
 
 if __name__ == "__main__":

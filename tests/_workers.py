@@ -168,17 +168,30 @@ def crash(steps: int, how: str = "-1:0:none", tensors: str = "dense") -> dict:
     """Trains with push_pull while one rank misbehaves as ``how`` says: ``RANK:STEP:WHAT``.
 
     Worker RANK, after STEP steps, does WHAT: ``raise`` (an uncaught RuntimeError, client left open), ``raise-with``
-    (the same inside ``with psrt.Client()``), ``exit-N`` (``sys.exit(N)``, client left open), ``return`` (the
-    script simply ends, client left open), ``finish`` (close the client and end, as a worker with fewer steps
-    would). ``tensors="rows"`` adds an embedding table to every step. Prints ``training`` after the first step,
-    and ``done STEPS`` at a normal end.
+    (the same inside ``with psrt.Client()``), ``raise-with-torch`` (the same inside ``with
+    psrt.torch.DistributedOptimizer(...)``, which made the client), ``exit-N`` (``sys.exit(N)``, client left open),
+    ``return`` (the script simply ends, client left open), ``finish`` (close the client and end, as a worker with
+    fewer steps would). ``tensors="rows"`` adds an embedding table to every step. Prints ``training`` after the
+    first step, and ``done STEPS`` at a normal end.
     """
     rank_s, step_s, what = (how.split(":") + [""])[:3]
     bad_rank, bad_step = int(rank_s), int(step_s)
     rows = tensors == "rows"
-    client = psrt.Client()
+    opt = None
+    if what == "raise-with-torch":
+        import torch
+
+        from psrt.torch import DistributedOptimizer
+
+        opt = DistributedOptimizer(torch.nn.Linear(2, 1).named_parameters(), optimizer=psrt.SGD(lr=0.1))
+        client = opt.client
+    else:
+        client = psrt.Client()
     LEFT_OPEN.append(client)
-    scope = client if what == "raise-with" or client.rank != bad_rank else contextlib.nullcontext()
+    if client.rank == bad_rank and what.startswith("raise-with"):
+        scope = client if opt is None else opt
+    else:
+        scope = client if client.rank != bad_rank else contextlib.nullcontext()
     with scope:
         client.init({"w": np.zeros(1000, np.float32)}, optimizer=psrt.SGD(lr=0.1))
         if rows:

@@ -1,6 +1,9 @@
 """Pairwise combinations of psrt's features, each case a real job checked against a NumPy oracle.
 
-Every case runs a scheduler, two shard servers and two worker processes (``tests/_combo_worker.py``) on loopback.
+Every case runs a scheduler, two shard servers and two workers (``tests/_combo_worker.py``) on loopback: two
+worker processes (``processes=separate``), or one process running both workers on threads, each its own
+``psrt.Client`` with its own rank, as ``psrt worker --clients 2`` does (``processes=shared``: virtual workers,
+which share their process's heartbeat thread and ZeroMQ context).
 The cases are generated with allpairspy so that every pair of values of any two factors meets in at least one
 case (:data:`FACTORS`; ``pytest --collect-only -q tests/test_combinations.py`` lists them, ids name each value).
 A capability added later adds its factor, or a value of one, to :data:`FACTORS`.
@@ -21,16 +24,21 @@ What each case checks, from the documented semantics (README, docs/architecture.
 - compression: fp16 carries these small integers exactly; top-k's choice is simulated with its documented rule
   (the ``ceil(RATIO * count)`` largest magnitudes of gradient + residual; a restarted shard's residuals start
   from zero once the client learns of the restart), so its results are exact too;
-- the data path (shared memory exactly where lanes can be used), CURVE really on with keys, no internal error in
-  any shard, and every process exiting in time with code 0 (but a worker whose script raised);
+- the data path (shared memory exactly where lanes can be used), CURVE really on with keys, the workers in one
+  process or two as the case says, no internal error in any shard, and every process exiting in time with code 0
+  but the one whose worker's script raised;
 - events: worker 1 leaves an elastic job after 3 steps, by closing its client or by a script that raises; or a
   shard is killed with SIGKILL once the workers paused and a checkpoint was written, the workers go on (their
   calls to it wait), and it is restarted with ``--restore`` under the scheduler, which gives it another port:
-  it must take back its rank, and every push must be applied exactly once across the restart.
+  it must take back its rank, and every push must be applied exactly once across the restart. A script that
+  raises in a shared process ends its own worker only: the job is elastic, so worker 0, on the other thread,
+  trains to the end and prints its result; then the process exits non-zero with worker 1's error, as ``psrt worker
+  --clients`` does (the first error of its workers, once all of them ended): one of the scripts it ran failed.
 
 Pairs psrt cannot run together would be left out (:data:`INVALID`, :func:`valid`) and tested apart, each refused
 up front with a clear error. None of these factors' pairs is such a pair today (see :data:`INVALID`); the
-refusals at their edges are tested at the end, and under a scheduler a refusing worker must end the job promptly.
+refusals at their edges are tested at the end, with separate and with shared processes, and under a scheduler a
+refusing worker must end the job promptly.
 """
 
 from __future__ import annotations
@@ -79,6 +87,7 @@ FACTORS: dict[str, list[str]] = {
     "tensors": ["dense", "table"],
     "event": ["none", "leave", "crash", "restore"],
     "security": ["off", "keys"],
+    "processes": ["separate", "shared"],
 }
 
 
@@ -90,6 +99,7 @@ class Case(NamedTuple):
     tensors: str
     event: str
     security: str
+    processes: str
 
     @property
     def id(self) -> str:
@@ -100,7 +110,8 @@ class Case(NamedTuple):
 #: psrt.torch uses its client's compression (it pushes and pulls through the client); an embedding table's rows
 #: travel uncompressed beside top-k or fp16 gradients, as compressed gradients leave shared memory unused; ssp's
 #: bound counts the members of an elastic job. A torch ``nn.Embedding(sparse=True)`` is refused (tested below);
-#: the suite's tables are psrt's own, used beside the torch model through its client.
+#: the suite's tables are psrt's own, used beside the torch model through its client. Virtual workers combine with
+#: every value: each has its own client (and its own torch model and optimizer: autograd runs one graph per thread).
 INVALID: set[frozenset[tuple[str, str]]] = set()
 
 
@@ -138,7 +149,10 @@ def keys(tmp_path_factory) -> str:
 
 
 class Job:
-    """A scheduler, S servers and W combination workers on loopback; :meth:`close` stops whatever still runs."""
+    """A scheduler, S servers and W combination workers on loopback; :meth:`close` stops whatever still runs.
+
+    :attr:`workers` are the worker processes, :attr:`hosts` the ranks each runs: one each, or all in one.
+    """
 
     def __init__(self, case: Case, tmp: Path, keys: str, extra: Optional[Any] = None) -> None:
         self.case, self.tmp, self.keys = case, tmp, keys
@@ -169,8 +183,14 @@ class Job:
                 psrt.Client(scheduler=self.endpoint, config=ClientConfig(keys=None, timeout=10),
                             cluster=ClusterConfig(start_timeout=10))
         self.servers = [self.start(f"server {i}", self.server_command(i), SERVER_READY) for i in range(SERVERS)]
-        self.workers = [self.start(f"worker {r}", [sys.executable, WORKER, json.dumps(self.worker_args(r))],
-                                   re.compile("^paused"), {"PSRT_WORKER_ID": str(r)}) for r in range(WORKERS)]
+        if case.processes == "separate":
+            self.hosts = [[r] for r in range(WORKERS)]
+            self.workers = [self.start(f"worker {r}", [sys.executable, WORKER, json.dumps(self.worker_args(r))],
+                                       env={"PSRT_WORKER_ID": str(r)}) for r in range(WORKERS)]
+        else:  # one process, a thread and a client per worker, each naming its rank
+            self.hosts = [list(range(WORKERS))]
+            args = [{**self.worker_args(r), "rank": r} for r in range(WORKERS)]
+            self.workers = [self.start(f"workers 0-{WORKERS - 1}", [sys.executable, WORKER, json.dumps(args)])]
         # A server under a scheduler reports ready once the job has formed (its rank comes from the table).
         self.ranks = [int(re.search(r"rank=(\d+)", s.wait_ready(60).string).group(1)) for s in self.servers]
 
@@ -198,11 +218,19 @@ class Job:
         self.children.append(child)
         return child
 
+    def wait_paused(self, timeout: float) -> None:
+        """Wait until every worker printed ``paused`` (a shared process prints one such line per worker)."""
+        deadline = time.monotonic() + timeout
+        for child, ranks in zip(self.workers, self.hosts):
+            while sum(line.startswith("paused") for line in child.output.splitlines()) < len(ranks):
+                assert child.poll() is None, f"{child.label} exited with {child.poll()} before it paused"
+                assert time.monotonic() < deadline, f"{child.label}'s workers did not all pause within {timeout:g}s"
+                time.sleep(0.05)
+
     def restore_a_shard(self) -> None:
         """Both workers wait after a step: checkpoint, kill -9 a shard, let the workers go on (their calls to it
         wait), and restart it with --restore; under the scheduler it binds another ephemeral port."""
-        for w in self.workers:
-            w.wait_ready(JOB_S)
+        self.wait_paused(JOB_S)
         proc = subprocess.run(psrt_command("checkpoint", self.endpoint), capture_output=True, text=True,
                               timeout=60, env={**os.environ, **self.env})
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -220,16 +248,23 @@ class Job:
         assert "restored" in self.restarted.output, self.restarted.output
 
     def finish(self) -> list[dict[str, Any]]:
-        """Wait for every worker, then for the scheduler and servers; each must exit 0. The workers' results."""
+        """Wait for every worker, then for the scheduler and servers; each must exit 0 (but the process of a worker
+        whose script raised). The workers' results, in rank order."""
         results = []
         deadline = time.monotonic() + JOB_S
-        for rank, w in enumerate(self.workers):
+        for w, ranks in zip(self.workers, self.hosts):
             code = w.wait(max(1.0, deadline - time.monotonic()))
-            if self.case.event == "crash" and rank == 1:  # a script that raises fails, as it should
+            if self.case.event == "crash" and 1 in ranks:  # a script that raises fails, as it should
                 assert code != 0 and "RuntimeError: worker 1's training script failed" in w.output, w.tail(4000)
             else:
                 assert code == 0, f"{w.label} exited with {code}:\n{w.tail(4000)}"
-            results.append(json.loads([line for line in w.output.splitlines() if line.startswith("{")][-1]))
+            lines = [json.loads(line) for line in w.output.splitlines() if line.startswith("{")]
+            for rank in ranks:
+                mine = [res for res in lines if res["rank"] == rank]
+                assert mine, f"{w.label} printed no result for worker {rank}:\n{w.tail(4000)}"
+                results.append(mine[-1])
+        # The workers ran where the case says: in one process, or each in its own.
+        assert len({res["pid"] for res in results}) == len(self.workers), results
         alive = [self.scheduler, *(s for s in self.servers if s is not self.servers[1] or self.restarted is None)]
         for c in [*alive, *([self.restarted] if self.restarted else [])]:
             code = c.wait(EXIT_S)
@@ -298,7 +333,7 @@ def test_combination(case: Case, tmp_path: Path, keys: str):
 
 # ---------------------------------------------------------------------------------------------- refusals
 def _ends(job: Job) -> dict[str, tuple[int, float]]:
-    """Each process's exit code and when it exited (seconds after the job formed), worker 1 (the one that
+    """Each process's exit code and when it exited (seconds after the job formed), worker 1's (the one that
     fails) first; a process still running :data:`EXIT_S` seconds after the job formed fails the test."""
     formed = time.monotonic()
     ends = {}
@@ -312,36 +347,45 @@ def _ends(job: Job) -> dict[str, tuple[int, float]]:
     return ends
 
 
-def test_a_worker_whose_script_raises_ends_a_job_that_is_not_elastic_promptly(tmp_path: Path, keys: str):
+def _workers_failed(job: Job, ends: dict[str, tuple[int, float]]) -> None:
+    """Every worker process exited non-zero (both workers' one, when they share it), and so did the scheduler."""
+    assert all(ends[w.label][0] != 0 for w in job.workers), job.outputs()
+    assert ends["scheduler"][0] != 0, "the scheduler reported success for a job that failed"
+
+
+@pytest.mark.parametrize("processes", FACTORS["processes"])
+def test_a_worker_whose_script_raises_ends_a_job_that_is_not_elastic_promptly(processes: str, tmp_path: Path,
+                                                                              keys: str):
     """Worker 1's script raises after its first step; worker 0's next round can never complete. The raising
-    worker exits non-zero, and the job ends promptly: its peer hears of it and fails, so does the scheduler."""
-    case = Case("sync", "sockets", "push_pull", "none", "dense", "none", "off")
+    worker exits non-zero, and the job ends promptly: its peer hears of it and fails, so does the scheduler. In a
+    shared process the peer is failed at once, by its own process (the heartbeat's word), which then exits with
+    worker 1's error."""
+    case = Case("sync", "sockets", "push_pull", "none", "dense", "none", "off", processes)
     job = Job(case, tmp_path, keys, extra=lambda rank: {"leave_after": 1, "leave_by": "raise"} if rank == 1 else {})
     try:
         job.form()
         ends = _ends(job)
     finally:
         job.close()
-    assert "RuntimeError: worker 1's training script failed" in job.workers[1].output, job.outputs()
-    assert ends["worker 1"][0] != 0 and ends["worker 0"][0] != 0, job.outputs()
-    assert ends["scheduler"][0] != 0, "the scheduler reported success for a job that failed"
+    assert "RuntimeError: worker 1's training script failed" in job.workers[-1].output, job.outputs()
+    _workers_failed(job, ends)
 
 
-def test_a_sparse_torch_embedding_is_refused_and_the_job_ends_promptly(tmp_path: Path, keys: str):
+@pytest.mark.parametrize("processes", FACTORS["processes"])
+def test_a_sparse_torch_embedding_is_refused_and_the_job_ends_promptly(processes: str, tmp_path: Path, keys: str):
     """psrt.torch moves dense gradients only: ``nn.Embedding(sparse=True)`` is refused when its first gradient
     arrives, before anything is pushed, saying what to do. The refusing worker's script then fails like any
     script with an uncaught exception, and the job ends promptly instead of waiting for it."""
-    case = Case("sync", "sockets", "torch", "none", "dense", "none", "off")
+    case = Case("sync", "sockets", "torch", "none", "dense", "none", "off", processes)
     job = Job(case, tmp_path, keys, extra=lambda rank: {"calls": "torch_embedding", "sparse": rank == 1})
     try:
         job.form()
         ends = _ends(job)
     finally:
         job.close()
-    out = job.workers[1].output
+    out = job.workers[-1].output
     assert "PsrtTypeError" in out and "sparse gradient" in out and "sparse=False" in out, out
-    assert ends["worker 1"][0] != 0 and ends["worker 0"][0] != 0, job.outputs()
-    assert ends["scheduler"][0] != 0, "the scheduler reported success for a job that failed"
+    _workers_failed(job, ends)
 
 
 def test_restore_without_a_checkpoint_directory_is_refused_up_front():

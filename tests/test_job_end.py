@@ -74,18 +74,24 @@ def _waited(child: Child, timeout: float) -> tuple[int, float]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("what", ["raise", "raise-with", "exit-7"])
+@pytest.mark.parametrize("what", ["raise", "raise-with", "raise-with-torch", "exit-7"])
 def test_a_script_that_fails_ends_its_process_and_the_job_promptly(job, what):
-    # Worker 1 fails after 3 steps: with its client left open (raise, exit-7) or inside `with psrt.Client()`.
+    # Worker 1 fails after 3 steps: with its client left open (raise, exit-7), or inside `with psrt.Client()`, or
+    # inside `with psrt.torch.DistributedOptimizer(...)`.
+    if what == "raise-with-torch":
+        pytest.importorskip("torch")
     j = job(2, f"1:3:{what}")
     code, took = _waited(j.workers[1], 30)
     assert code == (7 if what == "exit-7" else 1), j.workers[1].output
     if what.startswith("raise"):
         assert "RuntimeError: user bug in the training script" in j.workers[1].output
-    # The other worker, waiting for a round worker 1 never pushes, is told at once, naming it; so is everyone.
+    # The other worker, waiting for a round worker 1 never pushes, is told at once, naming it (and how it raised:
+    # not that it finished); so is everyone.
     code0, took0 = _waited(j.workers[0], 10)
     assert code0 != 0 and "PeerFailedError" in j.workers[0].output and "worker 1" in j.workers[0].output, \
         j.workers[0].output
+    if what.startswith("raise"):
+        assert "failed: RuntimeError: user bug in the training script" in j.workers[0].output, j.workers[0].output
     assert j.scheduler.wait(10) != 0 and j.server.wait(10) != 0
     print(f"{what}: worker 1 exited {took:.2f}s after the start, worker 0 {took0:.2f}s after it")
     assert took0 < TOLD_WITHIN_S
