@@ -169,13 +169,13 @@ def predict(sc: Scenario, cal: Calibration) -> Prediction:
 
         t_push   = max(xfer(M, B_w), xfer(W*M_s, B_s))        # the slower of a worker's uplink and the shard's
         t_cpu    = W * (k * o + M_s / R)                       # shard CPU for one round (k messages per worker)
-        t_pull   = max(xfer(M/k, B_w), xfer(W*M_s*f, B_s))    # f = 1/k: only the last message's replies remain
+        t_pull   = max(xfer(M_s/k, B_w), xfer(W*M_s*f, B_s))  # f = 1/k: only the last message's replies remain
         step     = C + rtt + max(t_push, t_cpu) + t_pull
         X        = W / step
 
     Async (each worker on its own clock; push and pull share a shard's link in opposite directions)::
 
-        X = min(W / (C + rtt + xfer(M, B_w) + xfer(M/k, B_w)),  B_s / (M_s * overhead),  1 / (k*o + M_s / R))
+        X = min(W / (C + rtt + xfer(M, B_w) + xfer(M_s/k, B_w)),  B_s / (M_s * overhead),  1 / (k*o + M_s / R))
     """
     W, k = sc.workers, sc.messages
     t_latency = cal.rtt_s
@@ -183,8 +183,9 @@ def predict(sc: Scenario, cal: Calibration) -> Prediction:
     worker_x = _xfer(sc.model_bytes, sc.worker_link, sc)
     server_x = _xfer(W * sc.shard_bytes, sc.server_link, sc)
     # Pipelining: a shard answers message i while message i+1 is still arriving, so only the last of the k
-    # messages' replies is not hidden behind the push.
-    worker_tail = _xfer(sc.model_bytes / k, sc.worker_link, sc)
+    # messages' replies is not hidden behind the push. A worker's own link has one message's reply left, M_s/k:
+    # its messages to the other shards go out in between, and those shards answer while it is still pushing.
+    worker_tail = _xfer(sc.shard_bytes / k, sc.worker_link, sc)
     server_tail = _xfer(W * sc.shard_bytes * _tail_fraction(sc, cal), sc.server_link, sc)
     terms = {"worker_xfer_s": worker_x, "server_xfer_s": server_x, "worker_tail_s": worker_tail,
              "server_tail_s": server_tail}
@@ -218,13 +219,13 @@ def predict(sc: Scenario, cal: Calibration) -> Prediction:
 def saturation_point(sc: Scenario, cal: Calibration) -> tuple[float, float]:
     """``(W_knee, plateau)``: where the shards' links saturate, and the throughput they cap the job at.
 
-    Below the knee throughput grows linearly, ``W / (C + rtt + xfer(M, B_w) + xfer(M/k, B_w))``; above it, it
+    Below the knee throughput grows linearly, ``W / (C + rtt + xfer(M, B_w) + xfer(M_s/k, B_w))``; above it, it
     approaches the plateau ``B_s / ((1 + 1/k) * M_s * overhead)`` (sync; ``B_s / (M_s * overhead)`` async).
     The knee is where the two lines cross.
     """
     k = sc.messages
     single = sc.compute_s + cal.rtt_s + _xfer(sc.model_bytes, sc.worker_link, sc) + _xfer(
-        sc.model_bytes / k, sc.worker_link, sc)
+        sc.shard_bytes / k, sc.worker_link, sc)
     many = Scenario(**{**asdict(sc), "workers": 1 << 30})  # the plateau is the limit W -> infinity
     factor = 1.0 + _tail_fraction(many, cal) if sc.mode == "sync" else 1.0
     plateau = sc.server_link / (factor * sc.shard_bytes * sc.wire_overhead)
