@@ -7,7 +7,9 @@ shard's aggregation rate (bytes of gradient it sums and applies per second) and 
 
 Its central prediction is the CNTK/BytePS observation: with one server, throughput grows with W only until the
 server's link carries W times a worker's traffic, then flattens at ``B_s / (2 M_s)`` steps per second; S shards
-lift that plateau S-fold, as long as the model splits into at least S chunks.
+lift that plateau S-fold, as long as the model splits into at least S chunks. Turned around, it is a capacity
+planner: :func:`smallest_servers` finds the fewest shards (and the shard link) that keep W workers at a given
+fraction of linear scaling (:func:`efficiency`).
 """
 
 from __future__ import annotations
@@ -418,13 +420,14 @@ class _Planner:
                 break
         # The first S to reach the target is also the best so far: every S before it fell short.
         common = dict(workers=workers, target=target, max_servers=max_servers, alone_steps_per_s=self.alone,
-                      servers=best,
-                      efficiency=best_eff, bottleneck=predict(self.scenario(workers, best), self.cal).bottleneck,
+                      servers=best, efficiency=best_eff,
+                      bottleneck=predict(self.scenario(workers, best), self.cal).bottleneck,
                       matched_servers=max(1, math.ceil(workers * base.worker_link / base.server_link - 1e-9)))
         if found is not None:
             link = self.least_link(workers, found, target, 0.0, base.server_link)
             return Plan(reached=True, server_link=link, link_servers=found, limit="", **common)
-        # No S at the given links. With faster shard links? Only the S with a split of their own can differ.
+        # No S at the given links. With faster shard links? predict() sees S only through the busiest shard's
+        # bytes and messages, so only the first S of each split needs trying.
         splits: dict[tuple[int, int], int] = {}
         for servers in range(1, max_servers + 1):
             splits.setdefault(_split(self.key, servers, self.partition_bytes, base.model_bytes), servers)
