@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import functools
 import logging
+import math
 import os
 import signal
 import sys
@@ -114,26 +115,70 @@ def _model(args: argparse.Namespace) -> int:
     tensors = model_tensors(args.model, args.partition_bytes)
     link = parse_rate(args.link)
     server_link = parse_rate(args.server_link) if args.server_link else link
+    job = dict(tensors=tensors, cal=cal, link_bits=link, compute_s=args.compute_ms / 1000, mode=args.mode,
+               partition_bytes=args.partition_bytes, server_link_bits=server_link)
+    # Everything that can refuse the arguments runs before the first line is printed.
+    plans = None
+    if args.target_efficiency is not None:
+        plans = [perfmodel.smallest_servers(workers, args.target_efficiency, **job) for workers in args.workers]
+    if args.plot:
+        perfmodel.plot_efficiency(args.plot, args.workers, args.servers, target=args.target_efficiency, **job,
+                                  title=f"{args.model}, links {args.link}/{args.server_link or args.link}, "
+                                        f"compute {args.compute_ms:g} ms, {args.mode}")
     print(f"model {args.model}: {model_bytes(tensors) / 1e6:.1f} MB in "
           f"{len(tensors)} tensors; links: worker {args.link}, server {args.server_link or args.link}; compute "
           f"{args.compute_ms:g} ms; {args.mode}")
     what = "calibration (measured here)" if args.calibrate else "assumed costs (--calibrate measures them)"
     print(f"{what}: aggregation {cal.agg_bytes_per_s / 1e9:.2f} GB/s, message overhead "
           f"{cal.msg_overhead_s * 1e6:.0f} us, round trip {cal.rtt_s * 1e6:.0f} us")
-    for servers in args.servers:
-        base = perfmodel.scenario_for(1, servers, tensors, link, args.compute_ms / 1000, args.mode,
-                                      args.partition_bytes, server_link)
-        knee, plateau = perfmodel.saturation_point(base, cal)
-        print(f"\nS={servers}: busiest shard holds {base.shard_bytes / 1e6:.2f} MB; the shards' links saturate "
-              f"at W ~ {knee:.1f}; throughput plateau {plateau:.1f} worker-steps/s")
-        print(f"{'W':>8} {'step ms':>10} {'worker-steps/s':>15} {'per worker':>11}  bottleneck")
-        for workers in args.workers:
-            sc = perfmodel.scenario_for(workers, servers, tensors, link, args.compute_ms / 1000, args.mode,
-                                        args.partition_bytes, server_link)
-            p = perfmodel.predict(sc, cal)
-            print(f"{workers:>8} {p.step_s * 1000:>10.1f} {p.steps_per_s:>15.1f} {p.steps_per_s / workers:>11.2f}"
-                  f"  {p.bottleneck}")
+    if plans is not None:
+        _print_plans(plans, args.server_link or args.link)
+    else:
+        for servers in args.servers:
+            base = perfmodel.scenario_for(1, servers, tensors, link, args.compute_ms / 1000, args.mode,
+                                          args.partition_bytes, server_link)
+            knee, plateau = perfmodel.saturation_point(base, cal)
+            print(f"\nS={servers}: busiest shard holds {base.shard_bytes / 1e6:.2f} MB; the shards' links saturate "
+                  f"at W ~ {knee:.1f}; throughput plateau {plateau:.1f} worker-steps/s")
+            print(f"{'W':>8} {'step ms':>10} {'worker-steps/s':>15} {'per worker':>11}  bottleneck")
+            for workers in args.workers:
+                sc = perfmodel.scenario_for(workers, servers, tensors, link, args.compute_ms / 1000, args.mode,
+                                            args.partition_bytes, server_link)
+                p = perfmodel.predict(sc, cal)
+                print(f"{workers:>8} {p.step_s * 1000:>10.1f} {p.steps_per_s:>15.1f} "
+                      f"{p.steps_per_s / workers:>11.2f}  {p.bottleneck}")
+    if args.plot:
+        print(f"\nwrote {args.plot}")
     return 0
+
+
+def _print_plans(plans: list, server_link: str) -> None:
+    """The capacity planner's table: per W the smallest S, its efficiency and the shard link it needs."""
+    first = plans[0]
+    print(f"\ntarget: efficiency >= {first.target:g}, i.e. throughput >= {first.target:g} x W x "
+          f"{first.alone_steps_per_s:.2f} worker-steps/s (one worker with one server)")
+    print(f"{'W':>8} {'smallest S':>11} {'efficiency':>11} {'shard link':>11} {'S=W*Bw/Bs':>10}  bottleneck at S")
+    for plan in plans:
+        if plan.reached:
+            print(f"{plan.workers:>8} {plan.servers:>11} {plan.efficiency:>11.3f} "
+                  f"{_rate(plan.server_link * 8):>11} {plan.matched_servers:>10}  {plan.bottleneck}")
+            continue
+        if plan.server_link is not None:
+            how = (f"limit: shard link; S={plan.link_servers} with {_rate(plan.server_link * 8)} shard links "
+                   "reaches it")
+        else:
+            how = f"limit: {plan.limit}, which no shard link lifts"
+        print(f"{plan.workers:>8} {'-':>11} {'-':>11} {'-':>11} {plan.matched_servers:>10}  none of S <= "
+              f"{plan.max_servers} reaches it at {server_link} (best {plan.efficiency:.3f} at "
+              f"S={plan.servers}); {how}")
+
+
+def _rate(bits: float) -> str:
+    """A link rate as tc writes one (``psrt model --server-link`` takes it back), rounded up."""
+    for unit, scale in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bits >= scale:
+            return f"{math.ceil(bits / scale * 100) / 100:g}{unit}"
+    return f"{math.ceil(bits):g}bit"
 
 
 def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -368,6 +413,13 @@ def build_parser() -> argparse.ArgumentParser:
     mo.add_argument("--reply-tail", type=float, default=None,
                     help="fraction of a round's replies sent after its last push on a shared shard link "
                          "(default: ideal pipelining; bench/scaling.py measures it, docs/perfmodel.md explains)")
+    mo.add_argument("--target-efficiency", type=float, default=None, metavar="E",
+                    help="capacity planning: for each W (1 to 10,000), the smallest S (1 to 1,000) that keeps the job "
+                         "at E (0 < E <= 1) of linear scaling (W x one worker's throughput), and the shard link that "
+                         "needs (docs/perfmodel.md, 'The capacity planner')")
+    mo.add_argument("--plot", default=None, metavar="FILE",
+                    help="draw efficiency against W for each --servers S (and the target), e.g. eff.png; needs "
+                         "matplotlib: pip install 'psrt[plot]'")
     mo.set_defaults(func=_model)
 
     d = sub.add_parser("demo", help="train a classifier on scikit-learn's digits with local shards and workers",

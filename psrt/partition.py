@@ -12,15 +12,18 @@ the number of shards and the partition size — never on dict order — so every
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from psrt.errors import ConfigError
 
-__all__ = ["Chunk", "PartitionMap"]
+__all__ = ["Chunk", "PartitionMap", "busiest_shard"]
 
 #: Most chunks sent in one message (keeps headers far below the decode limits).
 MAX_CHUNKS_PER_MESSAGE = 4096
@@ -101,32 +104,14 @@ class PartitionMap:
         for name in specs:  # check everything first: a refused call leaves the map as it was
             if name in self.tensors:
                 raise ConfigError(f"tensor {name!r} is already initialized")
-        pieces: list[tuple[str, int, int, int, np.dtype]] = []
+        runs = _runs(specs, self.num_shards, self.partition_bytes)
         for name in sorted(specs):
             shape, dtype = specs[name]
-            dtype = np.dtype(dtype)
-            count = math.prod(shape)
-            per_chunk = max(1, self.partition_bytes // dtype.itemsize)
-            parts = max(1, -(-count // per_chunk))
-            nbytes = count * dtype.itemsize
-            if self.num_shards > 1 and nbytes >= 2 * MIN_PIECE_BYTES:
-                balanced = -(-parts // self.num_shards) * self.num_shards
-                parts = min(balanced, max(parts, nbytes // MIN_PIECE_BYTES))
-            base, extra = divmod(count, parts)
-            start = 0
-            for part in range(parts):
-                n = base + (1 if part < extra else 0)
-                pieces.append((name, part, start, n, dtype))
-                start += n
-            self.tensors[name] = (tuple(shape), dtype)
-        # Largest first, then by name and part: a total order, so every worker assigns identically.
-        pieces.sort(key=lambda p: (-p[3] * p[4].itemsize, p[0], p[1]))
+            self.tensors[name] = (tuple(shape), np.dtype(dtype))
+        shards = _assign([-run[0] for run in runs for _ in range(run[3])], self.shard_bytes)
         out: list[Chunk] = []
-        for name, part, start, count, dtype in pieces:
-            shard = min(range(self.num_shards), key=lambda s: (self.shard_bytes[s], s))
-            chunk = Chunk(name, part, start, count, dtype, shard)
-            self.shard_bytes[shard] += chunk.nbytes
-            self.chunks.setdefault(name, []).append(chunk)
+        for chunk in _chunks(runs, shards):
+            self.chunks.setdefault(chunk.name, []).append(chunk)
             out.append(chunk)
         for name in specs:
             self.chunks[name].sort(key=lambda c: c.part)
@@ -174,3 +159,129 @@ class PartitionMap:
             if msg:
                 out.setdefault(shard, []).append(msg)
         return out
+
+
+def _parts(count: int, itemsize: int, num_shards: int, partition_bytes: int) -> int:
+    """How many pieces a tensor of ``count`` elements is cut into (the module's docstring says the rule)."""
+    parts = max(1, -(-count // max(1, partition_bytes // itemsize)))
+    nbytes = count * itemsize
+    if num_shards > 1 and nbytes >= 2 * MIN_PIECE_BYTES:
+        balanced = -(-parts // num_shards) * num_shards
+        parts = min(balanced, max(parts, nbytes // MIN_PIECE_BYTES))
+    return parts
+
+
+#: A row of equal pieces of one tensor: ``(-bytes of each, name, first part, pieces, elements each, dtype,
+#: elements of the tensor // parts, elements of the tensor % parts)``.
+_Run = tuple[int, str, int, int, int, np.dtype, int, int]
+
+
+def _runs(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_shards: int, partition_bytes: int) -> list[_Run]:
+    """The pieces ``specs`` are cut into, as rows of equal pieces in assignment order.
+
+    Largest first, then by name and part: a total order, so every worker assigns identically. A tensor's pieces
+    differ by at most one element, the larger ones first, so each tensor makes at most two rows, and sorting the
+    rows orders the pieces as sorting the pieces would.
+    """
+    runs: list[_Run] = []
+    for name, (shape, dtype) in specs.items():
+        dtype = np.dtype(dtype)
+        count = math.prod(shape)
+        parts = _parts(count, dtype.itemsize, num_shards, partition_bytes)
+        base, extra = divmod(count, parts)
+        if extra:
+            runs.append((-(base + 1) * dtype.itemsize, name, 0, extra, base + 1, dtype, base, extra))
+        if parts > extra:
+            runs.append((-base * dtype.itemsize, name, extra, parts - extra, base, dtype, base, extra))
+    runs.sort(key=lambda r: r[:3])
+    return runs
+
+
+def _assign(sizes: Sequence[int], loads: list[int]) -> list[int]:
+    """The shard of each piece, placed in turn on the shard holding the fewest bytes (ties to the lowest index).
+
+    ``loads`` holds each shard's bytes so far and is updated. A heap finds that shard in O(log S) per piece, so a
+    map of a thousand shards costs little more than one of four; its entries are ``bytes * S + shard``, which
+    order as ``(bytes, shard)`` do, as plain integers. Two shortcuts give the same shards as placing each piece
+    in turn, for maps of many shards and many equal pieces (the performance model asks for up to a thousand):
+    while every shard holds the same, the next pieces go one to each, in shard order; and at least S equal
+    pieces of ``p`` bytes, while no two shards differ by ``p`` or more, go round after round to the shards in the
+    order of their bytes (each round adds ``p`` to every shard, so the order stays).
+    """
+    n = len(loads)
+    first = 0
+    if loads and min(loads) == max(loads):
+        while first < min(n, len(sizes)) and sizes[first] > 0:
+            first += 1
+    heap = [(load + sizes[shard] if shard < first else load) * n + shard for shard, load in enumerate(loads)]
+    heapq.heapify(heap)
+    out = list(range(first))
+    replace = heapq.heapreplace
+    i = first
+    while i < len(sizes):
+        size = sizes[i]
+        end = i + 1
+        while end < len(sizes) and sizes[end] == size:
+            end += 1
+        left, i = end - i, end
+        while left:
+            if left >= n and max(heap) // n - heap[0] // n < size:
+                order = sorted(heap)
+                rounds, rest = divmod(left, n)
+                out.extend(([entry % n for entry in order] * (rounds + 1))[:left])
+                heap = [entry + (rounds + (k < rest)) * size * n for k, entry in enumerate(order)]
+                heapq.heapify(heap)
+                left = 0
+            else:
+                for _ in range(min(left, n)):
+                    top = heap[0]
+                    replace(heap, top + size * n)
+                    out.append(top % n)
+                left -= min(left, n)
+    for entry in heap:
+        loads[entry % n] = entry // n
+    return out
+
+
+def _chunks(runs: Sequence[_Run], shards: Sequence[int]) -> Iterable[Chunk]:
+    """The chunks of ``runs``' pieces, on the shards :func:`_assign` gave them."""
+    i = 0
+    for _, name, first, n, count, dtype, base, extra in runs:
+        for part in range(first, first + n):
+            yield Chunk(name, part, part * base + min(part, extra), count, dtype, shards[i])
+            i += 1
+
+
+def busiest_shard(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_shards: int,
+                  partition_bytes: int) -> list[Chunk]:
+    """The chunks of the shard holding the most bytes (the lowest index of equals) in a new map of ``specs``.
+
+    The same chunks as ``PartitionMap(num_shards, partition_bytes).add(specs)`` puts on that shard, in
+    ``(name, part)`` order, without building the rest of the map: the performance model asks this for every
+    shard count up to a thousand.
+
+    Parameters
+    ----------
+    specs : mapping
+        ``name -> (shape, dtype)``, as :meth:`PartitionMap.add` takes them.
+    num_shards, partition_bytes : int
+        As :class:`PartitionMap` takes them.
+
+    Returns
+    -------
+    list of Chunk
+        The busiest shard's chunks; :meth:`PartitionMap.messages` groups them into its messages.
+    """
+    PartitionMap(num_shards, partition_bytes)  # the same checks of the arguments
+    runs = _runs(specs, num_shards, partition_bytes)
+    loads = [0] * num_shards
+    shards = _assign([-run[0] for run in runs for _ in range(run[3])], loads)
+    busiest = max(range(num_shards), key=loads.__getitem__)
+    offsets = list(itertools.accumulate((run[3] for run in runs), initial=0))
+    out = []
+    for i in (i for i, shard in enumerate(shards) if shard == busiest):
+        r = bisect.bisect_right(offsets, i) - 1
+        _, name, first, _, count, dtype, base, extra = runs[r]
+        part = first + i - offsets[r]
+        out.append(Chunk(name, part, part * base + min(part, extra), count, dtype, busiest))
+    return sorted(out, key=lambda c: (c.name, c.part))

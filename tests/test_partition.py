@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from psrt.errors import ConfigError
-from psrt.partition import MAX_CHUNKS_PER_MESSAGE, MIN_PIECE_BYTES, Chunk, PartitionMap
+from psrt.partition import MAX_CHUNKS_PER_MESSAGE, MIN_PIECE_BYTES, Chunk, PartitionMap, busiest_shard
 
 MiB = 1 << 20
 HSETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -191,6 +191,68 @@ def test_many_equal_tensors_spread_evenly():
     pmap = PartitionMap(4, 1 << 20)
     pmap.add({f"t{i:02d}": ((256,), np.float32) for i in range(40)})
     assert pmap.shard_bytes == [10 * 1024] * 4
+
+
+def placed_one_by_one(pmap: PartitionMap, specs, loads: list[int]) -> dict[tuple[str, int], int]:
+    """The rule itself, slowly: every piece in turn, largest first (then name, part), to the shard holding the
+    fewest bytes, ties to the lowest index; ``loads`` are the shards' bytes before, and are updated."""
+    probe = PartitionMap(pmap.num_shards, pmap.partition_bytes)
+    pieces = sorted(probe.add(specs), key=lambda c: (-c.nbytes, c.name, c.part))  # its cuts, not its shards
+    where = {}
+    for c in pieces:
+        shard = min(range(len(loads)), key=lambda s: (loads[s], s))
+        loads[shard] += c.nbytes
+        where[c.key] = shard
+    return where
+
+
+# Many equal pieces (ResNet/BERT-like layers cut into MIN_PIECE_BYTES pieces), a few odd sizes and empty tensors,
+# over up to 40 shards: the sizes where the assignment's shortcuts (a new map's first round, rounds of equal
+# pieces) apply, and where they must not (shards that differ by a piece or more, pieces of no bytes).
+equal_piece_specs = st.dictionaries(
+    st.text("abcdefgh", min_size=1, max_size=3),
+    st.tuples(st.sampled_from([(0,), (1,), (7,), (65536,), (262144,), (262145,), (1 << 20,), (3 << 20,)]),
+              st.just(np.dtype(np.float32))),
+    min_size=1, max_size=24)
+
+
+@HSETTINGS
+@given(batches=st.lists(equal_piece_specs, min_size=1, max_size=2), num_shards=st.integers(1, 40),
+       partition_bytes=st.sampled_from([65536, 1 << 20, 4 << 20]))
+def test_assignment_follows_the_rule_piece_by_piece(batches, num_shards, partition_bytes):
+    pmap = PartitionMap(num_shards, partition_bytes)
+    loads = [0] * num_shards
+    seen: set = set()
+    for batch in batches:
+        batch = {k: v for k, v in batch.items() if k not in seen}
+        if not batch:
+            continue
+        expected = placed_one_by_one(pmap, batch, loads)
+        pmap.add(batch)
+        seen |= set(batch)
+        assert {c.key: c.shard for c in pmap.chunks_of(sorted(batch))} == expected
+        assert pmap.shard_bytes == loads
+
+
+@HSETTINGS
+@given(specs=equal_piece_specs, num_shards=st.integers(1, 40),
+       partition_bytes=st.sampled_from([65536, 1 << 20, 4 << 20]))
+def test_busiest_shard_is_the_maps_busiest(specs, num_shards, partition_bytes):
+    pmap = PartitionMap(num_shards, partition_bytes)
+    pmap.add(specs)
+    busiest = max(range(num_shards), key=lambda s: pmap.shard_bytes[s])  # the first of equals
+    held = [c for name in sorted(specs) for c in pmap.chunks_of([name]) if c.shard == busiest]
+    assert busiest_shard(specs, num_shards, partition_bytes) == held
+    assert sum(c.nbytes for c in held) == max(pmap.shard_bytes)
+
+
+def test_busiest_shard_of_a_thousand_shards():
+    # 24 tensors of 1 MiB are 96 pieces of MIN_PIECE_BYTES at any S > 24: one each on shards 0..95.
+    specs = {f"t{i:02d}": ((1 << 18,), np.float32) for i in range(24)}
+    (chunk,) = busiest_shard(specs, 1000, 4 << 20)
+    assert (chunk.name, chunk.part, chunk.shard, chunk.nbytes) == ("t00", 0, 0, MIN_PIECE_BYTES)
+    with pytest.raises(ConfigError, match="at least one shard"):
+        busiest_shard(specs, 0, 4 << 20)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def test_every_third_party_import_is_declared():
     where = {
         # psrt itself: its dependencies, and the extras that name what its optional parts need.
         "psrt": (sorted((ROOT / "psrt").rglob("*.py")),
-                 core | extras["metrics"] | extras["examples"] | extras["torch"]),
+                 core | extras["metrics"] | extras["examples"] | extras["torch"] | extras["plot"]),
         # The benchmarks: what README's `pip install -e ".[bench]"` installs; peers.py's baselines in `peers`.
         "bench": (sorted((ROOT / "bench").glob("*.py")), core | extras["bench"] | extras["peers"]),
     }

@@ -7,11 +7,15 @@ shard's aggregation rate (bytes of gradient it sums and applies per second) and 
 
 Its central prediction is the CNTK/BytePS observation: with one server, throughput grows with W only until the
 server's link carries W times a worker's traffic, then flattens at ``B_s / (2 M_s)`` steps per second; S shards
-lift that plateau S-fold, as long as the model splits into at least S chunks.
+lift that plateau S-fold, as long as the model splits into at least S chunks. Turned around, it is a capacity
+planner: :func:`smallest_servers` finds the fewest shards (and the shard link) that keep W workers at a given
+fraction of linear scaling (:func:`efficiency`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -22,10 +26,11 @@ import numpy as np
 
 from psrt.emulation import models
 from psrt.errors import ConfigError
-from psrt.partition import PartitionMap
+from psrt.partition import PartitionMap, busiest_shard
 
 __all__ = ["Calibration", "Scenario", "Prediction", "predict", "saturation_point", "calibrate", "shard_split",
-           "tail_from_run", "scenario_for", "TCP_OVERHEAD"]
+           "tail_from_run", "scenario_for", "TCP_OVERHEAD", "Plan", "efficiency", "smallest_servers",
+           "plot_efficiency", "PLAN_MAX_WORKERS", "PLAN_MAX_SERVERS"]
 
 #: Bytes on the wire per payload byte for TCP/IPv4 over Ethernet with timestamps: (1448 + 66) / 1448.
 TCP_OVERHEAD = (1448 + 66) / 1448
@@ -124,11 +129,10 @@ class Prediction:
 def shard_split(tensors: Sequence[tuple[str, tuple[int, ...]]], servers: int, partition_bytes: int,
                 itemsize: int = 4) -> tuple[int, int]:
     """``(bytes on the busiest shard, messages a worker sends it per step)`` under psrt's partition map."""
-    pmap = PartitionMap(servers, partition_bytes)
-    chunks = pmap.add({name: (shape, np.dtype(f"f{itemsize}")) for name, shape in tensors})
-    msgs = pmap.messages(sorted(chunks, key=lambda c: (c.name, c.part)))
-    busiest = max(range(servers), key=lambda s: pmap.shard_bytes[s])
-    return pmap.shard_bytes[busiest], max(1, len(msgs.get(busiest, [])))
+    chunks = busiest_shard({name: (shape, np.dtype(f"f{itemsize}")) for name, shape in tensors}, servers,
+                           partition_bytes)
+    msgs = PartitionMap(servers, partition_bytes).messages(chunks)
+    return sum(c.nbytes for c in chunks), max(1, sum(len(m) for m in msgs.values()))
 
 
 def _xfer(nbytes: float, link: float, sc: Scenario) -> float:
@@ -167,13 +171,13 @@ def predict(sc: Scenario, cal: Calibration) -> Prediction:
 
         t_push   = max(xfer(M, B_w), xfer(W*M_s, B_s))        # the slower of a worker's uplink and the shard's
         t_cpu    = W * (k * o + M_s / R)                       # shard CPU for one round (k messages per worker)
-        t_pull   = max(xfer(M/k, B_w), xfer(W*M_s*f, B_s))    # f = 1/k: only the last message's replies remain
+        t_pull   = max(xfer(M_s/k, B_w), xfer(W*M_s*f, B_s))  # f = 1/k: only the last message's replies remain
         step     = C + rtt + max(t_push, t_cpu) + t_pull
         X        = W / step
 
     Async (each worker on its own clock; push and pull share a shard's link in opposite directions)::
 
-        X = min(W / (C + rtt + xfer(M, B_w) + xfer(M/k, B_w)),  B_s / (M_s * overhead),  1 / (k*o + M_s / R))
+        X = min(W / (C + rtt + xfer(M, B_w) + xfer(M_s/k, B_w)),  B_s / (M_s * overhead),  1 / (k*o + M_s / R))
     """
     W, k = sc.workers, sc.messages
     t_latency = cal.rtt_s
@@ -181,8 +185,9 @@ def predict(sc: Scenario, cal: Calibration) -> Prediction:
     worker_x = _xfer(sc.model_bytes, sc.worker_link, sc)
     server_x = _xfer(W * sc.shard_bytes, sc.server_link, sc)
     # Pipelining: a shard answers message i while message i+1 is still arriving, so only the last of the k
-    # messages' replies is not hidden behind the push.
-    worker_tail = _xfer(sc.model_bytes / k, sc.worker_link, sc)
+    # messages' replies is not hidden behind the push. A worker's own link has one message's reply left, M_s/k:
+    # its messages to the other shards go out in between, and those shards answer while it is still pushing.
+    worker_tail = _xfer(sc.shard_bytes / k, sc.worker_link, sc)
     server_tail = _xfer(W * sc.shard_bytes * _tail_fraction(sc, cal), sc.server_link, sc)
     terms = {"worker_xfer_s": worker_x, "server_xfer_s": server_x, "worker_tail_s": worker_tail,
              "server_tail_s": server_tail}
@@ -216,13 +221,13 @@ def predict(sc: Scenario, cal: Calibration) -> Prediction:
 def saturation_point(sc: Scenario, cal: Calibration) -> tuple[float, float]:
     """``(W_knee, plateau)``: where the shards' links saturate, and the throughput they cap the job at.
 
-    Below the knee throughput grows linearly, ``W / (C + rtt + xfer(M, B_w) + xfer(M/k, B_w))``; above it, it
+    Below the knee throughput grows linearly, ``W / (C + rtt + xfer(M, B_w) + xfer(M_s/k, B_w))``; above it, it
     approaches the plateau ``B_s / ((1 + 1/k) * M_s * overhead)`` (sync; ``B_s / (M_s * overhead)`` async).
     The knee is where the two lines cross.
     """
     k = sc.messages
     single = sc.compute_s + cal.rtt_s + _xfer(sc.model_bytes, sc.worker_link, sc) + _xfer(
-        sc.model_bytes / k, sc.worker_link, sc)
+        sc.shard_bytes / k, sc.worker_link, sc)
     many = Scenario(**{**asdict(sc), "workers": 1 << 30})  # the plateau is the limit W -> infinity
     factor = 1.0 + _tail_fraction(many, cal) if sc.mode == "sync" else 1.0
     plateau = sc.server_link / (factor * sc.shard_bytes * sc.wire_overhead)
@@ -273,14 +278,298 @@ def scenario_for(workers: int, servers: int, tensors: Sequence[tuple[str, tuple[
                  server_link_bits: Optional[float] = None, burst_bytes: float = 0.0) -> Scenario:
     """Build a :class:`Scenario` from a model's tensors and link speeds in bits/s."""
     model_bytes = models.model_bytes(tensors)
-    if len(tensors) > 2000 or model_bytes / partition_bytes > 20000:
-        # Very large models: assume the partition map balances to within one chunk.
-        chunk = min(partition_bytes, model_bytes)
-        shard_bytes = max(math.ceil(model_bytes / servers), chunk)
-        messages = max(1, math.ceil(shard_bytes / partition_bytes))
-    else:
-        shard_bytes, messages = shard_split(tensors, servers, partition_bytes)
+    shard_bytes, messages = _split(_key(tensors), servers, partition_bytes, model_bytes)
     return Scenario(workers=workers, servers=servers, model_bytes=model_bytes, shard_bytes=shard_bytes,
                     messages=messages, worker_link=link_bits / 8,
                     server_link=(server_link_bits or link_bits) / 8, compute_s=compute_s, mode=mode,
                     burst_bytes=burst_bytes)
+
+
+def _key(tensors: Sequence[tuple[str, tuple[int, ...]]]) -> tuple:
+    """A model's tensors as a hashable key (the splits are cached by it)."""
+    return tuple((name, tuple(shape)) for name, shape in tensors)
+
+
+@functools.lru_cache(maxsize=8192)
+def _split(key: tuple, servers: int, partition_bytes: int, model_bytes: int) -> tuple[int, int]:
+    """``(bytes on the busiest shard, messages to it)``, cached: the planner asks for every S up to 1,000."""
+    if len(key) > 2000 or model_bytes / partition_bytes > 20000:
+        # Very large models: assume the partition map balances to within one chunk.
+        chunk = min(partition_bytes, model_bytes)
+        shard_bytes = max(math.ceil(model_bytes / servers), chunk)
+        return shard_bytes, max(1, math.ceil(shard_bytes / partition_bytes))
+    return shard_split(key, servers, partition_bytes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The capacity planner (docs/perfmodel.md, "The capacity planner").
+
+#: The planner's range: any W up to this many workers ...
+PLAN_MAX_WORKERS = 10_000
+#: ... and S up to this many servers.
+PLAN_MAX_SERVERS = 1_000
+#: A calibration whose shards cost no CPU at all: it tells whether the shards' CPU is what stops a job (an
+#: infinite rate would divide by zero in the async equations).
+_FREE_CPU = {"agg_bytes_per_s": 1e300, "msg_overhead_s": 0.0}
+#: Shard links are searched to this relative precision, between these bounds (bytes/s).
+_LINK_PRECISION = 1e-4
+_LINK_FLOOR, _LINK_CEILING = 1.0, 1e30
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the capacity planner found for one W (:func:`smallest_servers`).
+
+    Attributes
+    ----------
+    workers : int
+        W.
+    target : float
+        The efficiency asked for.
+    alone_steps_per_s : float
+        Steps/s of one worker with one server at the given links: linear scaling is W times this.
+    servers : int
+        The smallest S that reaches the target at the given links; when none of S <= ``max_servers`` does
+        (``reached`` false), the S of the highest efficiency there (the smallest of equals).
+    efficiency : float
+        The efficiency of ``servers`` at the given links.
+    reached : bool
+        Whether ``efficiency >= target``.
+    server_link : float or None
+        Bytes/s per shard link, each direction. When reached: the least at which ``servers`` still reaches the
+        target (no smaller S does at any link that low, so ``servers`` stays the smallest). When not: the least at
+        which some S <= ``max_servers`` reaches it, or None when no shard link does.
+    link_servers : int or None
+        The smallest S that reaches the target with shard links of ``server_link`` (``servers`` when reached).
+    limit : str
+        ``""`` when reached; otherwise what stops the job: ``"shard link"`` (a faster one reaches the target),
+        ``"shard CPU"`` (no shard link does, shards without CPU cost would) or ``"worker link"`` (neither does).
+    bottleneck : str
+        :func:`predict`'s bottleneck for ``servers`` at the given links.
+    matched_servers : int
+        The S that gives the shards as much bandwidth as the workers, ``ceil(W * B_w / B_s)``: the rule BytePS
+        derives for a bandwidth-bound job.
+    max_servers : int
+        The largest S tried.
+    """
+
+    workers: int
+    target: float
+    alone_steps_per_s: float
+    servers: int
+    efficiency: float
+    reached: bool
+    server_link: Optional[float]
+    link_servers: Optional[int]
+    limit: str
+    bottleneck: str
+    matched_servers: int
+    max_servers: int
+
+
+class _Planner:
+    """One job's scenarios at every W, S and shard link: one :func:`scenario_for`, then the cached splits."""
+
+    def __init__(self, tensors: Sequence[tuple[str, tuple[int, ...]]], cal: Calibration, link_bits: float,
+                 compute_s: float, mode: str, partition_bytes: int, server_link_bits: Optional[float],
+                 burst_bytes: float) -> None:
+        self.base = scenario_for(1, 1, tensors, link_bits, compute_s, mode, partition_bytes, server_link_bits,
+                                 burst_bytes)
+        self.key = _key(tensors)
+        self.cal = cal
+        self.partition_bytes = partition_bytes
+        self.alone = predict(self.base, cal).steps_per_s
+
+    def scenario(self, workers: int, servers: int, server_link: Optional[float] = None) -> Scenario:
+        shard_bytes, messages = _split(self.key, servers, self.partition_bytes, self.base.model_bytes)
+        return dataclasses.replace(self.base, workers=workers, servers=servers, shard_bytes=shard_bytes,
+                                   messages=messages,
+                                   server_link=self.base.server_link if server_link is None else server_link)
+
+    def efficiency(self, workers: int, servers: int, server_link: Optional[float] = None,
+                   cal: Optional[Calibration] = None) -> float:
+        rate = predict(self.scenario(workers, servers, server_link), cal or self.cal).steps_per_s
+        return rate / (workers * self.alone)
+
+    def least_link(self, workers: int, servers: int, target: float, lo: float, hi: float) -> float:
+        """The least shard link (bytes/s) at which ``servers`` reach ``target``, given that ``hi`` does and ``lo``
+        does not (0: find a ``lo``). Throughput never falls as a shard's link grows, so bisection finds it."""
+        if lo <= 0:
+            lo = hi / 2
+            while self.efficiency(workers, servers, lo) >= target:
+                if lo <= _LINK_FLOOR:
+                    return lo  # a burst larger than the round: the shard's link does not matter
+                hi, lo = lo, lo / 2
+        while hi > lo * (1 + _LINK_PRECISION):
+            mid = math.sqrt(lo * hi)
+            if self.efficiency(workers, servers, mid) >= target:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    def plan(self, workers: int, target: float, max_servers: int) -> Plan:
+        base = self.base
+        found, best, best_eff = None, 1, -1.0
+        for servers in range(1, max_servers + 1):
+            eff = self.efficiency(workers, servers)
+            if eff > best_eff:
+                best, best_eff = servers, eff
+            if eff >= target:
+                found = servers
+                break
+        # The first S to reach the target is also the best so far: every S before it fell short.
+        common = dict(workers=workers, target=target, max_servers=max_servers, alone_steps_per_s=self.alone,
+                      servers=best, efficiency=best_eff,
+                      bottleneck=predict(self.scenario(workers, best), self.cal).bottleneck,
+                      matched_servers=max(1, math.ceil(workers * base.worker_link / base.server_link - 1e-9)))
+        if found is not None:
+            link = self.least_link(workers, found, target, 0.0, base.server_link)
+            return Plan(reached=True, server_link=link, link_servers=found, limit="", **common)
+        # No S at the given links. With faster shard links? predict() sees S only through the busiest shard's
+        # bytes and messages, so only the first S of each split needs trying.
+        splits: dict[tuple[int, int], int] = {}
+        for servers in range(1, max_servers + 1):
+            splits.setdefault(_split(self.key, servers, self.partition_bytes, base.model_bytes), servers)
+        link: Optional[float] = None
+        # The largest S first: the least busy shards need the least link, and a link found prunes the rest.
+        for servers in sorted(splits.values(), reverse=True):
+            if link is not None:
+                if self.efficiency(workers, servers, link) < target:
+                    continue
+                link = self.least_link(workers, servers, target, base.server_link, link)
+                continue
+            if self.efficiency(workers, servers, _LINK_CEILING) < target:
+                continue  # no shard link takes this S there
+            hi = base.server_link * 2
+            while self.efficiency(workers, servers, hi) < target:
+                hi *= 4
+            link = self.least_link(workers, servers, target, base.server_link, hi)
+        if link is not None:
+            at = next(s for s in range(1, max_servers + 1) if self.efficiency(workers, s, link) >= target)
+            return Plan(reached=False, server_link=link, link_servers=at, limit="shard link", **common)
+        free = dataclasses.replace(self.cal, **_FREE_CPU)
+        cpu = any(self.efficiency(workers, s, _LINK_CEILING, free) >= target for s in splits.values())
+        return Plan(reached=False, server_link=None, link_servers=None, limit="shard CPU" if cpu else "worker link",
+                    **common)
+
+
+def _check_plan(workers: int, target: float, max_servers: int) -> None:
+    if not 0 < target <= 1:
+        raise ConfigError(f"the target efficiency must be in (0, 1] (a fraction of linear scaling), got {target}")
+    if not 1 <= workers <= PLAN_MAX_WORKERS:
+        raise ConfigError(f"the capacity planner takes 1 to {PLAN_MAX_WORKERS:,} workers, got {workers:,}")
+    if not 1 <= max_servers <= PLAN_MAX_SERVERS:
+        raise ConfigError(f"the capacity planner tries 1 to {PLAN_MAX_SERVERS:,} servers, got {max_servers:,}")
+
+
+def efficiency(workers: int, servers: int, tensors: Sequence[tuple[str, tuple[int, ...]]], cal: Calibration,
+               link_bits: float, compute_s: float, mode: str = "sync", partition_bytes: int = 4 << 20,
+               server_link_bits: Optional[float] = None, burst_bytes: float = 0.0) -> float:
+    """The fraction of linear scaling a job reaches: ``X(W, S) / (W * X(1, 1))``.
+
+    ``X`` is :func:`predict`'s throughput (worker-steps/s) with the given links, compute, mode and calibration;
+    ``X(1, 1)`` is one worker's with one server, so ``W * X(1, 1)`` is linear scaling. It can exceed 1 where
+    one server costs a lone worker time that S servers do not (shard CPU, a shard link slower than a worker's).
+
+    Parameters
+    ----------
+    workers, servers : int
+        W and S.
+    tensors : sequence of (name, shape)
+        The model (:func:`psrt.emulation.models.model_tensors`); psrt's partition map splits it over S.
+    cal : Calibration
+        The machine's figures.
+    link_bits, compute_s, mode, partition_bytes, server_link_bits, burst_bytes
+        As :func:`scenario_for` takes them.
+
+    Returns
+    -------
+    float
+        The efficiency, 1.0 for linear scaling.
+    """
+    job = _Planner(tensors, cal, link_bits, compute_s, mode, partition_bytes, server_link_bits, burst_bytes)
+    return job.efficiency(workers, servers)
+
+
+def smallest_servers(workers: int, target: float, tensors: Sequence[tuple[str, tuple[int, ...]]],
+                     cal: Calibration, link_bits: float, compute_s: float, mode: str = "sync",
+                     partition_bytes: int = 4 << 20, server_link_bits: Optional[float] = None,
+                     burst_bytes: float = 0.0, max_servers: int = PLAN_MAX_SERVERS) -> Plan:
+    """The smallest S that keeps W workers at ``target`` of linear scaling, and the shard link it needs.
+
+    Efficiency is :func:`efficiency`. It need not grow with S (the partition map's pieces can leave S + 1
+    shards with a busier busiest shard, or fewer messages to pipeline, than S), so every S from 1 up is tried
+    until one reaches the target; the busiest shard's split for each S is cached per model. The shard link is
+    searched by bisection, which is sound because no term of the model grows as a shard's link grows; the
+    target throughput, ``target * W * X(1, 1)``, stays that of the given links while the shard link varies.
+
+    Parameters
+    ----------
+    workers : int
+        W, 1 to :data:`PLAN_MAX_WORKERS`.
+    target : float
+        The efficiency to keep, in (0, 1].
+    tensors, cal, link_bits, compute_s, mode, partition_bytes, server_link_bits, burst_bytes
+        As :func:`efficiency` takes them.
+    max_servers : int
+        The largest S to try, 1 to :data:`PLAN_MAX_SERVERS`.
+
+    Returns
+    -------
+    Plan
+        The S found (or the best S and why none reaches the target), with the shard link.
+
+    Raises
+    ------
+    ConfigError
+        For a target outside (0, 1], or W or ``max_servers`` outside the planner's range.
+    """
+    _check_plan(workers, target, max_servers)
+    job = _Planner(tensors, cal, link_bits, compute_s, mode, partition_bytes, server_link_bits, burst_bytes)
+    return job.plan(workers, target, max_servers)
+
+
+def plot_efficiency(path: str, workers: Sequence[int], servers: Sequence[int],
+                    tensors: Sequence[tuple[str, tuple[int, ...]]], cal: Calibration, link_bits: float,
+                    compute_s: float, mode: str = "sync", partition_bytes: int = 4 << 20,
+                    server_link_bits: Optional[float] = None, burst_bytes: float = 0.0,
+                    target: Optional[float] = None, title: Optional[str] = None) -> None:
+    """Draw :func:`efficiency` against W (log axis), one line per S, and the target's line if given.
+
+    Each line runs over 60 W spaced evenly on the log axis from the smallest to the largest of ``workers``
+    (and through each of them). The format follows ``path``'s extension (``.png``, ``.svg``, ``.pdf``).
+
+    Raises
+    ------
+    ConfigError
+        When matplotlib is not installed (``pip install 'psrt[plot]'``) or the file cannot be written.
+    """
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no global backend or figure state in the caller
+    except ImportError:
+        raise ConfigError("drawing the efficiency plot needs matplotlib: pip install 'psrt[plot]'") from None
+    job = _Planner(tensors, cal, link_bits, compute_s, mode, partition_bytes, server_link_bits, burst_bytes)
+    lo, hi = min(workers), max(workers)
+    grid = sorted({int(round(w)) for w in np.geomspace(lo, hi, 60)} | set(workers))
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    for i, s in enumerate(servers):
+        ax.plot(grid, [job.efficiency(w, s) for w in grid], "-", color=f"C{i % 10}", label=f"S={s}")
+    if target is not None:
+        ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:g}")
+    ax.set_xscale("log")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("workers W")
+    ax.set_ylabel("efficiency: throughput / (W x one worker's)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:  # no such directory, no permission
+        raise ConfigError(f"cannot write the plot to {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # a format matplotlib does not write
+        raise ConfigError(f"cannot write the plot to {path}: {exc}") from None
