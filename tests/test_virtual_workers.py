@@ -172,6 +172,19 @@ def test_the_workers_of_a_process_beat_in_one_message_from_one_thread_and_hear_t
         for b in (beats[0], beats[2]):
             with pytest.raises(PeerFailedError, match="worker 3 died"):
                 b.check()
+        # The aborted thread ended; a worker that comes later beats from a fresh one.
+        deadline = time.monotonic() + 10
+        while _heartbeat_threads() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        beats.append(HeartbeatThread(None, endpoint, 11, interval=0.2, timeout=30.0))
+        ranks = []
+        deadline = time.monotonic() + 10
+        while ranks != [11] and time.monotonic() < deadline:
+            if router.poll(1000):
+                fresh, frame = router.recv_multipart()
+                ranks = msgpack.unpackb(frame)["ranks"]
+        assert ranks == [11] and fresh != identity
+        beats[-1].check()
     finally:
         for b in beats:
             b.stop()

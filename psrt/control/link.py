@@ -337,6 +337,8 @@ class _Beater:
         self._key, self.endpoint, self.interval, self.timeout, self._keys = key, endpoint, interval, timeout, keys
         self._members: dict[int, HeartbeatThread] = {}  # rank -> handle; changed under _lock
         self._joined = threading.Event()  # a new member: beat at once, so that it is seen as soon as it registered
+        self._done = False  # set under _lock once the thread is ending: a later worker starts a fresh one
+        self._ended: Optional[PeerFailedError] = None  # why the thread ended, for a worker that joined meanwhile
         self._pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name="psrt-heartbeat", daemon=True)
 
@@ -348,7 +350,7 @@ class _Beater:
         key = (endpoint, None if keys is None else keys.client_public, interval, timeout, os.getpid())
         with cls._lock:
             beater = cls._running.get(key)
-            if beater is None:
+            if beater is None or beater._done:
                 beater = cls._running[key] = _Beater(key, endpoint, interval, timeout, keys)
                 beater._members[handle.rank] = handle
                 beater._thread.start()
@@ -367,18 +369,30 @@ class _Beater:
                     if h.failure is None:
                         h.failure = PeerFailedError(f"worker {handle.rank} (in this process) failed: {failure}; the "
                                                     "job cannot go on", peer=f"worker {handle.rank}")
-            if last and self._running.get(self._key) is self:
-                del self._running[self._key]  # a worker that comes later starts a fresh thread
+            if last:
+                self._end()  # a worker that comes later starts a fresh thread
         if last:
             self._joined.set()  # wake the thread: it sees no members and ends
             if threading.current_thread() is not self._thread:
                 self._thread.join(timeout)
+
+    def _end(self) -> None:
+        """Mark this beater as ending (under ``_lock``); a worker that joined since it failed shares its failure."""
+        self._done = True
+        if self._running.get(self._key) is self:
+            del self._running[self._key]
+        if self._ended is not None:
+            for h in self._members.values():
+                if h.failure is None:
+                    h.failure = self._ended
 
     def beats_for(self, handle: HeartbeatThread) -> bool:
         return self._thread.is_alive() and self._members.get(handle.rank) is handle
 
     def _fail(self, failure: PeerFailedError, ranks: Optional[Sequence[int]] = None) -> None:
         with self._lock:
+            if ranks is None:
+                self._ended = failure
             handles = list(self._members.values()) if ranks is None else [
                 self._members[r] for r in ranks if r in self._members]
         for h in handles:
@@ -397,6 +411,7 @@ class _Beater:
                 with self._lock:
                     ranks = sorted(r for r, h in self._members.items() if h.failure is None)
                     if not self._members:
+                        self._end()
                         return
                 now = time.monotonic()
                 if now >= next_beat or self._joined.is_set():
@@ -435,8 +450,7 @@ class _Beater:
                                        f"{type(exc).__name__}: {exc}"))
         finally:
             with self._lock:
-                if self._running.get(self._key) is self:
-                    del self._running[self._key]
+                self._end()
             channel.close()
             context.term()
 
