@@ -17,7 +17,8 @@ The CNTK performance study found initialization overhead dominating short runs; 
    over the wall time between the last worker's first step and the first worker's last, read from /proc: the
    heartbeats and barriers of every peer; target <= 10 % of a core at 1,000 workers). At the virtual-worker
    scale one worker then goes silent while its process lives on (its heartbeat stops, its thread hangs), and
-   the bench reports how long the others take to be told, naming it (target < 5 s).
+   the bench reports how long the others take to be told, naming it (target < 5 s). "hints" counts the lines
+   asking whether a scheduler runs there at all, which a job that forms slowly but answers must not print.
 5. ``--budget``: the 1,000-worker command of the scaling work, as a user runs it, ``psrt launch -s 4 -w 1000
    --clients 250 -- psrt worker --model 64KB --compute-ms 300 --steps 5 --warmup 1``: start to exit (target
    <= 120 s), every worker's ``param0`` equal, and the largest process's peak resident memory (target < 1.5 GB).
@@ -181,7 +182,9 @@ def scale_once(servers: int, workers: int, clients: int, steps: int, compute_ms:
     result = {"servers": servers, "workers": workers, "clients": clients, "processes": -(-workers // clients),
               "formed_s": max(events["formed"]) - t0, "first_step_s": max(events["first-step"]) - t0,
               "exit_s": t_exit, "scheduler_cpu_percent": 100.0 * (cb - ca) / max(tb - ta, 1e-9),
-              "steady_s": tb - ta, "leftover_processes": len(leftover(mark))}
+              "steady_s": tb - ta, "leftover_processes": len(leftover(mark)),
+              # A worker that waits for a scheduler that answered (the job forming) must not ask if one runs there.
+              "unreachable_warnings": sum("is a psrt scheduler running there" in line for line in lines)}
     if vanish:
         told = [t - events["vanished"][0] for t in events.get("told", [])]
         result.update(told=len(told), told_median_s=statistics.median(told) if told else None,
@@ -348,7 +351,8 @@ def main() -> int:
     if "scale" in parts:
         print(f"the job at scale: psrt launch -s {args.servers}, sync, 64 KB model, {args.steps} steps of "
               f"{args.compute_ms:g} ms compute after the first (seconds from the launcher's start)")
-        print(f"  {'W':>5} {'procs':>5} {'formed':>7} {'1st step':>8} {'exit':>6} {'sched CPU':>9}  silent peer told")
+        print(f"  {'W':>5} {'procs':>5} {'formed':>7} {'1st step':>8} {'exit':>6} {'sched CPU':>9} {'hints':>5}  "
+              "silent peer told")
         out["scale"] = []
         for workers, clients in args.scales:
             virtual = clients > 1
@@ -357,7 +361,7 @@ def main() -> int:
             told = (f"{r['told']} of {workers - 1} told in {r['told_median_s']:.2f}s median, {r['told_max_s']:.2f}s "
                     "max" if virtual and r["told"] else ("nobody told" if virtual else "-"))
             print(f"  {workers:>5} {r['processes']:>5} {r['formed_s']:>6.1f}s {r['first_step_s']:>7.1f}s "
-                  f"{r['exit_s']:>5.1f}s {r['scheduler_cpu_percent']:>8.1f}%  {told}")
+                  f"{r['exit_s']:>5.1f}s {r['scheduler_cpu_percent']:>8.1f}% {r['unreachable_warnings']:>5}  {told}")
             if workers >= 1000:
                 ok = (r["scheduler_cpu_percent"] <= 10.0 and virtual and r["told"] == workers - 1
                       and r["told_max_s"] < 5.0)

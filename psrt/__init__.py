@@ -33,6 +33,7 @@ from psrt.errors import (
     PsrtError,
     PsrtTimeoutError,
     PsrtTypeError,
+    ResourceLimitError,
     ServerError,
     ShardTimeoutError,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "AdaGrad",
     "PsrtError",
     "BindError",
+    "ResourceLimitError",
     "AuthenticationError",
     "ConfigError",
     "KernelArgumentError",

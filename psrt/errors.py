@@ -18,6 +18,7 @@ __all__ = [
     "ShardTimeoutError",
     "ConnectionLostError",
     "BindError",
+    "ResourceLimitError",
     "PeerFailedError",
     "AuthenticationError",
     "RequestRefused",
@@ -84,6 +85,11 @@ class ConnectionLostError(PsrtError, ConnectionError):
 
 class BindError(PsrtError, OSError):
     """A socket could not bind its endpoint (address in use, no such interface, ...); the message names it."""
+
+
+class ResourceLimitError(PsrtError, OSError):
+    """The process ran out of what the operating system lends it (open files: every socket is one); the message
+    says which limit and what to change."""
 
 
 class PeerFailedError(PsrtError, ConnectionError):

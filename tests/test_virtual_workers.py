@@ -208,3 +208,31 @@ def test_a_worker_that_fails_in_a_fixed_job_fails_the_other_workers_of_its_proce
             b.stop()
         router.close()
         ctx.term()
+
+
+def test_running_out_of_sockets_says_which_limit_and_what_to_change():
+    from psrt import transport
+    from psrt.errors import ResourceLimitError
+
+    ctx = transport.new_context()
+    ctx.set(zmq.MAX_SOCKETS, 2)  # a DEALER and its handshake monitor take three
+    try:
+        with pytest.raises(ResourceLimitError, match=r"Too many open files.*ulimit -n.*--clients") as info:
+            transport.DealerChannel(ctx, "tcp://127.0.0.1:1", hwm=10)
+        assert isinstance(info.value, OSError)
+    finally:
+        ctx.term()
+
+
+def test_a_process_of_many_workers_raises_its_soft_open_file_limit():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip("the hard limit leaves nothing to raise")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        loadgen._allow_open_files()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] in (hard, 256 if hard == resource.RLIM_INFINITY else hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -129,7 +129,19 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
     ranks = [None if rank is None else rank + i for i in range(clients)]
     if clients == 1:
         return [loop.run(servers, ranks[0], num_workers)]
+    _allow_open_files()
     return _run_together([lambda r=r: loop.run(servers, r, num_workers) for r in ranks])
+
+
+def _allow_open_files() -> None:
+    """Raise this process's open-file limit to its hard limit: each client holds a few sockets per shard (each
+    socket a file descriptor, its connections more), so hundreds of workers pass a common soft limit of 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass  # an infinite hard limit the kernel caps lower: the soft limit stays, and so may fit
 
 
 class _Loop:

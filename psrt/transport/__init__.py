@@ -27,6 +27,7 @@ known ZeroMQ pitfalls of a parameter server:
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import struct
@@ -36,7 +37,14 @@ from typing import Any, Optional, Sequence
 import zmq
 
 from psrt.checks import check_endpoint
-from psrt.errors import AuthenticationError, BindError, ConnectionLostError, ProtocolError, ShardTimeoutError
+from psrt.errors import (
+    AuthenticationError,
+    BindError,
+    ConnectionLostError,
+    ProtocolError,
+    ResourceLimitError,
+    ShardTimeoutError,
+)
 from psrt.transport import curve
 from psrt.transport.curve import ZAP_DOMAIN, JobKeys, create_certificates, read_certificate
 
@@ -296,6 +304,18 @@ class RouterChannel:
         self.sock.close(linger=_ms(linger))
 
 
+def _out_of_sockets(exc: zmq.ZMQError, endpoint: str) -> Exception:
+    """The error for a socket ZeroMQ could not open: out of file descriptors (or of the context's sockets) says
+    what to change; anything else is ZeroMQ's own error."""
+    if exc.errno != errno.EMFILE:
+        return exc
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return ResourceLimitError(
+        f"cannot open a socket to {endpoint}: {exc.strerror} (this process may open {soft} files, and each "
+        "client holds a socket and a handshake monitor per shard and for the scheduler, each a file, and more for "
+        "their connections): raise the limit (ulimit -n), or run fewer workers per process (--clients)")
+
+
 class DealerChannel:
     """A worker's DEALER socket to one shard.
 
@@ -319,13 +339,20 @@ class DealerChannel:
         self._keys_dir = None if keys is None else str(keys.directory)
         self._sndtimeo = -1
         self._more: Optional[bool] = False  # whether the last frame received has more after it; None: unknown
-        self.sock = context.socket(zmq.DEALER)
+        try:
+            self.sock = context.socket(zmq.DEALER)
+        except zmq.ZMQError as exc:
+            raise _out_of_sockets(exc, endpoint) from None
         _common(self.sock, hwm)
         _max_frame(self.sock, max_frame)
         if keys is not None:
             curve.connect_securely(self.sock, keys)
         # Watched with or without keys: a process without keys meeting a secured peer deserves the same advice.
-        self.monitor = self.sock.get_monitor_socket(curve.HANDSHAKE_EVENTS)
+        try:
+            self.monitor = self.sock.get_monitor_socket(curve.HANDSHAKE_EVENTS)
+        except zmq.ZMQError as exc:
+            self.sock.close(linger=0)
+            raise _out_of_sockets(exc, endpoint) from None
         # The last handshake's failure, kept until one succeeds: ZeroMQ does not retry a connection refused by
         # ZAP, so every later wait must fail the same way instead of running into its timeout.
         self._failure: Optional[str] = None
