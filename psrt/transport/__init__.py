@@ -116,16 +116,22 @@ def _common(sock: zmq.Socket, hwm: int) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TTL, _HEARTBEAT_TIMEOUT_MS)
 
 
+#: pyzmq's compiled ``Socket.send``, called on a socket directly: the ``zmq.Socket`` subclass wraps it in a Python
+#: method (for draft-API arguments psrt never passes), which costs more than the send of a small frame itself.
+_SEND = zmq.backend.Socket.send
+
+
 def _send_frames(sock: zmq.Socket, frames: Sequence[Any], track: bool) -> list[Optional[zmq.MessageTracker]]:
     trackers: list[Optional[zmq.MessageTracker]] = []
     last = len(frames) - 1
+    send = _SEND
     for i, frame in enumerate(frames):
         flags = _SNDMORE if i < last else 0
         if len(frame) >= ZERO_COPY_BYTES:
-            tracker = sock.send(frame, flags, copy=False, track=track)
+            tracker = send(sock, frame, flags, False, track)
             trackers.append(tracker if track else None)
         else:
-            sock.send(frame, flags, copy=True)
+            send(sock, frame, flags, True, False)
             trackers.append(None)  # copied: the caller's buffer is free at once
     return trackers
 
@@ -205,27 +211,29 @@ class RouterChannel:
         return bool(zmq.zmq_poll(self._poll_items, _ms(timeout)))
 
     def readable(self) -> bool:
-        """True when a message is waiting (no system call beyond reading the socket's event flags)."""
-        return bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
+        """True when a message is waiting (never waits)."""
+        # A poll without timeout reads the socket's event flags as getsockopt(EVENTS) does, without the enum member
+        # pyzmq makes of getsockopt's answer.
+        return bool(zmq.zmq_poll(self._poll_items, 0))
 
     def recv(self) -> Optional[tuple[bytes, list[zmq.Frame]]]:
         """Receive one message without blocking: ``(identity, frames)``, or None when nothing is queued.
 
         Frames are received zero-copy and are read-only.
         """
-        sock = self.sock
+        recv = self.sock.recv
         try:
-            identity = sock.recv(_NOBLOCK, copy=False)
+            identity = recv(_NOBLOCK)  # a few bytes: a copy costs less than a zmq.Frame
         except zmq.Again:
             return None
-        # Each zmq.Frame knows whether more follow: cheaper than recv_multipart's RCVMORE query per frame.
-        frames = []
-        more = identity.more
-        while more:
-            frame = sock.recv(_NOBLOCK, copy=False)
+        # A ROUTER puts the peer's identity before every message, which has at least one frame. Each zmq.Frame
+        # knows whether more follow: cheaper than recv_multipart's RCVMORE query per frame.
+        frame = recv(_NOBLOCK, False)
+        frames = [frame]
+        while frame.more:
+            frame = recv(_NOBLOCK, False)
             frames.append(frame)
-            more = frame.more
-        return identity.bytes, frames
+        return identity, frames
 
     def send(self, identity: bytes, frames: Sequence[Any],
              track: bool = False) -> list[Optional[zmq.MessageTracker]]:
@@ -238,7 +246,7 @@ class RouterChannel:
             When the peer is unknown or departed, or its queue stayed full past the send timeout.
         """
         try:
-            self.sock.send(identity, _SNDMORE)
+            _SEND(self.sock, identity, _SNDMORE, True, False)
             return _send_frames(self.sock, frames, track)
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
