@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import msgpack
@@ -66,11 +66,11 @@ class TensorMeta:
     #: A compressed gradient (:mod:`psrt.wire.compression`): ``"fp16"``, ``"bf16"`` or ``"topk"``; ``dtype`` is then
     #: float32, the values' dtype once widened, while the frame holds 2 bytes per value (top-k: 8 per entry sent).
     encoding: Optional[str] = None
+    #: The shard-side key: ``(name, part)`` (made once: a shard reads it several times per message).
+    key: Key = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> Key:
-        """The shard-side key: ``(name, part)``."""
-        return (self.name, self.part)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.name, self.part))
 
 
 #: One msgpack Packer per thread: msgpack.packb builds (and frees) a new one, buffer included, for every header.

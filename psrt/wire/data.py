@@ -84,20 +84,27 @@ class _WithTensors:
 
     tensors: list[TensorMeta]
     buffers: list[Any]
-    _widened: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: The arrays made so far, by index, with the buffer each was made of (a lane rebinds the buffers).
+    _arrays: Optional[dict[int, tuple[Any, np.ndarray]]] = field(default=None, init=False, repr=False, compare=False)
 
     def array(self, i: int) -> np.ndarray:
-        """The i-th buffer as a flat array of its declared dtype (no copy; read-only if received).
+        """The i-th buffer as a flat array of its declared dtype (no copy; read-only if received), made once.
 
-        A compressed gradient is widened to float32 once (a new array, kept for later calls).
+        A compressed gradient is widened to float32 (a new array).
         """
+        buf = self.buffers[i]
+        arrays = self._arrays
+        if arrays is None:
+            arrays = self._arrays = {}
+        else:
+            made = arrays.get(i)
+            if made is not None and made[0] is buf:
+                return made[1]
         meta = self.tensors[i]
-        if meta.encoding is None:
-            return np.frombuffer(self.buffers[i], dtype=meta.dtype)
-        widened = self._widened.get(i)
-        if widened is None:
-            widened = self._widened[i] = compression.decode(meta.encoding, self.buffers[i], meta.count)
-        return widened
+        a = np.frombuffer(buf, meta.dtype) if meta.encoding is None else compression.decode(meta.encoding, buf,
+                                                                                            meta.count)
+        arrays[i] = (buf, a)
+        return a
 
     def keys(self) -> list[Key]:
         """The ``(name, part)`` key of every tensor, in message order."""
