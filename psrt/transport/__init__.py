@@ -280,6 +280,7 @@ class DealerChannel:
         self.endpoint = endpoint
         self._keys_dir = None if keys is None else str(keys.directory)
         self._sndtimeo = -1
+        self._send_timeout: Optional[float] = None  # the seconds SNDTIMEO was set from
         self._more: Optional[bool] = False  # whether the last frame received has more after it; None: unknown
         self.sock = context.socket(zmq.DEALER)
         _common(self.sock, hwm)
@@ -351,10 +352,12 @@ class DealerChannel:
         # monitor (Poller), so only a channel that never connected pays for reading its event flags per send.
         if self._failure is not None or (not self.connections and self.monitor.getsockopt(_EVENTS) & _POLLIN):
             self.check_handshake()
-        timeout_ms = _ms(timeout, 1)
-        if timeout_ms != self._sndtimeo:
-            self.sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
-            self._sndtimeo = timeout_ms
+        if timeout != self._send_timeout:  # (a client sends with the same timeout every time)
+            timeout_ms = _ms(timeout, 1)
+            if timeout_ms != self._sndtimeo:
+                self.sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+                self._sndtimeo = timeout_ms
+            self._send_timeout = timeout
         try:
             _send_frames(self.sock, frames, track=False)
         except zmq.Again:

@@ -29,6 +29,7 @@ from psrt.wire.codec import (
     encode,
     op_of,
     pack_header,
+    same_limits,
     tensor_metas,
     uint,
     unpack_header,
@@ -215,7 +216,7 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         # seq and clock are new.
         cut = len(head) - _PUSH_TAIL.size if type(head) is bytes else 0
         seen = _SEEN_PUSHES.get(head[:cut]) if cut > 0 else None
-        if seen is not None and (seen.limits is limits or seen.limits == limits):
+        if seen is not None and seen.limits is same_limits(limits):
             id_key, rid, seq_key, seq, clock_key, clock = _PUSH_TAIL.unpack_from(head, cut)
             if (id_key == _ID and seq_key == _SEQ and clock_key == _CLOCK and rid <= MAX_U63 and seq <= MAX_U63
                     and clock <= MAX_U63):
@@ -296,7 +297,7 @@ def _plain_push(h: dict[str, Any], frames: Sequence[Any], limits: WireLimits, ri
 @dataclass(frozen=True)
 class _SeenPush:
     """What the fixed fields of a push header (:data:`PUSH_FIXED`, packed as one byte string) decoded to, under
-    ``limits``: everything but the id, seq and clock, checked."""
+    ``limits`` (:func:`~psrt.wire.codec.same_limits`): everything but the id, seq and clock, checked."""
 
     limits: WireLimits
     tensors: tuple[TensorMeta, ...]
@@ -333,7 +334,7 @@ def _remember_push(head: bytes, req: PushRequest, limits: WireLimits) -> None:
         return
     if len(_SEEN_PUSHES) >= _SEEN_PUSHES_MAX:
         _SEEN_PUSHES.clear()  # a peer inventing headers must not grow this without bound
-    _SEEN_PUSHES[head[:cut]] = _SeenPush(limits, tuple(req.tensors), req.worker, req.session, req.pull)
+    _SEEN_PUSHES[head[:cut]] = _SeenPush(same_limits(limits), tuple(req.tensors), req.worker, req.session, req.pull)
 
 
 def _check_distinct(metas: list[TensorMeta]) -> None:

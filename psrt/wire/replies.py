@@ -25,6 +25,7 @@ from psrt.wire.codec import (
     check_version,
     encode,
     pack_header,
+    same_limits,
     string,
     tensor_entry,
     tensor_metas,
@@ -223,7 +224,7 @@ _VERSIONS: dict[int, struct.Struct] = {}
 @dataclass(frozen=True)
 class _SeenTensors:
     """The tensors a packed params reply's ``tensors`` part (its bytes from the key on) decoded to, under
-    ``limits``."""
+    ``limits`` (:func:`~psrt.wire.codec.same_limits`)."""
 
     limits: WireLimits
     tensors: tuple[TensorMeta, ...]
@@ -256,7 +257,7 @@ def _packed_params(data: bytes, limits: WireLimits) -> Optional[ParamsReply]:
     layout = _versions_struct(n)
     end = at + layout.size
     seen = _SEEN_TENSORS.get(data[end:])
-    if seen is None or len(seen.tensors) != n or not (seen.limits is limits or seen.limits == limits) \
+    if seen is None or len(seen.tensors) != n or seen.limits is not same_limits(limits) \
             or len(data) > limits.max_header_bytes:
         return None
     (rid,) = _U64.unpack_from(data, _AT_ID)
@@ -288,7 +289,7 @@ def _remember_tensors(data: bytes, reply: ParamsReply, limits: WireLimits) -> No
         return
     if len(_SEEN_TENSORS) >= _SEEN_TENSORS_MAX:
         _SEEN_TENSORS.clear()  # a peer inventing replies must not grow this without bound
-    _SEEN_TENSORS[data[end:]] = _SeenTensors(limits, tuple(reply.tensors))
+    _SEEN_TENSORS[data[end:]] = _SeenTensors(same_limits(limits), tuple(reply.tensors))
 
 
 def _params_of(h: dict[str, Any], limits: WireLimits) -> tuple[list[TensorMeta], list[int]]:

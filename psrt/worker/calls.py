@@ -414,8 +414,8 @@ class ShardCalls:
         if outputs is None or len(reply.tensors) != len(chunks):
             raise ProtocolError(f"reply carries {len(reply.tensors)} tensors, expected {len(chunks)}")
         for meta, chunk in zip(reply.tensors, chunks):
-            if (meta.name != chunk.name or meta.part != chunk.part or meta.dtype != chunk.dtype
-                    or meta.count != chunk.count):
+            if (meta.name != chunk.name or meta.part != chunk.part or meta.count != chunk.count
+                    or (meta.dtype is not chunk.dtype and meta.dtype != chunk.dtype)):
                 raise ProtocolError(f"reply tensor {meta.name!r} part {meta.part} does not match the request")
         known = self.versions.chunks[pending.shard]
         if reply.lane is not None:  # the parameters are in this request's lane areas, or the shard's memory

@@ -506,7 +506,7 @@ class Client:
                 raise ConfigError(f"tensor {name!r} was never initialized; call client.init() with it first")
             shape, dtype = spec
             a = np.ascontiguousarray(g)
-            if a.dtype != dtype:
+            if a.dtype is not dtype and a.dtype != dtype:
                 raise PsrtTypeError(f"gradient {name!r} has dtype {a.dtype} but the tensor is {dtype}; "
                                     f"cast it with .astype(np.{dtype.name})")
             if a.shape != shape:
