@@ -148,13 +148,18 @@ def sgd_step(param: np.ndarray, grad: np.ndarray, lr: float, scale: float = 1.0,
     lr, scale, weight_decay : float
         Learning rate, gradient scale, L2 weight decay (torch.optim.SGD semantics).
     """
-    kernel = _kernel(_SGD, param, grad)
-    if kernel is not None:
-        try:
-            kernel(param, grad, _finite("lr", lr), _finite("scale", scale), _finite("weight_decay", weight_decay))
-            return
-        except ValueError:
-            pass  # not what the kernel takes, or a number that is not one: the checks below say which
+    # A shard's every push: written out rather than through _kernel and _finite (a call each costs more than
+    # checking). Finite floats have a finite sum, unless it overflows, which only sends it the long way.
+    if type(param) is np.ndarray and type(grad) is np.ndarray and param.size == grad.size \
+            and type(lr) is float and type(scale) is float and type(weight_decay) is float:
+        kernel = _SGD.get(param.dtype)
+        total = lr + scale + weight_decay
+        if kernel is not None and total - total == 0.0:
+            try:
+                kernel(param, grad, lr, scale, weight_decay)  # refuses another dtype, layout or dimension
+                return
+            except ValueError:
+                pass  # not what the kernel takes: the checks below say why
     p, g = _check({"param": param}, {"grad": grad})
     _SGD[p.dtype](p, g, _finite("lr", lr), _finite("scale", scale), _finite("weight_decay", weight_decay))
 
@@ -293,12 +298,13 @@ def all_finite(x: np.ndarray) -> bool:
         C-contiguous float32 or float64 array (may be read-only).
     """
     # The shard checks every received gradient: a flat native float array skips the checks that explain errors.
-    kernel = _kernel(_ALL_FINITE, x)
-    if kernel is not None:
-        try:
-            return bool(kernel(x))
-        except ValueError:
-            pass  # strided: the checks below say so
+    if type(x) is np.ndarray:
+        kernel = _ALL_FINITE.get(x.dtype)
+        if kernel is not None:
+            try:
+                return kernel(x)  # (a bool) refuses a strided or a many-dimensional array
+            except ValueError:
+                pass  # the checks below take it
     x = _flat("x", x, writable=False)
     return bool(_ALL_FINITE[x.dtype](x))
 

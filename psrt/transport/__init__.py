@@ -245,9 +245,14 @@ class RouterChannel:
         SendDropped
             When the peer is unknown or departed, or its queue stayed full past the send timeout.
         """
+        sock = self.sock
         try:
-            _SEND(self.sock, identity, _SNDMORE, True, False)
-            return _send_frames(self.sock, frames, track)
+            _SEND(sock, identity, _SNDMORE, True, False)
+            if len(frames) == 2 and len(frames[1]) < ZERO_COPY_BYTES:  # a small reply (a header and one buffer)
+                _SEND(sock, frames[0], _SNDMORE, True, False)
+                _SEND(sock, frames[1], 0, True, False)
+                return [None, None]
+            return _send_frames(sock, frames, track)
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise SendDropped(str(exc)) from None
