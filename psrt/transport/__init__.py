@@ -364,7 +364,11 @@ class DealerChannel:
                 self._sndtimeo = timeout_ms
             self._send_timeout = timeout
         try:
-            _send_frames(self.sock, frames, track=False)
+            if len(frames) == 2 and len(frames[1]) < ZERO_COPY_BYTES:  # a small request (a header and one buffer)
+                _SEND(self.sock, frames[0], _SNDMORE, True, False)
+                _SEND(self.sock, frames[1], 0, True, False)
+            else:
+                _send_frames(self.sock, frames, track=False)
         except zmq.Again:
             self.check_handshake()  # the handshake may have failed while the send waited
             raise ShardTimeoutError(
@@ -465,7 +469,8 @@ class Poller:
             if ch._failure is not None:
                 ch.check_handshake()
         ready = []
-        for s, _ in zmq.zmq_poll(self._items, _ms(timeout)):
+        ms = -1 if timeout * 1000 >= _MAX_MS else max(0, int(timeout * 1000))  # _ms, inline: a wait per reply
+        for s, _ in zmq.zmq_poll(self._items, ms):
             ch = self._monitors.get(s)
             if ch is not None:
                 ch.check_handshake()

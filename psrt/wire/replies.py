@@ -219,6 +219,8 @@ def _versions_struct(n: int) -> struct.Struct:
 
 
 _VERSIONS: dict[int, struct.Struct] = {}
+_VERSION1 = _versions_struct(1)
+_ONE_VERSION = _array_head(1)[0]
 
 
 @dataclass(frozen=True)
@@ -250,18 +252,26 @@ def _versions_at(data: bytes) -> Optional[tuple[int, int]]:
 def _packed_params(data: bytes, limits: WireLimits) -> Optional[ParamsReply]:
     """A params reply in :func:`encode_params_packed`'s layout whose tensors were seen before: the id and the versions
     read at their places, the tensors looked up by their bytes. None: anything else (the general path decides)."""
-    where = _versions_at(data)
-    if where is None:
-        return None
-    n, at = where
-    layout = _versions_struct(n)
-    end = at + layout.size
+    if len(data) > _AT_VERSIONS + 1 and data[_AT_VERSIONS] == _ONE_VERSION \
+            and data.startswith(_VERSIONS_KEY, _AT_ID + 8):  # one tensor, the usual reply: in fewer steps
+        n, at, end = 1, _AT_VERSIONS + 1, _AT_VERSIONS + 1 + _VERSION1.size
+    else:
+        where = _versions_at(data)
+        if where is None:
+            return None
+        n, at = where
+        end = at + _versions_struct(n).size
     seen = _SEEN_TENSORS.get(data[end:])
-    if seen is None or len(seen.tensors) != n or seen.limits is not same_limits(limits) \
-            or len(data) > limits.max_header_bytes:
+    if seen is None or len(seen.tensors) != n or len(data) > limits.max_header_bytes \
+            or (seen.limits is not limits and seen.limits is not same_limits(limits)):
         return None
     (rid,) = _U64.unpack_from(data, _AT_ID)
-    fields = layout.unpack_from(data, at)
+    if n == 1:
+        marker, version = _VERSION1.unpack_from(data, at)
+        if rid > MAX_U63 or marker != _UINT64 or version > MAX_U63:
+            return None
+        return ParamsReply(rid, list(seen.tensors), [version])
+    fields = _versions_struct(n).unpack_from(data, at)
     versions = list(fields[1::2])
     if rid > MAX_U63 or fields[0::2].count(_UINT64) != n or (n and max(versions) > MAX_U63):
         return None
@@ -343,7 +353,6 @@ def encode_params_packed(rid: int, entries: Sequence[bytes], versions: Sequence[
 
 
 _ONE_ITEM, _NO_ITEM = _array_head(1), _array_head(0)
-_VERSION1 = _versions_struct(1)
 
 
 def _check_packed_layout() -> None:
