@@ -386,3 +386,62 @@ def test_a_packed_params_reply_out_of_bounds_decodes_as_the_general_path_says(ch
     assert bad != good or change == "limits"
     assert _outcome(wire.decode_reply, bad, limits) == _outcome(_general_reply_only, bad, limits)
     assert isinstance(_outcome(wire.decode_reply, bad, limits), tuple) == (change != "marker")
+
+
+def test_replies_held_back_go_in_order_as_they_were_when_given():
+    ctx, router, dealer = _pair()
+    try:
+        dealer.send([b"hello"], 5.0)
+        assert router.poll(5.0)
+        identity, _ = router.recv()
+        buf = bytearray(b"first")
+        router.hold(3)
+        router.send(identity, [b"h1", memoryview(buf)])
+        buf[:] = b"later"  # the reply was copied when given
+        router.send(identity, [b"h2"])
+        router.send(identity, [b"h3", b"x" * (transport.ZERO_COPY_BYTES + 1)])  # large: the held go first
+        router.send(identity, [b"h4"])
+        assert router.release() == []
+        got = []
+        while len(got) < 4:
+            assert _ready(dealer)
+            got.append(dealer.recv_frame())
+            dealer.discard_rest()
+        assert got == [b"h1", b"h2", b"h3", b"h4"]
+    finally:
+        dealer.close()
+        router.close()
+        ctx.term()
+
+
+def test_a_reply_held_back_to_a_departed_peer_is_reported_at_release():
+    ctx, router, dealer = _pair()
+    try:
+        with pytest.raises(transport.SendDropped):
+            router.send(b"nobody", [b"h"])
+        router.hold(16)
+        assert router.send(b"nobody", [b"head", b"abc"]) == [None, None]
+        dropped = router.release()
+        assert len(dropped) == 1 and dropped[0][0] == 7
+        with pytest.raises(transport.SendDropped):  # released: replies go at once again
+            router.send(b"nobody", [b"h"])
+    finally:
+        dealer.close()
+        router.close()
+        ctx.term()
+
+
+def test_a_shard_counts_a_held_reply_it_could_not_send():
+    from psrt.config import ServerConfig
+    from psrt.shard.server import Server
+
+    server = Server(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async"))
+    try:
+        server._chan.hold(4)
+        server.replies.error(b"gone", 5, "protocol", "bad")  # a peer that left before its answer
+        before = server.counters.bytes_out
+        server.replies.dropped(server._chan.release())
+        assert server.counters.dropped_replies == 1 and server.counters.errors == 1
+        assert server.counters.bytes_out < before
+    finally:
+        server.close()

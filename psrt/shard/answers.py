@@ -98,7 +98,15 @@ class ShardReplies:
             self.counters.dropped_replies += 1
             log.warning("reply to a worker dropped: %s", exc)
             return
-        self.counters.bytes_out += len(frames[0])
+        self.counters.bytes_out += sum(map(len, frames))
+
+    def dropped(self, replies: list[tuple[int, str]]) -> None:
+        """Count replies that were held back (:meth:`psrt.transport.RouterChannel.hold`) and could not be sent,
+        ``(bytes, why)`` each: counted as sent when they were given, they are taken back out of ``bytes_out``."""
+        for nbytes, why in replies:
+            self.counters.dropped_replies += 1
+            self.counters.bytes_out -= nbytes
+            log.warning("reply to a worker dropped: %s", why)
 
     def error(self, identity: bytes, request_id: int, code: str, message: str, counted: bool = True) -> None:
         """Send an ``error`` reply (the request changed nothing); ``counted``: a shard error (an operator's

@@ -46,6 +46,8 @@ log = logging.getLogger("psrt.server")
 
 #: Messages handled per wake-up before the loop checks for a stop request again.
 _BATCH = 256
+#: Replies to messages queued together that go out together (:meth:`psrt.transport.RouterChannel.hold`).
+_HOLD = 16
 
 
 class Server(Recovery):
@@ -122,12 +124,20 @@ class Server(Recovery):
         while not self._stop.is_set():
             if self._chan.poll(poll):
                 # Every message queued, then one receive that finds none: a socket's event flags cost a system
-                # call per message, a receive that succeeds none.
-                for _ in range(_BATCH):
-                    msg = self._chan.recv()
-                    if msg is None:
-                        break
+                # call per message, a receive that succeeds none. The first message's answer goes at once (a
+                # single request waits for nothing else); those of the messages queued behind it go together.
+                msg = self._chan.recv()
+                if msg is not None:
                     self.handle(*msg)
+                    self._chan.hold(_HOLD)
+                    try:
+                        for _ in range(_BATCH - 1):
+                            msg = self._chan.recv()
+                            if msg is None:
+                                break
+                            self.handle(*msg)
+                    finally:
+                        self.replies.dropped(self._chan.release())
             if self._ckpt.due_by_time():
                 self._checkpoint_quietly()
             if control is not None and control.tick(self.set_members, self.set_finished):

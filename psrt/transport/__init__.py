@@ -205,6 +205,10 @@ class RouterChannel:
         last = self.sock.getsockopt(zmq.LAST_ENDPOINT)
         self.endpoint: str = last.decode() if isinstance(last, bytes) else str(last)
         self._poll_items = [(self.sock, _POLLIN)]
+        #: Small replies kept back (:meth:`hold`), each with its frames' copies; None: every reply goes at once.
+        self._held: Optional[list[tuple[bytes, list[bytes]]]] = None
+        self._hold_most = 0
+        self._dropped: list[tuple[int, str]] = []
 
     def poll(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for an incoming message."""
@@ -235,6 +239,43 @@ class RouterChannel:
             frames.append(frame)
         return identity, frames
 
+    def hold(self, most: int) -> None:
+        """Keep small replies back from now on, and send them together, ``most`` at a time and at :meth:`release`.
+
+        A reply costs the I/O thread a wake-up when it finds it idle, which a shard that works on a message longer
+        than the thread takes to send the last reply does at every reply; sent together, they share one. A reply
+        of small frames (each under :data:`ZERO_COPY_BYTES`) is copied when it is given (the caller may change its
+        buffers at once, as after a send) and counts as sent; a reply with a larger frame goes at once, after those
+        held, so that every peer gets its replies in order.
+        """
+        self._held = []
+        self._hold_most = max(1, most)
+
+    def release(self) -> list[tuple[int, str]]:
+        """Send the replies held, stop holding; returns ``(bytes, why)`` of each that could not be sent (the peer
+        departed, or its queue stayed full past the send timeout), since :meth:`hold`."""
+        self._flush()
+        self._held = None
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def _flush(self) -> None:
+        held = self._held
+        if not held:
+            return
+        self._held = []
+        sock = self.sock
+        for identity, frames in held:
+            try:
+                _SEND(sock, identity, _SNDMORE, True, False)
+                last = len(frames) - 1
+                for i, frame in enumerate(frames):
+                    _SEND(sock, frame, _SNDMORE if i < last else 0, True, False)
+            except zmq.ZMQError as exc:
+                if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                    raise
+                self._dropped.append((sum(map(len, frames)), str(exc)))
+
     def send(self, identity: bytes, frames: Sequence[Any],
              track: bool = False) -> list[Optional[zmq.MessageTracker]]:
         """Send a reply to ``identity``; returns one entry per frame: its tracker when it went zero-copy and
@@ -243,8 +284,20 @@ class RouterChannel:
         Raises
         ------
         SendDropped
-            When the peer is unknown or departed, or its queue stayed full past the send timeout.
+            When the peer is unknown or departed, or its queue stayed full past the send timeout (a reply held
+            back is reported by :meth:`release` instead).
         """
+        held = self._held
+        if held is not None:
+            for frame in frames:
+                if len(frame) >= ZERO_COPY_BYTES:
+                    self._flush()  # first those before it
+                    break
+            else:
+                held.append((identity, [f if type(f) is bytes else bytes(f) for f in frames]))
+                if len(held) >= self._hold_most:
+                    self._flush()
+                return [None] * len(frames)
         sock = self.sock
         try:
             _SEND(sock, identity, _SNDMORE, True, False)
