@@ -438,18 +438,20 @@ class ShardCalls:
         for meta, chunk, version in zip(reply.tensors, chunks, reply.versions):
             if not ch.more():
                 raise ProtocolError("reply has fewer buffer frames than tensors")
-            dest = chunk.of(outputs[chunk.name])
+            dest = outputs[chunk.name]
+            if chunk.start != 0 or chunk.count != dest.size:  # (a whole tensor is received into as it is)
+                dest = chunk.of(dest)
             if meta.encoding is None:
                 got = ch.recv_into(memoryview(dest).cast("B") if dest.size else bytearray())
             else:  # 16-bit parameters (this worker pushes 16-bit gradients): widen into the destination
                 packed = bytearray(meta.nbytes)
                 got = ch.recv_into(packed) if meta.nbytes else 0
                 if got == meta.nbytes:
-                    dest[:] = compression.decode(meta.encoding, packed)
+                    dest.reshape(-1)[:] = compression.decode(meta.encoding, packed)
             if got != meta.nbytes:
                 raise ProtocolError(f"tensor {meta.name!r} part {meta.part}: frame has {got} bytes, "
                                     f"expected {meta.nbytes}")
-            key = chunk.key
+            key = meta.key  # (the chunk's: checked above)
             known[key] = max(known.get(key, 0), version)
         if ch.more():
             raise ProtocolError("reply has more buffer frames than tensors")
