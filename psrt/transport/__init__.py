@@ -294,7 +294,11 @@ class RouterChannel:
                     self._flush()  # first those before it
                     break
             else:
-                held.append((identity, [f if type(f) is bytes else bytes(f) for f in frames]))
+                if len(frames) == 2:  # a header (bytes) and one buffer, the usual answer
+                    head, body = frames
+                    held.append((identity, [head if type(head) is bytes else bytes(head), bytes(body)]))
+                else:
+                    held.append((identity, [f if type(f) is bytes else bytes(f) for f in frames]))
                 if len(held) >= self._hold_most:
                     self._flush()
                 return [None] * len(frames)

@@ -216,7 +216,7 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         # seq and clock are new.
         cut = len(head) - _PUSH_TAIL.size if type(head) is bytes else 0
         seen = _SEEN_PUSHES.get(head[:cut]) if cut > 0 else None
-        if seen is not None and seen.limits is same_limits(limits):
+        if seen is not None and (seen.limits is limits or seen.limits is same_limits(limits)):
             id_key, rid, seq_key, seq, clock_key, clock = _PUSH_TAIL.unpack_from(head, cut)
             if (id_key == _ID and seq_key == _SEQ and clock_key == _CLOCK and rid <= MAX_U63 and seq <= MAX_U63
                     and clock <= MAX_U63):
