@@ -260,3 +260,188 @@ def test_a_plain_params_reply_decodes_by_the_short_path_as_by_the_general_one_wh
     frames = wire.encode_params(abs(rid) % 2**63, valid, list(range(len(valid))), [])
     assert _outcome(wire.decode_reply, bytes(frames[0]), LIMITS) == \
         _outcome(_general_reply, bytes(frames[0]), LIMITS)
+
+
+# A push whose fixed fields were seen before is decoded from its last 40 bytes; a params reply packed by the shard
+# from its tensors' bytes. Both must decode every header exactly as msgpack and the general checks do.
+def _general_request(frames: list[Any], limits: WireLimits) -> Any:
+    with mock.patch.object(data, "_SEEN_PUSHES", {}), mock.patch.object(data, "_remember_push", lambda *a: None):
+        return wire.decode_request(frames, limits)
+
+
+def _tail(rid: int, seq: int, clock: int) -> bytes:
+    return data._PUSH_TAIL.pack(data._ID, rid, data._SEQ, seq, data._CLOCK, clock)
+
+
+@_HSETTINGS
+@given(entries=_ENTRIES, worker=st.integers(0, 2**31 + 1), session=_U63, pull=st.booleans(),
+       calls=st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
+                      min_size=1, max_size=3),
+       frames_missing=st.booleans())
+def test_a_push_seen_before_decodes_from_its_tail_as_the_general_path_does(entries, worker, session, pull, calls,
+                                                                           frames_missing):
+    entries = [[name, part, dname, [count]] for name, part, dname, count in entries]
+    payload = [np.zeros(count * _ITEMSIZE[dname], np.uint8) for _, _, dname, (count,) in entries]
+    prefix = wire.push_prefix(worker, session, entries, pull)
+    first = [prefix + _tail(1, 1, 1), *payload]
+    assert _outcome(wire.decode_request, first, LIMITS) == _outcome(_general_request, first, LIMITS)
+    remembered = prefix in data._SEEN_PUSHES
+    # Remembered exactly when the general path took the push: a refused one teaches nothing.
+    assert remembered == (not isinstance(_outcome(_general_request, first, LIMITS), tuple))
+    for rid, seq, clock in calls:  # ids beyond 2**63 - 1 are refused by both, with the same words
+        frames = [prefix + _tail(rid, seq, clock), *(payload[:-1] if frames_missing and payload else payload)]
+        assert _outcome(wire.decode_request, frames, LIMITS) == _outcome(_general_request, frames, LIMITS)
+        if remembered and max(rid, seq, clock) < 2**63 and not (frames_missing and payload):
+            assert wire.decode_request(frames, LIMITS).id == rid
+
+
+def test_a_remembered_push_prefix_serves_no_other_tail_nor_stricter_limits():
+    entries = [["layer.0", 3, "<f4", [4]]]
+    payload = [np.ones(4, np.float32).tobytes()]
+    prefix = wire.push_prefix(2, 99, entries, True)
+    wire.decode_request([prefix + _tail(1, 1, 1), *payload], LIMITS)
+    assert prefix in data._SEEN_PUSHES
+    # The same fields in msgpack's own packing (small integers, another order) take the general path.
+    for header in [msgpack.packb({**msgpack.unpackb(prefix[:1] + prefix[1:] + _tail(5, 6, 7))}),
+                   msgpack.packb({"v": 1, "op": "push_pull", "worker": 2, "session": 99, "tensors": entries,
+                                  "seq": 6, "id": 5, "clock": 7})]:
+        assert wire.decode_request([header, *payload], LIMITS) == \
+            wire.decode_request([prefix + _tail(5, 6, 7), *payload], LIMITS)
+    # Limits that refuse the tensor's name refuse it though its prefix was checked under looser ones.
+    strict = WireLimits(max_name_len=3)
+    with pytest.raises(ProtocolError, match="name") as exc:
+        wire.decode_request([prefix + _tail(8, 9, 10), *payload], strict)
+    assert exc.value.request_id == 8
+    # A frame of the wrong size is refused with the request's id, as by the general path.
+    with pytest.raises(ProtocolError, match="frame has 3 bytes") as exc:
+        wire.decode_request([prefix + _tail(11, 12, 13), b"abc"], LIMITS)
+    assert exc.value.request_id == 11
+
+
+def test_the_remembered_push_prefixes_are_bounded(monkeypatch):
+    monkeypatch.setattr(data, "_SEEN_PUSHES", {})
+    monkeypatch.setattr(data, "_SEEN_PUSHES_MAX", 4)
+    for worker in range(10):  # a peer inventing sessions, workers or names
+        prefix = wire.push_prefix(worker, 1, [["w", 0, "<f4", [1]]], False)
+        wire.decode_request([prefix + _tail(1, 1, 1), np.ones(1, np.float32).tobytes()], LIMITS)
+        assert 1 <= len(data._SEEN_PUSHES) <= 4
+
+
+def test_a_push_from_a_received_frame_decodes_as_from_bytes():
+    ctx, router, dealer = _pair()
+    try:
+        prefix = wire.push_prefix(1, 2, [["w", 0, "<f4", [2]]], True)
+        for rid in (3, 4):  # the first teaches the prefix, the second is decoded from its tail
+            dealer.send([prefix + _tail(rid, rid, rid), np.ones(2, np.float32).tobytes()], 5.0)
+            assert router.poll(5.0)
+            _, frames = router.recv()
+            got = wire.decode_request(frames, LIMITS)
+            got.buffers = [bytes(b) for b in got.buffers]
+            assert got == wire.decode_request([bytes(f) for f in frames], LIMITS) and got.id == rid
+    finally:
+        dealer.close()
+        router.close()
+        ctx.term()
+
+
+def _packed_reply(rid: int, entries: list[list[Any]], versions: list[int]) -> bytes:
+    return bytes(wire.encode_params_packed(rid, [pack_header(e) for e in entries], versions, [])[0])
+
+
+def _general_reply_only(data_: bytes, limits: WireLimits) -> Any:
+    with mock.patch.object(replies, "_packed_params", lambda d, limits: None), \
+            mock.patch.object(replies, "_remember_tensors", lambda *a: None):
+        return _general_reply(data_, limits)
+
+
+@_HSETTINGS
+@given(entries=_ENTRIES, rid=_U63, versions=st.data())
+def test_a_packed_params_reply_is_the_map_encode_params_makes_and_decodes_alike(entries, rid, versions):
+    entries = [[name, part, dname, [count]] for name, part, dname, count in entries]
+    got = versions.draw(st.lists(_U63, min_size=len(entries), max_size=len(entries)))
+    packed = _packed_reply(rid, entries, got)
+    assert msgpack.unpackb(packed) == msgpack.unpackb(bytes(wire.encode_params(rid, entries, got, [])[0]))
+    for _ in range(2):  # the second time the tensors are known by their bytes
+        assert _outcome(wire.decode_reply, packed, LIMITS) == _outcome(_general_reply_only, packed, LIMITS)
+
+
+@pytest.mark.parametrize("change", ["id", "version", "marker", "count", "limits"])
+def test_a_packed_params_reply_out_of_bounds_decodes_as_the_general_path_says(change):
+    entries = [["w", 0, "<f4", [3]], ["w", 1, "<f4", [2]]]
+    good = _packed_reply(7, entries, [1, 2])
+    wire.decode_reply(good, LIMITS)  # the tensors' bytes are known from now on
+    at = len(replies._PACKED_HEAD)
+    limits = LIMITS
+    if change == "id":  # 2**64 - 1: beyond a request id
+        bad = good[:at] + b"\xff" * 8 + good[at + 8:]
+    elif change == "version":
+        bad = good.replace(b"\xcf" + (2).to_bytes(8, "big"), b"\xcf" + (2**63).to_bytes(8, "big"))
+    elif change == "marker":  # a version as uint32: valid msgpack, another layout
+        bad = good.replace(b"\xcf" + (2).to_bytes(8, "big"), b"\xce" + (2).to_bytes(4, "big"))
+    elif change == "count":  # one version for two tensors
+        bad = _packed_reply(7, entries, [1, 2]).replace(b"\x92\xcf" + (1).to_bytes(8, "big") + b"\xcf" +
+                                                        (2).to_bytes(8, "big"), b"\x91\xcf" + (1).to_bytes(8, "big"))
+    else:
+        bad, limits = good, WireLimits(max_tensors=1)
+    assert bad != good or change == "limits"
+    assert _outcome(wire.decode_reply, bad, limits) == _outcome(_general_reply_only, bad, limits)
+    assert isinstance(_outcome(wire.decode_reply, bad, limits), tuple) == (change != "marker")
+
+
+def test_replies_held_back_go_in_order_as_they_were_when_given():
+    ctx, router, dealer = _pair()
+    try:
+        dealer.send([b"hello"], 5.0)
+        assert router.poll(5.0)
+        identity, _ = router.recv()
+        buf = bytearray(b"first")
+        router.hold(3)
+        router.send(identity, [b"h1", memoryview(buf)])
+        buf[:] = b"later"  # the reply was copied when given
+        router.send(identity, [b"h2"])
+        router.send(identity, [b"h3", b"x" * (transport.ZERO_COPY_BYTES + 1)])  # large: the held go first
+        router.send(identity, [b"h4"])
+        assert router.release() == []
+        got = []
+        while len(got) < 4:
+            assert _ready(dealer)
+            got.append(dealer.recv_frame())
+            dealer.discard_rest()
+        assert got == [b"h1", b"h2", b"h3", b"h4"]
+    finally:
+        dealer.close()
+        router.close()
+        ctx.term()
+
+
+def test_a_reply_held_back_to_a_departed_peer_is_reported_at_release():
+    ctx, router, dealer = _pair()
+    try:
+        with pytest.raises(transport.SendDropped):
+            router.send(b"nobody", [b"h"])
+        router.hold(16)
+        assert router.send(b"nobody", [b"head", b"abc"]) == [None, None]
+        dropped = router.release()
+        assert len(dropped) == 1 and dropped[0][0] == 7
+        with pytest.raises(transport.SendDropped):  # released: replies go at once again
+            router.send(b"nobody", [b"h"])
+    finally:
+        dealer.close()
+        router.close()
+        ctx.term()
+
+
+def test_a_shard_counts_a_held_reply_it_could_not_send():
+    from psrt.config import ServerConfig
+    from psrt.shard.server import Server
+
+    server = Server(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async"))
+    try:
+        server._chan.hold(4)
+        server.replies.error(b"gone", 5, "protocol", "bad")  # a peer that left before its answer
+        before = server.counters.bytes_out
+        server.replies.dropped(server._chan.release())
+        assert server.counters.dropped_replies == 1 and server.counters.errors == 1
+        assert server.counters.bytes_out < before
+    finally:
+        server.close()

@@ -398,11 +398,16 @@ def test_mixed_dtypes_raise_kernel_type_error(kernel, arg):
 
 @pytest.mark.parametrize(("kernel", "arg"), ARG_CASES)
 def test_non_contiguous_raises_kernel_argument_error(kernel, arg):
-    fn, arrays, _ = _calls()[kernel]
-    arrays[arg] = np.zeros(10, np.float32)[::2]
+    fn, arrays, outs = _calls()[kernel]
+    for a in arrays.values():
+        a[:] = 1.0
+    arrays[arg] = np.ones(10, np.float32)[::2]
+    before = {k: a.copy() for k, a in arrays.items()}
     with pytest.raises(KernelArgumentError, match="not C-contiguous") as info:
         fn(arrays)
     assert isinstance(info.value, ValueError)
+    for k in outs:  # refused before anything was written
+        np.testing.assert_array_equal(arrays[k], before[k])
 
 
 @pytest.mark.parametrize(("kernel", "arg"), ARG_CASES)
@@ -417,10 +422,15 @@ def test_fortran_order_raises_kernel_argument_error(kernel, arg):
 
 @pytest.mark.parametrize(("kernel", "arg"), OUT_CASES)
 def test_readonly_output_raises_kernel_argument_error(kernel, arg):
-    fn, arrays, _ = _calls()[kernel]
+    fn, arrays, outs = _calls()[kernel]
+    for a in arrays.values():
+        a[:] = 1.0
     arrays[arg].setflags(write=False)
+    before = {k: a.copy() for k, a in arrays.items()}
     with pytest.raises(KernelArgumentError, match=f"{arg} is read-only"):
         fn(arrays)
+    for k in outs:  # refused before anything was written, the writable outputs too
+        np.testing.assert_array_equal(arrays[k], before[k])
     arrays[arg] = np.frombuffer(bytes(20), dtype=np.float32)
     with pytest.raises(KernelArgumentError, match="read-only"):
         fn(arrays)

@@ -69,6 +69,23 @@ def _check(outputs: dict[str, object], inputs: dict[str, object]) -> list[np.nda
     return arrays
 
 
+def _kernel(table: dict[np.dtype, object], out: object, *ins: object) -> object:
+    """``table``'s kernel for these arrays when they look like what it takes (1-D ndarrays of one shape and of a dtype
+    it is compiled for), else None.
+
+    The compiled kernel still refuses another dtype, a strided buffer or a read-only output (``ValueError``, before
+    it touches anything); the callers then take :func:`_check`, which says what is wrong. So a step costs one
+    kernel call where its arguments are right, as a shard's every push's are.
+    """
+    if type(out) is not np.ndarray or out.ndim != 1:
+        return None
+    shape = out.shape
+    for a in ins:
+        if type(a) is not np.ndarray or a.shape != shape:
+            return None
+    return table.get(out.dtype)
+
+
 def _finite(name: str, value: float) -> float:
     # The common case first: a Python float that is finite (``v - v`` is NaN for NaN and for +-Inf).
     if type(value) is float and value - value == 0.0:
@@ -108,6 +125,13 @@ def accumulate(dst: np.ndarray, src: np.ndarray) -> None:
     src : numpy.ndarray
         C-contiguous array of the same dtype and size; may be read-only.
     """
+    kernel = _kernel(_ACCUMULATE, dst, src)
+    if kernel is not None:
+        try:
+            kernel(dst, src)
+            return
+        except ValueError:
+            pass  # not what the kernel takes: the checks below say why
     d, s = _check({"dst": dst}, {"src": src})
     _ACCUMULATE[d.dtype](d, s)
 
@@ -124,6 +148,18 @@ def sgd_step(param: np.ndarray, grad: np.ndarray, lr: float, scale: float = 1.0,
     lr, scale, weight_decay : float
         Learning rate, gradient scale, L2 weight decay (torch.optim.SGD semantics).
     """
+    # A shard's every push: written out rather than through _kernel and _finite (a call each costs more than
+    # checking). Finite floats have a finite sum, unless it overflows, which only sends it the long way.
+    if type(param) is np.ndarray and type(grad) is np.ndarray and param.size == grad.size \
+            and type(lr) is float and type(scale) is float and type(weight_decay) is float:
+        kernel = _SGD.get(param.dtype)
+        total = lr + scale + weight_decay
+        if kernel is not None and total - total == 0.0:
+            try:
+                kernel(param, grad, lr, scale, weight_decay)  # refuses another dtype, layout or dimension
+                return
+            except ValueError:
+                pass  # not what the kernel takes: the checks below say why
     p, g = _check({"param": param}, {"grad": grad})
     _SGD[p.dtype](p, g, _finite("lr", lr), _finite("scale", scale), _finite("weight_decay", weight_decay))
 
@@ -151,6 +187,14 @@ def momentum_step(
     nesterov : bool
         Use Nesterov momentum.
     """
+    kernel = _kernel(_MOMENTUM, param, buf, grad)
+    if kernel is not None:
+        try:
+            kernel(param, buf, grad, _finite("lr", lr), _finite("momentum", momentum), _finite("scale", scale),
+                   _finite("weight_decay", weight_decay), bool(nesterov))
+            return
+        except ValueError:
+            pass  # not what the kernel takes, or a number that is not one: the checks below say which
     p, b, g = _check({"param": param, "buf": buf}, {"grad": grad})
     _MOMENTUM[p.dtype](
         p, b, g, _finite("lr", lr), _finite("momentum", momentum), _finite("scale", scale),
@@ -192,6 +236,15 @@ def adam_step(
     l2 : float
         Coupled L2 decay added to the gradient (torch.optim.Adam's ``weight_decay``).
     """
+    kernel = _kernel(_ADAM, param, m, v, grad)
+    if kernel is not None and type(step) is int and 1 <= step <= _MAX_STEP:
+        try:
+            kernel(param, m, v, grad, _finite("lr", lr), _finite("beta1", beta1), _finite("beta2", beta2),
+                   _finite("eps", eps), step, _finite("scale", scale),
+                   _finite("decoupled_weight_decay", decoupled_weight_decay), _finite("l2", l2))
+            return
+        except ValueError:
+            pass  # not what the kernel takes, or a number that is not one: the checks below say which
     p, mm, vv, g = _check({"param": param, "m": m, "v": v}, {"grad": grad})
     if type(step) is bool or not isinstance(step, (int, np.integer)) or not 1 <= step <= _MAX_STEP:
         raise KernelArgumentError(f"step must be an integer in [1, {_MAX_STEP}] (the step number), got {step!r}")
@@ -222,6 +275,14 @@ def adagrad_step(
     lr, eps, scale, weight_decay : float
         Hyperparameters.
     """
+    kernel = _kernel(_ADAGRAD, param, acc, grad)
+    if kernel is not None:
+        try:
+            kernel(param, acc, grad, _finite("lr", lr), _finite("eps", eps), _finite("scale", scale),
+                   _finite("weight_decay", weight_decay))
+            return
+        except ValueError:
+            pass  # not what the kernel takes, or a number that is not one: the checks below say which
     p, a, g = _check({"param": param, "acc": acc}, {"grad": grad})
     _ADAGRAD[p.dtype](
         p, a, g, _finite("lr", lr), _finite("eps", eps), _finite("scale", scale), _finite("weight_decay", weight_decay)
@@ -237,8 +298,13 @@ def all_finite(x: np.ndarray) -> bool:
         C-contiguous float32 or float64 array (may be read-only).
     """
     # The shard checks every received gradient: a flat native float array skips the checks that explain errors.
-    if type(x) is np.ndarray and x.ndim == 1 and x.dtype in DTYPES and x.flags.c_contiguous:
-        return bool(_ALL_FINITE[x.dtype](x))
+    if type(x) is np.ndarray:
+        kernel = _ALL_FINITE.get(x.dtype)
+        if kernel is not None:
+            try:
+                return kernel(x)  # (a bool) refuses a strided or a many-dimensional array
+            except ValueError:
+                pass  # the checks below take it
     x = _flat("x", x, writable=False)
     return bool(_ALL_FINITE[x.dtype](x))
 

@@ -22,10 +22,11 @@ def entry_of(store: Store, key: Key) -> Entry:
 
 def check_shape(entry: Entry, meta: wire.TensorMeta) -> None:
     """``mismatch`` unless the message's tensor has the key's dtype and element count."""
-    if entry.param.dtype != meta.dtype or entry.param.size != meta.count:
+    param = entry.param
+    if (param.dtype is not meta.dtype and param.dtype != meta.dtype) or param.size != meta.count:
         raise RequestRefused(
             "mismatch",
-            f"tensor {meta.name!r} part {meta.part} holds {entry.param.size} x {entry.param.dtype} but the "
+            f"tensor {meta.name!r} part {meta.part} holds {param.size} x {param.dtype} but the "
             f"message has {meta.count} x {meta.dtype}",
         )
 
@@ -36,8 +37,11 @@ def validate_push(store: Store, req: wire.PushRequest, nonfinite: str) -> list[E
         raise RequestRefused("not_member", f"worker {req.worker} is not a member of this elastic job (it left, "
                                            "or was taken for dead): register again to rejoin")
     entries = []
+    held = store.entries
     for i, meta in enumerate(req.tensors):
-        entry = entry_of(store, meta.key)
+        entry = held.get(meta.key)
+        if entry is None:
+            entry = entry_of(store, meta.key)  # says which
         check_shape(entry, meta)
         if nonfinite == "reject" and not kernels.all_finite(req.array(i)):
             raise RequestRefused(

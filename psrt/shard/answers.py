@@ -36,11 +36,25 @@ class ShardReplies:
 
     def __init__(self, channel: transport.RouterChannel, lanes: ShardLanes, counters: Counters) -> None:
         self._chan, self.lanes, self.counters = channel, lanes, counters
+        #: Each key's tensor entry in a params reply, packed once: a key's dtype and size never change (a shard
+        #: refuses to initialize it again otherwise), so every reply with it repeats the same bytes.
+        self._entries: dict[Key, bytes] = {}
 
     def params(self, identity: bytes, request_id: int, keys: list[Key], entries: list[Entry], rounds: bool,
                job: Optional[wire.JobInfo] = None, codec: Optional[str] = None,
                lane: Optional[ShardLane] = None) -> None:
         """Send the parameters of ``entries``; ``rounds``: the shard's pushes gather into sync rounds."""
+        if lane is None and codec is None and job is None:  # the usual answer: full precision, over the socket
+            packed, heads = self._entries, []
+            for k, e in zip(keys, entries):
+                head = packed.get(k)
+                if head is None:
+                    head = packed[k] = wire.params_entry(k[0], k[1], e.param.dtype, e.param.size)
+                heads.append(head)
+            payload = [e.param for e in entries]
+            self._send_params(identity, entries, payload,
+                              wire.encode_params_packed(request_id, heads, [e.version for e in entries], payload))
+            return
         tensors = [wire.tensor_entry(k[0], k[1], e.param.dtype, (e.param.size,)) for k, e in zip(keys, entries)]
         if lane is not None:  # the parameters go through shared memory, the header over the socket
             segment, offsets = lane
@@ -59,7 +73,10 @@ class ShardReplies:
                 packed = e.packed_param(codec)  # None: float64, or out of fp16's range
                 if packed is not None:
                     tensors[i][2], payload[i] = packed
-        frames = wire.encode_params(request_id, tensors, [e.version for e in entries], payload, job)
+        self._send_params(identity, entries, payload,
+                          wire.encode_params(request_id, tensors, [e.version for e in entries], payload, job))
+
+    def _send_params(self, identity: bytes, entries: list[Entry], payload: list[Any], frames: list[Any]) -> None:
         try:
             trackers = self._chan.send(identity, frames, track=True)
         except transport.SendDropped as exc:
@@ -81,7 +98,15 @@ class ShardReplies:
             self.counters.dropped_replies += 1
             log.warning("reply to a worker dropped: %s", exc)
             return
-        self.counters.bytes_out += len(frames[0])
+        self.counters.bytes_out += sum(map(len, frames))
+
+    def dropped(self, replies: list[tuple[int, str]]) -> None:
+        """Count replies that were held back (:meth:`psrt.transport.RouterChannel.hold`) and could not be sent,
+        ``(bytes, why)`` each: counted as sent when they were given, they are taken back out of ``bytes_out``."""
+        for nbytes, why in replies:
+            self.counters.dropped_replies += 1
+            self.counters.bytes_out -= nbytes
+            log.warning("reply to a worker dropped: %s", why)
 
     def error(self, identity: bytes, request_id: int, code: str, message: str, counted: bool = True) -> None:
         """Send an ``error`` reply (the request changed nothing); ``counted``: a shard error (an operator's

@@ -46,6 +46,8 @@ log = logging.getLogger("psrt.server")
 
 #: Messages handled per wake-up before the loop checks for a stop request again.
 _BATCH = 256
+#: Replies to messages queued together that go out together (:meth:`psrt.transport.RouterChannel.hold`).
+_HOLD = 16
 
 
 class Server(Recovery):
@@ -121,13 +123,21 @@ class Server(Recovery):
         poll = self.config.poll_interval
         while not self._stop.is_set():
             if self._chan.poll(poll):
-                for _ in range(_BATCH):
-                    msg = self._chan.recv()
-                    if msg is None:
-                        break
+                # Every message queued, then one receive that finds none: a socket's event flags cost a system
+                # call per message, a receive that succeeds none. The first message's answer goes at once (a
+                # single request waits for nothing else); those of the messages queued behind it go together.
+                msg = self._chan.recv()
+                if msg is not None:
                     self.handle(*msg)
-                    if not self._chan.readable():  # reading event flags: far cheaper than a failing receive
-                        break
+                    self._chan.hold(_HOLD)
+                    try:
+                        for _ in range(_BATCH - 1):
+                            msg = self._chan.recv()
+                            if msg is None:
+                                break
+                            self.handle(*msg)
+                    finally:
+                        self.replies.dropped(self._chan.release())
             if self._ckpt.due_by_time():
                 self._checkpoint_quietly()
             if control is not None and control.tick(self.set_members, self.set_finished):
@@ -263,7 +273,8 @@ class Server(Recovery):
         self._send_params(identity, req.id, req.keys(), entries, job)
 
     def _push(self, identity: bytes, req: wire.PushRequest) -> None:
-        lane = self.lanes.push_lane(req)  # over a lane: the gradients are read where the worker wrote them
+        # Over a lane: the gradients are read where the worker wrote them.
+        lane = self.lanes.push_lane(req) if req.lane is not None else None
         entries = admission.validate_push(self.store, req, self.config.nonfinite)
         if self.store.finished and not self.store.is_duplicate(req.worker, req.session, req.seq):
             self._refuse_if_finished(req.worker, entries)
@@ -279,7 +290,7 @@ class Server(Recovery):
         keys = req.keys()
         if self.store.is_duplicate(req.worker, req.session, req.seq):
             self.counters.duplicates += 1
-            self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), True, lane)
+            self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), True, lane, entries)
             return
         grads = [req.array(i) for i in range(len(entries))]
         # A push_pull's lane areas stay untouched until its answer, which comes after its round: held, not copied.
@@ -289,26 +300,35 @@ class Server(Recovery):
         self.store.record(req.worker, req.session, req.seq)
         self.counters.pushes += 1
         self.counters.rounds += len(completed)
-        self._answer_push(identity, req, keys, targets, False, lane)
-        for i in completed:
-            self._wake(keys[i])
+        self._answer_push(identity, req, keys, targets, False, lane, entries)
+        if self._pulls or self._stale_pulls:  # (nothing waits: the usual case with W = 1, or async)
+            for i in completed:
+                self._wake(keys[i])
         if completed and self._deferred:
             self._drain_deferred()
         if completed:
             self._after_rounds()
 
     def _answer_push(self, identity: bytes, req: wire.PushRequest, keys: list[Key], targets: list[int],
-                     duplicate: bool, lane: Optional[ShardLane]) -> None:
+                     duplicate: bool, lane: Optional[ShardLane], entries: list[Entry]) -> None:
         if not req.pull:
             self._reply(identity, wire.encode_ack(req.id, targets, duplicate))
             return
         self.counters.pulls += 1  # the pull half of a push_pull is a pull too
         # A worker pushing 16-bit gradients gets the parameters of its push_pull back in the same form.
-        codec = next((m.encoding for m in req.tensors if m.encoding in compression.WIRE_NAMES), None)
+        codec = None
+        for m in req.tensors:
+            if m.encoding is not None and m.encoding in compression.WIRE_NAMES:
+                codec = m.encoding
+                break
         if self.config.mode == "ssp":
             self._wait_for_clock(identity, req.id, keys, req.worker, codec, lane)
-        else:
-            self._wait_for(identity, req.id, dict(zip(keys, targets)), keys, codec, lane)
+            return
+        for entry, target in zip(entries, targets):
+            if entry.version < target:  # its round is still open: wait for it
+                self._wait_for(identity, req.id, dict(zip(keys, targets)), keys, codec, lane)
+                return
+        self._send_params(identity, req.id, keys, entries, codec=codec, lane=lane)  # applied (async, or W = 1)
 
     def _drain_deferred(self) -> None:
         """Admit queued early pushes whose keys have moved on to a round they can join."""
@@ -393,7 +413,9 @@ class Server(Recovery):
     def _send_params(self, identity: bytes, request_id: int, keys: list[Key], entries: list[Entry],
                      job: Optional[wire.JobInfo] = None, codec: Optional[str] = None,
                      lane: Optional[ShardLane] = None) -> None:
-        self.replies.params(identity, request_id, keys, entries, self.store.rounds, job, codec, lane)
+        # (Whether pushes gather into rounds matters only to an answer through a lane.)
+        self.replies.params(identity, request_id, keys, entries, lane is not None and self.store.rounds, job, codec,
+                            lane)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

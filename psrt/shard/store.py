@@ -111,7 +111,7 @@ class Entry:
 
     def apply(self, grad: np.ndarray, scale: float) -> None:
         """One optimizer step with ``scale * grad``; bumps the version."""
-        param = self.writable_param()
+        param = self.writable_param() if self.trackers else self.param
         if self.seqlock is not None:
             kernels.seq_bump(self.seqlock)  # odd: a worker of this host copying the parameters now tries again
         self.optimizer.step(param, self.slots, grad, scale, self.version + 1)

@@ -170,16 +170,22 @@ def _common(sock: zmq.Socket, hwm: int) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TTL, _HEARTBEAT_TIMEOUT_MS)
 
 
+#: pyzmq's compiled ``Socket.send``, called on a socket directly: the ``zmq.Socket`` subclass wraps it in a Python
+#: method (for draft-API arguments psrt never passes), which costs more than the send of a small frame itself.
+_SEND = zmq.backend.Socket.send
+
+
 def _send_frames(sock: zmq.Socket, frames: Sequence[Any], track: bool) -> list[Optional[zmq.MessageTracker]]:
     trackers: list[Optional[zmq.MessageTracker]] = []
     last = len(frames) - 1
+    send = _SEND
     for i, frame in enumerate(frames):
         flags = _SNDMORE if i < last else 0
         if len(frame) >= ZERO_COPY_BYTES:
-            tracker = sock.send(frame, flags, copy=False, track=track)
+            tracker = send(sock, frame, flags, False, track)
             trackers.append(tracker if track else None)
         else:
-            sock.send(frame, flags, copy=True)
+            send(sock, frame, flags, True, False)
             trackers.append(None)  # copied: the caller's buffer is free at once
     return trackers
 
@@ -253,33 +259,76 @@ class RouterChannel:
         last = self.sock.getsockopt(zmq.LAST_ENDPOINT)
         self.endpoint: str = last.decode() if isinstance(last, bytes) else str(last)
         self._poll_items = [(self.sock, _POLLIN)]
+        #: Small replies kept back (:meth:`hold`), each with its frames' copies; None: every reply goes at once.
+        self._held: Optional[list[tuple[bytes, list[bytes]]]] = None
+        self._hold_most = 0
+        self._dropped: list[tuple[int, str]] = []
 
     def poll(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for an incoming message."""
         return bool(zmq.zmq_poll(self._poll_items, _ms(timeout)))
 
     def readable(self) -> bool:
-        """True when a message is waiting (no system call beyond reading the socket's event flags)."""
-        return bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
+        """True when a message is waiting (never waits)."""
+        # A poll without timeout reads the socket's event flags as getsockopt(EVENTS) does, without the enum member
+        # pyzmq makes of getsockopt's answer.
+        return bool(zmq.zmq_poll(self._poll_items, 0))
 
     def recv(self) -> Optional[tuple[bytes, list[zmq.Frame]]]:
         """Receive one message without blocking: ``(identity, frames)``, or None when nothing is queued.
 
         Frames are received zero-copy and are read-only.
         """
-        sock = self.sock
+        recv = self.sock.recv
         try:
-            identity = sock.recv(_NOBLOCK, copy=False)
+            identity = recv(_NOBLOCK)  # a few bytes: a copy costs less than a zmq.Frame
         except zmq.Again:
             return None
-        # Each zmq.Frame knows whether more follow: cheaper than recv_multipart's RCVMORE query per frame.
-        frames = []
-        more = identity.more
-        while more:
-            frame = sock.recv(_NOBLOCK, copy=False)
+        # A ROUTER puts the peer's identity before every message, which has at least one frame. Each zmq.Frame
+        # knows whether more follow: cheaper than recv_multipart's RCVMORE query per frame.
+        frame = recv(_NOBLOCK, False)
+        frames = [frame]
+        while frame.more:
+            frame = recv(_NOBLOCK, False)
             frames.append(frame)
-            more = frame.more
-        return identity.bytes, frames
+        return identity, frames
+
+    def hold(self, most: int) -> None:
+        """Keep small replies back from now on, and send them together, ``most`` at a time and at :meth:`release`.
+
+        A reply costs the I/O thread a wake-up when it finds it idle, which a shard that works on a message longer
+        than the thread takes to send the last reply does at every reply; sent together, they share one. A reply
+        of small frames (each under :data:`ZERO_COPY_BYTES`) is copied when it is given (the caller may change its
+        buffers at once, as after a send) and counts as sent; a reply with a larger frame goes at once, after those
+        held, so that every peer gets its replies in order.
+        """
+        self._held = []
+        self._hold_most = max(1, most)
+
+    def release(self) -> list[tuple[int, str]]:
+        """Send the replies held, stop holding; returns ``(bytes, why)`` of each that could not be sent (the peer
+        departed, or its queue stayed full past the send timeout), since :meth:`hold`."""
+        self._flush()
+        self._held = None
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def _flush(self) -> None:
+        held = self._held
+        if not held:
+            return
+        self._held = []
+        sock = self.sock
+        for identity, frames in held:
+            try:
+                _SEND(sock, identity, _SNDMORE, True, False)
+                last = len(frames) - 1
+                for i, frame in enumerate(frames):
+                    _SEND(sock, frame, _SNDMORE if i < last else 0, True, False)
+            except zmq.ZMQError as exc:
+                if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                    raise
+                self._dropped.append((sum(map(len, frames)), str(exc)))
 
     def send(self, identity: bytes, frames: Sequence[Any],
              track: bool = False) -> list[Optional[zmq.MessageTracker]]:
@@ -289,11 +338,32 @@ class RouterChannel:
         Raises
         ------
         SendDropped
-            When the peer is unknown or departed, or its queue stayed full past the send timeout.
+            When the peer is unknown or departed, or its queue stayed full past the send timeout (a reply held
+            back is reported by :meth:`release` instead).
         """
+        held = self._held
+        if held is not None:
+            for frame in frames:
+                if len(frame) >= ZERO_COPY_BYTES:
+                    self._flush()  # first those before it
+                    break
+            else:
+                if len(frames) == 2:  # a header (bytes) and one buffer, the usual answer
+                    head, body = frames
+                    held.append((identity, [head if type(head) is bytes else bytes(head), bytes(body)]))
+                else:
+                    held.append((identity, [f if type(f) is bytes else bytes(f) for f in frames]))
+                if len(held) >= self._hold_most:
+                    self._flush()
+                return [None] * len(frames)
+        sock = self.sock
         try:
-            self.sock.send(identity, _SNDMORE)
-            return _send_frames(self.sock, frames, track)
+            _SEND(sock, identity, _SNDMORE, True, False)
+            if len(frames) == 2 and len(frames[1]) < ZERO_COPY_BYTES:  # a small reply (a header and one buffer)
+                _SEND(sock, frames[0], _SNDMORE, True, False)
+                _SEND(sock, frames[1], 0, True, False)
+                return [None, None]
+            return _send_frames(sock, frames, track)
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise SendDropped(str(exc)) from None
@@ -338,6 +408,7 @@ class DealerChannel:
         self.endpoint = endpoint
         self._keys_dir = None if keys is None else str(keys.directory)
         self._sndtimeo = -1
+        self._send_timeout: Optional[float] = None  # the seconds SNDTIMEO was set from
         self._more: Optional[bool] = False  # whether the last frame received has more after it; None: unknown
         try:
             self.sock = context.socket(zmq.DEALER)
@@ -416,12 +487,18 @@ class DealerChannel:
         # monitor (Poller), so only a channel that never connected pays for reading its event flags per send.
         if self._failure is not None or (not self.connections and self.monitor.getsockopt(_EVENTS) & _POLLIN):
             self.check_handshake()
-        timeout_ms = _ms(timeout, 1)
-        if timeout_ms != self._sndtimeo:
-            self.sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
-            self._sndtimeo = timeout_ms
+        if timeout != self._send_timeout:  # (a client sends with the same timeout every time)
+            timeout_ms = _ms(timeout, 1)
+            if timeout_ms != self._sndtimeo:
+                self.sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+                self._sndtimeo = timeout_ms
+            self._send_timeout = timeout
         try:
-            _send_frames(self.sock, frames, track=False)
+            if len(frames) == 2 and len(frames[1]) < ZERO_COPY_BYTES:  # a small request (a header and one buffer)
+                _SEND(self.sock, frames[0], _SNDMORE, True, False)
+                _SEND(self.sock, frames[1], 0, True, False)
+            else:
+                _send_frames(self.sock, frames, track=False)
         except zmq.Again:
             self.check_handshake()  # the handshake may have failed while the send waited
             raise ShardTimeoutError(
@@ -522,7 +599,8 @@ class Poller:
             if ch._failure is not None:
                 ch.check_handshake()
         ready = []
-        for s, _ in zmq.zmq_poll(self._items, _ms(timeout)):
+        ms = -1 if timeout * 1000 >= _MAX_MS else max(0, int(timeout * 1000))  # _ms, inline: a wait per reply
+        for s, _ in zmq.zmq_poll(self._items, ms):
             ch = self._monitors.get(s)
             if ch is not None:
                 ch.check_handshake()

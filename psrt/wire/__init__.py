@@ -162,8 +162,10 @@ from psrt.wire.replies import (
     encode_ack,
     encode_error,
     encode_params,
+    encode_params_packed,
     encode_saved,
     encode_stats,
+    params_entry,
 )
 from psrt.wire.rows import (
     IDS_DTYPE,
@@ -184,7 +186,8 @@ __all__ = [
     "JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "SavedReply", "Reply",
     "decode_request", "decode_reply", "data_request_id", "encode_init", "encode_push", "encode_push_after",
     "push_prefix", "encode_pull", "encode_stats_request",
-    "encode_checkpoint_request", "encode_params", "encode_ack", "encode_stats", "encode_error", "encode_saved",
+    "encode_checkpoint_request", "encode_params", "params_entry", "encode_params_packed", "encode_ack",
+    "encode_stats", "encode_error", "encode_saved",
     "CONTROL_LIMITS", "Register", "Barrier", "Done", "Failed", "TableQuery", "ControlRequest", "Table", "Ok",
     "ControlError", "Shutdown", "Abort", "Heartbeat", "Members", "Finished", "Forming", "ControlReply",
     "decode_control_request", "decode_control_reply",

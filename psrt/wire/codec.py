@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import msgpack
@@ -35,6 +35,7 @@ __all__ = [
     "uint",
     "string",
     "tensor_metas",
+    "same_limits",
     "check_buffers",
     "encode",
     "with_buffers",
@@ -66,11 +67,11 @@ class TensorMeta:
     #: A compressed gradient (:mod:`psrt.wire.compression`): ``"fp16"``, ``"bf16"`` or ``"topk"``; ``dtype`` is then
     #: float32, the values' dtype once widened, while the frame holds 2 bytes per value (top-k: 8 per entry sent).
     encoding: Optional[str] = None
+    #: The shard-side key: ``(name, part)`` (made once: a shard reads it several times per message).
+    key: Key = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> Key:
-        """The shard-side key: ``(name, part)``."""
-        return (self.name, self.part)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.name, self.part))
 
 
 #: One msgpack Packer per thread: msgpack.packb builds (and frees) a new one, buffer included, for every header.
@@ -260,6 +261,27 @@ def tensor_metas(entries: Any, limits: WireLimits, compressed: bool = False) -> 
 #: Checked 1-D tensor entries, by ``(name, part, dtype name, count, compressed)``: see :func:`tensor_metas`.
 _SEEN: dict[tuple[str, int, str, int, bool], TensorMeta] = {}
 _SEEN_MAX = 1 << 16
+
+
+def same_limits(limits: WireLimits) -> WireLimits:
+    """One object for all equal limits: the first of them seen. Caches of decoded headers remember the limits
+    they were checked under and compare them by identity, where comparing two equal ``WireLimits`` field by
+    field would cost more than the lookup saves (each client of a process holds its own, equal, limits)."""
+    known = _LIMITS_BY_ID.get(id(limits))
+    if known is not None and known[0] is limits:
+        return known[1]
+    first = _LIMITS.setdefault(limits, limits)
+    if len(_LIMITS_BY_ID) >= 1024:
+        _LIMITS_BY_ID.clear()
+        if len(_LIMITS) >= 1024:
+            _LIMITS.clear()
+            _LIMITS[limits] = first = limits
+    _LIMITS_BY_ID[id(limits)] = (limits, first)  # holds ``limits``: its id is not reused while it is here
+    return first
+
+
+_LIMITS: dict[WireLimits, WireLimits] = {}
+_LIMITS_BY_ID: dict[int, tuple[WireLimits, WireLimits]] = {}
 
 
 def check_buffers(metas: list[TensorMeta], buffers: Sequence[Any]) -> None:

@@ -29,6 +29,7 @@ from psrt.wire.codec import (
     encode,
     op_of,
     pack_header,
+    same_limits,
     tensor_metas,
     uint,
     unpack_header,
@@ -84,20 +85,27 @@ class _WithTensors:
 
     tensors: list[TensorMeta]
     buffers: list[Any]
-    _widened: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: The arrays made so far, by index, with the buffer each was made of (a lane rebinds the buffers).
+    _arrays: Optional[dict[int, tuple[Any, np.ndarray]]] = field(default=None, init=False, repr=False, compare=False)
 
     def array(self, i: int) -> np.ndarray:
-        """The i-th buffer as a flat array of its declared dtype (no copy; read-only if received).
+        """The i-th buffer as a flat array of its declared dtype (no copy; read-only if received), made once.
 
-        A compressed gradient is widened to float32 once (a new array, kept for later calls).
+        A compressed gradient is widened to float32 (a new array).
         """
+        buf = self.buffers[i]
+        arrays = self._arrays
+        if arrays is None:
+            arrays = self._arrays = {}
+        else:
+            made = arrays.get(i)
+            if made is not None and made[0] is buf:
+                return made[1]
         meta = self.tensors[i]
-        if meta.encoding is None:
-            return np.frombuffer(self.buffers[i], dtype=meta.dtype)
-        widened = self._widened.get(i)
-        if widened is None:
-            widened = self._widened[i] = compression.decode(meta.encoding, self.buffers[i], meta.count)
-        return widened
+        a = np.frombuffer(buf, meta.dtype) if meta.encoding is None else compression.decode(meta.encoding, buf,
+                                                                                            meta.count)
+        arrays[i] = (buf, a)
+        return a
 
     def keys(self) -> list[Key]:
         """The ``(name, part)`` key of every tensor, in message order."""
@@ -203,12 +211,26 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
     try:
         if len(frames) < 1:
             raise ProtocolError("empty message: expected a header frame")
-        h = unpack_header(frames[0], limits)
+        head = frames[0] if type(frames[0]) is bytes else _header_bytes(frames[0], limits)
+        # A push whose fixed fields were decoded and checked before (a training loop's every step): only its id,
+        # seq and clock are new.
+        cut = len(head) - _PUSH_TAIL.size if type(head) is bytes else 0
+        seen = _SEEN_PUSHES.get(head[:cut]) if cut > 0 else None
+        if seen is not None and (seen.limits is limits or seen.limits is same_limits(limits)):
+            id_key, rid, seq_key, seq, clock_key, clock = _PUSH_TAIL.unpack_from(head, cut)
+            if (id_key == _ID and seq_key == _SEQ and clock_key == _CLOCK and rid <= MAX_U63 and seq <= MAX_U63
+                    and clock <= MAX_U63):
+                request_id = rid
+                buffers = list(frames[1:])
+                check_buffers(seen.tensors, buffers)
+                return PushRequest(list(seen.tensors), buffers, rid, seen.worker, seen.session, seq, seen.pull, clock)
+        h = unpack_header(head, limits)
         if type(h.get("id")) is int and 0 <= h["id"] <= MAX_U63:
             request_id = h["id"]
         check_version(h)
         if request_id is not None and h.keys() == _PUSH:  # push(_pull), every step's: short path
             if (req := _plain_push(h, frames, limits, request_id)) is not None:
+                _remember_push(head, req, limits)
                 return req
         if type(h.get("op")) is str and h["op"] in _ROW_OPS:  # embedding tables: psrt.wire.rows
             return decode_row_request(h, list(frames[1:]), limits)
@@ -249,6 +271,16 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         raise
 
 
+def _header_bytes(frame: Any, limits: WireLimits) -> Any:
+    """A received header frame's bytes (msgpack and the lookup of a push's fixed part read bytes fastest), or the
+    frame itself when it is larger than a header may be (refused unread) or no buffer."""
+    if hasattr(type(frame), "bytes"):  # a zmq.Frame: its copy of its bytes (made once, on first use)
+        return frame.bytes if len(frame) <= limits.max_header_bytes else frame
+    if isinstance(frame, (bytearray, memoryview)) and len(frame) <= limits.max_header_bytes:
+        return bytes(frame)
+    return frame
+
+
 def _plain_push(h: dict[str, Any], frames: Sequence[Any], limits: WireLimits, rid: int) -> Optional[PushRequest]:
     """A push(_pull) with in-range integers, in fewer steps (None: the general path says what is wrong)."""
     op, worker, session, seq, clock = h["op"], h["worker"], h["session"], h["seq"], h["clock"]
@@ -260,6 +292,49 @@ def _plain_push(h: dict[str, Any], frames: Sequence[Any], limits: WireLimits, ri
     check_buffers(metas, buffers)
     _check_distinct(metas)
     return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull", clock)
+
+
+@dataclass(frozen=True)
+class _SeenPush:
+    """What the fixed fields of a push header (:data:`PUSH_FIXED`, packed as one byte string) decoded to, under
+    ``limits`` (:func:`~psrt.wire.codec.same_limits`): everything but the id, seq and clock, checked."""
+
+    limits: WireLimits
+    tensors: tuple[TensorMeta, ...]
+    worker: int
+    session: int
+    pull: bool
+
+
+#: Pushes decoded before, by their header's bytes up to the per-call fields (:func:`_remember_push`).
+_SEEN_PUSHES: dict[bytes, _SeenPush] = {}
+_SEEN_PUSHES_MAX = 1 << 14
+
+
+def _remember_push(head: bytes, req: PushRequest, limits: WireLimits) -> None:
+    """Keep what the fixed part of a valid push header decoded to, by its bytes, when the header ends with the
+    per-call fields as :func:`encode_push_after` packs them (every psrt client's push over a socket).
+
+    msgpack decodes a map's pairs one after the other, each from its own bytes: when the bytes before the tail
+    are the map's head and then exactly the fixed fields' pairs (decoded alone, as a map of that many, they
+    are complete and nothing is left over), any header of those bytes and such a tail is this header with
+    other integers, and decodes and checks as it did. A later push with the same bytes then skips msgpack.
+    """
+    cut = len(head) - _PUSH_TAIL.size
+    if cut <= 1 or head[0] != _MAP_HEADS[len(PUSH_FIXED)][0]:
+        return
+    id_key, _, seq_key, _, clock_key, _ = _PUSH_TAIL.unpack_from(head, cut)
+    if id_key != _ID or seq_key != _SEQ or clock_key != _CLOCK:
+        return
+    try:
+        fixed = unpack_header(_FIXED_HEAD + head[1:cut], limits)
+    except ProtocolError:
+        return
+    if fixed.keys() != _FIXED_KEYS:
+        return
+    if len(_SEEN_PUSHES) >= _SEEN_PUSHES_MAX:
+        _SEEN_PUSHES.clear()  # a peer inventing headers must not grow this without bound
+    _SEEN_PUSHES[head[:cut]] = _SeenPush(same_limits(limits), tuple(req.tensors), req.worker, req.session, req.pull)
 
 
 def _check_distinct(metas: list[TensorMeta]) -> None:
@@ -339,6 +414,9 @@ def _push_template() -> tuple[dict[int, bytes], struct.Struct, tuple[bytes, ...]
 
 
 _MAP_HEADS, _PUSH_TAIL, (_ID, _SEQ, _CLOCK) = _push_template()
+#: The head of a map of the fixed fields alone, and their names (:func:`_remember_push`).
+_FIXED_HEAD = pack_header(dict.fromkeys(PUSH_FIXED))[:1]
+_FIXED_KEYS = frozenset(PUSH_FIXED)
 
 
 def encode_push_after(prefix: bytes, rid: int, seq: int, clock: int, payload: Sequence[np.ndarray]) -> list[Any]:

@@ -7,6 +7,7 @@ reply's buffers follow as separate frames, received by the caller straight into 
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence, Union
 
@@ -23,16 +24,21 @@ from psrt.wire.codec import (
     check_fields,
     check_version,
     encode,
+    pack_header,
+    same_limits,
     string,
+    tensor_entry,
     tensor_metas,
     uint,
     uint_list,
     unpack_header,
+    with_buffers,
 )
 from psrt.wire.rows import RowsReply, decode_rows_reply
 
 __all__ = ["JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "SavedReply", "Reply", "decode_reply",
-           "encode_params", "encode_ack", "encode_stats", "encode_error", "encode_saved"]
+           "encode_params", "params_entry", "encode_params_packed", "encode_ack", "encode_stats", "encode_error",
+           "encode_saved"]
 
 #: A ``params`` reply's fields; answering ``init`` it adds the job's, over a shared-memory lane the lane's.
 _PARAMS = frozenset({"v", "op", "id", "tensors", "versions"})
@@ -122,9 +128,14 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
     ProtocolError
         When the header is malformed, whatever is wrong with it.
     """
+    if type(data) is bytes and data.startswith(_PACKED_HEAD):  # as encode_params_packed makes them: shorter yet
+        if (reply := _packed_params(data, limits)) is not None:
+            return reply
     h = unpack_header(data, limits)
     if h.keys() == _PARAMS:  # a params reply without job or lane fields, every step's: short path
         if (reply := _plain_params(h, limits)) is not None:
+            if type(data) is bytes and data.startswith(_PACKED_HEAD):
+                _remember_tensors(data, reply, limits)
             return reply
     check_version(h)
     op = h.get("op")
@@ -176,6 +187,121 @@ def _plain_params(h: dict[str, Any], limits: WireLimits) -> Optional[ParamsReply
     return ParamsReply(rid, *_params_of(h, limits))
 
 
+# A params reply as encode_params_packed packs it: the map's head, ``v``, ``op``, the ``id`` key and the uint64 marker
+# (_PACKED_HEAD), the id's 8 bytes, the ``versions`` key, an array head and a uint64 per version, then the ``tensors``
+# key and its list. The constant bytes are msgpack's own (checked at import against its packing of the map).
+_PACKED_HEAD = (pack_header(dict.fromkeys(_PARAMS))[:1]  # a map of the five fields
+                + pack_header({"v": PROTOCOL_VERSION, "op": "params", "id": 1 << 63})[1:-8])
+_VERSIONS_KEY = pack_header("versions")
+_TENSORS_KEY = pack_header("tensors")
+_AT_ID = len(_PACKED_HEAD)
+_AT_VERSIONS = _AT_ID + 8 + len(_VERSIONS_KEY)  # where the versions' array head is
+_U64 = struct.Struct(">Q")
+_U16 = struct.Struct(">H")
+_UINT64 = 0xCF
+_ARRAY16 = 0xDC
+_ONE_PAIR = pack_header({"": 0})[:1]  # the head of a map of one pair
+
+
+def _array_head(n: int) -> bytes:
+    """msgpack's head of a list of ``n`` items (a fixarray below 16, else array 16; a reply never holds more)."""
+    return pack_header([None] * n)[:-n] if n else pack_header([])
+
+
+def _versions_struct(n: int) -> struct.Struct:
+    """The layout of ``n`` versions as uint64s: each its marker byte and 8 bytes."""
+    st = _VERSIONS.get(n)
+    if st is None:
+        st = struct.Struct(">" + "BQ" * n)
+        if len(_VERSIONS) < 64:
+            _VERSIONS[n] = st
+    return st
+
+
+_VERSIONS: dict[int, struct.Struct] = {}
+_VERSION1 = _versions_struct(1)
+_ONE_VERSION = _array_head(1)[0]
+
+
+@dataclass(frozen=True)
+class _SeenTensors:
+    """The tensors a packed params reply's ``tensors`` part (its bytes from the key on) decoded to, under
+    ``limits`` (:func:`~psrt.wire.codec.same_limits`)."""
+
+    limits: WireLimits
+    tensors: tuple[TensorMeta, ...]
+
+
+#: Packed params replies' ``tensors`` parts decoded before, by their bytes (:func:`_remember_tensors`).
+_SEEN_TENSORS: dict[bytes, _SeenTensors] = {}
+_SEEN_TENSORS_MAX = 1 << 14
+
+
+def _versions_at(data: bytes) -> Optional[tuple[int, int]]:
+    """``(n, where the versions' values start)`` of a reply in :func:`encode_params_packed`'s layout, else None."""
+    if len(data) <= _AT_VERSIONS + 2 or data[_AT_ID + 8:_AT_VERSIONS] != _VERSIONS_KEY:
+        return None
+    head = data[_AT_VERSIONS]
+    if 0x90 <= head <= 0x9F:
+        return head & 0x0F, _AT_VERSIONS + 1
+    if head == _ARRAY16:
+        return _U16.unpack_from(data, _AT_VERSIONS + 1)[0], _AT_VERSIONS + 3
+    return None
+
+
+def _packed_params(data: bytes, limits: WireLimits) -> Optional[ParamsReply]:
+    """A params reply in :func:`encode_params_packed`'s layout whose tensors were seen before: the id and the versions
+    read at their places, the tensors looked up by their bytes. None: anything else (the general path decides)."""
+    if len(data) > _AT_VERSIONS + 1 and data[_AT_VERSIONS] == _ONE_VERSION \
+            and data.startswith(_VERSIONS_KEY, _AT_ID + 8):  # one tensor, the usual reply: in fewer steps
+        n, at, end = 1, _AT_VERSIONS + 1, _AT_VERSIONS + 1 + _VERSION1.size
+    else:
+        where = _versions_at(data)
+        if where is None:
+            return None
+        n, at = where
+        end = at + _versions_struct(n).size
+    seen = _SEEN_TENSORS.get(data[end:])
+    if seen is None or len(seen.tensors) != n or len(data) > limits.max_header_bytes \
+            or (seen.limits is not limits and seen.limits is not same_limits(limits)):
+        return None
+    (rid,) = _U64.unpack_from(data, _AT_ID)
+    if n == 1:
+        marker, version = _VERSION1.unpack_from(data, at)
+        if rid > MAX_U63 or marker != _UINT64 or version > MAX_U63:
+            return None
+        return ParamsReply(rid, list(seen.tensors), [version])
+    fields = _versions_struct(n).unpack_from(data, at)
+    versions = list(fields[1::2])
+    if rid > MAX_U63 or fields[0::2].count(_UINT64) != n or (n and max(versions) > MAX_U63):
+        return None
+    return ParamsReply(rid, list(seen.tensors), versions)
+
+
+def _remember_tensors(data: bytes, reply: ParamsReply, limits: WireLimits) -> None:
+    """Keep the tensors of a valid params reply that starts as :func:`encode_params_packed` packs one, by the bytes
+    of its ``tensors`` part, for :func:`_packed_params`.
+
+    Before that part the bytes are exactly the map's head and four pairs (v, op, id, versions) of known layout;
+    when the rest, read alone as a map of one pair, is the ``tensors`` key and its list, nothing left over, then
+    any reply of that layout ending in those bytes decodes to these tensors (msgpack reads a map's pairs one
+    after the other), and is checked as this one was.
+    """
+    where = _versions_at(data)
+    if where is None or where[0] != len(reply.tensors):
+        return
+    end = where[1] + _versions_struct(where[0]).size
+    try:
+        rest = unpack_header(_ONE_PAIR + data[end:], limits)
+    except ProtocolError:
+        return
+    if rest.keys() != {"tensors"}:
+        return
+    if len(_SEEN_TENSORS) >= _SEEN_TENSORS_MAX:
+        _SEEN_TENSORS.clear()  # a peer inventing replies must not grow this without bound
+    _SEEN_TENSORS[data[end:]] = _SeenTensors(same_limits(limits), tuple(reply.tensors))
+
+
 def _params_of(h: dict[str, Any], limits: WireLimits) -> tuple[list[TensorMeta], list[int]]:
     """A ``params`` reply's tensors and their versions, checked in this order."""
     # Parameters may come back in the 16-bit form the worker pushed in; never as top-k.
@@ -197,6 +323,51 @@ def encode_params(rid: int, entries: list[list[Any]], versions: list[int], paylo
     if lane is not None:
         header.update(lane=lane, places=places)
     return encode(header, payload)
+
+
+def params_entry(name: str, part: int, dtype: np.dtype, count: int) -> bytes:
+    """One tensor's entry of a params reply, packed once for :func:`encode_params_packed`.
+
+    Raises
+    ------
+    ProtocolError
+        When the dtype is not one psrt moves.
+    """
+    return pack_header(tensor_entry(name, part, dtype, (count,)))
+
+
+def encode_params_packed(rid: int, entries: Sequence[bytes], versions: Sequence[int],
+                         payload: Sequence[np.ndarray]) -> list[Any]:
+    """Frames of a plain ``params`` reply (no job, no lane) whose tensor entries were packed before
+    (:func:`params_entry`): the map :func:`encode_params` makes of the same fields, the id and every version as
+    a uint64, the tensors last, so that a client reads the id and the versions at their places and looks the
+    tensors up by their bytes (fewer than 65,536 tensors)."""
+    n = len(entries)
+    count = _array_head(n) if n > 1 else _ONE_ITEM if n else _NO_ITEM
+    if n == 1:
+        marks = _VERSION1.pack(_UINT64, versions[0])
+    else:
+        marks = _versions_struct(n).pack(*[x for v in versions for x in (_UINT64, v)])
+    header = b"".join([_PACKED_HEAD, _U64.pack(rid), _VERSIONS_KEY, count, marks, _TENSORS_KEY, count, *entries])
+    return with_buffers(header, payload)
+
+
+_ONE_ITEM, _NO_ITEM = _array_head(1), _array_head(0)
+
+
+def _check_packed_layout() -> None:
+    """The packed layout is msgpack's map of the same fields (a reply of 1, 2 and 20 tensors)."""
+    for n in (0, 1, 2, 20):
+        tensors = [tensor_entry(f"t{i}", i, np.dtype(np.float32), (i + 1,)) for i in range(n)]
+        versions = [(1 << 63) - 1 - i for i in range(n)]
+        frames = encode_params_packed(5, [pack_header(t) for t in tensors], versions, [])
+        want = {"v": PROTOCOL_VERSION, "op": "params", "id": 5, "versions": versions, "tensors": tensors}
+        got = unpack_header(frames[0], WireLimits())
+        if got != want or list(got) != list(want):
+            raise AssertionError(f"a packed params reply of {n} tensors is not msgpack's map of its fields")
+
+
+_check_packed_layout()
 
 
 def encode_ack(rid: int, versions: list[int], duplicate: bool) -> list[Any]:

@@ -414,8 +414,8 @@ class ShardCalls:
         if outputs is None or len(reply.tensors) != len(chunks):
             raise ProtocolError(f"reply carries {len(reply.tensors)} tensors, expected {len(chunks)}")
         for meta, chunk in zip(reply.tensors, chunks):
-            if (meta.name != chunk.name or meta.part != chunk.part or meta.dtype != chunk.dtype
-                    or meta.count != chunk.count):
+            if (meta.name != chunk.name or meta.part != chunk.part or meta.count != chunk.count
+                    or (meta.dtype is not chunk.dtype and meta.dtype != chunk.dtype)):
                 raise ProtocolError(f"reply tensor {meta.name!r} part {meta.part} does not match the request")
         known = self.versions.chunks[pending.shard]
         if reply.lane is not None:  # the parameters are in this request's lane areas, or the shard's memory
@@ -438,18 +438,20 @@ class ShardCalls:
         for meta, chunk, version in zip(reply.tensors, chunks, reply.versions):
             if not ch.more():
                 raise ProtocolError("reply has fewer buffer frames than tensors")
-            dest = chunk.of(outputs[chunk.name])
+            dest = outputs[chunk.name]
+            if chunk.start != 0 or chunk.count != dest.size:  # (a whole tensor is received into as it is)
+                dest = chunk.of(dest)
             if meta.encoding is None:
                 got = ch.recv_into(memoryview(dest).cast("B") if dest.size else bytearray())
             else:  # 16-bit parameters (this worker pushes 16-bit gradients): widen into the destination
                 packed = bytearray(meta.nbytes)
                 got = ch.recv_into(packed) if meta.nbytes else 0
                 if got == meta.nbytes:
-                    dest[:] = compression.decode(meta.encoding, packed)
+                    dest.reshape(-1)[:] = compression.decode(meta.encoding, packed)
             if got != meta.nbytes:
                 raise ProtocolError(f"tensor {meta.name!r} part {meta.part}: frame has {got} bytes, "
                                     f"expected {meta.nbytes}")
-            key = chunk.key
+            key = meta.key  # (the chunk's: checked above)
             known[key] = max(known.get(key, 0), version)
         if ch.more():
             raise ProtocolError("reply has more buffer frames than tensors")

@@ -498,24 +498,26 @@ class Client:
         return self._receive.outputs(names, self._map.tensors, out)
 
     def _push(self, grads: Mapping[str, Any], op: str, out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:
-        self._check_open()
+        if self._closed:
+            self._check_open()
         # typing.Mapping's isinstance check is slow; a plain dict, the usual argument, skips it.
         if (type(grads) is not dict and not isinstance(grads, Mapping)) or not grads:
             raise ConfigError("grads must be a non-empty dict of name -> array")
         arrays = {}
+        tensors = self._map.tensors
         for name, g in grads.items():
-            spec = self._map.tensors.get(name)
+            spec = tensors.get(name)
             if spec is None:
                 raise ConfigError(f"tensor {name!r} was never initialized; call client.init() with it first")
             shape, dtype = spec
             a = np.ascontiguousarray(g)
-            if a.dtype != dtype:
+            if a.dtype is not dtype and a.dtype != dtype:
                 raise PsrtTypeError(f"gradient {name!r} has dtype {a.dtype} but the tensor is {dtype}; "
                                     f"cast it with .astype(np.{dtype.name})")
             if a.shape != shape:
                 raise ConfigError(f"gradient {name!r} has shape {a.shape} but the tensor has shape {shape}")
             arrays[name] = a
-        outputs = self._outputs(arrays, out) if op == "push_pull" else None
+        outputs = self._receive.outputs(arrays, tensors, out) if op == "push_pull" else None
         handle = Handle(self._calls, op, outputs)
         self._clock += 1  # ssp: this worker's count of pushes, this one included
         pull, clock, senders = op == "push_pull", self._clock, self._senders

@@ -31,6 +31,7 @@ from psrt import wire
 from psrt.errors import PsrtError
 from psrt.partition import Chunk
 from psrt.shm.lanes import LaneUse, WorkerLanes
+from psrt.transport import ZERO_COPY_BYTES
 from psrt.worker.calls import Encode, Request, ShardCalls
 from psrt.worker.compress import Compressor
 from psrt.worker.handles import Handle
@@ -139,12 +140,18 @@ class ShardSender:
     def push(self, handle: Handle, plan: ShardPlan, arrays: dict[str, np.ndarray], pull: bool, clock: int) -> None:
         """Send the push (``pull``: push_pull) requests of ``plan``, the gradients ``arrays`` checked by the caller."""
         rank, session = self._rank, self._session
-        lane = self._lanes.lane_for(self.shard, plan.lane_bytes, self.ask)
+        # (A call moving less than a lane's threshold never takes one: the usual small push asks nothing more.)
+        lane = None if plan.lane_bytes < ZERO_COPY_BYTES else self._lanes.lane_for(self.shard, plan.lane_bytes,
+                                                                                     self.ask)
         for msg, prefix in zip(plan.messages, plan.prefixes):
             seq = self.seq
             self.seq = seq + 1
             if lane is None and prefix is not None:  # the usual small push: over the socket, uncompressed
-                payload = [c.of(arrays[c.name]) for c in msg]
+                payload = []
+                for c in msg:
+                    a = arrays[c.name]
+                    # A whole tensor's bytes are its own (encoding takes any C-contiguous shape): no flat view.
+                    payload.append(a if c.start == 0 and c.count == a.size else c.of(a))
                 encode = lambda rid, h=prefix, q=seq, p=payload: wire.encode_push_after(  # noqa: E731
                     h, rid, q, clock, p)
                 self._send(Request(handle, self, msg, None, encode), encode)

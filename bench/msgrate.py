@@ -1,0 +1,437 @@
+"""One shard's message rate: 4 KiB ``push_pull`` requests answered per second, against a bare pyzmq ROUTER
+answering the same requests, side by side in one run; and the 4 KiB round trip of one call at a time.
+
+At scale a round is W x chunks messages, so what one message costs the shard decides where it saturates. This
+script measures, alternating blocks of each side (the order flips every round, so load from other processes on a
+shared machine hits both alike):
+
+psrt
+    ONE real ``psrt server --workers W --mode async`` child process on an ephemeral loopback port (SGD on one
+    1,024-element float32 tensor) and W :class:`psrt.Client` workers (ranks 0..W-1, default 8), each keeping F
+    (default 8) ``push_pull_async`` calls of the tensor's 4 KiB gradient in flight: the workers take turns, each
+    waits for its oldest call, counts it and starts the next one, so W x F requests are always in flight. A reply
+    is the updated parameters (4 KiB). Each client is what ``psrt.Client`` makes (its own ZeroMQ context, plain
+    ``client.push_pull_async(grads)`` without ``out=``). Below 64 KiB a call goes over the socket, never through
+    shared memory, as between hosts.
+raw
+    A bare pyzmq ROUTER loop in a child process (this script with ``--echo-server``): wait for input, then
+    ``recv_multipart`` every queued message and ``send_multipart`` it back (an echo: the reply has the request's
+    frames and bytes), driven the same way by W plain DEALER sockets (one context), each keeping F requests of
+    the frames a psrt request has (a header frame of the same length and the 4 KiB gradient) in flight.
+
+Layout: the two servers are one process each; every worker of both sides is in THIS process, one thread taking
+turns, so that a side is two processes on the two cores of the machine this was written for (a worker process
+per worker would add W processes' wake-ups to both). Both sides' clients spend CPU on these cores too: the rate
+is what the pair sustains, and the table shows each process's CPU time per message (all its threads: the server
+child's from ``/proc``, this process's from ``os.times``) to tell where it goes.
+
+Latency: W = 1, one call at a time: a ``client.push_pull`` of the 4 KiB tensor by worker 0 against the raw
+DEALER/ROUTER echo of a 4 KiB message (``bench/transport.py``'s 4 KiB row, on these servers), blocks
+alternating; p50 and p99 of the single round trips.
+
+Targets:
+
+- rate: psrt >= 0.6x the bare loop's requests/s (the ratio of the sides' median block rates);
+- latency: 4 KiB ``push_pull`` round trip p50 <= 1.5x the raw echo's p50.
+
+Checks, once, after timing: the parameters equal what the pushes imply (every push applied once: SGD with a
+constant gradient and learning rate, powers of two, exact in float32), the shard counted exactly the pushes the
+workers made, and a raw echo returns the bytes it was sent. Every network wait has a timeout (``--timeout``);
+the children are terminated (then killed) on exit, on errors, on Ctrl-C or SIGTERM, and die with this process.
+
+Notes
+-----
+On a small shared machine the absolute rates move with its load by a factor of two or more from run to run;
+compare the ratios of one run, and run it a few times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import zmq
+from _common import human_bytes, parse_size, start_child, start_server
+from transport import RawDealer, Series
+
+import psrt
+from psrt.config import ClientConfig
+from psrt.control.process import Child, ready_line, ready_pattern
+
+#: The gradient is constant and a power of two, and so is the learning rate: every parameter stays exact.
+GRAD, LR = 2.0 ** -10, 0.5
+NAME = "w"
+RATE_TARGET = 0.6  # psrt requests/s >= 0.6x the bare loop's
+P50_TARGET = 1.5  # psrt 4 KiB round trip p50 <= 1.5x the raw echo's
+HWM = 100_000
+
+
+# ---------------------------------------------------------------------------------------------------- the bare loop
+def echo_server() -> int:
+    """The raw side's ROUTER: echo every message back to its sender until stdin closes or SIGTERM.
+
+    The plain pyzmq idiom (``recv_multipart`` / ``send_multipart`` with their default copies, which are cheaper than
+    zero-copy frames for small messages), receiving everything queued before it polls again.
+    """
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
+    sock.bind("tcp://127.0.0.1:*")
+    print(ready_line("echo", sock.getsockopt(zmq.LAST_ENDPOINT).decode()), flush=True)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(sys.stdin.fileno(), zmq.POLLIN)  # the parent holds the other end; EOF means it is gone
+    try:
+        while not stop:
+            events = dict(poller.poll(500))
+            if sys.stdin.fileno() in events and not os.read(sys.stdin.fileno(), 4096):
+                break
+            if sock in events:
+                while True:
+                    try:
+                        msg = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    sock.send_multipart(msg)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- CPU time
+def _cpu_of(pid: int) -> Optional[float]:
+    """CPU seconds (user + system, every thread) process ``pid`` has used, or None where ``/proc`` is missing."""
+    if pid == os.getpid():
+        t = os.times()
+        return t.user + t.system
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------------------------------------------- the sides
+class Side:
+    """One side of the rate comparison: W workers each keeping F requests in flight, timed in blocks."""
+
+    def __init__(self, name: str, server_pid: int) -> None:
+        self.name = name
+        self.server_pid = server_pid
+        self.rates: list[float] = []
+        self.server_cpu: list[float] = []  # CPU seconds per answered request, per block
+        self.client_cpu: list[float] = []
+        self.answered = 0  # every request answered, timed or not
+
+    def start(self) -> None:
+        """Put W x F requests in flight."""
+        raise NotImplementedError
+
+    def turn(self) -> int:
+        """Each worker in turn takes its oldest reply and sends a new request; returns the replies taken (W)."""
+        raise NotImplementedError
+
+    def drain(self) -> None:
+        """Take every reply still in flight (no new requests)."""
+        raise NotImplementedError
+
+    def block(self, seconds: float) -> None:
+        """One timed block: requests answered per second while W x F stay in flight."""
+        self.start()
+        me = os.getpid()
+        s0, c0 = _cpu_of(self.server_pid), _cpu_of(me)
+        t0 = time.perf_counter()
+        end = t0 + seconds
+        n = 0
+        turn = self.turn
+        while True:
+            n += turn()
+            if time.perf_counter() >= end:
+                break
+        t = time.perf_counter() - t0
+        s1, c1 = _cpu_of(self.server_pid), _cpu_of(me)
+        self.drain()
+        self.rates.append(n / t)
+        if s0 is not None and s1 is not None and c0 is not None and c1 is not None:
+            self.server_cpu.append((s1 - s0) / n)
+            self.client_cpu.append((c1 - c0) / n)
+
+    def summary(self) -> dict[str, Any]:
+        r = self.rates
+        out: dict[str, Any] = {"name": self.name, "blocks": len(r), "rate_median": statistics.median(r),
+                               "rate_max": max(r), "rate_min": min(r), "rates": r}
+        if self.server_cpu:
+            out["server_cpu_us_per_msg"] = 1e6 * statistics.median(self.server_cpu)
+            out["client_cpu_us_per_msg"] = 1e6 * statistics.median(self.client_cpu)
+        return out
+
+
+class PsrtSide(Side):
+    """W :class:`psrt.Client` workers, each keeping F ``push_pull_async`` calls in flight."""
+
+    def __init__(self, clients: list[psrt.Client], grads: list[dict[str, np.ndarray]], in_flight: int,
+                 server_pid: int) -> None:
+        super().__init__("psrt", server_pid)
+        self.clients, self.grads, self.in_flight = clients, grads, in_flight
+        self.queues: list[collections.deque] = [collections.deque() for _ in clients]
+
+    def start(self) -> None:
+        for client, grads, q in zip(self.clients, self.grads, self.queues):
+            for _ in range(self.in_flight):
+                q.append(client.push_pull_async(grads))
+
+    def turn(self) -> int:
+        for client, grads, q in zip(self.clients, self.grads, self.queues):
+            q.popleft().wait()
+            q.append(client.push_pull_async(grads))
+        self.answered += len(self.queues)
+        return len(self.queues)
+
+    def drain(self) -> None:
+        for q in self.queues:
+            while q:
+                q.popleft().wait()
+                self.answered += 1
+
+
+class RawSide(Side):
+    """W plain DEALER sockets, each keeping F requests of a psrt request's frames in flight."""
+
+    def __init__(self, socks: list[zmq.Socket], frames: list[bytes], in_flight: int, timeout: float,
+                 server_pid: int) -> None:
+        super().__init__("raw", server_pid)
+        self.socks, self.frames, self.in_flight = socks, frames, in_flight
+        self.timeout_ms = int(timeout * 1000)
+        self.outstanding = [0] * len(socks)
+
+    def _recv(self, sock: zmq.Socket) -> list[bytes]:
+        if not sock.poll(self.timeout_ms, zmq.POLLIN):
+            raise TimeoutError(f"no echo within {self.timeout_ms / 1000:g}s")
+        return sock.recv_multipart()
+
+    def start(self) -> None:
+        for i, sock in enumerate(self.socks):
+            for _ in range(self.in_flight):
+                sock.send_multipart(self.frames)
+            self.outstanding[i] = self.in_flight
+
+    def turn(self) -> int:
+        frames, recv = self.frames, self._recv
+        for sock in self.socks:
+            recv(sock)
+            sock.send_multipart(frames)
+        self.answered += len(self.socks)
+        return len(self.socks)
+
+    def drain(self) -> None:
+        for i, sock in enumerate(self.socks):
+            for _ in range(self.outstanding[i]):
+                self._recv(sock)
+                self.answered += 1
+            self.outstanding[i] = 0
+
+    def check(self) -> None:
+        """One echo per socket, compared frame by frame with what was sent."""
+        for sock in self.socks:
+            sock.send_multipart(self.frames)
+            if self._recv(sock) != self.frames:
+                raise RuntimeError("the raw echo returned different bytes")
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+def alternate(sides: list[Any], rounds: int, run: Callable[[Any], None]) -> None:
+    """``run(side)`` for every side, ``rounds`` times, the order flipping every round."""
+    for r in range(rounds):
+        for side in (sides if r % 2 == 0 else sides[::-1]):
+            run(side)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    me = os.path.abspath(__file__)
+    children: list[Child] = []
+    clients: list[psrt.Client] = []
+    ctx: Optional[zmq.Context] = None
+    socks: list[zmq.Socket] = []
+    dealer: Optional[RawDealer] = None
+    try:
+        # Children first: no ZeroMQ threads exist yet in this process when they are forked.
+        server = start_server(args.workers, args.timeout, mode="async")
+        children.append(server)
+        echo = start_child([sys.executable, me, "--echo-server"], ready_pattern("echo"), args.timeout, label="echo",
+                           stdin=subprocess.PIPE)
+        children.append(echo)
+        n = args.size // 4
+        config = ClientConfig(timeout=args.timeout)
+        clients = [psrt.Client([server.endpoint], rank=r, num_workers=args.workers, config=config)
+                   for r in range(args.workers)]
+        for c in clients:  # the first init creates the tensor; the others join it
+            c.init({NAME: np.zeros(n, np.float32)}, optimizer=psrt.SGD(lr=LR))
+        grads = [{NAME: np.full(n, GRAD, np.float32)} for _ in clients]
+        # The raw requests have a psrt request's frames: its header's length, then the gradient's bytes.
+        header_len = len(psrt.wire.encode_push(1, args.workers - 1, 1 << 62, 1, [[NAME, 0, "<f4", [n]]],
+                                               [grads[0][NAME]], True)[0])
+        frames = [b"h" * header_len, grads[0][NAME].tobytes()]
+        ctx = zmq.Context()
+        for _ in range(args.workers):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, HWM)
+            s.setsockopt(zmq.RCVHWM, HWM)
+            s.connect(echo.endpoint)
+            socks.append(s)
+        ps = PsrtSide(clients, grads, args.in_flight, server.pid)
+        raw = RawSide(socks, frames, args.in_flight, args.timeout, echo.pid)
+
+        print(f"rate: {args.rounds} rounds of {args.seconds:g} s blocks per side ...", file=sys.stderr, flush=True)
+        for side in (ps, raw):  # warm-up: connections, allocations, caches
+            side.block(min(0.3, args.seconds))
+            side.rates.clear()
+            side.server_cpu.clear()
+            side.client_cpu.clear()
+        alternate([ps, raw], args.rounds, lambda side: side.block(args.seconds))
+
+        print(f"latency: {args.latency_count} round trips per side ...", file=sys.stderr, flush=True)
+        dealer = RawDealer(ctx, echo.endpoint, args.timeout)
+        payload = memoryview(grads[0][NAME]).cast("B")
+        calls = [0]
+
+        def one_push_pull() -> None:
+            clients[0].push_pull(grads[0])
+            calls[0] += 1
+
+        lat = [Series("psrt", args.size, one_push_pull), Series("raw one message", args.size, dealer.one(payload))]
+        for s in lat:
+            s.run(50)
+            s.samples.clear()
+        block = max(1, args.latency_count // args.rounds)
+        alternate(lat, args.rounds, lambda s: s.run(block))
+
+        # Checks, after timing: every push applied once, the echo's bytes.
+        pushes = ps.answered + calls[0]  # the warm-up calls included
+        params = clients[0].pull([NAME])[NAME]
+        want = np.float32(-pushes * LR * GRAD)
+        if not np.all(params == want):
+            raise RuntimeError(f"psrt returned wrong parameters after {pushes} pushes: {params[:4]} != {want}")
+        counted = clients[0].stats()[0]["pushes"]
+        if counted != pushes:
+            raise RuntimeError(f"the shard counted {counted} pushes, the workers made {pushes}")
+        raw.check()
+        dealer.check(payload, None)
+
+        p, b = ps.summary(), raw.summary()
+        pairs = [x / y for x, y in zip(ps.rates, raw.rates)]
+        lp, lr = lat[0].summary(), lat[1].summary()
+        return {
+            "psrt": p, "raw": b, "rate_ratio": p["rate_median"] / b["rate_median"],
+            "rate_ratio_per_round": pairs, "latency_psrt": lp, "latency_raw": lr,
+            "p50_ratio": lp["p50_s"] / lr["p50_s"], "p99_ratio": lp["p99_s"] / lr["p99_s"],
+            "pushes_checked": pushes, "request_frames": [len(f) for f in frames],
+        }
+    finally:
+        if dealer is not None:
+            dealer.close()
+        for s in socks:
+            s.close(linger=0)
+        for c in clients:
+            c.close()
+        if ctx is not None:
+            ctx.term()
+        for child in reversed(children):
+            child.stop()
+
+
+def report(res: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The table and the PASS/MISS lines; returns the targets."""
+    p, b = res["psrt"], res["raw"]
+    print(f"\nrequests answered per second, {args.workers} workers x {args.in_flight} in flight, "
+          f"{human_bytes(args.size)} each way (median of {p['blocks']} blocks; min-max):")
+    for s in (p, b):
+        cpu = ""
+        if "server_cpu_us_per_msg" in s:
+            cpu = (f"   CPU per request: server {s['server_cpu_us_per_msg']:6.1f} us, "
+                   f"clients {s['client_cpu_us_per_msg']:6.1f} us")
+        print(f"  {s['name']:<5} {s['rate_median']:>9,.0f}/s  ({s['rate_min']:,.0f}-{s['rate_max']:,.0f}){cpu}")
+    pairs = res["rate_ratio_per_round"]
+    print(f"  ratio {res['rate_ratio']:.2f}x  (per round: {', '.join(f'{x:.2f}' for x in pairs)})")
+    lp, lr = res["latency_psrt"], res["latency_raw"]
+    print(f"\n{human_bytes(args.size)} round trip, one call at a time ({lp['count']} per side):")
+    print(f"  psrt push_pull  p50 {1e6 * lp['p50_s']:7.1f} us  p99 {1e6 * lp['p99_s']:7.1f} us")
+    print(f"  raw echo        p50 {1e6 * lr['p50_s']:7.1f} us  p99 {1e6 * lr['p99_s']:7.1f} us")
+    print(f"  p50 {res['p50_ratio']:.2f}x  p99 {res['p99_ratio']:.2f}x")
+    ok_rate = res["rate_ratio"] >= RATE_TARGET
+    ok_p50 = res["p50_ratio"] <= P50_TARGET
+    print()
+    print(f"{'PASS' if ok_rate else 'MISS'}  psrt answers {p['rate_median']:,.0f} requests/s = "
+          f"{res['rate_ratio']:.2f}x the bare pyzmq ROUTER's {b['rate_median']:,.0f}/s, target >= {RATE_TARGET:g}x")
+    print(f"{'PASS' if ok_p50 else 'MISS'}  {human_bytes(args.size)} push_pull round trip p50 "
+          f"{1e6 * lp['p50_s']:.1f} us = {res['p50_ratio']:.2f}x the raw echo's {1e6 * lr['p50_s']:.1f} us, "
+          f"target <= {P50_TARGET:g}x")
+    print(f"exact: parameters after {res['pushes_checked']} pushes as every push applied once; the raw echo "
+          "returned its bytes")
+    return [{"target": f"rate ratio >= {RATE_TARGET:g}", "ratio": res["rate_ratio"], "pass": ok_rate},
+            {"target": f"p50 ratio <= {P50_TARGET:g}", "ratio": res["p50_ratio"], "pass": ok_p50}]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--workers", type=int, default=8, help="W: workers (clients) on each side")
+    parser.add_argument("--in-flight", type=int, default=8, help="F: requests each worker keeps in flight")
+    parser.add_argument("--size", type=lambda s: parse_size(s, multiple=4), default=4096,
+                        help="the tensor's bytes (float32); below 64 KiB calls stay on the socket")
+    parser.add_argument("--seconds", type=float, default=1.0, help="length of one timed block")
+    parser.add_argument("--rounds", type=int, default=6, help="alternating psrt/raw blocks per side")
+    parser.add_argument("--latency-count", type=int, default=3000, help="single round trips per side")
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 0.5 s blocks, 1,000 round trips")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds any single network wait may take")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--strict", action="store_true", help="exit with status 1 when a target is missed")
+    parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.echo_server:
+        return echo_server()
+    if args.quick:
+        args.rounds, args.seconds, args.latency_count = 3, 0.5, 1000
+    if args.workers < 1 or args.in_flight < 1 or args.rounds < 1 or args.latency_count < 1:
+        parser.error("--workers, --in-flight, --rounds and --latency-count must be >= 1")
+    if not args.seconds > 0 or not args.timeout > 0:
+        parser.error("--seconds and --timeout must be > 0")
+
+    def _terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)
+    print(f"psrt {psrt.__version__}, pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()}), numpy {np.__version__}, "
+          f"python {platform.python_version()}, {os.cpu_count()} CPUs; TCP loopback, one shard, async, "
+          f"W={args.workers}, SGD")
+    res = measure(args)
+    targets = report(res, args)
+    if args.json:
+        meta = {"psrt": psrt.__version__, "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
+                "numpy": np.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+                "workers": args.workers, "in_flight": args.in_flight, "size": args.size, "seconds": args.seconds,
+                "rounds": args.rounds, "latency_count": args.latency_count, "timeout": args.timeout}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": res, "targets": targets}, f, indent=1)
+        print(f"\nwrote {args.json}")
+    return 1 if args.strict and not all(t["pass"] for t in targets) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
