@@ -52,6 +52,7 @@ import collections
 import json
 import os
 import platform
+import secrets
 import signal
 import statistics
 import subprocess
@@ -210,32 +211,32 @@ class PsrtSide(Side):
                 self.answered += 1
 
 
-class RawSide(Side):
-    """W plain DEALER sockets, each keeping F requests of a psrt request's frames in flight."""
+class BareSide(Side):
+    """W plain DEALER sockets, each keeping F requests in flight; ``requests(i)`` makes socket i's next request."""
 
-    def __init__(self, socks: list[zmq.Socket], frames: list[bytes], in_flight: int, timeout: float,
-                 server_pid: int) -> None:
-        super().__init__("raw", server_pid)
-        self.socks, self.frames, self.in_flight = socks, frames, in_flight
+    def __init__(self, name: str, socks: list[zmq.Socket], requests: Callable[[int], list[Any]], in_flight: int,
+                 timeout: float, server_pid: int) -> None:
+        super().__init__(name, server_pid)
+        self.socks, self.requests, self.in_flight = socks, requests, in_flight
         self.timeout_ms = int(timeout * 1000)
         self.outstanding = [0] * len(socks)
 
     def _recv(self, sock: zmq.Socket) -> list[bytes]:
         if not sock.poll(self.timeout_ms, zmq.POLLIN):
-            raise TimeoutError(f"no echo within {self.timeout_ms / 1000:g}s")
+            raise TimeoutError(f"{self.name}: no answer within {self.timeout_ms / 1000:g}s")
         return sock.recv_multipart()
 
     def start(self) -> None:
         for i, sock in enumerate(self.socks):
             for _ in range(self.in_flight):
-                sock.send_multipart(self.frames)
+                sock.send_multipart(self.requests(i))
             self.outstanding[i] = self.in_flight
 
     def turn(self) -> int:
-        frames, recv = self.frames, self._recv
-        for sock in self.socks:
+        requests, recv = self.requests, self._recv
+        for i, sock in enumerate(self.socks):
             recv(sock)
-            sock.send_multipart(frames)
+            sock.send_multipart(requests(i))
         self.answered += len(self.socks)
         return len(self.socks)
 
@@ -246,12 +247,51 @@ class RawSide(Side):
                 self.answered += 1
             self.outstanding[i] = 0
 
-    def check(self) -> None:
-        """One echo per socket, compared frame by frame with what was sent."""
-        for sock in self.socks:
+
+class EchoRequests:
+    """The raw side's requests: a psrt request's frames (its header's length, then the gradient), the same every
+    time; :meth:`check` asks each socket for one echo and compares it with what was sent."""
+
+    def __init__(self, frames: list[bytes]) -> None:
+        self.frames = frames
+
+    def __call__(self, i: int) -> list[bytes]:
+        return self.frames
+
+    def check(self, side: BareSide) -> None:
+        for sock in side.socks:
             sock.send_multipart(self.frames)
-            if self._recv(sock) != self.frames:
+            if side._recv(sock) != self.frames:
                 raise RuntimeError("the raw echo returned different bytes")
+
+
+class PushPullRequests:
+    """The psrt shard's bare workers' requests: socket i is worker i, with a session of its own, and sends
+    ``push_pull`` requests of the gradient as :class:`psrt.Client` packs them (the header's fixed part once,
+    then the id, sequence number and clock of each), without reading the answers."""
+
+    def __init__(self, workers: int, n: int, grad: np.ndarray) -> None:
+        entry = [psrt.wire.tensor_entry(NAME, 0, grad.dtype, (n,))]
+        self.prefixes = [psrt.wire.push_prefix(r, secrets.randbits(63), entry, True) for r in range(workers)]
+        self.seqs = [0] * workers
+        self.payload = [grad]
+
+    def __call__(self, i: int) -> list[Any]:
+        seq = self.seqs[i] = self.seqs[i] + 1
+        return psrt.wire.encode_push_after(self.prefixes[i], seq, seq, seq, self.payload)
+
+
+def dealers(contexts: list[zmq.Context], endpoint: str) -> list[zmq.Socket]:
+    """One DEALER per context in ``contexts``, connected to ``endpoint``."""
+    socks = []
+    for ctx in contexts:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, HWM)
+        s.setsockopt(zmq.RCVHWM, HWM)
+        s.connect(endpoint)
+        socks.append(s)
+    return socks
 
 
 # ---------------------------------------------------------------------------------------------------- the run
@@ -266,7 +306,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     me = os.path.abspath(__file__)
     children: list[Child] = []
     clients: list[psrt.Client] = []
-    ctx: Optional[zmq.Context] = None
+    contexts: list[zmq.Context] = []
     socks: list[zmq.Socket] = []
     dealer: Optional[RawDealer] = None
     try:
@@ -283,31 +323,39 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for c in clients:  # the first init creates the tensor; the others join it
             c.init({NAME: np.zeros(n, np.float32)}, optimizer=psrt.SGD(lr=LR))
         grads = [{NAME: np.full(n, GRAD, np.float32)} for _ in clients]
+        shard_requests = PushPullRequests(args.workers, n, grads[0][NAME])
         # The raw requests have a psrt request's frames: its header's length, then the gradient's bytes.
-        header_len = len(psrt.wire.encode_push(1, args.workers - 1, 1 << 62, 1, [[NAME, 0, "<f4", [n]]],
-                                               [grads[0][NAME]], True)[0])
-        frames = [b"h" * header_len, grads[0][NAME].tobytes()]
-        ctx = zmq.Context()
-        for _ in range(args.workers):
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, HWM)
-            s.setsockopt(zmq.RCVHWM, HWM)
-            s.connect(echo.endpoint)
-            socks.append(s)
-        ps = PsrtSide(clients, grads, args.in_flight, server.pid)
-        raw = RawSide(socks, frames, args.in_flight, args.timeout, echo.pid)
+        frames = [b"h" * len(shard_requests(0)[0]), grads[0][NAME].tobytes()]
+        shard_requests.seqs[0] = 0
+        echo_requests = EchoRequests(frames)
+        contexts.append(zmq.Context())
+        shared = [contexts[0]] * args.workers
+        shard_socks = dealers(shared, server.endpoint)
+        raw_socks = dealers(shared, echo.endpoint)
+        socks += shard_socks + raw_socks
+        sides: list[Side] = [
+            PsrtSide(clients, grads, args.in_flight, server.pid),
+            BareSide("psrt shard", shard_socks, shard_requests, args.in_flight, args.timeout, server.pid),
+            BareSide("raw", raw_socks, echo_requests, args.in_flight, args.timeout, echo.pid),
+        ]
+        if args.context_per_worker:  # what a ZeroMQ context (and its I/O thread) per worker costs the bare loop
+            own = [zmq.Context() for _ in range(args.workers)]
+            contexts += own
+            own_socks = dealers(own, echo.endpoint)
+            socks += own_socks
+            sides.append(BareSide("raw, a context per worker", own_socks, echo_requests, args.in_flight,
+                                  args.timeout, echo.pid))
 
         print(f"rate: {args.rounds} rounds of {args.seconds:g} s blocks per side ...", file=sys.stderr, flush=True)
-        for side in (ps, raw):  # warm-up: connections, allocations, caches
+        for side in sides:  # warm-up: connections, allocations, caches
             side.block(min(0.3, args.seconds))
             side.rates.clear()
             side.server_cpu.clear()
             side.client_cpu.clear()
-        alternate([ps, raw], args.rounds, lambda side: side.block(args.seconds))
+        alternate(sides, args.rounds, lambda side: side.block(args.seconds))
 
         print(f"latency: {args.latency_count} round trips per side ...", file=sys.stderr, flush=True)
-        dealer = RawDealer(ctx, echo.endpoint, args.timeout)
+        dealer = RawDealer(contexts[0], echo.endpoint, args.timeout)
         payload = memoryview(grads[0][NAME]).cast("B")
         calls = [0]
 
@@ -322,35 +370,39 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         block = max(1, args.latency_count // args.rounds)
         alternate(lat, args.rounds, lambda s: s.run(block))
 
-        # Checks, after timing: every push applied once, the echo's bytes.
-        pushes = ps.answered + calls[0]  # the warm-up calls included
+        # Checks, after timing: every push applied once (the warm-up's included), the echo's bytes.
+        pushes = sides[0].answered + sides[1].answered + calls[0]
         params = clients[0].pull([NAME])[NAME]
         want = np.float32(-pushes * LR * GRAD)
         if not np.all(params == want):
             raise RuntimeError(f"psrt returned wrong parameters after {pushes} pushes: {params[:4]} != {want}")
-        counted = clients[0].stats()[0]["pushes"]
-        if counted != pushes:
-            raise RuntimeError(f"the shard counted {counted} pushes, the workers made {pushes}")
-        raw.check()
+        counted = clients[0].stats()[0]
+        if counted["pushes"] != pushes or counted["errors"]:
+            raise RuntimeError(f"the shard counted {counted['pushes']} pushes and {counted['errors']} errors; the "
+                               f"workers made {pushes} pushes")
+        echo_requests.check(sides[2])
         dealer.check(payload, None)
 
-        p, b = ps.summary(), raw.summary()
-        pairs = [x / y for x, y in zip(ps.rates, raw.rates)]
+        summaries = [side.summary() for side in sides]
+        raw = summaries[2]
+        for x, side in zip(summaries, sides):
+            x["ratio"] = x["rate_median"] / raw["rate_median"]
+            x["ratio_per_round"] = [a / b for a, b in zip(side.rates, sides[2].rates)]
         lp, lr = lat[0].summary(), lat[1].summary()
         return {
-            "psrt": p, "raw": b, "rate_ratio": p["rate_median"] / b["rate_median"],
-            "rate_ratio_per_round": pairs, "latency_psrt": lp, "latency_raw": lr,
-            "p50_ratio": lp["p50_s"] / lr["p50_s"], "p99_ratio": lp["p99_s"] / lr["p99_s"],
-            "pushes_checked": pushes, "request_frames": [len(f) for f in frames],
+            "sides": summaries, "rate_ratio": summaries[0]["ratio"], "shard_rate_ratio": summaries[1]["ratio"],
+            "latency_psrt": lp, "latency_raw": lr, "p50_ratio": lp["p50_s"] / lr["p50_s"],
+            "p99_ratio": lp["p99_s"] / lr["p99_s"], "pushes_checked": pushes,
+            "request_frames": [len(f) for f in frames],
         }
     finally:
         if dealer is not None:
             dealer.close()
-        for s in socks:
-            s.close(linger=0)
+        for sock in socks:
+            sock.close(linger=0)
         for c in clients:
             c.close()
-        if ctx is not None:
+        for ctx in contexts:
             ctx.term()
         for child in reversed(children):
             child.stop()
@@ -358,33 +410,39 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(res: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     """The table and the PASS/MISS lines; returns the targets."""
-    p, b = res["psrt"], res["raw"]
+    sides = res["sides"]
     print(f"\nrequests answered per second, {args.workers} workers x {args.in_flight} in flight, "
-          f"{human_bytes(args.size)} each way (median of {p['blocks']} blocks; min-max):")
-    for s in (p, b):
+          f"{human_bytes(args.size)} each way (median of {sides[0]['blocks']} blocks; min-max); ratio to raw; CPU "
+          "time per request of the server process and of the clients' (all threads):")
+    for x in sides:
         cpu = ""
-        if "server_cpu_us_per_msg" in s:
-            cpu = (f"   CPU per request: server {s['server_cpu_us_per_msg']:6.1f} us, "
-                   f"clients {s['client_cpu_us_per_msg']:6.1f} us")
-        print(f"  {s['name']:<5} {s['rate_median']:>9,.0f}/s  ({s['rate_min']:,.0f}-{s['rate_max']:,.0f}){cpu}")
-    pairs = res["rate_ratio_per_round"]
-    print(f"  ratio {res['rate_ratio']:.2f}x  (per round: {', '.join(f'{x:.2f}' for x in pairs)})")
+        if "server_cpu_us_per_msg" in x:
+            cpu = f"  server {x['server_cpu_us_per_msg']:6.1f} us, clients {x['client_cpu_us_per_msg']:6.1f} us"
+        print(f"  {x['name']:<26} {x['rate_median']:>8,.0f}/s ({x['rate_min']:>6,.0f}-{x['rate_max']:<6,.0f}) "
+              f"{x['ratio']:5.2f}x{cpu}")
+    for x in sides[:2]:
+        print(f"  {x['name']} / raw per round: {', '.join(f'{r:.2f}' for r in x['ratio_per_round'])}")
     lp, lr = res["latency_psrt"], res["latency_raw"]
     print(f"\n{human_bytes(args.size)} round trip, one call at a time ({lp['count']} per side):")
     print(f"  psrt push_pull  p50 {1e6 * lp['p50_s']:7.1f} us  p99 {1e6 * lp['p99_s']:7.1f} us")
     print(f"  raw echo        p50 {1e6 * lr['p50_s']:7.1f} us  p99 {1e6 * lr['p99_s']:7.1f} us")
     print(f"  p50 {res['p50_ratio']:.2f}x  p99 {res['p99_ratio']:.2f}x")
+    p, shard, raw = sides[0], sides[1], sides[2]
     ok_rate = res["rate_ratio"] >= RATE_TARGET
+    ok_shard = res["shard_rate_ratio"] >= RATE_TARGET
     ok_p50 = res["p50_ratio"] <= P50_TARGET
     print()
-    print(f"{'PASS' if ok_rate else 'MISS'}  psrt answers {p['rate_median']:,.0f} requests/s = "
-          f"{res['rate_ratio']:.2f}x the bare pyzmq ROUTER's {b['rate_median']:,.0f}/s, target >= {RATE_TARGET:g}x")
+    print(f"{'PASS' if ok_rate else 'MISS'}  psrt (psrt.Client workers) answers {p['rate_median']:,.0f} requests/s = "
+          f"{res['rate_ratio']:.2f}x the bare pyzmq ROUTER's {raw['rate_median']:,.0f}/s, target >= {RATE_TARGET:g}x")
+    print(f"{'PASS' if ok_shard else 'MISS'}  the psrt shard with bare workers answers {shard['rate_median']:,.0f} "
+          f"requests/s = {res['shard_rate_ratio']:.2f}x the bare loop's, target >= {RATE_TARGET:g}x")
     print(f"{'PASS' if ok_p50 else 'MISS'}  {human_bytes(args.size)} push_pull round trip p50 "
           f"{1e6 * lp['p50_s']:.1f} us = {res['p50_ratio']:.2f}x the raw echo's {1e6 * lr['p50_s']:.1f} us, "
           f"target <= {P50_TARGET:g}x")
-    print(f"exact: parameters after {res['pushes_checked']} pushes as every push applied once; the raw echo "
-          "returned its bytes")
+    print(f"exact: parameters after {res['pushes_checked']} pushes as every push applied once, no error; the raw "
+          "echo returned its bytes")
     return [{"target": f"rate ratio >= {RATE_TARGET:g}", "ratio": res["rate_ratio"], "pass": ok_rate},
+            {"target": f"shard rate ratio >= {RATE_TARGET:g}", "ratio": res["shard_rate_ratio"], "pass": ok_shard},
             {"target": f"p50 ratio <= {P50_TARGET:g}", "ratio": res["p50_ratio"], "pass": ok_p50}]
 
 
@@ -399,6 +457,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="alternating psrt/raw blocks per side")
     parser.add_argument("--latency-count", type=int, default=3000, help="single round trips per side")
     parser.add_argument("--quick", action="store_true", help="3 rounds of 0.5 s blocks, 1,000 round trips")
+    parser.add_argument("--context-per-worker", action="store_true",
+                        help="also time the bare loop driven by DEALERs with a ZeroMQ context each, as psrt.Client has")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds any single network wait may take")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--strict", action="store_true", help="exit with status 1 when a target is missed")

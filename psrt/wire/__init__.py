@@ -158,7 +158,7 @@ from psrt.wire.replies import (
     encode_params_packed,
     encode_saved,
     encode_stats,
-    params_entry,
+    params_tensors,
 )
 from psrt.wire.rows import (
     IDS_DTYPE,
@@ -179,7 +179,7 @@ __all__ = [
     "JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "SavedReply", "Reply",
     "decode_request", "decode_reply", "data_request_id", "encode_init", "encode_push", "encode_push_after",
     "push_prefix", "encode_pull", "encode_stats_request",
-    "encode_checkpoint_request", "encode_params", "params_entry", "encode_params_packed", "encode_ack",
+    "encode_checkpoint_request", "encode_params", "params_tensors", "encode_params_packed", "encode_ack",
     "encode_stats", "encode_error", "encode_saved",
     "CONTROL_LIMITS", "Register", "Barrier", "Done", "Failed", "TableQuery", "ControlRequest", "Table", "Ok",
     "ControlError", "Shutdown", "Abort", "Heartbeat", "Members", "Finished", "Forming", "ControlReply",

@@ -37,7 +37,7 @@ from psrt.wire.codec import (
 from psrt.wire.rows import RowsReply, decode_rows_reply
 
 __all__ = ["JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "SavedReply", "Reply", "decode_reply",
-           "encode_params", "params_entry", "encode_params_packed", "encode_ack", "encode_stats", "encode_error",
+           "encode_params", "params_tensors", "encode_params_packed", "encode_ack", "encode_stats", "encode_error",
            "encode_saved"]
 
 #: A ``params`` reply's fields; answering ``init`` it adds the job's, over a shared-memory lane the lane's.
@@ -325,42 +325,48 @@ def encode_params(rid: int, entries: list[list[Any]], versions: list[int], paylo
     return encode(header, payload)
 
 
-def params_entry(name: str, part: int, dtype: np.dtype, count: int) -> bytes:
-    """One tensor's entry of a params reply, packed once for :func:`encode_params_packed`.
+def params_tensors(keys: Sequence[tuple[str, int]], dtypes: Sequence[np.dtype], counts: Sequence[int]) -> bytes:
+    """The ``tensors`` part of a params reply (the key and the list of entries), packed once for the replies of one
+    set of keys (:func:`encode_params_packed`).
 
     Raises
     ------
     ProtocolError
-        When the dtype is not one psrt moves.
+        When a dtype is not one psrt moves.
     """
-    return pack_header(tensor_entry(name, part, dtype, (count,)))
+    entries = [pack_header(tensor_entry(k[0], k[1], d, (c,))) for k, d, c in zip(keys, dtypes, counts)]
+    count = _array_head(len(entries))
+    return b"".join([_TENSORS_KEY, count, *entries])
 
 
-def encode_params_packed(rid: int, entries: Sequence[bytes], versions: Sequence[int],
-                         payload: Sequence[np.ndarray]) -> list[Any]:
-    """Frames of a plain ``params`` reply (no job, no lane) whose tensor entries were packed before
-    (:func:`params_entry`): the map :func:`encode_params` makes of the same fields, the id and every version as
-    a uint64, the tensors last, so that a client reads the id and the versions at their places and looks the
-    tensors up by their bytes (fewer than 65,536 tensors)."""
-    n = len(entries)
-    count = _array_head(n) if n > 1 else _ONE_ITEM if n else _NO_ITEM
+def encode_params_packed(rid: int, tensors: bytes, versions: Sequence[int], payload: Sequence[np.ndarray]) -> list[Any]:
+    """Frames of a plain ``params`` reply (no job, no lane) with the ``tensors`` part :func:`params_tensors` packed:
+    the map :func:`encode_params` makes of the same fields, the id and every version as a uint64, the tensors
+    last, so that a client reads the id and the versions at their places and looks the tensors up by their bytes
+    (fewer than 65,536 tensors)."""
+    n = len(versions)
     if n == 1:
-        marks = _VERSION1.pack(_UINT64, versions[0])
+        header = _ONE_HEAD.pack(_PACKED_HEAD, rid, _ONE_VERSION_HEAD, versions[0]) + tensors
     else:
         marks = _versions_struct(n).pack(*[x for v in versions for x in (_UINT64, v)])
-    header = b"".join([_PACKED_HEAD, _U64.pack(rid), _VERSIONS_KEY, count, marks, _TENSORS_KEY, count, *entries])
+        header = b"".join([_PACKED_HEAD, _U64.pack(rid), _VERSIONS_KEY, _array_head(n), marks, tensors])
     return with_buffers(header, payload)
 
 
-_ONE_ITEM, _NO_ITEM = _array_head(1), _array_head(0)
+#: A one-tensor reply's header up to its tensors: the head, the id, the versions' key, head and uint64 marker, the
+#: version (then the tensors part).
+_ONE_VERSION_HEAD = _VERSIONS_KEY + _array_head(1) + bytes((_UINT64,))
+_ONE_HEAD = struct.Struct(f">{len(_PACKED_HEAD)}sQ{len(_ONE_VERSION_HEAD)}sQ")
 
 
 def _check_packed_layout() -> None:
     """The packed layout is msgpack's map of the same fields (a reply of 1, 2 and 20 tensors)."""
     for n in (0, 1, 2, 20):
-        tensors = [tensor_entry(f"t{i}", i, np.dtype(np.float32), (i + 1,)) for i in range(n)]
+        keys = [(f"t{i}", i) for i in range(n)]
+        tensors = [tensor_entry(k[0], k[1], np.dtype(np.float32), (i + 1,)) for i, k in enumerate(keys)]
         versions = [(1 << 63) - 1 - i for i in range(n)]
-        frames = encode_params_packed(5, [pack_header(t) for t in tensors], versions, [])
+        frames = encode_params_packed(5, params_tensors(keys, [np.dtype(np.float32)] * n, range(1, n + 1)), versions,
+                                      [])
         want = {"v": PROTOCOL_VERSION, "op": "params", "id": 5, "versions": versions, "tensors": tensors}
         got = unpack_header(frames[0], WireLimits())
         if got != want or list(got) != list(want):
