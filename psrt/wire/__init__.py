@@ -70,6 +70,7 @@ from psrt.wire.codec import (
     dtype_name,
     encode,
     pack_header,
+    same_limits,
     tensor_entry,
     unpack_header,
 )
@@ -174,7 +175,7 @@ from psrt.wire.rows import (
 
 __all__ = [
     "PROTOCOL_VERSION", "Key", "TensorMeta", "check_version", "dtype_name", "encode", "pack_header",
-    "tensor_entry", "unpack_header",
+    "same_limits", "tensor_entry", "unpack_header",
     "InitRequest", "PushRequest", "PullKey", "PullRequest", "StatsRequest", "CheckpointRequest", "Request",
     "JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "SavedReply", "Reply",
     "decode_request", "decode_reply", "data_request_id", "encode_init", "encode_push", "encode_push_after",

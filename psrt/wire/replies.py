@@ -219,8 +219,10 @@ def _versions_struct(n: int) -> struct.Struct:
 
 
 _VERSIONS: dict[int, struct.Struct] = {}
-_VERSION1 = _versions_struct(1)
-_ONE_VERSION = _array_head(1)[0]
+#: A one-tensor reply's header up to its tensors: the head, the id, the versions' key, head and uint64 marker, the
+#: version (then the tensors part).
+_ONE_VERSION_HEAD = _VERSIONS_KEY + _array_head(1) + bytes((_UINT64,))
+_ONE_HEAD = struct.Struct(f">{len(_PACKED_HEAD)}sQ{len(_ONE_VERSION_HEAD)}sQ")
 
 
 @dataclass(frozen=True)
@@ -251,27 +253,29 @@ def _versions_at(data: bytes) -> Optional[tuple[int, int]]:
 
 def _packed_params(data: bytes, limits: WireLimits) -> Optional[ParamsReply]:
     """A params reply in :func:`encode_params_packed`'s layout whose tensors were seen before: the id and the versions
-    read at their places, the tensors looked up by their bytes. None: anything else (the general path decides)."""
-    if len(data) > _AT_VERSIONS + 1 and data[_AT_VERSIONS] == _ONE_VERSION \
-            and data.startswith(_VERSIONS_KEY, _AT_ID + 8):  # one tensor, the usual reply: in fewer steps
-        n, at, end = 1, _AT_VERSIONS + 1, _AT_VERSIONS + 1 + _VERSION1.size
-    else:
-        where = _versions_at(data)
-        if where is None:
-            return None
-        n, at = where
-        end = at + _versions_struct(n).size
-    seen = _SEEN_TENSORS.get(data[end:])
-    if seen is None or len(seen.tensors) != n or len(data) > limits.max_header_bytes \
-            or (seen.limits is not limits and seen.limits is not same_limits(limits)):
+    read at their places, the tensors looked up by their bytes. None: anything else (the general path decides).
+
+    (Its length needs no check against ``limits``: a reply of that layout and those tensors has the length of the
+    one that was checked under them.)
+    """
+    if len(data) > _ONE_HEAD.size:  # one tensor, the usual reply: its id and version in one read
+        _, rid, versions_head, version = _ONE_HEAD.unpack_from(data)
+        if versions_head == _ONE_VERSION_HEAD:
+            seen = _SEEN_TENSORS.get(data[_ONE_HEAD.size:])
+            if (seen is None or len(seen.tensors) != 1 or rid > MAX_U63 or version > MAX_U63
+                    or (seen.limits is not limits and seen.limits is not same_limits(limits))):
+                return None
+            return ParamsReply(rid, list(seen.tensors), [version])
+    where = _versions_at(data)
+    if where is None:
+        return None
+    n, at = where
+    layout = _versions_struct(n)
+    seen = _SEEN_TENSORS.get(data[at + layout.size:])
+    if seen is None or len(seen.tensors) != n or (seen.limits is not limits and seen.limits is not same_limits(limits)):
         return None
     (rid,) = _U64.unpack_from(data, _AT_ID)
-    if n == 1:
-        marker, version = _VERSION1.unpack_from(data, at)
-        if rid > MAX_U63 or marker != _UINT64 or version > MAX_U63:
-            return None
-        return ParamsReply(rid, list(seen.tensors), [version])
-    fields = _versions_struct(n).unpack_from(data, at)
+    fields = layout.unpack_from(data, at)
     versions = list(fields[1::2])
     if rid > MAX_U63 or fields[0::2].count(_UINT64) != n or (n and max(versions) > MAX_U63):
         return None
@@ -353,10 +357,6 @@ def encode_params_packed(rid: int, tensors: bytes, versions: Sequence[int], payl
     return with_buffers(header, payload)
 
 
-#: A one-tensor reply's header up to its tensors: the head, the id, the versions' key, head and uint64 marker, the
-#: version (then the tensors part).
-_ONE_VERSION_HEAD = _VERSIONS_KEY + _array_head(1) + bytes((_UINT64,))
-_ONE_HEAD = struct.Struct(f">{len(_PACKED_HEAD)}sQ{len(_ONE_VERSION_HEAD)}sQ")
 
 
 def _check_packed_layout() -> None:
