@@ -10,19 +10,28 @@ psrt
     1,024-element float32 tensor) and W :class:`psrt.Client` workers (ranks 0..W-1, default 8), each keeping F
     (default 8) ``push_pull_async`` calls of the tensor's 4 KiB gradient in flight: the workers take turns, each
     waits for its oldest call, counts it and starts the next one, so W x F requests are always in flight. A reply
-    is the updated parameters (4 KiB). Each client is what ``psrt.Client`` makes (its own ZeroMQ context, plain
-    ``client.push_pull_async(grads)`` without ``out=``). Below 64 KiB a call goes over the socket, never through
-    shared memory, as between hosts.
+    is the updated parameters (4 KiB). Each client is what ``psrt.Client`` makes (its own ZeroMQ context, so its
+    own I/O thread; plain ``client.push_pull_async(grads)`` without ``out=``). Below 64 KiB a call goes over the
+    socket, never through shared memory, as between hosts.
+psrt shard
+    The same shard driven as the bare loop is (below): W plain DEALER sockets on one context, socket i being
+    worker i with a session of its own, each keeping F ``push_pull`` requests in flight, packed as
+    :class:`psrt.Client` packs them (:func:`psrt.wire.push_prefix` once, :func:`psrt.wire.encode_push_after` per
+    request), the answers received and not read. This is the shard's own rate, the clients' cost taken out as
+    far as the bare loop's is.
 raw
     A bare pyzmq ROUTER loop in a child process (this script with ``--echo-server``): wait for input, then
     ``recv_multipart`` every queued message and ``send_multipart`` it back (an echo: the reply has the request's
     frames and bytes), driven the same way by W plain DEALER sockets (one context), each keeping F requests of
     the frames a psrt request has (a header frame of the same length and the 4 KiB gradient) in flight.
+raw, a context per worker (``--context-per-worker``)
+    The bare loop again, each DEALER with a ZeroMQ context of its own, as each ``psrt.Client`` has: what W I/O
+    threads cost a client process.
 
-Layout: the two servers are one process each; every worker of both sides is in THIS process, one thread taking
+Layout: the servers are one process each; every worker of every side is in THIS process, one thread taking
 turns, so that a side is two processes on the two cores of the machine this was written for (a worker process
-per worker would add W processes' wake-ups to both). Both sides' clients spend CPU on these cores too: the rate
-is what the pair sustains, and the table shows each process's CPU time per message (all its threads: the server
+per worker would add W processes' wake-ups to every side). The clients spend CPU on these cores too: the rate
+is what the pair sustains, and the table shows each process's CPU time per request (all its threads: the server
 child's from ``/proc``, this process's from ``os.times``) to tell where it goes.
 
 Latency: W = 1, one call at a time: a ``client.push_pull`` of the 4 KiB tensor by worker 0 against the raw
@@ -31,13 +40,15 @@ alternating; p50 and p99 of the single round trips.
 
 Targets:
 
-- rate: psrt >= 0.6x the bare loop's requests/s (the ratio of the sides' median block rates);
+- rate: psrt >= 0.6x the bare loop's requests/s (the ratio of the sides' median block rates), and so the psrt
+  shard with bare workers;
 - latency: 4 KiB ``push_pull`` round trip p50 <= 1.5x the raw echo's p50.
 
-Checks, once, after timing: the parameters equal what the pushes imply (every push applied once: SGD with a
-constant gradient and learning rate, powers of two, exact in float32), the shard counted exactly the pushes the
-workers made, and a raw echo returns the bytes it was sent. Every network wait has a timeout (``--timeout``);
-the children are terminated (then killed) on exit, on errors, on Ctrl-C or SIGTERM, and die with this process.
+Checks, once, after timing: the parameters equal what the pushes of both psrt sides imply (every push applied
+once: SGD with a constant gradient and learning rate, powers of two, exact in float32), the shard counted exactly
+the pushes the workers made and no error, and a raw echo returns the bytes it was sent. Every network wait has a
+timeout (``--timeout``); the children are terminated (then killed) on exit, on errors, on Ctrl-C or SIGTERM,
+and die with this process.
 
 Notes
 -----
