@@ -74,7 +74,6 @@ from typing import Any, Callable, Optional
 import numpy as np
 import zmq
 from _common import human_bytes, parse_size, start_child, start_server
-from transport import RawDealer, Series
 
 import psrt
 from psrt.config import ClientConfig
@@ -292,6 +291,37 @@ class PushPullRequests:
         return psrt.wire.encode_push_after(self.prefixes[i], seq, seq, seq, self.payload)
 
 
+class RoundTrips:
+    """Round trips of one operation, one at a time, each timed on its own (as ``bench/transport.py`` times them)."""
+
+    def __init__(self, name: str, op: Callable[[], None]) -> None:
+        self.name, self.op = name, op
+        self.samples: list[float] = []
+
+    def run(self, count: int) -> None:
+        op, out, clock = self.op, self.samples, time.perf_counter
+        for _ in range(count):
+            t0 = clock()
+            op()
+            out.append(clock() - t0)
+
+    def summary(self) -> dict[str, Any]:
+        s = np.asarray(self.samples)
+        return {"name": self.name, "count": len(s), "p50_s": float(np.median(s)), "p99_s": float(np.percentile(s, 99))}
+
+
+def echo_once(sock: zmq.Socket, payload: memoryview, timeout: float) -> Callable[[], None]:
+    """``bench/transport.py``'s raw 4 KiB round trip: the bytes as one zero-copy message, its echo received."""
+    timeout_ms = int(timeout * 1000)
+
+    def op() -> None:
+        sock.send(payload, copy=False)
+        if not sock.poll(timeout_ms, zmq.POLLIN):
+            raise TimeoutError(f"no echo within {timeout:g}s")
+        sock.recv(copy=False)
+    return op
+
+
 def dealers(contexts: list[zmq.Context], endpoint: str) -> list[zmq.Socket]:
     """One DEALER per context in ``contexts``, connected to ``endpoint``."""
     socks = []
@@ -319,7 +349,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     clients: list[psrt.Client] = []
     contexts: list[zmq.Context] = []
     socks: list[zmq.Socket] = []
-    dealer: Optional[RawDealer] = None
     try:
         # Children first: no ZeroMQ threads exist yet in this process when they are forked.
         server = start_server(args.workers, args.timeout, mode="async")
@@ -366,7 +395,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         alternate(sides, args.rounds, lambda side: side.block(args.seconds))
 
         print(f"latency: {args.latency_count} round trips per side ...", file=sys.stderr, flush=True)
-        dealer = RawDealer(contexts[0], echo.endpoint, args.timeout)
+        (dealer,) = dealers(contexts[:1], echo.endpoint)
+        socks.append(dealer)
         payload = memoryview(grads[0][NAME]).cast("B")
         calls = [0]
 
@@ -374,7 +404,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             clients[0].push_pull(grads[0])
             calls[0] += 1
 
-        lat = [Series("psrt", args.size, one_push_pull), Series("raw one message", args.size, dealer.one(payload))]
+        lat = [RoundTrips("psrt", one_push_pull),
+               RoundTrips("raw one message", echo_once(dealer, payload, args.timeout))]
         for s in lat:
             s.run(50)
             s.samples.clear()
@@ -392,7 +423,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(f"the shard counted {counted['pushes']} pushes and {counted['errors']} errors; the "
                                f"workers made {pushes} pushes")
         echo_requests.check(sides[2])
-        dealer.check(payload, None)
+        dealer.send(payload)
+        if dealer.poll(int(args.timeout * 1000)) == 0 or dealer.recv() != payload.tobytes():
+            raise RuntimeError("the raw echo returned different bytes")
 
         summaries = [side.summary() for side in sides]
         raw = summaries[2]
@@ -407,8 +440,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "request_frames": [len(f) for f in frames],
         }
     finally:
-        if dealer is not None:
-            dealer.close()
         for sock in socks:
             sock.close(linger=0)
         for c in clients:
