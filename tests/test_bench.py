@@ -152,3 +152,17 @@ def test_pslite_pattern_runs_every_row_and_checks_exactly(tmp_path):
         assert row["push_bytes"] == 2 * 2 * (2 * 3) * 4096  # W x rounds x keys x bytes
         assert row["goodput_gbps"] > 0 and len(row["per_worker_gbps"]) == 2
     assert config["target"]["verdict"] == "n/a"  # targets are for the full-size pattern only
+
+
+@pytest.mark.integration
+def test_msgrate_times_every_side_and_checks_every_push(tmp_path):
+    """msgrate.py end to end with tiny blocks: every side's rate and ratio, the latency, the exactness check."""
+    report = run_bench("msgrate.py", ["--workers", "2", "--in-flight", "2", "--rounds", "1", "--seconds", "0.2",
+                                      "--latency-count", "20", "--context-per-worker", "--timeout", "60"], tmp_path)
+    res = report["results"]
+    assert [s["name"] for s in res["sides"]] == ["psrt", "psrt shard", "raw", "raw, a context per worker"]
+    assert all(s["rate_median"] > 0 and s["blocks"] == 1 for s in res["sides"])
+    assert res["sides"][2]["ratio"] == 1.0 and res["rate_ratio"] == res["sides"][0]["ratio"]
+    assert res["pushes_checked"] > 0 and res["latency_psrt"]["count"] == 20 and res["p50_ratio"] > 0
+    assert [t["target"] for t in report["targets"]] == ["rate ratio >= 0.6", "shard rate ratio >= 0.6",
+                                                        "p50 ratio <= 1.5"]

@@ -345,7 +345,8 @@ def test_a_push_from_a_received_frame_decodes_as_from_bytes():
 
 
 def _packed_reply(rid: int, entries: list[list[Any]], versions: list[int]) -> bytes:
-    return bytes(wire.encode_params_packed(rid, [pack_header(e) for e in entries], versions, [])[0])
+    tensors = replies._TENSORS_KEY + replies._array_head(len(entries)) + b"".join(pack_header(e) for e in entries)
+    return bytes(wire.encode_params_packed(rid, tensors, versions, [])[0])
 
 
 def _general_reply_only(data_: bytes, limits: WireLimits) -> Any:
@@ -445,3 +446,107 @@ def test_a_shard_counts_a_held_reply_it_could_not_send():
         assert server.counters.bytes_out < before
     finally:
         server.close()
+
+
+# The shard's path for a push applied on arrival (Server._at_once) against its general one (Server._push): the
+# same messages give the same answers, the same parameters and the same counters, whichever takes them.
+class _Capture:
+    """A shard's socket that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, list[bytes]]] = []
+
+    def send(self, identity: bytes, frames: list[Any], track: bool = False) -> list[None]:
+        self.sent.append((identity, [bytes(f) for f in frames]))
+        return [None] * len(frames)
+
+
+def _run_shard(messages: list[tuple[bytes, list[bytes]]], mode: str, workers: int, nonfinite: str,
+               general: bool, members: Any = None, finished: Any = None) -> tuple[list[Any], dict[str, Any], dict, int]:
+    from psrt.config import ServerConfig
+    from psrt.shard.server import Server
+
+    server = Server(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=workers, mode=mode, nonfinite=nonfinite))
+    try:
+        out = _Capture()
+        server.replies._chan = out
+        taken = [0]
+        if general:
+            server._at_once = lambda identity, req: False
+        else:
+            at_once = server._at_once
+
+            def counting(identity: bytes, req: Any) -> bool:
+                took = at_once(identity, req)
+                taken[0] += took
+                return took
+            server._at_once = counting
+        for i, (identity, frames) in enumerate(messages):
+            if i == 2 and members is not None:
+                server.set_members(members)
+            if i == 2 and finished is not None:
+                server.set_finished(finished)
+            server.handle(identity, list(frames))
+        params = {k: e.param.copy() for k, e in server.store.entries.items()}
+        stats = {k: v for k, v in server.stats().items() if k not in ("uptime_s", "endpoint")}
+        return out.sent, params, stats, taken[0]
+    finally:
+        server.close()
+
+
+def _shard_messages() -> list[tuple[bytes, list[bytes]]]:
+    f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
+    w = wire.tensor_entry("w", 0, f32, (4,))
+    b = wire.tensor_entry("b", 0, f64, (2,))
+    grad_w, grad_b = np.full(4, 0.5, np.float32), np.full(2, 0.25)
+    msgs = [(b"a", wire.encode_init(1, 0, 7, psrt.SGD(lr=0.5).to_wire(), [w, b],
+                                    [np.zeros(4, np.float32), np.zeros(2)]))]
+    rid = 2
+    for worker, session in ((0, 7), (1, 8)):
+        ident = b"ab"[worker:worker + 1] * 2
+        for seq in range(0, 8, 2):
+            msgs.append((ident, wire.encode_push(rid, worker, session, seq, [w], [grad_w], True)))  # push_pull
+            rid += 1
+            msgs.append((ident, wire.encode_push(rid, worker, session, seq + 1, [w, b], [grad_w, grad_b],
+                                                 seq % 4 == 0)))  # push_pull, push
+            rid += 1
+        msgs.append((ident, wire.encode_push(rid, worker, session, 1, [w], [grad_w], True)))  # a replay
+        rid += 1
+    bad = [([w], [np.array([1.0, np.nan, 0.0, 0.0], np.float32)]),  # not finite
+           ([wire.tensor_entry("nope", 0, f32, (4,))], [grad_w]),  # unknown key
+           ([wire.tensor_entry("w", 0, f32, (3,))], [grad_w[:3]]),  # another size
+           ([wire.tensor_entry("b", 0, f32, (2,))], [np.ones(2, np.float32)]),  # another dtype
+           ([w, wire.tensor_entry("nope", 1, f32, (4,))], [grad_w, grad_w])]  # the second tensor is wrong
+    for entries, payload in bad:
+        msgs.append((b"aa", wire.encode_push(rid, 0, 7, rid, entries, payload, True)))
+        rid += 1
+    fp16 = wire.encode_push(rid, 0, 7, rid, [["w", 0, "<f2", [4]]], [np.full(4, 0.5, np.float16)], True)
+    msgs.append((b"aa", fp16))
+    msgs.append((b"aa", wire.encode_push(rid + 1, 0, 7, rid + 1, [w], [grad_w], True)))
+    return [(ident, [bytes(f) for f in frames]) for ident, frames in msgs]
+
+
+@pytest.mark.parametrize("mode, workers, nonfinite, members, finished", [
+    ("async", 2, "reject", None, None), ("async", 2, "allow", None, None), ("sync", 1, "reject", None, None),
+    ("sync", 2, "reject", None, None), ("ssp", 2, "reject", None, None), ("async", 2, "reject", [0], None),
+    ("async", 2, "reject", None, [1]),
+])
+def test_a_push_applied_at_once_is_answered_and_applied_as_by_the_general_path(mode, workers, nonfinite, members,
+                                                                                finished):
+    msgs = _shard_messages()
+    fast = _run_shard(msgs, mode, workers, nonfinite, general=False, members=members, finished=finished)
+    slow = _run_shard(msgs, mode, workers, nonfinite, general=True, members=members, finished=finished)
+    assert fast[0] == slow[0]  # every answer, byte for byte, in order
+    assert fast[1].keys() == slow[1].keys()
+    for key in fast[1]:
+        np.testing.assert_array_equal(fast[1][key], slow[1][key])
+    assert fast[2] == slow[2]
+    # Taken at once where pushes are steps and nothing unusual holds (and then most of them), never elsewhere.
+    if mode == "ssp" or (mode == "sync" and workers > 1):
+        assert fast[3] == 0
+    elif members is None and finished is None:
+        assert fast[3] >= 12
+    else:  # a worker left, or one finished: from then on the general path takes the pushes that concern it
+        assert fast[3] < 12
+    if mode == "async" and members is None and finished is None and nonfinite == "reject":
+        assert fast[2]["pushes"] == 18 and fast[2]["duplicates"] == 2 and fast[2]["errors"] == 5

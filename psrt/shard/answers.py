@@ -20,6 +20,9 @@ __all__ = ["ShardReplies"]
 
 log = logging.getLogger("psrt.server")
 
+#: Sets of keys whose params replies' tensors part a shard keeps packed (:attr:`ShardReplies._tensors`).
+_MAX_KEY_SETS = 1 << 12
+
 
 class ShardReplies:
     """The replies of one shard, sent on its ROUTER ``channel``.
@@ -36,24 +39,39 @@ class ShardReplies:
 
     def __init__(self, channel: transport.RouterChannel, lanes: ShardLanes, counters: Counters) -> None:
         self._chan, self.lanes, self.counters = channel, lanes, counters
-        #: Each key's tensor entry in a params reply, packed once: a key's dtype and size never change (a shard
-        #: refuses to initialize it again otherwise), so every reply with it repeats the same bytes.
-        self._entries: dict[Key, bytes] = {}
+        #: The ``tensors`` part of the params replies of each set of keys, packed once: a key's dtype and size never
+        #: change (a shard refuses to initialize it again otherwise), so every reply for them repeats its bytes.
+        self._tensors: dict[tuple[Key, ...], bytes] = {}
 
     def params(self, identity: bytes, request_id: int, keys: list[Key], entries: list[Entry], rounds: bool,
                job: Optional[wire.JobInfo] = None, codec: Optional[str] = None,
                lane: Optional[ShardLane] = None) -> None:
         """Send the parameters of ``entries``; ``rounds``: the shard's pushes gather into sync rounds."""
         if lane is None and codec is None and job is None:  # the usual answer: full precision, over the socket
-            packed, heads = self._entries, []
-            for k, e in zip(keys, entries):
-                head = packed.get(k)
-                if head is None:
-                    head = packed[k] = wire.params_entry(k[0], k[1], e.param.dtype, e.param.size)
-                heads.append(head)
+            which = tuple(keys)
+            tensors = self._tensors.get(which)
+            if tensors is None:
+                if len(self._tensors) >= _MAX_KEY_SETS:
+                    self._tensors.clear()  # (workers send a few sets of keys, the same every step)
+                tensors = self._tensors[which] = wire.params_tensors(which, [e.param.dtype for e in entries],
+                                                                      [e.param.size for e in entries])
+            if len(entries) == 1:  # one tensor: written out
+                entry = entries[0]
+                param = entry.param
+                frames = wire.encode_params_packed(request_id, tensors, [entry.version], [param])
+                try:
+                    trackers = self._chan.send(identity, frames, track=True)
+                except transport.SendDropped as exc:
+                    self.counters.dropped_replies += 1
+                    log.warning("reply to a worker dropped: %s", exc)
+                    return
+                self.counters.bytes_out += len(frames[0]) + len(frames[1])
+                if trackers[1] is not None:
+                    entry.trackers.append(trackers[1])
+                return
             payload = [e.param for e in entries]
             self._send_params(identity, entries, payload,
-                              wire.encode_params_packed(request_id, heads, [e.version for e in entries], payload))
+                              wire.encode_params_packed(request_id, tensors, [e.version for e in entries], payload))
             return
         tensors = [wire.tensor_entry(k[0], k[1], e.param.dtype, (e.param.size,)) for k, e in zip(keys, entries)]
         if lane is not None:  # the parameters go through shared memory, the header over the socket

@@ -277,7 +277,8 @@ class RouterChannel:
     def recv(self) -> Optional[tuple[bytes, list[zmq.Frame]]]:
         """Receive one message without blocking: ``(identity, frames)``, or None when nothing is queued.
 
-        Frames are received zero-copy and are read-only.
+        Frames are received zero-copy and are read-only; the first, a header, comes as ``bytes`` when it is under
+        :data:`ZERO_COPY_BYTES`.
         """
         recv = self.sock.recv
         try:
@@ -287,7 +288,8 @@ class RouterChannel:
         # A ROUTER puts the peer's identity before every message, which has at least one frame. Each zmq.Frame
         # knows whether more follow: cheaper than recv_multipart's RCVMORE query per frame.
         frame = recv(_NOBLOCK, False)
-        frames = [frame]
+        # The first frame is a header, which every reader wants as bytes: a small one is copied (once).
+        frames = [frame.bytes if len(frame) < ZERO_COPY_BYTES else frame]
         while frame.more:
             frame = recv(_NOBLOCK, False)
             frames.append(frame)

@@ -72,6 +72,7 @@ from psrt.wire.codec import (
     dtype_name,
     encode,
     pack_header,
+    same_limits,
     tensor_entry,
     unpack_header,
 )
@@ -165,7 +166,7 @@ from psrt.wire.replies import (
     encode_params_packed,
     encode_saved,
     encode_stats,
-    params_entry,
+    params_tensors,
 )
 from psrt.wire.rows import (
     IDS_DTYPE,
@@ -181,12 +182,12 @@ from psrt.wire.rows import (
 
 __all__ = [
     "PROTOCOL_VERSION", "Key", "TensorMeta", "check_version", "dtype_name", "encode", "pack_header",
-    "tensor_entry", "unpack_header",
+    "same_limits", "tensor_entry", "unpack_header",
     "InitRequest", "PushRequest", "PullKey", "PullRequest", "StatsRequest", "CheckpointRequest", "Request",
     "JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "SavedReply", "Reply",
     "decode_request", "decode_reply", "data_request_id", "encode_init", "encode_push", "encode_push_after",
     "push_prefix", "encode_pull", "encode_stats_request",
-    "encode_checkpoint_request", "encode_params", "params_entry", "encode_params_packed", "encode_ack",
+    "encode_checkpoint_request", "encode_params", "params_tensors", "encode_params_packed", "encode_ack",
     "encode_stats", "encode_error", "encode_saved",
     "CONTROL_LIMITS", "Register", "Barrier", "Done", "Failed", "TableQuery", "ControlRequest", "Table", "Ok",
     "ControlError", "Shutdown", "Abort", "Heartbeat", "Members", "Finished", "Forming", "ControlReply",

@@ -207,23 +207,27 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
     ProtocolError
         With ``request_id`` set to the request's id when the header got that far, else ``None``.
     """
+    # A push whose fixed fields were decoded and checked before (a training loop's every step): only its id, seq
+    # and clock are new (the lookup of a header shorter than that misses: nothing that short is remembered).
+    head = frames[0] if frames else None
+    if type(head) is not bytes and head is not None:
+        head = _header_bytes(head, limits)
+    seen = _SEEN_PUSHES.get(head[:-_TAIL]) if type(head) is bytes else None
+    if seen is not None and (seen.limits is limits or seen.limits is same_limits(limits)):
+        id_key, rid, seq_key, seq, clock_key, clock = _PUSH_TAIL.unpack_from(head, -_TAIL)
+        if (id_key, seq_key, clock_key) == _PER_CALL_KEYS and max(rid, seq, clock) <= MAX_U63:
+            buffers = list(frames[1:])
+            if seen.sizes is None or tuple(map(len, buffers)) != seen.sizes:
+                try:
+                    check_buffers(seen.tensors, buffers)  # top-k frames (their own rules), or it says what is wrong
+                except ProtocolError as exc:
+                    exc.request_id = rid  # type: ignore[attr-defined]
+                    raise
+            return PushRequest(list(seen.tensors), buffers, rid, seen.worker, seen.session, seq, seen.pull, clock)
     request_id = None
     try:
         if len(frames) < 1:
             raise ProtocolError("empty message: expected a header frame")
-        head = frames[0] if type(frames[0]) is bytes else _header_bytes(frames[0], limits)
-        # A push whose fixed fields were decoded and checked before (a training loop's every step): only its id,
-        # seq and clock are new.
-        cut = len(head) - _PUSH_TAIL.size if type(head) is bytes else 0
-        seen = _SEEN_PUSHES.get(head[:cut]) if cut > 0 else None
-        if seen is not None and (seen.limits is limits or seen.limits is same_limits(limits)):
-            id_key, rid, seq_key, seq, clock_key, clock = _PUSH_TAIL.unpack_from(head, cut)
-            if (id_key == _ID and seq_key == _SEQ and clock_key == _CLOCK and rid <= MAX_U63 and seq <= MAX_U63
-                    and clock <= MAX_U63):
-                request_id = rid
-                buffers = list(frames[1:])
-                check_buffers(seen.tensors, buffers)
-                return PushRequest(list(seen.tensors), buffers, rid, seen.worker, seen.session, seq, seen.pull, clock)
         h = unpack_header(head, limits)
         if type(h.get("id")) is int and 0 <= h["id"] <= MAX_U63:
             request_id = h["id"]
@@ -304,6 +308,8 @@ class _SeenPush:
     worker: int
     session: int
     pull: bool
+    #: Each buffer frame's size, or None when one is top-k's (whose size depends on the push).
+    sizes: Optional[tuple[int, ...]]
 
 
 #: Pushes decoded before, by their header's bytes up to the per-call fields (:func:`_remember_push`).
@@ -334,7 +340,9 @@ def _remember_push(head: bytes, req: PushRequest, limits: WireLimits) -> None:
         return
     if len(_SEEN_PUSHES) >= _SEEN_PUSHES_MAX:
         _SEEN_PUSHES.clear()  # a peer inventing headers must not grow this without bound
-    _SEEN_PUSHES[head[:cut]] = _SeenPush(same_limits(limits), tuple(req.tensors), req.worker, req.session, req.pull)
+    sizes = None if any(m.encoding == compression.TOPK for m in req.tensors) else tuple(m.nbytes for m in req.tensors)
+    _SEEN_PUSHES[head[:cut]] = _SeenPush(same_limits(limits), tuple(req.tensors), req.worker, req.session, req.pull,
+                                         sizes)
 
 
 def _check_distinct(metas: list[TensorMeta]) -> None:
@@ -417,6 +425,8 @@ _MAP_HEADS, _PUSH_TAIL, (_ID, _SEQ, _CLOCK) = _push_template()
 #: The head of a map of the fixed fields alone, and their names (:func:`_remember_push`).
 _FIXED_HEAD = pack_header(dict.fromkeys(PUSH_FIXED))[:1]
 _FIXED_KEYS = frozenset(PUSH_FIXED)
+_TAIL = _PUSH_TAIL.size
+_PER_CALL_KEYS = (_ID, _SEQ, _CLOCK)
 
 
 def encode_push_after(prefix: bytes, rid: int, seq: int, clock: int, payload: Sequence[np.ndarray]) -> list[Any]:

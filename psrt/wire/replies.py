@@ -37,7 +37,7 @@ from psrt.wire.codec import (
 from psrt.wire.rows import RowsReply, decode_rows_reply
 
 __all__ = ["JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "SavedReply", "Reply", "decode_reply",
-           "encode_params", "params_entry", "encode_params_packed", "encode_ack", "encode_stats", "encode_error",
+           "encode_params", "params_tensors", "encode_params_packed", "encode_ack", "encode_stats", "encode_error",
            "encode_saved"]
 
 #: A ``params`` reply's fields; answering ``init`` it adds the job's, over a shared-memory lane the lane's.
@@ -219,8 +219,10 @@ def _versions_struct(n: int) -> struct.Struct:
 
 
 _VERSIONS: dict[int, struct.Struct] = {}
-_VERSION1 = _versions_struct(1)
-_ONE_VERSION = _array_head(1)[0]
+#: A one-tensor reply's header up to its tensors: the head, the id, the versions' key, head and uint64 marker, the
+#: version (then the tensors part).
+_ONE_VERSION_HEAD = _VERSIONS_KEY + _array_head(1) + bytes((_UINT64,))
+_ONE_HEAD = struct.Struct(f">{len(_PACKED_HEAD)}sQ{len(_ONE_VERSION_HEAD)}sQ")
 
 
 @dataclass(frozen=True)
@@ -251,27 +253,29 @@ def _versions_at(data: bytes) -> Optional[tuple[int, int]]:
 
 def _packed_params(data: bytes, limits: WireLimits) -> Optional[ParamsReply]:
     """A params reply in :func:`encode_params_packed`'s layout whose tensors were seen before: the id and the versions
-    read at their places, the tensors looked up by their bytes. None: anything else (the general path decides)."""
-    if len(data) > _AT_VERSIONS + 1 and data[_AT_VERSIONS] == _ONE_VERSION \
-            and data.startswith(_VERSIONS_KEY, _AT_ID + 8):  # one tensor, the usual reply: in fewer steps
-        n, at, end = 1, _AT_VERSIONS + 1, _AT_VERSIONS + 1 + _VERSION1.size
-    else:
-        where = _versions_at(data)
-        if where is None:
-            return None
-        n, at = where
-        end = at + _versions_struct(n).size
-    seen = _SEEN_TENSORS.get(data[end:])
-    if seen is None or len(seen.tensors) != n or len(data) > limits.max_header_bytes \
-            or (seen.limits is not limits and seen.limits is not same_limits(limits)):
+    read at their places, the tensors looked up by their bytes. None: anything else (the general path decides).
+
+    (Its length needs no check against ``limits``: a reply of that layout and those tensors has the length of the
+    one that was checked under them.)
+    """
+    if len(data) > _ONE_HEAD.size:  # one tensor, the usual reply: its id and version in one read
+        _, rid, versions_head, version = _ONE_HEAD.unpack_from(data)
+        if versions_head == _ONE_VERSION_HEAD:
+            seen = _SEEN_TENSORS.get(data[_ONE_HEAD.size:])
+            if (seen is None or len(seen.tensors) != 1 or rid > MAX_U63 or version > MAX_U63
+                    or (seen.limits is not limits and seen.limits is not same_limits(limits))):
+                return None
+            return ParamsReply(rid, list(seen.tensors), [version])
+    where = _versions_at(data)
+    if where is None:
+        return None
+    n, at = where
+    layout = _versions_struct(n)
+    seen = _SEEN_TENSORS.get(data[at + layout.size:])
+    if seen is None or len(seen.tensors) != n or (seen.limits is not limits and seen.limits is not same_limits(limits)):
         return None
     (rid,) = _U64.unpack_from(data, _AT_ID)
-    if n == 1:
-        marker, version = _VERSION1.unpack_from(data, at)
-        if rid > MAX_U63 or marker != _UINT64 or version > MAX_U63:
-            return None
-        return ParamsReply(rid, list(seen.tensors), [version])
-    fields = _versions_struct(n).unpack_from(data, at)
+    fields = layout.unpack_from(data, at)
     versions = list(fields[1::2])
     if rid > MAX_U63 or fields[0::2].count(_UINT64) != n or (n and max(versions) > MAX_U63):
         return None
@@ -325,42 +329,44 @@ def encode_params(rid: int, entries: list[list[Any]], versions: list[int], paylo
     return encode(header, payload)
 
 
-def params_entry(name: str, part: int, dtype: np.dtype, count: int) -> bytes:
-    """One tensor's entry of a params reply, packed once for :func:`encode_params_packed`.
+def params_tensors(keys: Sequence[tuple[str, int]], dtypes: Sequence[np.dtype], counts: Sequence[int]) -> bytes:
+    """The ``tensors`` part of a params reply (the key and the list of entries), packed once for the replies of one
+    set of keys (:func:`encode_params_packed`).
 
     Raises
     ------
     ProtocolError
-        When the dtype is not one psrt moves.
+        When a dtype is not one psrt moves.
     """
-    return pack_header(tensor_entry(name, part, dtype, (count,)))
+    entries = [pack_header(tensor_entry(k[0], k[1], d, (c,))) for k, d, c in zip(keys, dtypes, counts)]
+    count = _array_head(len(entries))
+    return b"".join([_TENSORS_KEY, count, *entries])
 
 
-def encode_params_packed(rid: int, entries: Sequence[bytes], versions: Sequence[int],
-                         payload: Sequence[np.ndarray]) -> list[Any]:
-    """Frames of a plain ``params`` reply (no job, no lane) whose tensor entries were packed before
-    (:func:`params_entry`): the map :func:`encode_params` makes of the same fields, the id and every version as
-    a uint64, the tensors last, so that a client reads the id and the versions at their places and looks the
-    tensors up by their bytes (fewer than 65,536 tensors)."""
-    n = len(entries)
-    count = _array_head(n) if n > 1 else _ONE_ITEM if n else _NO_ITEM
+def encode_params_packed(rid: int, tensors: bytes, versions: Sequence[int], payload: Sequence[np.ndarray]) -> list[Any]:
+    """Frames of a plain ``params`` reply (no job, no lane) with the ``tensors`` part :func:`params_tensors` packed:
+    the map :func:`encode_params` makes of the same fields, the id and every version as a uint64, the tensors
+    last, so that a client reads the id and the versions at their places and looks the tensors up by their bytes
+    (fewer than 65,536 tensors)."""
+    n = len(versions)
     if n == 1:
-        marks = _VERSION1.pack(_UINT64, versions[0])
+        header = _ONE_HEAD.pack(_PACKED_HEAD, rid, _ONE_VERSION_HEAD, versions[0]) + tensors
     else:
         marks = _versions_struct(n).pack(*[x for v in versions for x in (_UINT64, v)])
-    header = b"".join([_PACKED_HEAD, _U64.pack(rid), _VERSIONS_KEY, count, marks, _TENSORS_KEY, count, *entries])
+        header = b"".join([_PACKED_HEAD, _U64.pack(rid), _VERSIONS_KEY, _array_head(n), marks, tensors])
     return with_buffers(header, payload)
 
 
-_ONE_ITEM, _NO_ITEM = _array_head(1), _array_head(0)
 
 
 def _check_packed_layout() -> None:
     """The packed layout is msgpack's map of the same fields (a reply of 1, 2 and 20 tensors)."""
     for n in (0, 1, 2, 20):
-        tensors = [tensor_entry(f"t{i}", i, np.dtype(np.float32), (i + 1,)) for i in range(n)]
+        keys = [(f"t{i}", i) for i in range(n)]
+        tensors = [tensor_entry(k[0], k[1], np.dtype(np.float32), (i + 1,)) for i, k in enumerate(keys)]
         versions = [(1 << 63) - 1 - i for i in range(n)]
-        frames = encode_params_packed(5, [pack_header(t) for t in tensors], versions, [])
+        frames = encode_params_packed(5, params_tensors(keys, [np.dtype(np.float32)] * n, range(1, n + 1)), versions,
+                                      [])
         want = {"v": PROTOCOL_VERSION, "op": "params", "id": 5, "versions": versions, "tensors": tensors}
         got = unpack_header(frames[0], WireLimits())
         if got != want or list(got) != list(want):

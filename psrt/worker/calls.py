@@ -174,6 +174,8 @@ class ShardCalls:
         self._restarted = restarted
         self.servers = list(servers)
         self.config = config
+        # One object for equal limits in a process (several clients): the decoders' caches compare them by identity.
+        self._limits = wire.same_limits(config.limits)
         keys = security.load_keys(config.keys)
         self.channels = [transport.DealerChannel(context, ep, config.hwm, keys=keys,
                                                  max_frame=config.limits.max_frame_bytes) for ep in self.servers]
@@ -333,13 +335,12 @@ class ShardCalls:
 
     def _receive(self, shard: int) -> None:
         ch = self.channels[shard]
-        endpoint = self.servers[shard]
         head = ch.recv_frame()
         try:
-            reply = wire.decode_reply(head, self.config.limits)
+            reply = wire.decode_reply(head, self._limits)
         except ProtocolError as exc:
             ch.discard_rest()
-            raise ProtocolError(f"shard {endpoint} sent a malformed reply: {exc}") from None
+            raise ProtocolError(f"shard {self.servers[shard]} sent a malformed reply: {exc}") from None
         self._unanswered[shard] = 0
         pending = self._pending.get(reply.id)
         if pending is None or pending.shard != shard:
