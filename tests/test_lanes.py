@@ -307,11 +307,10 @@ def inproc_server(monkeypatch):
         yield server
 
 
-def test_a_lane_the_shard_dropped_is_replaced_and_no_call_is_lost(inproc_server, monkeypatch):
-    """Two workers evict each other's (idle) lane at every call: each refused call goes again over the socket."""
-    monkeypatch.setattr(lanes, "LANE_IDLE_S", 0.0)
+def _two_workers_take_turns(server) -> None:
+    """Two clients of one async shard push_pull in turn, five times each; every result exact."""
     config = ClientConfig(timeout=20)
-    ep = [inproc_server.endpoint]
+    ep = [server.endpoint]
     with psrt.Client(ep, config=config) as a, psrt.Client(ep, config=config) as b:
         a.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
         b.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
@@ -319,26 +318,24 @@ def test_a_lane_the_shard_dropped_is_replaced_and_no_call_is_lost(inproc_server,
             pa = a.push_pull({"w": np.ones(BIG, np.float32)})
             pb = b.push_pull({"w": np.ones(BIG, np.float32)})
             assert pa["w"][0] == -(2 * step + 1) and pb["w"][-1] == -(2 * step + 2)
-        assert inproc_server.counters.pushes == 10
+
+
+def test_a_lane_the_shard_dropped_is_replaced_and_no_call_is_lost(inproc_server, monkeypatch):
+    """Two workers evict each other's (idle) lane at every call: each refused call goes again over the socket."""
+    monkeypatch.setattr(lanes, "LANE_IDLE_S", 0.0)
+    _two_workers_take_turns(inproc_server)
+    assert inproc_server.counters.pushes == 10
     assert inproc_server.lanes.count <= 1
 
 
 def test_a_shard_whose_lanes_are_all_in_use_refuses_a_new_one_and_that_worker_uses_sockets(inproc_server):
     """Past MAX_LANES busy lanes, a new worker is refused a lane, not given one taken from a busy worker: the
     first keeps its lane, the second goes over the socket, and no call is refused or counted as an error."""
-    config = ClientConfig(timeout=20)
-    ep = [inproc_server.endpoint]
-    with psrt.Client(ep, config=config) as a, psrt.Client(ep, config=config) as b:
-        a.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
-        b.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
-        for step in range(5):
-            pa = a.push_pull({"w": np.ones(BIG, np.float32)})
-            pb = b.push_pull({"w": np.ones(BIG, np.float32)})
-            assert pa["w"][0] == -(2 * step + 1) and pb["w"][-1] == -(2 * step + 2)
-        counters = inproc_server.counters
-        assert counters.pushes == 10 and counters.errors == 0
-        # Every push of a's came through its lane (5 gradients), none of b's.
-        assert counters.shm_bytes_in == 5 * BIG * 4
+    _two_workers_take_turns(inproc_server)
+    counters = inproc_server.counters
+    assert counters.pushes == 10 and counters.errors == 0
+    # Every push of a's came through its lane (5 gradients), none of b's.
+    assert counters.shm_bytes_in == 5 * BIG * 4
     assert inproc_server.lanes.count <= 1
 
 
