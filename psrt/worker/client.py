@@ -226,7 +226,8 @@ class Client:
         outputs = {n: np.empty(a.shape, a.dtype) for n, a in arrays.items()}
         handle = Handle(self._calls, "init", outputs)
         spec = optimizer.to_wire()
-        for shard, messages in self._map.messages(chunks).items():
+        # Init is no round to pipeline: its pieces share messages, as few as before they were cut for the network.
+        for shard, messages in self._map.messages(chunks, pipelined=False).items():
             self._senders[shard].init(handle, messages, arrays, spec)
         result = handle.wait(timeout)
         for shard, job in handle._jobs.items():

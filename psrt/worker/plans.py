@@ -1,7 +1,8 @@
 """A call's per-shard messages, computed once per set of tensors (a training loop repeats the same sets).
 
 For each set of tensor names a client pushes or pulls, :class:`Plans` keeps one :class:`ShardPlan` per shard:
-the messages (:meth:`psrt.partition.PartitionMap.messages`), the bytes the call takes in a shared-memory lane
+the messages over its socket and over its shared-memory lane (:meth:`psrt.partition.PartitionMap.messages`:
+a socket's are pipelined, each piece of a split tensor on its own), the bytes the call takes in the lane
 (:func:`psrt.shm.lanes.call_bytes`), and for an uncompressed push each message's packed header prefix
 (:func:`psrt.wire.push_prefix`), so that a step's push over the socket packs only its ``id, seq, clock``
 (:class:`psrt.worker.sender.ShardSender` sends them).
@@ -24,11 +25,14 @@ class ShardPlan:
     """One shard's part of a call on a set of tensors."""
 
     shard: int
+    #: The messages over the socket.
     messages: list[list[Chunk]]
     #: What the call takes in a lane (:func:`psrt.shm.lanes.call_bytes`).
     lane_bytes: int
-    #: Per message, a push's packed header prefix (None for pulls, and with compression: the general path).
+    #: Per socket message, a push's packed header prefix (None for pulls, and with compression: the general path).
     prefixes: list[Optional[bytes]]
+    #: The messages over a lane (the same list as ``messages`` when no tensor of the call is split).
+    lane_messages: list[list[Chunk]]
 
 
 class Plans:
@@ -63,11 +67,12 @@ class Plans:
         plan = cache.get(names)
         if plan is None:
             plan = []
+            lanes = self._messages(names, pipelined=False)
             for shard, msgs in self._messages(names).items():
                 prefixes: list[Optional[bytes]] = [None] * len(msgs)
                 if self._prefixes:
                     prefixes = [self._prefix(msg, pull) for msg in msgs]
-                plan.append(ShardPlan(shard, msgs, call_bytes(msgs, True, pull), prefixes))
+                plan.append(ShardPlan(shard, msgs, call_bytes(lanes[shard], True, pull), prefixes, lanes[shard]))
             self._keep(cache, names, plan)
         return plan
 
@@ -75,13 +80,14 @@ class Plans:
         """The per-shard parts of a pull of the tensors ``names``."""
         plan = self._pulls.get(names)
         if plan is None:
-            plan = [ShardPlan(shard, msgs, call_bytes(msgs, False, True), [None] * len(msgs))
+            lanes = self._messages(names, pipelined=False)
+            plan = [ShardPlan(shard, msgs, call_bytes(lanes[shard], False, True), [None] * len(msgs), lanes[shard])
                     for shard, msgs in self._messages(names).items()]
             self._keep(self._pulls, names, plan)
         return plan
 
-    def _messages(self, names: tuple[str, ...]) -> dict[int, list[list[Chunk]]]:
-        return self._map.messages(self._map.chunks_of(names))
+    def _messages(self, names: tuple[str, ...], pipelined: bool = True) -> dict[int, list[list[Chunk]]]:
+        return self._map.messages(self._map.chunks_of(names), pipelined)
 
     @staticmethod
     def _keep(cache: dict[tuple[str, ...], list[ShardPlan]], names: tuple[str, ...], plan: list[ShardPlan]) -> None:
