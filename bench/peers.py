@@ -143,6 +143,7 @@ import logging
 import multiprocessing
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -586,12 +587,19 @@ def run_ray_hosts(vc: Any, workload: Workload) -> Outcome:
     store = str(max(256 << 20, 8 * 4 * workload.elements))
     head = vc.address("head")
     common = ["--disable-usage-stats", "--block", "--object-store-memory", store]
+    # Ray's token authentication, with a token of this cluster's own for every node and the driver: left to
+    # itself, Ray turns it on for a head whenever ~/.ray/auth_token exists (any local ray.init() writes one) but
+    # not for the nodes joining it, which the head then refuses.
+    token = os.path.join(tmp, "auth_token")
+    with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(secrets.token_hex(32))
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token}
     nodes: list[Child] = []
     driver: Optional[Child] = None
     try:
         nodes.append(vc.spawn("head", [ray_cli, "start", "--head", f"--node-ip-address={head}", f"--port={PORT}",
                                        "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={tmp}", *common],
-                              ready=RAY_STARTED, label="ray head"))
+                              ready=RAY_STARTED, label="ray head", env=env))
         _ready(nodes[0], deadline, "ray")
         hosts = [f"s{k}" for k in range(workload.servers)] + [f"w{r}" for r in range(workload.workers)]
         _log("ray", f"head on {head}; starting {len(hosts)} nodes, one after the other")
@@ -599,10 +607,10 @@ def run_ray_hosts(vc: Any, workload: Workload) -> Outcome:
             nodes.append(vc.spawn(h, [ray_cli, "start", f"--address={head}:{PORT}",
                                       f"--node-ip-address={vc.address(h)}", "--num-cpus=1",
                                       f"--resources={json.dumps({f'host_{h}': 1})}", *common],
-                                  ready=RAY_STARTED, label=f"ray node {h}"))
+                                  ready=RAY_STARTED, label=f"ray node {h}", env=env))
             _ready(nodes[-1], deadline, "ray")
         driver = vc.spawn("head", _role_command("ray-driver", workload=asdict(workload), address=f"{head}:{PORT}",
-                                                nodes=1 + len(hosts)), label="ray driver")
+                                                nodes=1 + len(hosts)), label="ray driver", env=env)
         (got,) = _gather([driver, *nodes], 1, deadline, "ray")
     finally:
         stop_children([driver, *nodes] if driver else nodes, grace=10.0)
