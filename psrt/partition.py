@@ -2,12 +2,13 @@
 
 Tensors larger than ``partition_bytes`` are split into the fewest contiguous chunks of at most that size, of
 near-equal length (BytePS found ~4 MB partitions spread over servers balance load and let transfers pipeline).
-A tensor of at least two :data:`MIN_PIECE_BYTES` pieces is also cut into :data:`PIPELINE_PIECES` pieces per
-shard where its pieces stay that large (a multiple of the shard count, so one tensor keeps every shard busy, as
-ps-lite splits each key over all servers): a shard answers a sync round piece by piece, so over a network the
-replies of one piece flow out while the next piece still arrives, and a step costs a link's traffic one way plus
-a small tail, not both ways in turn (docs/perfmodel.md, "The reply tail"). A 4 MiB tensor on 2 shards is 16
-pieces of 256 KiB, 8 on each; a 40 MB one on 3 shards 24 pieces.
+A tensor of at least two :data:`MIN_PIECE_BYTES` pieces is also cut, where its pieces stay that large, into a
+multiple of the shard count, so one tensor keeps every shard busy (as ps-lite splits each key over all servers):
+when the shards are reached over a network, into :data:`PIPELINE_PIECES` pieces per shard. A shard answers a sync
+round piece by piece, so the replies of one piece flow out while the next piece still arrives, and a step costs
+a link's traffic one way plus a small tail, not both ways in turn (docs/perfmodel.md, "The reply tail"). A 4 MiB
+tensor on 2 shards is then 16 pieces of 256 KiB, 8 on each, and a 40 MB one on 3 shards 24 pieces; with every
+shard on the workers' host (``network=False``) 2 and 12.
 Chunks and whole small tensors are then assigned to shards largest first, each to the shard holding the fewest
 bytes so far (ties to the lowest shard index). The result depends only on the tensors' names, shapes and dtypes,
 the number of shards and the partition size — never on dict order — so every worker computes the same map.
@@ -89,15 +90,23 @@ class PartitionMap:
     max_header_bytes : int
         The shards' header limit (:attr:`psrt.config.WireLimits.max_header_bytes`): a message carries no more
         chunks than their names fit in half of it (4,096 chunks of long names would exceed it).
+    network : bool
+        Whether a worker reaches a shard over a network: then large tensors are cut into
+        :data:`PIPELINE_PIECES` pieces per shard. When every shard is on the workers' host (their endpoints are
+        ``ipc://`` or loopback; :func:`psrt.transport.on_this_host`), nothing pipelines and each piece would only
+        cost more: tensors are cut to spread them over the shards alone. Every worker of a job lists the same
+        endpoints, so every one decides the same.
     """
 
-    def __init__(self, num_shards: int, partition_bytes: int, max_header_bytes: int = 1 << 20) -> None:
+    def __init__(self, num_shards: int, partition_bytes: int, max_header_bytes: int = 1 << 20,
+                 network: bool = True) -> None:
         if num_shards < 1:
             raise ConfigError(f"need at least one shard, got {num_shards}")
         if partition_bytes < 8:
             raise ConfigError(f"partition_bytes must be at least 8, got {partition_bytes}")
         self.num_shards = num_shards
         self.partition_bytes = partition_bytes
+        self.network = network
         self.header_budget = max_header_bytes // 2
         self.shard_bytes = [0] * num_shards
         self.tensors: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
@@ -114,7 +123,7 @@ class PartitionMap:
         for name in specs:  # check everything first: a refused call leaves the map as it was
             if name in self.tensors:
                 raise ConfigError(f"tensor {name!r} is already initialized")
-        runs = _runs(specs, self.num_shards, self.partition_bytes)
+        runs = _runs(specs, self.num_shards, self.partition_bytes, self.network)
         for name in sorted(specs):
             shape, dtype = specs[name]
             self.tensors[name] = (tuple(shape), np.dtype(dtype))
@@ -178,15 +187,15 @@ class PartitionMap:
         return out
 
 
-def _parts(count: int, itemsize: int, num_shards: int, partition_bytes: int) -> int:
+def _parts(count: int, itemsize: int, num_shards: int, partition_bytes: int, network: bool) -> int:
     """How many pieces a tensor of ``count`` elements is cut into (the module's docstring says the rule)."""
     parts = max(1, -(-count // max(1, partition_bytes // itemsize)))
     nbytes = count * itemsize
-    if nbytes >= 2 * MIN_PIECE_BYTES:
+    if nbytes >= 2 * MIN_PIECE_BYTES and (network or num_shards > 1):
         most = nbytes // MIN_PIECE_BYTES  # pieces no smaller than MIN_PIECE_BYTES ...
         if most >= num_shards:
             most -= most % num_shards  # ... and as many on every shard, where there are enough
-        wanted = -(-max(parts, PIPELINE_PIECES * num_shards) // num_shards) * num_shards
+        wanted = -(-max(parts, (PIPELINE_PIECES if network else 1) * num_shards) // num_shards) * num_shards
         parts = max(parts, min(wanted, most))
     return parts
 
@@ -196,7 +205,8 @@ def _parts(count: int, itemsize: int, num_shards: int, partition_bytes: int) -> 
 _Run = tuple[int, str, int, int, int, np.dtype, int, int, int]
 
 
-def _runs(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_shards: int, partition_bytes: int) -> list[_Run]:
+def _runs(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_shards: int, partition_bytes: int,
+          network: bool) -> list[_Run]:
     """The pieces ``specs`` are cut into, as rows of equal pieces in assignment order.
 
     Largest first, then by name and part: a total order, so every worker assigns identically. A tensor's pieces
@@ -207,7 +217,7 @@ def _runs(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_shards: int
     for name, (shape, dtype) in specs.items():
         dtype = np.dtype(dtype)
         count = math.prod(shape)
-        parts = _parts(count, dtype.itemsize, num_shards, partition_bytes)
+        parts = _parts(count, dtype.itemsize, num_shards, partition_bytes, network)
         base, extra = divmod(count, parts)
         if extra:
             runs.append((-(base + 1) * dtype.itemsize, name, 0, extra, base + 1, dtype, base, extra, parts))
@@ -273,7 +283,7 @@ def _chunks(runs: Sequence[_Run], shards: Sequence[int]) -> Iterable[Chunk]:
 
 
 def busiest_shard(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_shards: int,
-                  partition_bytes: int) -> list[Chunk]:
+                  partition_bytes: int, network: bool = True) -> list[Chunk]:
     """The chunks of the shard holding the most bytes (the lowest index of equals) in a new map of ``specs``.
 
     The same chunks as ``PartitionMap(num_shards, partition_bytes).add(specs)`` puts on that shard, in
@@ -285,6 +295,8 @@ def busiest_shard(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_sha
     specs : mapping
         ``name -> (shape, dtype)``, as :meth:`PartitionMap.add` takes them.
     num_shards, partition_bytes : int
+    network : bool
+        As :class:`PartitionMap` takes it.
         As :class:`PartitionMap` takes them.
 
     Returns
@@ -293,7 +305,7 @@ def busiest_shard(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_sha
         The busiest shard's chunks; :meth:`PartitionMap.messages` groups them into its messages.
     """
     PartitionMap(num_shards, partition_bytes)  # the same checks of the arguments
-    runs = _runs(specs, num_shards, partition_bytes)
+    runs = _runs(specs, num_shards, partition_bytes, network)
     loads = [0] * num_shards
     shards = _assign([-run[0] for run in runs for _ in range(run[3])], loads)
     busiest = max(range(num_shards), key=loads.__getitem__)

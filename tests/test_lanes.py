@@ -21,15 +21,11 @@ from psrt import shm
 from psrt.config import ClientConfig, ServerConfig
 from psrt.control.process import parse_results
 from psrt.errors import ConfigError
-from psrt.partition import PartitionMap
 from psrt.shm import lanes
 
 pytestmark = needs_shm(256)
 
 BIG = 300_000  # float32 values: 1.2 MB, well over the lane threshold
-#: The pieces BIG is cut into on one shard: over a socket each is a message of its own (pipelined), over a lane
-#: they share one.
-PIECES = len(PartitionMap(1, 4 << 20).add({"w": ((BIG,), np.dtype(np.float32))}))
 
 
 def our_files(pid: int) -> list[str]:
@@ -228,7 +224,7 @@ def test_a_worker_with_its_own_dev_shm_is_not_on_the_shards_host(shards, tmp_pat
     if proc.returncode != 0 and ("unshare:" in proc.stderr or "mount:" in proc.stderr):
         pytest.skip(f"cannot mount a private /dev/shm here: {proc.stderr.strip()}")
     assert proc.returncode == 0, proc.stderr
-    assert parse_results(proc.stdout) == [{"first": -6.0, "last": -6.0, "shm_bytes_in": 0, "pushes": 3 * PIECES}]
+    assert parse_results(proc.stdout) == [{"first": -6.0, "last": -6.0, "shm_bytes_in": 0, "pushes": 3}]
 
 
 # ---------------------------------------------------------------------------------------------- hostile lanes
@@ -337,8 +333,8 @@ def test_a_shard_whose_lanes_are_all_in_use_refuses_a_new_one_and_that_worker_us
     first keeps its lane, the second goes over the socket, and no call is refused or counted as an error."""
     _two_workers_take_turns(inproc_server)
     counters = inproc_server.counters
-    assert PIECES > 1 and counters.pushes == 5 + 5 * PIECES and counters.errors == 0, \
-        "a's pushes in one message each (its lane), b's a message per piece (the socket)"
+    # One message a push: a's through its lane, b's over a loopback socket (no network: not cut for pipelining).
+    assert counters.pushes == 10 and counters.errors == 0
     # Every push of a's came through its lane (5 gradients), none of b's.
     assert counters.shm_bytes_in == 5 * BIG * 4
     assert inproc_server.lanes.count <= 1

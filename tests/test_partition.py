@@ -386,19 +386,33 @@ def test_a_large_tensor_keeps_every_shard_busy():
     assert len(PartitionMap(2, 64 << 10).add({"w": ((1_000_000,), np.dtype(np.float32))})) == 62
 
 
-@given(count=st.integers(1, 40_000_000), shards=st.integers(1, 40), partition=st.sampled_from([64 << 10, 4 << 20]))
+@given(count=st.integers(1, 40_000_000), servers=st.integers(1, 40), partition=st.sampled_from([64 << 10, 4 << 20]))
 @settings(max_examples=300, deadline=None)
-def test_pieces_are_never_smaller_than_min_piece_bytes_nor_fewer_than_the_partition_size_asks(count, shards,
+def test_pieces_are_never_smaller_than_min_piece_bytes_nor_fewer_than_the_partition_size_asks(count, servers,
                                                                                             partition):
-    chunks = PartitionMap(shards, partition).add({"w": ((count,), np.dtype(np.float32))})
+    chunks = PartitionMap(servers, partition).add({"w": ((count,), np.dtype(np.float32))})
     nbytes, parts = 4 * count, len(chunks)
     by_partition = -(-count // (partition // 4))
     assert parts >= by_partition and max(c.nbytes for c in chunks) <= max(partition, 4)
     if parts > by_partition:  # cut further for the network: pieces stay large, PIPELINE_PIECES per shard at most
-        assert min(c.nbytes for c in chunks) >= MIN_PIECE_BYTES and parts <= PIPELINE_PIECES * shards
-        if nbytes // MIN_PIECE_BYTES >= shards:
-            assert parts % shards == 0 and len({c.shard for c in chunks}) == shards
+        assert min(c.nbytes for c in chunks) >= MIN_PIECE_BYTES
+        assert parts <= max(-(-by_partition // servers) * servers, PIPELINE_PIECES * servers)
+        if nbytes // MIN_PIECE_BYTES >= servers:
+            assert parts % servers == 0 and len({c.shard for c in chunks}) == servers
     assert all(c.pieces == parts for c in chunks)
+
+
+def test_with_every_shard_on_this_host_tensors_are_cut_only_to_spread_them():
+    """network=False (every endpoint ipc:// or loopback): nothing pipelines, so no piece is cut for it."""
+    def cut(shards, count):
+        return PartitionMap(shards, 4 << 20, network=False).add({"w": ((count,), np.dtype(np.float32))})
+
+    ten = cut(2, 10_000_000)
+    assert len(ten) == 10 and [sum(c.shard == s for c in ten) for s in range(2)] == [5, 5]
+    assert sorted(c.shard for c in cut(2, 1_000_000)) == [0, 1]
+    assert len(cut(3, 10_000_000)) == 12
+    assert len(cut(1, 1_000_000)) == 1
+    assert len(cut(4, 150_000)) == 2  # 600 KB: two pieces of at least MIN_PIECE_BYTES
 
 
 def test_a_sockets_messages_carry_one_piece_each_and_a_lanes_group_them():
