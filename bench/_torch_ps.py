@@ -99,12 +99,15 @@ def run_ps(workload: Any) -> list[dict[str, Any]]:
     return [fut.wait() for fut in futs]
 
 
-def run_rank(rank: int, workload: Any, port: int, tcp_only: bool, results: Any) -> None:
-    """Body of one spawned process: ranks ``0..S-1`` are ``ps{k}``, the others ``trainer{r}``.
+def run_rank(rank: int, workload: Any, port: int, tcp_only: bool, results: Any, host: str = "127.0.0.1") -> None:
+    """Body of one rank's process: ranks ``0..S-1`` are ``ps{k}``, the others ``trainer{r}``.
 
-    Rank 0 puts each trainer's result on ``results``; any rank that fails puts ``{"rank", "error"}`` there.
-    With ``tcp_only`` TensorPipe uses only its TCP transport (``uv``) and the ``basic`` channel, so tensors travel
-    over loopback TCP as in a multi-host job; otherwise TensorPipe picks its defaults (shared memory on one host).
+    Rank 0 puts each trainer's result on ``results`` (anything with a ``put`` method); any rank that fails puts
+    ``{"rank", "error"}`` there. With ``tcp_only`` TensorPipe uses only its TCP transport (``uv``) and the
+    ``basic`` channel, so tensors travel over TCP as in a multi-host job; otherwise TensorPipe picks its defaults
+    (shared memory and cross-memory attach between processes of one host). The ranks rendezvous at
+    ``tcp://host:port``, an address of rank 0's host; where TensorPipe listens is its own choice
+    (``TP_SOCKET_IFNAME`` names the interface).
     """
     # rpc.shutdown() gathers over an internal Gloo group, which warns about its own deprecated use.
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
@@ -113,7 +116,7 @@ def run_rank(rank: int, workload: Any, port: int, tcp_only: bool, results: Any) 
         options = rpc.TensorPipeRpcBackendOptions(
             num_worker_threads=16,
             rpc_timeout=workload.timeout,
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://{host}:{port}",
             **extra,
         )
         servers = workload.servers

@@ -73,6 +73,48 @@ All waits have a deadline (``--timeout`` seconds per system); child processes ar
 and RPC ranks are shut down or terminated on errors and on Ctrl-C. A system whose package is not installed is
 skipped. ``--json FILE`` writes every workload's rows, targets and bandwidths.
 
+Across hosts (``--emulated``)
+-----------------------------
+``sudo python bench/peers.py --emulated [--link RATE]`` runs plain psrt, torch.distributed.rpc and Ray on an
+emulated cluster (:class:`psrt.emulation.netns.VirtualCluster`): every process on a host of its own, a network
+namespace joined by a veth pair to a bridge, every host's link shaped with ``tc ... tbf`` to RATE in each
+direction (default 1gbit), and each host with its own /dev/shm. Hosts ``s0..s{S-1}`` hold the shards, ``w0..w{W-1}``
+the workers; each system gets fresh hosts, removed again on success, error and Ctrl-C (or SIGTERM). Default
+workloads: 1M float32 (50 timed steps) and 10M (20), both W = 4, S = 2, sync; the workload, timing and
+correctness check are those above.
+
+psrt
+    The scheduler-less layout of the table above: ``psrt server --bind tcp://<host ip>:29500 --workers W --mode
+    sync`` on each shard host, and on each worker host one process running the README's loop
+    (``psrt.Client(servers=[...], rank=r, num_workers=W)``, ``client.init``, ``params = client.push_pull({"w":
+    grad})`` every step; no knobs, no environment variables).
+torch.distributed.rpc
+    The same ranks as above, each a process on its own host: ``ps{k}`` on ``s{k}`` (rank 0 rendezvouses at
+    ``tcp://<s0's address>:29500``), ``trainer{r}`` on ``w{r}``. The emulated hosts share this machine's boot id,
+    so TensorPipe would move tensors between them through shared memory and cross-memory attach; every rank
+    therefore uses ``TensorPipeRpcBackendOptions(_transports=["uv"], _channels=["basic"])`` and has
+    ``TP_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` set to its host's interface.
+Ray
+    A Ray cluster over the hosts: ``ray start --head --node-ip-address=<ip> --num-cpus=0`` on an extra host
+    ``head``, which also runs the driver, and ``ray start --address=... --num-cpus=1 --resources='{"host_NAME":
+    1}'`` on every shard and worker host (its own temporary directory, so no other Ray on the machine joins it);
+    each ParameterServer and DataWorker actor is placed on its host by that custom resource, and objects move
+    between the hosts' object stores over the links. The nodes start one after the other (started at once, they
+    overload the GCS on a small machine and a node gives up), so Ray's start-up takes most of a minute. Ray's
+    object manager may fetch a shard's parameters from a worker host that already holds a copy, so fewer bytes
+    than the floor assumes may leave a shard host.
+
+The report gives worker-steps/s, plain psrt's ratio to the faster peer and each row's ratio to the link floor.
+The shard links are the narrow ones: every host's link has the same RATE, and all W workers share each
+shard's link. A step moves ``W * (tensor bytes / S)`` into each shard host and as much out of it; with in and
+out overlapping (full duplex) the fastest step takes ``W * (bytes / S) * TCP_OVERHEAD * 8 / RATE`` seconds
+(:data:`psrt.emulation.perfmodel.TCP_OVERHEAD`: TCP/IP and Ethernet framing), so the floor is W divided by that
+in worker-steps/s; a step whose pushes must all be in before its parameters go out (serialized) takes twice
+that. As evidence that each system's bytes crossed the links, each row shows the byte counters of the shard
+hosts' tbf qdiscs (``tc -s qdisc``) over the system's run, in and out, beside what an even split of the pushes
+and pulls puts on each shard link. ``--json`` adds the link rate, the floors, each row's ratios to them and
+these byte counts.
+
 References
 ----------
 .. [1] Ray documentation, "Parameter Server",
@@ -87,7 +129,9 @@ Examples
 Run from the repository root::
 
     python bench/peers.py                              # both workloads, every system and psrt row
-    python bench/peers.py --systems psrt,psrt-tuned,torch --elements 1M --workers 2 --servers 2 --json peers.json
+    python bench/peers.py --systems psrt,psrt-tuned,torch --elements 1000000 --workers 2 --servers 2 --json peers.json
+    sudo python bench/peers.py --emulated --link 1gbit   # across emulated hosts: 1M and 10M, W=4, S=2
+    sudo python bench/peers.py --emulated --link 10gbit --elements 1000000 --json emulated.json
 """
 
 from __future__ import annotations
@@ -99,6 +143,9 @@ import logging
 import multiprocessing
 import os
 import re
+import secrets
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -109,12 +156,34 @@ import _common
 import numpy as np
 from _common import VARIANTS, BenchError, Variant, Workload
 
+from psrt.control.process import (
+    SERVER_READY,
+    Child,
+    describe_exit,
+    parse_results,
+    psrt_command,
+    result_line,
+    stop_children,
+)
+from psrt.emulation import perfmodel
+from psrt.emulation.netns import check_available, parse_rate
+from psrt.errors import PsrtError
+
 SYSTEMS = (*VARIANTS, "ray", "torch")
 #: The default workloads: (elements, W, S, timed steps).
 WORKLOADS = ((10_000_000, 4, 2, 50), (1_000_000, 2, 2, 200))
 TARGET = 1.5
 STOPPED = re.compile(r"psrt-server stopped .*")
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: ``--emulated``: its systems, its default workloads (elements, W, S, timed steps) and its default link.
+EMULATED_SYSTEMS = ("psrt", "torch", "ray")
+EMULATED_WORKLOADS = ((1_000_000, 4, 2, 50), (10_000_000, 4, 2, 20))
+EMULATED_LINK = "1gbit"
+#: The port every emulated host's shard, rendezvous or Ray head listens on (each system gets fresh hosts).
+PORT = 29500
+#: The name VirtualCluster gives each host's end of its veth pair, inside the host's namespace.
+IFNAME = "eth0"
+RAY_STARTED = re.compile(r"Ray runtime started")
 
 
 @dataclass
@@ -206,62 +275,58 @@ def run_psrt(workload: Workload, options: argparse.Namespace, variant: Variant) 
 
 
 # ---------------------------------------------------------------------------------------------------- Ray
-def run_ray(workload: Workload, _options: argparse.Namespace) -> Outcome:
-    """Ray: the docs' synchronous parameter server, one ParameterServer actor per half of the tensor."""
+def _ray_ps(workload: Workload, remaining: Callable[[], float],
+            place: Callable[[str, int], dict[str, Any]] = lambda role, index: {}) -> dict[str, Any]:
+    """The docs' synchronous parameter server on the Ray cluster this process is connected to.
+
+    One ParameterServer actor per shard's slice of the tensor and one DataWorker actor per worker; ``place(role,
+    index)`` gives each actor's ``.options()`` (``role`` is ``"server"`` or ``"worker"``; nothing on one host,
+    a custom resource per host on the emulated cluster). Returns the driver's timing ``t0``/``t1`` and the check
+    of the weights the last step returned.
+    """
     import ray
 
-    deadline = time.monotonic() + workload.timeout
-    outcome = Outcome("ray")
     num_servers = workload.servers
-    store_bytes = max(256 << 20, 16 * 4 * workload.elements)
 
-    def remaining() -> float:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise BenchError(f"ray: not done within --timeout {workload.timeout:g}s")
-        return left
+    @ray.remote
+    class ParameterServer:
+        def __init__(self, workload: Workload, shard: int) -> None:
+            lo, hi = workload.bounds()[shard]
+            self.weights = workload.initial()[lo:hi].copy()
+            self.lr = workload.lr
 
-    ray.init(num_cpus=workload.workers + num_servers, include_dashboard=False, object_store_memory=store_bytes,
-             logging_level=logging.WARNING)
+        def apply_gradients(self, *gradients: np.ndarray) -> np.ndarray:
+            mean_gradient = np.stack(gradients).mean(axis=0)
+            self.weights -= self.lr * mean_gradient
+            return self.weights
+
+        def get_weights(self) -> np.ndarray:
+            return self.weights
+
+    @ray.remote
+    class DataWorker:
+        def __init__(self, workload: Workload, rank: int) -> None:
+            grad = workload.gradient(rank)
+            self.gradients = [grad[lo:hi].copy() for lo, hi in workload.bounds()]
+            self.weights = [np.empty(hi - lo, np.float32) for lo, hi in workload.bounds()]  # the "model"
+
+        @ray.method(num_returns=num_servers)
+        def compute_gradients(self, *weights: np.ndarray) -> Any:
+            for mine, received in zip(self.weights, weights):  # the docs' self.model.set_weights(weights)
+                np.copyto(mine, received)
+            return tuple(self.gradients) if num_servers > 1 else self.gradients[0]
+
+    servers = [ParameterServer.options(**place("server", k)).remote(workload, k) for k in range(num_servers)]
+    workers = [DataWorker.options(**place("worker", r)).remote(workload, r) for r in range(workload.workers)]
+
+    def step(current_weights: list[Any]) -> list[Any]:
+        gradients = [worker.compute_gradients.remote(*current_weights) for worker in workers]
+        if num_servers == 1:
+            gradients = [[g] for g in gradients]
+        # Calculate the update after all gradients are available.
+        return [ps.apply_gradients.remote(*[g[k] for g in gradients]) for k, ps in enumerate(servers)]
+
     try:
-        @ray.remote
-        class ParameterServer:
-            def __init__(self, workload: Workload, shard: int) -> None:
-                lo, hi = workload.bounds()[shard]
-                self.weights = workload.initial()[lo:hi].copy()
-                self.lr = workload.lr
-
-            def apply_gradients(self, *gradients: np.ndarray) -> np.ndarray:
-                mean_gradient = np.stack(gradients).mean(axis=0)
-                self.weights -= self.lr * mean_gradient
-                return self.weights
-
-            def get_weights(self) -> np.ndarray:
-                return self.weights
-
-        @ray.remote
-        class DataWorker:
-            def __init__(self, workload: Workload, rank: int) -> None:
-                grad = workload.gradient(rank)
-                self.gradients = [grad[lo:hi].copy() for lo, hi in workload.bounds()]
-                self.weights = [np.empty(hi - lo, np.float32) for lo, hi in workload.bounds()]  # the "model"
-
-            @ray.method(num_returns=num_servers)
-            def compute_gradients(self, *weights: np.ndarray) -> Any:
-                for mine, received in zip(self.weights, weights):  # the docs' self.model.set_weights(weights)
-                    np.copyto(mine, received)
-                return tuple(self.gradients) if num_servers > 1 else self.gradients[0]
-
-        servers = [ParameterServer.remote(workload, k) for k in range(num_servers)]
-        workers = [DataWorker.remote(workload, r) for r in range(workload.workers)]
-
-        def step(current_weights: list[Any]) -> list[Any]:
-            gradients = [worker.compute_gradients.remote(*current_weights) for worker in workers]
-            if num_servers == 1:
-                gradients = [[g] for g in gradients]
-            # Calculate the update after all gradients are available.
-            return [ps.apply_gradients.remote(*[g[k] for g in gradients]) for k, ps in enumerate(servers)]
-
         current_weights = [ps.get_weights.remote() for ps in servers]
         current_weights = step(current_weights)  # warm-up (also waits for the actors to start)
         _log("ray", "actors up; warm-up step")
@@ -271,14 +336,37 @@ def run_ray(workload: Workload, _options: argparse.Namespace) -> Outcome:
             current_weights = step(current_weights)
         final = ray.get(current_weights, timeout=remaining())
         t1 = time.monotonic()
-        outcome.timed_s = t1 - t0
-        outcome.rate = workload.workers * workload.steps / outcome.timed_s
-        _merge_checks(outcome, [workload.check(np.concatenate(final))])
-        del final, current_weights
     except ray.exceptions.GetTimeoutError:
         raise BenchError(f"ray: the steps did not finish within --timeout {workload.timeout:g}s") from None
+    return {"t0": t0, "t1": t1, **workload.check(np.concatenate(final))}
+
+
+def _remaining(deadline: float, what: str, timeout: float) -> Callable[[], float]:
+    """Seconds left until ``deadline``; raises :class:`BenchError` once it has passed."""
+    def remaining() -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BenchError(f"{what}: not done within --timeout {timeout:g}s")
+        return left
+    return remaining
+
+
+def run_ray(workload: Workload, _options: argparse.Namespace) -> Outcome:
+    """Ray: the docs' synchronous parameter server, one ParameterServer actor per half of the tensor."""
+    import ray
+
+    remaining = _remaining(time.monotonic() + workload.timeout, "ray", workload.timeout)
+    store_bytes = max(256 << 20, 16 * 4 * workload.elements)
+    # "local": a new Ray instance of this process's own, never a cluster some `ray start` left running.
+    ray.init(address="local", num_cpus=workload.workers + workload.servers, include_dashboard=False,
+             object_store_memory=store_bytes, logging_level=logging.WARNING)
+    try:
+        result = _ray_ps(workload, remaining)
     finally:
         ray.shutdown()
+    outcome = Outcome("ray", timed_s=result["t1"] - result["t0"])
+    outcome.rate = workload.workers * workload.steps / outcome.timed_s
+    _merge_checks(outcome, [result])
     return outcome
 
 
@@ -290,12 +378,347 @@ def run_torch(workload: Workload, options: argparse.Namespace) -> Outcome:
     import _torch_ps
 
     outcome = Outcome("torch")
-    tcp_only = options.torch_transport == "tcp"
+    tcp_only = options.torch_transport == "tcp"  # None: auto
     got = _torch_ps.run(workload, tcp_only, time.monotonic() + workload.timeout, lambda m: _log("torch", m))
     outcome.rate, outcome.timed_s = _rate(workload, got)
     _merge_checks(outcome, got)
     outcome.detail = f"transport={'tcp' if tcp_only else 'auto'}"
     return outcome
+
+
+# ---------------------------------------------------------------------------------------------------- emulated
+def link_floor(elements: int, workers: int, servers: int, link_bits: float) -> dict[str, float]:
+    """The fastest BSP step the shard links allow: a step moves W * (tensor bytes / S) over each shard's link in
+    each direction (pushes in, parameters out), on TCP frames.
+
+    Parameters
+    ----------
+    elements : int
+        float32 values of the tensor.
+    workers, servers : int
+        W and S.
+    link_bits : float
+        Bits per second of every link in each direction.
+
+    Returns
+    -------
+    dict
+        ``shard_bytes_per_step`` (payload one way over one shard link), ``step_s`` and ``rate`` (worker-steps/s)
+        with in and out overlapping (full duplex), and ``serialized_step_s``/``serialized_rate`` with the
+        pushes of a step all in before its parameters go out (twice the time, half the rate).
+    """
+    shard_bytes = workers * 4 * elements / servers
+    step_s = shard_bytes * perfmodel.TCP_OVERHEAD * 8 / link_bits
+    return {"shard_bytes_per_step": shard_bytes, "step_s": step_s, "rate": workers / step_s,
+            "serialized_step_s": 2 * step_s, "serialized_rate": workers / (2 * step_s)}
+
+
+class _Printer:
+    """What a process on an emulated host reports through: each result is one line on stdout."""
+
+    @staticmethod
+    def put(result: dict[str, Any]) -> None:
+        print(result_line(result), flush=True)
+
+
+def _role_command(role: str, **fields: Any) -> list[str]:
+    """This script as the process ``role`` of an emulated host, with its arguments as one JSON object."""
+    return [sys.executable, os.path.abspath(__file__), "--role", role, "--role-args", json.dumps(fields)]
+
+
+def run_role(role: str, fields: dict[str, Any]) -> int:
+    """Run one process of an emulated host (``--role``); results and errors go to stdout as result lines."""
+    workload = Workload(**fields["workload"])
+    if role == "psrt-worker":
+        _psrt_worker(workload, VARIANTS["psrt"], fields["endpoints"], fields["rank"], _Printer())
+        return 0
+    if role == "torch-rank":
+        if HERE not in sys.path:
+            sys.path.insert(0, HERE)
+        import _torch_ps
+
+        _torch_ps.run_rank(fields["rank"], workload, fields["port"], True, _Printer(), host=fields["host"])
+        return 0
+    if role == "ray-driver":
+        try:
+            _Printer.put(_ray_driver(workload, fields["address"], fields["nodes"]))
+        except BaseException:
+            _Printer.put({"rank": "driver", "error": traceback.format_exc()})
+        return 0
+    raise BenchError(f"unknown role {role!r}")
+
+
+def _ray_driver(workload: Workload, address: str, nodes: int) -> dict[str, Any]:
+    """The Ray driver on the head host: wait for every node, then run the docs' PS with one actor per host."""
+    import ray
+
+    remaining = _remaining(time.monotonic() + workload.timeout, "ray", workload.timeout)
+    ray.init(address=address, logging_level=logging.WARNING)
+    try:
+        while len([n for n in ray.nodes() if n["Alive"]]) < nodes:
+            remaining()
+            time.sleep(0.2)
+        hosts = {"server": "s", "worker": "w"}
+        return _ray_ps(workload, remaining, lambda role, index: {"resources": {f"host_{hosts[role]}{index}": 1}})
+    finally:
+        ray.shutdown()
+
+
+def _gather(children: list[Child], expected: int, deadline: float, what: str) -> list[dict[str, Any]]:
+    """``expected`` result lines from the output of ``children`` before ``deadline``; a reported error, a child
+    that exits with a non-zero code or dies before its results, or the deadline raise :class:`BenchError`."""
+    while True:
+        results = [r for c in children for r in parse_results(c.output)]
+        errors = [r for r in results if "error" in r]
+        if errors:
+            raise BenchError(f"{what}: rank {errors[0].get('rank')} failed:\n{errors[0]['error']}")
+        if len(results) >= expected:
+            return results
+        ended = [c for c in children if c.poll() is not None]
+        for c in ended:
+            c.wait(5.0)  # its last lines
+        if any(c.returncode != 0 for c in ended) or len(ended) == len(children):
+            if any("error" in r for c in ended for r in parse_results(c.output)):
+                continue  # report the child's own words
+            c = next((c for c in ended if c.returncode != 0), ended[0])
+            raise BenchError(f"{what}: {c.label} {describe_exit(c.returncode)} with {len(results)} of {expected} "
+                             f"results:\n{c.tail()}")
+        if time.monotonic() > deadline:
+            raise BenchError(f"{what}: {len(results)} of {expected} results arrived before the deadline (--timeout)")
+        time.sleep(0.05)
+
+
+def _ready(child: Child, deadline: float, what: str) -> None:
+    try:
+        child.wait_ready(max(1.0, deadline - time.monotonic()))
+    except PsrtError as exc:
+        raise BenchError(f"{what}: {exc}") from None
+
+
+def _sent_bytes(cmd: list[str]) -> int:
+    """The ``Sent N bytes`` of the tbf qdisc ``tc -s qdisc show`` lists."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    m = re.search(r"qdisc tbf .*\n\s*Sent (\d+) bytes", proc.stdout)
+    if proc.returncode or not m:
+        raise BenchError(f"`{' '.join(cmd)}` gave no tbf byte count: {proc.stdout.strip()} {proc.stderr.strip()}")
+    return int(m.group(1))
+
+
+def link_bytes(vc: Any, host: str) -> tuple[int, int]:
+    """Bytes ``host``'s shaped link has carried so far: (into the host, out of it), from the byte counters of
+    its two tbf qdiscs (the bridge's end of its veth pair sends into the host, the host's end sends out)."""
+    return (_sent_bytes(["tc", "-s", "qdisc", "show", "dev", vc.veth(host)]),
+            _sent_bytes(["ip", "netns", "exec", vc.namespace(host), "tc", "-s", "qdisc", "show", "dev", IFNAME]))
+
+
+def run_psrt_hosts(vc: Any, workload: Workload) -> Outcome:
+    """psrt, one process per host: ``psrt server --bind tcp://IP:PORT`` on each shard host (no scheduler) and
+    on each worker host the README's loop against them."""
+    deadline = time.monotonic() + workload.timeout
+    outcome = Outcome("psrt")
+    servers: list[Child] = []
+    workers: list[Child] = []
+    try:
+        for k in range(workload.servers):
+            bind = f"tcp://{vc.address(f's{k}')}:{PORT}"
+            servers.append(vc.spawn(f"s{k}", psrt_command("server", "--bind", bind, "--workers",
+                                                          str(workload.workers), "--mode", "sync"),
+                                    ready=SERVER_READY, label=f"psrt server {k}"))
+        for server in servers:
+            _ready(server, deadline, "psrt")
+        endpoints = [s.endpoint for s in servers]
+        _log("psrt", f"servers at {', '.join(endpoints)}; starting {workload.workers} workers on their hosts")
+        workers += [vc.spawn(f"w{r}", _role_command("psrt-worker", workload=asdict(workload), endpoints=endpoints,
+                                                      rank=r), label=f"psrt worker {r}")
+                    for r in range(workload.workers)]
+        got = _gather(workers, workload.workers, deadline, "psrt")
+    finally:
+        stop_children(workers, grace=10.0)
+        stop_children(servers, grace=10.0)  # each says what it served
+    outcome.rate, outcome.timed_s = _rate(workload, got)
+    _merge_checks(outcome, got)
+    outcome.detail = "; ".join(m.group(0) for m in (STOPPED.search(s.output) for s in servers) if m)
+    return outcome
+
+
+def run_torch_hosts(vc: Any, workload: Workload) -> Outcome:
+    """torch.distributed.rpc, one rank per host: ``ps{k}`` on host ``s{k}``, ``trainer{r}`` on ``w{r}``;
+    TensorPipe limited to TCP (``uv``) and the ``basic`` channel, listening on the host's own interface."""
+    deadline = time.monotonic() + workload.timeout
+    outcome = Outcome("torch")
+    hosts = [f"s{k}" for k in range(workload.servers)] + [f"w{r}" for r in range(workload.workers)]
+    master = vc.address("s0")
+    # The emulated hosts share this machine's boot id, so TensorPipe would take its shared-memory and
+    # cross-memory-attach paths between them; uv + basic and the host's interface keep every byte on the links.
+    env = {"TP_SOCKET_IFNAME": IFNAME, "GLOO_SOCKET_IFNAME": IFNAME}
+    _log("torch", f"{len(hosts)} RPC ranks, one per host (rendezvous tcp://{master}:{PORT}, transport uv, "
+                  f"channel basic, interface {IFNAME})")
+    ranks: list[Child] = []
+    try:
+        ranks += [vc.spawn(host, _role_command("torch-rank", workload=asdict(workload), rank=rank, host=master,
+                                               port=PORT), env=env, label=f"torch rank {rank}")
+                  for rank, host in enumerate(hosts)]
+        got = _gather(ranks, workload.workers, deadline, "torch")
+        for rank in ranks:  # a graceful rpc.shutdown() on every rank
+            rank.wait(max(1.0, min(30.0, deadline - time.monotonic())))
+    except PsrtError as exc:
+        raise BenchError(f"torch: {exc}") from None
+    finally:
+        stop_children(ranks, grace=5.0)
+    outcome.rate, outcome.timed_s = _rate(workload, got)
+    _merge_checks(outcome, got)
+    outcome.detail = f"transport=uv, channel=basic, interface={IFNAME}"
+    return outcome
+
+
+def run_ray_hosts(vc: Any, workload: Workload) -> Outcome:
+    """Ray, one node per host: ``ray start --head`` and the driver on host ``head``, a node on every shard and
+    worker host, each offering a custom resource ``host_NAME`` that places one actor there."""
+    import shutil
+    import tempfile
+
+    deadline = time.monotonic() + workload.timeout
+    outcome = Outcome("ray")
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    if not os.path.exists(ray_cli):
+        ray_cli = shutil.which("ray") or ray_cli
+    # A temporary directory of its own: no other Ray on this machine finds (and joins) this cluster.
+    tmp = tempfile.mkdtemp(prefix="psrt-ray-")
+    store = str(max(256 << 20, 8 * 4 * workload.elements))
+    head = vc.address("head")
+    common = ["--disable-usage-stats", "--block", "--object-store-memory", store]
+    # Ray's token authentication, with a token of this cluster's own for every node and the driver: left to
+    # itself, Ray turns it on for a head whenever ~/.ray/auth_token exists (any local ray.init() writes one) but
+    # not for the nodes joining it, which the head then refuses.
+    token = os.path.join(tmp, "auth_token")
+    with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(secrets.token_hex(32))
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token}
+    nodes: list[Child] = []
+    driver: Optional[Child] = None
+    try:
+        nodes.append(vc.spawn("head", [ray_cli, "start", "--head", f"--node-ip-address={head}", f"--port={PORT}",
+                                       "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={tmp}", *common],
+                              ready=RAY_STARTED, label="ray head", env=env))
+        _ready(nodes[0], deadline, "ray")
+        hosts = [f"s{k}" for k in range(workload.servers)] + [f"w{r}" for r in range(workload.workers)]
+        _log("ray", f"head on {head}; starting {len(hosts)} nodes, one after the other")
+        for h in hosts:  # all at once, they overload the GCS of a small machine, and a node gives up starting
+            nodes.append(vc.spawn(h, [ray_cli, "start", f"--address={head}:{PORT}",
+                                      f"--node-ip-address={vc.address(h)}", "--num-cpus=1",
+                                      f"--resources={json.dumps({f'host_{h}': 1})}", *common],
+                                  ready=RAY_STARTED, label=f"ray node {h}", env=env))
+            _ready(nodes[-1], deadline, "ray")
+        driver = vc.spawn("head", _role_command("ray-driver", workload=asdict(workload), address=f"{head}:{PORT}",
+                                                nodes=1 + len(hosts)), label="ray driver", env=env)
+        (got,) = _gather([driver, *nodes], 1, deadline, "ray")
+    finally:
+        stop_children([driver, *nodes] if driver else nodes, grace=10.0)
+        shutil.rmtree(tmp, ignore_errors=True)
+    outcome.timed_s = got["t1"] - got["t0"]
+    outcome.rate = workload.workers * workload.steps / outcome.timed_s
+    _merge_checks(outcome, [got])
+    return outcome
+
+
+EMULATED_RUNNERS: dict[str, Callable[[Any, Workload], Outcome]] = {
+    "psrt": run_psrt_hosts, "torch": run_torch_hosts, "ray": run_ray_hosts}
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _run_emulated_workload(workload: Workload, systems: list[str], link: str) -> dict[str, Any]:
+    """Every system on the workload, each on a fresh emulated cluster; print the table; the workload's record."""
+    from psrt.emulation.netns import VirtualCluster
+
+    link_bits = parse_rate(link)
+    floor = link_floor(workload.elements, workload.workers, workload.servers, link_bits)
+    shard_hosts = [f"s{k}" for k in range(workload.servers)]
+    worker_hosts = [f"w{r}" for r in range(workload.workers)]
+    # What a step's pushes and pulls put on each shard link, each way, if the tensor is split evenly.
+    payload = (workload.steps + 1) * floor["shard_bytes_per_step"]
+    print(f"\n=== emulated cluster, every host's link {link} each way (tc tbf): {workload.elements:,} float32 "
+          f"({4 * workload.elements / 1e6:.3g} MB), W={workload.workers} workers on hosts "
+          f"{worker_hosts[0]}..{worker_hosts[-1]}, S={workload.servers} shards on {shard_hosts[0]}..{shard_hosts[-1]}, "
+          f"BSP, SGD lr={workload.lr}, 1 warm-up + {workload.steps} timed steps; rows: {', '.join(systems)}",
+          flush=True)
+    print(f"link floor: a step moves W*(bytes/S) = {_mb(floor['shard_bytes_per_step'])} over each shard link in "
+          f"and as much out; full duplex {floor['step_s'] * 1e3:.1f} ms/step = {floor['rate']:.2f} worker-steps/s, "
+          f"serialized {floor['serialized_rate']:.2f}", flush=True)
+    outcomes: dict[str, Outcome] = {}
+    traffic: dict[str, dict[str, dict[str, int]]] = {}
+    for name in systems:
+        if importlib.util.find_spec(name) is None:
+            outcomes[name] = Outcome(name, status="skipped",
+                                     message=f"package {name!r} is not installed (pip install {name})")
+            _log(name, f"skipped: {outcomes[name].message}")
+            continue
+        t = time.monotonic()
+        hosts = shard_hosts + worker_hosts + (["head"] if name == "ray" else [])
+        try:
+            with VirtualCluster(hosts, link=link) as vc:
+                before = {h: link_bytes(vc, h) for h in shard_hosts}
+                outcome = EMULATED_RUNNERS[name](vc, workload)
+                after = {h: link_bytes(vc, h) for h in shard_hosts}
+            traffic[name] = {h: {"in": after[h][0] - before[h][0], "out": after[h][1] - before[h][1]}
+                             for h in shard_hosts}
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # one broken system must not hide the others' results
+            message = str(exc) if isinstance(exc, (BenchError, PsrtError)) else traceback.format_exc()
+            outcome = Outcome(name, status="failed", message=message)
+            print(f"[{name}] FAILED: {message}", file=sys.stderr, flush=True)
+        outcome.wall_s = time.monotonic() - t
+        if outcome.status == "ok":
+            outcome.gbps = workload.workers * workload.steps * 2 * 4 * workload.elements / outcome.timed_s / 1e9
+            _log(name, f"{outcome.rate:.2f} worker-steps/s = {outcome.rate / floor['rate']:.2f}x the full-duplex "
+                       f"floor, over {outcome.timed_s:.2f}s; check {'OK' if outcome.check_ok else 'WRONG'}: "
+                       f"max |w - (w0 - N*lr*mean(g))| = {outcome.max_err:.2e} <= {outcome.tol:.2e} is "
+                       f"{outcome.check_ok} (N={workload.steps + 1}); {outcome.wall_s:.1f}s with start-up"
+                       + (f"; {outcome.detail}" if outcome.detail else ""))
+            # The evidence that the bytes crossed the shaped links: the shard links' tbf byte counters.
+            _log(name, "shard links carried (tbf byte counters, in / out): " + ", ".join(
+                f"{h} {_mb(c['in'])} / {_mb(c['out'])}" for h, c in traffic[name].items())
+                 + f"; an even split of the pushes and pulls is {_mb(payload)} each way per shard link")
+        outcomes[name] = outcome
+    best = max((o for n, o in outcomes.items() if n != "psrt" and o.status == "ok" and o.rate > 0),
+               key=lambda o: o.rate, default=None)
+    psrt = outcomes.get("psrt")
+    ratio = psrt.rate / best.rate if best and psrt is not None and psrt.status == "ok" else None
+    _print_emulated_table(outcomes, floor, traffic, payload)
+    if ratio is not None:
+        print(f"plain psrt / the faster peer ({best.system}): {ratio:.2f}x")
+    return {"workload": asdict(workload), "link": link, "link_bits": link_bits, "floor": floor,
+            "payload_bytes_per_shard_link": payload,
+            "systems": {n: {**asdict(o), "to_floor": o.rate / floor["rate"] if o.status == "ok" else None,
+                            "to_serialized_floor": o.rate / floor["serialized_rate"] if o.status == "ok" else None,
+                            "shard_link_bytes": traffic.get(n)}
+                        for n, o in outcomes.items()},
+            "psrt_to_best_peer": ratio, "best_peer": best.system if best else None}
+
+
+def _print_emulated_table(outcomes: dict[str, Outcome], floor: dict[str, float],
+                          traffic: dict[str, dict[str, dict[str, int]]], payload: float) -> None:
+    psrt = outcomes.get("psrt")
+    psrt_rate = psrt.rate if psrt is not None and psrt.status == "ok" else 0.0
+    print()
+    print(f"{'system':<8} {'worker-steps/s':>14} {'psrt/row':>9} {'/floor':>7} {'timed s':>8} "
+          f"{'shard links in/out, x even payload':>36}  correctness")
+    print("-" * 110)
+    for name, o in outcomes.items():
+        if o.status != "ok":
+            print(f"{name:<8} {'-':>14} {'-':>9} {'-':>7} {'-':>8} {'-':>36}  {o.status}: {o.message.splitlines()[0]}")
+            continue
+        ratio = f"{psrt_rate / o.rate:.2f}x" if psrt_rate and o.rate else "-"
+        links = " ".join(f"{c['in'] / payload:.2f}/{c['out'] / payload:.2f}" for c in traffic[name].values())
+        check = f"{'OK' if o.check_ok else 'WRONG'} (max err {o.max_err:.2e}, bound {o.tol:.2e})"
+        print(f"{name:<8} {o.rate:>14.2f} {ratio:>9} {o.rate / floor['rate']:>6.2f}x {o.timed_s:>8.2f} "
+              f"{links:>36}  {check}")
+    print("-" * 110)
+    print(f"link floor (W*(bytes/S) in and out of each shard link per step, TCP framing): full duplex "
+          f"{floor['rate']:.2f} worker-steps/s, serialized {floor['serialized_rate']:.2f}")
 
 
 def _runner(name: str) -> Callable[[Workload, argparse.Namespace], Outcome]:
@@ -355,22 +778,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Throughput of psrt (plain usage, and tuned beside it) against a Ray "
                                             "and a torch.distributed.rpc parameter server on the same BSP "
                                             "workload (worker-steps/s). By default two workloads: "
-                                            "10M/W=4/S=2 and 1M/W=2/S=2.")
-    p.add_argument("--elements", type=int, help="float32 values in the tensor, e.g. 1000000: run this one "
-                                                 "workload instead of the default two (default 10000000)")
+                                            "10M/W=4/S=2 and 1M/W=2/S=2; with --emulated every process on a host "
+                                            "of its own, over shaped links.")
+    p.add_argument("--elements", type=_common.parse_size,
+                   help="float32 values in the tensor, e.g. 1000000 or 64K (K, M: binary multiples): run this one "
+                        "workload instead of the default two (default 10000000)")
     p.add_argument("--workers", type=int, help="worker processes W of the one workload (default 4)")
     p.add_argument("--servers", type=int, help="parameter-server shards S of the one workload (default 2)")
     p.add_argument("--steps", type=int, help="timed steps per worker after one warm-up step (default 50 for "
-                                             "10M, 200 for 1M; 50 for a workload of your own)")
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help="comma-separated subset of the rows, run in this order (%(default)s)")
+                                             "10M, 200 for 1M; 50 for a workload of your own; with --emulated "
+                                             "50 for 1M, 20 for 10M and for a workload of your own)")
+    p.add_argument("--systems",
+                   help=f"comma-separated subset of the rows, run in this order (default {','.join(SYSTEMS)}; "
+                        f"with --emulated a subset of {','.join(EMULATED_SYSTEMS)}, all by default)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (%(default)s)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds one system may take, start-up included (%(default)s)")
-    p.add_argument("--torch-transport", choices=("tcp", "auto"), default="auto",
-                   help="TensorPipe transport: auto (its defaults: shared memory between processes of one host) "
-                        "or tcp (loopback TCP only) (%(default)s)")
+    p.add_argument("--torch-transport", choices=("tcp", "auto"),
+                   help="TensorPipe transport on one host: auto (its defaults: shared memory between processes of "
+                        "one host) or tcp (loopback TCP only) (default auto; --emulated always uses TCP)")
+    p.add_argument("--emulated", action="store_true",
+                   help="run psrt, torch and Ray on an emulated cluster (needs root): every process on a host of "
+                        "its own (a network namespace), every host's link shaped to --link each way; default "
+                        "workloads 1M and 10M float32, W=4, S=2")
+    p.add_argument("--link", metavar="RATE",
+                   help=f"with --emulated: every host's link, each way, e.g. 1gbit or 500mbit "
+                        f"(default {EMULATED_LINK})")
+    p.add_argument("--role", choices=("psrt-worker", "torch-rank", "ray-driver"), help=argparse.SUPPRESS)
+    p.add_argument("--role-args", default="{}", help=argparse.SUPPRESS)
     return p
 
 
@@ -414,16 +850,38 @@ def _run_workload(workload: Workload, systems: list[str], args: argparse.Namespa
             "systems": {n: asdict(o) for n, o in outcomes.items()}, "target": target}
 
 
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # the same clean-up as Ctrl-C: children stopped, namespaces removed
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the workloads, each with the selected systems one after the other; print the tables and targets."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(systems) - set(SYSTEMS))
+    if args.role:
+        return run_role(args.role, json.loads(args.role_args))
+    allowed = EMULATED_SYSTEMS if args.emulated else SYSTEMS
+    systems = [s.strip() for s in (args.systems or ",".join(allowed)).split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(allowed))
     if unknown or not systems or len(set(systems)) != len(systems):
-        parser.error(f"--systems takes a comma-separated subset of {','.join(SYSTEMS)}, got {args.systems!r}")
+        where = " with --emulated" if args.emulated else ""
+        parser.error(f"--systems takes a comma-separated subset of {','.join(allowed)}{where}, got {args.systems!r}")
+    if args.emulated:
+        if args.torch_transport is not None:
+            parser.error("--torch-transport applies to one host only: --emulated always limits TensorPipe to TCP")
+        args.link = args.link or EMULATED_LINK
+        try:
+            parse_rate(args.link)
+            check_available()
+        except PsrtError as exc:
+            parser.error(str(exc))
+    elif args.link is not None:
+        parser.error("--link applies only with --emulated")
     custom = (args.elements, args.workers, args.servers) != (None, None, None)
-    shapes = [(args.elements or 10_000_000, args.workers or 4, args.servers or 2, 50)] if custom else WORKLOADS
+    if custom:
+        shapes = [(args.elements or 10_000_000, args.workers or 4, args.servers or 2, 20 if args.emulated else 50)]
+    else:
+        shapes = list(EMULATED_WORKLOADS if args.emulated else WORKLOADS)
     if any(w < 1 or s < 1 or e < s for e, w, s, _ in shapes) or (args.steps is not None and args.steps < 1):
         parser.error("--workers, --servers and --steps must be >= 1 and --elements >= --servers")
     if not args.timeout > 0 or not args.lr > 0:
@@ -432,22 +890,39 @@ def main(argv: Optional[list[str]] = None) -> int:
                           timeout=args.timeout) for e, w, s, steps in shapes]
     started = time.monotonic()
     reports = []
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         for workload in workloads:
-            reports.append(_run_workload(workload, systems, args))
+            if args.emulated:
+                reports.append(_run_emulated_workload(workload, systems, args.link))
+            else:
+                reports.append(_run_workload(workload, systems, args))
     except KeyboardInterrupt:
-        print("\ninterrupted; children stopped", file=sys.stderr)
+        print("\ninterrupted; children stopped" + (", emulated hosts removed" if args.emulated else ""),
+              file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     elapsed = time.monotonic() - started
     print()
     for r in reports:
         w = r["workload"]
-        print(f"{w['elements']:,} float32, W={w['workers']}, S={w['servers']}: {_target_line(r['target'])}")
+        shape = f"{w['elements']:,} float32, W={w['workers']}, S={w['servers']}"
+        if args.emulated:
+            rates = ", ".join(f"{n} {o['rate']:.2f} ({o['to_floor']:.2f}x floor)" if o["status"] == "ok" else
+                              f"{n} {o['status']}" for n, o in r["systems"].items())
+            ratio = f"; psrt / {r['best_peer']} {r['psrt_to_best_peer']:.2f}x" if r["psrt_to_best_peer"] else ""
+            print(f"{shape}, links {r['link']}: worker-steps/s {rates}; floor {r['floor']['rate']:.2f}{ratio}")
+        else:
+            print(f"{shape}: {_target_line(r['target'])}")
     print(f"total {elapsed:.1f}s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"workloads": reports, "elapsed_s": elapsed, "argv": sys.argv[1:] if argv is None else argv},
-                      f, indent=2)
+            record: dict[str, Any] = {"workloads": reports, "elapsed_s": elapsed,
+                                      "argv": sys.argv[1:] if argv is None else argv}
+            if args.emulated:
+                record.update(mode="emulated", link=args.link, link_bits=parse_rate(args.link))
+            json.dump(record, f, indent=2)
             f.write("\n")
     failed = any(o["status"] == "failed" or o["check_ok"] is False for r in reports for o in r["systems"].values())
     return 1 if failed else 0

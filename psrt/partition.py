@@ -2,9 +2,13 @@
 
 Tensors larger than ``partition_bytes`` are split into the fewest contiguous chunks of at most that size, of
 near-equal length (BytePS found ~4 MB partitions spread over servers balance load and let transfers pipeline).
-With several shards, a tensor of at least two :data:`MIN_PIECE_BYTES` pieces is split into a multiple of the
-shard count where its pieces stay that large, so one tensor keeps every shard busy (as ps-lite splits each key
-over all servers): a 4 MB tensor on 2 shards goes half to each, a 40 MB one on 3 shards in 12 pieces, not 10.
+A tensor of at least two :data:`MIN_PIECE_BYTES` pieces is also cut, where its pieces stay that large, into a
+multiple of the shard count, so one tensor keeps every shard busy (as ps-lite splits each key over all servers):
+when the shards are reached over a network, into :data:`PIPELINE_PIECES` pieces per shard. A shard answers a sync
+round piece by piece, so the replies of one piece flow out while the next piece still arrives, and a step costs
+a link's traffic one way plus a small tail, not both ways in turn (docs/perfmodel.md, "The reply tail"). A 4 MiB
+tensor on 2 shards is then 16 pieces of 256 KiB, 8 on each, and a 40 MB one on 3 shards 24 pieces; with every
+shard on the workers' host (``network=False``) 2 and 12.
 Chunks and whole small tensors are then assigned to shards largest first, each to the shard holding the fewest
 bytes so far (ties to the lowest shard index). The result depends only on the tensors' names, shapes and dtypes,
 the number of shards and the partition size — never on dict order — so every worker computes the same map.
@@ -34,9 +38,14 @@ HEADER_BYTES_PER_CHUNK = 64
 #: Most sets of tensor names a client keeps the messages of (a training loop repeats a few sets; one that pushes
 #: each tensor of a model apart repeats that many).
 MAX_CACHED_PLANS = 4096
-#: The smallest piece a tensor is cut into to spread it over the shards (smaller ones cost more per message
-#: than they gain in parallel).
+#: The smallest piece a tensor is cut into to spread it over the shards and pipeline its rounds (smaller ones
+#: cost more per message than they gain in parallel: ~0.1 ms of a shard's time per message against 2 ms of a
+#: 1 Gbit/s link's for 256 KiB).
 MIN_PIECE_BYTES = 256 << 10
+#: Pieces per shard a large tensor is cut into, so that a shard's replies to a sync round's first pieces flow out
+#: while its later pieces arrive: the replies still to send when a round's last push is in are then ~1/8 of a
+#: shard's traffic, and a step costs ~1.125x a link's traffic one way instead of 2x (both ways in turn).
+PIPELINE_PIECES = 8
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,8 @@ class Chunk:
     count: int
     dtype: np.dtype
     shard: int
+    #: How many pieces its tensor is cut into (1: the chunk is the whole tensor).
+    pieces: int = 1
 
     @property
     def key(self) -> tuple[str, int]:
@@ -79,15 +90,23 @@ class PartitionMap:
     max_header_bytes : int
         The shards' header limit (:attr:`psrt.config.WireLimits.max_header_bytes`): a message carries no more
         chunks than their names fit in half of it (4,096 chunks of long names would exceed it).
+    network : bool
+        Whether a worker reaches a shard over a network: then large tensors are cut into
+        :data:`PIPELINE_PIECES` pieces per shard. When every shard is on the workers' host (their endpoints are
+        ``ipc://`` or loopback; :func:`psrt.transport.on_this_host`), nothing pipelines and each piece would only
+        cost more: tensors are cut to spread them over the shards alone. Every worker of a job lists the same
+        endpoints, so every one decides the same.
     """
 
-    def __init__(self, num_shards: int, partition_bytes: int, max_header_bytes: int = 1 << 20) -> None:
+    def __init__(self, num_shards: int, partition_bytes: int, max_header_bytes: int = 1 << 20,
+                 network: bool = True) -> None:
         if num_shards < 1:
             raise ConfigError(f"need at least one shard, got {num_shards}")
         if partition_bytes < 8:
             raise ConfigError(f"partition_bytes must be at least 8, got {partition_bytes}")
         self.num_shards = num_shards
         self.partition_bytes = partition_bytes
+        self.network = network
         self.header_budget = max_header_bytes // 2
         self.shard_bytes = [0] * num_shards
         self.tensors: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
@@ -104,7 +123,7 @@ class PartitionMap:
         for name in specs:  # check everything first: a refused call leaves the map as it was
             if name in self.tensors:
                 raise ConfigError(f"tensor {name!r} is already initialized")
-        runs = _runs(specs, self.num_shards, self.partition_bytes)
+        runs = _runs(specs, self.num_shards, self.partition_bytes, self.network)
         for name in sorted(specs):
             shape, dtype = specs[name]
             self.tensors[name] = (tuple(shape), np.dtype(dtype))
@@ -137,22 +156,29 @@ class PartitionMap:
                 raise ConfigError(f"tensor {name!r} was never initialized; call client.init() with it first") from None
         return out
 
-    def messages(self, chunks: Iterable[Chunk]) -> dict[int, list[list[Chunk]]]:
+    def messages(self, chunks: Iterable[Chunk], pipelined: bool = True) -> dict[int, list[list[Chunk]]]:
         """Group chunks into per-shard messages of at most ``partition_bytes`` (a lone larger chunk goes alone),
         :data:`MAX_CHUNKS_PER_MESSAGE` chunks and the header budget.
 
-        Small tensors share a message; a split tensor's chunks each travel in their own, so a shard can apply
-        one while the next is still on the wire.
+        Small tensors share a message. ``pipelined`` (the messages of a socket): a split tensor's pieces each
+        travel in their own, so that a shard applies one, and answers it, while the next is still on the wire.
+        Otherwise (a shared-memory lane's, whose bytes are all there at once) pieces share messages as small
+        tensors do, and a call costs as few messages as before its tensors were cut for the network.
         """
         out: dict[int, list[list[Chunk]]] = {}
         open_msg: dict[int, tuple[list[Chunk], int, int]] = {}
         for chunk in chunks:
             msg, size, header = open_msg.get(chunk.shard, ([], 0, 0))
             entry = len(chunk.name.encode("utf-8", "surrogatepass")) + HEADER_BYTES_PER_CHUNK
-            if msg and (size + chunk.nbytes > self.partition_bytes or len(msg) >= MAX_CHUNKS_PER_MESSAGE
+            alone = pipelined and chunk.pieces > 1
+            if msg and (alone or size + chunk.nbytes > self.partition_bytes or len(msg) >= MAX_CHUNKS_PER_MESSAGE
                         or header + entry > self.header_budget):
                 out.setdefault(chunk.shard, []).append(msg)
                 msg, size, header = [], 0, 0
+            if alone:  # nothing joins a piece's message either
+                out.setdefault(chunk.shard, []).append([chunk])
+                open_msg[chunk.shard] = ([], 0, 0)
+                continue
             msg.append(chunk)
             open_msg[chunk.shard] = (msg, size + chunk.nbytes, header + entry)
         for shard, (msg, _, _) in open_msg.items():
@@ -161,22 +187,26 @@ class PartitionMap:
         return out
 
 
-def _parts(count: int, itemsize: int, num_shards: int, partition_bytes: int) -> int:
+def _parts(count: int, itemsize: int, num_shards: int, partition_bytes: int, network: bool) -> int:
     """How many pieces a tensor of ``count`` elements is cut into (the module's docstring says the rule)."""
     parts = max(1, -(-count // max(1, partition_bytes // itemsize)))
     nbytes = count * itemsize
-    if num_shards > 1 and nbytes >= 2 * MIN_PIECE_BYTES:
-        balanced = -(-parts // num_shards) * num_shards
-        parts = min(balanced, max(parts, nbytes // MIN_PIECE_BYTES))
+    if nbytes >= 2 * MIN_PIECE_BYTES and (network or num_shards > 1):
+        most = nbytes // MIN_PIECE_BYTES  # pieces no smaller than MIN_PIECE_BYTES ...
+        if most >= num_shards:
+            most -= most % num_shards  # ... and as many on every shard, where there are enough
+        wanted = -(-max(parts, (PIPELINE_PIECES if network else 1) * num_shards) // num_shards) * num_shards
+        parts = max(parts, min(wanted, most))
     return parts
 
 
 #: A row of equal pieces of one tensor: ``(-bytes of each, name, first part, pieces, elements each, dtype,
-#: elements of the tensor // parts, elements of the tensor % parts)``.
-_Run = tuple[int, str, int, int, int, np.dtype, int, int]
+#: elements of the tensor // parts, elements of the tensor % parts, parts)``.
+_Run = tuple[int, str, int, int, int, np.dtype, int, int, int]
 
 
-def _runs(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_shards: int, partition_bytes: int) -> list[_Run]:
+def _runs(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_shards: int, partition_bytes: int,
+          network: bool) -> list[_Run]:
     """The pieces ``specs`` are cut into, as rows of equal pieces in assignment order.
 
     Largest first, then by name and part: a total order, so every worker assigns identically. A tensor's pieces
@@ -187,12 +217,12 @@ def _runs(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_shards: int
     for name, (shape, dtype) in specs.items():
         dtype = np.dtype(dtype)
         count = math.prod(shape)
-        parts = _parts(count, dtype.itemsize, num_shards, partition_bytes)
+        parts = _parts(count, dtype.itemsize, num_shards, partition_bytes, network)
         base, extra = divmod(count, parts)
         if extra:
-            runs.append((-(base + 1) * dtype.itemsize, name, 0, extra, base + 1, dtype, base, extra))
+            runs.append((-(base + 1) * dtype.itemsize, name, 0, extra, base + 1, dtype, base, extra, parts))
         if parts > extra:
-            runs.append((-base * dtype.itemsize, name, extra, parts - extra, base, dtype, base, extra))
+            runs.append((-base * dtype.itemsize, name, extra, parts - extra, base, dtype, base, extra, parts))
     runs.sort(key=lambda r: r[:3])
     return runs
 
@@ -246,14 +276,14 @@ def _assign(sizes: Sequence[int], loads: list[int]) -> list[int]:
 def _chunks(runs: Sequence[_Run], shards: Sequence[int]) -> Iterable[Chunk]:
     """The chunks of ``runs``' pieces, on the shards :func:`_assign` gave them."""
     i = 0
-    for _, name, first, n, count, dtype, base, extra in runs:
+    for _, name, first, n, count, dtype, base, extra, parts in runs:
         for part in range(first, first + n):
-            yield Chunk(name, part, part * base + min(part, extra), count, dtype, shards[i])
+            yield Chunk(name, part, part * base + min(part, extra), count, dtype, shards[i], parts)
             i += 1
 
 
 def busiest_shard(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_shards: int,
-                  partition_bytes: int) -> list[Chunk]:
+                  partition_bytes: int, network: bool = True) -> list[Chunk]:
     """The chunks of the shard holding the most bytes (the lowest index of equals) in a new map of ``specs``.
 
     The same chunks as ``PartitionMap(num_shards, partition_bytes).add(specs)`` puts on that shard, in
@@ -265,6 +295,8 @@ def busiest_shard(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_sha
     specs : mapping
         ``name -> (shape, dtype)``, as :meth:`PartitionMap.add` takes them.
     num_shards, partition_bytes : int
+    network : bool
+        As :class:`PartitionMap` takes it.
         As :class:`PartitionMap` takes them.
 
     Returns
@@ -273,7 +305,7 @@ def busiest_shard(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_sha
         The busiest shard's chunks; :meth:`PartitionMap.messages` groups them into its messages.
     """
     PartitionMap(num_shards, partition_bytes)  # the same checks of the arguments
-    runs = _runs(specs, num_shards, partition_bytes)
+    runs = _runs(specs, num_shards, partition_bytes, network)
     loads = [0] * num_shards
     shards = _assign([-run[0] for run in runs for _ in range(run[3])], loads)
     busiest = max(range(num_shards), key=loads.__getitem__)
@@ -281,7 +313,7 @@ def busiest_shard(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_sha
     out = []
     for i in (i for i, shard in enumerate(shards) if shard == busiest):
         r = bisect.bisect_right(offsets, i) - 1
-        _, name, first, _, count, dtype, base, extra = runs[r]
+        _, name, first, _, count, dtype, base, extra, parts = runs[r]
         part = first + i - offsets[r]
-        out.append(Chunk(name, part, part * base + min(part, extra), count, dtype, busiest))
+        out.append(Chunk(name, part, part * base + min(part, extra), count, dtype, busiest, parts))
     return sorted(out, key=lambda c: (c.name, c.part))

@@ -333,6 +333,7 @@ def test_a_shard_whose_lanes_are_all_in_use_refuses_a_new_one_and_that_worker_us
     first keeps its lane, the second goes over the socket, and no call is refused or counted as an error."""
     _two_workers_take_turns(inproc_server)
     counters = inproc_server.counters
+    # One message a push: a's through its lane, b's over a loopback socket (no network: not cut for pipelining).
     assert counters.pushes == 10 and counters.errors == 0
     # Every push of a's came through its lane (5 gradients), none of b's.
     assert counters.shm_bytes_in == 5 * BIG * 4
@@ -348,17 +349,19 @@ def test_no_file_outlives_its_shard_and_a_killed_ones_are_removed_by_the_next(sh
         c.pull()  # over a lane: its segment's file is gone once mapped
         assert c.stats()[0]["shm_bytes_out"] > 0
         kinds = sorted(f.rsplit("-", 1)[1][0] for f in our_files(pid))
-        assert kinds == ["a", "b"], "the beacon and the shared parameters; a mapped lane has no file left"
+        assert kinds.count("b") == 1 and set(kinds) == {"a", "b"}, \
+            "the beacon and the shared parameters' arenas; a mapped lane has no file left"
     assert group.close() == [0]
     assert our_files(pid) == []
     killed = shards(1, workers=2)
     pid = killed.procs[0].pid
     with psrt.Client(killed.endpoints, rank=0, num_workers=2, config=ClientConfig(timeout=20)) as c:
         c.init({"w": np.zeros(BIG, np.float32)})
-    assert len(our_files(pid)) == 2
+    files = our_files(pid)
+    assert len(files) >= 2
     killed.procs[0].kill()
     killed.procs[0].wait(10)
-    assert len(our_files(pid)) == 2, "SIGKILL leaves the beacon and the shared parameters behind"
+    assert our_files(pid) == files, "SIGKILL leaves the beacon and the shared parameters behind"
     shards(1)
     assert our_files(pid) == [], "the next shard on the host removed it"
 

@@ -11,12 +11,14 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from _helpers import worker_command
 
 from psrt.control.process import SERVER_READY, parse_results, psrt_command
 from psrt.emulation.netns import VirtualCluster
 from psrt.errors import ConfigError
+from psrt.partition import PIPELINE_PIECES, PartitionMap
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None,
@@ -51,6 +53,26 @@ def test_job_across_namespaces():
     assert not any(vc.namespace(h) in namespaces() for h in hosts), "namespaces were not removed"
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10).stdout
     assert vc.bridge not in links
+
+
+def test_a_tensor_crossing_a_network_travels_a_piece_a_message_and_on_one_host_in_one():
+    """Over a network a split tensor's pieces are messages of their own (the shard answers each as it lands);
+    from the shard's own host, over loopback, they share one; the parameters are exact either way."""
+    size = 1_000_000  # 4 MB: PIPELINE_PIECES pieces of 500 KB on one shard
+    pieces = len(PartitionMap(1, 4 << 20).add({"w": ((size,), np.dtype(np.float32))}))
+    assert pieces == PIPELINE_PIECES
+    with VirtualCluster(["srv", "wrk"]) as vc:
+        for where, endpoint in (("wrk", f"tcp://{vc.address('srv')}:5710"), ("srv", "tcp://127.0.0.1:5711")):
+            server = vc.spawn("srv", [*PSRT, "server", "--bind", endpoint, "--workers", "1", "--mode", "async"],
+                              ready=SERVER_READY, env={"PSRT_SHM": "0"})  # sockets, even beside the shard
+            server.wait_ready(30)
+            probe = vc.spawn(where, worker_command("lane_probe", servers=[endpoint], size=size, steps=3,
+                                                   value=2.0), env={"PSRT_SHM": "0"})
+            out = probe.communicate(timeout=120)
+            assert probe.returncode == 0, out
+            messages = 3 * pieces if where == "wrk" else 3
+            assert parse_results(out) == [{"first": -6.0, "last": -6.0, "shm_bytes_in": 0, "pushes": messages}]
+            assert server.stop() in (0, -15)
 
 
 def test_each_emulated_host_has_its_own_shared_memory():

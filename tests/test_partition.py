@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from psrt.errors import ConfigError
-from psrt.partition import MAX_CHUNKS_PER_MESSAGE, MIN_PIECE_BYTES, Chunk, PartitionMap, busiest_shard
+from psrt.partition import MAX_CHUNKS_PER_MESSAGE, MIN_PIECE_BYTES, PIPELINE_PIECES, Chunk, PartitionMap, busiest_shard
 
 MiB = 1 << 20
 HSETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -177,14 +177,12 @@ def test_ten_million_float32_over_two_shards_lands_half_on_each():
     n = 10_000_000
     pmap = PartitionMap(2, 4 * MiB)
     chunks = pmap.add({"big": ((n,), np.float32)})
-    assert len(chunks) == math.ceil(n * 4 / (4 * MiB)) == 10
-    assert all(c.nbytes <= 4 * MiB for c in chunks)
+    assert len(chunks) == 2 * PIPELINE_PIECES == 16, "more than the 10 of 4 MiB: PIPELINE_PIECES on each shard"
+    assert all(c.nbytes <= 4 * MiB and c.pieces == 16 for c in chunks)
     total = n * 4
     assert sum(pmap.shard_bytes) == total
-    for load in pmap.shard_bytes:
-        assert abs(load - total / 2) <= 4 * MiB / 2  # within half a chunk of an even split
-    assert {c.shard for c in chunks} == {0, 1}
-    assert sum(1 for c in chunks if c.shard == 0) == sum(1 for c in chunks if c.shard == 1) == 5
+    assert pmap.shard_bytes == [total // 2, total // 2]
+    assert sum(1 for c in chunks if c.shard == 0) == sum(1 for c in chunks if c.shard == 1) == 8
 
 
 def test_many_equal_tensors_spread_evenly():
@@ -366,12 +364,73 @@ def test_chunks_of_unknown_name_raises():
 
 
 def test_a_large_tensor_keeps_every_shard_busy():
-    """A tensor of at least two MIN_PIECE_BYTES pieces is cut into a multiple of the shard count."""
+    """A tensor of at least two MIN_PIECE_BYTES pieces is cut into PIPELINE_PIECES per shard, a multiple of the
+    shard count, where its pieces stay that large."""
+    four_mib = PartitionMap(2, 4 << 20).add({"w": ((1 << 20,), np.dtype(np.float32))})
+    assert [sum(c.shard == s for c in four_mib) for s in range(2)] == [8, 8]
+    assert {c.nbytes for c in four_mib} == {MIN_PIECE_BYTES}
+    # 4,000,000 bytes hold 15 whole pieces of MIN_PIECE_BYTES: 14, 7 on each shard.
     four_mb = PartitionMap(2, 4 << 20).add({"w": ((1_000_000,), np.dtype(np.float32))})
-    assert sorted(c.shard for c in four_mb) == [0, 1] and {c.count for c in four_mb} == {500_000}
+    assert [sum(c.shard == s for c in four_mb) for s in range(2)] == [7, 7]
+    assert min(c.nbytes for c in four_mb) >= MIN_PIECE_BYTES
     forty_mb = PartitionMap(3, 4 << 20).add({"w": ((10_000_000,), np.dtype(np.float32))})
-    assert len(forty_mb) == 12 and [sum(c.shard == s for c in forty_mb) for s in range(3)] == [4, 4, 4]
+    assert len(forty_mb) == 24 and [sum(c.shard == s for c in forty_mb) for s in range(3)] == [8, 8, 8]
     # Pieces never shrink below MIN_PIECE_BYTES to reach every shard, and one shard takes a tensor whole.
     small = PartitionMap(4, 4 << 20).add({"w": ((150_000,), np.dtype(np.float32))})  # 600 KB
     assert len(small) == 2 and min(c.nbytes for c in small) >= MIN_PIECE_BYTES
-    assert len(PartitionMap(1, 4 << 20).add({"w": ((1_000_000,), np.dtype(np.float32))})) == 1
+    assert len(PartitionMap(1, 4 << 20).add({"w": ((100_000,), np.dtype(np.float32))})) == 1  # 400 KB: whole
+    # One shard pipelines too: a 4 MB tensor is 8 pieces of 500 KB.
+    one = PartitionMap(1, 4 << 20).add({"w": ((1_000_000,), np.dtype(np.float32))})
+    assert len(one) == PIPELINE_PIECES and {c.count for c in one} == {125_000}
+    # A partition size smaller than the pipeline's pieces is kept (PSRT_PARTITION_BYTES is the user's word).
+    assert len(PartitionMap(2, 64 << 10).add({"w": ((1_000_000,), np.dtype(np.float32))})) == 62
+
+
+@given(count=st.integers(1, 40_000_000), servers=st.integers(1, 40), partition=st.sampled_from([64 << 10, 4 << 20]))
+@settings(max_examples=300, deadline=None)
+def test_pieces_are_never_smaller_than_min_piece_bytes_nor_fewer_than_the_partition_size_asks(count, servers,
+                                                                                            partition):
+    chunks = PartitionMap(servers, partition).add({"w": ((count,), np.dtype(np.float32))})
+    nbytes, parts = 4 * count, len(chunks)
+    by_partition = -(-count // (partition // 4))
+    assert parts >= by_partition and max(c.nbytes for c in chunks) <= max(partition, 4)
+    if parts > by_partition:  # cut further for the network: pieces stay large, PIPELINE_PIECES per shard at most
+        assert min(c.nbytes for c in chunks) >= MIN_PIECE_BYTES
+        assert parts <= max(-(-by_partition // servers) * servers, PIPELINE_PIECES * servers)
+        if nbytes // MIN_PIECE_BYTES >= servers:
+            assert parts % servers == 0 and len({c.shard for c in chunks}) == servers
+    assert all(c.pieces == parts for c in chunks)
+
+
+def test_with_every_shard_on_this_host_tensors_are_cut_only_to_spread_them():
+    """network=False (every endpoint ipc:// or loopback): nothing pipelines, so no piece is cut for it."""
+    def cut(shards, count):
+        return PartitionMap(shards, 4 << 20, network=False).add({"w": ((count,), np.dtype(np.float32))})
+
+    ten = cut(2, 10_000_000)
+    assert len(ten) == 10 and [sum(c.shard == s for c in ten) for s in range(2)] == [5, 5]
+    assert sorted(c.shard for c in cut(2, 1_000_000)) == [0, 1]
+    assert len(cut(3, 10_000_000)) == 12
+    assert len(cut(1, 1_000_000)) == 1
+    assert len(cut(4, 150_000)) == 2  # 600 KB: two pieces of at least MIN_PIECE_BYTES
+
+
+def test_a_sockets_messages_carry_one_piece_each_and_a_lanes_group_them():
+    """Over a socket a split tensor's pieces travel apart (a shard answers each as its round completes); over a
+    lane they share messages up to partition_bytes, as before the tensor was cut for the network; small whole
+    tensors share messages either way."""
+    pmap = PartitionMap(2, 4 << 20)
+    pmap.add({"w": ((1 << 20,), np.dtype(np.float32)), "b1": ((100,), np.dtype(np.float32)),
+              "b2": ((100,), np.dtype(np.float32))})
+    chunks = pmap.chunks_of(["b1", "w", "b2"])
+    socket, lane = pmap.messages(chunks), pmap.messages(chunks, pipelined=False)
+    for shard in (0, 1):
+        pieces = [m for m in socket[shard] if m[0].name == "w"]
+        assert len(pieces) == 8 and all(len(m) == 1 for m in pieces)
+        assert sum(len(m) for m in lane[shard]) == sum(len(m) for m in socket[shard])
+    assert len(lane[0]) + len(lane[1]) == 2, "a lane's: one message per shard, the biases with the pieces"
+    pmap.add({f"c{i}": ((100,), np.dtype(np.float32)) for i in range(6)})
+    socket = pmap.messages(pmap.chunks_of([f"c{i}" for i in range(6)]))
+    assert sorted(len(socket[shard]) for shard in socket) == [1, 1], "a shard's small tensors share one message"
+
+

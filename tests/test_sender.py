@@ -18,6 +18,7 @@ import pytest
 import psrt
 from psrt.config import ClientConfig
 from psrt.partition import Chunk
+from psrt.transport import on_this_host
 
 WORKER = Path(psrt.__file__).parent / "worker"
 
@@ -109,3 +110,12 @@ def test_a_tensor_and_a_table_of_one_name_keep_their_versions_apart(shards):
             c.push_rows("x", ids, np.ones((6, 4), np.float32))
             np.testing.assert_array_equal(c.pull(["x"])["x"], np.full(8, -2.0 * step, np.float32))
             np.testing.assert_array_equal(c.pull_rows("x", ids), np.full((6, 4), -1.0 * step, np.float32))
+
+
+@pytest.mark.parametrize("endpoint, local", [
+    ("ipc:///tmp/psrt-x/s0", True), ("inproc://shard", True), ("tcp://127.0.0.1:5701", True),
+    ("tcp://127.3.2.1:5701", True), ("tcp://[::1]:5701", True), ("tcp://localhost:5701", True),
+    ("tcp://10.213.4.2:5701", False), ("tcp://[fe80::1]:5701", False), ("tcp://shard-3.cluster:5701", False)])
+def test_a_shard_on_this_host_is_told_from_its_endpoint(endpoint, local):
+    """Messages to a shard reached without a network are not cut for pipelining; a host name is not resolved."""
+    assert on_this_host(endpoint) is local

@@ -28,6 +28,7 @@ known ZeroMQ pitfalls of a parameter server:
 from __future__ import annotations
 
 import errno
+import ipaddress
 import os
 import resource
 import struct
@@ -50,7 +51,7 @@ from psrt.transport.curve import ZAP_DOMAIN, JobKeys, create_certificates, read_
 
 __all__ = ["ZERO_COPY_BYTES", "ZAP_DOMAIN", "new_context", "acquire_context", "release_context", "RouterChannel",
            "DealerChannel", "Poller", "monitor_event", "SendDropped", "peer_address", "create_certificates",
-           "read_certificate"]
+           "read_certificate", "on_this_host"]
 
 #: Below this many bytes a copy costs less than avoiding it: smaller frames are copied into ZeroMQ's messages
 #: (pyzmq copies them anyway), and a call moving fewer bytes to a shard stays on the sockets instead of taking a
@@ -99,6 +100,24 @@ def monitor_event(frames: Sequence[bytes]) -> tuple[int, int]:
 
 #: ZeroMQ takes milliseconds as a C int: a longer wait (or ``inf``, the user's "no limit") is its -1, "forever".
 _MAX_MS = (1 << 31) - 1
+
+
+def on_this_host(endpoint: str) -> bool:
+    """Whether ``endpoint`` is reached without a network: ``ipc://``, ``inproc://``, or TCP to a loopback address.
+
+    A worker's messages to such a shard are not cut for pipelining (:meth:`psrt.partition.PartitionMap.messages`):
+    with no link to keep busy both ways, more messages would only cost more.
+    """
+    scheme, _, rest = endpoint.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: resolving it here would be a network wait
 
 
 def _ms(seconds: float, floor: int = 0) -> int:
@@ -408,6 +427,8 @@ class DealerChannel:
     def __init__(self, context: zmq.Context, endpoint: str, hwm: int, *, keys: Optional[JobKeys] = None,
                  max_frame: Optional[int] = None) -> None:
         self.endpoint = endpoint
+        #: Whether the shard is reached without a network (:func:`on_this_host`).
+        self.local = on_this_host(endpoint)
         self._keys_dir = None if keys is None else str(keys.directory)
         self._sndtimeo = -1
         self._send_timeout: Optional[float] = None  # the seconds SNDTIMEO was set from
@@ -518,6 +539,7 @@ class DealerChannel:
         except zmq.ZMQError:
             pass  # never connected there, or already gone
         self.endpoint, self._failure = endpoint, None
+        self.local = on_this_host(endpoint)
         try:
             self.sock.connect(endpoint)
         except zmq.ZMQError as exc:

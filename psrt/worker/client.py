@@ -140,7 +140,10 @@ class Client:
         self.servers = self._calls.servers  # one list: a shard that restarted elsewhere is named where it is now
         self._senders = [ShardSender(shard, self._calls, self._lanes, rank, self._session, self._compressor)
                          for shard in range(len(self.servers))]
-        self._map = PartitionMap(len(self.servers), self.config.partition_bytes, self.config.limits.max_header_bytes)
+        # Every worker lists the same shards, so every one cuts the tensors alike: for the network unless no shard
+        # can be more than this host away (their endpoints are ipc:// or loopback).
+        self._map = PartitionMap(len(self.servers), self.config.partition_bytes, self.config.limits.max_header_bytes,
+                                 network=not all(transport.on_this_host(ep) for ep in self.servers))
         self._plans = Plans(self._map, rank, self._session, prefixes=compress is None)
         self._receive = ReceivePool()
         self._embedding = EmbeddingClient(self._calls, self._senders, rank, self._session)
@@ -226,7 +229,8 @@ class Client:
         outputs = {n: np.empty(a.shape, a.dtype) for n, a in arrays.items()}
         handle = Handle(self._calls, "init", outputs)
         spec = optimizer.to_wire()
-        for shard, messages in self._map.messages(chunks).items():
+        # Init is no round to pipeline: its pieces share messages, as few as before they were cut for the network.
+        for shard, messages in self._map.messages(chunks, pipelined=False).items():
             self._senders[shard].init(handle, messages, arrays, spec)
         result = handle.wait(timeout)
         for shard, job in handle._jobs.items():

@@ -1,7 +1,9 @@
 """A call's per-shard messages, computed once per set of tensors (a training loop repeats the same sets).
 
 For each set of tensor names a client pushes or pulls, :class:`Plans` keeps one :class:`ShardPlan` per shard:
-the messages (:meth:`psrt.partition.PartitionMap.messages`), the bytes the call takes in a shared-memory lane
+the messages over a network (:meth:`psrt.partition.PartitionMap.messages`, pipelined: each piece of a split
+tensor on its own) and over a shared-memory lane or to a shard on this host (grouped), the bytes the call takes in
+the lane
 (:func:`psrt.shm.lanes.call_bytes`), and for an uncompressed push each message's packed header prefix
 (:func:`psrt.wire.push_prefix`), so that a step's push over the socket packs only its ``id, seq, clock``
 (:class:`psrt.worker.sender.ShardSender` sends them).
@@ -24,11 +26,16 @@ class ShardPlan:
     """One shard's part of a call on a set of tensors."""
 
     shard: int
+    #: The messages over a network: pipelined.
     messages: list[list[Chunk]]
     #: What the call takes in a lane (:func:`psrt.shm.lanes.call_bytes`).
     lane_bytes: int
     #: Per message, a push's packed header prefix (None for pulls, and with compression: the general path).
     prefixes: list[Optional[bytes]]
+    #: The messages over a lane or to a shard on this host, which has no link to keep busy both ways: grouped.
+    grouped: list[list[Chunk]]
+    #: Per grouped message, a push's packed header prefix (as ``prefixes``).
+    grouped_prefixes: list[Optional[bytes]]
 
 
 class Plans:
@@ -63,11 +70,11 @@ class Plans:
         plan = cache.get(names)
         if plan is None:
             plan = []
+            grouped = self._messages(names, pipelined=False)
             for shard, msgs in self._messages(names).items():
-                prefixes: list[Optional[bytes]] = [None] * len(msgs)
-                if self._prefixes:
-                    prefixes = [self._prefix(msg, pull) for msg in msgs]
-                plan.append(ShardPlan(shard, msgs, call_bytes(msgs, True, pull), prefixes))
+                together = grouped[shard]
+                plan.append(ShardPlan(shard, msgs, call_bytes(together, True, pull), self._prefixes_of(msgs, pull),
+                                      together, self._prefixes_of(together, pull)))
             self._keep(cache, names, plan)
         return plan
 
@@ -75,18 +82,25 @@ class Plans:
         """The per-shard parts of a pull of the tensors ``names``."""
         plan = self._pulls.get(names)
         if plan is None:
-            plan = [ShardPlan(shard, msgs, call_bytes(msgs, False, True), [None] * len(msgs))
+            grouped = self._messages(names, pipelined=False)
+            plan = [ShardPlan(shard, msgs, call_bytes(grouped[shard], False, True), [None] * len(msgs),
+                              grouped[shard], [None] * len(grouped[shard]))
                     for shard, msgs in self._messages(names).items()]
             self._keep(self._pulls, names, plan)
         return plan
 
-    def _messages(self, names: tuple[str, ...]) -> dict[int, list[list[Chunk]]]:
-        return self._map.messages(self._map.chunks_of(names))
+    def _messages(self, names: tuple[str, ...], pipelined: bool = True) -> dict[int, list[list[Chunk]]]:
+        return self._map.messages(self._map.chunks_of(names), pipelined)
 
     @staticmethod
     def _keep(cache: dict[tuple[str, ...], list[ShardPlan]], names: tuple[str, ...], plan: list[ShardPlan]) -> None:
         if len(cache) < MAX_CACHED_PLANS:
             cache[names] = plan
+
+    def _prefixes_of(self, msgs: list[list[Chunk]], pull: bool) -> list[Optional[bytes]]:
+        if not self._prefixes:
+            return [None] * len(msgs)
+        return [self._prefix(msg, pull) for msg in msgs]
 
     def _prefix(self, msg: list[Chunk], pull: bool) -> bytes:
         entries = [wire.tensor_entry(c.name, c.part, c.dtype, (c.count,)) for c in msg]

@@ -125,7 +125,7 @@ class ShardSender:
         """Send the pull requests of ``plan``: each asks for the versions this client's pushes target."""
         rank, known = self._rank, self._known
         lane = self._lanes.lane_for(self.shard, plan.lane_bytes, self.ask)
-        for msg in plan.messages:
+        for msg in (plan.grouped if lane is not None or self._channel.local else plan.messages):
             keys = [[c.name, c.part, known.get(c.key, 0)] for c in msg]
             any_version = [[c.name, c.part, 0] for c in msg]
             plain = lambda rid, k=keys: wire.encode_pull(rid, rank, k, clock)  # noqa: E731
@@ -143,7 +143,13 @@ class ShardSender:
         # (A call moving less than a lane's threshold never takes one: the usual small push asks nothing more.)
         lane = None if plan.lane_bytes < ZERO_COPY_BYTES else self._lanes.lane_for(self.shard, plan.lane_bytes,
                                                                                      self.ask)
-        for msg, prefix in zip(plan.messages, plan.prefixes):
+        if lane is not None:  # the bytes are all there at once: as few messages as can be
+            messages, prefixes = plan.grouped, [None] * len(plan.grouped)
+        elif self._channel.local:  # no link to keep busy both ways: the same
+            messages, prefixes = plan.grouped, plan.grouped_prefixes
+        else:  # over a network: a piece a message, so the shard answers each while the next arrives
+            messages, prefixes = plan.messages, plan.prefixes
+        for msg, prefix in zip(messages, prefixes):
             seq = self.seq
             self.seq = seq + 1
             if lane is None and prefix is not None:  # the usual small push: over the socket, uncompressed

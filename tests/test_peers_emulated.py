@@ -1,0 +1,128 @@
+"""``bench/peers.py --emulated``: psrt and its peers with every process on an emulated host of its own.
+
+The end-to-end tests need root, iproute2 and unshare (network namespaces, tc); the torch row needs torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+import peers  # noqa: E402  (bench/ is not a package: its scripts import each other by path)
+
+from psrt.emulation.perfmodel import TCP_OVERHEAD  # noqa: E402
+
+needs_namespaces = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None or shutil.which("unshare") is None,
+    reason="needs root, iproute2 and unshare for network namespaces")
+
+
+def test_link_floor_is_the_shard_links_payload_at_the_link_rate():
+    # 1M float32 (4 MB), W = 4, S = 2: each shard link carries 4 * 2 MB in and as much out per step.
+    floor = peers.link_floor(1_000_000, 4, 2, 1e9)
+    assert floor["shard_bytes_per_step"] == 8e6
+    assert floor["step_s"] == pytest.approx(8e6 * 8 * TCP_OVERHEAD / 1e9)  # in and out overlap: full duplex
+    assert floor["rate"] == pytest.approx(4 / floor["step_s"])  # about 59.8 worker-steps/s
+    assert floor["serialized_step_s"] == pytest.approx(2 * floor["step_s"])
+    assert floor["serialized_rate"] == pytest.approx(floor["rate"] / 2)
+    # Ten times the link, ten times the floor; twice the shards, half of each link's bytes.
+    assert peers.link_floor(1_000_000, 4, 2, 1e10)["rate"] == pytest.approx(10 * floor["rate"])
+    assert peers.link_floor(1_000_000, 4, 4, 1e9)["rate"] == pytest.approx(2 * floor["rate"])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("args, message", [
+    (["--link", "1gbit"], "--link applies only with --emulated"),
+    (["--emulated", "--link", "fast"], "is not a rate such as 1gbit"),
+    (["--emulated", "--systems", "psrt-tuned"], "subset of psrt,torch,ray with --emulated"),
+    (["--emulated", "--torch-transport", "tcp"], "--emulated always limits TensorPipe to TCP"),
+])
+def test_emulated_options_are_checked(args, message):
+    proc = subprocess.run([sys.executable, str(BENCH / "peers.py"), *args], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert message in proc.stderr.splitlines()[-1]
+
+
+def namespaces_of(pid: int) -> list[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.startswith(f"psrt{pid}-")]
+
+
+def pids_in(namespace: str) -> list[str]:
+    return subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=10).stdout.split()
+
+
+@pytest.mark.integration
+@needs_namespaces
+def test_emulated_psrt_and_torch_cross_the_links_and_train_correctly(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "emulated.json"
+    proc = subprocess.Popen([sys.executable, str(BENCH / "peers.py"), "--emulated", "--link", "1gbit",
+                             "--elements", "64K", "--workers", "2", "--servers", "2", "--steps", "3",
+                             "--systems", "psrt,torch", "--timeout", "120", "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = proc.communicate(timeout=280)[0]
+    assert proc.returncode == 0, output[-4000:]
+    assert namespaces_of(proc.pid) == [], "the emulated hosts were not removed"
+    report = json.loads(out.read_text())
+    assert report["mode"] == "emulated" and report["link_bits"] == 10**9
+    (workload,) = report["workloads"]
+    elements, steps = 64 << 10, 3
+    assert (workload["workload"]["elements"], workload["workload"]["workers"]) == (elements, 2)
+    floor = peers.link_floor(elements, 2, 2, 1e9)
+    assert workload["floor"] == pytest.approx(floor)
+    assert list(workload["systems"]) == ["psrt", "torch"]
+    for name, row in workload["systems"].items():
+        assert row["status"] == "ok", row["message"]
+        assert row["check_ok"] is True and row["max_err"] <= row["tol"]
+        assert row["rate"] > 0 and row["to_floor"] == pytest.approx(row["rate"] / floor["rate"])
+        assert row["to_serialized_floor"] == pytest.approx(row["rate"] / floor["serialized_rate"])
+        # Every worker's pushes and pulled parameters crossed the shard hosts' shaped links (warm-up included).
+        links = row["shard_link_bytes"]
+        assert set(links) == {"s0", "s1"}
+        tensor_bytes = (steps + 1) * 2 * 4 * elements
+        assert sum(c["in"] for c in links.values()) >= tensor_bytes, (name, links)
+        assert sum(c["out"] for c in links.values()) >= tensor_bytes, (name, links)
+        assert f"[{name}] shard links carried (tbf byte counters" in output
+    assert workload["psrt_to_best_peer"] == pytest.approx(workload["systems"]["psrt"]["rate"]
+                                                          / workload["systems"]["torch"]["rate"])
+    assert "plain psrt / the faster peer (torch)" in output
+
+
+@pytest.mark.integration
+@needs_namespaces
+def test_ctrl_c_stops_the_hosts_processes_and_removes_the_hosts():
+    proc = subprocess.Popen([sys.executable, str(BENCH / "peers.py"), "--emulated", "--link", "100mbit",
+                             "--elements", "1M", "--workers", "2", "--servers", "1", "--steps", "10000",
+                             "--systems", "psrt", "--timeout", "120"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the workers are starting on their hosts
+            if "starting 2 workers" in line:
+                break
+        time.sleep(2.0)
+        inside = [pid for ns in namespaces_of(proc.pid) for pid in pids_in(ns)]
+        assert inside, "no process ran on the emulated hosts"
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, rest[-3000:]
+    assert "interrupted" in rest
+    assert namespaces_of(proc.pid) == []
+    assert [pid for pid in inside if os.path.exists(f"/proc/{pid}")] == []
