@@ -97,7 +97,7 @@ def _worker(args: argparse.Namespace) -> int:
     clients = args.clients if args.clients is not None else ClusterConfig.from_env().clients
     run_worker(args.model, args.compute_ms, args.steps, warmup=args.warmup, compute=args.compute, servers=servers,
                rank=args.rank, num_workers=args.workers, lr=args.lr, clients=clients, overlap=args.overlap,
-               layers=args.layers)
+               layers=args.layers, window=args.window)
     return 0
 
 
@@ -199,6 +199,18 @@ _positive_int = _argument(config.parse_count)
 _seconds = _argument(config.parse_seconds)
 _interval = _argument(config.parse_interval)
 _endpoint = _argument(config.parse_endpoint)
+
+
+def _parse_size(text: str) -> int:
+    from psrt.emulation.models import parse_size  # only when the flag is given: the CLI's import stays light
+
+    size = parse_size(text)
+    if size < 1:
+        raise ConfigError(f"size {text!r} must be at least one byte")
+    return size
+
+
+_size = _argument(_parse_size)
 _bind_endpoint = _argument(config.parse_bind)
 
 
@@ -391,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--layers", type=_positive_int, default=None, metavar="N",
                     help="split a sized model into N equal tensors, the layers --overlap pushes one by one "
                          "(default: one tensor per 4 MiB)")
+    wk.add_argument("--window", type=_size, default=None, metavar="BYTES",
+                    help="with --overlap: gradient bytes in flight at a time, e.g. 64KB (at least one tensor; "
+                         "default 4MiB); a window smaller than the model lets the first layers' gradients, needed "
+                         "first, overtake the queued later ones")
     wk.set_defaults(func=_worker)
 
     mo = sub.add_parser("model", help="predict step time and throughput with the performance model", description=(

@@ -17,6 +17,7 @@ from _helpers import worker_command
 
 from psrt.control.process import SERVER_READY, parse_results, psrt_command
 from psrt.emulation.netns import VirtualCluster
+from psrt.errors import ConfigError
 from psrt.partition import PIPELINE_PIECES, PartitionMap
 
 pytestmark = [pytest.mark.integration,
@@ -122,3 +123,42 @@ def test_shaped_links_carry_the_configured_rate():
         qdisc = subprocess.run(["ip", "netns", "exec", vc.namespace("a"), "tc", "qdisc", "show", "dev", "eth0"],
                                capture_output=True, text=True, timeout=10).stdout
         assert "tbf" in qdisc and "50Mbit" in qdisc
+
+
+def test_only_the_hosts_given_a_link_are_shaped_and_a_lossless_fifo_cluster_is_set_up_as_said():
+    with VirtualCluster(["shard", "workers"], links={"shard": "20mbit", "workers": None}, queueing="fifo",
+                        lossless=True, tcp_window=64 << 10) as vc:
+        assert vc.rates == {"shard": 20_000_000, "workers": None}
+        assert vc.burst_of("shard") == 128 << 10 and vc.burst_of("workers") == 0
+
+        def inside(host: str, *cmd: str) -> str:
+            return vc.run(host, list(cmd)).stdout
+
+        qdisc = inside("shard", "tc", "qdisc", "show", "dev", "eth0")
+        assert "htb" in qdisc and "bfifo" in qdisc and "tbf" not in qdisc
+        outer = subprocess.run(["tc", "qdisc", "show", "dev", vc.veth("shard")], capture_output=True, text=True,
+                               timeout=10).stdout
+        assert "htb" in outer  # both directions
+        assert "htb" not in inside("workers", "tc", "qdisc", "show", "dev", "eth0")  # unshaped
+        filters = inside("shard", "tc", "filter", "show", "dev", "eth0")
+        assert "flowid 1:2 " in filters  # the bare acknowledgements' class
+        for host in ("shard", "workers"):
+            route = inside(host, "ip", "route", "show")
+            assert "window 65536" in route and "rto_min" in route
+            assert inside(host, "sysctl", "-n", "net.ipv4.tcp_early_retrans").strip() == "0"
+            assert int(inside(host, "cat", "/sys/class/net/eth0/queues/rx-0/rps_cpus").strip(), 16) != 0
+        assert vc.dropped("shard") == 0 and vc.dropped("workers") == 0
+        assert vc.retransmitted("workers") >= 0
+        probe = f"import socket; socket.create_connection(('{vc.address('workers')}', 9), 2)"
+        assert "refused" in vc.run("shard", [sys.executable, "-c", probe]).stderr.lower()  # the link works
+
+
+def test_cluster_options_are_checked_before_anything_is_made():
+    before = namespaces()
+    with pytest.raises(ConfigError, match="queueing must be tbf or fifo"):
+        VirtualCluster(["a"], link="1gbit", queueing="red")
+    with pytest.raises(ConfigError, match="links names hosts that are not in the cluster: b"):
+        VirtualCluster(["a"], links={"b": "1gbit"})
+    with pytest.raises(ConfigError, match="tcp_window"):
+        VirtualCluster(["a"], tcp_window=100)
+    assert namespaces() == before

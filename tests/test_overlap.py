@@ -81,6 +81,54 @@ def test_an_overlapped_worker_pushes_the_last_layer_first_and_awaits_the_first_l
     assert all(r["overlap"] is True and r["tensors"] == LAYERS for r in results)
 
 
+class InFlight(psrt.Client):
+    """A real client that notes, at each push, how many of its earlier pushes were still unanswered."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.handles: list = []
+        self.unanswered: list[int] = []
+
+    def push_async(self, grads):
+        self.unanswered.append(sum(1 for h in self.handles if h._outstanding))
+        self.handles.append(super().push_async(grads))
+        return self.handles[-1]
+
+
+@pytest.mark.parametrize("window", [16_000, None])
+def test_the_window_bounds_the_pushes_in_flight(monkeypatch, window):
+    clients: list[InFlight] = []
+
+    def noting(*args, **kwargs):
+        clients.append(InFlight(*args, **kwargs))
+        return clients[-1]
+
+    monkeypatch.setattr(psrt, "Client", noting)
+    steps, warmup = 3, 1
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync")) as server:
+        # A 64 kB model in 4 tensors of 16 kB, and no compute: the backward queues them all at once.
+        results = loadgen.run_worker("64KB", 0, steps, warmup=warmup, servers=[server.endpoint], num_workers=2,
+                                     lr=LR, clients=2, overlap=True, layers=LAYERS, window=window)
+        assert server.counters.pushes == 2 * (steps + warmup) * LAYERS
+    assert [r["param0"] for r in results] == [sgd(steps + warmup)] * 2  # the same rounds, whatever the window
+    assert {r["window"] for r in results} == {window or loadgen.DEFAULT_WINDOW}
+    for client in clients:
+        if window is not None:  # one tensor's bytes: a push leaves only once the one before it is answered
+            assert max(client.unanswered) == 0
+        else:  # 4 MiB: the whole model at once
+            assert max(client.unanswered) == LAYERS - 1
+
+
+def test_the_window_needs_overlap_and_a_positive_size(capsys):
+    assert cli.main(["worker", "--model", "64KB", "--window", "16KB", "--servers", "tcp://127.0.0.1:1"]) == 2
+    assert "--window sets the bytes --overlap keeps in flight" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # argparse's usage error, as for every flag's bad value
+        cli.main(["worker", "--model", "64KB", "--overlap", "--window", "0", "--servers", "tcp://127.0.0.1:1"])
+    assert exited.value.code == 2 and "argument --window: size '0' must be at least one byte" in capsys.readouterr().err
+    with pytest.raises(psrt.ConfigError, match="--window must be a positive number of bytes"):
+        loadgen.run_worker("64KB", 0, 1, servers=["tcp://127.0.0.1:1"], num_workers=1, overlap=True, window=-1)
+
+
 @pytest.mark.parametrize("compute", ["sleep", "numpy"])
 def test_overlapped_virtual_workers_end_on_the_serial_jobs_parameters(compute):
     """Same rounds, same gradients: every worker's param0 is the serial job's, to the bit."""

@@ -51,7 +51,7 @@ from psrt.config import ClusterConfig
 from psrt.control.process import result_line
 from psrt.emulation.models import model_bytes, model_tensors
 from psrt.errors import ConfigError
-from psrt.worker.overlap import Pipeline, Slot
+from psrt.worker.overlap import DEFAULT_WINDOW, Pipeline, Slot
 
 __all__ = ["run_worker", "FORWARD_SHARE"]
 
@@ -74,7 +74,7 @@ def _cpu_seconds() -> float:
 def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compute: str = "sleep",
                servers: Optional[Sequence[str]] = None, rank: Optional[int] = None,
                num_workers: Optional[int] = None, lr: float = 1e-3, clients: int = 1, overlap: bool = False,
-               layers: Optional[int] = None) -> list[dict[str, Any]]:
+               layers: Optional[int] = None, window: Optional[int] = None) -> list[dict[str, Any]]:
     """Run the load-test loop of ``clients`` workers; returns (and prints) each worker's result.
 
     Parameters
@@ -100,6 +100,11 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
         first layers first (module docstring); False: compute, then one ``push_pull`` of every tensor.
     layers : int, optional
         Split a sized model into this many tensors of equal size (default: one per 4 MiB).
+    window : int, optional
+        With ``overlap``: at most this many gradient bytes in flight at a time (at least one tensor; default
+        :data:`~psrt.worker.overlap.DEFAULT_WINDOW`). A window smaller than the model keeps the later gradients
+        queued, so the first layers' (needed first by the next forward) overtake them, as a framework's priority
+        scheduling of its communication does.
 
     Raises
     ------
@@ -121,11 +126,16 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
                           f"got {num_workers}")
     if not isinstance(overlap, bool):
         raise ConfigError(f"overlap must be True or False, got {overlap!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ConfigError(f"--window must be a positive number of bytes, got {window!r}")
+    if window is not None and not overlap:
+        raise ConfigError("--window sets the bytes --overlap keeps in flight: give --overlap too, or leave --window "
+                          "out")
     shapes = model_tensors(model, layers=layers)
     params = {name: np.zeros(shape, np.float32) for name, shape in shapes}
     grads = {name: np.full(shape, 1e-3, np.float32) for name, shape in shapes}  # shared: read, never written
     loop = _Loop(model, shapes, params, grads, compute_ms, steps, warmup, compute, lr, barriers=servers is None,
-                 overlap=overlap)
+                 overlap=overlap, window=window)
     ranks = [None if rank is None else rank + i for i in range(clients)]
     if clients == 1:
         return [loop.run(servers, ranks[0], num_workers)]
@@ -150,12 +160,13 @@ class _Loop:
 
     def __init__(self, model: str, shapes: list[tuple[str, tuple[int, ...]]], params: dict[str, np.ndarray],
                  grads: dict[str, np.ndarray], compute_ms: float, steps: int, warmup: int, compute: str, lr: float,
-                 barriers: bool, overlap: bool = False) -> None:
+                 barriers: bool, overlap: bool = False, window: Optional[int] = None) -> None:
         self.model, self.params, self.grads = model, params, grads
         self.names = [name for name, _ in shapes]  # forward order
         self.first = shapes[0][0]
         self.nbytes = model_bytes(shapes)
         self.overlap = overlap
+        self.window = DEFAULT_WINDOW if window is None else window
         # Each tensor's part of a pass's compute: its part of the model's bytes.
         self.shares = [params[name].nbytes / max(1, self.nbytes) for name in self.names]
         self.compute_ms, self.steps, self.warmup, self.compute, self.lr = compute_ms, steps, warmup, compute, lr
@@ -214,8 +225,8 @@ class _Loop:
         with psrt.Client(servers, rank=rank, num_workers=num_workers) as client:
             stored = client.init(self.params, optimizer=psrt.SGD(lr=self.lr))
             # Overlapped, each worker's pulls land in its own arrays (init's, fresh for this client).
-            pipe = Pipeline(client, [Slot(n, i, stored[n]) for i, n in enumerate(self.names)]) if self.overlap \
-                else None
+            pipe = Pipeline(client, [Slot(n, i, stored[n]) for i, n in enumerate(self.names)],
+                            window=self.window) if self.overlap else None
             if self.barriers:
                 client.barrier()
             for _ in range(self.warmup):
@@ -249,6 +260,7 @@ class _Loop:
                 "param0": float(latest[self.first].reshape(-1)[0]),
                 "overlap": self.overlap,
                 "tensors": len(self.names),
+                "window": self.window if self.overlap else None,
             }
             if self.barriers:
                 client.barrier()  # nobody leaves (and ends the job) while others are still timing

@@ -2,7 +2,9 @@
 
 Each host is a namespace with its own address on a private subnet that exists only inside these namespaces;
 its link can be shaped in both directions with ``tc ... tbf`` (one qdisc on each end of its veth pair), which
-emulates a cluster whose hosts have a given NIC bandwidth. Used by the multi-host tests and the scaling
+emulates a cluster whose hosts have a given NIC bandwidth; hosts can have links of their own rates, or none
+(``links``), and the links can be a lossless network for many peers on one host (``queueing="fifo"``,
+``lossless``, ``tcp_window``). Used by the multi-host tests and the scaling
 benchmark. Needs root and iproute2.
 
 Each host also has a /dev/shm of its own (a directory of the machine's /dev/shm, bind-mounted over /dev/shm in
@@ -21,12 +23,12 @@ import re
 import shutil
 import signal
 import subprocess
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from psrt.control.process import Child, pid_alive, popen, stop_children, stop_processes
 from psrt.errors import ConfigError, PsrtError
 
-__all__ = ["VirtualCluster", "remove_leftovers", "parse_rate", "check_available"]
+__all__ = ["VirtualCluster", "remove_leftovers", "parse_rate", "burst_for", "check_available"]
 
 _NS = re.compile(r"^psrt(\d+)-[A-Za-z0-9_.-]+$")
 _BR = re.compile(r"^psbr(\d+)[a-z]$")
@@ -36,7 +38,21 @@ SHM_ROOT = "/dev/shm"
 #: Clusters made by this process so far: each one's link names differ, since the kernel removes a deleted
 #: namespace's veth pair only after ``ip netns del`` returns, and a new cluster must not collide with it.
 _made = 0
+#: The data queue of a link shaped with ``queueing="fifo"``, in bytes: deep, so that many peers sending into one
+#: host at once queue rather than lose packets.
+QUEUE_BYTES = 64 << 20
+#: TCP's least retransmission timeout on the hosts of a ``lossless`` cluster (seconds).
+LOSSLESS_RTO_MIN = 15
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+def burst_for(rate_bits: Optional[int]) -> int:
+    """The token-bucket burst of a link shaped to ``rate_bits`` (0 for an unshaped one), in bytes.
+
+    1 ms of traffic, and at least 128 KiB so a 64 KiB GSO packet passes whole (a smaller bucket makes tbf cut
+    every such packet into MTU-sized ones, which costs more CPU than the data it moves).
+    """
+    return max(int(rate_bits / 8 / 1000), 128 * 1024) if rate_bits else 0
 
 
 def parse_rate(rate: str) -> int:
@@ -106,8 +122,32 @@ class VirtualCluster:
         Host names (letters, digits, ``_.-``); each gets a namespace and an address.
     link : str, optional
         Bandwidth of every host's link in each direction, e.g. ``"1gbit"``; unshaped when None.
+    links : mapping of str to (str or None), optional
+        Hosts whose link differs from ``link``: each one's rate, or None for an unshaped link (a cluster whose
+        only narrow links are some hosts', as a shard's NIC in a data centre whose workers' NICs are faster).
     subnet : int, optional
         Third octet of the private ``10.213.N.0/24`` subnet (default: derived from the pid).
+    queueing : str
+        How a shaped link queues: ``"tbf"`` (default), one ``tbf`` queue for everything, first in first out, 1 s
+        deep (a busy link's bare TCP acknowledgements then wait behind the other direction's data, and TCP reaches
+        ~90 % of the rate both ways); ``"fifo"``, ``htb`` with TCP's bare acknowledgements first, as a data-centre
+        network's priority for control traffic, and then the data in one deep first-in-first-out queue
+        (:data:`QUEUE_BYTES`), where nothing is lost.
+    tcp_window : int, optional
+        The most bytes a TCP peer may have in flight to any host (the window every host advertises, ``ip route
+        ... window``). The shaped links' queues are deep so that nothing is lost, and with W peers sending to one
+        host its link's queue then holds at most W windows, not all their data: each peer's waiting bytes stay in
+        its own socket, and no message waits there behind seconds of other peers' data (ZeroMQ takes a peer that
+        answers no heartbeat within 10 s for dead). By default TCP's own autotuned windows.
+    lossless : bool
+        A network that loses and reorders nothing, as one with the deep queues of ``fifo`` links does:
+        each veth end steers a flow's packets to one CPU (RPS; without it a flow whose sender moves between CPUs
+        can overtake itself, which TCP takes for loss and repairs by sending data again), and every host's TCP has
+        no tail loss probes (``tcp_early_retrans=0``) and a least retransmission timeout of
+        :data:`LOSSLESS_RTO_MIN` seconds (``ip route ... rto_min``). Many peers sending into one link at once take
+        its queueing delay from nothing to seconds within a round trip, faster than TCP's estimate follows; the
+        kernel's 200 ms timeout and its probes then resend, spuriously, data still in the queue, and the copies
+        take link time.
 
     Examples
     --------
@@ -115,18 +155,33 @@ class VirtualCluster:
     ...     vc.run("a", ["ping", "-c1", vc.address("b")])
     """
 
-    def __init__(self, hosts: Sequence[str], link: Optional[str] = None, subnet: Optional[int] = None) -> None:
+    def __init__(self, hosts: Sequence[str], link: Optional[str] = None, subnet: Optional[int] = None,
+                 links: Optional[Mapping[str, Optional[str]]] = None, queueing: str = "tbf",
+                 tcp_window: Optional[int] = None, lossless: bool = False) -> None:
         check_available()
         if not hosts or len(hosts) > 250 or len(set(hosts)) != len(hosts):
             raise ConfigError("hosts must be 1 to 250 distinct names")
         for h in hosts:
             if not re.fullmatch(r"[A-Za-z0-9_.-]{1,20}", h):
                 raise ConfigError(f"host name {h!r} may only use letters, digits and _.- (at most 20)")
+        unknown = sorted(set(links or ()) - set(hosts))
+        if unknown:
+            raise ConfigError(f"links names hosts that are not in the cluster: {', '.join(unknown)}")
         self.rate_bits = parse_rate(link) if link else None
-        # The bucket: 1 ms of traffic, and at least 128 KiB so a 64 KiB GSO packet passes whole (a smaller bucket
-        # makes tbf cut every such packet into MTU-sized ones, which costs more CPU than the data it moves).
-        self.burst_bytes = max(int(self.rate_bits / 8 / 1000), 128 * 1024) if self.rate_bits else 0
+        self.burst_bytes = burst_for(self.rate_bits)
         self.hosts = list(hosts)
+        if queueing not in ("tbf", "fifo"):
+            raise ConfigError(f"queueing must be tbf or fifo, got {queueing!r}")
+        self.queueing = queueing
+        if tcp_window is not None and (isinstance(tcp_window, bool) or not isinstance(tcp_window, int)
+                                       or tcp_window < 4096):
+            raise ConfigError(f"tcp_window must be a whole number of bytes >= 4096, got {tcp_window!r}")
+        self.tcp_window = tcp_window
+        self.lossless = lossless
+        #: Each host's link rate in bits/s (None: unshaped).
+        self.rates: dict[str, Optional[int]] = {h: self.rate_bits for h in self.hosts}
+        for h, rate in (links or {}).items():
+            self.rates[h] = parse_rate(rate) if rate else None
         self.pid = os.getpid()
         self.subnet = subnet if subnet is not None else 10 + self.pid % 240
         global _made
@@ -157,12 +212,15 @@ class VirtualCluster:
         """The IPv4 address of ``host``."""
         return f"10.213.{self.subnet}.{self.hosts.index(host) + 1}"
 
-    def _tbf(self) -> list[str]:
-        assert self.rate_bits is not None
-        burst = self.burst_bytes  # the performance model counts it (Scenario.burst_bytes)
+    def burst_of(self, host: str) -> int:
+        """The token-bucket burst of ``host``'s link in bytes (0 when it is unshaped)."""
+        return burst_for(self.rates[host])
+
+    def _tbf(self, rate_bits: int) -> list[str]:
+        burst = burst_for(rate_bits)  # the performance model counts it (Scenario.burst_bytes)
         # A deep queue (1 s of traffic): W workers pushing to one server at once must queue, not drop, or TCP
         # retransmission timeouts would dominate what we measure.
-        return ["tbf", "rate", f"{self.rate_bits}bit", "burst", str(burst), "latency", "1s"]
+        return ["tbf", "rate", f"{rate_bits}bit", "burst", str(burst), "latency", "1s"]
 
     def _create(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
@@ -182,19 +240,91 @@ class VirtualCluster:
             _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+            route = (["window", str(self.tcp_window)] if self.tcp_window else []) + (
+                ["rto_min", f"{LOSSLESS_RTO_MIN}s"] if self.lossless else [])
+            if route:
+                _ip("-n", ns, "route", "change", f"10.213.{self.subnet}.0/24", "dev", "eth0", "proto", "kernel",
+                    "scope", "link", "src", self.address(host), *route)
             # Keep TCP's window across the idle compute phase of a step, as tuned data-centre hosts do;
             # otherwise every step would restart in slow start and the round-trip time would dominate.
-            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"],
+            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0",
+                            *(["net.ipv4.tcp_early_retrans=0"] if self.lossless else [])],
                            capture_output=True, timeout=30)
             _ip("link", "set", outer, "master", self.bridge)
             _ip("link", "set", outer, "up")
-            if self.rate_bits:
-                tbf = self._tbf()
-                for args in (["tc", "qdisc", "add", "dev", outer, "root", *tbf],
-                             ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *tbf]):
-                    proc = subprocess.run(args, capture_output=True, text=True, timeout=30)
-                    if proc.returncode:
-                        raise PsrtError(f"`{' '.join(args)}` failed: {proc.stderr.strip()}")
+            if self.lossless:
+                cpus = f"{(1 << (os.cpu_count() or 1)) - 1:x}"
+                with open(f"/sys/class/net/{outer}/queues/rx-0/rps_cpus", "w") as f:
+                    f.write(cpus)
+                subprocess.run(["ip", "netns", "exec", ns, "sh", "-c",
+                                f"echo {cpus} > /sys/class/net/eth0/queues/rx-0/rps_cpus"], capture_output=True,
+                               timeout=30, check=True)
+            rate = self.rates[host]
+            if rate:
+                # The outer end sends into the host, eth0 out of it.
+                for dev, prefix in ((outer, []), ("eth0", ["ip", "netns", "exec", ns])):
+                    self._tc(prefix, self._shaping(dev, rate))
+
+    def dropped(self, host: str) -> int:
+        """Packets ``host``'s shaped link has dropped so far, both directions (0 when it is unshaped)."""
+        if not self.rates[host]:
+            return 0
+        total = 0
+        for args in (["tc", "-s", "qdisc", "show", "dev", self.veth(host)],
+                     ["ip", "netns", "exec", self.namespace(host), "tc", "-s", "qdisc", "show", "dev", "eth0"]):
+            out = subprocess.run(args, capture_output=True, text=True, timeout=30).stdout
+            # Every qdisc's own drops (htb's root and its leaf queue each count theirs).
+            total += sum(int(n) for n in re.findall(r"\(dropped (\d+),", out))
+        return total
+
+    def retransmitted(self, host: str) -> int:
+        """TCP segments ``host`` has sent again so far (``TcpRetransSegs`` of its namespace)."""
+        out = self.run(host, ["cat", "/proc/net/snmp"]).stdout.splitlines()
+        for names, values in zip(out, out[1:]):
+            if names.startswith("Tcp:") and values.startswith("Tcp:"):
+                row = dict(zip(names.split()[1:], values.split()[1:]))
+                if "RetransSegs" in row:
+                    return int(row["RetransSegs"])
+        return 0
+
+    def _tc(self, prefix: list[str], commands: list[list[str]]) -> None:
+        """Run tc commands (one ``tc -batch`` for many)."""
+        if len(commands) == 1:
+            args = [*prefix, "tc", *commands[0]]
+            proc = subprocess.run(args, capture_output=True, text=True, timeout=30)
+        else:
+            args = [*prefix, "tc", "-batch", "-"]
+            proc = subprocess.run(args, input="\n".join(" ".join(c) for c in commands) + "\n", capture_output=True,
+                                  text=True, timeout=120)
+        if proc.returncode:
+            raise PsrtError(f"`{' '.join(args)}` failed: {proc.stderr.strip()}")
+
+    def _shaping(self, dev: str, rate_bits: int) -> list[list[str]]:
+        """The tc commands that shape ``dev``'s egress to ``rate_bits``."""
+        if self.queueing == "tbf":
+            return [["qdisc", "add", "dev", dev, "root", *self._tbf(rate_bits)]]
+        burst = str(burst_for(rate_bits))
+        rate, small = f"{rate_bits}bit", max(8000, rate_bits // 100)
+        return [
+            ["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "3"],
+            ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate, "ceil", rate,
+             "burst", burst, "cburst", burst],
+            # Bare acknowledgements: a guaranteed sliver of the link, and first call on the rest.
+            ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:2", "htb", "rate", f"{small}bit",
+             "ceil", rate, "prio", "0", "quantum", "1514", "burst", burst, "cburst", burst],
+            ["qdisc", "add", "dev", dev, "parent", "1:2", "pfifo", "limit", "100000"],
+            # The data, first in first out.
+            ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:3", "htb", "rate", f"{rate_bits - small}bit",
+             "ceil", rate, "prio", "1", "quantum", "65536", "burst", burst, "cburst", burst],
+            ["qdisc", "add", "dev", dev, "parent", "1:3", "bfifo", "limit", str(QUEUE_BYTES)],
+            # TCP's bare acknowledgements: no options past the 20-byte IPv4 header, under 64 bytes in all, and no
+            # flag but ACK. Only those: a small data segment sent ahead of its stream's earlier ones would arrive
+            # out of order, and TCP would take that for loss and send the earlier ones again.
+            ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+             "match", "ip", "protocol", "6", "0xff", "match", "u8", "0x05", "0x0f", "at", "0",
+             "match", "u16", "0x0000", "0xffc0", "at", "2", "match", "u8", "0x10", "0xff", "at", "33",
+             "flowid", "1:2"],
+        ]
 
     def _exec(self, host: str) -> list[str]:
         if host not in self.hosts:

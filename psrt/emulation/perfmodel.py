@@ -19,7 +19,7 @@ import functools
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -29,8 +29,8 @@ from psrt.errors import ConfigError
 from psrt.partition import PartitionMap, busiest_shard
 
 __all__ = ["Calibration", "Scenario", "Prediction", "predict", "saturation_point", "calibrate", "shard_split",
-           "tail_from_run", "scenario_for", "TCP_OVERHEAD", "Plan", "efficiency", "smallest_servers",
-           "plot_efficiency", "PLAN_MAX_WORKERS", "PLAN_MAX_SERVERS"]
+           "tail_from_run", "efficiency_from_run", "scenario_for", "tensor_layout", "TCP_OVERHEAD", "Plan",
+           "efficiency", "smallest_servers", "plot_efficiency", "PLAN_MAX_WORKERS", "PLAN_MAX_SERVERS"]
 
 #: Bytes on the wire per payload byte for TCP/IPv4 over Ethernet with timestamps: (1448 + 66) / 1448.
 TCP_OVERHEAD = (1448 + 66) / 1448
@@ -52,12 +52,18 @@ class Calibration:
         When W >= 2 workers share a shard's link, the fraction of a round's replies still to be sent when the
         round's last push arrives is ``contended_tail * (W-1)/W`` (at least the ideal 1/k); measured on the
         network at hand (:func:`tail_from_run`). None assumes ideal pipelining.
+    link_efficiency : float, optional
+        For overlapped steps: the share of a shard link's rate that W >= 2 workers' connections get, ``1 - (1 -
+        link_efficiency) * (W-1)/W`` (one connection gets it all; many, competing for one link and each sync round
+        waiting for the slowest, less); measured on the network at hand by a job outside the sweep
+        (:func:`efficiency_from_run`). None: all of it.
     """
 
     agg_bytes_per_s: float = 2e9
     msg_overhead_s: float = 100e-6
     rtt_s: float = 300e-6
     contended_tail: Optional[float] = None
+    link_efficiency: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,22 @@ class Scenario:
         Token-bucket burst of a shaped link (0 for a real NIC): bytes that pass at once after an idle spell.
     wire_overhead : float
         Wire bytes per payload byte (:data:`TCP_OVERHEAD`).
+    overlap : bool
+        The step overlaps communication with compute as ``psrt worker --overlap`` (and :mod:`psrt.torch`) does:
+        each tensor pushed as the backward produces it, its parameters awaited just before its share of the next
+        forward. :func:`predict` then follows the step event by event (:mod:`psrt.emulation.pipesim`); sync only.
+    layout : tuple
+        With ``overlap``: per tensor in forward order, its messages as ``(shard, payload bytes)`` pairs
+        (:func:`scenario_for` fills it in from psrt's partition map).
+    window : int
+        With ``overlap``: gradient bytes a worker keeps in flight (``psrt worker --window``).
+    hosted : int
+        Workers that share one worker host's link (``psrt worker --clients``).
+    worker_burst_bytes : float, optional
+        The worker links' token-bucket burst (default: ``burst_bytes``).
+    steps : int
+        With ``overlap``: predict the load generator's timed window of this many steps, which starts with nothing
+        in flight and ends when the last step's parameters are all in; 0 (default): the steady state.
     """
 
     workers: int
@@ -97,6 +119,12 @@ class Scenario:
     mode: str = "sync"
     burst_bytes: float = 0.0
     wire_overhead: float = TCP_OVERHEAD
+    overlap: bool = False
+    layout: tuple = ()
+    window: int = 4 << 20  # psrt.worker.overlap.DEFAULT_WINDOW
+    hosted: int = 1
+    worker_burst_bytes: Optional[float] = None
+    steps: int = 0
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.servers < 1 or self.model_bytes <= 0:
@@ -105,6 +133,13 @@ class Scenario:
             raise ConfigError("link bandwidths must be positive")
         if self.mode not in ("sync", "async"):
             raise ConfigError(f"mode must be sync or async, got {self.mode!r}")
+        if self.overlap and self.mode != "sync":
+            raise ConfigError("the overlapped step is modelled for sync jobs: use mode='sync', or overlap=False")
+        if self.overlap and not self.layout:
+            raise ConfigError("an overlapped scenario needs its tensors' layout (scenario_for(..., overlap=True) "
+                              "builds it)")
+        if self.window < 1 or self.hosted < 1 or self.steps < 0:
+            raise ConfigError("window and hosted must be positive, steps at least 0")
 
 
 @dataclass(frozen=True)
@@ -179,6 +214,8 @@ def predict(sc: Scenario, cal: Calibration) -> Prediction:
 
         X = min(W / (C + rtt + xfer(M, B_w) + xfer(M_s/k, B_w)),  B_s / (M_s * overhead),  1 / (k*o + M_s / R))
     """
+    if sc.overlap:
+        return _predict_overlapped(sc, cal)
     W, k = sc.workers, sc.messages
     t_latency = cal.rtt_s
     t_cpu = W * (k * cal.msg_overhead_s + sc.shard_bytes / cal.agg_bytes_per_s)
@@ -218,13 +255,71 @@ def predict(sc: Scenario, cal: Calibration) -> Prediction:
                       t_server_cpu=t_cpu, t_latency=t_latency, bottleneck=bottleneck, terms=terms)
 
 
+def _predict_overlapped(sc: Scenario, cal: Calibration) -> Prediction:
+    """:func:`predict` for an overlapped sync step: :func:`psrt.emulation.pipesim.simulate` on the scenario."""
+    from psrt.emulation.loadgen import FORWARD_SHARE
+    from psrt.emulation.pipesim import simulate
+
+    worker_burst = sc.burst_bytes if sc.worker_burst_bytes is None else sc.worker_burst_bytes
+    server_link = sc.server_link * _link_share(sc, cal)
+    out = simulate(sc.layout, sc.servers, sc.workers, sc.compute_s, server_link, sc.worker_link,
+                   server_burst=sc.burst_bytes, worker_burst=worker_burst, hosted=sc.hosted, window=sc.window,
+                   forward_share=FORWARD_SHARE, steps=sc.steps, latency_s=cal.rtt_s,
+                   msg_overhead_s=cal.msg_overhead_s, agg_bytes_per_s=cal.agg_bytes_per_s,
+                   wire_overhead=sc.wire_overhead)
+    busy = {"compute": sc.compute_s, "server link": max(out.server_in_s, out.server_out_s),
+            "server CPU": out.server_cpu_s, "worker link": out.worker_link_s}
+    bottleneck = max(busy, key=busy.get)
+    terms = {"server_in_s": out.server_in_s, "server_out_s": out.server_out_s, "worker_link_s": out.worker_link_s,
+             "window_s": out.seconds}
+    return Prediction(step_s=out.step_s, steps_per_s=sc.workers / out.step_s, t_compute=sc.compute_s,
+                      t_push=out.server_in_s, t_pull=out.server_out_s, t_server_cpu=out.server_cpu_s,
+                      t_latency=cal.rtt_s, bottleneck=bottleneck, terms=terms)
+
+
+def _link_share(sc: Scenario, cal: Calibration) -> float:
+    """The share of a shard link's rate an overlapped scenario's workers get (:attr:`Calibration.link_efficiency`)."""
+    if cal.link_efficiency is None or sc.workers < 2:
+        return 1.0
+    return 1.0 - (1.0 - cal.link_efficiency) * (sc.workers - 1) / sc.workers
+
+
+def efficiency_from_run(sc: Scenario, cal: Calibration, measured_steps_per_s: float) -> float:
+    """Solve a measured overlapped run (W >= 2, shard links busy) for :attr:`Calibration.link_efficiency`.
+
+    The efficiency in [0.2, 1] whose prediction of ``sc`` comes nearest ``measured_steps_per_s`` (a run faster than
+    the model with the links' full rate gives 1).
+    """
+    if not sc.overlap or sc.workers < 2:
+        raise ConfigError("the link efficiency is measured on an overlapped run of W >= 2 workers")
+
+    def rate(eff: float) -> float:
+        return predict(sc, replace(cal, link_efficiency=eff)).steps_per_s
+
+    lo, hi = 0.2, 1.0
+    if rate(hi) <= measured_steps_per_s:
+        return hi
+    if rate(lo) >= measured_steps_per_s:
+        return lo
+    for _ in range(30):  # the prediction grows with the efficiency
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rate(mid) < measured_steps_per_s else (lo, mid)
+    return (lo + hi) / 2
+
+
 def saturation_point(sc: Scenario, cal: Calibration) -> tuple[float, float]:
     """``(W_knee, plateau)``: where the shards' links saturate, and the throughput they cap the job at.
 
     Below the knee throughput grows linearly, ``W / (C + rtt + xfer(M, B_w) + xfer(M_s/k, B_w))``; above it, it
     approaches the plateau ``B_s / ((1 + 1/k) * M_s * overhead)`` (sync; ``B_s / (M_s * overhead)`` async).
-    The knee is where the two lines cross.
+    The knee is where the two lines cross. Overlapped (``sc.overlap``), the plateau is ``B_s / (M_s * overhead)``
+    (pushes in and pulls out at once) and the linear growth a lone worker's overlapped step.
     """
+    if sc.overlap:
+        # Overlapped, a shard's link carries pushes in and pulls out at once: its plateau is one direction's.
+        plateau = sc.server_link * _link_share(replace(sc, workers=1 << 30), cal) / (sc.shard_bytes * sc.wire_overhead)
+        alone = predict(Scenario(**{**asdict(sc), "workers": 1, "steps": 0}), cal)
+        return plateau * alone.step_s, plateau
     k = sc.messages
     single = sc.compute_s + cal.rtt_s + _xfer(sc.model_bytes, sc.worker_link, sc) + _xfer(
         sc.shard_bytes / k, sc.worker_link, sc)
@@ -275,14 +370,22 @@ def calibrate(repeats: int = 200, nbytes: int = 4 << 20) -> Calibration:
 
 def scenario_for(workers: int, servers: int, tensors: Sequence[tuple[str, tuple[int, ...]]], link_bits: float,
                  compute_s: float, mode: str = "sync", partition_bytes: int = 4 << 20,
-                 server_link_bits: Optional[float] = None, burst_bytes: float = 0.0) -> Scenario:
-    """Build a :class:`Scenario` from a model's tensors and link speeds in bits/s."""
+                 server_link_bits: Optional[float] = None, burst_bytes: float = 0.0, overlap: bool = False,
+                 window: int = 4 << 20, hosted: int = 1, worker_burst_bytes: Optional[float] = None,
+                 steps: int = 0) -> Scenario:
+    """Build a :class:`Scenario` from a model's tensors and link speeds in bits/s (``math.inf``: unshaped).
+
+    With ``overlap``, the tensors are taken in forward order (the first layer first, as ``psrt worker --layers``
+    names them) and each one's messages come from psrt's partition map, as the load generator pushes them.
+    """
     model_bytes = models.model_bytes(tensors)
     shard_bytes, messages = _split(_key(tensors), servers, partition_bytes, model_bytes)
     return Scenario(workers=workers, servers=servers, model_bytes=model_bytes, shard_bytes=shard_bytes,
                     messages=messages, worker_link=link_bits / 8,
                     server_link=(server_link_bits or link_bits) / 8, compute_s=compute_s, mode=mode,
-                    burst_bytes=burst_bytes)
+                    burst_bytes=burst_bytes, overlap=overlap,
+                    layout=tensor_layout(tensors, servers, partition_bytes) if overlap else (), window=window,
+                    hosted=hosted, worker_burst_bytes=worker_burst_bytes, steps=steps)
 
 
 def _key(tensors: Sequence[tuple[str, tuple[int, ...]]]) -> tuple:
@@ -299,6 +402,22 @@ def _split(key: tuple, servers: int, partition_bytes: int, model_bytes: int) -> 
         shard_bytes = max(math.ceil(model_bytes / servers), chunk)
         return shard_bytes, max(1, math.ceil(shard_bytes / partition_bytes))
     return shard_split(key, servers, partition_bytes)
+
+
+def tensor_layout(tensors: Sequence[tuple[str, tuple[int, ...]]], servers: int, partition_bytes: int,
+                  itemsize: int = 4) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per tensor, in the order given, the messages a push of that tensor alone sends: ``((shard, bytes), ...)``.
+
+    The same partition map and message grouping a client uses (:class:`psrt.partition.PartitionMap`), so an
+    overlapped step's pushes, one tensor at a time, are modelled message by message.
+    """
+    pmap = PartitionMap(servers, partition_bytes)
+    pmap.add({name: (shape, np.dtype(f"f{itemsize}")) for name, shape in tensors})
+    layout = []
+    for name, _ in tensors:
+        msgs = pmap.messages(pmap.chunks_of([name]))
+        layout.append(tuple((shard, sum(c.nbytes for c in msg)) for shard in sorted(msgs) for msg in msgs[shard]))
+    return tuple(layout)
 
 
 # ----------------------------------------------------------------------------------------------------------------
