@@ -404,8 +404,8 @@ def test_pieces_are_never_smaller_than_min_piece_bytes_nor_fewer_than_the_partit
 
 def test_with_every_shard_on_this_host_tensors_are_cut_only_to_spread_them():
     """network=False (every endpoint ipc:// or loopback): nothing pipelines, so no piece is cut for it."""
-    def cut(shards, count):
-        return PartitionMap(shards, 4 << 20, network=False).add({"w": ((count,), np.dtype(np.float32))})
+    def cut(servers, count):
+        return PartitionMap(servers, 4 << 20, network=False).add({"w": ((count,), np.dtype(np.float32))})
 
     ten = cut(2, 10_000_000)
     assert len(ten) == 10 and [sum(c.shard == s for c in ten) for s in range(2)] == [5, 5]
