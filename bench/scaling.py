@@ -101,6 +101,21 @@ class CpuSampler:
         self._thread.join(2)
 
 
+def job_results(workers: list[Child], others: list[Child], timeout: float, grace: float) -> list[dict]:
+    """The result records of a job's worker processes, each waited for within ``timeout`` seconds in all; then
+    the scheduler and servers (``others``), which end with the job, within ``grace`` seconds each."""
+    results: list[dict] = []
+    deadline = time.monotonic() + timeout
+    for p in workers:
+        out = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        if p.returncode != 0:
+            raise RuntimeError(f"a worker process failed ({p.returncode}):\n{out[-2000:]}")
+        results += parse_results(out)
+    for p in others:
+        p.wait(grace)
+    return results
+
+
 def run_point(vc: Optional[VirtualCluster], port: int, mode: str, servers: int, workers: int, model: str,
               compute_ms: float, steps: int, partition: int, timeout: float = 180.0,
               overlap: Optional[tuple[int, int]] = None) -> list[dict]:
@@ -126,16 +141,7 @@ def run_point(vc: Optional[VirtualCluster], port: int, mode: str, servers: int, 
                                               "--steps", str(steps), "--warmup", "2", *extra_args),
                         {"PSRT_SCHEDULER": endpoint})
                   for i in range(workers)]
-        results = []
-        deadline = time.monotonic() + timeout
-        for p in wprocs:
-            out = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0:
-                raise RuntimeError(f"a worker failed ({p.returncode}):\n{out[-2000:]}")
-            results += parse_results(out)
-        for p in procs[:servers + 1]:
-            p.wait(30)
-        return results
+        return job_results(wprocs, procs[:servers + 1], timeout, grace=30.0)
     finally:
         stop_children(procs)
 
@@ -368,6 +374,12 @@ def paper_hosts(grid: list[tuple[int, int]], per_host: int) -> tuple[list[str], 
     return ["sched", *shards, *(f"h{i}" for i in range(worker_hosts))], set(shards)
 
 
+def paper_jobs(grid: list[tuple[int, int]], calibrate: bool) -> list[tuple[int, int]]:
+    """The ``(S, W)`` of every job a --paper run starts: its grid and, with ``calibrate``, the calibration job
+    (:data:`PAPER_CALIBRATION`, not a point of the grid), whose shards and worker hosts the cluster needs too."""
+    return [*grid, PAPER_CALIBRATION] if calibrate else list(grid)
+
+
 def paper_points(workers: Optional[str], servers: Optional[str]) -> list[tuple[int, int]]:
     """The --paper grid's ``(S, W)`` points, S = 1 first, kept to the given W and S (comma lists) if any."""
     ws = None if workers is None else {int(v) for v in workers.split(",")}
@@ -458,15 +470,7 @@ def run_paper_point(vc: VirtualCluster, port: int, setup: PaperSetup, servers: i
                                               "--compute-ms", str(setup.compute_ms), "--steps", str(steps),
                                               "--warmup", str(warmup)), {"PSRT_SCHEDULER": endpoint})
                   for i, n in enumerate(worker_groups(workers, setup.per_host))]
-        results: list[dict] = []
-        deadline = time.monotonic() + timeout
-        for p in wprocs:
-            out = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0:
-                raise RuntimeError(f"a worker process failed ({p.returncode}):\n{out[-2000:]}")
-            results += parse_results(out)
-        for p in procs[:servers + 1]:
-            p.wait(60)
+        results = job_results(wprocs, procs[:servers + 1], timeout, grace=60.0)
         if len(results) != workers:
             raise RuntimeError(f"{len(results)} result lines from {workers} workers")
         return results
@@ -567,7 +571,7 @@ def paper_main(args: argparse.Namespace) -> int:
     cal = perfmodel.calibrate()
     print(f"  aggregation {cal.agg_bytes_per_s / 1e9:.2f} GB/s, message overhead {cal.msg_overhead_s * 1e6:.0f} us, "
           f"round trip {cal.rtt_s * 1e6:.0f} us", flush=True)
-    hosts, shaped = paper_hosts(grid, setup.per_host)
+    hosts, shaped = paper_hosts(paper_jobs(grid, calibrate=not args.ideal_pipelining), setup.per_host)
     links = {h: (setup.shard_link if h in shaped else None) for h in hosts}
     from tqdm import tqdm
 

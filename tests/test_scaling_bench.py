@@ -199,3 +199,14 @@ def test_each_missed_paper_target_is_named_with_its_figures(scaling):
     # A part of the grid gets only the targets whose points it measured.
     names = [n for n, _, _ in scaling.check_paper_targets(paper_records({(1, 1): 1.0, (1, 16): 12.0}))]
     assert len(names) == 3 and "W=16 >= 10x W=1" in names[2]
+
+
+def test_a_part_of_the_paper_grid_has_the_hosts_of_its_calibration_job(scaling):
+    """`--paper --workers 1 --servers 1` still runs the calibration job (S=2, W=48): its hosts are made too."""
+    jobs = scaling.paper_jobs([(1, 1)], calibrate=True)
+    assert jobs == [(1, 1), scaling.PAPER_CALIBRATION]
+    hosts, shaped = scaling.paper_hosts(jobs, 16)
+    s_cal, w_cal = scaling.PAPER_CALIBRATION
+    assert shaped == {f"s{i}" for i in range(s_cal)}
+    assert [h for h in hosts if h.startswith("h")] == [f"h{i}" for i in range(-(-w_cal // 16))]
+    assert scaling.paper_jobs([(1, 1)], calibrate=False) == [(1, 1)]
