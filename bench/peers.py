@@ -655,24 +655,19 @@ def _run_emulated_workload(workload: Workload, systems: list[str], link: str) ->
                                      message=f"package {name!r} is not installed (pip install {name})")
             _log(name, f"skipped: {outcomes[name].message}")
             continue
-        t = time.monotonic()
         hosts = shard_hosts + worker_hosts + (["head"] if name == "ray" else [])
-        try:
+
+        def run(name: str = name, hosts: list[str] = hosts) -> Outcome:
             with VirtualCluster(hosts, link=link) as vc:
                 before = {h: link_bytes(vc, h) for h in shard_hosts}
                 outcome = EMULATED_RUNNERS[name](vc, workload)
                 after = {h: link_bytes(vc, h) for h in shard_hosts}
             traffic[name] = {h: {"in": after[h][0] - before[h][0], "out": after[h][1] - before[h][1]}
                              for h in shard_hosts}
-        except KeyboardInterrupt:
-            raise
-        except Exception as exc:  # one broken system must not hide the others' results
-            message = str(exc) if isinstance(exc, (BenchError, PsrtError)) else traceback.format_exc()
-            outcome = Outcome(name, status="failed", message=message)
-            print(f"[{name}] FAILED: {message}", file=sys.stderr, flush=True)
-        outcome.wall_s = time.monotonic() - t
+            return outcome
+
+        outcome = _attempt(name, workload, run)
         if outcome.status == "ok":
-            outcome.gbps = workload.workers * workload.steps * 2 * 4 * workload.elements / outcome.timed_s / 1e9
             _log(name, f"{outcome.rate:.2f} worker-steps/s = {outcome.rate / floor['rate']:.2f}x the full-duplex "
                        f"floor, over {outcome.timed_s:.2f}s; check {'OK' if outcome.check_ok else 'WRONG'}: "
                        f"max |w - (w0 - N*lr*mean(g))| = {outcome.max_err:.2e} <= {outcome.tol:.2e} is "
@@ -810,6 +805,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _attempt(name: str, workload: Workload, run: Callable[[], Outcome]) -> Outcome:
+    """Run one system's ``run()``, timed with its start-up; a failure becomes a failed row (one broken system must
+    not hide the others' results), Ctrl-C stops the bench."""
+    t = time.monotonic()
+    try:
+        outcome = run()
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:
+        message = str(exc) if isinstance(exc, (BenchError, PsrtError)) else traceback.format_exc()
+        outcome = Outcome(name, status="failed", message=message)
+        print(f"[{name}] FAILED: {message}", file=sys.stderr, flush=True)
+    outcome.wall_s = time.monotonic() - t
+    if outcome.status == "ok":
+        outcome.gbps = workload.workers * workload.steps * 2 * 4 * workload.elements / outcome.timed_s / 1e9
+    return outcome
+
+
 def _run_workload(workload: Workload, systems: list[str], args: argparse.Namespace) -> dict[str, Any]:
     print(f"\n=== workload: {workload.elements:,} float32 ({4 * workload.elements / 1e6:.3g} MB), "
           f"W={workload.workers} workers, S={workload.servers} shards, BSP, SGD lr={workload.lr}, 1 warm-up + "
@@ -823,18 +836,8 @@ def _run_workload(workload: Workload, systems: list[str], args: argparse.Namespa
                                      message=f"package {package!r} is not installed (pip install {package})")
             _log(name, f"skipped: {outcomes[name].message}")
             continue
-        t = time.monotonic()
-        try:
-            outcome = _runner(name)(workload, args)
-        except KeyboardInterrupt:
-            raise
-        except Exception as exc:  # one broken system must not hide the others' results
-            message = str(exc) if isinstance(exc, BenchError) else traceback.format_exc()
-            outcome = Outcome(name, status="failed", message=message)
-            print(f"[{name}] FAILED: {message}", file=sys.stderr, flush=True)
-        outcome.wall_s = time.monotonic() - t
+        outcome = _attempt(name, workload, lambda name=name: _runner(name)(workload, args))
         if outcome.status == "ok":
-            outcome.gbps = workload.workers * workload.steps * 2 * 4 * workload.elements / outcome.timed_s / 1e9
             _log(name, f"{outcome.rate:.2f} worker-steps/s ({outcome.gbps:.2f} GB/s) over {outcome.timed_s:.2f}s; "
                        f"check {'OK' if outcome.check_ok else 'WRONG'}: max |w - (w0 - N*lr*mean(g))| = "
                        f"{outcome.max_err:.2e} <= {outcome.tol:.2e} is {outcome.check_ok} "
