@@ -58,14 +58,21 @@ class Recording(psrt.Client):
         return handle
 
 
-def test_an_overlapped_worker_pushes_the_last_layer_first_and_awaits_the_first_layer_first(monkeypatch):
-    clients: list[Recording] = []
+def clients_made_as(cls: type, monkeypatch) -> list:
+    """Make every psrt.Client the load generator opens a ``cls`` (a real client that notes its calls); returns
+    the list they are added to."""
+    clients: list = []
 
-    def recording(*args, **kwargs):
-        clients.append(Recording(*args, **kwargs))
+    def make(*args, **kwargs):
+        clients.append(cls(*args, **kwargs))
         return clients[-1]
 
-    monkeypatch.setattr(psrt, "Client", recording)
+    monkeypatch.setattr(psrt, "Client", make)
+    return clients
+
+
+def test_an_overlapped_worker_pushes_the_last_layer_first_and_awaits_the_first_layer_first(monkeypatch):
+    clients = clients_made_as(Recording, monkeypatch)
     steps, warmup = 3, 1
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync")) as server:
         results = loadgen.run_worker("64KB", 4, steps, warmup=warmup, servers=[server.endpoint], num_workers=2,
@@ -97,13 +104,7 @@ class InFlight(psrt.Client):
 
 @pytest.mark.parametrize("window", [16_000, None])
 def test_the_window_bounds_the_pushes_in_flight(monkeypatch, window):
-    clients: list[InFlight] = []
-
-    def noting(*args, **kwargs):
-        clients.append(InFlight(*args, **kwargs))
-        return clients[-1]
-
-    monkeypatch.setattr(psrt, "Client", noting)
+    clients = clients_made_as(InFlight, monkeypatch)
     steps, warmup = 3, 1
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync")) as server:
         # A 64 kB model in 4 tensors of 16 kB, and no compute: the backward queues them all at once.
