@@ -43,11 +43,12 @@ median of ``--rounds`` turns, a ``psrt worker`` of each kind: ``comm`` (``--comp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import psrt
 from psrt.control.process import SERVER_READY, Child, parse_results, psrt_command, result_line
@@ -144,6 +145,33 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+@contextlib.contextmanager
+def one_shard(loopback: bool, link: Optional[str]) -> Iterator[tuple[str, Callable[[list[str]], Child]]]:
+    """A sync shard for one worker, on its own emulated host linked at ``link`` (or on loopback); yields its
+    endpoint and ``start(cmd)``, which runs a command on the worker's host. Everything stops on the way out."""
+    vc: Optional[VirtualCluster] = None
+    procs: list[Child] = []
+    try:
+        if not loopback:
+            check_available()
+            vc = VirtualCluster(["server", "worker"], link=link)
+        host = vc.address("server") if vc else "127.0.0.1"
+        cmd = psrt_command("server", "--bind", f"tcp://{host}:*", "--workers", "1", "--mode", "sync")
+        server = vc.spawn("server", cmd, ready=SERVER_READY) if vc else Child(cmd, ready=SERVER_READY, label="server")
+        procs.append(server)
+
+        def start(wcmd: list[str]) -> Child:
+            procs.append(vc.spawn("worker", wcmd, label="worker") if vc else Child(wcmd, label="worker"))
+            return procs[-1]
+
+        yield server.wait_ready(30).group(1), start
+    finally:
+        for p in procs:
+            p.stop()
+        if vc is not None:
+            vc.close()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start the emulated hosts, the shard and the worker; returns the worker's record plus the link."""
     torch.set_num_threads(1)
@@ -157,33 +185,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         compute = time_compute(model, x, y, 9)
         link = f"{int(2 * nbytes * 8 / compute / 1e6)}mbit"
         print(f"model {nbytes / 1e6:.2f} MB, compute {compute * 1e3:.0f} ms here: link {link}", flush=True)
-    vc: Optional[VirtualCluster] = None
-    procs: list[Child] = []
-    try:
-        if not args.loopback:
-            check_available()
-            vc = VirtualCluster(["server", "worker"], link=link)
-        host = vc.address("server") if vc else "127.0.0.1"
-        cmd = psrt_command("server", "--bind", f"tcp://{host}:*", "--workers", "1", "--mode", "sync")
-        server = vc.spawn("server", cmd, ready=SERVER_READY) if vc else Child(cmd, ready=SERVER_READY,
-                                                                              label="server")
-        procs.append(server)
-        endpoint = server.wait_ready(30).group(1)
+    with one_shard(args.loopback, link) as (endpoint, start):
         wcmd = [sys.executable, __file__, "--role", "worker", "--server", endpoint, "--depth", str(args.depth),
                 "--width", str(args.width), "--batch", str(args.batch), "--steps", str(args.steps),
                 "--rounds", str(args.rounds),
                 "--window", str(args.window)]
-        w = vc.spawn("worker", wcmd, label="worker") if vc else Child(wcmd, label="worker")
-        procs.append(w)
+        w = start(wcmd)
         out = w.communicate(timeout=600)
         if w.returncode != 0:
             raise RuntimeError(f"the worker failed ({w.returncode}):\n{out[-3000:]}")
         record = parse_results(out)[0]
-    finally:
-        for p in procs:
-            p.stop()
-        if vc is not None:
-            vc.close()
     record.update(link=link or "loopback", depth=args.depth, width=args.width, batch=args.batch,
                   window=args.window)
     record["ratio"] = record["overlap_s"] / (record["compute_s"] + record["comm_s"])
@@ -203,24 +214,14 @@ def run_loadgen(args: argparse.Namespace) -> dict[str, Any]:
     link = args.link
     if link is None and not args.loopback:
         link = f"{int(2 * nbytes * 8 / (args.compute_ms / 1e3) / 1e6)}mbit"  # push + pull of the model ~ compute
-    vc: Optional[VirtualCluster] = None
-    procs: list[Child] = []
     times: dict[str, list[float]] = {"comm": [], "serial": [], "overlap": []}
-    try:
-        if not args.loopback:
-            check_available()
-            vc = VirtualCluster(["server", "worker"], link=link)
-        host = vc.address("server") if vc else "127.0.0.1"
-        cmd = psrt_command("server", "--bind", f"tcp://{host}:*", "--workers", "1", "--mode", "sync")
-        server = vc.spawn("server", cmd, ready=SERVER_READY) if vc else Child(cmd, ready=SERVER_READY, label="server")
-        procs.append(server)
-        endpoint = server.wait_ready(30).group(1)
+    with one_shard(args.loopback, link) as (endpoint, start):
 
         def step_ms(compute_ms: float, overlap: bool) -> float:
             wcmd = psrt_command("worker", "--servers", endpoint, "--rank", "0", "--workers", "1", "--model",
                                 args.model, "--layers", str(args.layers), "--compute-ms", str(compute_ms),
                                 "--steps", str(args.steps), "--warmup", "2", *(["--overlap"] if overlap else []))
-            w = vc.spawn("worker", wcmd, label="worker") if vc else Child(wcmd, label="worker")
+            w = start(wcmd)
             out = w.communicate(timeout=300)
             if w.returncode != 0:
                 raise RuntimeError(f"the worker failed ({w.returncode}):\n{out[-3000:]}")
@@ -231,11 +232,6 @@ def run_loadgen(args: argparse.Namespace) -> dict[str, Any]:
             times["comm"].append(step_ms(0, False))
             times["serial"].append(step_ms(args.compute_ms, False))
             times["overlap"].append(step_ms(args.compute_ms, True))
-    finally:
-        for p in procs:
-            p.stop()
-        if vc is not None:
-            vc.close()
     record: dict[str, Any] = {f"{k}_ms": statistics.median(v) for k, v in times.items()}
     record.update(link=link or "loopback", model=args.model, layers=args.layers, model_bytes=nbytes,
                   compute_ms=args.compute_ms)
