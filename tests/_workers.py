@@ -246,6 +246,25 @@ def momentum(steps: int) -> dict:
     return {n: [float(start[n][0]), float(end[n][0]), bool((end[n] == end[n][0]).all())] for n in ("a", "b")}
 
 
+def split_steps(servers: list[str], rank: int, workers: int, size: int, steps: int, calls: str) -> dict:
+    """``steps`` steps of worker ``rank`` on a tensor of ``size`` float32 (cut into pieces over a network) and a
+    small one, SGD lr=1, gradient ``rank + 1`` everywhere: ``push_pull``, or ``push`` then ``pull``. Each read's
+    first and last value of both tensors and whether it was uniform, and the shards' counts of pushes."""
+    grads = {"big": np.full(size, rank + 1.0, np.float32), "small": np.full(1000, rank + 1.0, np.float32)}
+    reads = []
+    with psrt.Client(servers, rank=rank, num_workers=workers, config=ClientConfig(timeout=60)) as c:
+        c.init({n: np.zeros(g.size, np.float32) for n, g in grads.items()}, optimizer=psrt.SGD(lr=1.0))
+        for _ in range(steps):
+            if calls == "push_pull":
+                p = c.push_pull(grads)
+            else:
+                c.push(grads)
+                p = c.pull()
+            reads.append({n: [float(a[0]), float(a[-1]), bool((a == a[0]).all())] for n, a in p.items()})
+        pushes = sum(s["pushes"] for s in c.stats())
+    return {"rank": rank, "reads": reads, "pushes": pushes}
+
+
 # ---------------------------------------------------------------------------------------------- shared memory
 def lane_probe(servers: list[str], size: int = 300_000, steps: int = 1, value: float = 1.0) -> dict:
     """``steps`` push_pulls of ``value`` (SGD lr=1) on a tensor above the lane threshold: the first and last
@@ -472,8 +491,8 @@ def virtual_vanish(vanish_rank: int, steps: int = 100_000, step_s: float = 0.01)
 
 
 ROLES: dict[str, Callable[..., dict]] = {f.__name__: f for f in (
-    async_pusher, sync_slice, ride, scheduled, liveness, crash, secure, momentum, lane_probe, ssp, torch_cnn,
-    embedding_clicks, virtual_crash, virtual_vanish)}
+    async_pusher, sync_slice, ride, scheduled, liveness, crash, secure, momentum, split_steps, lane_probe, ssp,
+    torch_cnn, embedding_clicks, virtual_crash, virtual_vanish)}
 
 
 def main(argv: list[str]) -> int:
