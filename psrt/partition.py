@@ -6,7 +6,7 @@ A tensor of at least two :data:`MIN_PIECE_BYTES` pieces is also cut, where its p
 multiple of the shard count, so one tensor keeps every shard busy (as ps-lite splits each key over all servers):
 when the shards are reached over a network, into :data:`PIPELINE_PIECES` pieces per shard. A shard answers a sync
 round piece by piece, so the replies of one piece flow out while the next piece still arrives, and a step costs
-a link's traffic one way plus a small tail, not both ways in turn (docs/perfmodel.md, "The reply tail"). A 4 MiB
+a link's traffic one way plus a small tail, not both ways in turn (docs/perfmodel.md, "The pull tail"). A 4 MiB
 tensor on 2 shards is then 16 pieces of 256 KiB, 8 on each, and a 40 MB one on 3 shards 24 pieces; with every
 shard on the workers' host (``network=False``) 2 and 12.
 Chunks and whole small tensors are then assigned to shards largest first, each to the shard holding the fewest
@@ -295,9 +295,9 @@ def busiest_shard(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_sha
     specs : mapping
         ``name -> (shape, dtype)``, as :meth:`PartitionMap.add` takes them.
     num_shards, partition_bytes : int
+        As :class:`PartitionMap` takes them.
     network : bool
         As :class:`PartitionMap` takes it.
-        As :class:`PartitionMap` takes them.
 
     Returns
     -------

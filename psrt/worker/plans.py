@@ -3,8 +3,7 @@
 For each set of tensor names a client pushes or pulls, :class:`Plans` keeps one :class:`ShardPlan` per shard:
 the messages over a network (:meth:`psrt.partition.PartitionMap.messages`, pipelined: each piece of a split
 tensor on its own) and over a shared-memory lane or to a shard on this host (grouped), the bytes the call takes in
-the lane
-(:func:`psrt.shm.lanes.call_bytes`), and for an uncompressed push each message's packed header prefix
+the lane (:func:`psrt.shm.lanes.call_bytes`), and for an uncompressed push each message's packed header prefix
 (:func:`psrt.wire.push_prefix`), so that a step's push over the socket packs only its ``id, seq, clock``
 (:class:`psrt.worker.sender.ShardSender` sends them).
 """
@@ -72,9 +71,13 @@ class Plans:
             plan = []
             grouped = self._messages(names, pipelined=False)
             for shard, msgs in self._messages(names).items():
+                prefixes = self._prefixes_of(msgs, pull)
                 together = grouped[shard]
-                plan.append(ShardPlan(shard, msgs, call_bytes(together, True, pull), self._prefixes_of(msgs, pull),
-                                      together, self._prefixes_of(together, pull)))
+                if together == msgs:  # no piece of a split tensor in the call: one list serves both
+                    plan.append(ShardPlan(shard, msgs, call_bytes(msgs, True, pull), prefixes, msgs, prefixes))
+                else:
+                    plan.append(ShardPlan(shard, msgs, call_bytes(together, True, pull), prefixes, together,
+                                          self._prefixes_of(together, pull)))
             self._keep(cache, names, plan)
         return plan
 
