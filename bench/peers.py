@@ -88,6 +88,11 @@ psrt
     sync`` on each shard host, and on each worker host one process running the README's loop
     (``psrt.Client(servers=[...], rank=r, num_workers=W)``, ``client.init``, ``params = client.push_pull({"w":
     grad})`` every step; no knobs, no environment variables).
+psrt-whole
+    The same with ``PSRT_PIPELINE=off`` on every worker host: tensors are not cut for the network (a 4 MB tensor
+    on 2 shards is 2 chunks, one message each), as before psrt pipelined by default. Beside the plain row it
+    shows what pipelining gains on a link and costs in messages where the CPUs are the bottleneck; it is never
+    the headline.
 torch.distributed.rpc
     The same ranks as above, each a process on its own host: ``ps{k}`` on ``s{k}`` (rank 0 rendezvouses at
     ``tcp://<s0's address>:29500``), ``trainer{r}`` on ``w{r}``. The emulated hosts share this machine's boot id,
@@ -176,7 +181,7 @@ TARGET = 1.5
 STOPPED = re.compile(r"psrt-server stopped .*")
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: ``--emulated``: its systems, its default workloads (elements, W, S, timed steps) and its default link.
-EMULATED_SYSTEMS = ("psrt", "torch", "ray")
+EMULATED_SYSTEMS = ("psrt", "psrt-whole", "torch", "ray")
 EMULATED_WORKLOADS = ((1_000_000, 4, 2, 50), (10_000_000, 4, 2, 20))
 EMULATED_LINK = "1gbit"
 #: The port every emulated host's shard, rendezvous or Ray head listens on (each system gets fresh hosts).
@@ -511,11 +516,12 @@ def link_bytes(vc: Any, host: str) -> tuple[int, int]:
             _sent_bytes(["ip", "netns", "exec", vc.namespace(host), "tc", "-s", "qdisc", "show", "dev", IFNAME]))
 
 
-def run_psrt_hosts(vc: Any, workload: Workload) -> Outcome:
+def run_psrt_hosts(vc: Any, workload: Workload, name: str = "psrt") -> Outcome:
     """psrt, one process per host: ``psrt server --bind tcp://IP:PORT`` on each shard host (no scheduler) and
-    on each worker host the README's loop against them."""
+    on each worker host the README's loop against them (``psrt-whole``: with ``PSRT_PIPELINE=off``)."""
     deadline = time.monotonic() + workload.timeout
-    outcome = Outcome("psrt")
+    outcome = Outcome(name)
+    env = {"PSRT_PIPELINE": "off"} if name == "psrt-whole" else None
     servers: list[Child] = []
     workers: list[Child] = []
     try:
@@ -529,7 +535,7 @@ def run_psrt_hosts(vc: Any, workload: Workload) -> Outcome:
         endpoints = [s.endpoint for s in servers]
         _log("psrt", f"servers at {', '.join(endpoints)}; starting {workload.workers} workers on their hosts")
         workers += [vc.spawn(f"w{r}", _role_command("psrt-worker", workload=asdict(workload), endpoints=endpoints,
-                                                      rank=r), label=f"psrt worker {r}")
+                                                      rank=r), env=env, label=f"psrt worker {r}")
                     for r in range(workload.workers)]
         got = _gather(workers, workload.workers, deadline, "psrt")
     finally:
@@ -622,7 +628,8 @@ def run_ray_hosts(vc: Any, workload: Workload) -> Outcome:
 
 
 EMULATED_RUNNERS: dict[str, Callable[[Any, Workload], Outcome]] = {
-    "psrt": run_psrt_hosts, "torch": run_torch_hosts, "ray": run_ray_hosts}
+    "psrt": run_psrt_hosts, "psrt-whole": lambda vc, workload: run_psrt_hosts(vc, workload, "psrt-whole"),
+    "torch": run_torch_hosts, "ray": run_ray_hosts}
 
 
 def _mb(n: float) -> str:
@@ -650,7 +657,7 @@ def _run_emulated_workload(workload: Workload, systems: list[str], link: str) ->
     outcomes: dict[str, Outcome] = {}
     traffic: dict[str, dict[str, dict[str, int]]] = {}
     for name in systems:
-        if importlib.util.find_spec(name) is None:
+        if importlib.util.find_spec(name.split("-")[0]) is None:
             outcomes[name] = Outcome(name, status="skipped",
                                      message=f"package {name!r} is not installed (pip install {name})")
             _log(name, f"skipped: {outcomes[name].message}")
@@ -678,7 +685,7 @@ def _run_emulated_workload(workload: Workload, systems: list[str], link: str) ->
                 f"{h} {_mb(c['in'])} / {_mb(c['out'])}" for h, c in traffic[name].items())
                  + f"; an even split of the pushes and pulls is {_mb(payload)} each way per shard link")
         outcomes[name] = outcome
-    best = max((o for n, o in outcomes.items() if n != "psrt" and o.status == "ok" and o.rate > 0),
+    best = max((o for n, o in outcomes.items() if n in ("ray", "torch") and o.status == "ok" and o.rate > 0),
                key=lambda o: o.rate, default=None)
     psrt = outcomes.get("psrt")
     ratio = psrt.rate / best.rate if best and psrt is not None and psrt.status == "ok" else None
@@ -699,17 +706,17 @@ def _print_emulated_table(outcomes: dict[str, Outcome], floor: dict[str, float],
     psrt = outcomes.get("psrt")
     psrt_rate = psrt.rate if psrt is not None and psrt.status == "ok" else 0.0
     print()
-    print(f"{'system':<8} {'worker-steps/s':>14} {'psrt/row':>9} {'/floor':>7} {'timed s':>8} "
+    print(f"{'system':<10} {'worker-steps/s':>14} {'psrt/row':>9} {'/floor':>7} {'timed s':>8} "
           f"{'shard links in/out, x even payload':>36}  correctness")
     print("-" * 110)
     for name, o in outcomes.items():
         if o.status != "ok":
-            print(f"{name:<8} {'-':>14} {'-':>9} {'-':>7} {'-':>8} {'-':>36}  {o.status}: {o.message.splitlines()[0]}")
+            print(f"{name:<10} {'-':>14} {'-':>9} {'-':>7} {'-':>8} {'-':>36}  {o.status}: {o.message.splitlines()[0]}")
             continue
         ratio = f"{psrt_rate / o.rate:.2f}x" if psrt_rate and o.rate else "-"
         links = " ".join(f"{c['in'] / payload:.2f}/{c['out'] / payload:.2f}" for c in traffic[name].values())
         check = f"{'OK' if o.check_ok else 'WRONG'} (max err {o.max_err:.2e}, bound {o.tol:.2e})"
-        print(f"{name:<8} {o.rate:>14.2f} {ratio:>9} {o.rate / floor['rate']:>6.2f}x {o.timed_s:>8.2f} "
+        print(f"{name:<10} {o.rate:>14.2f} {ratio:>9} {o.rate / floor['rate']:>6.2f}x {o.timed_s:>8.2f} "
               f"{links:>36}  {check}")
     print("-" * 110)
     print(f"link floor (W*(bytes/S) in and out of each shard link per step, TCP framing): full duplex "

@@ -24,6 +24,8 @@ variable                   also read                      meaning               
 ``PSRT_RESTART_GRACE``                                    seconds for a checkpointing server to restart 30
 ``PSRT_PARTITION_BYTES``                                  tensors larger than this are split          4 MiB
 ``PSRT_NONFINITE``                                        ``reject`` or ``allow`` NaN/Inf gradients   ``reject``
+``PSRT_PIPELINE``                                         cut tensors for a network: ``auto``,        ``auto``
+                                                          ``on`` or ``off`` (every worker alike)
 ``PSRT_KEYS``                                             the job's key directory (``psrt keygen``):  off
                                                           CURVE on every socket; empty: off
 ``PSRT_SHM``                                              ``0``: no shared memory between a worker     ``1``
@@ -54,7 +56,7 @@ from psrt.dtypes import check_compression
 from psrt.errors import ConfigError
 
 __all__ = ["WireLimits", "RowLimits", "ServerConfig", "ClientConfig", "ClusterConfig", "Flag", "flags",
-           "field_default", "MODES", "NONFINITE", "PROCESS_ROLES", "JOB_SETTINGS", "START_TIMEOUT",
+           "field_default", "MODES", "NONFINITE", "PIPELINE", "PROCESS_ROLES", "JOB_SETTINGS", "START_TIMEOUT",
            "HEARTBEAT_INTERVAL", "HEARTBEAT_TIMEOUT", "RESTART_GRACE", "WARN_AFTER", "parse_whole", "parse_count",
            "parse_seconds", "parse_interval", "parse_endpoint", "parse_bind"]
 
@@ -62,6 +64,8 @@ MODES = ("sync", "async", "ssp")
 
 #: What a shard does with a gradient holding NaN or Inf: refuse the push, or apply it.
 NONFINITE = ("reject", "allow")
+#: ``ClientConfig.pipeline``'s values.
+PIPELINE = ("auto", "on", "off")
 
 #: The roles a process of a job can take (``PSRT_ROLE``); the scheduler is the one the others register with.
 PROCESS_ROLES = ("scheduler", "server", "worker")
@@ -488,6 +492,14 @@ class ClientConfig:
     shm : bool
         Move tensor bytes through shared memory to shards on this host (:mod:`psrt.shm.lanes`; not with
         ``compression``). Default: ``PSRT_SHM`` (on).
+    pipeline : str
+        Whether large tensors are cut for a network (:mod:`psrt.partition`: ``PIPELINE_PIECES`` pieces per shard,
+        each its own message over a socket, so that a shard answers one piece while the next arrives). ``"auto"``
+        (default, ``PSRT_PIPELINE``): when some shard's endpoint is off this host. ``"on"``: always (shared-memory
+        lanes still carry a call's pieces together). ``"off"``: never; a link so fast that the shards' CPUs are
+        the bottleneck can be better served by fewer, larger messages. The cut names the keys a shard holds, so
+        every worker of a job must use the same setting (a worker that differs is refused: its chunks are not
+        the shard's).
     """
 
     timeout: float = _env_fed(60.0, "PSRT_TIMEOUT", read=_Environment.seconds)
@@ -498,9 +510,13 @@ class ClientConfig:
     compression: Optional[str] = _env_fed(None, "PSRT_COMPRESSION")
     keys: Optional[str | os.PathLike] = _env_fed(None, "PSRT_KEYS")
     shm: bool = _env_fed(True, "PSRT_SHM", read=_Environment.switch)
+    pipeline: str = _env_fed("auto", "PSRT_PIPELINE")
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
+        if self.pipeline not in PIPELINE:
+            where = " (PSRT_PIPELINE)" if os.environ.get("PSRT_PIPELINE") == self.pipeline else ""
+            raise ConfigError(f"pipeline must be 'auto', 'on' or 'off', got {self.pipeline!r}{where}")
         _positive("timeout", self.timeout, float, "PSRT_TIMEOUT")
         _positive("warn_after", self.warn_after, float, "PSRT_WARN_AFTER")
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from functools import cache
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import _combo_worker as cw
 import numpy as np
@@ -23,7 +23,7 @@ __all__ = ["WORKERS", "SERVERS", "STEPS", "STALENESS", "LEAVE_AFTER", "sent", "c
            "exact"]
 
 #: The shape of every job: W workers, S shards, steps per worker, ssp's bound.
-WORKERS, SERVERS, STEPS, STALENESS = 2, 2, 6, 2
+WORKERS, SERVERS, STEPS, STALENESS = 2, cw.SHARDS, 6, 2
 #: A worker that leaves the job (by closing its client, or by a script that raises) leaves after this many steps.
 LEAVE_AFTER = 3
 
@@ -35,19 +35,45 @@ def compression_ratio(compression: Optional[str]) -> Optional[float]:
     return None
 
 
-@cache
-def sent(kind: str, ratio: Optional[float], worker: int, tensor: int,
-         reset: Optional[float] = None) -> np.ndarray:
-    """``(STEPS, n)``: what worker ``worker``'s pushes of ``tensor`` carry to the shard, step by step.
+class Piece(NamedTuple):
+    """One chunk of a tensor, as every client's shard map cuts it."""
 
-    Without top-k, the gradient itself (fp16 carries these values exactly). With top-k, the documented rule:
-    the ``ceil(ratio * n)`` entries of largest magnitude of gradient + residual travel, the rest is the residual;
-    and the residual starts from zero again when the client learns that the tensor's shard restarted: ``reset``
-    is when, in steps (``k - 0.5``: before step k's push was made, 0-based; ``k + 0.5``: after it).
+    start: int
+    count: int
+    shard: int
+
+
+@cache
+def pieces(tensor: int, network: bool) -> tuple[Piece, ...]:
+    """The chunks of tensor ``t{tensor}``, in order, cut for a network (``PSRT_PIPELINE=on``) or not."""
+    from psrt.partition import PartitionMap
+
+    pmap = PartitionMap(SERVERS, ClientConfig().partition_bytes, network=network)
+    pmap.add({f"t{t}": ((n,), np.dtype(np.float32)) for t, n in enumerate(cw.SIZES)})
+    return tuple(sorted(Piece(c.start, c.count, c.shard) for c in pmap.chunks[f"t{tensor}"]))
+
+
+@cache
+def sent(kind: str, ratio: Optional[float], worker: int, tensor: int, network: bool = False,
+         resets: Optional[tuple[Optional[float], ...]] = None) -> np.ndarray:
+    """``(STEPS, n)``: what worker ``worker``'s pushes of ``tensor`` carry to the shards, step by step.
+
+    Without top-k, the gradient itself (fp16 carries these values exactly). With top-k, the documented rule, chunk
+    by chunk (:func:`pieces`): the ``ceil(ratio * count)`` entries of largest magnitude of gradient + residual
+    travel, the rest is the residual; and a chunk's residual starts from zero again when the client learns that
+    its shard restarted: ``resets[i]`` is when for chunk i, in steps (``k - 0.5``: before step k's push was made,
+    0-based; ``k + 0.5``: after it; None: never).
     """
     grads = np.stack([cw.dense_grad(kind, worker, s, tensor).astype(np.float64) for s in range(STEPS)])
     if ratio is None:
         return grads
+    chunks = pieces(tensor, network)
+    return np.concatenate([_topk(grads[:, p.start:p.start + p.count], ratio, resets[i] if resets else None)
+                           for i, p in enumerate(chunks)], axis=1)
+
+
+def _topk(grads: np.ndarray, ratio: float, reset: Optional[float]) -> np.ndarray:
+    """One chunk's pushes under top-k with error feedback (see :func:`sent`)."""
     n = grads.shape[1]
     k = min(n, max(1, math.ceil(ratio * n)))
     residual = np.zeros(n)
@@ -68,17 +94,6 @@ def sent(kind: str, ratio: Optional[float], worker: int, tensor: int,
     return out
 
 
-def tensor_shard(tensor: int) -> int:
-    """The shard that holds tensor ``t{tensor}`` (one chunk each: far below the partition size), as every
-    client's shard map computes it."""
-    from psrt.partition import PartitionMap
-
-    pmap = PartitionMap(SERVERS, ClientConfig().partition_bytes)
-    chunks = pmap.add({f"t{t}": ((n,), np.dtype(np.float32)) for t, n in enumerate(cw.SIZES)})
-    (chunk,) = [c for c in chunks if c.name == f"t{tensor}"]
-    return chunk.shard
-
-
 class Oracle:
     """What a case's reads and final values must hold.
 
@@ -93,22 +108,25 @@ class Oracle:
     restart : (int, str, int), optional
         A shard restarts: its index, the workers' call pattern, and the steps done before its death. The workers'
         first push to it afterwards waits for its return, during which they learn of it (and reset the top-k
-        residuals of its tensors): after that push was made, so before any later push of the same step (only
+        residuals of its chunks): after that push was made, so before any later push of the same step (only
         ``one_by_one`` makes one), and before the next step's.
+    network : bool
+        Whether the clients cut tensors for a network (``PSRT_PIPELINE=on``): top-k picks per chunk.
     """
 
     def __init__(self, mode: str, compression: Optional[str], leaves: bool,
-                 restart: Optional[tuple[int, str, int]] = None) -> None:
+                 restart: Optional[tuple[int, str, int]] = None, network: bool = False) -> None:
         self.mode = mode
         ratio = compression_ratio(compression)
         kind = cw.grad_kind(compression)
-        resets: dict[int, float] = {}
+        resets: dict[int, tuple[Optional[float], ...]] = {}
         if restart is not None:
             victim, calls, done = restart
-            on_it = [t for t in range(len(cw.SIZES)) if tensor_shard(t) == victim]
+            on_it = [t for t in range(len(cw.SIZES)) if any(p.shard == victim for p in pieces(t, network))]
             for i, t in enumerate(on_it):  # one_by_one pushes t0, t1, ... one call each; others all at once
-                resets[t] = done - 0.5 if calls == "one_by_one" and i > 0 else done + 0.5
-        self.sent = {(w, t): sent(kind, ratio, w, t, resets.get(t)) for w in range(WORKERS)
+                when = done - 0.5 if calls == "one_by_one" and i > 0 else done + 0.5
+                resets[t] = tuple(when if p.shard == victim else None for p in pieces(t, network))
+        self.sent = {(w, t): sent(kind, ratio, w, t, network, resets.get(t)) for w in range(WORKERS)
                      for t in range(len(cw.SIZES))}
         #: Pushes per worker (each step pushes every tensor once, and the table once).
         self.pushes = [LEAVE_AFTER if leaves and w == 1 else STEPS for w in range(WORKERS)]
@@ -175,15 +193,18 @@ class Oracle:
     def check_dense(self, what: str, reader: int, step: int, tensor: int, value: np.ndarray, final: bool) -> None:
         value = value.astype(np.float64)
         if self.mode == "sync":
-            expected = self.sync_params(tensor, STEPS if final else step)
-        else:
-            counts = self.counts(what, value[:WORKERS], np.full(WORKERS, cw.COUNT))
+            exact(what, value, self.sync_params(tensor, STEPS if final else step))
+            return
+        # A tensor's chunks are applied apart (async, ssp): each span between counters holds its own prefix.
+        starts = cw.counter_starts(tensor)
+        for start, end in zip(starts, (*starts[1:], cw.SIZES[tensor])):
+            where = what if len(starts) == 1 else f"{what}, [{start}:{end}]"
+            counts = self.counts(where, value[start:start + WORKERS], np.full(WORKERS, cw.COUNT))
             if final:
-                assert counts == self.pushes, f"{what}: final values hold {counts} pushes, not {self.pushes}"
+                assert counts == self.pushes, f"{where}: final values hold {counts} pushes, not {self.pushes}"
             else:
-                self.check_staleness(what, step, reader, counts)
-            expected = self.applied(tensor, counts)
-        exact(what, value, expected)
+                self.check_staleness(where, step, reader, counts)
+            exact(where, value[start:end], self.applied(tensor, counts)[start:end])
 
     def check_rows(self, what: str, reader: int, step: int, rows: np.ndarray, final: bool) -> None:
         rows = rows.astype(np.float64)

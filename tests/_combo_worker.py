@@ -28,14 +28,18 @@ worker's thread has ended, the process exits with the first error any of them ra
 Gradients are functions of (worker, step, tensor) only (:func:`dense_grad`, :func:`row_push`), so the test
 computes in NumPy what every read must hold (SGD, lr = 1, from zeros). Entry ``w`` of every tensor is worker
 w's counter: ``COUNT`` per push, the largest magnitude of its gradient, so top-k always sends it; entries
-``0..MAX_WORKERS-1`` are zero otherwise. The other entries are small integers (exact in fp16, also as sync
-means), or for top-k dyadic numbers that never tie, so the entries top-k picks are known. The table has, per
+``0..MAX_WORKERS-1`` are zero otherwise. One tensor is large enough to be cut into pieces, 2 (one per shard), or
+4 when cut for a network (``PSRT_PIPELINE=on``), and every piece a network cut makes begins with such counters
+(:func:`counter_starts`): its pieces are applied apart, each at its own prefix of the pushes in async and ssp.
+The other entries are small integers (exact in fp16, also as sync means), or for top-k dyadic numbers that do not
+tie at top-k's boundary, so the entries top-k picks are known. The table has, per
 worker and shard, a counter row on that shard, and shared data rows pushed with repeats.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -47,8 +51,11 @@ from typing import Any, Optional
 import numpy as np
 
 # Each above the 64 KiB a call needs to take the shared-memory path; four, so that ssp with s = 2 meets pushes of
-# one step that are further apart in a per-worker count of pushes than the staleness bound.
-SIZES = (17_000, 20_000, 24_000, 18_000)
+# one step that are further apart in a per-worker count of pushes than the staleness bound. t2 (1.25 MiB) is cut
+# into pieces: a piece per shard, or 4 pieces of 320 KiB when cut for a network.
+SIZES = (17_000, 20_000, 327_680, 18_000)
+#: The job's shards (S), as the shard map that places the pieces sees them.
+SHARDS = 2
 COUNT = 64.0
 MAX_WORKERS = 4
 SEED = 20_240_617
@@ -71,20 +78,35 @@ def grad_kind(compression: Optional[str]) -> str:
     return "fine" if compression and compression.startswith("topk") else "int"
 
 
+@functools.cache
+def counter_starts(tensor: int) -> tuple[int, ...]:
+    """Where tensor ``tensor``'s pieces begin when it is cut for a network, each with the workers' counters (the
+    pieces of a cut for a host, fewer, begin at some of these)."""
+    from psrt.config import ClientConfig
+    from psrt.partition import PartitionMap
+
+    pmap = PartitionMap(SHARDS, ClientConfig().partition_bytes, network=True)
+    pmap.add({f"t{t}": ((n,), np.dtype(np.float32)) for t, n in enumerate(SIZES)})
+    return tuple(sorted(c.start for c in pmap.chunks[f"t{tensor}"]))
+
+
 def dense_grad(kind: str, worker: int, step: int, tensor: int) -> np.ndarray:
     """Worker ``worker``'s gradient of tensor ``tensor`` at step ``step`` (0-based)."""
     n = SIZES[tensor]
     rng = np.random.default_rng([SEED, worker, step, tensor])
     if kind == "fine":
-        # Per (worker, tensor) every entry keeps one magnitude, all distinct and within a ratio of 1.1 of each
-        # other; only signs change from step to step. An entry's gradient + residual is then a*m with a <= the
-        # steps so far, and a*m = b*m' has no solution for a != b <= 6 (m/m' < 7/6) nor for m != m': no ties.
+        # Per (worker, tensor) every entry keeps one magnitude, all distinct and, in the small tensors, within a
+        # ratio of 1.1 of each other; only signs change from step to step. An entry's gradient + residual is then
+        # a*m with a <= the steps so far, and a*m = b*m' has no solution for a != b <= 6 (m/m' < 7/6) nor for
+        # m != m': no ties. t2's magnitudes span a ratio of 2.25 (kept below 2**20 / 65536, so that sums of 12
+        # stay exact in float32): a tie is possible there, and the oracle checks none falls on top-k's boundary.
         magnitude = (FINE_BASE + np.random.default_rng([SEED, worker, tensor]).permutation(n)) / 65536.0
         g = magnitude * rng.choice([-1.0, 1.0], n)
     else:
         g = rng.integers(-8, 9, n).astype(np.float64)
-    g[:MAX_WORKERS] = 0.0
-    g[worker] = COUNT
+    for start in counter_starts(tensor):
+        g[start:start + MAX_WORKERS] = 0.0
+        g[start + worker] = COUNT
     return g.astype(np.float32)
 
 

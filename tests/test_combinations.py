@@ -22,8 +22,12 @@ What each case checks, from the documented semantics (README, docs/architecture.
   stricter than the bound stalls the job, which fails it);
 - the final parameters (after a barrier and a pull) are exactly the oracle's: all pushes, each applied once;
 - compression: fp16 carries these small integers exactly; top-k's choice is simulated with its documented rule
-  (the ``ceil(RATIO * count)`` largest magnitudes of gradient + residual; a restarted shard's residuals start
-  from zero once the client learns of the restart), so its results are exact too;
+  (per chunk, the ``ceil(RATIO * count)`` largest magnitudes of gradient + residual; a restarted shard's
+  residuals start from zero once the client learns of the restart), so its results are exact too;
+- the cut: one tensor (1.25 MiB) is cut into a piece per shard on this host, or with ``PSRT_PIPELINE=on`` into 4
+  pieces as for shards across a network, each its own message over a socket (lanes still carry them together);
+  in async and ssp each piece is applied apart, so each holds its own prefix of the pushes (every piece a network
+  cut makes begins with the workers' counters);
 - the data path (shared memory exactly where lanes can be used), CURVE really on with keys, the workers in one
   process or two as the case says, no internal error in any shard, and every process exiting in time with code 0
   but the one whose worker's script raised;
@@ -88,6 +92,7 @@ FACTORS: dict[str, list[str]] = {
     "event": ["none", "leave", "crash", "restore"],
     "security": ["off", "keys"],
     "processes": ["separate", "shared"],
+    "pipeline": ["auto", "on"],
 }
 
 
@@ -100,6 +105,7 @@ class Case(NamedTuple):
     event: str
     security: str
     processes: str
+    pipeline: str = "auto"
 
     @property
     def id(self) -> str:
@@ -171,7 +177,8 @@ class Job:
         """Start the scheduler, the servers and the workers; return once the job has formed."""
         case, keys = self.case, self.keys
         self.env = {"PSRT_TIMEOUT": "30", "PSRT_SHM": "1" if case.path == "shm" else "0",
-                    "PSRT_KEYS": keys if case.security == "keys" else "", "PSRT_RESTART_GRACE": "15"}
+                    "PSRT_KEYS": keys if case.security == "keys" else "", "PSRT_RESTART_GRACE": "15",
+                    "PSRT_PIPELINE": case.pipeline}
         mode = ["--mode", case.mode, *(["--staleness", str(STALENESS)] if case.mode == "ssp" else [])]
         elastic = ["--elastic"] if case.event in LEAVING else []
         self.scheduler = self.start("scheduler", psrt_command(
@@ -280,7 +287,7 @@ class Job:
 
 def _check(case: Case, tmp: Path, results: list[dict[str, Any]], victim: int) -> None:
     restart = (victim, case.calls, PAUSE_AFTER) if case.event == "restore" else None
-    oracle = Oracle(case.mode, _compression(case), case.event in LEAVING, restart)
+    oracle = Oracle(case.mode, _compression(case), case.event in LEAVING, restart, network=case.pipeline == "on")
     for res in results:
         w = res["rank"]
         data = np.load(tmp / f"worker-{w}.npz")

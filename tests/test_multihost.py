@@ -75,6 +75,23 @@ def test_a_tensor_crossing_a_network_travels_a_piece_a_message_and_on_one_host_i
             assert server.stop() in (0, -15)
 
 
+def test_pipeline_off_sends_a_tensor_crossing_a_network_in_one_message():
+    """``PSRT_PIPELINE=off`` (for links so fast that the shard's CPU is the bottleneck): a worker on another host
+    keeps the tensor whole, one message a step, as on the shard's own host; the parameters are exact."""
+    size = 1_000_000
+    with VirtualCluster(["srv", "wrk"]) as vc:
+        endpoint = f"tcp://{vc.address('srv')}:5712"
+        server = vc.spawn("srv", [*PSRT, "server", "--bind", endpoint, "--workers", "1", "--mode", "async"],
+                          ready=SERVER_READY)
+        server.wait_ready(30)
+        probe = vc.spawn("wrk", worker_command("lane_probe", servers=[endpoint], size=size, steps=3, value=2.0),
+                         env={"PSRT_PIPELINE": "off"})
+        out = probe.communicate(timeout=120)
+        assert probe.returncode == 0, out
+        assert parse_results(out) == [{"first": -6.0, "last": -6.0, "shm_bytes_in": 0, "pushes": 3}]
+        assert server.stop() in (0, -15)
+
+
 @pytest.mark.parametrize("compression", ["none", "fp16"])
 @pytest.mark.parametrize("calls", ["push_pull", "push_then_pull"])
 def test_sync_rounds_of_tensors_cut_for_the_network_are_exact(calls, compression):

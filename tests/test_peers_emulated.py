@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -67,11 +68,13 @@ def pids_in(namespace: str) -> list[str]:
 @pytest.mark.integration
 @needs_namespaces
 def test_emulated_psrt_and_torch_cross_the_links_and_train_correctly(tmp_path):
+    """psrt (cut for the network: 1 MiB in 4 pieces, 2 on each shard, a message each), psrt-whole
+    (``PSRT_PIPELINE=off``: a piece per shard) and torch RPC, each over the shaped links, each exact."""
     pytest.importorskip("torch")
     out = tmp_path / "emulated.json"
     proc = subprocess.Popen([sys.executable, str(BENCH / "peers.py"), "--emulated", "--link", "1gbit",
-                             "--elements", "64K", "--workers", "2", "--servers", "2", "--steps", "3",
-                             "--systems", "psrt,torch", "--timeout", "120", "--json", str(out)],
+                             "--elements", "256K", "--workers", "2", "--servers", "2", "--steps", "3",
+                             "--systems", "psrt,psrt-whole,torch", "--timeout", "120", "--json", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = proc.communicate(timeout=280)[0]
     assert proc.returncode == 0, output[-4000:]
@@ -79,11 +82,14 @@ def test_emulated_psrt_and_torch_cross_the_links_and_train_correctly(tmp_path):
     report = json.loads(out.read_text())
     assert report["mode"] == "emulated" and report["link_bits"] == 10**9
     (workload,) = report["workloads"]
-    elements, steps = 64 << 10, 3
+    elements, steps = 256 << 10, 3
     assert (workload["workload"]["elements"], workload["workload"]["workers"]) == (elements, 2)
     floor = peers.link_floor(elements, 2, 2, 1e9)
     assert workload["floor"] == pytest.approx(floor)
-    assert list(workload["systems"]) == ["psrt", "torch"]
+    assert list(workload["systems"]) == ["psrt", "psrt-whole", "torch"]
+    for name, pieces in (("psrt", 2), ("psrt-whole", 1)):  # each shard's messages: per piece, worker and step
+        served = re.findall(r"pushes=(\d+)", workload["systems"][name]["detail"])
+        assert served == [str(pieces * 2 * (steps + 1))] * 2, (name, workload["systems"][name]["detail"])
     for name, row in workload["systems"].items():
         assert row["status"] == "ok", row["message"]
         assert row["check_ok"] is True and row["max_err"] <= row["tol"]

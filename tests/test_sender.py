@@ -17,7 +17,8 @@ import pytest
 
 import psrt
 from psrt.config import ClientConfig
-from psrt.partition import Chunk
+from psrt.errors import ConfigError
+from psrt.partition import PIPELINE_PIECES, Chunk
 from psrt.transport import on_this_host
 
 WORKER = Path(psrt.__file__).parent / "worker"
@@ -119,3 +120,37 @@ def test_a_tensor_and_a_table_of_one_name_keep_their_versions_apart(shards):
 def test_a_shard_on_this_host_is_told_from_its_endpoint(endpoint, local):
     """Messages to a shard reached without a network are not cut for pipelining; a host name is not resolved."""
     assert on_this_host(endpoint) is local
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("pipeline, messages_per_step", [("auto", 1), ("off", 1), ("on", PIPELINE_PIECES)])
+def test_the_pipeline_setting_decides_the_cut_whatever_the_endpoints(shards, pipeline, messages_per_step):
+    """On loopback ``auto`` and ``off`` keep a tensor whole (one message a step) and ``on`` cuts it for a network
+    anyway, a piece a message over the socket; sync rounds stay exact either way (two workers, the mean of 1 and
+    3, SGD lr=1), and the shard counts each piece's push of each worker."""
+    size, steps = 1_000_000, 3  # 4 MB on one shard: whole, or PIPELINE_PIECES pieces of 500 KB
+    group = shards(1, workers=2)
+    config = ClientConfig(timeout=30, shm=False, pipeline=pipeline)
+    clients = [psrt.Client(group.endpoints, rank=r, num_workers=2, config=config) for r in range(2)]
+    try:
+        for c in clients:
+            c.init({"w": np.zeros(size, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        assert len(clients[0]._map.chunks["w"]) == messages_per_step
+        for step in range(1, steps + 1):
+            handles = [c.push_pull_async({"w": np.full(size, 2 * r + 1, np.float32)}) for r, c in enumerate(clients)]
+            for h in handles:
+                np.testing.assert_array_equal(h.wait()["w"], np.full(size, -2.0 * step, np.float32))
+        assert clients[0].stats()[0]["pushes"] == 2 * steps * messages_per_step
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_pipeline_setting_other_than_auto_on_or_off_is_refused(monkeypatch):
+    with pytest.raises(ConfigError, match="pipeline must be 'auto', 'on' or 'off', got 'yes'"):
+        ClientConfig(pipeline="yes")
+    monkeypatch.setenv("PSRT_PIPELINE", "always")
+    with pytest.raises(ConfigError, match=r"got 'always' \(PSRT_PIPELINE\)"):
+        ClientConfig()
+    monkeypatch.setenv("PSRT_PIPELINE", "off")
+    assert ClientConfig().pipeline == "off"

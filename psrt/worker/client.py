@@ -138,12 +138,14 @@ class Client:
                                  check=hb.check if hb is not None else None, moves=hb.moves if hb is not None else None,
                                  restarted=self._compressor.restarted if self._compressor is not None else None)
         self.servers = self._calls.servers  # one list: a shard that restarted elsewhere is named where it is now
-        self._senders = [ShardSender(shard, self._calls, self._lanes, rank, self._session, self._compressor)
+        pipeline = self.config.pipeline
+        self._senders = [ShardSender(shard, self._calls, self._lanes, rank, self._session, self._compressor, pipeline)
                          for shard in range(len(self.servers))]
-        # Every worker lists the same shards, so every one cuts the tensors alike: for the network unless no shard
-        # can be more than this host away (their endpoints are ipc:// or loopback).
+        # Every worker lists the same shards (and has the same setting), so every one cuts the tensors alike: by
+        # default for the network unless no shard can be more than this host away (ipc:// or loopback endpoints).
+        network = pipeline == "on" or (pipeline == "auto" and not all(map(transport.on_this_host, self.servers)))
         self._map = PartitionMap(len(self.servers), self.config.partition_bytes, self.config.limits.max_header_bytes,
-                                 network=not all(transport.on_this_host(ep) for ep in self.servers))
+                                 network=network)
         self._plans = Plans(self._map, rank, self._session, prefixes=compress is None)
         self._receive = ReceivePool()
         self._embedding = EmbeddingClient(self._calls, self._senders, rank, self._session)

@@ -65,16 +65,20 @@ class ShardSender:
         The worker's rank and session, in every request that names the worker.
     compressor : Compressor, optional
         The gradient compression of pushes (none: pushes go at full precision).
+    pipeline : str
+        :attr:`psrt.config.ClientConfig.pipeline`: whether a split tensor's pieces go a piece a message over the
+        socket (``"on"``), never (``"off"``), or when the shard is reached over a network (``"auto"``).
     """
 
     def __init__(self, shard: int, calls: ShardCalls, lanes: WorkerLanes, rank: int, session: int,
-                 compressor: Optional[Compressor] = None) -> None:
+                 compressor: Optional[Compressor] = None, pipeline: str = "auto") -> None:
         self.shard = shard
         self._calls = calls
         self._channel = calls.channels[shard]  # re-pointed in place when the shard moves
         self._lanes = lanes
         self._rank, self._session = rank, session
         self._compressor = compressor
+        self._pipeline = pipeline
         self._timeout = calls.config.timeout
         self._known = calls.versions.chunks[shard]  # the versions a pull asks for
         #: The sequence number of this client's next push to the shard (the shard applies each once).
@@ -121,11 +125,16 @@ class ShardSender:
             self.send(handle, lambda rid, e=entries, p=payload: wire.encode_init(rid, rank, session, optimizer, e, p),
                       chunks=msg)
 
+    def _grouped(self) -> bool:
+        """Whether a call's pieces share messages over this shard's socket (else each piece is one)."""
+        pipeline = self._pipeline
+        return pipeline == "off" or (pipeline == "auto" and self._channel.local)
+
     def pull(self, handle: Handle, plan: ShardPlan, clock: int) -> None:
         """Send the pull requests of ``plan``: each asks for the versions this client's pushes target."""
         rank, known = self._rank, self._known
         lane = self._lanes.lane_for(self.shard, plan.lane_bytes, self.ask)
-        for msg in (plan.grouped if lane is not None or self._channel.local else plan.messages):
+        for msg in (plan.grouped if lane is not None or self._grouped() else plan.messages):
             keys = [[c.name, c.part, known.get(c.key, 0)] for c in msg]
             any_version = [[c.name, c.part, 0] for c in msg]
             plain = lambda rid, k=keys: wire.encode_pull(rid, rank, k, clock)  # noqa: E731
@@ -145,7 +154,7 @@ class ShardSender:
                                                                                      self.ask)
         if lane is not None:  # the bytes are all there at once: as few messages as can be
             messages, prefixes = plan.grouped, [None] * len(plan.grouped)
-        elif self._channel.local:  # no link to keep busy both ways: the same
+        elif self._grouped():  # no link to keep busy both ways (or pipelining is off): the same
             messages, prefixes = plan.grouped, plan.grouped_prefixes
         else:  # over a network: a piece a message, so the shard answers each while the next arrives
             messages, prefixes = plan.messages, plan.prefixes
