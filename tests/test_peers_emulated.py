@@ -46,7 +46,7 @@ def test_link_floor_is_the_shard_links_payload_at_the_link_rate():
 @pytest.mark.parametrize("args, message", [
     (["--link", "1gbit"], "--link applies only with --emulated"),
     (["--emulated", "--link", "fast"], "is not a rate such as 1gbit"),
-    (["--emulated", "--systems", "psrt-tuned"], "subset of psrt,torch,ray with --emulated"),
+    (["--emulated", "--systems", "psrt-tuned"], "subset of psrt,psrt-whole,torch,ray with --emulated"),
     (["--emulated", "--torch-transport", "tcp"], "--emulated always limits TensorPipe to TCP"),
 ])
 def test_emulated_options_are_checked(args, message):
