@@ -144,7 +144,7 @@ def run_scheduler(bind: str, cluster: ClusterConfig, out: IO[str] = sys.stdout) 
     sched = Scheduler(bind, cluster.num_servers, cluster.num_workers, cluster.mode,
                       start_timeout=cluster.start_timeout, heartbeat_timeout=cluster.heartbeat_timeout,
                       elastic=cluster.elastic, restart_grace=cluster.restart_grace, keys=cluster.keys,
-                      staleness=cluster.staleness)
+                      staleness=cluster.staleness, replicas=cluster.replicas)
     _stop_on_signals(sched.stop)
     print(ready_line("scheduler", sched.endpoint, servers=cluster.num_servers, workers=cluster.num_workers,
                      mode=cluster.mode), file=out, flush=True)
