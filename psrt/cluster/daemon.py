@@ -93,8 +93,12 @@ def run_server(scheduler: Optional[str] = None, host: Optional[str] = None, metr
             # The rank this shard's checkpoint belongs to goes with the registration: restarted on any endpoint,
             # it takes that slot back. A rank it knows, it restores now; else once the table gives it one.
             asked, resuming = server.checkpoint_claim()
+            # A replicated job: the scheduler says R first, and the shard announces where its copies go.
+            job = link.table(timeout=timeout).replication
+            replication = server.prepare_replication(job.replicas) if job is not None and job.replicas else ()
             table = link.register("server", endpoint=announce, host=host, rank=asked, timeout=timeout,
-                                  restorable=config.checkpoint_dir is not None, restore=resuming)
+                                  restorable=config.checkpoint_dir is not None, restore=resuming,
+                                  replication=[e.replace("0.0.0.0", host) for e in replication])
             server.join(table)
         if metrics_port is not None:
             from psrt.control.metrics import serve_metrics

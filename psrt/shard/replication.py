@@ -1,0 +1,420 @@
+"""A shard's part in a replicated job (``--replicas R``): copying its rounds to its replicas, holding the copies
+of the ranges it backs, and taking one of them over when the scheduler promotes it.
+
+Shard k's key range is also held by the next R shards of the ring (:func:`psrt.partition.replica_ring`). Two
+channels, both DEALER/ROUTER in a ZeroMQ context of their own (with keys: CURVE, whose ZAP handler admits the job's
+*server* key alone, so no worker can speak on them):
+
+- **Primary side** (:meth:`Replication.commit`, on the shard's serving thread): once a sync round completes, its
+  result — the new parameters and optimizer slots of the keys it stepped, their versions, and each worker's
+  *settled* sequence number (every push up to it is in that state, none after it) — goes once to every live
+  replica, and the shard waits for each one's ``replicated`` before it answers anything that round made true (the
+  push_pulls' parameters, the pulls' waits, and in a replicated job even a plain push's ack). A new key's ``init``
+  is copied the same way. While it waits it keeps heartbeating and reads the scheduler's notices, so a replica
+  the scheduler declares dead (a ``ranges`` notice without it) is no longer waited for.
+- **Replica side** (a thread of its own, :meth:`Replication._serve_copies`): the copies land in one standby
+  :class:`~psrt.shard.server.Server` per backed range, bound before the shard registered (its endpoint is in the
+  registration) and not yet serving. A copy is taken only from the job (its token) and only from the range's
+  current primary; anything else is refused with an error and changes nothing.
+- **Promotion**: a ``ranges`` notice naming this shard first for a range it backs (only the scheduler promotes,
+  and only the first live holder) makes the replication thread apply every copy already queued, stop taking
+  copies for that range, and start the standby serving it on its own thread. The scheduler has told the workers
+  the standby's endpoint (``moved``); they send again what the dead primary never answered, and the sequence
+  numbers the copies carry make that exactly-once.
+
+A promoted standby serves its range without copying it further: the scheduler counts it as the range's only
+holder from then on.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from dataclasses import replace
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import numpy as np
+
+from psrt import optim, transport, wire
+from psrt.config import ServerConfig
+from psrt.control import security
+from psrt.errors import ConfigError, ProtocolError
+from psrt.partition import backed_ranges
+from psrt.shard.store import Key, Store, WorkerLog
+from psrt.wire import replication as messages
+
+
+class Server(Protocol):
+    """What replication uses of a :class:`psrt.shard.server.Server` (not imported: the server imports this)."""
+
+    config: ServerConfig
+    store: Store
+    endpoint: str
+    replies: Any
+
+    def set_job(self, num_workers: int, mode: str, staleness: int = 0) -> None: ...  # noqa: D102
+    def serve(self, control: Any = None) -> None: ...  # noqa: D102
+    def stop(self) -> None: ...  # noqa: D102
+    def close(self) -> None: ...  # noqa: D102
+
+__all__ = ["Replication", "sibling_endpoint", "peer_keys"]
+
+log = logging.getLogger("psrt.replication")
+
+#: Seconds between the replication thread's looks for a stop or a promotion while no copy arrives.
+_POLL = 0.05
+
+
+def sibling_endpoint(bind: str, suffix: str) -> str:
+    """Where to bind a socket beside the shard's own ``bind``: the same host on a free port (tcp), or a path
+    next to its socket file (ipc)."""
+    if bind.startswith("ipc://"):
+        return f"{bind}.{suffix}"
+    if bind.startswith("tcp://"):
+        host = bind[len("tcp://"):].rpartition(":")[0]
+        return f"tcp://{host}:*"
+    return bind  # inproc and the like: the caller's choice stands (tests bind their own)
+
+
+def peer_keys(directory: Optional[security.PathLike]) -> Optional[security.JobKeys]:
+    """The keys of the shard-to-shard channel: the job's server pair on both ends, so that its ZAP handler admits
+    the server key alone (a worker holds the client pair, never the server secret). None: keys are off."""
+    keys = security.load_keys(directory, serve=True, connect=False)
+    if keys is None:
+        return None
+    return replace(keys, client_public=keys.server_public, client_secret=keys.server_secret)
+
+
+class _HeldAck:
+    """A sync push's ack, held until every key it joined has a round the replicas acknowledged."""
+
+    __slots__ = ("identity", "request_id", "want", "duplicate", "keys")
+
+    def __init__(self, identity: bytes, request_id: int, keys: list[Key], want: list[int], duplicate: bool) -> None:
+        self.identity, self.request_id, self.keys = identity, request_id, keys
+        self.want, self.duplicate = want, duplicate
+
+
+class Replication:
+    """One shard's replication: its replication socket and standbys (bound now), and, once :meth:`start` has the
+    job's table, its copies to its replicas and from its primaries.
+
+    Parameters
+    ----------
+    server : Server
+        The shard (its store, configuration and answers).
+    replicas : int
+        R, from the scheduler.
+    make_standby : callable
+        Makes the standby server of one backed range, bound to the endpoint it is given.
+    """
+
+    def __init__(self, server: Server, replicas: int, make_standby: Callable[[str], Server]) -> None:
+        self.server = server
+        self.replicas = replicas
+        config = server.config
+        self._timeout = config.send_timeout  # how long a copy may go unacknowledged by a replica not declared dead
+        self._limits = config.limits
+        keys = peer_keys(config.keys)
+        self._keys = keys
+        self._ctx = transport.new_context()
+        self._standbys: list[Server] = []
+        try:
+            self._router = transport.RouterChannel(self._ctx, sibling_endpoint(server.endpoint, "replication"),
+                                                   config.hwm, config.send_timeout, keys=keys,
+                                                   max_frame=config.limits.max_frame_bytes)
+            for i in range(1, replicas + 1):
+                self._standbys.append(make_standby(sibling_endpoint(server.endpoint, f"standby-{i}")))
+        except BaseException:
+            self.close()
+            raise
+        #: What the shard announces when it registers: its replication endpoint, then each standby's.
+        self.endpoints: tuple[str, ...] = (self._router.endpoint, *[s.endpoint for s in self._standbys])
+        self.rank = -1
+        self.token = ""
+        #: Per range, its live holders (the one serving it first), as the scheduler said last.
+        self.holders: tuple[tuple[int, ...], ...] = ()
+        self.backed: tuple[int, ...] = ()
+        self._dealers: dict[int, transport.DealerChannel] = {}
+        #: Per worker, the seq of its first push in each key's open round (those pushes are not settled).
+        self._open: dict[int, dict[Key, int]] = {}
+        self._acks: list[_HeldAck] = []
+        self._next_id = 1
+        self._promote: set[int] = set()
+        self._promoted: set[int] = set()
+        self._serving: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        #: Called while a commit waits (the server's heartbeat and the scheduler's notices).
+        self.tick: Callable[[], None] = lambda: None
+        self.copies_sent = self.copies_taken = self.copies_refused = 0
+
+    # ------------------------------------------------------------------ set-up
+    def start(self, table: wire.Table) -> None:
+        """Adopt the job's table (rank, W, mode, the holders and endpoints), connect to this range's replicas and
+        start taking copies of the ranges this shard backs."""
+        info = table.replication
+        if info is None or info.replicas != self.replicas or len(info.endpoints) != table.num_servers:
+            raise ProtocolError("the scheduler's table of a replicated job lacks its replication endpoints")
+        self.rank, self.token, self.holders = table.rank, info.token, info.holders
+        self.backed = backed_ranges(table.num_servers, self.replicas, self.rank)
+        for standby in self._standbys:
+            standby.set_job(table.num_workers, table.mode, table.staleness)
+        for j in self.holders[self.rank][1:]:
+            announced = info.endpoints[j]
+            if not announced:
+                raise ProtocolError(f"shard {j} announced no replication endpoint")
+            self._dealers[j] = transport.DealerChannel(self._ctx, announced[0], self.server.config.hwm,
+                                                       keys=self._keys, max_frame=wire.CONTROL_LIMITS.max_header_bytes)
+        self._thread = threading.Thread(target=self._serve_copies, name="psrt-replication", daemon=True)
+        self._thread.start()
+        log.info("shard %d: range copied to shards %s; backs ranges %s", self.rank, list(self.holders[self.rank][1:]),
+                 list(self.backed))
+
+    def close(self) -> None:
+        """Stop the replication thread and every standby; close the sockets and the context."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        for standby in self._standbys:
+            standby.stop()
+        for thread in self._serving:
+            thread.join(5.0)
+        for standby in self._standbys:
+            standby.close()
+        for ch in self._dealers.values():
+            ch.close()
+        if getattr(self, "_router", None) is not None:
+            self._router.close()
+        self._ctx.term()
+
+    # ------------------------------------------------------------------ the scheduler's word
+    def on_ranges(self, notice: wire.Ranges) -> None:
+        """A shard died: adopt the new holders; a backed range naming this shard first is taken over."""
+        if len(notice.holders) != len(self.holders):
+            log.warning("ignoring a ranges notice for %d ranges (the job has %d)", len(notice.holders),
+                        len(self.holders))
+            return
+        self.holders = notice.holders
+        gone = [j for j in self._dealers if j not in self.holders[self.rank]]
+        for j in gone:
+            log.warning("shard %d no longer holds a copy of range %d (the scheduler says): not copying to it",
+                        j, self.rank)
+            self._dealers.pop(j).close()
+        with self._lock:
+            for k in self.backed:
+                if self.holders[k][:1] == (self.rank,) and k not in self._promoted:
+                    self._promote.add(k)  # the replication thread applies what is queued, then serves it
+
+    def serving_ranges(self) -> list[int]:
+        """The ranges this shard serves: its own, and those it took over."""
+        return [self.rank, *sorted(self._promoted)]
+
+    # ------------------------------------------------------------------ primary side
+    def joined(self, worker: int, seq: int, keys: list[Key], completed: Sequence[int]) -> None:
+        """A push (``seq`` of ``worker``) joined the rounds of ``keys``; those at ``completed`` stepped."""
+        done = set(completed)
+        opened = None
+        for i, key in enumerate(keys):
+            if i not in done:
+                if opened is None:
+                    opened = self._open.setdefault(worker, {})
+                opened.setdefault(key, seq)
+
+    def hold_ack(self, identity: bytes, request_id: int, keys: list[Key], targets: list[int],
+                 duplicate: bool) -> bool:
+        """A sync push's ack: held (True) until the rounds it joined are held by the replicas too."""
+        entries = self.server.store.entries
+        if all(entries[k].version >= t for k, t in zip(keys, targets)):
+            return False
+        self._acks.append(_HeldAck(identity, request_id, keys, targets, duplicate))
+        return True
+
+    def commit(self, keys: list[Key]) -> None:
+        """The rounds of ``keys`` completed (or ``init`` made them): copy their state to every live replica and
+        wait until each acknowledged it (or the scheduler says it is gone); then release the acks it held."""
+        for opened in self._open.values():
+            for key in keys:
+                opened.pop(key, None)
+        store = self.server.store
+        live = [j for j in self.holders[self.rank][1:] if j in self._dealers] if self.holders else []
+        if live and keys:
+            rid = self._next_id
+            self._next_id += 1
+            frames = messages.encode_replicate(rid, self.token, self.rank, self.rank, self._settled(store),
+                                               [(k, store.entries[k]) for k in keys])
+            for j in live:
+                self._dealers[j].send(frames, self._timeout)
+            self.copies_sent += 1
+            self._await(rid, live)
+        if self._acks:
+            self._release_acks()
+
+    def _await(self, rid: int, live: list[int]) -> None:
+        waiting = set(live)
+        deadline = time.monotonic() + self._timeout
+        while True:
+            for j in list(waiting):
+                ch = self._dealers.get(j)
+                if ch is None:  # the scheduler declared it dead meanwhile (on_ranges)
+                    waiting.discard(j)
+                    continue
+                while ch.readable():
+                    head = ch.recv_frame()
+                    more = ch.more()
+                    ch.discard_rest()
+                    try:
+                        if more:
+                            raise ProtocolError("a replica's reply is one frame")
+                        reply = messages.decode_replication_reply([head], self._limits)
+                    except ProtocolError as exc:
+                        log.error("shard %d sent a malformed reply to a copy: %s", j, exc)
+                        continue
+                    if reply.id != rid:
+                        continue  # a late answer to a copy that was given up on
+                    waiting.discard(j)
+                    if isinstance(reply, messages.ReplicationError):
+                        log.error("shard %d refused range %d's copy: [%s] %s; it no longer holds a current copy",
+                                  j, self.rank, reply.code, reply.message)
+                        self._dealers.pop(j).close()
+                    break
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                for j in waiting:
+                    log.error("shard %d did not acknowledge range %d's copy within %gs and the scheduler did not "
+                              "declare it dead; going on without it", j, self.rank, self._timeout)
+                    self._dealers.pop(j).close()
+                return
+            self.tick()  # heartbeats go on; a ranges notice may drop a dead replica from the wait
+            for j in waiting:
+                ch = self._dealers.get(j)
+                if ch is not None:
+                    ch.poll(_POLL / max(1, len(waiting)))
+
+    def _settled(self, store: Store) -> list[tuple[int, int, int]]:
+        out = []
+        for worker, wlog in store.workers.items():
+            opened = self._open.get(worker)
+            seq = min(opened.values()) - 1 if opened else wlog.last_seq
+            out.append((worker, wlog.session, seq))
+        return out
+
+    def _release_acks(self) -> None:
+        entries, still = self.server.store.entries, []
+        for ack in self._acks:
+            if all(entries[k].version >= t for k, t in zip(ack.keys, ack.want)):
+                self.server.replies.reply(ack.identity, wire.encode_ack(ack.request_id, ack.want, ack.duplicate))
+            else:
+                still.append(ack)
+        self._acks = still
+
+    # ------------------------------------------------------------------ replica side
+    def _serve_copies(self) -> None:
+        router = self._router
+        while not self._stop.is_set():
+            if router.poll(_POLL):
+                while (msg := router.recv()) is not None:
+                    self._take(*msg)
+            if self._promote:
+                while (msg := router.recv()) is not None:  # what the dead primary sent before it died, first
+                    self._take(*msg)
+                with self._lock:
+                    promote, self._promote = sorted(self._promote), set()
+                for k in promote:
+                    self._take_over(k)
+
+    def _take(self, identity: bytes, frames: list[Any]) -> None:
+        try:
+            req = messages.decode_replicate(frames, self._limits)
+        except ProtocolError as exc:
+            self._refuse(identity, getattr(exc, "request_id", None) or 0, "protocol", str(exc))
+            return
+        why = self._refusal(req)
+        if why is not None:
+            self._refuse(identity, req.id, *why)
+            return
+        try:
+            optimizers = [optim.from_wire(spec) for spec in req.optimizers]
+        except ConfigError as exc:
+            self._refuse(identity, req.id, "protocol", f"field 'optimizers': {exc}")
+            return
+        store = self._standbys[self.backed.index(req.range)].store
+        problem = _check_copy(store, req, optimizers)
+        if problem is not None:
+            self._refuse(identity, req.id, "conflict", problem)
+            return
+        _apply_copy(store, req, optimizers)
+        self.copies_taken += 1
+        try:
+            self._router.send(identity, messages.encode_replicated(req.id))
+        except transport.SendDropped:
+            log.warning("the acknowledgement of range %d's copy could not be sent", req.range)
+
+    def _refusal(self, req: messages.ReplicateRequest) -> Optional[tuple[str, str]]:
+        """Why a copy is not taken (None: it is): not the job's, not a range this shard backs, not from its
+        current primary, or a range this shard serves itself now."""
+        if not self.token or not hmac.compare_digest(req.token.encode(), self.token.encode()):
+            return "not_job", "a copy without this job's replication token"
+        if req.range not in self.backed:
+            return "not_backed", f"shard {self.rank} holds no copy of range {req.range}"
+        holders = self.holders[req.range] if req.range < len(self.holders) else ()
+        if req.range in self._promoted or not holders or holders[0] != req.sender or req.sender == self.rank:
+            return "not_primary", (f"shard {req.sender} is not range {req.range}'s primary (its holders are "
+                                   f"{list(holders)})")
+        return None
+
+    def _refuse(self, identity: bytes, rid: int, code: str, message: str) -> None:
+        self.copies_refused += 1
+        log.warning("refused a replication message: [%s] %s", code, message)
+        try:
+            self._router.send(identity, messages.encode_replication_error(rid, code, message))
+        except transport.SendDropped:
+            pass
+
+    def _take_over(self, k: int) -> None:
+        standby = self._standbys[self.backed.index(k)]
+        with self._lock:
+            self._promoted.add(k)
+        versions = [e.version for e in standby.store.entries.values()]
+        log.warning("shard %d takes key range %d over at %s (%d keys, versions %s..%s)", self.rank, k,
+                    standby.endpoint, len(versions), min(versions, default=0), max(versions, default=0))
+        thread = threading.Thread(target=standby.serve, name=f"psrt-range-{k}", daemon=True)
+        thread.start()
+        self._serving.append(thread)
+
+    def stats(self) -> dict[str, Any]:
+        """The replication counters and what this shard holds, for :meth:`Server.stats`."""
+        return {"replicas": self.replicas, "copies_sent": self.copies_sent, "copies_taken": self.copies_taken,
+                "copies_refused": self.copies_refused, "serving_ranges": ",".join(map(str, self.serving_ranges())),
+                "backed_ranges": ",".join(str(k) for k in self.backed if k not in self._promoted)}
+
+
+def _check_copy(store: Store, req: messages.ReplicateRequest, optimizers: list[optim.Optimizer]) -> Optional[str]:
+    """What makes a copy inapplicable to ``store`` (None: nothing): every check before anything changes."""
+    for meta, opt, names in zip(req.tensors, req.opt, req.slots):
+        entry = store.entries.get(meta.key)
+        optimizer = optimizers[opt]
+        if set(names) != set(optimizer.slots):
+            return f"tensor {meta.name!r} part {meta.part}: slots {list(names)} are not {optimizer.name}'s"
+        if entry is not None and (entry.param.dtype != meta.dtype or entry.param.size != meta.count
+                                  or entry.optimizer != optimizer):
+            return f"tensor {meta.name!r} part {meta.part} is held with another dtype, size or optimizer"
+    return None
+
+
+def _apply_copy(store: Store, req: messages.ReplicateRequest, optimizers: list[optim.Optimizer]) -> None:
+    for meta, version, opt, names, arrays in zip(req.tensors, req.versions, req.opt, req.slots, req.arrays):
+        entry = store.entries.get(meta.key)
+        if entry is None:
+            entry = store.create(meta.key, arrays[0], optimizers[opt])
+        else:
+            np.copyto(entry.param.reshape(-1), arrays[0])
+        for name, values in zip(names, arrays[1:]):
+            np.copyto(entry.slots[name].reshape(-1), values)
+        entry.version = version
+    for worker, session, seq in req.workers:
+        store.workers[worker] = WorkerLog(session, seq)
