@@ -126,13 +126,16 @@ def test_i2_a_dead_primarys_range_goes_to_its_first_live_replica_and_nothing_els
     main = [f"tcp://m{j}" for j in range(4)]
     promoted, lost = placement.lose(1)
     assert promoted == [(1, 2)] and lost == []
-    assert placement.holders == [[0, 2], [2, 3], [2, 3, 0], [3, 0]]
+    # range 1's promoted replica holds it alone (it copies it no further: shard 3's copy is no longer current)
+    assert placement.holders == [[0, 2], [2], [2, 3, 0], [3, 0]]
     assert placement.serving_endpoint(1, main) == "tcp://s2-1"  # shard 2 backs range 1 as its nearest
     assert placement.serving_endpoint(0, main) == "tcp://m0"
-    promoted, lost = placement.lose(2)  # range 1's next holder in ring order takes it
-    assert promoted == [(1, 3), (2, 3)] and lost == []
-    assert placement.serving_endpoint(1, main) == "tcp://s3-2"
-    assert placement.serving_endpoint(2, main) == "tcp://s3-1"
+    promoted, lost = placement.lose(0)  # range 0's next live holder in ring order takes it
+    assert promoted == [(0, 2)] and lost == []
+    assert placement.holders == [[2], [2], [2, 3], [3]]
+    assert placement.serving_endpoint(0, main) == "tcp://s2-2"
+    promoted, lost = placement.lose(2)
+    assert promoted == [(2, 3)] and lost == [0, 1]  # a stale copy is never promoted
 
 
 def test_i2_a_range_whose_every_copy_died_is_lost():
@@ -355,3 +358,50 @@ def test_i5_a_sigkilled_shard_loses_nothing_and_stops_nobody(tmp_path):
     assert max(r["max_gap"] for r in failed) < 15.0  # heartbeat timeout + promotion: a "does not hang" bound
     print(f"failover: longest step {max(r['max_gap'] for r in failed):.2f}s (heartbeat timeout 1.0s), "
           f"failure-free {max(r['max_gap'] for r in clean):.3f}s")
+
+
+@pytest.mark.parametrize("replicated, code", [(True, 0), (False, 137)])
+@pytest.mark.integration
+def test_launch_goes_on_when_a_server_of_a_replicated_job_dies(replicated, code):
+    """psrt launch ends an unreplicated job when a server dies, but leaves a replicated one to its scheduler (which
+    promotes the replicas, or fails the job itself when a range lost every copy)."""
+    import io
+    import sys
+    import threading
+
+    from psrt.cluster.launch import _supervise
+    from psrt.control.process import Child
+
+    out, lock = io.StringIO(), threading.Lock()
+    py = sys.executable
+    sched = Child([py, "-c", "import time; time.sleep(1.5)"], label="scheduler", out=out, lock=lock)
+    server = Child([py, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], label="server 0", out=out,
+                   lock=lock)
+    worker = Child([py, "-c", "import time; time.sleep(1.0)"], label="worker 0", out=out, lock=lock)
+    procs = [sched, server, worker]
+    try:
+        assert _supervise(sched, [server], [worker], procs, out, lock, replicated=replicated) == code
+    finally:
+        for p in procs:
+            p.stop()
+    if replicated:
+        assert "server 0" in out.getvalue() and "its key ranges are served by their replicas" in out.getvalue()
+
+
+def test_stats_shows_each_key_ranges_primary_and_replicas():
+    from _helpers import scheduling
+
+    from psrt.cluster.stats import format_ranges, job_table
+    from psrt.config import ClientConfig
+
+    with scheduling(servers=3, workers=1, replicas=2) as sched:
+        table = job_table(sched.endpoint, ClientConfig())
+    assert table.replication.replicas == 2 and table.replication.token == ""  # no token for a monitor
+    assert table.replication.holders == ((0, 1, 2), (1, 2, 0), (2, 0, 1))
+    after = wire.Table(0, -1, 3, 1, "sync", ["tcp://a:1", "tcp://b:2", "tcp://b:3"],
+                       replication=wire.Replication(2, ((1, 2), (1, 2), (2,)), ()))
+    assert format_ranges(after).splitlines()[1:] == [
+        "  range 0: shard 1 (tcp://a:1), replicas: shard 2",
+        "  range 1: shard 1 (tcp://b:2), replicas: shard 2",
+        "  range 2: shard 2 (tcp://b:3), replicas: none left"]
+    assert format_ranges(wire.Table(0, -1, 1, 1, "sync", ["tcp://a:1"])) == ""

@@ -151,7 +151,7 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
                          {**job_env, "PSRT_ROLE": "worker", "PSRT_WORKER_ID": str(first),
                           "PSRT_CLIENTS": str(count)})
                    for first, count in worker_copies(num_workers, clients)]
-        return _supervise(sched, servers, workers, procs, out, lock, elastic)
+        return _supervise(sched, servers, workers, procs, out, lock, elastic, replicated=replicas > 0)
     except KeyboardInterrupt as exc:
         by = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
         with lock:
@@ -189,7 +189,7 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def _supervise(sched: Child, servers: list[Child], workers: list[Child], procs: list[Child], out: IO[str],
-               lock: threading.Lock, elastic: bool = False) -> int:
+               lock: threading.Lock, elastic: bool = False, replicated: bool = False) -> int:
     def say(line: str) -> None:
         with lock:
             out.write(f"psrt launch: {line}\n")
@@ -201,10 +201,15 @@ def _supervise(sched: Child, servers: list[Child], workers: list[Child], procs: 
         return exit_status(code)
 
     left: list[Child] = []  # elastic: workers that failed and left the job, in the order seen
+    failed_over: list[Child] = []  # replicated: servers that died, whose ranges their replicas serve
     while True:
         for p in procs:
             code = p.poll()
-            if code is None or code == 0 or p in left:
+            if code is None or code == 0 or p in left or p in failed_over:
+                continue
+            if replicated and p in servers:  # the scheduler promotes its replicas, or fails the job if it cannot
+                failed_over.append(p)
+                say(f"{p.label} {describe_exit(code)}; its key ranges are served by their replicas")
                 continue
             if elastic and p in workers:
                 left.append(p)
@@ -219,7 +224,7 @@ def _supervise(sched: Child, servers: list[Child], workers: list[Child], procs: 
         return report(left[0])
     # Workers are done: the scheduler tells the servers to stop; give them a moment to exit on their own.
     deadline = time.monotonic() + 10.0
-    for p in (sched, *servers):
+    for p in (sched, *[s for s in servers if s not in failed_over]):
         try:
             code = p.wait(max(0.0, deadline - time.monotonic()))
         except PsrtTimeoutError:
