@@ -405,3 +405,17 @@ def test_stats_shows_each_key_ranges_primary_and_replicas():
         "  range 1: shard 1 (tcp://b:2), replicas: shard 2",
         "  range 2: shard 2 (tcp://b:3), replicas: none left"]
     assert format_ranges(wire.Table(0, -1, 1, 1, "sync", ["tcp://a:1"])) == ""
+
+
+def test_an_embedding_table_is_refused_in_a_replicated_job_rather_than_lost_at_a_failover():
+    from psrt.errors import ServerError
+    from psrt.worker.client import Client
+
+    pair, threads, _ = _pair()
+    try:
+        with Client(servers=[pair[0].endpoint], rank=0, num_workers=1) as client:
+            with pytest.raises(ServerError, match="not replicated yet"):
+                client.init_embedding("emb", 4)
+        assert pair[0].tables.stats().get("tables", 0) == 0
+    finally:
+        _close(pair, threads)

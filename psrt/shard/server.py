@@ -269,6 +269,9 @@ class Server(Recovery):
             elif isinstance(req, wire.InitRequest):
                 self._init(identity, req)
             elif isinstance(req, tables.REQUESTS):
+                if self._replication is not None and isinstance(req, wire.InitTableRequest):
+                    raise RequestRefused("not_replicated", "embedding tables are not replicated yet, and this job "
+                                         "runs with --replicas: start it without --replicas to use embedding tables")
                 self.tables.handle(identity, req)
             elif isinstance(req, wire.LaneProbeRequest):
                 self._reply(identity, self.lanes.probe(req))
