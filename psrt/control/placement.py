@@ -3,11 +3,10 @@
 With ``--replicas R`` shard k's key range is held by shard k (its primary) and by the next R shards on the ring
 (:func:`psrt.partition.range_holders`). :class:`Placement` keeps, per range, the holders still alive in promotion
 order; the first is the one that serves the range. When liveness names a dead shard, :meth:`Placement.lose`
-drops it everywhere: a range whose primary it was is promoted to its first live replica (which then holds it
-alone: a promoted replica does not copy the range onward yet), and a range left with no holder is lost (the job
-cannot go on). Only the scheduler promotes, and only the first live holder of a range
-in ring order; a shard takes over a range only when the scheduler's ``ranges`` notice names it first
-(docs/architecture.md, "Replication").
+drops it everywhere: a range whose primary it was is promoted to its first live replica (which copies it on to
+the range's other live holders), and a range left with no holder is lost (the job cannot go on). Only the
+scheduler promotes, and only the first live holder of a range in ring order; a shard takes over a range only when
+the scheduler's ``ranges`` notice names it first (docs/architecture.md, "Replication").
 
 Each shard announces, when it registers, its replication endpoint and one standby endpoint per range it backs
 (``backed_ranges``, nearest first): a promoted replica serves the range there, so the scheduler can tell the
@@ -92,10 +91,7 @@ class Placement:
             holders.remove(rank)
             if not holders:
                 lost.append(k)
-            elif was_primary:
-                # A promoted replica serves the range without copying it onward (yet): the other copies stop being
-                # current, so it is the range's only holder from now on, and no stale copy is ever promoted.
-                del holders[1:]
+            elif was_primary:  # it first copies the whole range to the others, then each round as before
                 promoted.append((k, holders[0]))
         return promoted, lost
 

@@ -97,123 +97,64 @@ class _HeldAck:
         self.want, self.duplicate = want, duplicate
 
 
-class Replication:
-    """One shard's replication: its replication socket and standbys (bound now), and, once :meth:`start` has the
-    job's table, its copies to its replicas and from its primaries.
+class Copier:
+    """The primary side of one key range: its copies to the range's live replicas, and the answers held until they
+    acknowledged. Used from one thread: the one serving the range (its sockets are made there, on first use).
 
     Parameters
     ----------
     server : Server
-        The shard (its store, configuration and answers).
-    replicas : int
-        R, from the scheduler.
-    make_standby : callable
-        Makes the standby server of one backed range, bound to the endpoint it is given.
+        The shard serving the range (its store and answers).
+    context : zmq.Context
+        The replication context (its sockets speak the shard-to-shard keys).
+    keys : JobKeys or None
+        Those keys (:func:`peer_keys`).
+    sender, rng : int
+        The rank of the shard serving the range (which the replicas check), and the range.
+    token : str
+        The job's replication token.
+    endpoints : sequence
+        Per shard, its announced endpoints (the first: its replication endpoint).
+    tick : callable
+        Called while a copy waits (the host shard's heartbeat and notices; a no-op off its serving thread).
     """
 
-    def __init__(self, server: Server, replicas: int, make_standby: Callable[[str], Server]) -> None:
-        self.server = server
-        self.replicas = replicas
+    def __init__(self, server: Server, context: Any, keys: Optional[security.JobKeys], sender: int, rng: int,
+                 token: str, endpoints: Sequence[Sequence[str]], tick: Callable[[], None]) -> None:
+        self.server, self.sender, self.range, self.token = server, sender, rng, token
+        self._ctx, self._keys, self._endpoints, self.tick = context, keys, endpoints, tick
         config = server.config
         self._timeout = config.send_timeout  # how long a copy may go unacknowledged by a replica not declared dead
-        self._limits = config.limits
-        keys = peer_keys(config.keys)
-        self._keys = keys
-        self._ctx = transport.new_context()
-        self._standbys: list[Server] = []
-        try:
-            self._router = transport.RouterChannel(self._ctx, sibling_endpoint(server.endpoint, "replication"),
-                                                   config.hwm, config.send_timeout, keys=keys,
-                                                   max_frame=config.limits.max_frame_bytes)
-            for i in range(1, replicas + 1):
-                self._standbys.append(make_standby(sibling_endpoint(server.endpoint, f"standby-{i}")))
-        except BaseException:
-            self.close()
-            raise
-        #: What the shard announces when it registers: its replication endpoint, then each standby's.
-        self.endpoints: tuple[str, ...] = (self._router.endpoint, *[s.endpoint for s in self._standbys])
-        self.rank = -1
-        self.token = ""
-        #: Per range, its live holders (the one serving it first), as the scheduler said last.
-        self.holders: tuple[tuple[int, ...], ...] = ()
-        self.backed: tuple[int, ...] = ()
+        self._limits, self._hwm = config.limits, config.hwm
+        #: The replicas to copy to (set by the host shard's thread from the scheduler's word; read here).
+        self.live: tuple[int, ...] = ()
         self._dealers: dict[int, transport.DealerChannel] = {}
+        self._dropped: set[int] = set()  # replicas given up on (they refused, or never answered)
         #: Per worker, the seq of its first push in each key's open round (those pushes are not settled).
         self._open: dict[int, dict[Key, int]] = {}
         self._acks: list[_HeldAck] = []
         self._next_id = 1
-        self._promote: set[int] = set()
-        self._promoted: set[int] = set()
-        self._serving: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        #: Called while a commit waits (the server's heartbeat and the scheduler's notices).
-        self.tick: Callable[[], None] = lambda: None
-        self.copies_sent = self.copies_taken = self.copies_refused = 0
+        self.copies_sent = 0
 
-    # ------------------------------------------------------------------ set-up
-    def start(self, table: wire.Table) -> None:
-        """Adopt the job's table (rank, W, mode, the holders and endpoints), connect to this range's replicas and
-        start taking copies of the ranges this shard backs."""
-        info = table.replication
-        if info is None or info.replicas != self.replicas or len(info.endpoints) != table.num_servers:
-            raise ProtocolError("the scheduler's table of a replicated job lacks its replication endpoints")
-        self.rank, self.token, self.holders = table.rank, info.token, info.holders
-        self.backed = backed_ranges(table.num_servers, self.replicas, self.rank)
-        for standby in self._standbys:
-            standby.set_job(table.num_workers, table.mode, table.staleness)
-        for j in self.holders[self.rank][1:]:
-            announced = info.endpoints[j]
-            if not announced:
-                raise ProtocolError(f"shard {j} announced no replication endpoint")
-            self._dealers[j] = transport.DealerChannel(self._ctx, announced[0], self.server.config.hwm,
-                                                       keys=self._keys, max_frame=wire.CONTROL_LIMITS.max_header_bytes)
-        self._thread = threading.Thread(target=self._serve_copies, name="psrt-replication", daemon=True)
-        self._thread.start()
-        log.info("shard %d: range copied to shards %s; backs ranges %s", self.rank, list(self.holders[self.rank][1:]),
-                 list(self.backed))
-
-    def close(self) -> None:
-        """Stop the replication thread and every standby; close the sockets and the context."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5.0)
-        for standby in self._standbys:
-            standby.stop()
-        for thread in self._serving:
-            thread.join(5.0)
-        for standby in self._standbys:
-            standby.close()
-        for ch in self._dealers.values():
-            ch.close()
-        if getattr(self, "_router", None) is not None:
-            self._router.close()
-        self._ctx.term()
-
-    # ------------------------------------------------------------------ the scheduler's word
-    def on_ranges(self, notice: wire.Ranges) -> None:
-        """A shard died: adopt the new holders; a backed range naming this shard first is taken over."""
-        if len(notice.holders) != len(self.holders):
-            log.warning("ignoring a ranges notice for %d ranges (the job has %d)", len(notice.holders),
-                        len(self.holders))
-            return
-        self.holders = notice.holders
-        gone = [j for j in self._dealers if j not in self.holders[self.rank]]
-        for j in gone:
-            log.warning("shard %d no longer holds a copy of range %d (the scheduler says): not copying to it",
-                        j, self.rank)
+    def _connect(self) -> list[int]:
+        """The live replicas, connected (those the scheduler dropped, closed): called on the serving thread."""
+        live = [j for j in self.live if j not in self._dropped]
+        for j in [j for j in self._dealers if j not in live]:
+            log.warning("shard %d no longer holds a copy of range %d (the scheduler says): not copying to it", j,
+                        self.range)
             self._dealers.pop(j).close()
-        with self._lock:
-            for k in self.backed:
-                if self.holders[k][:1] == (self.rank,) and k not in self._promoted:
-                    self._promote.add(k)  # the replication thread applies what is queued, then serves it
+        for j in live:
+            if j not in self._dealers:
+                announced = self._endpoints[j] if j < len(self._endpoints) else ()
+                if not announced:
+                    log.error("shard %d announced no replication endpoint: range %d is not copied there", j,
+                              self.range)
+                    self._dropped.add(j)
+                    continue
+                self._dealers[j] = transport.DealerChannel(self._ctx, announced[0], self._hwm, keys=self._keys,
+                                                           max_frame=wire.CONTROL_LIMITS.max_header_bytes)
+        return [j for j in live if j in self._dealers]
 
-    def serving_ranges(self) -> list[int]:
-        """The ranges this shard serves: its own, and those it took over."""
-        return [self.rank, *sorted(self._promoted)]
-
-    # ------------------------------------------------------------------ primary side
     def joined(self, worker: int, seq: int, keys: list[Key], completed: Sequence[int]) -> None:
         """A push (``seq`` of ``worker``) joined the rounds of ``keys``; those at ``completed`` stepped."""
         done = set(completed)
@@ -240,28 +181,33 @@ class Replication:
             for key in keys:
                 opened.pop(key, None)
         store = self.server.store
-        live = [j for j in self.holders[self.rank][1:] if j in self._dealers] if self.holders else []
+        live = self._connect()
         if live and keys:
             rid = self._next_id
             self._next_id += 1
-            frames = messages.encode_replicate(rid, self.token, self.rank, self.rank, self._settled(store),
+            frames = messages.encode_replicate(rid, self.token, self.sender, self.range, self._settled(store),
                                                [(k, store.entries[k]) for k in keys])
             for j in live:
                 self._dealers[j].send(frames, self._timeout)
             self.copies_sent += 1
-            self._await(rid, live)
+            self._await(rid, live, frames)
         if self._acks:
             self._release_acks()
 
-    def _await(self, rid: int, live: list[int]) -> None:
+    def catch_up(self) -> None:
+        """A promoted range, before it serves: its whole state to its remaining replicas (whose last copy may be a
+        round behind this one's)."""
+        self.commit(list(self.server.store.entries))
+
+    def _await(self, rid: int, live: list[int], frames: list[Any]) -> None:
         waiting = set(live)
         deadline = time.monotonic() + self._timeout
         while True:
             for j in list(waiting):
-                ch = self._dealers.get(j)
-                if ch is None:  # the scheduler declared it dead meanwhile (on_ranges)
+                if j not in self.live:  # the scheduler declared it dead meanwhile
                     waiting.discard(j)
                     continue
+                ch = self._dealers[j]
                 while ch.readable():
                     head = ch.recv_frame()
                     more = ch.more()
@@ -275,25 +221,35 @@ class Replication:
                         continue
                     if reply.id != rid:
                         continue  # a late answer to a copy that was given up on
+                    if isinstance(reply, messages.ReplicationError) and reply.code == "not_primary":
+                        # It has not read the scheduler's word that this shard serves the range yet: again.
+                        time.sleep(_POLL)
+                        ch.send(frames, self._timeout)
+                        break
                     waiting.discard(j)
                     if isinstance(reply, messages.ReplicationError):
                         log.error("shard %d refused range %d's copy: [%s] %s; it no longer holds a current copy",
-                                  j, self.rank, reply.code, reply.message)
-                        self._dealers.pop(j).close()
+                                  j, self.range, reply.code, reply.message)
+                        self._drop(j)
                     break
             if not waiting:
                 return
             if time.monotonic() > deadline:
                 for j in waiting:
                     log.error("shard %d did not acknowledge range %d's copy within %gs and the scheduler did not "
-                              "declare it dead; going on without it", j, self.rank, self._timeout)
-                    self._dealers.pop(j).close()
+                              "declare it dead; going on without it", j, self.range, self._timeout)
+                    self._drop(j)
                 return
             self.tick()  # heartbeats go on; a ranges notice may drop a dead replica from the wait
             for j in waiting:
-                ch = self._dealers.get(j)
-                if ch is not None:
-                    ch.poll(_POLL / max(1, len(waiting)))
+                if j in self._dealers:
+                    self._dealers[j].poll(_POLL / max(1, len(waiting)))
+
+    def _drop(self, j: int) -> None:
+        self._dropped.add(j)
+        ch = self._dealers.pop(j, None)
+        if ch is not None:
+            ch.close()
 
     def _settled(self, store: Store) -> list[tuple[int, int, int]]:
         out = []
@@ -311,6 +267,144 @@ class Replication:
             else:
                 still.append(ack)
         self._acks = still
+
+    def close(self) -> None:
+        """Close the sockets to the replicas (from the thread that used them, or once it ended)."""
+        for ch in self._dealers.values():
+            ch.close()
+        self._dealers.clear()
+
+    def stats(self) -> dict[str, Any]:
+        """The range's copy counters, for :meth:`Server.stats`."""
+        return {"copies_sent": self.copies_sent, "copied_to": ",".join(map(str, self._dealers))}
+
+
+class Replication:
+    """One shard's replication: its replication socket and standbys (bound now), and, once :meth:`start` has the
+    job's table, its copies to its replicas (a :class:`Copier`) and from its primaries.
+
+    Parameters
+    ----------
+    server : Server
+        The shard (its store, configuration and answers).
+    replicas : int
+        R, from the scheduler.
+    make_standby : callable
+        Makes the standby server of one backed range, bound to the endpoint it is given.
+    """
+
+    def __init__(self, server: Server, replicas: int, make_standby: Callable[[str], Server]) -> None:
+        self.server = server
+        self.replicas = replicas
+        config = server.config
+        self._limits = config.limits
+        keys = peer_keys(config.keys)
+        self._keys = keys
+        self._ctx = transport.new_context()
+        self._standbys: list[Server] = []
+        try:
+            self._router = transport.RouterChannel(self._ctx, sibling_endpoint(server.endpoint, "replication"),
+                                                   config.hwm, config.send_timeout, keys=keys,
+                                                   max_frame=config.limits.max_frame_bytes)
+            for i in range(1, replicas + 1):
+                self._standbys.append(make_standby(sibling_endpoint(server.endpoint, f"standby-{i}")))
+        except BaseException:
+            self.close()
+            raise
+        #: What the shard announces when it registers: its replication endpoint, then each standby's.
+        self.endpoints: tuple[str, ...] = (self._router.endpoint, *[s.endpoint for s in self._standbys])
+        self.rank = -1
+        self.token = ""
+        #: Per range, its live holders (the one serving it first), as the scheduler said last.
+        self.holders: tuple[tuple[int, ...], ...] = ()
+        self.backed: tuple[int, ...] = ()
+        #: This shard's own range's copies (made by :meth:`start`).
+        self.copier: Optional[Copier] = None
+        self._copiers: dict[int, Copier] = {}  # ranges taken over: their standbys' copiers
+        self._endpoints: tuple[tuple[str, ...], ...] = ()
+        self._promote: set[int] = set()
+        self._promoted: set[int] = set()
+        self._serving: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        #: Called while a copy of this shard's own range waits (its heartbeat and the scheduler's notices).
+        self.tick: Callable[[], None] = lambda: None
+        self.copies_taken = self.copies_refused = 0
+
+    # ------------------------------------------------------------------ set-up
+    def start(self, table: wire.Table) -> None:
+        """Adopt the job's table (rank, W, mode, the holders and endpoints), make this range's copier and start
+        taking copies of the ranges this shard backs."""
+        info = table.replication
+        if info is None or info.replicas != self.replicas or len(info.endpoints) != table.num_servers:
+            raise ProtocolError("the scheduler's table of a replicated job lacks its replication endpoints")
+        self.rank, self.token, self.holders, self._endpoints = table.rank, info.token, info.holders, info.endpoints
+        self.backed = backed_ranges(table.num_servers, self.replicas, self.rank)
+        for standby in self._standbys:
+            standby.set_job(table.num_workers, table.mode, table.staleness)
+        self.copier = Copier(self.server, self._ctx, self._keys, self.rank, self.rank, self.token, self._endpoints,
+                             lambda: self.tick())
+        self.copier.live = self.holders[self.rank][1:]
+        self._thread = threading.Thread(target=self._serve_copies, name="psrt-replication", daemon=True)
+        self._thread.start()
+        log.info("shard %d: range copied to shards %s; backs ranges %s", self.rank, list(self.holders[self.rank][1:]),
+                 list(self.backed))
+
+    def close(self) -> None:
+        """Stop the replication thread and every standby; close the sockets and the context."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        for standby in self._standbys:
+            standby.stop()
+        for thread in self._serving:
+            thread.join(5.0)
+        for standby in self._standbys:
+            standby.close()  # (and a promoted one's copier)
+        if self.copier is not None:
+            self.copier.close()
+        if getattr(self, "_router", None) is not None:
+            self._router.close()
+        self._ctx.term()
+
+    # ------------------------------------------------------------------ the scheduler's word
+    def on_ranges(self, notice: wire.Ranges) -> None:
+        """A shard died: adopt the new holders; a backed range naming this shard first is taken over."""
+        if len(notice.holders) != len(self.holders):
+            log.warning("ignoring a ranges notice for %d ranges (the job has %d)", len(notice.holders),
+                        len(self.holders))
+            return
+        self.holders = notice.holders
+        if self.copier is not None and self.holders[self.rank][:1] == (self.rank,):
+            self.copier.live = self.holders[self.rank][1:]
+        with self._lock:
+            for k, copier in self._copiers.items():
+                copier.live = self.holders[k][1:] if self.holders[k][:1] == (self.rank,) else ()
+            for k in self.backed:
+                if self.holders[k][:1] == (self.rank,) and k not in self._promoted:
+                    self._promote.add(k)  # the replication thread applies what is queued, then serves it
+
+    def serving_ranges(self) -> list[int]:
+        """The ranges this shard serves: its own, and those it took over."""
+        return [self.rank, *sorted(self._promoted)]
+
+    # ------------------------------------------------------------------ the server's hooks (its own range)
+    def joined(self, worker: int, seq: int, keys: list[Key], completed: Sequence[int]) -> None:
+        """:meth:`Copier.joined` of this shard's own range."""
+        assert self.copier is not None
+        self.copier.joined(worker, seq, keys, completed)
+
+    def hold_ack(self, identity: bytes, request_id: int, keys: list[Key], targets: list[int],
+                 duplicate: bool) -> bool:
+        """:meth:`Copier.hold_ack` of this shard's own range."""
+        assert self.copier is not None
+        return self.copier.hold_ack(identity, request_id, keys, targets, duplicate)
+
+    def commit(self, keys: list[Key]) -> None:
+        """:meth:`Copier.commit` of this shard's own range."""
+        assert self.copier is not None
+        self.copier.commit(keys)
 
     # ------------------------------------------------------------------ replica side
     def _serve_copies(self) -> None:
@@ -377,18 +471,29 @@ class Replication:
 
     def _take_over(self, k: int) -> None:
         standby = self._standbys[self.backed.index(k)]
+        copier = Copier(standby, self._ctx, self._keys, self.rank, k, self.token, self._endpoints, lambda: None)
         with self._lock:
             self._promoted.add(k)
+            copier.live = self.holders[k][1:] if self.holders[k][:1] == (self.rank,) else ()
+            self._copiers[k] = copier
+        standby.adopt_copier(copier)
         versions = [e.version for e in standby.store.entries.values()]
-        log.warning("shard %d takes key range %d over at %s (%d keys, versions %s..%s)", self.rank, k,
-                    standby.endpoint, len(versions), min(versions, default=0), max(versions, default=0))
-        thread = threading.Thread(target=standby.serve, name=f"psrt-range-{k}", daemon=True)
+        log.warning("shard %d takes key range %d over at %s (%d keys, versions %s..%s; copied on to shards %s)",
+                    self.rank, k, standby.endpoint, len(versions), min(versions, default=0),
+                    max(versions, default=0), list(copier.live))
+
+        def serve() -> None:
+            copier.catch_up()  # the remaining replicas first get this whole range as it is now
+            standby.serve()
+
+        thread = threading.Thread(target=serve, name=f"psrt-range-{k}", daemon=True)
         thread.start()
         self._serving.append(thread)
 
     def stats(self) -> dict[str, Any]:
         """The replication counters and what this shard holds, for :meth:`Server.stats`."""
-        return {"replicas": self.replicas, "copies_sent": self.copies_sent, "copies_taken": self.copies_taken,
+        own = self.copier.stats() if self.copier is not None else {}
+        return {"replicas": self.replicas, **own, "copies_taken": self.copies_taken,
                 "copies_refused": self.copies_refused, "serving_ranges": ",".join(map(str, self.serving_ranges())),
                 "backed_ranges": ",".join(str(k) for k in self.backed if k not in self._promoted)}
 

@@ -38,7 +38,7 @@ from psrt.shard.answers import ShardReplies
 from psrt.shard.counters import Counters, report
 from psrt.shard.pulls import PullQueue, Waiter
 from psrt.shard.recovery import Checkpointer, Recovery
-from psrt.shard.replication import Replication
+from psrt.shard.replication import Copier, Replication
 from psrt.shard.store import Entry, Key, Store
 from psrt.shm.lanes import ShardLane, ShardLanes
 from psrt.wire import compression
@@ -111,8 +111,9 @@ class Server(Recovery):
         self.restored_from: Optional[Path] = None
         self.tables = tables.TableService(self.store, self._reply, self._error, config.nonfinite, config.row_limits)
         self.tables.staleness = config.staleness
-        #: A replicated job: this shard's copies (:meth:`prepare_replication`); None otherwise.
-        self._replication: Optional[Replication] = None
+        #: A replicated job: this shard's copies (:meth:`prepare_replication`), or a promoted standby's copier
+        #: (:meth:`adopt_copier`); None otherwise.
+        self._replication: Optional[Replication | Copier] = None
         self._control: Optional[SchedulerLink] = None
         self._ended = False  # the scheduler ended the job while a copy was awaited
         if not scheduled:
@@ -167,14 +168,18 @@ class Server(Recovery):
         self._replication.tick = self._tick_while_copying
         return self._replication.endpoints
 
+    def adopt_copier(self, copier: Copier) -> None:
+        """A standby taking its range over: its rounds are copied on to the range's remaining replicas."""
+        self._replication = copier
+
     def join(self, table: wire.Table) -> None:
         """Adopt the scheduler's table (:meth:`Recovery.join`) and, in a replicated job, start copying."""
         super().join(table)
-        if self._replication is not None:
+        if isinstance(self._replication, Replication):
             self._replication.start(table)
 
     def _on_ranges(self, notice: wire.Ranges) -> None:
-        if self._replication is not None:
+        if isinstance(self._replication, Replication):
             self._replication.on_ranges(notice)
 
     def _tick_while_copying(self) -> None:
