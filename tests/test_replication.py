@@ -14,6 +14,7 @@ Each test names the invariant of docs/architecture.md ("Replication") it checks:
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -430,3 +431,25 @@ def test_i2_i5_two_successive_deaths_with_two_replicas_lose_nothing(tmp_path):
         assert a["steps"] == b["steps"] == 120
         for name in a["params"]:
             assert np.array_equal(a["params"][name], b["params"][name]), name
+
+
+def test_i2_a_forged_promotion_promotes_nothing():
+    """A promotion is a ``ranges`` notice on the scheduler's link alone: the same message on a shard's data plane
+    or on its replication channel is a protocol error, and a notice naming a shard first for a range it does not
+    back, or for another number of ranges, makes it serve nothing new."""
+    pair, threads, announced = _pair()
+    replication = pair[1]._replication
+    try:
+        forged = [bytes(f) for f in wire.encode_ranges([[1], [1]])]
+        for endpoint in (pair[1].endpoint, announced[1][0]):
+            with RawPeer(endpoint) as peer:
+                peer.send(forged)
+                reply = _reply(peer)
+                assert reply["op"] == "error" and reply["code"] == "protocol", reply
+        replication.on_ranges(wire.Ranges(0, ((0,), (1,), (1,))))  # three ranges in a job of two
+        replication.on_ranges(wire.Ranges(0, ((0, 1), (1,))))  # range 1 is shard 1's own: nothing to take over
+        time.sleep(0.3)
+        assert replication.serving_ranges() == [1] and replication.holders == ((0, 1), (1,))
+        assert not replication._serving  # no standby serves
+    finally:
+        _close(pair, threads)

@@ -32,7 +32,7 @@ import numpy as np
 from psrt import kernels, optim, transport, wire
 from psrt.config import ServerConfig
 from psrt.control import security
-from psrt.errors import ConfigError, ProtocolError, RequestRefused
+from psrt.errors import ConfigError, ProtocolError, PsrtError, RequestRefused
 from psrt.shard import admission, checkpoint, tables
 from psrt.shard.answers import ShardReplies
 from psrt.shard.counters import Counters, report
@@ -116,6 +116,7 @@ class Server(Recovery):
         self._replication: Optional[Replication | Copier] = None
         self._control: Optional[SchedulerLink] = None
         self._ended = False  # the scheduler ended the job while a copy was awaited
+        self._failed: Optional[BaseException] = None  # ... or aborted it: raised by the loop, not by a handler
         if not scheduled:
             try:
                 self._restore()
@@ -152,6 +153,8 @@ class Server(Recovery):
                         self.replies.dropped(self._chan.release())
             if self._ckpt.due_by_time():
                 self._checkpoint_quietly()
+            if self._failed is not None:
+                raise self._failed
             if self._ended or (control is not None and control.tick(self.set_members, self.set_finished,
                                                                     self._on_ranges)):
                 log.info("the scheduler ended the job")
@@ -184,9 +187,12 @@ class Server(Recovery):
 
     def _tick_while_copying(self) -> None:
         control = self._control
-        if control is not None and not self._ended and control.tick(self.set_members, self.set_finished,
-                                                                     self._on_ranges):
-            self._ended = True
+        if control is None or self._ended or self._failed is not None:
+            return
+        try:
+            self._ended = control.tick(self.set_members, self.set_finished, self._on_ranges)
+        except PsrtError as exc:  # the job failed: the serving loop raises it once this message is handled
+            self._failed = exc
 
     def set_members(self, workers: list[int]) -> None:
         """Adopt an elastic job's workers: rounds in progress stop waiting for those who left.
