@@ -116,11 +116,12 @@ class Copier:
     endpoints : sequence
         Per shard, its announced endpoints (the first: its replication endpoint).
     tick : callable
-        Called while a copy waits (the host shard's heartbeat and notices; a no-op off its serving thread).
+        Called while a copy waits (the host shard's heartbeat and notices; a no-op off its serving thread); True:
+        the job ended or failed, wait no more.
     """
 
     def __init__(self, server: Server, context: Any, keys: Optional[security.JobKeys], sender: int, rng: int,
-                 token: str, endpoints: Sequence[Sequence[str]], tick: Callable[[], None]) -> None:
+                 token: str, endpoints: Sequence[Sequence[str]], tick: Callable[[], bool]) -> None:
         self.server, self.sender, self.range, self.token = server, sender, rng, token
         self._ctx, self._keys, self._endpoints, self.tick = context, keys, endpoints, tick
         config = server.config
@@ -240,7 +241,8 @@ class Copier:
                               "declare it dead; going on without it", j, self.range, self._timeout)
                     self._drop(j)
                 return
-            self.tick()  # heartbeats go on; a ranges notice may drop a dead replica from the wait
+            if self.tick():  # heartbeats go on; a ranges notice may drop a dead replica from the wait
+                return  # the job ended or failed: nothing will be answered any more
             for j in waiting:
                 if j in self._dealers:
                     self._dealers[j].poll(_POLL / max(1, len(waiting)))
@@ -328,8 +330,9 @@ class Replication:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        #: Called while a copy of this shard's own range waits (its heartbeat and the scheduler's notices).
-        self.tick: Callable[[], None] = lambda: None
+        #: Called while a copy of this shard's own range waits (its heartbeat and the scheduler's notices); True:
+        #: the job ended or failed.
+        self.tick: Callable[[], bool] = lambda: False
         self.copies_taken = self.copies_refused = 0
 
     # ------------------------------------------------------------------ set-up
@@ -471,7 +474,7 @@ class Replication:
 
     def _take_over(self, k: int) -> None:
         standby = self._standbys[self.backed.index(k)]
-        copier = Copier(standby, self._ctx, self._keys, self.rank, k, self.token, self._endpoints, lambda: None)
+        copier = Copier(standby, self._ctx, self._keys, self.rank, k, self.token, self._endpoints, lambda: False)
         with self._lock:
             self._promoted.add(k)
             copier.live = self.holders[k][1:] if self.holders[k][:1] == (self.rank,) else ()

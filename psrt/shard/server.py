@@ -185,14 +185,15 @@ class Server(Recovery):
         if isinstance(self._replication, Replication):
             self._replication.on_ranges(notice)
 
-    def _tick_while_copying(self) -> None:
+    def _tick_while_copying(self) -> bool:
+        """While a copy waits: heartbeat and read the scheduler's notices; True once the job ended or failed."""
         control = self._control
-        if control is None or self._ended or self._failed is not None:
-            return
-        try:
-            self._ended = control.tick(self.set_members, self.set_finished, self._on_ranges)
-        except PsrtError as exc:  # the job failed: the serving loop raises it once this message is handled
-            self._failed = exc
+        if control is not None and not self._ended and self._failed is None:
+            try:
+                self._ended = control.tick(self.set_members, self.set_finished, self._on_ranges)
+            except PsrtError as exc:  # the job failed: the serving loop raises it once this message is handled
+                self._failed = exc
+        return self._ended or self._failed is not None
 
     def set_members(self, workers: list[int]) -> None:
         """Adopt an elastic job's workers: rounds in progress stop waiting for those who left.
