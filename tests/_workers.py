@@ -80,13 +80,15 @@ def sync_slice(servers: list[str], rank: int, workers: int, steps: int, seed: in
     return {"w": p["w"].tolist(), "b": p["b"].tolist(), "stats": stats}
 
 
-def ride(servers: Optional[list[str]], rank: int, workers: int, steps: int, step_s: float) -> dict:
+def ride(servers: Optional[list[str]], rank: int, workers: int, steps: int, step_s: float,
+         settle: bool = False) -> dict:
     """A worker whose every push is recognisable: push (rank, step) adds W at index rank*T + step of ``w``.
 
     With SGD lr=1 in sync mode over W workers, each applied push moves its own index of ``w`` by exactly -1: after
     training, an index at 0 is a push lost, -1 applied once, -2 applied twice. Returns the counts, the longest
     step, and per rank the steps whose push was lost. ``servers`` None: join the job of the scheduler in
-    ``PSRT_SCHEDULER``.
+    ``PSRT_SCHEDULER``. ``settle`` (async mode, under a scheduler): every worker's pushes are in before the final
+    pull (a barrier first).
     """
     size = workers * steps
     gaps, last = [], None
@@ -104,6 +106,8 @@ def ride(servers: Optional[list[str]], rank: int, workers: int, steps: int, step
             if step == 0:
                 print("training", flush=True)
             time.sleep(step_s)
+        if settle:
+            client.barrier()
         final = client.pull()["w"]
         if servers is None:
             client.barrier()  # nobody says done (ending the job) before everyone has pulled

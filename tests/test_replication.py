@@ -62,9 +62,10 @@ def test_i1_a_replica_count_no_ring_can_hold_is_refused_saying_what_holds(replic
         check_replicas(replicas, servers)
 
 
-def test_replication_is_refused_outside_sync_and_with_elastic():
-    with pytest.raises(ConfigError, match="--mode sync"):
-        check_job_replicas(1, 2, "async", False)
+def test_replication_is_refused_in_ssp_and_with_elastic():
+    with pytest.raises(ConfigError, match="--mode sync or async"):
+        check_job_replicas(1, 2, "ssp", False)
+    check_job_replicas(1, 2, "async", False)
     with pytest.raises(ConfigError, match="--elastic"):
         check_job_replicas(1, 2, "sync", True)
     check_job_replicas(0, 1, "async", True)  # no replicas: anything goes as before
@@ -81,8 +82,8 @@ def test_replicas_come_from_psrt_replicas_and_default_to_zero():
 def test_the_scheduler_refuses_replicas_its_shards_cannot_hold():
     with pytest.raises(ConfigError, match="at most S - 1 = 1"):
         Scheduler("tcp://127.0.0.1:*", 2, 2, replicas=2)
-    with pytest.raises(ConfigError, match="--mode sync"):
-        Scheduler("tcp://127.0.0.1:*", 2, 2, mode="async", replicas=1)
+    with pytest.raises(ConfigError, match="ssp mode has no replication yet"):
+        Scheduler("tcp://127.0.0.1:*", 2, 2, mode="ssp", replicas=1)
 
 
 # ---------------------------------------------------------------------------------------------- control messages
@@ -453,3 +454,46 @@ def test_i2_a_forged_promotion_promotes_nothing():
         assert not replication._serving  # no standby serves
     finally:
         _close(pair, threads)
+
+
+@pytest.mark.integration
+def test_i4_i5_async_a_sigkilled_shard_loses_no_acknowledged_push_and_applies_none_twice(tmp_path):
+    """Async mode, S = 2, W = 2, R = 1: every push is copied before it is answered. Each push is recognisable (SGD
+    lr=1 moves its own index by exactly -W): after a SIGKILL of a shard mid-run, every index moved exactly once."""
+    import signal
+
+    from _helpers import finish_worker, start_worker, stop_workers
+
+    from psrt.config import ClientConfig
+    from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command
+    from psrt.partition import PartitionMap
+
+    workers, steps = 2, 150
+    env = {"PSRT_HEARTBEAT_INTERVAL": "0.2", "PSRT_HEARTBEAT_TIMEOUT": "1.0"}
+    sched = Child(psrt_command("scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "2", "--workers",
+                               str(workers), "--mode", "async", "--replicas", "1"), label="scheduler",
+                  ready=SCHEDULER_READY, env=env)
+    children, procs, results = [sched], [], []
+    try:
+        endpoint = sched.wait_ready(30).group(1)
+        children += [Child(psrt_command("server", "--scheduler", endpoint), label=f"shard {i}", ready=SERVER_READY,
+                           env=env) for i in range(2)]
+        procs = [start_worker("ride", env={**env, "PSRT_SCHEDULER": endpoint, "PSRT_WORKER_ID": str(r)},
+                              servers=None, rank=r, workers=workers, steps=steps, step_s=0.01, settle=True)
+                 for r in range(workers)]
+        ready = [c.wait_ready(30) for c in children[1:]]
+        (chunk,) = PartitionMap(2, ClientConfig().partition_bytes).add({"w": ((workers * steps,), np.float32)})
+        victim = next(i for i, m in enumerate(ready) if f" rank={chunk.shard}" in m.string) + 1  # w's shard
+        for p in procs:
+            assert p.stdout.readline().strip() == "training"
+        time.sleep(0.4)
+        children[victim].signal(signal.SIGKILL)
+        results = [finish_worker(p, 120)[0] for p in procs]
+        assert sched.wait(30) == 0, sched.output
+    finally:
+        stop_workers(procs)
+        for c in children:
+            c.stop()
+    assert f"key range {chunk.shard} is served by its replica" in sched.output, sched.output
+    for res in results:
+        assert res["counts"] == {f"{-float(workers)}": workers * steps}, res  # once each: none lost, none twice
