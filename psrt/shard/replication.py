@@ -5,7 +5,8 @@ Shard k's key range is also held by the next R shards of the ring (:func:`psrt.p
 channels, both DEALER/ROUTER in a ZeroMQ context of their own (with keys: CURVE, whose ZAP handler admits the job's
 *server* key alone, so no worker can speak on them):
 
-- **Primary side** (:meth:`Replication.commit`, on the shard's serving thread): once a sync round completes, its
+- **Primary side** (a :class:`Copier` per range served, on the thread serving it): once a sync round completes
+  (in async mode: once a push is applied), its
   result — the new parameters and optimizer slots of the keys it stepped, their versions, and each worker's
   *settled* sequence number (every push up to it is in that state, none after it) — goes once to every live
   replica, and the shard waits for each one's ``replicated`` before it answers anything that round made true (the
@@ -22,8 +23,8 @@ channels, both DEALER/ROUTER in a ZeroMQ context of their own (with keys: CURVE,
   the standby's endpoint (``moved``); they send again what the dead primary never answered, and the sequence
   numbers the copies carry make that exactly-once.
 
-A promoted standby serves its range without copying it further: the scheduler counts it as the range's only
-holder from then on.
+A promoted standby copies its whole range to the range's other live holders before it serves
+(:meth:`Copier.catch_up`), then each round as its primary did, so a range survives R successive deaths.
 """
 
 from __future__ import annotations
