@@ -298,7 +298,7 @@ def test_i4_a_round_is_answered_only_once_the_replica_holds_it_and_the_copy_is_e
 
 # ---------------------------------------------------------------------------------------------- real processes
 def _sync_job(tmp_path, name: str, kills=(), steps: int = 120, env=None, servers: int = 2,
-              replicas: int = 1) -> tuple[list[dict], str]:
+              replicas: int = 1, checkpoints=None) -> tuple[list[dict], str]:
     """A sync job, S = ``servers``, W = 2, R = ``replicas``, of ``replicated`` workers (SGD with momentum,
     deterministic gradients); ``kills``: ``(step, rank)`` pairs, the shard of that rank SIGKILLed once worker 0
     finished that step. Returns the workers' results (their final parameters loaded) and the scheduler's output."""
@@ -314,8 +314,9 @@ def _sync_job(tmp_path, name: str, kills=(), steps: int = 120, env=None, servers
     children, procs, results = [sched], [], []
     try:
         endpoint = sched.wait_ready(30).group(1)
-        children += [Child(psrt_command("server", "--scheduler", endpoint), label=f"shard {i}", ready=SERVER_READY,
-                           env=env) for i in range(servers)]
+        serve = ("server", "--scheduler", endpoint) + (("--checkpoint-dir", str(checkpoints)) if checkpoints else ())
+        children += [Child(psrt_command(*serve), label=f"shard {i}", ready=SERVER_READY, env=env)
+                     for i in range(servers)]
         procs = [start_worker("replicated", env={**env, "PSRT_SCHEDULER": endpoint, "PSRT_WORKER_ID": str(r)},
                               steps=steps, step_s=0.01, out=str(tmp_path / f"{name}-{r}.npz")) for r in range(2)]
         ready = [c.wait_ready(30) for c in children[1:]]
@@ -345,8 +346,20 @@ def test_i5_a_sigkilled_shard_loses_nothing_and_stops_nobody(tmp_path):
     (I4: no acknowledged round is lost; I5: no push is applied twice; I2: the replica was promoted)."""
     fast = {"PSRT_HEARTBEAT_INTERVAL": "0.2", "PSRT_HEARTBEAT_TIMEOUT": "1.0"}
     clean, _ = _sync_job(tmp_path, "clean", env=fast)
-    failed, sched = _sync_job(tmp_path, "failover", kills=[(40, 0)], env=fast)
+    failed, sched = _sync_job(tmp_path, "failover", kills=[(40, 0)], env=fast, checkpoints=tmp_path / "ckpt")
     assert "key range 0 is served by its replica, server 1" in sched, sched
+    # psrt checkpoint still works: the range taken over writes rank 0's checkpoints, here its final one at the end
+    from psrt.config import ClientConfig
+    from psrt.partition import PartitionMap
+    from psrt.shard.checkpoint import load_latest
+
+    saved = load_latest(tmp_path / "ckpt", "rank-0").store.entries
+    specs = {n: (a.shape, a.dtype) for n, a in failed[0]["params"].items()}  # the workers' map (loopback)
+    chunks = {c.key: c for c in PartitionMap(2, ClientConfig().partition_bytes, network=False).add(specs)}
+    assert set(saved) == {k for k, c in chunks.items() if c.shard == 0}
+    for key, entry in saved.items():
+        assert entry.version == 120
+        assert np.array_equal(entry.param, chunks[key].of(failed[0]["params"][key[0]]))
     for a, b in zip(clean, failed):
         assert a["steps"] == b["steps"] == 120
         assert a["params"].keys() == b["params"].keys()

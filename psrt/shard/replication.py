@@ -56,6 +56,9 @@ class Server(Protocol):
     replies: Any
 
     def set_job(self, num_workers: int, mode: str, staleness: int = 0) -> None: ...  # noqa: D102
+    def take_rank(self, rank: int) -> None: ...  # noqa: D102
+    def adopt_copier(self, copier: Copier) -> None: ...  # noqa: D102
+    def checkpoint_at_exit(self) -> Any: ...  # noqa: D102
     def serve(self, control: Any = None) -> None: ...  # noqa: D102
     def stop(self) -> None: ...  # noqa: D102
     def close(self) -> None: ...  # noqa: D102
@@ -481,6 +484,7 @@ class Replication:
             copier.live = self.holders[k][1:] if self.holders[k][:1] == (self.rank,) else ()
             self._copiers[k] = copier
         standby.adopt_copier(copier)
+        standby.take_rank(k)
         versions = [e.version for e in standby.store.entries.values()]
         log.warning("shard %d takes key range %d over at %s (%d keys, versions %s..%s; copied on to shards %s)",
                     self.rank, k, standby.endpoint, len(versions), min(versions, default=0),
@@ -493,6 +497,16 @@ class Replication:
         thread = threading.Thread(target=serve, name=f"psrt-range-{k}", daemon=True)
         thread.start()
         self._serving.append(thread)
+
+    def checkpoint_at_exit(self) -> None:
+        """At a clean shutdown: stop the ranges this shard took over, then write their final checkpoints."""
+        promoted = [self._standbys[self.backed.index(k)] for k in sorted(self._promoted)]
+        for standby in promoted:
+            standby.stop()
+        for thread in self._serving:
+            thread.join(5.0)
+        for standby in promoted:
+            standby.checkpoint_at_exit()
 
     def stats(self) -> dict[str, Any]:
         """The replication counters and what this shard holds, for :meth:`Server.stats`."""

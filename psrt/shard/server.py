@@ -164,12 +164,30 @@ class Server(Recovery):
     def prepare_replication(self, replicas: int) -> tuple[str, ...]:
         """A replicated job (the scheduler said R > 0): bind the replication socket and the standbys of the ranges
         this shard will back; returns their endpoints, to announce when registering."""
-        config = dataclasses.replace(self.config, checkpoint_dir=None, checkpoint_every=0, checkpoint_secs=0.0,
-                                     restore=False, rank=None, shm=False)
+        # A standby writes its range's checkpoints under that range's rank once it serves it (take_rank).
+        config = dataclasses.replace(self.config, restore=False, rank=None, shm=False)
         self._replication = Replication(self, replicas, lambda bind: Server(dataclasses.replace(config, bind=bind),
                                                                             scheduled=True))
         self._replication.tick = self._tick_while_copying
         return self._replication.endpoints
+
+    def take_rank(self, rank: int) -> None:
+        """A standby taking range ``rank`` over: with a checkpoint directory, its checkpoints are that rank's from
+        now on (the dead shard's lock went with its process)."""
+        if self._ckpt.enabled:
+            try:
+                self._ckpt.start(rank)
+            except checkpoint.CheckpointError as exc:
+                log.error("%s; range %d is served without checkpoints", exc, rank)
+                return
+            self._ckpt.align(min((e.version for e in self.store.entries.values()), default=0))
+
+    def checkpoint_at_exit(self) -> Optional[Path]:
+        """At a clean shutdown: this shard's final checkpoint, and those of the ranges it took over."""
+        path = super().checkpoint_at_exit()
+        if isinstance(self._replication, Replication):
+            self._replication.checkpoint_at_exit()
+        return path
 
     def adopt_copier(self, copier: Copier) -> None:
         """A standby taking its range over: its rounds are copied on to the range's remaining replicas."""
