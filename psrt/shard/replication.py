@@ -47,7 +47,7 @@ from psrt.shard.store import Key, Store, WorkerLog
 from psrt.wire import replication as messages
 
 
-class Server(Protocol):
+class ShardLike(Protocol):
     """What replication uses of a :class:`psrt.shard.server.Server` (not imported: the server imports this)."""
 
     config: ServerConfig
@@ -63,7 +63,7 @@ class Server(Protocol):
     def stop(self) -> None: ...  # noqa: D102
     def close(self) -> None: ...  # noqa: D102
 
-__all__ = ["Replication", "sibling_endpoint", "peer_keys"]
+__all__ = ["Replication", "Copier", "ShardLike", "sibling_endpoint", "peer_keys"]
 
 log = logging.getLogger("psrt.replication")
 
@@ -74,12 +74,10 @@ _POLL = 0.05
 def sibling_endpoint(bind: str, suffix: str) -> str:
     """Where to bind a socket beside the shard's own ``bind``: the same host on a free port (tcp), or a path
     next to its socket file (ipc)."""
-    if bind.startswith("ipc://"):
-        return f"{bind}.{suffix}"
     if bind.startswith("tcp://"):
         host = bind[len("tcp://"):].rpartition(":")[0]
         return f"tcp://{host}:*"
-    return bind  # inproc and the like: the caller's choice stands (tests bind their own)
+    return f"{bind}.{suffix}"  # ipc:// (a path) and inproc:// (a name)
 
 
 def peer_keys(directory: Optional[security.PathLike]) -> Optional[security.JobKeys]:
@@ -107,7 +105,7 @@ class Copier:
 
     Parameters
     ----------
-    server : Server
+    server : ShardLike
         The shard serving the range (its store and answers).
     context : zmq.Context
         The replication context (its sockets speak the shard-to-shard keys).
@@ -124,7 +122,7 @@ class Copier:
         the job ended or failed, wait no more.
     """
 
-    def __init__(self, server: Server, context: Any, keys: Optional[security.JobKeys], sender: int, rng: int,
+    def __init__(self, server: ShardLike, context: Any, keys: Optional[security.JobKeys], sender: int, rng: int,
                  token: str, endpoints: Sequence[Sequence[str]], tick: Callable[[], bool]) -> None:
         self.server, self.sender, self.range, self.token = server, sender, rng, token
         self._ctx, self._keys, self._endpoints, self.tick = context, keys, endpoints, tick
@@ -291,7 +289,7 @@ class Replication:
 
     Parameters
     ----------
-    server : Server
+    server : ShardLike
         The shard (its store, configuration and answers).
     replicas : int
         R, from the scheduler.
@@ -299,7 +297,7 @@ class Replication:
         Makes the standby server of one backed range, bound to the endpoint it is given.
     """
 
-    def __init__(self, server: Server, replicas: int, make_standby: Callable[[str], Server]) -> None:
+    def __init__(self, server: ShardLike, replicas: int, make_standby: Callable[[str], ShardLike]) -> None:
         self.server = server
         self.replicas = replicas
         config = server.config
@@ -307,7 +305,7 @@ class Replication:
         keys = peer_keys(config.keys)
         self._keys = keys
         self._ctx = transport.new_context()
-        self._standbys: list[Server] = []
+        self._standbys: list[ShardLike] = []
         try:
             self._router = transport.RouterChannel(self._ctx, sibling_endpoint(server.endpoint, "replication"),
                                                    config.hwm, config.send_timeout, keys=keys,
