@@ -510,3 +510,56 @@ def test_i4_i5_async_a_sigkilled_shard_loses_no_acknowledged_push_and_applies_no
     assert f"key range {chunk.shard} is served by its replica" in sched.output, sched.output
     for res in results:
         assert res["counts"] == {f"{-float(workers)}": workers * steps}, res  # once each: none lost, none twice
+
+
+def _irregular_rounds(fail: bool) -> dict:
+    """W = 2 over one range, R = 1: worker 0 pushes a and b in one message, worker 1 pushes them apart, so a's round
+    completes (and is copied) while b's is open. With ``fail``, the primary stops right then and its replica takes
+    the range over: worker 0's push goes again there, though a's copied state holds its part already."""
+    from psrt.config import ClientConfig
+    from psrt.optim import SGD
+    from psrt.worker.client import Client
+
+    pair, threads, announced = _pair(num_workers=2)
+    primary, replica = pair
+    grads = [{n: np.full(5, (r + 1) * (2 if n == "b" else 1), np.float32) for n in "ab"} for r in range(2)]
+    clients = [Client(servers=[primary.endpoint], rank=r, num_workers=2, config=ClientConfig(timeout=10, shm=False))
+               for r in range(2)]
+    try:
+        for c in clients:
+            c.init({n: np.linspace(0, 1, 5, dtype=np.float32) for n in "ab"}, optimizer=SGD(lr=0.1, momentum=0.9))
+        both = clients[0].push_pull_async(grads[0])  # one message: a and b
+        clients[1].push({"a": grads[1]["a"]})  # a's round completes, b's waits for worker 1
+        standby = replica._replication._standbys[0]
+        assert standby.store.entries[("a", 0)].version == 1 and standby.store.entries[("b", 0)].version == 0
+        if fail:
+            primary.stop()
+            threads[0].join(10)
+            replica._replication.on_ranges(wire.Ranges(0, ((1,), (1,))))  # the scheduler's word: shard 1 serves
+            for c in clients:
+                c._calls._moves = {0: announced[1][1]}  # as the scheduler's moved notice fills it
+            # Worker 0 (a process of its own in a job) waits for its push_pull meanwhile: it follows the move and
+            # sends the push again, which joins b's round on the range's new server.
+            deadline = time.monotonic() + 10
+            while 0 not in standby.store.entries[("b", 0)].contributors and time.monotonic() < deadline:
+                clients[0]._calls.progress(both, 0.1)
+        clients[1].push({"b": grads[1]["b"]})
+        first = both.wait(10)
+        second = [clients[0].push_pull_async(grads[0])]
+        clients[1].push({"a": grads[1]["a"]})
+        clients[1].push({"b": grads[1]["b"]})
+        final = second[0].wait(10)
+        if fail:
+            assert replica._replication.serving_ranges() == [1, 0]
+        return {"first": first, "final": final}
+    finally:
+        for c in clients:
+            c.close()
+        _close(pair, threads)
+
+
+def test_i5_a_push_partly_in_a_copied_round_is_applied_once_to_each_key_after_a_failover():
+    clean, failed = _irregular_rounds(False), _irregular_rounds(True)
+    for when in ("first", "final"):
+        for name in "ab":
+            assert np.array_equal(clean[when][name], failed[when][name]), (when, name)

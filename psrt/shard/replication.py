@@ -57,13 +57,13 @@ class ShardLike(Protocol):
 
     def set_job(self, num_workers: int, mode: str, staleness: int = 0) -> None: ...  # noqa: D102
     def take_rank(self, rank: int) -> None: ...  # noqa: D102
-    def adopt_copier(self, copier: Copier) -> None: ...  # noqa: D102
+    def adopt_copier(self, copier: Copier, included: dict[Key, dict[int, int]]) -> None: ...  # noqa: D102
     def checkpoint_at_exit(self) -> Any: ...  # noqa: D102
     def serve(self, control: Any = None) -> None: ...  # noqa: D102
     def stop(self) -> None: ...  # noqa: D102
     def close(self) -> None: ...  # noqa: D102
 
-__all__ = ["Replication", "Copier", "ShardLike", "sibling_endpoint", "peer_keys"]
+__all__ = ["Replication", "Copier", "ShardLike", "sibling_endpoint", "peer_keys", "replayed", "apply_except"]
 
 log = logging.getLogger("psrt.replication")
 
@@ -135,6 +135,8 @@ class Copier:
         self._dropped: set[int] = set()  # replicas given up on (they refused, or never answered)
         #: Per worker, the seq of its first push in each key's open round (those pushes are not settled).
         self._open: dict[int, dict[Key, int]] = {}
+        #: Per key whose round just completed: ``{worker: seq}`` of the pushes in it, for its copy.
+        self._included: dict[Key, dict[int, int]] = {}
         self._acks: list[_HeldAck] = []
         self._next_id = 1
         self.copies_sent = 0
@@ -159,7 +161,8 @@ class Copier:
         return [j for j in live if j in self._dealers]
 
     def joined(self, worker: int, seq: int, keys: list[Key], completed: Sequence[int]) -> None:
-        """A push (``seq`` of ``worker``) joined the rounds of ``keys``; those at ``completed`` stepped."""
+        """A push (``seq`` of ``worker``) joined the rounds of ``keys``; those at ``completed`` stepped (and which
+        pushes each of those rounds holds goes with its copy)."""
         done = set(completed)
         opened = None
         for i, key in enumerate(keys):
@@ -167,6 +170,10 @@ class Copier:
                 if opened is None:
                     opened = self._open.setdefault(worker, {})
                 opened.setdefault(key, seq)
+                continue
+            included = {w: o.pop(key) for w, o in self._open.items() if key in o}
+            included[worker] = seq
+            self._included[key] = included
 
     def hold_ack(self, identity: bytes, request_id: int, keys: list[Key], targets: list[int],
                  duplicate: bool) -> bool:
@@ -189,11 +196,15 @@ class Copier:
             rid = self._next_id
             self._next_id += 1
             frames = messages.encode_replicate(rid, self.token, self.sender, self.range, self._settled(store),
-                                               [(k, store.entries[k]) for k in keys])
+                                               [(k, store.entries[k]) for k in keys],
+                                               [self._included.pop(k, {}) for k in keys])
             for j in live:
                 self._dealers[j].send(frames, self._timeout)
             self.copies_sent += 1
             self._await(rid, live, frames)
+        else:
+            for k in keys:
+                self._included.pop(k, None)
         if self._acks:
             self._release_acks()
 
@@ -325,6 +336,8 @@ class Replication:
         #: This shard's own range's copies (made by :meth:`start`).
         self.copier: Optional[Copier] = None
         self._copiers: dict[int, Copier] = {}  # ranges taken over: their standbys' copiers
+        #: Per backed range: per key, ``{worker: seq}`` of the pushes its copied state holds beyond the settled ones.
+        self._included: dict[int, dict[Key, dict[int, int]]] = {}
         self._endpoints: tuple[tuple[str, ...], ...] = ()
         self._promote: set[int] = set()
         self._promoted: set[int] = set()
@@ -447,6 +460,9 @@ class Replication:
             self._refuse(identity, req.id, "conflict", problem)
             return
         _apply_copy(store, req, optimizers)
+        held = self._included.setdefault(req.range, {})
+        for meta, pushes in zip(req.tensors, req.included):
+            held[meta.key] = pushes
         self.copies_taken += 1
         try:
             self._router.send(identity, messages.encode_replicated(req.id))
@@ -481,7 +497,7 @@ class Replication:
             self._promoted.add(k)
             copier.live = self.holders[k][1:] if self.holders[k][:1] == (self.rank,) else ()
             self._copiers[k] = copier
-        standby.adopt_copier(copier)
+        standby.adopt_copier(copier, self._included.pop(k, {}))
         standby.take_rank(k)
         versions = [e.version for e in standby.store.entries.values()]
         log.warning("shard %d takes key range %d over at %s (%d keys, versions %s..%s; copied on to shards %s)",
@@ -512,6 +528,24 @@ class Replication:
         return {"replicas": self.replicas, **own, "copies_taken": self.copies_taken,
                 "copies_refused": self.copies_refused, "serving_ranges": ",".join(map(str, self.serving_ranges())),
                 "backed_ranges": ",".join(str(k) for k in self.backed if k not in self._promoted)}
+
+
+def replayed(included: dict[Key, dict[int, int]], worker: int, seq: int, keys: Sequence[Key]) -> set[int]:
+    """A range taken over: the indices of ``keys`` whose state already holds push ``seq`` of ``worker`` (its copy
+    said so), though the push as a whole was not settled (another of its keys' rounds was still open)."""
+    return {i for i, key in enumerate(keys) if included.get(key, {}).get(worker, -1) >= seq}
+
+
+def apply_except(store: Store, worker: int, entries: list[Any], grads: list[np.ndarray], skip: set[int],
+                 hold: bool = False) -> tuple[list[int], list[int]]:
+    """:meth:`Store.apply_push` of the keys not in ``skip``; a skipped key's target is its version now (it holds
+    the push already). Returns the targets and completed indices of every key, as ``apply_push`` does."""
+    keep = [i for i in range(len(entries)) if i not in skip]
+    targets = [e.version for e in entries]
+    part_targets, part_done = store.apply_push(worker, [entries[i] for i in keep], [grads[i] for i in keep], hold)
+    for i, t in zip(keep, part_targets):
+        targets[i] = t
+    return targets, [keep[j] for j in part_done]
 
 
 def _check_copy(store: Store, req: messages.ReplicateRequest, optimizers: list[optim.Optimizer]) -> Optional[str]:

@@ -33,7 +33,7 @@ from psrt import kernels, optim, transport, wire
 from psrt.config import ServerConfig
 from psrt.control import security
 from psrt.errors import ConfigError, ProtocolError, PsrtError, RequestRefused
-from psrt.shard import admission, checkpoint, tables
+from psrt.shard import admission, checkpoint, replication, tables
 from psrt.shard.answers import ShardReplies
 from psrt.shard.counters import Counters, report
 from psrt.shard.pulls import PullQueue, Waiter
@@ -117,6 +117,8 @@ class Server(Recovery):
         self._control: Optional[SchedulerLink] = None
         self._ended = False  # the scheduler ended the job while a copy was awaited
         self._failed: Optional[BaseException] = None  # ... or aborted it: raised by the loop, not by a handler
+        #: A range taken over: per key, the pushes its copied state holds though they were not settled.
+        self._included: dict[Key, dict[int, int]] = {}
         if not scheduled:
             try:
                 self._restore()
@@ -189,9 +191,11 @@ class Server(Recovery):
             self._replication.checkpoint_at_exit()
         return path
 
-    def adopt_copier(self, copier: Copier) -> None:
-        """A standby taking its range over: its rounds are copied on to the range's remaining replicas."""
+    def adopt_copier(self, copier: Copier, included: dict[Key, dict[int, int]]) -> None:
+        """A standby taking its range over: its rounds are copied on to the range's remaining replicas, and a push
+        sent again that its copied state holds in part is applied to the rest of its keys only (``included``)."""
         self._replication = copier
+        self._included = included
 
     def join(self, table: wire.Table) -> None:
         """Adopt the scheduler's table (:meth:`Recovery.join`) and, in a replicated job, start copying."""
@@ -419,7 +423,12 @@ class Server(Recovery):
             return
         grads = [req.array(i) for i in range(len(entries))]
         # A push_pull's lane areas stay untouched until its answer, which comes after its round: held, not copied.
-        targets, completed = self.store.apply_push(req.worker, entries, grads, hold=lane is not None and req.pull)
+        hold = lane is not None and req.pull
+        skip = replication.replayed(self._included, req.worker, req.seq, keys) if self._included else None
+        if skip:  # a range taken over: this push sent again is in part of its keys' copied state already
+            targets, completed = replication.apply_except(self.store, req.worker, entries, grads, skip, hold)
+        else:
+            targets, completed = self.store.apply_push(req.worker, entries, grads, hold=hold)
         if self.config.mode == "ssp":
             self.store.tick_clocks(req.worker, entries)
         self.store.record(req.worker, req.session, req.seq)
