@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -298,14 +299,17 @@ def test_i4_a_round_is_answered_only_once_the_replica_holds_it_and_the_copy_is_e
 
 # ---------------------------------------------------------------------------------------------- real processes
 def _sync_job(tmp_path, name: str, kills=(), steps: int = 120, env=None, servers: int = 2,
-              replicas: int = 1, checkpoints=None) -> tuple[list[dict], str]:
+              replicas: int = 1, checkpoints=None, stats: Optional[list] = None) -> tuple[list[dict], str]:
     """A sync job, S = ``servers``, W = 2, R = ``replicas``, of ``replicated`` workers (SGD with momentum,
     deterministic gradients); ``kills``: ``(step, rank)`` pairs, the shard of that rank SIGKILLed once worker 0
-    finished that step. Returns the workers' results (their final parameters loaded) and the scheduler's output."""
+    finished that step. Returns the workers' results (their final parameters loaded) and the scheduler's output;
+    ``stats`` gets what ``psrt stats`` printed 30 steps after the last kill."""
+    import io
     import signal
 
     from _helpers import finish_worker, start_worker, stop_workers
 
+    from psrt.cluster.stats import watch
     from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command
 
     env = dict(env or {})
@@ -326,6 +330,13 @@ def _sync_job(tmp_path, name: str, kills=(), steps: int = 120, env=None, servers
                 if line.strip() == f"step {kill_at}":
                     break
             children[victim].signal(signal.SIGKILL)
+        if stats is not None and kills:
+            for line in procs[0].stdout:
+                if line.strip() == f"step {kills[-1][0] + 30}":
+                    break
+            printed = io.StringIO()
+            assert watch(endpoint, interval=0.2, count=2, out=printed) == 0
+            stats.append(printed.getvalue())
         for r, p in enumerate(procs):
             result, err = finish_worker(p, 120)  # exit 0: no worker saw an error
             assert "Traceback" not in err, err
@@ -346,8 +357,11 @@ def test_i5_a_sigkilled_shard_loses_nothing_and_stops_nobody(tmp_path):
     (I4: no acknowledged round is lost; I5: no push is applied twice; I2: the replica was promoted)."""
     fast = {"PSRT_HEARTBEAT_INTERVAL": "0.2", "PSRT_HEARTBEAT_TIMEOUT": "1.0"}
     clean, _ = _sync_job(tmp_path, "clean", env=fast)
-    failed, sched = _sync_job(tmp_path, "failover", kills=[(40, 0)], env=fast, checkpoints=tmp_path / "ckpt")
+    printed: list[str] = []
+    failed, sched = _sync_job(tmp_path, "failover", kills=[(40, 0)], env=fast, checkpoints=tmp_path / "ckpt",
+                              stats=printed)
     assert "key range 0 is served by its replica, server 1" in sched, sched
+    assert "range 0: shard 1 (" in printed[0] and "range 1: shard 1 (" in printed[0], printed  # psrt stats says
     # psrt checkpoint still works: the range taken over writes rank 0's checkpoints, here its final one at the end
     from psrt.config import ClientConfig
     from psrt.partition import PartitionMap
