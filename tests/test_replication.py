@@ -324,11 +324,19 @@ def _sync_job(tmp_path, name: str, kills=(), steps: int = 120, env=None, servers
         procs = [start_worker("replicated", env={**env, "PSRT_SCHEDULER": endpoint, "PSRT_WORKER_ID": str(r)},
                               steps=steps, step_s=0.01, out=str(tmp_path / f"{name}-{r}.npz")) for r in range(2)]
         ready = [c.wait_ready(30) for c in children[1:]]
-        for kill_at, rank in kills:
-            victim = next(i for i, m in enumerate(ready) if f" rank={rank}" in m.string) + 1
+        for kill_at, rank in kills:  # rank None: a new server joins the job then
             for line in procs[0].stdout:
                 if line.strip() == f"step {kill_at}":
                     break
+            if rank is None:  # (and it holds the ranges it backs, by a full copy from each, before the next kill)
+                children.append(Child(psrt_command(*serve), label="joined", ready=SERVER_READY, env=env))
+                ready.append(children[-1].wait_ready(30))
+                deadline = time.monotonic() + 30
+                while "holds range" not in children[-1].output and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                continue
+            victim = next(i for i, m in enumerate(ready) if f" rank={rank}" in m.string
+                          and children[i + 1].poll() is None) + 1
             children[victim].signal(signal.SIGKILL)
         if stats is not None and kills:
             for line in procs[0].stdout:
@@ -577,3 +585,21 @@ def test_i5_a_push_partly_in_a_copied_round_is_applied_once_to_each_key_after_a_
     for when in ("first", "final"):
         for name in "ab":
             assert np.array_equal(clean[when][name], failed[when][name]), (when, name)
+
+
+@pytest.mark.integration
+def test_i2_i5_a_server_started_later_takes_a_dead_shards_place_by_state_transfer(tmp_path):
+    """S = 3, R = 1: shard 0 dies (shard 1 serves range 0; range 2 has no copy left); a server started later takes
+    rank 0's place as range 2's replica, getting the whole range from its primary; then shard 2 dies and range 2
+    is served by the server that joined: every step completes, bit-identical to no failure."""
+    fast = {"PSRT_HEARTBEAT_INTERVAL": "0.2", "PSRT_HEARTBEAT_TIMEOUT": "1.0"}
+    clean, _ = _sync_job(tmp_path, "clean", env=fast, servers=3, replicas=1)
+    failed, sched = _sync_job(tmp_path, "rejoin", kills=[(25, 0), (50, None), (85, 2)], env=fast, servers=3,
+                              replicas=1)
+    assert "key range 0 is served by its replica, server 1" in sched, sched
+    assert "server 0 (" in sched and "joined the job again as a replica of key ranges [2]" in sched, sched
+    assert "key range 2 is served by its replica, server 0" in sched, sched
+    for a, b in zip(clean, failed):
+        assert a["steps"] == b["steps"] == 120
+        for name in a["params"]:
+            assert np.array_equal(a["params"][name], b["params"][name]), name

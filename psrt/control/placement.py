@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from psrt.errors import ConfigError
-from psrt.partition import check_replicas, range_holders
+from psrt.partition import backed_ranges, check_replicas, range_holders
 
 __all__ = ["Placement", "check_job_replicas"]
 
@@ -95,6 +95,18 @@ class Placement:
             elif was_primary:  # it first copies the whole range to the others, then each round as before
                 promoted.append((k, holders[0]))
         return promoted, lost
+
+    def rejoin(self, rank: int, endpoints: list[str]) -> list[int]:
+        """A server takes dead shard ``rank``'s place as a replica (its endpoints: ``endpoints``): it is added, last,
+        to the holders of every live range it backs; returns those ranges. Its own range stays where it is served."""
+        self.endpoints[rank] = list(endpoints)
+        backs = []
+        for k in backed_ranges(self.num_servers, self.replicas, rank):
+            holders = self.holders[k]
+            if holders and rank not in holders:
+                holders.append(rank)
+                backs.append(k)
+        return backs
 
     def alive(self, rank: int) -> bool:
         """Whether shard ``rank`` still holds any range (a dead one holds none)."""

@@ -272,6 +272,8 @@ class Scheduler(Restarts):
                 self._join(identity, req)
             elif role == "server" and req.restore:
                 self._claim(identity, req)
+            elif role == "server" and self._placement is not None and req.replication:
+                self._rejoin_replica(identity, req)
             else:
                 self._error(identity, req.id, "formed", f"the job has already formed with {self.num_servers} "
                                                         f"servers and {self.num_workers} workers; a new {role} "
@@ -366,8 +368,32 @@ class Scheduler(Restarts):
             self._hold(lambda: self._tell_servers(finished))
 
     def _tell_servers(self, frames: list[Any]) -> None:
-        for ident in {ident: None for ident, _ in self.servers}:  # once each: a shard may serve several ranges
+        # Once each: a shard may serve several ranges, and one that rejoined a replicated job serves none.
+        idents = {ident: None for ident, _ in self.servers}
+        idents.update((m.identity, None) for (role, _), m in self._members.items() if role == "server")
+        for ident in idents:
             self._send(ident, frames)
+
+    def _rejoin_replica(self, identity: bytes, req: wire.Register) -> None:
+        """A replicated job: a server started after a shard died takes that rank's place as a replica of the ranges
+        it backs; each range's primary copies it the whole range before anything else (so it is promoted, last of
+        the range's holders, only once it holds the range)."""
+        placement = self._placement
+        assert placement is not None
+        free = [j for j in range(self.num_servers) if ("server", j) not in self._members
+                and j not in self._restarting and (req.rank < 0 or j == req.rank)]
+        if not free or len(req.replication) != self.replicas + 1:
+            why = ("no server of the job died: there is no place to take" if not free else
+                   f"it announced {len(req.replication)} replication endpoints, the job's R = {self.replicas} "
+                   f"needs {self.replicas + 1}")
+            self._error(identity, req.id, "formed", f"the job has already formed; {why}")
+            return
+        rank = free[0]
+        backs = placement.rejoin(rank, list(req.replication))
+        self._members[("server", rank)] = _Member(identity, f"server {rank} ({req.endpoint})", time.monotonic())
+        log.warning("server %d (%s) joined the job again as a replica of key ranges %s", rank, req.endpoint, backs)
+        self._send_table(identity, req.id, rank, server=True)
+        self._tell_servers(wire.encode_ranges(placement.holders, placement.endpoints))
 
     def _hold(self, deliver: Callable[[], None]) -> None:
         """Deliver the news of a worker's end in a second: by then its process is gone, so a launcher sees it end
@@ -493,7 +519,7 @@ class Scheduler(Restarts):
                             "at %s from now on", member.name, now - member.last_seen, rng, primary, endpoint)
                 self.servers[rng] = (holder.identity, endpoint)
                 moves.append((rng, endpoint))
-        self._tell_servers(wire.encode_ranges(placement.holders))
+        self._tell_servers(wire.encode_ranges(placement.holders, placement.endpoints))
         for ident in {m.identity: None for (role, _), m in self._members.items() if role == "worker"}:
             for rng, endpoint in moves:
                 self._send(ident, wire.encode_moved(rng, endpoint))

@@ -41,7 +41,7 @@ import numpy as np
 from psrt import optim, transport, wire
 from psrt.config import ServerConfig
 from psrt.control import security
-from psrt.errors import ConfigError, ProtocolError
+from psrt.errors import ConfigError, ProtocolError, PsrtError
 from psrt.partition import backed_ranges
 from psrt.shard.store import Key, Store, WorkerLog
 from psrt.wire import replication as messages
@@ -132,7 +132,9 @@ class Copier:
         #: The replicas to copy to (set by the host shard's thread from the scheduler's word; read here).
         self.live: tuple[int, ...] = ()
         self._dealers: dict[int, transport.DealerChannel] = {}
+        self._connected: dict[int, str] = {}  # each dealer's endpoint (a shard that took a dead one's place: new)
         self._dropped: set[int] = set()  # replicas given up on (they refused, or never answered)
+        self._fresh: set[int] = set()  # replicas connected since the last copy: they get the whole range first
         #: Per worker, the seq of its first push in each key's open round (those pushes are not settled).
         self._open: dict[int, dict[Key, int]] = {}
         #: Per key whose round just completed: ``{worker: seq}`` of the pushes in it, for its copy.
@@ -149,8 +151,10 @@ class Copier:
                         self.range)
             self._dealers.pop(j).close()
         for j in live:
+            announced = self._endpoints[j] if j < len(self._endpoints) else ()
+            if j in self._dealers and announced[:1] != (self._connected.get(j),):  # another shard in j's place
+                self._dealers.pop(j).close()
             if j not in self._dealers:
-                announced = self._endpoints[j] if j < len(self._endpoints) else ()
                 if not announced:
                     log.error("shard %d announced no replication endpoint: range %d is not copied there", j,
                               self.range)
@@ -158,6 +162,8 @@ class Copier:
                     continue
                 self._dealers[j] = transport.DealerChannel(self._ctx, announced[0], self._hwm, keys=self._keys,
                                                            max_frame=wire.CONTROL_LIMITS.max_header_bytes)
+                self._connected[j] = announced[0]
+                self._fresh.add(j)
         return [j for j in live if j in self._dealers]
 
     def joined(self, worker: int, seq: int, keys: list[Key], completed: Sequence[int]) -> None:
@@ -192,12 +198,18 @@ class Copier:
                 opened.pop(key, None)
         store = self.server.store
         live = self._connect()
+        full = bool(self._fresh)
+        if full:  # a replica connected since the last copy (one that joined the job): the whole range, to all
+            included = {k: self._included.get(k, {}) for k in keys}
+            keys = list(store.entries)
+            self._included = {k: included.get(k, {}) for k in keys}
+            self._fresh.clear()
         if live and keys:
             rid = self._next_id
             self._next_id += 1
             frames = messages.encode_replicate(rid, self.token, self.sender, self.range, self._settled(store),
                                                [(k, store.entries[k]) for k in keys],
-                                               [self._included.pop(k, {}) for k in keys])
+                                               [self._included.pop(k, {}) for k in keys], full)
             for j in live:
                 self._dealers[j].send(frames, self._timeout)
             self.copies_sent += 1
@@ -338,6 +350,8 @@ class Replication:
         self._copiers: dict[int, Copier] = {}  # ranges taken over: their standbys' copiers
         #: Per backed range: per key, ``{worker: seq}`` of the pushes its copied state holds beyond the settled ones.
         self._included: dict[int, dict[Key, dict[int, int]]] = {}
+        #: Backed ranges no full copy has come for yet (a shard that joined a running job): never taken over.
+        self._unsynced: set[int] = set()
         self._endpoints: tuple[tuple[str, ...], ...] = ()
         self._promote: set[int] = set()
         self._promoted: set[int] = set()
@@ -349,6 +363,8 @@ class Replication:
         #: the job ended or failed.
         self.tick: Callable[[], bool] = lambda: False
         self.copies_taken = self.copies_refused = 0
+        #: Set when this shard cannot go on (promoted for a range it does not hold): its serving loop raises it.
+        self.failure: Optional[PsrtError] = None
 
     # ------------------------------------------------------------------ set-up
     def start(self, table: wire.Table) -> None:
@@ -363,7 +379,11 @@ class Replication:
             standby.set_job(table.num_workers, table.mode, table.staleness)
         self.copier = Copier(self.server, self._ctx, self._keys, self.rank, self.rank, self.token, self._endpoints,
                              lambda: self.tick())
-        self.copier.live = self.holders[self.rank][1:]
+        own = self.holders[self.rank]
+        self.copier.live = own[1:] if own[:1] == (self.rank,) else ()
+        # A shard that joined a running job (its own range served elsewhere) holds a range once a full copy came.
+        self._unsynced = {k for k in self.backed if self.rank in self.holders[k]} if own[:1] != (self.rank,) \
+            else set()
         self._thread = threading.Thread(target=self._serve_copies, name="psrt-replication", daemon=True)
         self._thread.start()
         log.info("shard %d: range copied to shards %s; backs ranges %s", self.rank, list(self.holders[self.rank][1:]),
@@ -394,6 +414,11 @@ class Replication:
                         len(self.holders))
             return
         self.holders = notice.holders
+        if len(notice.endpoints) == len(self._endpoints):  # a shard in a dead one's place announced its own
+            self._endpoints = notice.endpoints
+            for copier in (self.copier, *self._copiers.values()):
+                if copier is not None:
+                    copier._endpoints = notice.endpoints
         if self.copier is not None and self.holders[self.rank][:1] == (self.rank,):
             self.copier.live = self.holders[self.rank][1:]
         with self._lock:
@@ -463,6 +488,9 @@ class Replication:
         held = self._included.setdefault(req.range, {})
         for meta, pushes in zip(req.tensors, req.included):
             held[meta.key] = pushes
+        if req.full and req.range in self._unsynced:
+            self._unsynced.discard(req.range)
+            log.warning("shard %d holds range %d now (a full copy from shard %d)", self.rank, req.range, req.sender)
         self.copies_taken += 1
         try:
             self._router.send(identity, messages.encode_replicated(req.id))
@@ -491,6 +519,12 @@ class Replication:
             pass
 
     def _take_over(self, k: int) -> None:
+        if k in self._unsynced:  # serving what it does not hold would lose rounds silently: fail, loudly
+            self._promoted.add(k)
+            self.failure = PsrtError(f"shard {self.rank} was promoted for key range {k} before it received a full "
+                                     "copy of it (it joined the job moments before); the range is lost")
+            log.error("%s", self.failure)
+            return
         standby = self._standbys[self.backed.index(k)]
         copier = Copier(standby, self._ctx, self._keys, self.rank, k, self.token, self._endpoints, lambda: False)
         with self._lock:

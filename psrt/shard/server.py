@@ -155,6 +155,8 @@ class Server(Recovery):
                         self.replies.dropped(self._chan.release())
             if self._ckpt.due_by_time():
                 self._checkpoint_quietly()
+            if self._failed is None and isinstance(self._replication, Replication):
+                self._failed = self._replication.failure
             if self._failed is not None:
                 raise self._failed
             if self._ended or (control is not None and control.tick(self.set_members, self.set_finished,

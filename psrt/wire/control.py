@@ -94,7 +94,7 @@ _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "finished": frozenset({"v", "op", "id", "workers"}),
     "forming": frozenset({"v", "op", "id", "servers", "num_servers", "workers", "num_workers"}),
     "not_members": frozenset({"v", "op", "id", "workers", "message"}),
-    "ranges": frozenset({"v", "op", "id", "holders"}),
+    "ranges": frozenset({"v", "op", "id", "holders", "endpoints"}),
 }
 #: Fields a message may carry or leave out (replicated jobs only), taken out before its exact field set is checked.
 _OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {"register": ("replication",), "table": ("replication",)}
@@ -445,12 +445,15 @@ class NotMembers:
 
 @dataclass(frozen=True)
 class Ranges:
-    """``ranges``: sent unprompted to the servers of a replicated job when a shard died: each key range's live
-    holders, the one that serves it first. A replica named first for a range it backs takes it over (the only
-    promotion there is); a primary stops copying to holders no longer named."""
+    """``ranges``: sent unprompted to the servers of a replicated job when a shard died or another took its place:
+    each key range's live holders, the one that serves it first, and every shard's replication endpoints. A
+    replica named first for a range it backs takes it over (the only promotion there is); a primary stops copying
+    to holders no longer named, and gives a holder it newly names the whole range first."""
 
     id: int
     holders: tuple[tuple[int, ...], ...]
+    #: Per shard: its replication endpoint, then its standby endpoints (as in the table's replication).
+    endpoints: tuple[tuple[str, ...], ...] = ()
     op: ClassVar[str] = "ranges"
 
 
@@ -473,7 +476,10 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
     op = op_of(h, _REPLY_FIELDS, "control reply")
     rid = uint(h, "id")
     if op == "ranges":
-        return Ranges(rid, _holders(h["holders"]))
+        endpoints = h["endpoints"]
+        if type(endpoints) is not list or len(endpoints) > MAX_REPLICATION_ENDPOINTS * 16:
+            raise ProtocolError("ranges: 'endpoints' must be a list per shard")
+        return Ranges(rid, _holders(h["holders"]), tuple(_endpoints(e, "replication endpoints") for e in endpoints))
     if op == "table":
         servers = h["servers"]
         if type(servers) is not list or any(type(s) is not str or "://" not in s or len(s) > _MAX_ENDPOINT
@@ -523,9 +529,11 @@ def encode_table(rid: int, rank: int, num_servers: int, num_workers: int, mode: 
     return encode(header)
 
 
-def encode_ranges(holders: Sequence[Sequence[int]]) -> list[Any]:
-    """Frames of the ``ranges`` notice (id 0) to the servers of a replicated job: each range's live holders."""
-    return encode({"op": "ranges", "id": 0, "holders": [list(h) for h in holders]})
+def encode_ranges(holders: Sequence[Sequence[int]], endpoints: Sequence[Sequence[str]] = ()) -> list[Any]:
+    """Frames of the ``ranges`` notice (id 0) to the servers of a replicated job: each range's live holders, and
+    each shard's replication endpoints (a server that took a dead shard's place announced new ones)."""
+    return encode({"op": "ranges", "id": 0, "holders": [list(h) for h in holders],
+                   "endpoints": [list(e) for e in endpoints]})
 
 
 def _holders(value: Any) -> tuple[tuple[int, ...], ...]:

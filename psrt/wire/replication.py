@@ -4,8 +4,8 @@
 request         fields (besides ``v, op, id``)                             reply
 ==============  =========================================================  ==================================
 ``replicate``   ``token, sender, range, workers, optimizers, tensors,      ``replicated {}`` once applied, or
-                versions, opt, slots, included`` + buffers: per tensor     ``error {code, message}`` (nothing
-                its parameters, then each of its optimizer slots           applied)
+                versions, opt, slots, included, full`` + buffers: per      ``error {code, message}`` (nothing
+                tensor its parameters, then each of its optimizer slots    applied)
 ==============  =========================================================  ==================================
 
 ``tensors`` are the keys whose values the message sets, as everywhere (``[name, part, dtype, [count]]``);
@@ -15,8 +15,9 @@ dtype and size) follow its parameters in that order. ``workers`` is ``[[worker, 
 every push of that session up to sequence number ``settled - 1`` is in the state the replica holds once it
 applied the message (``settled`` 0: none). ``included`` lists per tensor ``[[worker, seq], ...]``: the pushes its
 state includes beyond that, the round's contributors (a push whose other keys' rounds were still open is not
-settled, but its part in this key is in). ``token`` is the job's replication token and ``sender`` the rank of the
-shard sending (:mod:`psrt.control.placement`): a replica checks both before it changes anything.
+settled, but its part in this key is in). ``full``: the message holds every key of the range (a replica that
+joined a running job holds the range once it took one). ``token`` is the job's replication token and ``sender``
+the rank of the shard sending (:mod:`psrt.control.placement`): a replica checks both before it changes anything.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ __all__ = ["ReplicateRequest", "Replicated", "ReplicationError", "encode_replica
            "encode_replicated", "encode_replication_error", "decode_replication_reply"]
 
 _FIELDS = {"replicate": frozenset({"v", "op", "id", "token", "sender", "range", "workers", "optimizers", "tensors",
-                                   "versions", "opt", "slots", "included"})}
+                                   "versions", "opt", "slots", "included", "full"})}
 _REPLY_FIELDS = {"replicated": frozenset({"v", "op", "id"}),
                  "error": frozenset({"v", "op", "id", "code", "message"})}
 _MAX_SLOTS = 8
@@ -73,6 +74,8 @@ class ReplicateRequest:
     arrays: list[list[np.ndarray]]
     #: Per tensor: ``{worker: seq}`` of the pushes of its last round (in its state, settled or not).
     included: list[dict[int, int]]
+    #: The message holds every key of the range.
+    full: bool = False
     op: ClassVar[str] = "replicate"
 
 
@@ -96,10 +99,10 @@ class ReplicationError:
 
 def encode_replicate(rid: int, token: str, sender: int, rng: int, workers: Sequence[tuple[int, int, int]],
                      entries: Sequence[tuple[tuple[str, int], Any]],
-                     included: Sequence[dict[int, int]] = ()) -> list[Any]:
+                     included: Sequence[dict[int, int]] = (), full: bool = False) -> list[Any]:
     """Frames of a ``replicate`` message: ``entries`` are ``(key, store entry)`` pairs (parameters, slots, version,
     optimizer), ``workers`` ``(worker, session, last applied seq)``, ``included`` per entry the ``{worker: seq}``
-    of its last round (none when left out)."""
+    of its last round (none when left out); ``full``: ``entries`` are every key of the range."""
     specs: list[dict[str, Any]] = []
     seen: dict[int, int] = {}  # by identity: the keys of one init share one optimizer object
     tensors, versions, opt, slots, arrays = [], [], [], [], []
@@ -118,7 +121,8 @@ def encode_replicate(rid: int, token: str, sender: int, rng: int, workers: Seque
     return encode({"op": "replicate", "id": rid, "token": token, "sender": sender, "range": rng,
                    "workers": [[w, session, seq + 1] for w, session, seq in workers], "optimizers": specs,
                    "tensors": tensors, "versions": versions, "opt": opt, "slots": slots,
-                   "included": [[[w, q] for w, q in sorted(d.items())] for d in included] or [[] for _ in tensors]},
+                   "included": [[[w, q] for w, q in sorted(d.items())] for d in included] or [[] for _ in tensors],
+                   "full": full},
                   arrays)
 
 
@@ -162,6 +166,8 @@ def decode_replicate(frames: Sequence[Any], limits: WireLimits) -> ReplicateRequ
                     type(p) is not list or len(p) != 2 or any(type(x) is not int or not 0 <= x <= MAX_U63 for x in p)
                     for p in pairs) for pairs in included):
             raise ProtocolError("field 'included' must list each tensor's [worker, seq] pairs")
+        if type(h["full"]) is not bool:
+            raise ProtocolError("field 'full' must be true or false")
         if any(i >= len(optimizers) for i in opt):
             raise ProtocolError("field 'opt' names an optimizer the message does not carry")
         buffers = list(frames[1:])
@@ -181,7 +187,7 @@ def decode_replicate(frames: Sequence[Any], limits: WireLimits) -> ReplicateRequ
         return ReplicateRequest(uint(h, "id"), string(h, "token", 128), uint(h, "sender", 1 << 31),
                                 uint(h, "range", 1 << 31), [(w, s, q - 1) for w, s, q in workers], optimizers,
                                 metas, versions, opt, [tuple(s) for s in slots], arrays,
-                                [{w: q for w, q in pairs} for pairs in included])
+                                [{w: q for w, q in pairs} for pairs in included], h["full"])
     except ProtocolError as exc:
         exc.request_id = request_id  # type: ignore[attr-defined]
         raise
