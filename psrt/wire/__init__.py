@@ -61,9 +61,10 @@ servers when every worker is done, ``abort {code, message}`` to every process wh
 names the dead peer), and, in an elastic job, ``members {epoch, workers}`` to the servers whenever the workers
 change; in a fixed job, ``finished {workers}`` to the servers when workers said ``done`` while others go on;
 ``moved {shard, endpoint}`` to the workers when a shard restarted from its checkpoint on another endpoint, or
-when a replica took a dead shard's key range over; ``ranges {holders}`` to the servers of a replicated job when a
-shard died. A replicated job's ``register`` (a server's) and ``table`` also carry ``replication``
-(:mod:`psrt.wire.control`); the copies themselves travel between shards (:mod:`psrt.wire.replication`).
+when a replica took a dead shard's key range over; ``ranges {holders, endpoints}`` to the servers of a replicated
+job when a shard died or another took its place. A replicated job's ``register`` (a server's) and ``table`` also
+carry ``replication`` (:mod:`psrt.wire.control`); the copies themselves travel between shards
+(:mod:`psrt.wire.replication`).
 A ``beats`` naming ranks the scheduler does not count is also answered ``not_members {workers, message}``.
 """
 
