@@ -603,3 +603,21 @@ def test_i2_i5_a_server_started_later_takes_a_dead_shards_place_by_state_transfe
         assert a["steps"] == b["steps"] == 120
         for name in a["params"]:
             assert np.array_equal(a["params"][name], b["params"][name]), name
+
+
+@pytest.mark.parametrize("field", ["id", "token", "sender", "range", "workers", "optimizers", "tensors", "versions",
+                                   "opt", "slots", "included", "full"])
+@pytest.mark.parametrize("bad", ["x", -1, {"a": 1}, [[1, 2, 3, 4]], None])
+def test_i3_every_malformed_field_of_a_copy_is_a_protocol_error(field, bad):
+    from psrt.config import WireLimits
+
+    frames = [bytes(f) for f in _copy()]
+    header = wire.unpack_header(frames[0], WireLimits())
+    if header[field] == bad or (field == "token" and isinstance(bad, str)):
+        return  # (a token is any string: checked against the job's by the replica, not by the decoder)
+    header[field] = bad
+    with pytest.raises(ProtocolError):
+        wire_replication.decode_replicate([wire.pack_header(header), *frames[1:]], WireLimits())
+    del header[field]
+    with pytest.raises(ProtocolError):
+        wire_replication.decode_replicate([wire.pack_header(header), *frames[1:]], WireLimits())
