@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--staleness", type=_nonnegative, default=None, metavar="S",
                     help="ssp: pushes a worker may run ahead of the slowest (default: $PSRT_STALENESS or 0)")
     la.add_argument("--replicas", type=_nonnegative, default=env.replicas, metavar="R",
-                    help="copies of each shard's key range on the next R shards (sync or async; at most S - 1); a dead "
+                    help="copies of each shard's key range on the next R shards (at most S - 1); a dead "
                          "shard's range is taken over by its first replica (default: $PSRT_REPLICAS or 0)")
     la.add_argument("--host", default="127.0.0.1", help="address to bind on (default %(default)s)")
     la.add_argument("--timeout", type=_seconds, default=env.start_timeout,

@@ -587,8 +587,8 @@ class ClusterConfig:
         "--staleness", "ssp: pushes a worker may run ahead of the slowest", parse=parse_whole, metavar="S",
         unset=True))
     replicas: int = _env_named(0, "PSRT_REPLICAS", read=_Environment.whole, flag=Flag(
-        "--replicas", "copies of each shard's key range on the next R shards of the ring (sync or async mode; at "
-        "most S - 1); a dead shard's range is taken over by its first replica", parse=parse_whole, metavar="R"))
+        "--replicas", "copies of each shard's key range on the next R shards of the ring (at most S - 1); a dead "
+        "shard's range is taken over by its first replica", parse=parse_whole, metavar="R"))
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)

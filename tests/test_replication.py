@@ -63,10 +63,9 @@ def test_i1_a_replica_count_no_ring_can_hold_is_refused_saying_what_holds(replic
         check_replicas(replicas, servers)
 
 
-def test_replication_is_refused_in_ssp_and_with_elastic():
-    with pytest.raises(ConfigError, match="--mode sync or async"):
-        check_job_replicas(1, 2, "ssp", False)
-    check_job_replicas(1, 2, "async", False)
+def test_replication_is_refused_with_elastic():
+    for mode in ("sync", "async", "ssp"):
+        check_job_replicas(1, 2, mode, False)
     with pytest.raises(ConfigError, match="--elastic"):
         check_job_replicas(1, 2, "sync", True)
     check_job_replicas(0, 1, "async", True)  # no replicas: anything goes as before
@@ -83,8 +82,8 @@ def test_replicas_come_from_psrt_replicas_and_default_to_zero():
 def test_the_scheduler_refuses_replicas_its_shards_cannot_hold():
     with pytest.raises(ConfigError, match="at most S - 1 = 1"):
         Scheduler("tcp://127.0.0.1:*", 2, 2, replicas=2)
-    with pytest.raises(ConfigError, match="ssp mode has no replication yet"):
-        Scheduler("tcp://127.0.0.1:*", 2, 2, mode="ssp", replicas=1)
+    with pytest.raises(ConfigError, match="--elastic"):
+        Scheduler("tcp://127.0.0.1:*", 2, 2, elastic=True, replicas=1)
 
 
 # ---------------------------------------------------------------------------------------------- control messages
@@ -491,10 +490,12 @@ def test_i2_a_forged_promotion_promotes_nothing():
         _close(pair, threads)
 
 
+@pytest.mark.parametrize("mode", ["async", "ssp"])
 @pytest.mark.integration
-def test_i4_i5_async_a_sigkilled_shard_loses_no_acknowledged_push_and_applies_none_twice(tmp_path):
-    """Async mode, S = 2, W = 2, R = 1: every push is copied before it is answered. Each push is recognisable (SGD
-    lr=1 moves its own index by exactly -W): after a SIGKILL of a shard mid-run, every index moved exactly once."""
+def test_i4_i5_async_a_sigkilled_shard_loses_no_acknowledged_push_and_applies_none_twice(tmp_path, mode):
+    """Async and ssp modes, S = 2, W = 2, R = 1: every push is copied before it is answered (ssp: with the keys'
+    clocks). Each push is recognisable (SGD lr=1 moves its own index by exactly -W): after a SIGKILL of a shard
+    mid-run, every index moved exactly once."""
     import signal
 
     from _helpers import finish_worker, start_worker, stop_workers
@@ -506,7 +507,8 @@ def test_i4_i5_async_a_sigkilled_shard_loses_no_acknowledged_push_and_applies_no
     workers, steps = 2, 150
     env = {"PSRT_HEARTBEAT_INTERVAL": "0.2", "PSRT_HEARTBEAT_TIMEOUT": "1.0"}
     sched = Child(psrt_command("scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "2", "--workers",
-                               str(workers), "--mode", "async", "--replicas", "1"), label="scheduler",
+                               str(workers), "--mode", mode, "--replicas", "1",
+                               *(["--staleness", "1"] if mode == "ssp" else [])), label="scheduler",
                   ready=SCHEDULER_READY, env=env)
     children, procs, results = [sched], [], []
     try:
@@ -606,7 +608,7 @@ def test_i2_i5_a_server_started_later_takes_a_dead_shards_place_by_state_transfe
 
 
 @pytest.mark.parametrize("field", ["id", "token", "sender", "range", "workers", "optimizers", "tensors", "versions",
-                                   "opt", "slots", "included", "full"])
+                                   "opt", "slots", "included", "full", "clocks"])
 @pytest.mark.parametrize("bad", ["x", -1, {"a": 1}, [[1, 2, 3, 4]], None])
 def test_i3_every_malformed_field_of_a_copy_is_a_protocol_error(field, bad):
     from psrt.config import WireLimits

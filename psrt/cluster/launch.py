@@ -90,7 +90,7 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         ``k * clients`` on (``PSRT_WORKER_ID``), ``clients`` of them, the last copy the rest (``PSRT_CLIENTS``).
         ``psrt worker`` understands it (``--clients``); another program must run that many clients itself.
     replicas : int
-        Copies of each shard's key range on the next R shards (``psrt scheduler --replicas``; sync or async mode).
+        Copies of each shard's key range on the next R shards (``psrt scheduler --replicas``).
     """
     if transport not in ("auto", "tcp", "ipc"):
         raise ConfigError(f"transport must be auto, tcp or ipc, got {transport!r}")

@@ -24,7 +24,7 @@ __all__ = ["Placement", "check_job_replicas"]
 
 
 def check_job_replicas(replicas: int, num_servers: int, mode: str, elastic: bool) -> None:
-    """Refuse a replicated job psrt cannot run (yet): R out of range for S, ssp mode, elastic.
+    """Refuse a replicated job psrt cannot run (yet): R out of range for S, elastic.
 
     Raises
     ------
@@ -32,10 +32,6 @@ def check_job_replicas(replicas: int, num_servers: int, mode: str, elastic: bool
         Saying what holds and what to change.
     """
     check_replicas(replicas, num_servers)
-    if replicas and mode not in ("sync", "async"):
-        raise ConfigError(f"--replicas is implemented for --mode sync (a round's result is copied once it is "
-                          f"aggregated) and async (each push's result before its ack); {mode} mode has no "
-                          "replication yet: use --mode sync or async, or leave --replicas out")
     if replicas and elastic:
         raise ConfigError("--replicas with --elastic is not supported yet: leave one of them out")
 

@@ -6,7 +6,7 @@ channels, both DEALER/ROUTER in a ZeroMQ context of their own (with keys: CURVE,
 *server* key alone, so no worker can speak on them):
 
 - **Primary side** (a :class:`Copier` per range served, on the thread serving it): once a sync round completes
-  (in async mode: once a push is applied), its
+  (in async and ssp modes: once a push is applied; ssp copies carry the keys' clocks too), its
   result — the new parameters and optimizer slots of the keys it stepped, their versions, and each worker's
   *settled* sequence number (every push up to it is in that state, none after it) — goes once to every live
   replica, and the shard waits for each one's ``replicated`` before it answers anything that round made true (the
@@ -596,7 +596,9 @@ def _check_copy(store: Store, req: messages.ReplicateRequest, optimizers: list[o
 
 
 def _apply_copy(store: Store, req: messages.ReplicateRequest, optimizers: list[optim.Optimizer]) -> None:
-    for meta, version, opt, names, arrays in zip(req.tensors, req.versions, req.opt, req.slots, req.arrays):
+    clocks = req.clocks or [{} for _ in req.tensors]
+    for meta, version, opt, names, arrays, clock in zip(req.tensors, req.versions, req.opt, req.slots, req.arrays,
+                                                        clocks):
         entry = store.entries.get(meta.key)
         if entry is None:
             entry = store.create(meta.key, arrays[0], optimizers[opt])
@@ -605,5 +607,6 @@ def _apply_copy(store: Store, req: messages.ReplicateRequest, optimizers: list[o
         for name, values in zip(names, arrays[1:]):
             np.copyto(entry.slots[name].reshape(-1), values)
         entry.version = version
+        entry.clocks = dict(clock)
     for worker, session, seq in req.workers:
         store.workers[worker] = WorkerLog(session, seq)

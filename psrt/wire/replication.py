@@ -4,8 +4,9 @@
 request         fields (besides ``v, op, id``)                             reply
 ==============  =========================================================  ==================================
 ``replicate``   ``token, sender, range, workers, optimizers, tensors,      ``replicated {}`` once applied, or
-                versions, opt, slots, included, full`` + buffers: per      ``error {code, message}`` (nothing
-                tensor its parameters, then each of its optimizer slots    applied)
+                versions, opt, slots, included, full, clocks`` + buffers:  ``error {code, message}`` (nothing
+                per tensor its parameters, then each of its optimizer      applied)
+                slots
 ==============  =========================================================  ==================================
 
 ``tensors`` are the keys whose values the message sets, as everywhere (``[name, part, dtype, [count]]``);
@@ -16,13 +17,14 @@ every push of that session up to sequence number ``settled - 1`` is in the state
 applied the message (``settled`` 0: none). ``included`` lists per tensor ``[[worker, seq], ...]``: the pushes its
 state includes beyond that, the round's contributors (a push whose other keys' rounds were still open is not
 settled, but its part in this key is in). ``full``: the message holds every key of the range (a replica that
-joined a running job holds the range once it took one). ``token`` is the job's replication token and ``sender``
+joined a running job holds the range once it took one). ``clocks`` lists per tensor ``[[worker, clock], ...]``, its
+workers' ssp clocks (empty in the other modes). ``token`` is the job's replication token and ``sender``
 the rank of the shard sending (:mod:`psrt.control.placement`): a replica checks both before it changes anything.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
 import numpy as np
@@ -47,7 +49,7 @@ __all__ = ["ReplicateRequest", "Replicated", "ReplicationError", "encode_replica
            "encode_replicated", "encode_replication_error", "decode_replication_reply"]
 
 _FIELDS = {"replicate": frozenset({"v", "op", "id", "token", "sender", "range", "workers", "optimizers", "tensors",
-                                   "versions", "opt", "slots", "included", "full"})}
+                                   "versions", "opt", "slots", "included", "full", "clocks"})}
 _REPLY_FIELDS = {"replicated": frozenset({"v", "op", "id"}),
                  "error": frozenset({"v", "op", "id", "code", "message"})}
 _MAX_SLOTS = 8
@@ -76,6 +78,8 @@ class ReplicateRequest:
     included: list[dict[int, int]]
     #: The message holds every key of the range.
     full: bool = False
+    #: Per tensor: ``{worker: clock}`` (ssp).
+    clocks: list[dict[int, int]] = field(default_factory=list)
     op: ClassVar[str] = "replicate"
 
 
@@ -105,7 +109,7 @@ def encode_replicate(rid: int, token: str, sender: int, rng: int, workers: Seque
     of its last round (none when left out); ``full``: ``entries`` are every key of the range."""
     specs: list[dict[str, Any]] = []
     seen: dict[int, int] = {}  # by identity: the keys of one init share one optimizer object
-    tensors, versions, opt, slots, arrays = [], [], [], [], []
+    tensors, versions, opt, slots, arrays, clocks = [], [], [], [], [], []
     for (name, part), entry in entries:
         index = seen.get(id(entry.optimizer))
         if index is None:
@@ -114,6 +118,7 @@ def encode_replicate(rid: int, token: str, sender: int, rng: int, workers: Seque
         names = sorted(entry.slots)
         tensors.append(tensor_entry(name, part, entry.param.dtype, (entry.param.size,)))
         versions.append(entry.version)
+        clocks.append([[w, c] for w, c in sorted(entry.clocks.items())])
         opt.append(index)
         slots.append(names)
         arrays.append(entry.param.reshape(-1))
@@ -122,7 +127,7 @@ def encode_replicate(rid: int, token: str, sender: int, rng: int, workers: Seque
                    "workers": [[w, session, seq + 1] for w, session, seq in workers], "optimizers": specs,
                    "tensors": tensors, "versions": versions, "opt": opt, "slots": slots,
                    "included": [[[w, q] for w, q in sorted(d.items())] for d in included] or [[] for _ in tensors],
-                   "full": full},
+                   "full": full, "clocks": clocks},
                   arrays)
 
 
@@ -166,6 +171,12 @@ def decode_replicate(frames: Sequence[Any], limits: WireLimits) -> ReplicateRequ
                     type(p) is not list or len(p) != 2 or any(type(x) is not int or not 0 <= x <= MAX_U63 for x in p)
                     for p in pairs) for pairs in included):
             raise ProtocolError("field 'included' must list each tensor's [worker, seq] pairs")
+        clocks = h["clocks"]
+        if type(clocks) is not list or len(clocks) != n or any(
+                type(pairs) is not list or len(pairs) > 1 << 20 or any(
+                    type(p) is not list or len(p) != 2 or any(type(x) is not int or not 0 <= x <= MAX_U63 for x in p)
+                    for p in pairs) for pairs in clocks):
+            raise ProtocolError("field 'clocks' must list each tensor's [worker, clock] pairs")
         if type(h["full"]) is not bool:
             raise ProtocolError("field 'full' must be true or false")
         if any(i >= len(optimizers) for i in opt):
@@ -187,7 +198,8 @@ def decode_replicate(frames: Sequence[Any], limits: WireLimits) -> ReplicateRequ
         return ReplicateRequest(uint(h, "id"), string(h, "token", 128), uint(h, "sender", 1 << 31),
                                 uint(h, "range", 1 << 31), [(w, s, q - 1) for w, s, q in workers], optimizers,
                                 metas, versions, opt, [tuple(s) for s in slots], arrays,
-                                [{w: q for w, q in pairs} for pairs in included], h["full"])
+                                [{w: q for w, q in pairs} for pairs in included], h["full"],
+                                [{w: c for w, c in pairs} for pairs in clocks])
     except ProtocolError as exc:
         exc.request_id = request_id  # type: ignore[attr-defined]
         raise
