@@ -125,7 +125,9 @@ class Copier:
     def __init__(self, server: ShardLike, context: Any, keys: Optional[security.JobKeys], sender: int, rng: int,
                  token: str, endpoints: Sequence[Sequence[str]], tick: Callable[[], bool]) -> None:
         self.server, self.sender, self.range, self.token = server, sender, rng, token
-        self._ctx, self._keys, self._endpoints, self.tick = context, keys, endpoints, tick
+        self._ctx, self._keys, self.tick = context, keys, tick
+        #: Per shard, its announced endpoints (replaced when a shard takes a dead one's place).
+        self.endpoints: Sequence[Sequence[str]] = endpoints
         config = server.config
         self._timeout = config.send_timeout  # how long a copy may go unacknowledged by a replica not declared dead
         self._limits, self._hwm = config.limits, config.hwm
@@ -151,7 +153,7 @@ class Copier:
                         self.range)
             self._dealers.pop(j).close()
         for j in live:
-            announced = self._endpoints[j] if j < len(self._endpoints) else ()
+            announced = self.endpoints[j] if j < len(self.endpoints) else ()
             if j in self._dealers and announced[:1] != (self._connected.get(j),):  # another shard in j's place
                 self._dealers.pop(j).close()
             if j not in self._dealers:
@@ -418,7 +420,7 @@ class Replication:
             self._endpoints = notice.endpoints
             for copier in (self.copier, *self._copiers.values()):
                 if copier is not None:
-                    copier._endpoints = notice.endpoints
+                    copier.endpoints = notice.endpoints
         if self.copier is not None and self.holders[self.rank][:1] == (self.rank,):
             self.copier.live = self.holders[self.rank][1:]
         with self._lock:
