@@ -623,3 +623,27 @@ def test_i3_every_malformed_field_of_a_copy_is_a_protocol_error(field, bad):
     del header[field]
     with pytest.raises(ProtocolError):
         wire_replication.decode_replicate([wire.pack_header(header), *frames[1:]], WireLimits())
+
+
+def test_a_whole_range_is_copied_in_messages_the_replicas_limits_take(monkeypatch):
+    """A range of more keys than one copy carries (here 3 a message) arrives whole, in several messages; the
+    replica counts it as held only once the last one came."""
+    from psrt.config import ClientConfig
+    from psrt.optim import SGD
+    from psrt.shard import replication
+    from psrt.worker.client import Client
+
+    monkeypatch.setattr(replication, "COPY_KEYS", 3)
+    pair, threads, _ = _pair()
+    try:
+        with Client(servers=[pair[0].endpoint], rank=0, num_workers=1, config=ClientConfig(timeout=10)) as client:
+            params = {f"t{i}": np.full(3, i, np.float32) for i in range(10)}
+            client.init(params, optimizer=SGD(lr=0.5))
+            client.push_pull({n: np.ones(3, np.float32) for n in params})
+        standby = pair[1]._replication._standbys[0]
+        assert sorted(standby.store.entries) == sorted((n, 0) for n in params)
+        assert all(e.version == 1 and e.param.tolist() == [float(n[1:]) - 0.5] * 3
+                   for (n, _), e in standby.store.entries.items())
+        assert pair[0]._replication.copier.copies_sent >= 4 + 4  # 10 keys: 4 messages, for the init and the round
+    finally:
+        _close(pair, threads)

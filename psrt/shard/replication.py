@@ -207,15 +207,21 @@ class Copier:
             self._included = {k: included.get(k, {}) for k in keys}
             self._fresh.clear()
         if live and keys:
-            rid = self._next_id
-            self._next_id += 1
-            frames = messages.encode_replicate(rid, self.token, self.sender, self.range, self._settled(store),
-                                               [(k, store.entries[k]) for k in keys],
-                                               [self._included.pop(k, {}) for k in keys], full)
-            for j in live:
-                self._dealers[j].send(frames, self._timeout)
-            self.copies_sent += 1
-            self._await(rid, live, frames)
+            settled = self._settled(store)
+            batches = _batches(keys, store)
+            for n, batch in enumerate(batches):  # (a whole range in messages the replicas' limits take)
+                rid = self._next_id
+                self._next_id += 1
+                frames = messages.encode_replicate(rid, self.token, self.sender, self.range, settled,
+                                                   [(k, store.entries[k]) for k in batch],
+                                                   [self._included.pop(k, {}) for k in batch],
+                                                   full and n == len(batches) - 1)
+                for j in live:
+                    self._dealers[j].send(frames, self._timeout)
+                self.copies_sent += 1
+                if not self._await(rid, live, frames):
+                    break
+                live = [j for j in live if j in self._dealers]
         else:
             for k in keys:
                 self._included.pop(k, None)
@@ -227,7 +233,8 @@ class Copier:
         round behind this one's)."""
         self.commit(list(self.server.store.entries))
 
-    def _await(self, rid: int, live: list[int], frames: list[Any]) -> None:
+    def _await(self, rid: int, live: list[int], frames: list[Any]) -> bool:
+        """Wait until every one of ``live`` acknowledged copy ``rid`` (or is dropped); False: the job ended."""
         waiting = set(live)
         deadline = time.monotonic() + self._timeout
         while True:
@@ -261,15 +268,15 @@ class Copier:
                         self._drop(j)
                     break
             if not waiting:
-                return
+                return True
             if time.monotonic() > deadline:
                 for j in waiting:
                     log.error("shard %d did not acknowledge range %d's copy within %gs and the scheduler did not "
                               "declare it dead; going on without it", j, self.range, self._timeout)
                     self._drop(j)
-                return
+                return True
             if self.tick():  # heartbeats go on; a ranges notice may drop a dead replica from the wait
-                return  # the job ended or failed: nothing will be answered any more
+                return False  # the job ended or failed: nothing will be answered any more
             for j in waiting:
                 if j in self._dealers:
                     self._dealers[j].poll(_POLL / max(1, len(waiting)))
@@ -564,6 +571,27 @@ class Replication:
         return {"replicas": self.replicas, **own, "copies_taken": self.copies_taken,
                 "copies_refused": self.copies_refused, "serving_ranges": ",".join(map(str, self.serving_ranges())),
                 "backed_ranges": ",".join(str(k) for k in self.backed if k not in self._promoted)}
+
+
+#: Most keys, and bytes of parameters and slots, one copy carries (a whole range goes in several): well inside the
+#: replicas' decode limits (:class:`~psrt.config.WireLimits`: 1 MiB headers, 65,536 tensors).
+COPY_KEYS = 1024
+COPY_BYTES = 256 << 20
+
+
+def _batches(keys: list[Key], store: Store) -> list[list[Key]]:
+    """``keys`` in groups of at most :data:`COPY_KEYS` keys and about :data:`COPY_BYTES` bytes (a larger key alone)."""
+    out: list[list[Key]] = [[]]
+    size = 0
+    for key in keys:
+        entry = store.entries[key]
+        nbytes = entry.param.nbytes * (1 + len(entry.slots))
+        if out[-1] and (len(out[-1]) >= COPY_KEYS or size + nbytes > COPY_BYTES):
+            out.append([])
+            size = 0
+        out[-1].append(key)
+        size += nbytes
+    return out
 
 
 def replayed(included: dict[Key, dict[int, int]], worker: int, seq: int, keys: Sequence[Key]) -> set[int]:
