@@ -57,7 +57,7 @@ def _launch(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return launch(args.servers, args.workers, command, mode=args.mode, host=args.host, start_timeout=args.timeout,
                   transport=args.transport, secure=args.secure, elastic=args.elastic, staleness=args.staleness,
-                  clients=args.clients)
+                  clients=args.clients, replicas=args.replicas)
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -329,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sync (BSP), async or ssp (bounded staleness) (default %(default)s)")
     la.add_argument("--staleness", type=_nonnegative, default=None, metavar="S",
                     help="ssp: pushes a worker may run ahead of the slowest (default: $PSRT_STALENESS or 0)")
+    la.add_argument("--replicas", type=_nonnegative, default=env.replicas, metavar="R",
+                    help="copies of each shard's key range on the next R shards (at most S - 1); a dead "
+                         "shard's range is taken over by its first replica (default: $PSRT_REPLICAS or 0)")
     la.add_argument("--host", default="127.0.0.1", help="address to bind on (default %(default)s)")
     la.add_argument("--timeout", type=_seconds, default=env.start_timeout,
                     help=f"seconds for the job to form and for each barrier (default: $PSRT_START_TIMEOUT or "

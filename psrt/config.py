@@ -22,6 +22,7 @@ variable                   also read                      meaning               
 ``PSRT_HEARTBEAT_TIMEOUT``                                silence after which a process is dead        2.5
 ``PSRT_ELASTIC``                                          ``1``: workers may leave and join a job      ``0``
 ``PSRT_RESTART_GRACE``                                    seconds for a checkpointing server to restart 30
+``PSRT_REPLICAS``                                         copies of each shard's key range (sync)      0
 ``PSRT_PARTITION_BYTES``                                  tensors larger than this are split          4 MiB
 ``PSRT_NONFINITE``                                        ``reject`` or ``allow`` NaN/Inf gradients   ``reject``
 ``PSRT_PIPELINE``                                         cut tensors for a network: ``auto``,        ``auto``
@@ -571,6 +572,9 @@ class ClusterConfig:
         ``ssp`` mode: how many pushes a worker may run ahead of the slowest (``PSRT_STALENESS``).
     keys : str or None
         The job's key directory (``PSRT_KEYS``): CURVE on every socket; None: no security.
+    replicas : int
+        Copies of each shard's key range, held by the next R shards on the ring (``PSRT_REPLICAS``; 0: none;
+        at most S - 1). The scheduler hands it to the shards; a dead primary's first replica takes its range over.
 
     Fields with ``flag`` metadata are ``psrt scheduler``'s flags (:class:`Flag`).
     """
@@ -598,9 +602,14 @@ class ClusterConfig:
     staleness: int = _env_named(0, "PSRT_STALENESS", read=_Environment.whole, flag=Flag(
         "--staleness", "ssp: pushes a worker may run ahead of the slowest", parse=parse_whole, metavar="S",
         unset=True))
+    replicas: int = _env_named(0, "PSRT_REPLICAS", read=_Environment.whole, flag=Flag(
+        "--replicas", "copies of each shard's key range on the next R shards of the ring (at most S - 1); a dead "
+        "shard's range is taken over by its first replica", parse=parse_whole, metavar="R"))
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
+        if type(self.replicas) is not int or self.replicas < 0:
+            raise ConfigError(f"replicas must be a whole number >= 0, got {self.replicas!r} (PSRT_REPLICAS)")
         if self.role is not None and self.role not in PROCESS_ROLES:
             raise ConfigError(f"role must be one of {PROCESS_ROLES}, got {self.role!r} (set PSRT_ROLE or DMLC_ROLE)")
         if self.scheduler is not None:

@@ -27,7 +27,8 @@ import numpy as np
 
 from psrt.errors import ConfigError
 
-__all__ = ["Chunk", "PartitionMap", "busiest_shard"]
+__all__ = ["Chunk", "PartitionMap", "busiest_shard", "check_replicas", "replica_ring", "range_holders",
+           "backed_ranges"]
 
 #: Most chunks sent in one message (keeps headers far below the decode limits).
 MAX_CHUNKS_PER_MESSAGE = 4096
@@ -317,3 +318,62 @@ def busiest_shard(specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], num_sha
         part = first + i - offsets[r]
         out.append(Chunk(name, part, part * base + min(part, extra), count, dtype, busiest, parts))
     return sorted(out, key=lambda c: (c.name, c.part))
+
+
+# ---------------------------------------------------------------------------------------------- replication ring
+# Shard k's key range is the chunks the map puts on shard k. With R replicas it is also held by the next R shards
+# on the ring k+1, ..., k+R (mod S): a pure function of S, R and k, so the scheduler, every shard and every
+# worker compute the same holders without being told.
+
+def check_replicas(replicas: int, num_shards: int) -> None:
+    """Refuse a replica count that no ring of ``num_shards`` shards can hold.
+
+    Raises
+    ------
+    ConfigError
+        When ``replicas`` is not a whole number >= 0, or is ``num_shards`` or more: a range and its R copies are
+        R + 1 distinct shards, so R is at most S - 1 (where every shard holds every range).
+    """
+    if type(replicas) is not int or replicas < 0:
+        raise ConfigError(f"replicas must be a whole number >= 0 (0: no copies), got {replicas!r}")
+    if type(num_shards) is not int or num_shards < 1:
+        raise ConfigError(f"need at least one shard, got {num_shards!r}")
+    if replicas >= num_shards:
+        raise ConfigError(
+            f"--replicas {replicas} with {num_shards} shard{'s' if num_shards > 1 else ''}: a key range is held by "
+            f"its shard and the next R on the ring, R + 1 distinct shards, so R must be at most S - 1 = "
+            f"{num_shards - 1} (with R = S - 1 every shard holds every range); start more shards "
+            f"(--servers) or ask for fewer replicas")
+
+
+def replica_ring(num_shards: int, replicas: int, shard: int) -> tuple[int, ...]:
+    """The shards that hold copies of shard ``shard``'s key range, in promotion order: the next ``replicas`` on
+    the ring.
+
+    Examples
+    --------
+    >>> replica_ring(4, 2, 3)
+    (0, 1)
+    """
+    check_replicas(replicas, num_shards)
+    if type(shard) is not int or not 0 <= shard < num_shards:
+        raise ConfigError(f"shard must be in [0, {num_shards}), got {shard!r}")
+    return tuple((shard + i) % num_shards for i in range(1, replicas + 1))
+
+
+def range_holders(num_shards: int, replicas: int, shard: int) -> tuple[int, ...]:
+    """Every shard holding key range ``shard`` while none has died: its own shard (the primary) first, then its
+    replicas in promotion order."""
+    return (shard, *replica_ring(num_shards, replicas, shard))
+
+
+def backed_ranges(num_shards: int, replicas: int, shard: int) -> tuple[int, ...]:
+    """The key ranges whose copies ``shard`` holds (besides its own), nearest first: shard - 1, ..., shard - R.
+
+    ``backed_ranges(S, R, j)[i - 1] == k`` exactly when ``replica_ring(S, R, k)[i - 1] == j``: the i-th replica of
+    range k is the shard i places after it.
+    """
+    check_replicas(replicas, num_shards)
+    if type(shard) is not int or not 0 <= shard < num_shards:
+        raise ConfigError(f"shard must be in [0, {num_shards}), got {shard!r}")
+    return tuple((shard - i) % num_shards for i in range(1, replicas + 1))

@@ -80,13 +80,15 @@ def sync_slice(servers: list[str], rank: int, workers: int, steps: int, seed: in
     return {"w": p["w"].tolist(), "b": p["b"].tolist(), "stats": stats}
 
 
-def ride(servers: Optional[list[str]], rank: int, workers: int, steps: int, step_s: float) -> dict:
+def ride(servers: Optional[list[str]], rank: int, workers: int, steps: int, step_s: float,
+         settle: bool = False) -> dict:
     """A worker whose every push is recognisable: push (rank, step) adds W at index rank*T + step of ``w``.
 
     With SGD lr=1 in sync mode over W workers, each applied push moves its own index of ``w`` by exactly -1: after
     training, an index at 0 is a push lost, -1 applied once, -2 applied twice. Returns the counts, the longest
     step, and per rank the steps whose push was lost. ``servers`` None: join the job of the scheduler in
-    ``PSRT_SCHEDULER``.
+    ``PSRT_SCHEDULER``. ``settle`` (async mode, under a scheduler): every worker's pushes are in before the final
+    pull (a barrier first).
     """
     size = workers * steps
     gaps, last = [], None
@@ -104,6 +106,8 @@ def ride(servers: Optional[list[str]], rank: int, workers: int, steps: int, step
             if step == 0:
                 print("training", flush=True)
             time.sleep(step_s)
+        if settle:
+            client.barrier()
         final = client.pull()["w"]
         if servers is None:
             client.barrier()  # nobody says done (ending the job) before everyone has pulled
@@ -490,9 +494,37 @@ def virtual_vanish(vanish_rank: int, steps: int = 100_000, step_s: float = 0.01)
     return {"rank": -1, "error": "the workers ended"}  # the process's own line: its exit code is 1
 
 
+def replicated(steps: int, step_s: float, out: str) -> dict:
+    """Sync training under a scheduler with SGD and momentum and deterministic gradients (a function of the rank
+    and the step alone), over tensors that both of two shards hold parts of; prints ``step N`` after each step,
+    saves the final parameters in ``out`` (an .npz) and returns the longest step."""
+    gaps, last = [], None
+    with psrt.Client(config=ClientConfig(timeout=60)) as client:
+        rank = client.rank
+        shapes = {"big": (600_000,), "small": (1000,), "mid": (70_000,)}
+        client.init({n: np.linspace(-1, 1, s[0], dtype=np.float32) for n, s in shapes.items()},
+                    optimizer=psrt.SGD(lr=0.05, momentum=0.9))
+        grads = {n: np.empty(s, np.float32) for n, s in shapes.items()}
+        base = {n: np.sin(np.arange(s[0], dtype=np.float32) * 0.001) for n, s in shapes.items()}
+        for step in range(steps):
+            for n, g in grads.items():
+                np.multiply(base[n], np.float32((rank + 1) * np.cos(step * 0.1)), out=g)
+            client.push_pull(grads)
+            now = time.monotonic()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            print(f"step {step}", flush=True)
+            time.sleep(step_s)
+        final = client.pull()
+        client.barrier()
+    np.savez(out, **final)
+    return {"rank": rank, "max_gap": max(gaps), "steps": steps}
+
+
 ROLES: dict[str, Callable[..., dict]] = {f.__name__: f for f in (
     async_pusher, sync_slice, ride, scheduled, liveness, crash, secure, momentum, split_steps, lane_probe, ssp,
-    torch_cnn, embedding_clicks, virtual_crash, virtual_vanish)}
+    torch_cnn, embedding_clicks, virtual_crash, virtual_vanish, replicated)}
 
 
 def main(argv: list[str]) -> int:

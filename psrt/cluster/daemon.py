@@ -93,8 +93,12 @@ def run_server(scheduler: Optional[str] = None, host: Optional[str] = None, metr
             # The rank this shard's checkpoint belongs to goes with the registration: restarted on any endpoint,
             # it takes that slot back. A rank it knows, it restores now; else once the table gives it one.
             asked, resuming = server.checkpoint_claim()
+            # A replicated job: the scheduler says R first, and the shard announces where its copies go.
+            job = link.table(timeout=timeout).replication
+            replication = server.prepare_replication(job.replicas) if job is not None and job.replicas else ()
             table = link.register("server", endpoint=announce, host=host, rank=asked, timeout=timeout,
-                                  restorable=config.checkpoint_dir is not None, restore=resuming)
+                                  restorable=config.checkpoint_dir is not None, restore=resuming,
+                                  replication=[e.replace("0.0.0.0", host) for e in replication])
             server.join(table)
         if metrics_port is not None:
             from psrt.control.metrics import serve_metrics
@@ -144,7 +148,7 @@ def run_scheduler(bind: str, cluster: ClusterConfig, out: IO[str] = sys.stdout) 
     sched = Scheduler(bind, cluster.num_servers, cluster.num_workers, cluster.mode,
                       start_timeout=cluster.start_timeout, heartbeat_timeout=cluster.heartbeat_timeout,
                       elastic=cluster.elastic, restart_grace=cluster.restart_grace, keys=cluster.keys,
-                      staleness=cluster.staleness)
+                      staleness=cluster.staleness, replicas=cluster.replicas)
     _stop_on_signals(sched.stop)
     print(ready_line("scheduler", sched.endpoint, servers=cluster.num_servers, workers=cluster.num_workers,
                      mode=cluster.mode), file=out, flush=True)

@@ -30,6 +30,7 @@ from typing import IO, Optional, Sequence
 
 from psrt.cluster.daemon import run_scheduler, run_server
 from psrt.config import ClusterConfig
+from psrt.control.placement import check_job_replicas
 from psrt.control.process import (
     SCHEDULER_READY,
     SERVER_READY,
@@ -52,7 +53,7 @@ _EVERYWHERE = ("0.0.0.0", "*", "::", "[::]")
 def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str = "sync",
            host: str = "127.0.0.1", start_timeout: Optional[float] = None, out: IO[str] = sys.stdout,
            extra_env: Optional[dict[str, str]] = None, transport: str = "auto", secure: bool = False,
-           elastic: bool = False, staleness: Optional[int] = None, clients: int = 1) -> int:
+           elastic: bool = False, staleness: Optional[int] = None, clients: int = 1, replicas: int = 0) -> int:
     """Run a whole job on this machine; returns the exit code (the first failure's, else 0).
 
     Parameters
@@ -88,6 +89,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         Workers per copy of ``command``: ceil(W / clients) copies, copy k told to host the workers of ranks
         ``k * clients`` on (``PSRT_WORKER_ID``), ``clients`` of them, the last copy the rest (``PSRT_CLIENTS``).
         ``psrt worker`` understands it (``--clients``); another program must run that many clients itself.
+    replicas : int
+        Copies of each shard's key range on the next R shards (``psrt scheduler --replicas``).
     """
     if transport not in ("auto", "tcp", "ipc"):
         raise ConfigError(f"transport must be auto, tcp or ipc, got {transport!r}")
@@ -102,6 +105,7 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
     if staleness is not None and mode != "ssp":
         raise ConfigError(f"--staleness is the bound of --mode ssp; this is --mode {mode}: leave --staleness out or "
                           "use --mode ssp")
+    check_job_replicas(replicas, num_servers, mode, elastic)
     if shutil.which(command[0]) is None:  # say so before starting a job that could not run
         raise ConfigError(f"cannot start the workers: {command[0]}: no such program (or not executable)")
     if start_timeout is None:
@@ -129,7 +133,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
                                                 str(num_servers), "--workers", str(num_workers), "--mode", mode,
                                                 "--timeout", str(start_timeout),
                                                 *(["--staleness", str(staleness)] if staleness is not None else []),
-                                                *(["--elastic"] if elastic else [])),
+                                                *(["--elastic"] if elastic else []),
+                                                *(["--replicas", str(replicas)] if replicas else [])),
                       env, ready=SCHEDULER_READY)
         endpoint = sched.wait_ready(30.0).group(1)
         job_env = {**env, "PSRT_SCHEDULER": endpoint, "PSRT_NUM_SERVERS": str(num_servers),
@@ -146,7 +151,7 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
                          {**job_env, "PSRT_ROLE": "worker", "PSRT_WORKER_ID": str(first),
                           "PSRT_CLIENTS": str(count)})
                    for first, count in worker_copies(num_workers, clients)]
-        return _supervise(sched, servers, workers, procs, out, lock, elastic)
+        return _supervise(sched, servers, workers, procs, out, lock, elastic, replicated=replicas > 0)
     except KeyboardInterrupt as exc:
         by = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
         with lock:
@@ -184,7 +189,7 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def _supervise(sched: Child, servers: list[Child], workers: list[Child], procs: list[Child], out: IO[str],
-               lock: threading.Lock, elastic: bool = False) -> int:
+               lock: threading.Lock, elastic: bool = False, replicated: bool = False) -> int:
     def say(line: str) -> None:
         with lock:
             out.write(f"psrt launch: {line}\n")
@@ -196,10 +201,15 @@ def _supervise(sched: Child, servers: list[Child], workers: list[Child], procs: 
         return exit_status(code)
 
     left: list[Child] = []  # elastic: workers that failed and left the job, in the order seen
+    failed_over: list[Child] = []  # replicated: servers that died, whose ranges their replicas serve
     while True:
         for p in procs:
             code = p.poll()
-            if code is None or code == 0 or p in left:
+            if code is None or code == 0 or p in left or p in failed_over:
+                continue
+            if replicated and p in servers:  # the scheduler promotes its replicas, or fails the job if it cannot
+                failed_over.append(p)
+                say(f"{p.label} {describe_exit(code)}; its key ranges are served by their replicas")
                 continue
             if elastic and p in workers:
                 left.append(p)
@@ -214,7 +224,7 @@ def _supervise(sched: Child, servers: list[Child], workers: list[Child], procs: 
         return report(left[0])
     # Workers are done: the scheduler tells the servers to stop; give them a moment to exit on their own.
     deadline = time.monotonic() + 10.0
-    for p in (sched, *servers):
+    for p in (sched, *[s for s in servers if s not in failed_over]):
         try:
             code = p.wait(max(0.0, deadline - time.monotonic()))
         except PsrtTimeoutError:

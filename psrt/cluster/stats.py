@@ -14,7 +14,7 @@ from psrt.control.link import SchedulerLink, Table
 from psrt.errors import ConfigError, PsrtError
 from psrt.worker.client import Client
 
-__all__ = ["watch", "format_table", "job_table", "checkpoint_job"]
+__all__ = ["watch", "format_table", "format_ranges", "job_table", "checkpoint_job"]
 
 COLUMNS = ("shard", "keys", "MB", "pushes", "pulls", "rounds", "queued", "deferred", "errors", "MB/s in",
            "MB/s out", "MB in", "kB in/push", "% shm in")
@@ -44,6 +44,23 @@ def format_table(rows: list[dict[str, Any]], previous: Optional[list[dict[str, A
     return "\n".join(lines)
 
 
+def format_ranges(table: Table) -> str:
+    """A replicated job's key ranges, one line each: the shard serving it (and where), then its replicas; empty for
+    a job without replicas."""
+    info = table.replication
+    if info is None:
+        return ""
+    lines = [f"replicas R={info.replicas}: key range -> primary (serving at), replicas"]
+    for k, holders in enumerate(info.holders):
+        where = table.servers[k] if k < len(table.servers) else "?"
+        if not holders:
+            lines.append(f"  range {k}: lost (no live shard holds it)")
+            continue
+        rest = ", ".join(f"shard {j}" for j in holders[1:]) or "none left"
+        lines.append(f"  range {k}: shard {holders[0]} ({where}), replicas: {rest}")
+    return "\n".join(lines)
+
+
 def watch(scheduler: str, interval: float = 1.0, count: Optional[int] = None, out: IO[str] = sys.stdout) -> int:
     """Print the table every ``interval`` seconds, ``count`` times (None: until interrupted).
 
@@ -62,20 +79,31 @@ def watch(scheduler: str, interval: float = 1.0, count: Optional[int] = None, ou
     config = ClientConfig()
     table = _formed(scheduler, job_table(scheduler, config))
     previous, last, shown = None, time.monotonic(), 0
-    with Client(table.servers, rank=0, num_workers=max(1, table.num_workers), config=config) as client:
-        try:
-            while True:
-                rows = client.stats(timeout=max(2.0, interval))
-                now = time.monotonic()
-                out.write(f"\n{time.strftime('%H:%M:%S')}  {table.mode}  W={table.num_workers}  "
-                          f"S={table.num_servers}\n{format_table(rows, previous, now - last)}\n")
-                out.flush()
-                previous, last, shown = rows, now, shown + 1
-                if count is not None and shown >= count:
-                    return 0
-                time.sleep(interval)
-        except KeyboardInterrupt:
-            return 0
+    client = Client(table.servers, rank=0, num_workers=max(1, table.num_workers), config=config)
+    try:
+        while True:
+            rows = client.stats(timeout=max(2.0, interval))
+            now = time.monotonic()
+            ranges = format_ranges(table)
+            out.write(f"\n{time.strftime('%H:%M:%S')}  {table.mode}  W={table.num_workers}  "
+                      f"S={table.num_servers}\n{format_table(rows, previous, now - last)}\n"
+                      + (f"{ranges}\n" if ranges else ""))
+            out.flush()
+            previous, last, shown = rows, now, shown + 1
+            if count is not None and shown >= count:
+                return 0
+            time.sleep(interval)
+            if table.replication is not None:  # a range may have moved to a replica meanwhile
+                fresh = job_table(scheduler, config)
+                if fresh.servers != table.servers:
+                    client.close()
+                    client = Client(fresh.servers, rank=0, num_workers=max(1, fresh.num_workers), config=config)
+                    previous = None
+                table = fresh
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()
 
 
 def job_table(scheduler: str, config: ClientConfig, timeout: float = 5.0) -> Table:

@@ -172,11 +172,13 @@ class SchedulerLink:
         return reply
 
     def register(self, role: str, endpoint: str = "", host: str = "", rank: int = -1,
-                 timeout: float = 130.0, restorable: bool = False, restore: bool = False) -> Table:
+                 timeout: float = 130.0, restorable: bool = False, restore: bool = False,
+                 replication: Sequence[str] = ()) -> Table:
         """Register and wait until the job forms; returns this process's :class:`Table`.
 
         A server that writes checkpoints registers as ``restorable``; one that resumes from a checkpoint
         (``restore``, with the ``rank`` it belongs to) takes the slot of a dead server back in a running job.
+        A server of a replicated job announces its ``replication`` endpoints (:mod:`psrt.control.placement`).
 
         Raises
         ------
@@ -186,7 +188,7 @@ class SchedulerLink:
             When the scheduler does not answer within ``timeout`` seconds.
         """
         reply = self._ask("register", lambda rid: wire.encode_register(rid, role, endpoint, host, rank, restorable,
-                                                                       restore), timeout)
+                                                                       restore, replication), timeout)
         table: Table = self._expect(reply, wire.Table, "register")
         self.role, self.rank = role, table.rank
         self._last_answer = time.monotonic()
@@ -211,7 +213,8 @@ class SchedulerLink:
                      wire.Ok, "failed")
 
     def tick(self, on_members: Optional[Callable[[list[int]], None]] = None,
-             on_finished: Optional[Callable[[list[int]], None]] = None) -> bool:
+             on_finished: Optional[Callable[[list[int]], None]] = None,
+             on_ranges: Optional[Callable[[wire.Ranges], None]] = None) -> bool:
         """A server's heartbeat, from its serving loop: send one when due and take in the scheduler's notices.
 
         Parameters
@@ -221,6 +224,8 @@ class SchedulerLink:
             once) tells the scheduler this server has adopted them.
         on_finished : callable, optional
             Called with the ranks of a fixed job's workers that said ``done`` while others go on.
+        on_ranges : callable, optional
+            A replicated job: called with the ``ranges`` notice when a shard died (who holds each range now).
 
         Returns
         -------
@@ -248,6 +253,8 @@ class SchedulerLink:
                     self._next_beat = 0.0  # confirm at once: a joining worker waits for every server's word
                 if isinstance(notice, wire.Finished) and on_finished is not None:
                     on_finished(notice.workers)
+                if isinstance(notice, wire.Ranges) and on_ranges is not None:
+                    on_ranges(notice)
         except (ProtocolError, ConnectionLostError) as exc:
             log.warning("ignoring a control message: %s", exc)
         if self.role and now >= self._next_beat:

@@ -64,7 +64,7 @@ class Restarts:
     if TYPE_CHECKING:  # the scheduler's own
         def _send(self, identity: bytes, frames: list[Any]) -> None: ...
         def _error(self, identity: bytes, rid: int, code: str, message: str) -> None: ...
-        def _send_table(self, identity: bytes, rid: int, rank: int) -> None: ...
+        def _send_table(self, identity: bytes, rid: int, rank: int, server: bool = False) -> None: ...
 
     def _claim(self, identity: bytes, req: wire.Register) -> None:
         """A server resuming from its checkpoint registers after the job formed: it waits for its slot."""
@@ -122,7 +122,7 @@ class Restarts:
         self._members[("server", index)] = Member(identity, name, time.monotonic(), req.restorable)
         self._server_epochs.pop(index, None)
         log.warning("%s restarted and rejoined the job%s", name, "" if old == req.endpoint else f" (was {old})")
-        self._send_table(identity, req.id, index)
+        self._send_table(identity, req.id, index, server=True)
         if self.elastic and self._epoch:
             self._send(identity, wire.encode_members(self._epoch, sorted(self.workers)))
         if old != req.endpoint:  # the workers' clients re-point their socket to this shard

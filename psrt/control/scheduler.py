@@ -23,6 +23,10 @@ as a ``members`` notice with a new epoch; a joining worker gets its table only o
 confirms that epoch, so its first push finds it a member everywhere. The job ends when its last worker leaves
 with ``done``. The semantics are written out in docs/elastic.md.
 
+A replicated job (``replicas`` R > 0, :mod:`psrt.control.placement`): a server that dies does not end the job while
+another holds each of its key ranges: the first live replica of every range it served is promoted (a ``ranges``
+notice to the servers), and the workers are told where each such range is served now (``moved``).
+
 A server that writes checkpoints and dies is waited for: restarted with ``--restore`` on any endpoint, it takes
 its rank's slot back and the workers are told where it is now (:mod:`psrt.control.restarts`).
 
@@ -33,6 +37,7 @@ encoders live in :mod:`psrt.wire.control`, which lists every field.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -44,6 +49,7 @@ from psrt.control import security
 from psrt.control.barriers import Barriers
 from psrt.control.formation import Formation
 from psrt.control.link import SchedulerLink, Table
+from psrt.control.placement import Placement, check_job_replicas
 from psrt.control.restarts import Member as _Member
 from psrt.control.restarts import Restarts
 from psrt.errors import ConfigError, ProtocolError
@@ -121,6 +127,9 @@ class Scheduler(Restarts):
         its slot back, before its death fails the job (:mod:`psrt.control.restarts`).
     keys : str or os.PathLike, optional
         The job's key directory: serve with CURVE, accepting only the job's client key. None: no security.
+    replicas : int
+        Copies of each shard's key range on the next R shards of the ring (sync mode; 0 <= R < S): a dead shard's
+        ranges are promoted to their first live replicas instead of ending the job.
 
     Raises
     ------
@@ -133,11 +142,17 @@ class Scheduler(Restarts):
     def __init__(self, bind: str, num_servers: int, num_workers: int, mode: str = "sync",
                  start_timeout: float = START_TIMEOUT, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
                  elastic: bool = False, keys: Optional[security.PathLike] = None,
-                 restart_grace: float = RESTART_GRACE, staleness: int = 0) -> None:
+                 restart_grace: float = RESTART_GRACE, staleness: int = 0, replicas: int = 0) -> None:
         if num_servers < 1 or num_workers < 1:
             raise ConfigError(f"need at least one server and one worker, got S={num_servers}, W={num_workers}")
         if mode not in MODES:
             raise ConfigError(f"mode must be 'sync', 'async' or 'ssp', got {mode!r}")
+        check_job_replicas(replicas, num_servers, mode, elastic)
+        self.replicas = replicas
+        #: A replicated job: each range's live holders; the token its servers' replication messages carry.
+        self._placement = Placement(num_servers, replicas) if replicas else None
+        self._token = secrets.token_hex(16) if replicas else ""
+        self._own_endpoints: list[str] = []  # each server's endpoint as it registered (its own range's)
         self.num_servers, self.num_workers, self.mode = num_servers, num_workers, mode
         self.start_timeout = start_timeout
         self.heartbeat_timeout = heartbeat_timeout
@@ -257,6 +272,8 @@ class Scheduler(Restarts):
                 self._join(identity, req)
             elif role == "server" and req.restore:
                 self._claim(identity, req)
+            elif role == "server" and self._placement is not None and req.replication:
+                self._rejoin_replica(identity, req)
             else:
                 self._error(identity, req.id, "formed", f"the job has already formed with {self.num_servers} "
                                                         f"servers and {self.num_workers} workers; a new {role} "
@@ -287,8 +304,11 @@ class Scheduler(Restarts):
         self.servers = [(p.identity, p.request.endpoint) for p in servers]
         self.workers = {rank: p.identity for rank, p in workers}
         self._formed = True
+        self._own_endpoints = [p.request.endpoint for p in servers]
+        if self._placement is not None:
+            self._placement.endpoints = [list(p.request.replication) for p in servers]
         for index, p in enumerate(servers):
-            self._send_table(p.identity, p.request.id, index)
+            self._send_table(p.identity, p.request.id, index, server=True)
         for rank, p in workers:
             self._send_table(p.identity, p.request.id, rank)
         self._forming.clear()
@@ -301,10 +321,17 @@ class Scheduler(Restarts):
             self._members[("worker", rank)] = _Member(p.identity, f"worker {rank} ({where})", now)
         log.info("job formed: %d servers, %d workers", self.num_servers, self.num_workers)
 
-    def _send_table(self, identity: bytes, rid: int, rank: int) -> None:
+    def _send_table(self, identity: bytes, rid: int, rank: int, server: bool = False) -> None:
         workers = len(self.workers) if self.elastic and self._formed else self.num_workers
+        replication = None
+        if self._placement is not None:  # the token goes to the job's servers alone
+            placement = self._placement
+            replication = wire.Replication(self.replicas, tuple(map(tuple, placement.holders)),
+                                           tuple(map(tuple, placement.endpoints)) if self._formed else (),
+                                           self._token if server else "")
         self._send(identity, wire.encode_table(rid, rank, self.num_servers, workers, self.mode,
-                                               [ep for _, ep in self.servers], self.elastic, self.staleness))
+                                               [ep for _, ep in self.servers], self.elastic, self.staleness,
+                                               replication))
 
     def _fail_start(self) -> None:
         message = self._forming.missing(self.start_timeout)
@@ -341,8 +368,32 @@ class Scheduler(Restarts):
             self._hold(lambda: self._tell_servers(finished))
 
     def _tell_servers(self, frames: list[Any]) -> None:
-        for ident, _ in self.servers:
+        # Once each: a shard may serve several ranges, and one that rejoined a replicated job serves none.
+        idents = {ident: None for ident, _ in self.servers}
+        idents.update((m.identity, None) for (role, _), m in self._members.items() if role == "server")
+        for ident in idents:
             self._send(ident, frames)
+
+    def _rejoin_replica(self, identity: bytes, req: wire.Register) -> None:
+        """A replicated job: a server started after a shard died takes that rank's place as a replica of the ranges
+        it backs; each range's primary copies it the whole range before anything else (so it is promoted, last of
+        the range's holders, only once it holds the range)."""
+        placement = self._placement
+        assert placement is not None
+        free = [j for j in range(self.num_servers) if ("server", j) not in self._members
+                and j not in self._restarting and (req.rank < 0 or j == req.rank)]
+        if not free or len(req.replication) != self.replicas + 1:
+            why = ("no server of the job died: there is no place to take" if not free else
+                   f"it announced {len(req.replication)} replication endpoints, the job's R = {self.replicas} "
+                   f"needs {self.replicas + 1}")
+            self._error(identity, req.id, "formed", f"the job has already formed; {why}")
+            return
+        rank = free[0]
+        backs = placement.rejoin(rank, list(req.replication))
+        self._members[("server", rank)] = _Member(identity, f"server {rank} ({req.endpoint})", time.monotonic())
+        log.warning("server %d (%s) joined the job again as a replica of key ranges %s", rank, req.endpoint, backs)
+        self._send_table(identity, req.id, rank, server=True)
+        self._tell_servers(wire.encode_ranges(placement.holders, placement.endpoints))
 
     def _hold(self, deliver: Callable[[], None]) -> None:
         """Deliver the news of a worker's end in a second: by then its process is gone, so a launcher sees it end
@@ -410,6 +461,10 @@ class Scheduler(Restarts):
         if self.exit_code is not None:
             return
         dead = [(peer, m) for peer, m in self._members.items() if now - m.last_seen > self.heartbeat_timeout]
+        if self._placement is not None and any(role == "server" for (role, _), _ in dead):
+            if not self._fail_over([d for d in dead if d[0][0] == "server"], now):
+                return
+            dead = [d for d in dead if d[0][0] != "server"]
         for (role, index), m in [d for d in dead if d[1].restorable]:
             log.warning("%s stopped heartbeating; waiting up to %gs for it to restart from its checkpoint",
                         m.name, self.restart_grace)
@@ -434,6 +489,41 @@ class Scheduler(Restarts):
             self._abort(_silence_report(dead, now) + "; the job cannot go on")
         elif self._emptied_at is not None and not self.workers and now - self._emptied_at > self.start_timeout:
             self._abort(f"every worker of the elastic job died and none joined within {self.start_timeout:g}s")
+
+    def _fail_over(self, dead: list[tuple[Peer, _Member]], now: float) -> bool:
+        """Replicated job: dead servers' ranges go to their first live replicas; False when a range lost every
+        copy (the job is aborted, naming it).
+
+        The servers hear the new holders (``ranges``) before the workers hear where the ranges went (``moved``):
+        a promoted replica's standby socket holds what the workers send it until it serves.
+        """
+        placement = self._placement
+        assert placement is not None
+        moves = []
+        for (_, index), member in dead:
+            del self._members[("server", index)]
+            promoted, lost = placement.lose(index)
+            if lost:
+                self._abort(f"{member.name} stopped heartbeating {now - member.last_seen:.1f}s ago and no live "
+                            f"shard holds key range{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
+                            f"any more (--replicas {self.replicas}); the job cannot go on")
+                return False
+            for rng, primary in promoted:
+                endpoint = placement.serving_endpoint(rng, self._own_endpoints)
+                holder = self._members.get(("server", primary))
+                if endpoint is None or holder is None:
+                    self._abort(f"{member.name} stopped heartbeating and shard {primary}, which holds its range "
+                                f"{rng}, announced no standby endpoint for it; the job cannot go on")
+                    return False
+                log.warning("%s stopped heartbeating %.1fs ago: key range %d is served by its replica, server %d, "
+                            "at %s from now on", member.name, now - member.last_seen, rng, primary, endpoint)
+                self.servers[rng] = (holder.identity, endpoint)
+                moves.append((rng, endpoint))
+        self._tell_servers(wire.encode_ranges(placement.holders, placement.endpoints))
+        for ident in {m.identity: None for (role, _), m in self._members.items() if role == "worker"}:
+            for rng, endpoint in moves:
+                self._send(ident, wire.encode_moved(rng, endpoint))
+        return True
 
     def _abort(self, message: str) -> None:
         """End the job: every process still in it hears why, and the scheduler exits non-zero."""

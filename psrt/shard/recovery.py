@@ -129,6 +129,11 @@ class Checkpointer:
                     min(versions, default=0), max(versions, default=0), len(found.tables), found.path)
         return found
 
+    def align(self, version: int) -> None:
+        """Count the rounds to the next checkpoint from ``version`` (a range taken over at that version)."""
+        if self.every:
+            self._next = (version // self.every + 1) * self.every
+
     def _take_lock(self) -> None:
         assert self.directory is not None
         try:

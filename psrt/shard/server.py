@@ -14,10 +14,13 @@ Checkpoints (``config.checkpoint_dir``, :mod:`psrt.shard.recovery`): the whole s
 ``checkpoint_every`` rounds, every ``checkpoint_secs`` seconds, on request and at a clean shutdown, named by the
 shard's rank; ``config.restore`` resumes from the newest of its rank.
 Embedding tables (``init_table``, ``push_rows``, ``pull_rows``) are served by :mod:`psrt.shard.tables`, per table.
+A replicated job's copies (``--replicas R``) are :mod:`psrt.shard.replication`'s: the loop calls it where a round
+completes, before anything that round made true is answered.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -29,12 +32,13 @@ import numpy as np
 from psrt import kernels, optim, transport, wire
 from psrt.config import ServerConfig
 from psrt.control import security
-from psrt.errors import ConfigError, ProtocolError, RequestRefused
-from psrt.shard import admission, checkpoint, tables
+from psrt.errors import ConfigError, ProtocolError, PsrtError, RequestRefused
+from psrt.shard import admission, checkpoint, replication, tables
 from psrt.shard.answers import ShardReplies
 from psrt.shard.counters import Counters, report
 from psrt.shard.pulls import PullQueue, Waiter
 from psrt.shard.recovery import Checkpointer, Recovery
+from psrt.shard.replication import Copier, Replication
 from psrt.shard.store import Entry, Key, Store
 from psrt.shm.lanes import ShardLane, ShardLanes
 from psrt.wire import compression
@@ -107,6 +111,14 @@ class Server(Recovery):
         self.restored_from: Optional[Path] = None
         self.tables = tables.TableService(self.store, self._reply, self._error, config.nonfinite, config.row_limits)
         self.tables.staleness = config.staleness
+        #: A replicated job: this shard's copies (:meth:`prepare_replication`), or a promoted standby's copier
+        #: (:meth:`adopt_copier`); None otherwise.
+        self._replication: Optional[Replication | Copier] = None
+        self._control: Optional[SchedulerLink] = None
+        self._ended = False  # the scheduler ended the job while a copy was awaited
+        self._failed: Optional[BaseException] = None  # ... or aborted it: raised by the loop, not by a handler
+        #: A range taken over: per key, the pushes its copied state holds though they were not settled.
+        self._included: dict[Key, dict[int, int]] = {}
         if not scheduled:
             try:
                 self._restore()
@@ -123,6 +135,7 @@ class Server(Recovery):
     def serve(self, control: Optional[SchedulerLink] = None) -> None:
         """Serve requests until :meth:`stop` is called or, with ``control``, the scheduler ends the job."""
         poll = self.config.poll_interval
+        self._control = control
         while not self._stop.is_set():
             if self._chan.poll(poll):
                 # Every message queued, then one receive that finds none: a socket's event flags cost a system
@@ -142,9 +155,69 @@ class Server(Recovery):
                         self.replies.dropped(self._chan.release())
             if self._ckpt.due_by_time():
                 self._checkpoint_quietly()
-            if control is not None and control.tick(self.set_members, self.set_finished):
+            if self._failed is None and isinstance(self._replication, Replication):
+                self._failed = self._replication.failure
+            if self._failed is not None:
+                raise self._failed
+            if self._ended or (control is not None and control.tick(self.set_members, self.set_finished,
+                                                                    self._on_ranges)):
                 log.info("the scheduler ended the job")
                 return
+
+    # ------------------------------------------------------------------ replication
+    def prepare_replication(self, replicas: int) -> tuple[str, ...]:
+        """A replicated job (the scheduler said R > 0): bind the replication socket and the standbys of the ranges
+        this shard will back; returns their endpoints, to announce when registering."""
+        # A standby writes its range's checkpoints under that range's rank once it serves it (take_rank).
+        config = dataclasses.replace(self.config, restore=False, rank=None, shm=False)
+        self._replication = Replication(self, replicas, lambda bind: Server(dataclasses.replace(config, bind=bind),
+                                                                            scheduled=True))
+        self._replication.tick = self._tick_while_copying
+        return self._replication.endpoints
+
+    def take_rank(self, rank: int) -> None:
+        """A standby taking range ``rank`` over: with a checkpoint directory, its checkpoints are that rank's from
+        now on (the dead shard's lock went with its process)."""
+        if self._ckpt.enabled:
+            try:
+                self._ckpt.start(rank)
+            except checkpoint.CheckpointError as exc:
+                log.error("%s; range %d is served without checkpoints", exc, rank)
+                return
+            self._ckpt.align(min((e.version for e in self.store.entries.values()), default=0))
+
+    def checkpoint_at_exit(self) -> Optional[Path]:
+        """At a clean shutdown: this shard's final checkpoint, and those of the ranges it took over."""
+        path = super().checkpoint_at_exit()
+        if isinstance(self._replication, Replication):
+            self._replication.checkpoint_at_exit()
+        return path
+
+    def adopt_copier(self, copier: Copier, included: dict[Key, dict[int, int]]) -> None:
+        """A standby taking its range over: its rounds are copied on to the range's remaining replicas, and a push
+        sent again that its copied state holds in part is applied to the rest of its keys only (``included``)."""
+        self._replication = copier
+        self._included = included
+
+    def join(self, table: wire.Table) -> None:
+        """Adopt the scheduler's table (:meth:`Recovery.join`) and, in a replicated job, start copying."""
+        super().join(table)
+        if isinstance(self._replication, Replication):
+            self._replication.start(table)
+
+    def _on_ranges(self, notice: wire.Ranges) -> None:
+        if isinstance(self._replication, Replication):
+            self._replication.on_ranges(notice)
+
+    def _tick_while_copying(self) -> bool:
+        """While a copy waits: heartbeat and read the scheduler's notices; True once the job ended or failed."""
+        control = self._control
+        if control is not None and not self._ended and self._failed is None:
+            try:
+                self._ended = control.tick(self.set_members, self.set_finished, self._on_ranges)
+            except PsrtError as exc:  # the job failed: the serving loop raises it once this message is handled
+                self._failed = exc
+        return self._ended or self._failed is not None
 
     def set_members(self, workers: list[int]) -> None:
         """Adopt an elastic job's workers: rounds in progress stop waiting for those who left.
@@ -203,6 +276,8 @@ class Server(Recovery):
 
     def close(self) -> None:
         """Close the socket and the ZeroMQ context; let go of the rank's checkpoint files."""
+        if self._replication is not None:
+            self._replication.close()
         self._chan.close()
         self._ctx.term()
         self.lanes.close()
@@ -230,6 +305,9 @@ class Server(Recovery):
             elif isinstance(req, wire.InitRequest):
                 self._init(identity, req)
             elif isinstance(req, tables.REQUESTS):
+                if self._replication is not None and isinstance(req, wire.InitTableRequest):
+                    raise RequestRefused("not_replicated", "embedding tables are not replicated yet, and this job "
+                                         "runs with --replicas: start it without --replicas to use embedding tables")
                 self.tables.handle(identity, req)
             elif isinstance(req, wire.LaneProbeRequest):
                 self._reply(identity, self.lanes.probe(req))
@@ -270,6 +348,8 @@ class Server(Recovery):
             elif entry.optimizer != opt:
                 conflicts.append(i)
             entries.append(entry)
+        if self._replication is not None:  # a new key is held R + 1 times before any worker learns of it
+            self._replication.commit([m.key for m in req.tensors])
         self.counters.inits += 1
         members = self.store.members
         job = wire.JobInfo(self.config.mode, self.config.num_workers if members is None else len(members), conflicts)
@@ -286,7 +366,7 @@ class Server(Recovery):
         """
         store = self.store
         if (req.lane is not None or self._deferred or store.finished or self.config.mode == "ssp" or store.rounds
-                or (store.members is not None and req.worker not in store.members)
+                or self._replication is not None or (store.members is not None and req.worker not in store.members)
                 or store.is_duplicate(req.worker, req.session, req.seq)):
             return False
         held, reject = store.entries, self.config.nonfinite == "reject"
@@ -345,12 +425,21 @@ class Server(Recovery):
             return
         grads = [req.array(i) for i in range(len(entries))]
         # A push_pull's lane areas stay untouched until its answer, which comes after its round: held, not copied.
-        targets, completed = self.store.apply_push(req.worker, entries, grads, hold=lane is not None and req.pull)
+        hold = lane is not None and req.pull
+        skip = replication.replayed(self._included, req.worker, req.seq, keys) if self._included else None
+        if skip:  # a range taken over: this push sent again is in part of its keys' copied state already
+            targets, completed = replication.apply_except(self.store, req.worker, entries, grads, skip, hold)
+        else:
+            targets, completed = self.store.apply_push(req.worker, entries, grads, hold=hold)
         if self.config.mode == "ssp":
             self.store.tick_clocks(req.worker, entries)
         self.store.record(req.worker, req.session, req.seq)
         self.counters.pushes += 1
         self.counters.rounds += len(completed)
+        if self._replication is not None:  # the rounds this push completed are held R + 1 times before answers
+            self._replication.joined(req.worker, req.seq, keys, completed)
+            if completed:
+                self._replication.commit([keys[i] for i in completed])
         self._answer_push(identity, req, keys, targets, False, lane, entries)
         if self._pulls or self._stale_pulls:  # (nothing waits: the usual case with W = 1, or async)
             for i in completed:
@@ -363,7 +452,8 @@ class Server(Recovery):
     def _answer_push(self, identity: bytes, req: wire.PushRequest, keys: list[Key], targets: list[int],
                      duplicate: bool, lane: Optional[ShardLane], entries: list[Entry]) -> None:
         if not req.pull:
-            self._reply(identity, wire.encode_ack(req.id, targets, duplicate))
+            if self._replication is None or not self._replication.hold_ack(identity, req.id, keys, targets, duplicate):
+                self._reply(identity, wire.encode_ack(req.id, targets, duplicate))
             return
         self.counters.pulls += 1  # the pull half of a push_pull is a pull too
         # A worker pushing 16-bit gradients gets the parameters of its push_pull back in the same form.
@@ -474,7 +564,7 @@ class Server(Recovery):
         return report(self.counters, self.store, endpoint=self.endpoint, mode=self.config.mode,
                       num_workers=self.config.num_workers, queued_pulls=len(self._pulls) + len(self._stale_pulls),
                       deferred_pushes=sum(len(q) for q in self._deferred.values()), lanes=self.lanes.count,
-                      **self.tables.stats())
+                      **self.tables.stats(), **(self._replication.stats() if self._replication is not None else {}))
 
 
 def _finished_message(worker: int) -> str:

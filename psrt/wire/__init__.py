@@ -60,7 +60,11 @@ workers, num_workers}``, ``ok {}``, ``error {code, message}``; and, unprompted (
 servers when every worker is done, ``abort {code, message}`` to every process when the job fails (the message
 names the dead peer), and, in an elastic job, ``members {epoch, workers}`` to the servers whenever the workers
 change; in a fixed job, ``finished {workers}`` to the servers when workers said ``done`` while others go on;
-``moved {shard, endpoint}`` to the workers when a shard restarted from its checkpoint on another endpoint.
+``moved {shard, endpoint}`` to the workers when a shard restarted from its checkpoint on another endpoint, or
+when a replica took a dead shard's key range over; ``ranges {holders, endpoints}`` to the servers of a replicated
+job when a shard died or another took its place. A replicated job's ``register`` (a server's) and ``table`` also
+carry ``replication`` (:mod:`psrt.wire.control`); the copies themselves travel between shards
+(:mod:`psrt.wire.replication`).
 A ``beats`` naming ranks the scheduler does not count is also answered ``not_members {workers, message}``.
 """
 
@@ -94,7 +98,9 @@ from psrt.wire.control import (
     Moved,
     NotMembers,
     Ok,
+    Ranges,
     Register,
+    Replication,
     Shutdown,
     Table,
     TableQuery,
@@ -113,6 +119,7 @@ from psrt.wire.control import (
     encode_moved,
     encode_not_members,
     encode_ok,
+    encode_ranges,
     encode_register,
     encode_shutdown,
     encode_table,
@@ -201,4 +208,5 @@ __all__ = [
     "encode_closed",
     "encode_control_error", "encode_shutdown", "encode_abort", "encode_heartbeat", "encode_members",
     "Moved", "encode_moved", "Beats", "MAX_BEAT_RANKS", "encode_beats", "NotMembers", "encode_not_members",
+    "Ranges", "Replication", "encode_ranges",
 ]

@@ -7,7 +7,7 @@ msgpack with limits; exact field sets). No tensor bytes travel here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence, Union
+from typing import Any, ClassVar, Optional, Sequence, Union
 
 from psrt.config import MODES, PROCESS_ROLES, WireLimits
 from psrt.errors import ProtocolError
@@ -35,6 +35,8 @@ __all__ = [
     "Finished",
     "Forming",
     "NotMembers",
+    "Ranges",
+    "Replication",
     "ControlReply",
     "decode_control_request",
     "decode_control_reply",
@@ -55,6 +57,7 @@ __all__ = [
     "encode_finished",
     "encode_forming",
     "encode_not_members",
+    "encode_ranges",
 ]
 
 #: Control messages are small: tighter limits than the data plane's.
@@ -91,7 +94,12 @@ _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "finished": frozenset({"v", "op", "id", "workers"}),
     "forming": frozenset({"v", "op", "id", "servers", "num_servers", "workers", "num_workers"}),
     "not_members": frozenset({"v", "op", "id", "workers", "message"}),
+    "ranges": frozenset({"v", "op", "id", "holders", "endpoints"}),
 }
+#: Fields a message may carry or leave out (replicated jobs only), taken out before its exact field set is checked.
+_OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {"register": ("replication",), "table": ("replication",)}
+#: Most endpoints a server announces for replication (its replication endpoint and one standby per range it backs).
+MAX_REPLICATION_ENDPOINTS = 1 << 8
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -111,6 +119,8 @@ class Register:
     rank: int
     restorable: bool = False
     restore: bool = False
+    #: A server of a replicated job: its replication endpoint, then a standby endpoint per range it backs.
+    replication: tuple[str, ...] = ()
     op: ClassVar[str] = "register"
 
 
@@ -212,6 +222,7 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
         if type(h.get("id")) is int and 0 <= h["id"] <= MAX_U63:
             request_id = h["id"]
         check_version(h)
+        optional = _take_optional(h)
         op = op_of(h, _REQUEST_FIELDS, "control")
         rid = uint(h, "id")
         if op == "register":
@@ -222,8 +233,11 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
             for flag in ("restorable", "restore"):
                 if type(h[flag]) is not bool:
                     raise ProtocolError(f"field {flag!r} must be true or false")
+            replication = _endpoints(optional.get("replication", []), "replication")
+            if replication and role != "server":
+                raise ProtocolError("only a server announces replication endpoints")
             return Register(rid, role, endpoint, string(h, "host", _MAX_ENDPOINT), _rank(h), h["restorable"],
-                            h["restore"])
+                            h["restore"], replication)
         if op == "barrier":
             return Barrier(rid, _rank(h), string(h, "name", _MAX_BARRIER_NAME))
         if op == "done":
@@ -242,10 +256,27 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
 
 
 def encode_register(rid: int, role: str, endpoint: str, host: str, rank: int, restorable: bool = False,
-                    restore: bool = False) -> list[Any]:
-    """Frames of a ``register`` request."""
-    return encode({"op": "register", "id": rid, "role": role, "endpoint": endpoint, "host": host, "rank": rank,
-                   "restorable": restorable, "restore": restore})
+                    restore: bool = False, replication: Sequence[str] = ()) -> list[Any]:
+    """Frames of a ``register`` request (``replication`` only where given: an unreplicated job's are unchanged)."""
+    header = {"op": "register", "id": rid, "role": role, "endpoint": endpoint, "host": host, "rank": rank,
+              "restorable": restorable, "restore": restore}
+    if replication:
+        header["replication"] = list(replication)
+    return encode(header)
+
+
+def _take_optional(h: dict[str, Any]) -> dict[str, Any]:
+    """Remove the optional fields of the header's op from ``h`` and return them (an unknown op keeps all)."""
+    op = h.get("op")
+    names = _OPTIONAL_FIELDS.get(op, ()) if type(op) is str else ()
+    return {name: h.pop(name) for name in names if name in h}
+
+
+def _endpoints(value: Any, what: str, lo: int = 0) -> tuple[str, ...]:
+    if type(value) is not list or not lo <= len(value) <= MAX_REPLICATION_ENDPOINTS or any(
+            type(e) is not str or "://" not in e or len(e) > _MAX_ENDPOINT for e in value):
+        raise ProtocolError(f"field {what!r} must be a list of endpoints like tcp://HOST:PORT")
+    return tuple(value)
 
 
 def encode_barrier(rid: int, rank: int, name: str) -> list[Any]:
@@ -295,7 +326,25 @@ class Table:
     elastic: bool = False
     #: ``ssp`` mode: how many pushes a worker may run ahead of the slowest.
     staleness: int = 0
+    #: A replicated job (``--replicas R``): R, the holders of each range and the shards' replication endpoints.
+    replication: Optional[Replication] = None
     op: ClassVar[str] = "table"
+
+
+@dataclass(frozen=True)
+class Replication:
+    """What a replicated job's table says of its copies (:mod:`psrt.control.placement`).
+
+    ``token`` is the job's replication token, in the tables of its servers only (empty in the others'): a replica
+    takes a replication message only with it (and, with keys, only over a connection with the job's server key).
+    """
+
+    replicas: int
+    #: Per range, its live holders, the one serving it first.
+    holders: tuple[tuple[int, ...], ...]
+    #: Per shard: its replication endpoint, then its standby endpoint for each range it backs (empty: not formed).
+    endpoints: tuple[tuple[str, ...], ...]
+    token: str = ""
 
 
 @dataclass(frozen=True)
@@ -394,7 +443,21 @@ class NotMembers:
     op: ClassVar[str] = "not_members"
 
 
-ControlReply = Union[Table, Ok, ControlError, Shutdown, Abort, Members, Moved, Finished, Forming, NotMembers]
+@dataclass(frozen=True)
+class Ranges:
+    """``ranges``: sent unprompted to the servers of a replicated job when a shard died or another took its place:
+    each key range's live holders, the one that serves it first, and every shard's replication endpoints. A
+    replica named first for a range it backs takes it over (the only promotion there is); a primary stops copying
+    to holders no longer named, and gives a holder it newly names the whole range first."""
+
+    id: int
+    holders: tuple[tuple[int, ...], ...]
+    #: Per shard: its replication endpoint, then its standby endpoints (as in the table's replication).
+    endpoints: tuple[tuple[str, ...], ...] = ()
+    op: ClassVar[str] = "ranges"
+
+
+ControlReply = Union[Table, Ok, ControlError, Shutdown, Abort, Members, Moved, Finished, Forming, NotMembers, Ranges]
 
 
 def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIMITS) -> ControlReply:
@@ -409,8 +472,14 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
         raise ProtocolError(f"control messages are one frame, got {len(frames)}")
     h = unpack_header(frames[0], limits)
     check_version(h)
+    optional = _take_optional(h)
     op = op_of(h, _REPLY_FIELDS, "control reply")
     rid = uint(h, "id")
+    if op == "ranges":
+        endpoints = h["endpoints"]
+        if type(endpoints) is not list or len(endpoints) > MAX_REPLICATION_ENDPOINTS * 16:
+            raise ProtocolError("ranges: 'endpoints' must be a list per shard")
+        return Ranges(rid, _holders(h["holders"]), tuple(_endpoints(e, "replication endpoints") for e in endpoints))
     if op == "table":
         servers = h["servers"]
         if type(servers) is not list or any(type(s) is not str or "://" not in s or len(s) > _MAX_ENDPOINT
@@ -418,8 +487,12 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
             raise ProtocolError("table: 'servers' must be a list of endpoints")
         if type(h["elastic"]) is not bool:
             raise ProtocolError("table: 'elastic' must be true or false")
+        replication = None
+        if "replication" in optional:
+            replication = _replication(optional["replication"])
         return Table(rid, _rank(h), uint(h, "num_servers", lo=1), uint(h, "num_workers"),
-                     string(h, "mode", allowed=MODES), list(servers), h["elastic"], uint(h, "staleness", 1 << 31))
+                     string(h, "mode", allowed=MODES), list(servers), h["elastic"], uint(h, "staleness", 1 << 31),
+                     replication)
     if op in ("members", "finished"):
         workers = h["workers"]
         if type(workers) is not list or any(type(r) is not int or not 0 <= r <= MAX_U63 for r in workers):
@@ -444,10 +517,41 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
 
 
 def encode_table(rid: int, rank: int, num_servers: int, num_workers: int, mode: str,
-                 servers: list[str], elastic: bool = False, staleness: int = 0) -> list[Any]:
-    """Frames of a ``table`` reply."""
-    return encode({"op": "table", "id": rid, "rank": rank, "num_servers": num_servers, "num_workers": num_workers,
-                   "mode": mode, "servers": servers, "elastic": elastic, "staleness": staleness})
+                 servers: list[str], elastic: bool = False, staleness: int = 0,
+                 replication: Optional[Replication] = None) -> list[Any]:
+    """Frames of a ``table`` reply (``replication`` only in a replicated job's: an unreplicated job's is unchanged)."""
+    header = {"op": "table", "id": rid, "rank": rank, "num_servers": num_servers, "num_workers": num_workers,
+              "mode": mode, "servers": servers, "elastic": elastic, "staleness": staleness}
+    if replication is not None:
+        header["replication"] = {"replicas": replication.replicas, "token": replication.token,
+                                 "holders": [list(h) for h in replication.holders],
+                                 "endpoints": [list(e) for e in replication.endpoints]}
+    return encode(header)
+
+
+def encode_ranges(holders: Sequence[Sequence[int]], endpoints: Sequence[Sequence[str]] = ()) -> list[Any]:
+    """Frames of the ``ranges`` notice (id 0) to the servers of a replicated job: each range's live holders, and
+    each shard's replication endpoints (a server that took a dead shard's place announced new ones)."""
+    return encode({"op": "ranges", "id": 0, "holders": [list(h) for h in holders],
+                   "endpoints": [list(e) for e in endpoints]})
+
+
+def _holders(value: Any) -> tuple[tuple[int, ...], ...]:
+    if type(value) is not list or len(value) > MAX_REPLICATION_ENDPOINTS * 16 or any(
+            type(h) is not list or len(h) > MAX_REPLICATION_ENDPOINTS
+            or any(type(r) is not int or not 0 <= r < 1 << 31 for r in h) for h in value):
+        raise ProtocolError("field 'holders' must be a list of lists of shard ranks")
+    return tuple(tuple(h) for h in value)
+
+
+def _replication(value: Any) -> Replication:
+    if type(value) is not dict or set(value) != {"replicas", "token", "holders", "endpoints"}:
+        raise ProtocolError("table: 'replication' must be a map of replicas, token, holders and endpoints")
+    endpoints = value["endpoints"]
+    if type(endpoints) is not list or len(endpoints) > MAX_REPLICATION_ENDPOINTS * 16:
+        raise ProtocolError("table: replication 'endpoints' must be a list per shard")
+    return Replication(uint(value, "replicas", 1 << 16), _holders(value["holders"]),
+                       tuple(_endpoints(e, "replication endpoints") for e in endpoints), string(value, "token", 128))
 
 
 def encode_members(epoch: int, workers: list[int]) -> list[Any]:

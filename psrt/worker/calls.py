@@ -298,8 +298,8 @@ class ShardCalls:
             shard, endpoint = self._moves.popitem()
             if shard >= len(self.channels) or endpoint == self.servers[shard]:
                 continue
-            log.warning("shard %d moved from %s to %s (restarted from its checkpoint): reconnecting", shard,
-                        self.servers[shard], endpoint)
+            log.warning("shard %d moved from %s to %s (restarted, or its range taken over by a replica): "
+                        "reconnecting", shard, self.servers[shard], endpoint)
             self.channels[shard].repoint(endpoint)
             self.servers[shard] = endpoint
             if not self._connections[shard]:
