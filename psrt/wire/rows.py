@@ -79,6 +79,9 @@ class InitTableRequest(_Rows):
     seed: int
     num_rows: Optional[int]
     rows: Optional[np.ndarray]
+    #: The admission and eviction options (``admit_after``, ``capacity``, ``ttl``, ``max_pending``); None when
+    #: all are the defaults (the field is then left out, as before it existed).
+    policy: Optional[dict[str, Any]] = None
     op: ClassVar[str] = "init_table"
 
 
@@ -164,7 +167,7 @@ def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLi
         When a field is missing, extra or out of range, or a frame's size does not match the header.
     """
     op = h["op"]
-    check_fields(op, h, REQUEST_FIELDS[op])
+    check_fields(op, h, REQUEST_FIELDS[op] | ({"policy"} if op == "init_table" and "policy" in h else set()))
     rid, worker = uint(h, "id"), uint(h, "worker", MAX_WORKER)
     pull = op == "pull_rows"
     table, dim, dtype, count = _shape(h, limits, with_dtype=not pull)
@@ -185,7 +188,25 @@ def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLi
     if num_rows is not None and (type(num_rows) is not int or not 1 <= num_rows <= MAX_U63):
         raise ProtocolError(f"field 'num_rows' must be nil or a positive integer, got {num_rows!r}")
     return InitTableRequest(table, dim, dtype, ids, rid, worker, h["optimizer"], string(h, "init", allowed=_INITS),
-                            _real(h, "a"), _real(h, "b"), uint(h, "seed"), num_rows, rows)
+                            _real(h, "a"), _real(h, "b"), uint(h, "seed"), num_rows, rows, _policy(h))
+
+
+_POLICY = frozenset({"admit_after", "capacity", "ttl", "max_pending"})
+
+
+def _policy(h: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The ``policy`` map of an ``init_table``, its types checked (the values' sense is the table spec's)."""
+    if "policy" not in h:
+        return None
+    p = h["policy"]
+    if type(p) is not dict or p.keys() != _POLICY:
+        raise ProtocolError(f"field 'policy' must be a map of exactly {sorted(_POLICY)}")
+    for key in ("admit_after", "capacity", "max_pending"):
+        if p[key] is not None or key == "admit_after":
+            uint(p, key, MAX_U63, 1)
+    if p["ttl"] is not None:
+        _real(p, "ttl")
+    return dict(p)
 
 
 def decode_rows_reply(h: dict[str, Any], limits: WireLimits) -> RowsReply:
@@ -197,11 +218,14 @@ def decode_rows_reply(h: dict[str, Any], limits: WireLimits) -> RowsReply:
 
 def encode_init_table(rid: int, worker: int, table: str, dim: int, dtype: np.dtype, optimizer: dict[str, Any],
                       init: str, a: float, b: float, seed: int, num_rows: Optional[int], ids: np.ndarray,
-                      rows: Optional[np.ndarray]) -> list[Any]:
-    """Frames of an ``init_table`` request (``rows`` None or ``(len(ids), dim)``; ids empty without rows)."""
+                      rows: Optional[np.ndarray], policy: Optional[dict[str, Any]] = None) -> list[Any]:
+    """Frames of an ``init_table`` request (``rows`` None or ``(len(ids), dim)``; ids empty without rows;
+    ``policy`` as :meth:`psrt.tablespec.TableSpec.policy` gives it)."""
     header = {"op": "init_table", "id": rid, "worker": worker, "table": table, "dim": dim,
               "dtype": dtypes.WIRE_NAMES[np.dtype(dtype)], "optimizer": optimizer, "init": init, "a": a, "b": b,
               "seed": seed, "num_rows": num_rows, "count": len(ids) if rows is not None else 0}
+    if policy is not None:
+        header["policy"] = policy
     return encode(header, [ids, rows] if rows is not None and len(ids) else [])
 
 

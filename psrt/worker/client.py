@@ -338,7 +338,9 @@ class Client:
     def init_embedding(self, name: str, dim: int, optimizer: Optional[Optimizer] = None, *,
                        initial: Optional[Any] = None, num_rows: Optional[int] = None, dtype: Any = np.float32,
                        init: str = "normal", std: float = 0.01, low: float = -0.05, high: float = 0.05,
-                       seed: int = 0, timeout: Optional[float] = None) -> None:
+                       seed: int = 0, admit_after: int = 1, capacity: Optional[int] = None,
+                       ttl: Optional[float] = None, max_pending: Optional[int] = None,
+                       timeout: Optional[float] = None) -> None:
         """Create (or join) the embedding table ``name``; the first definition wins and the rest must agree.
 
         Parameters
@@ -363,6 +365,20 @@ class Client:
             (:func:`psrt.kernels.rows.init_rows`), so shards, workers and restarted jobs agree.
         seed : int
             The table's seed.
+        admit_after : int
+            An id gets a row on its ``admit_after``-th push to its shard (that push is applied; the ones before
+            are counted, not applied, and a pull returns the id's initial value without making a row). 1 (the
+            default): a row on first touch.
+        capacity : int, optional
+            The most rows of the table a shard holds: making one more evicts the least recently pushed row with
+            its optimizer state (an evicted id starts over, admission included). Default: no bound.
+        ttl : float, optional
+            Rows not pushed for ``ttl`` seconds are evicted (lazily, when the table is next used; sweeps run at
+            most every ``ttl / 16``). Default: never.
+        max_pending : int, optional
+            The most ids a shard counts towards admission, exactly (a bounded map: past it the least recently
+            pushed pending ids are forgotten, so an id is never admitted early). Default 2**20; needs
+            ``admit_after > 1``.
         timeout : float, optional
             Seconds to wait for the shards.
 
@@ -373,7 +389,26 @@ class Client:
         """
         self._check_open()
         self._embedding.init_embedding(name, dim, optimizer, initial, num_rows, dtype, init, std, low, high, seed,
-                                       timeout)
+                                       timeout, admit_after=admit_after, capacity=capacity, ttl=ttl,
+                                       max_pending=max_pending)
+
+    def table_stats(self, name: str, timeout: Optional[float] = None) -> list[dict[str, Any]]:
+        """The table ``name``'s counters on each shard, in shard order: ``rows`` (held), ``evicted``,
+        ``admitted`` (rows made), ``pending`` (ids counted but not yet admitted), ``forgotten`` (pending ids
+        dropped), ``bytes`` (allocated for rows, optimizer state, index and pending counts), ``version``.
+
+        Raises
+        ------
+        ConfigError
+            When no shard has the table (call :meth:`init_embedding` first).
+        """
+        prefix = f"table:{name}:"
+        per_shard = [{k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)}
+                     for s in self.stats(timeout)]
+        if not all(per_shard):
+            raise ConfigError(f"table {name!r} is not initialized on every shard; call client.init_embedding() "
+                              "first")
+        return per_shard
 
     def pull_rows(self, name: str, ids: Any, timeout: Optional[float] = None,
                   out: Optional[np.ndarray] = None) -> np.ndarray:
