@@ -326,10 +326,10 @@ class TableService:
         """Each table's counters, flat for the ``stats`` reply: ``table:NAME:FIELD`` for the fields ``rows``
         (held), ``evicted``, ``admitted`` (rows made), ``pending`` (ids counted but not yet admitted),
         ``forgotten`` (pending ids dropped, for the bound or by ttl), ``bytes`` (allocated for rows, optimizer
-        state, index and pending counts) and ``version``."""
-        now, out = self.clock(), {}
+        state, index and pending counts) and ``version``; as the last request left them (this changes nothing:
+        the metrics exporter calls it from its own thread)."""
+        out: dict[str, Any] = {}
         for name, t in self.tables.items():
-            t.evict_due(now)
             pending = t.pending
             fields = {"rows": t.used, "evicted": t.evicted, "admitted": t.admitted,
                       "pending": pending.used if pending is not None else 0,
