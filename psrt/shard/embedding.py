@@ -236,7 +236,7 @@ class RowTable:
                 self.used = rowkernels.index_find(self._keys, self._vals, new_ids, got, self.row_ids, old, True)
                 self._init_new(old, self.used, now)
                 slots[missing] = got
-        self.last[slots], self.when[slots] = self.tick, now
+        self.last[slots], self.when[slots], self.dirty[slots] = self.tick, now, True
         self.tick += 1
         return slots, summed
 
