@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import contextlib
 
+import msgpack
 import numpy as np
 import pytest
-from _helpers import serving
+from _helpers import RawPeer, serving
 from _row_oracle import OracleTable
 
 import psrt
-from psrt.config import ClientConfig, ServerConfig
-from psrt.errors import ConfigError
+from psrt import wire
+from psrt.config import ClientConfig, RowLimits, ServerConfig, WireLimits
+from psrt.errors import ConfigError, ProtocolError
 from psrt.kernels.rows import shard_of
 from psrt.shard.embedding import RowTable
 from psrt.tablespec import TableSpec
@@ -190,3 +192,46 @@ def test_client_tables_admit_evict_and_report_per_shard_over_real_sockets():
                 c.table_stats("nope")
             with pytest.raises(ConfigError, match="capacity"):
                 c.init_embedding("bad", dim=DIM, capacity=-1)
+
+
+def _init_header(**over) -> dict:
+    h = {"op": "init_table", "id": 1, "worker": 0, "table": "t", "dim": DIM, "dtype": "<f4",
+         "optimizer": psrt.SGD(lr=0.1).to_wire(), "init": "normal", "a": 0.0, "b": 0.1, "seed": 0, "num_rows": None,
+         "count": 0, "policy": {"admit_after": 2, "capacity": 10, "ttl": 5.0, "max_pending": None}}
+    h.update(over)
+    return h
+
+
+def test_the_policy_travels_in_init_table_and_is_checked_as_hostile_input():
+    policy = {"admit_after": 2, "capacity": 10, "ttl": 5.0, "max_pending": 3}
+    frames = wire.encode_init_table(1, 0, "t", DIM, np.dtype(np.float32), {}, "normal", 0.0, 0.1, 0, None,
+                                    np.empty(0, np.int64), None, policy)
+    header = msgpack.unpackb(frames[0], raw=False)
+    assert header["policy"] == policy
+    plain = wire.encode_init_table(1, 0, "t", DIM, np.dtype(np.float32), {}, "normal", 0.0, 0.1, 0, None,
+                                   np.empty(0, np.int64), None)
+    assert "policy" not in msgpack.unpackb(plain[0], raw=False)  # the defaults: the message of before
+    for bad in ({"admit_after": 2}, {**policy, "capacity": -1}, {**policy, "ttl": "x"}, {**policy, "admit_after": 0},
+                {**policy, "ttl": float("nan")}, [1, 2], {**policy, "extra": 1}):
+        with pytest.raises(ProtocolError, match="policy|admit_after|capacity|ttl"):
+            wire.rows.decode_row_request({**header, "policy": bad}, [], WireLimits())
+
+
+def test_a_shard_refuses_a_bad_policy_and_makes_no_table():
+    limits = RowLimits(max_table_rows=1000)
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", row_limits=limits)) as server:
+        for over, match in [({"policy": {"admit_after": 1, "capacity": None, "ttl": None, "max_pending": 5}},
+                             "needs admit_after"),
+                            ({"policy": {"admit_after": 2, "capacity": 5000, "ttl": None, "max_pending": None}},
+                             "PSRT_MAX_TABLE_ROWS"),
+                            ({"num_rows": 10}, "dynamic tables"),
+                            ({"policy": {"admit_after": 2, "capacity": "many", "ttl": None, "max_pending": None}},
+                             "capacity")]:
+            with RawPeer(server.endpoint) as peer:
+                reply = peer.ask(_init_header(**over), [], timeout=10.0)[0]
+            assert reply["op"] == "error" and match in reply["message"], reply
+        assert server.tables.tables == {}
+        with psrt.Client([server.endpoint], config=ClientConfig(timeout=20)) as c:
+            c.init_embedding("t", dim=DIM, admit_after=2, capacity=10)
+            with pytest.raises(psrt.ServerError, match="admit_after 2 vs 3"):
+                c.init_embedding("t", dim=DIM, admit_after=3, capacity=10)  # every worker must agree

@@ -126,6 +126,9 @@ class TableService:
                              a=req.a, b=req.b, seed=req.seed, num_rows=req.num_rows, **(req.policy or {}))
         except ConfigError as exc:
             raise RequestRefused("bad_table", f"table {req.table!r}: {exc}") from None
+        if spec.capacity is not None and spec.capacity > self.limits.max_table_rows:
+            raise RequestRefused("bad_table", f"table {req.table!r}: capacity {spec.capacity} is above this shard's "
+                                 f"cap of {self.limits.max_table_rows} rows per table (PSRT_MAX_TABLE_ROWS)")
         table = self.tables.get(req.table)
         existed = table is not None
         if table is not None and table.spec != spec:

@@ -11,7 +11,9 @@ request         fields (besides ``v, op, id``) + frames                     repl
 ==============  ==========================================================  ===================================
 ``init_table``  ``worker, table, dim, dtype, optimizer, init, a, b, seed,    ``ack`` (``versions``: the table's
                 num_rows, count`` + ids, rows when ``count > 0`` (given       version; ``duplicate``: it existed)
-                rows, set where missing)
+                rows, set where missing); optional ``policy``: a map of
+                ``admit_after, capacity, ttl, max_pending`` (left out
+                when all are the defaults)
 ``push_rows``   ``worker, session, seq, table, dim, dtype, count`` + ids,    ``ack`` (``versions``: the version
                 gradient rows (duplicate ids are summed)                     that will include the push)
 ``pull_rows``   ``worker, table, min_version, count`` + ids                  ``rows``
