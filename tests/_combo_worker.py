@@ -277,6 +277,8 @@ def _client_steps(client: Any, args: dict[str, Any], rec: _Recorder) -> None:
     final = client.pull()
     rec.add([final[n] for n in names], client.pull_rows(TABLE, ids_all) if args["table"] else None)
     result["stats"] = client.stats()
+    if args.get("evicting"):
+        result["table_stats"] = client.table_stats(TABLE)
     client.close()
     rec.finish(result)
 
@@ -354,6 +356,8 @@ def _torch_steps(model: Any, opt: Any, args: dict[str, Any], rec: _Recorder) -> 
     final = client.pull()
     rec.add([final[n] for n in names], client.pull_rows(TABLE, ids_all) if args["table"] else None)
     result["stats"] = client.stats()
+    if args.get("evicting"):
+        result["table_stats"] = client.table_stats(TABLE)
     opt.close()
     client.close()
     rec.finish(result)

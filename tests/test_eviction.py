@@ -188,7 +188,7 @@ def test_client_tables_admit_evict_and_report_per_shard_over_real_sockets():
                     (len(o.rows), o.evicted, o.admitted, len(o.pending))
                 assert st["rows"] <= 25 and st["bytes"] > 0
             assert sum(st["evicted"] for st in stats) > 0 and sum(st["pending"] for st in stats) > 0
-            with pytest.raises(ConfigError, match="init_embedding"):
+            with pytest.raises(psrt.ServerError, match="init_embedding"):
                 c.table_stats("nope")
             with pytest.raises(ConfigError, match="capacity"):
                 c.init_embedding("bad", dim=DIM, capacity=-1)
@@ -231,7 +231,43 @@ def test_a_shard_refuses_a_bad_policy_and_makes_no_table():
                 reply = peer.ask(_init_header(**over), [], timeout=10.0)[0]
             assert reply["op"] == "error" and match in reply["message"], reply
         assert server.tables.tables == {}
+        for header in ({"op": "table_stats", "id": 2, "table": "t", "extra": 1}, {"op": "table_stats", "id": 2},
+                       {"op": "table_stats", "id": 2, "table": "t"}):  # (no table "t" yet)
+            with RawPeer(server.endpoint) as peer:
+                assert peer.ask(header, [], timeout=10.0)[0]["op"] == "error"
         with psrt.Client([server.endpoint], config=ClientConfig(timeout=20)) as c:
             c.init_embedding("t", dim=DIM, admit_after=2, capacity=10)
             with pytest.raises(psrt.ServerError, match="admit_after 2 vs 3"):
                 c.init_embedding("t", dim=DIM, admit_after=3, capacity=10)  # every worker must agree
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_full_state_and_its_deltas_rebuild_the_table_exactly(seed):
+    """Random pushes between checkpoints (admissions, evictions, pending ids forgotten and counted again): the
+    full state and the deltas after it, applied in order, give the same rows, counts and later choices."""
+    table, _ = make("adagrad", admit_after=2, capacity=30, ttl=20.0, max_pending=25)
+    rng = np.random.default_rng(seed)
+    chain = []
+    now = 0.0
+    for _ in range(12):
+        for _ in range(5):
+            now += 1.0
+            ids = (rng.zipf(1.3, 20) % 120).astype(np.int64)
+            push(table, ids, rng.standard_normal((20, DIM)).astype(np.float32), now)
+        record, arrays = table.state(delta=bool(chain))
+        chain.append((record, [np.array(a) for a in arrays]))
+        table.saved()
+    back = RowTable.from_state(*chain[0])
+    for record, arrays in chain[1:]:
+        back.apply_delta(record, arrays)
+    probe = np.arange(120, dtype=np.int64)
+    for t in (table, back):
+        push(t, probe[:40], np.ones((40, DIM), np.float32), now + 1)
+    np.testing.assert_array_equal(back.gather(probe), table.gather(probe))
+    assert sorted(back.row_ids[:back.used].tolist()) == sorted(table.row_ids[:table.used].tolist())
+    def counts(t: RowTable) -> dict[int, int]:
+        return dict(zip(t.pending.ids[:t.pending.used].tolist(), t.pending.counts[:t.pending.used].tolist()))
+
+    assert counts(back) == counts(table)
+    assert (back.evicted, back.admitted, back.pending.forgotten) == (table.evicted, table.admitted,
+                                                                     table.pending.forgotten)

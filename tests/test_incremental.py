@@ -4,6 +4,7 @@ deltas, and gives back every row exactly."""
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 
@@ -130,3 +131,29 @@ def test_sigkill_and_restore_give_back_every_row_of_a_table_checkpointed_increme
         for child in (shard, restarted):
             if child is not None:
                 child.stop()
+
+
+@pytest.mark.integration
+def test_the_criteo_like_example_learns_evicts_and_checkpoints_deltas(shards, tmp_path):
+    """``python -m psrt.examples.ctr --criteo-like``: 2 workers, 2 checkpointing shards; AUC rises, rows are
+    admitted and evicted, and every checkpoint after the first is a delta."""
+    import subprocess
+    import sys
+
+    group = shards(2, workers=2, mode="sync", extra=("--checkpoint-dir", str(tmp_path)))
+    cmd = [sys.executable, "-m", "psrt.examples.ctr", "--criteo-like", "--steps", "100", "--batch", "512",
+           "--capacity", "256",
+           "--servers", ",".join(group.endpoints), "--workers", "2", "--rank"]
+    procs = [subprocess.Popen([*cmd, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    lines = outs[0][0].splitlines()
+    aucs = [float(line.rsplit("AUC", 1)[1]) for line in lines if "AUC" in line]
+    assert len(aucs) == 6 and aucs[-1] > aucs[0] + 0.2, lines
+    (tables,) = [line for line in lines if line.startswith("tables:")]
+    counts = dict(re.findall(r"(held|admitted|evicted|pending) (\d+)", tables))
+    assert int(counts["evicted"]) > 0 and int(counts["admitted"]) == int(counts["held"]) + int(counts["evicted"])
+    sizes = [(kind, float(mb)) for kind, mb in re.findall(r"checkpoint at step \d+: (\w+), ([\d.]+) MB", outs[0][0])]
+    assert [k for k, _ in sizes] == ["full", "delta", "delta", "delta", "delta"], sizes
+    assert all(mb > 0 for _, mb in sizes), sizes  # (here most of a delta is the counts of new tail ids)

@@ -300,7 +300,7 @@ class RowTable:
             arrays += [self.row_ids[self.round.slots], self.round.acc]  # by id: restored rows lie elsewhere
         record["pending"] = None
         if self.pending is not None:
-            record["pending"], pending = self.pending.state()
+            record["pending"], pending = self.pending.state(delta)
             arrays += pending
         return record, arrays
 
@@ -308,6 +308,8 @@ class RowTable:
         """A checkpoint with this table's :meth:`state` is on disk: the next delta starts from here."""
         self.dirty[:self.used] = False
         self.removed = []
+        if self.pending is not None:
+            self.pending.saved()
 
     @staticmethod
     def spec_of(record: dict[str, Any]) -> TableSpec:
@@ -362,8 +364,7 @@ class RowTable:
         self.round.contributors = set(record["contributors"])
         self.round.expected = frozenset(record["expected"])
         if self.pending is not None and record["pending"] is not None:
-            self.pending = Pending(self.spec.admit_after, self.pending.limit)
-            self.pending.restore(record["pending"], [next(it) for _ in range(4)])
+            self.pending.apply(record["pending"], [next(it) for _ in range(5)])
         if next(it, None) is not None or n != len(self.slots):
             raise ValueError(f"table {record['name']!r}: arrays do not match its record")
         if self.used != record["used"]:

@@ -117,6 +117,7 @@ class Pending:
         self.admit_after, self.limit = admit_after, limit
         self.used = 0
         self.forgotten = 0  # ids dropped for the bound or by ttl, counts and all
+        self.removed: list[np.ndarray] = []  # ids that left (admitted or forgotten) since the last checkpoint
         self._alloc(min(_MIN, limit + 1))
 
     def _alloc(self, cap: int) -> None:
@@ -124,6 +125,7 @@ class Pending:
         self.counts = np.zeros(cap, np.int64)
         self.last = np.zeros(cap, np.int64)
         self.when = np.zeros(cap, np.float64)
+        self.dirty = np.zeros(cap, bool)  # counted since the last checkpoint
         self._keys = np.zeros(_cells_for(cap), np.int64)
         self._vals = np.full(len(self._keys), -1, np.int64)
 
@@ -131,7 +133,7 @@ class Pending:
         need = self.used + new
         if need > len(self.ids):
             cap = max(need, int(len(self.ids) * 1.5) + 1)
-            for a in (self.ids, self.counts, self.last, self.when):
+            for a in (self.ids, self.counts, self.last, self.when, self.dirty):
                 a.resize(cap, refcheck=False)
         if need + 1 >= len(self._keys) // 2:
             self._keys = np.zeros(_cells_for(need + 1), np.int64)
@@ -161,6 +163,7 @@ class Pending:
         self.counts[slots] += 1
         self.last[slots] = tick
         self.when[slots] = now
+        self.dirty[slots] = True
         admitted = self.counts[slots] >= self.admit_after
         if admitted.any():
             self._drop(slots[admitted])
@@ -177,8 +180,10 @@ class Pending:
 
     def _drop(self, slots: np.ndarray) -> None:
         if len(slots):
-            compact(self._keys, self._vals, self.ids, self.used, slots, [self.counts, self.last, self.when])
-            self.used -= len(np.unique(slots))
+            gone, _, _ = compact(self._keys, self._vals, self.ids, self.used, slots,
+                                 [self.counts, self.last, self.when, self.dirty])
+            self.used -= len(gone)
+            self.removed.append(gone)
 
     def counts_of(self, ids: np.ndarray) -> np.ndarray:
         """Each id's count so far (0: not pending)."""
@@ -187,22 +192,35 @@ class Pending:
 
     def nbytes(self) -> int:
         """Bytes allocated."""
-        return sum(a.nbytes for a in (self.ids, self.counts, self.last, self.when, self._keys, self._vals))
+        return sum(a.nbytes for a in (self.ids, self.counts, self.last, self.when, self.dirty, self._keys,
+                                      self._vals))
 
     # ------------------------------------------------------------------ checkpoints
-    def state(self) -> tuple[dict[str, Any], list[np.ndarray]]:
-        """A checkpoint's record and arrays of the map."""
-        n = self.used
-        return {"used": n, "forgotten": self.forgotten}, [self.ids[:n], self.counts[:n], self.last[:n],
-                                                          self.when[:n]]
+    def state(self, delta: bool = False) -> tuple[dict[str, Any], list[np.ndarray]]:
+        """A checkpoint's record and arrays of the map; ``delta``: only the ids counted since the last
+        checkpoint (:meth:`saved`), and those that left since."""
+        at = np.flatnonzero(self.dirty[:self.used]) if delta else slice(0, self.used)
+        removed = np.concatenate(self.removed) if delta and self.removed else np.empty(0, np.int64)
+        return {"used": self.used, "forgotten": self.forgotten}, [self.ids[at], self.counts[at], self.last[at],
+                                                                  self.when[at], removed]
 
-    def restore(self, record: dict[str, Any], arrays: list[np.ndarray]) -> None:
-        """Adopt a checkpoint's :meth:`state` (the map is empty)."""
-        n = record["used"]
-        ids, counts, last, when = arrays
-        self._reserve(n)
-        got = np.empty(n, np.int64)
-        self.used = rowkernels.index_find(self._keys, self._vals, np.ascontiguousarray(ids, np.int64), got, self.ids,
-                                          0, True)
-        self.counts[:n], self.last[:n], self.when[:n] = counts, last, when
+    def saved(self) -> None:
+        """A checkpoint with this map's :meth:`state` is on disk."""
+        self.dirty[:self.used] = False
+        self.removed = []
+
+    def apply(self, record: dict[str, Any], arrays: list[np.ndarray]) -> None:
+        """Apply a checkpoint's :meth:`state` (full onto an empty map, or a delta onto the one before)."""
+        ids, counts, last, when, removed = arrays
+        if len(removed):
+            at = self.find(np.ascontiguousarray(removed, np.int64))
+            self._drop(at[at >= 0])
+        ids = np.ascontiguousarray(ids, np.int64)
+        self._reserve(len(ids))
+        at = np.empty(len(ids), np.int64)
+        self.used = rowkernels.index_find(self._keys, self._vals, ids, at, self.ids, self.used, True)
+        self.counts[at], self.last[at], self.when[at] = counts, last, when
+        if self.used != record["used"]:
+            raise ValueError(f"the pending counts hold {self.used} ids after their checkpoints, not {record['used']}")
         self.forgotten = record["forgotten"]
+        self.saved()

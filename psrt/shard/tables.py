@@ -30,8 +30,8 @@ from psrt.tablespec import TableSpec
 __all__ = ["TableService", "REQUESTS"]
 
 #: The requests :class:`TableService` serves.
-REQUESTS = (wire.InitTableRequest, wire.PushRowsRequest, wire.PullRowsRequest)
-RowRequest = Union[wire.InitTableRequest, wire.PushRowsRequest, wire.PullRowsRequest]
+REQUESTS = (wire.InitTableRequest, wire.PushRowsRequest, wire.PullRowsRequest, wire.TableStatsRequest)
+RowRequest = Union[wire.InitTableRequest, wire.PushRowsRequest, wire.PullRowsRequest, wire.TableStatsRequest]
 
 
 class TableService:
@@ -82,6 +82,9 @@ class TableService:
             self._error(identity, req.id, exc.code, str(exc))
 
     def _handle(self, identity: bytes, req: RowRequest) -> None:
+        if isinstance(req, wire.TableStatsRequest):
+            self._reply(identity, wire.encode_stats(req.id, self.table_stats(self._table(req.table))))
+            return
         if len(req.ids) > self.limits.max_rows_per_message:
             raise RequestRefused("too_many_rows", f"{len(req.ids)} ids in one message; this shard takes at most "
                                            f"{self.limits.max_rows_per_message} (PSRT_MAX_ROWS_PER_MESSAGE)")
@@ -323,20 +326,15 @@ class TableService:
                 "table_index_bytes": sum(m["index"] for m in mem),
                 "table_round_bytes": sum(t.round.nbytes() for t in self.tables.values()),
                 "row_pushes": self.pushes, "row_pulls": self.pulls, "row_rounds": self.rounds,
-                "queued_row_pulls": sum(len(w) for w in self._waiting.values()), **self.table_stats()}
+                "queued_row_pulls": sum(len(w) for w in self._waiting.values())}
 
-    def table_stats(self) -> dict[str, Any]:
-        """Each table's counters, flat for the ``stats`` reply: ``table:NAME:FIELD`` for the fields ``rows``
-        (held), ``evicted``, ``admitted`` (rows made), ``pending`` (ids counted but not yet admitted),
-        ``forgotten`` (pending ids dropped, for the bound or by ttl), ``bytes`` (allocated for rows, optimizer
-        state, index and pending counts) and ``version``; as the last request left them (this changes nothing:
-        the metrics exporter calls it from its own thread)."""
-        out: dict[str, Any] = {}
-        for name, t in self.tables.items():
-            pending = t.pending
-            fields = {"rows": t.used, "evicted": t.evicted, "admitted": t.admitted,
-                      "pending": pending.used if pending is not None else 0,
-                      "forgotten": pending.forgotten if pending is not None else 0,
-                      "bytes": sum(t.memory().values()), "version": t.version}
-            out.update({f"table:{name}:{k}": v for k, v in fields.items()})
-        return out
+    def table_stats(self, t: RowTable) -> dict[str, Any]:
+        """A table's counters (the ``table_stats`` reply): ``rows`` (held), ``evicted``, ``admitted`` (rows
+        made), ``pending`` (ids counted but not yet admitted), ``forgotten`` (pending ids dropped, for the bound
+        or by ttl), ``bytes`` (allocated for rows, optimizer state, index and pending counts), ``version``; as
+        the last push, pull or checkpoint left them (a ttl sweep waits for those)."""
+        pending = t.pending
+        return {"rows": t.used, "evicted": t.evicted, "admitted": t.admitted,
+                "pending": pending.used if pending is not None else 0,
+                "forgotten": pending.forgotten if pending is not None else 0,
+                "bytes": sum(t.memory().values()), "version": t.version}

@@ -17,6 +17,7 @@ request         fields (besides ``v, op, id``) + frames                     repl
 ``push_rows``   ``worker, session, seq, table, dim, dtype, count`` + ids,    ``ack`` (``versions``: the version
                 gradient rows (duplicate ids are summed)                     that will include the push)
 ``pull_rows``   ``worker, table, min_version, count`` + ids                  ``rows``
+``table_stats`` ``table``                                                    ``stats`` (the table's counters)
 ==============  ==========================================================  ===================================
 
 Reply ``rows {table, dim, dtype, count, version}`` + one frame: the rows of the request's ids, in its order.
@@ -36,7 +37,8 @@ from psrt.errors import ProtocolError
 from psrt.kernels.rows import INITIALIZERS
 from psrt.wire.codec import MAX_U63, MAX_WORKER, check_fields, encode, string, uint
 
-__all__ = ["InitTableRequest", "PushRowsRequest", "PullRowsRequest", "RowsReply", "REQUEST_FIELDS", "IDS_DTYPE",
+__all__ = ["InitTableRequest", "PushRowsRequest", "PullRowsRequest", "TableStatsRequest", "RowsReply",
+           "REQUEST_FIELDS", "IDS_DTYPE", "encode_table_stats",
            "MAX_ROW_DIM", "decode_row_request", "decode_rows_reply", "encode_init_table", "encode_push_rows",
            "encode_pull_rows", "encode_rows"]
 
@@ -51,6 +53,7 @@ REQUEST_FIELDS: dict[str, frozenset[str]] = {
                              "seed", "num_rows", "count"}),
     "push_rows": frozenset({"v", "op", "id", "worker", "session", "seq", "clock", "table", "dim", "dtype", "count"}),
     "pull_rows": frozenset({"v", "op", "id", "worker", "table", "min_version", "clock", "count"}),
+    "table_stats": frozenset({"v", "op", "id", "table"}),
 }
 _ROWS = frozenset({"v", "op", "id", "table", "dim", "dtype", "count", "version"})
 
@@ -160,6 +163,15 @@ def _frame(buf: Any, dtype: np.dtype, count: int, what: str) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype) if count else np.empty(0, dtype)
 
 
+@dataclass
+class TableStatsRequest:
+    """``table_stats``: one table's counters on this shard (rows, evicted, admitted, pending, ...)."""
+
+    id: int
+    table: str
+    op: ClassVar[str] = "table_stats"
+
+
 def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLimits) -> Any:
     """Decode the fields and frames of an embedding request whose header passed the version check.
 
@@ -170,6 +182,10 @@ def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLi
     """
     op = h["op"]
     check_fields(op, h, REQUEST_FIELDS[op] | ({"policy"} if op == "init_table" and "policy" in h else set()))
+    if op == "table_stats":
+        if buffers:
+            raise ProtocolError(f"op 'table_stats' takes no buffer frames, got {len(buffers)}")
+        return TableStatsRequest(uint(h, "id"), string(h, "table", limits.max_name_len))
     rid, worker = uint(h, "id"), uint(h, "worker", MAX_WORKER)
     pull = op == "pull_rows"
     table, dim, dtype, count = _shape(h, limits, with_dtype=not pull)
@@ -237,6 +253,11 @@ def encode_push_rows(rid: int, worker: int, session: int, seq: int, table: str, 
     return encode({"op": "push_rows", "id": rid, "worker": worker, "session": session, "seq": seq, "clock": clock,
                    "table": table, "dim": grads.shape[1], "dtype": dtypes.WIRE_NAMES[grads.dtype],
                    "count": len(ids)}, [ids, grads])
+
+
+def encode_table_stats(rid: int, table: str) -> list[Any]:
+    """Frames of a ``table_stats`` request."""
+    return encode({"op": "table_stats", "id": rid, "table": table})
 
 
 def encode_pull_rows(rid: int, worker: int, table: str, min_version: int, ids: np.ndarray,

@@ -399,16 +399,15 @@ class Client:
 
         Raises
         ------
-        ConfigError
-            When no shard has the table (call :meth:`init_embedding` first).
+        ServerError
+            When a shard does not have the table (call :meth:`init_embedding` first).
         """
-        prefix = f"table:{name}:"
-        per_shard = [{k[len(prefix):]: v for k, v in s.items() if k.startswith(prefix)}
-                     for s in self.stats(timeout)]
-        if not all(per_shard):
-            raise ConfigError(f"table {name!r} is not initialized on every shard; call client.init_embedding() "
-                              "first")
-        return per_shard
+        self._check_open()
+        handle = Handle(self._calls, "table_stats", None)
+        for sender in self._senders:
+            sender.send(handle, lambda rid: wire.encode_table_stats(rid, name))
+        handle.wait(timeout)
+        return [handle._stats[s] for s in range(len(self.servers))]
 
     def pull_rows(self, name: str, ids: Any, timeout: Optional[float] = None,
                   out: Optional[np.ndarray] = None) -> np.ndarray:
