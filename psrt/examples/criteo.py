@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 
 import psrt
-from psrt.examples.ctr import auc
+from psrt.examples.metrics import auc
 from psrt.kernels.rows import init_rows
 
 __all__ = ["FEATURES", "DENSE", "SPACE", "make_batch", "train"]

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 import psrt
+from psrt.examples.metrics import auc
 
 __all__ = ["make_batch", "auc", "main", "train"]
 
@@ -39,15 +40,6 @@ def make_batch(step: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
     logit = user_score[users] + item_score[items].mean(1)
     labels = (rng.random(size) < 1 / (1 + np.exp(-logit))).astype(np.float32)
     return users.astype(np.int64), items.astype(np.int64), labels
-
-
-def auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the ROC curve (the rank statistic; ties broken by order)."""
-    ranks = np.empty(len(scores))
-    ranks[np.argsort(scores)] = np.arange(1, len(scores) + 1)
-    pos = labels > 0.5
-    n_pos, n_neg = pos.sum(), (~pos).sum()
-    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / max(n_pos * n_neg, 1))
 
 
 def forward(client: psrt.Client, head: dict[str, np.ndarray], users: np.ndarray, items: np.ndarray):
