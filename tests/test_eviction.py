@@ -271,3 +271,38 @@ def test_a_full_state_and_its_deltas_rebuild_the_table_exactly(seed):
     assert counts(back) == counts(table)
     assert (back.evicted, back.admitted, back.pending.forgotten) == (table.evicted, table.admitted,
                                                                      table.pending.forgotten)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_oldest_rows_kept_between_passes_are_exactly_the_least_recently_pushed(seed):
+    """:class:`Oldest` (one pass for many evictions) against :func:`lru_victims` (a pass each time), with rows
+    pushed again, new rows, rows gone, and the rows of a round in progress pinned (pushed in that round)."""
+    from psrt.shard.rowpolicy import Oldest, lru_victims
+
+    rng = np.random.default_rng(seed)
+    stamps: dict[int, int] = {}
+    oldest, tick, next_id = Oldest(), 0, 0
+    for _ in range(300):
+        ids = np.array(list(stamps), np.int64)
+        again = rng.choice(ids, min(len(ids), int(rng.integers(0, 6))), replace=False) if len(ids) else ids
+        fresh = np.arange(next_id, next_id + int(rng.integers(0, 8)))
+        next_id += len(fresh)
+        pushed = set(again.tolist()) | set(fresh.tolist())
+        for i in pushed:
+            stamps[i] = tick
+        tick += 1
+        if rng.random() < 0.1 and stamps:
+            stamps.pop(int(rng.choice(list(stamps))))  # gone another way (a ttl sweep)
+        ids = np.array(list(stamps), np.int64)
+        last = np.array([stamps[i] for i in ids.tolist()], np.int64)
+        where = {int(i): s for s, i in enumerate(ids.tolist())}
+
+        def find(q: np.ndarray, where: dict[int, int] = where) -> np.ndarray:
+            return np.array([where.get(int(i), -1) for i in q.tolist()], np.int64)
+
+        pinned = np.array([where[i] for i in pushed if i in where], np.int64) if rng.random() < 0.3 else None
+        count = int(rng.integers(0, 6))
+        got = oldest.take(find, last, ids, count, pinned)
+        assert sorted(ids[got].tolist()) == sorted(ids[lru_victims(last, ids, count, pinned)].tolist())
+        for i in ids[got].tolist():
+            del stamps[i]

@@ -30,7 +30,7 @@ import numpy as np
 
 from psrt import optim
 from psrt.kernels import rows as rowkernels
-from psrt.shard.rowpolicy import DEFAULT_MAX_PENDING, Pending, compact, expired, lru_victims
+from psrt.shard.rowpolicy import DEFAULT_MAX_PENDING, Oldest, Pending, compact, expired
 from psrt.tablespec import TableSpec
 
 __all__ = ["RowTable", "RowRound", "coalesce"]
@@ -109,6 +109,7 @@ class RowTable:
         self.pending = Pending(spec.admit_after, spec.max_pending or DEFAULT_MAX_PENDING) \
             if spec.admit_after > 1 else None
         self._swept = -np.inf  # when ttl's last sweep ran
+        self._oldest = Oldest()  # capacity's next victims
 
     @property
     def capacity(self) -> int:
@@ -256,8 +257,8 @@ class RowTable:
             if self.pending is not None:
                 self.pending.expire(now, spec.ttl)
         if spec.capacity is not None and self.used > spec.capacity:
-            gone += self.remove(lru_victims(self.last[:self.used], self.row_ids[:self.used],
-                                            self.used - spec.capacity, pinned))
+            gone += self.remove(self._oldest.take(self.find, self.last[:self.used], self.row_ids[:self.used],
+                                                  self.used - spec.capacity, pinned))
         return gone
 
     def remove(self, victims: np.ndarray) -> int:
