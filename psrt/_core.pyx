@@ -502,6 +502,64 @@ def index_find(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, int
     return used
 
 
+def index_remove(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, int64_t[::1] out):
+    """Remove ids from the open-addressing table of :func:`index_find`; ``out[i]`` gets the slot ``ids[i]`` had
+    (-1: absent, or removed by an earlier repeat).
+
+    Linear probing's deletion by backward shift (Knuth's Algorithm R): each entry after the freed cell whose home
+    cell does not lie cyclically in ``(freed, entry]`` moves back into the hole, so no tombstone is left and every
+    remaining key is still found from its home cell. Slots are not renumbered: the caller moves rows and says so
+    with :func:`index_set`.
+    """
+    cdef Py_ssize_t n = _min2(ids.shape[0], out.shape[0]), cap = _min2(keys.shape[0], vals.shape[0]), i
+    cdef uint64_t mask = <uint64_t>cap - 1, j, hole, home
+    cdef int64_t key
+    if cap == 0 or (cap & (cap - 1)) != 0:
+        return
+    with nogil:
+        for i in range(n):
+            key = ids[i]
+            j = psrt_mix64(<uint64_t>key) & mask
+            while vals[j] >= 0 and keys[j] != key:
+                j = (j + 1) & mask
+            if vals[j] < 0:
+                out[i] = -1
+                continue
+            out[i] = vals[j]
+            hole = j
+            while True:
+                j = (j + 1) & mask
+                if vals[j] < 0:
+                    break
+                home = psrt_mix64(<uint64_t>keys[j]) & mask
+                if (hole < j and hole < home and home <= j) or (hole > j and (home > hole or home <= j)):
+                    continue  # its home lies between the hole and it: it stays
+                keys[hole] = keys[j]
+                vals[hole] = vals[j]
+                hole = j
+            vals[hole] = -1
+
+
+def index_set(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, const int64_t[::1] slots):
+    """Give each of ``ids`` (already in the table) the slot ``slots[i]``; returns how many were found."""
+    cdef Py_ssize_t n = _min2(ids.shape[0], slots.shape[0]), cap = _min2(keys.shape[0], vals.shape[0]), i
+    cdef Py_ssize_t found = 0
+    cdef uint64_t mask = <uint64_t>cap - 1, j
+    cdef int64_t key
+    if cap == 0 or (cap & (cap - 1)) != 0:
+        return 0
+    with nogil:
+        for i in range(n):
+            key = ids[i]
+            j = psrt_mix64(<uint64_t>key) & mask
+            while vals[j] >= 0 and keys[j] != key:
+                j = (j + 1) & mask
+            if vals[j] >= 0:
+                vals[j] = slots[i]
+                found += 1
+    return found
+
+
 def shard_of(const int64_t[::1] ids, int64_t[::1] out, int64_t num_shards):
     """``out[i] = mix64(ids[i]) % num_shards``: the shard of each id (a stable hash, so any id pattern spreads)."""
     cdef Py_ssize_t n = _min2(ids.shape[0], out.shape[0]), i

@@ -383,6 +383,9 @@ class ServerConfig:
     checkpoint_every : int
         Write a checkpoint every this many rounds (sync: when every key reaches a multiple of it, so all shards'
         checkpoints line up; async: every this many pushes); 0: not by rounds.
+    checkpoint_full_every : int
+        Every this many checkpoints one is full; the ones between are deltas, holding of the embedding tables
+        only the rows changed since the checkpoint before (:mod:`psrt.shard.checkpoint`). 1: all full.
     checkpoint_secs : float
         Write a checkpoint when this many seconds have passed since the last one and something changed; 0: not
         by time.
@@ -429,6 +432,9 @@ class ServerConfig:
     checkpoint_secs: float = _flagged(0.0, Flag(
         "--checkpoint-secs", "a checkpoint every T seconds while the parameters change", parse=parse_interval,
         metavar="T"))
+    checkpoint_full_every: int = _flagged(10, Flag(
+        "--checkpoint-full-every", "every Kth checkpoint is full; those between write only the embedding rows "
+        "changed since the one before", parse=parse_count, metavar="K"))
     restore: bool = _flagged(False, Flag(
         "--restore", "start from the newest complete checkpoint of this shard in --checkpoint-dir: its rank's, or "
         "the directory's only shard (no checkpoint at all: start fresh)"))
@@ -449,6 +455,9 @@ class ServerConfig:
         if isinstance(self.checkpoint_secs, bool) or not isinstance(self.checkpoint_secs, (int, float)) \
                 or not self.checkpoint_secs >= 0:
             raise ConfigError(f"checkpoint_secs must be a number of seconds >= 0, got {self.checkpoint_secs!r}")
+        if type(self.checkpoint_full_every) is not int or self.checkpoint_full_every < 1:
+            raise ConfigError(f"checkpoint_full_every must be a whole number >= 1 (1: every checkpoint full), got "
+                              f"{self.checkpoint_full_every!r}")
         if self.checkpoint_dir is None and (self.checkpoint_every or self.checkpoint_secs or self.restore):
             raise ConfigError("--checkpoint-every, --checkpoint-secs and --restore need --checkpoint-dir DIR")
         check_endpoint(self.bind, bind=True, what="bind")

@@ -34,6 +34,13 @@ w's counter: ``COUNT`` per push, the largest magnitude of its gradient, so top-k
 The other entries are small integers (exact in fp16, also as sync means), or for top-k dyadic numbers that do not
 tie at top-k's boundary, so the entries top-k picks are known. The table has, per
 worker and shard, a counter row on that shard, and shared data rows pushed with repeats.
+
+``evicting`` makes the table one whose rows come and go (``admit_after=2`` and a capacity, :func:`init_table`),
+with the same reads: before training each worker pushes zeros to every row a read pulls (the *hot* rows), so
+every real push of a hot id is its second count or later, and applied; and each push also carries zeros for
+every hot row (so they are always the most recently pushed) and *cold* ids, negative (so ties evict them first),
+new each step and pushed again the step after, which admits them: the capacity, :func:`capacity`, leaves room
+for the hot rows and one push's cold rows, so eviction takes cold rows only, and always does.
 """
 
 from __future__ import annotations
@@ -133,6 +140,49 @@ def row_push(worker: int, step: int, num_shards: int) -> tuple[np.ndarray, np.nd
     return ids, grads.astype(np.float32)
 
 
+#: Cold ids a push brings for the first time (and, again, the step after).
+COLD_PER_PUSH = 4
+
+
+def capacity(num_workers: int, num_shards: int) -> int:
+    """The evicting table's capacity per shard: every hot row of the fullest shard, and one push's cold rows."""
+    from psrt.kernels.rows import shard_of
+
+    hot = shard_of(all_row_ids(num_workers, num_shards), num_shards)
+    return int(np.bincount(hot, minlength=num_shards).max()) + 2 * COLD_PER_PUSH
+
+
+def cold_ids(worker: int, step: int) -> np.ndarray:
+    """The cold ids worker ``worker`` pushes first at ``step`` (negative: below every hot id)."""
+    return -(1 + np.arange(COLD_PER_PUSH, dtype=np.int64) + COLD_PER_PUSH * (step + 100 * worker))
+
+
+def init_table(client: Any, evicting: bool) -> None:
+    """The table, and for an evicting one, the zero pushes that count every hot id once."""
+    import psrt
+
+    workers, shards = client.num_workers, len(client.servers)
+    policy = dict(admit_after=2, capacity=capacity(workers, shards)) if evicting else {}
+    client.init_embedding(TABLE, dim=DIM, optimizer=psrt.SGD(lr=1.0), init="zeros", **policy)
+    if evicting:
+        hot = all_row_ids(workers, shards)
+        client.push_rows(TABLE, hot, np.zeros((len(hot), DIM), np.float32))
+
+
+def table_push(worker: int, step: int, num_workers: int, num_shards: int,
+               evicting: bool) -> tuple[np.ndarray, np.ndarray]:
+    """What a worker pushes to the table: :func:`row_push`, and for an evicting table zeros for every hot row and
+    the cold ids of this step and the one before."""
+    ids, grads = row_push(worker, step, num_shards)
+    if not evicting:
+        return ids, grads
+    cold = np.concatenate([cold_ids(worker, step), cold_ids(worker, step - 1) if step else []]).astype(np.int64)
+    hot = all_row_ids(num_workers, num_shards)
+    extra = np.concatenate([hot, cold])
+    return np.concatenate([ids, extra]), np.concatenate([grads, np.zeros((len(hot), DIM), np.float32),
+                                                         np.ones((len(cold), DIM), np.float32)])
+
+
 class _Recorder:
     """What a worker read, step by step; :meth:`finish` writes it to ``out`` and prints the result line."""
 
@@ -208,13 +258,13 @@ def _client_steps(client: Any, args: dict[str, Any], rec: _Recorder) -> None:
     client.init({n: np.zeros(size, np.float32) for n, size in zip(names, SIZES)}, optimizer=psrt.SGD(lr=1.0))
     ids_all = all_row_ids(workers, shards)
     if args["table"]:
-        client.init_embedding(TABLE, dim=DIM, optimizer=psrt.SGD(lr=1.0), init="zeros")
+        init_table(client, args.get("evicting", False))
     last = steps if leave is None else leave
     for step in range(last):
         grads = {n: dense_grad(kind, rank, step, t) for t, n in enumerate(names)}
         rows = None
         if args["table"]:
-            ids, row_grads = row_push(rank, step, shards)
+            ids, row_grads = table_push(rank, step, workers, shards, args.get("evicting", False))
         if calls == "push_pull":
             params = client.push_pull(grads)
         elif calls == "one_by_one":
@@ -249,6 +299,8 @@ def _client_steps(client: Any, args: dict[str, Any], rec: _Recorder) -> None:
     final = client.pull()
     rec.add([final[n] for n in names], client.pull_rows(TABLE, ids_all) if args["table"] else None)
     result["stats"] = client.stats()
+    if args.get("evicting"):
+        result["table_stats"] = client.table_stats(TABLE)
     client.close()
     rec.finish(result)
 
@@ -286,7 +338,6 @@ def _train_torch(args: dict[str, Any], rec: _Recorder) -> None:
 def _torch_steps(model: Any, opt: Any, args: dict[str, Any], rec: _Recorder) -> None:
     import torch
 
-    import psrt
 
     steps, leave = args["steps"], args.get("leave_after")
     client = opt.client
@@ -296,7 +347,7 @@ def _torch_steps(model: Any, opt: Any, args: dict[str, Any], rec: _Recorder) -> 
     names = [n for n, _ in model.named_parameters()]
     ids_all = all_row_ids(workers, shards)
     if args["table"]:
-        client.init_embedding(TABLE, dim=DIM, optimizer=psrt.SGD(lr=1.0), init="zeros")
+        init_table(client, args.get("evicting", False))
     last = steps if leave is None else leave
     for step in range(last):
         opt.zero_grad()
@@ -306,7 +357,8 @@ def _torch_steps(model: Any, opt: Any, args: dict[str, Any], rec: _Recorder) -> 
         seen = [p.detach().numpy().copy() for p in params]
         rows = None
         if args["table"]:
-            ids, row_grads = row_push(rank, step, shards)
+            ids, row_grads = table_push(rank, step, client.num_workers, len(client.servers),
+                                        args.get("evicting", False))
             client.push_rows(TABLE, ids, row_grads)
             rows = client.pull_rows(TABLE, ids_all)
         rec.add(seen, rows)
@@ -326,6 +378,8 @@ def _torch_steps(model: Any, opt: Any, args: dict[str, Any], rec: _Recorder) -> 
     final = client.pull()
     rec.add([final[n] for n in names], client.pull_rows(TABLE, ids_all) if args["table"] else None)
     result["stats"] = client.stats()
+    if args.get("evicting"):
+        result["table_stats"] = client.table_stats(TABLE)
     opt.close()
     client.close()
     rec.finish(result)

@@ -31,6 +31,9 @@ What each case checks, from the documented semantics (README, docs/architecture.
 - the data path (shared memory exactly where lanes can be used), CURVE really on with keys, the workers in one
   process or two as the case says, no internal error in any shard, and every process exiting in time with code 0
   but the one whose worker's script raised;
+- an evicting table (``tensors=evicting``: ``admit_after=2`` and a capacity, ``tests/_combo_worker.py``) reads
+  the same rows as a plain one, and each shard's ``table_stats`` counters (rows, admitted, evicted, pending) are
+  exactly what the pushes imply: admission and eviction keep every mode's, event's and path's guarantees;
 - events: worker 1 leaves an elastic job after 3 steps, by closing its client or by a script that raises; or a
   shard is killed with SIGKILL once the workers paused and a checkpoint was written, the workers go on (their
   calls to it wait), and it is restarted with ``--restore`` under the scheduler, which gives it another port:
@@ -88,7 +91,7 @@ FACTORS: dict[str, list[str]] = {
     "path": ["sockets", "shm"],
     "calls": ["push_pull", "one_by_one", "overlapped", "torch"],
     "compression": ["none", "fp16", "topk"],
-    "tensors": ["dense", "table"],
+    "tensors": ["dense", "table", "evicting"],
     "event": ["none", "leave", "crash", "restore"],
     "security": ["off", "keys"],
     "processes": ["separate", "shared"],
@@ -208,7 +211,8 @@ class Job:
         return psrt_command("server", "--scheduler", self.endpoint, *checkpoints)
 
     def worker_args(self, rank: int) -> dict[str, Any]:
-        args: dict[str, Any] = {"calls": self.case.calls, "table": self.case.tensors == "table", "steps": STEPS,
+        args: dict[str, Any] = {"calls": self.case.calls, "table": self.case.tensors != "dense",
+                                "evicting": self.case.tensors == "evicting", "steps": STEPS,
                                 "out": str(self.tmp / f"worker-{rank}.npz"), "sleep": 0.03 * rank}
         if self.case.event in LEAVING and rank == 1:
             args.update(leave_after=LEAVE_AFTER, leave_by="close" if self.case.event == "leave" else "raise")
@@ -300,7 +304,7 @@ def _check(case: Case, tmp: Path, results: list[dict[str, Any]], victim: int) ->
                 final = i == reads
                 what = f"worker {w}, tensor {t}, " + ("final values" if final else f"read after step {i + 1}")
                 oracle.check_dense(what, w, i + 1, t, value, final)
-        if case.tensors == "table":
+        if case.tensors != "dense":
             rows = data["rows"]
             assert len(rows) == reads + finals
             for i, value in enumerate(rows):
@@ -308,6 +312,8 @@ def _check(case: Case, tmp: Path, results: list[dict[str, Any]], victim: int) ->
                 what = f"worker {w}, table, " + ("final rows" if final else f"read after step {i + 1}")
                 oracle.check_rows(what, w, i + 1, value, final)
     stats = next(r["stats"] for r in results if not r["left"])
+    if case.tensors == "evicting":
+        _check_evictions(oracle, next(r["table_stats"] for r in results if not r["left"]))
     if case.event != "restore":  # (a restarted shard refuses the lanes of its predecessor: error replies too)
         errors = {s["endpoint"]: s["errors"] for s in stats if s["errors"]}
         assert not errors, f"error replies in a healthy job: {errors}"
@@ -316,6 +322,24 @@ def _check(case: Case, tmp: Path, results: list[dict[str, Any]], victim: int) ->
         assert shm == 0, f"PSRT_SHM=0, yet {shm} bytes went through shared memory"
     elif case.compression == "none":
         assert shm > 0, "one host, calls above 64 KiB, no compression: the tensors should go through shared memory"
+
+
+def _check_evictions(oracle: Oracle, stats: list[dict[str, Any]]) -> None:
+    """The evicting table's counters on each shard, from the pushes alone: every hot row admitted once and never
+    evicted (the reads checked that), every cold id pushed twice admitted, the rows beyond the capacity evicted,
+    and the last step's cold ids still pending."""
+    from psrt.kernels.rows import shard_of
+
+    cap = cw.capacity(WORKERS, SERVERS)
+    twice = np.concatenate([cw.cold_ids(w, s) for w in range(WORKERS) for s in range(oracle.pushes[w] - 1)])
+    once = np.concatenate([cw.cold_ids(w, oracle.pushes[w] - 1) for w in range(WORKERS)])
+    hot = np.bincount(oracle.row_shard, minlength=SERVERS)
+    for s, st in enumerate(stats):
+        admitted = int(hot[s]) + int((shard_of(twice, SERVERS) == s).sum())
+        got = {k: st[k] for k in ("rows", "admitted", "evicted", "pending")}
+        assert got == {"rows": min(cap, admitted), "admitted": admitted, "evicted": max(0, admitted - cap),
+                       "pending": int((shard_of(once, SERVERS) == s).sum())}, f"shard {s}: {got}"
+    assert sum(st["evicted"] for st in stats) > 0
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -120,3 +120,20 @@ def test_a_table_steps_a_new_optimizer_through_its_own_class():
     t.apply(slots, grads, 1.0)
     assert np.array_equal(t.gather(np.array([4, 9, 1], np.int64))[:, 0], np.float32([-0.1, -0.1, 0]))
     assert t.slots["seen"][t.find(np.array([4, 1], np.int64)), 0].tolist() == [2 + 1 + 2, 2]
+
+
+def test_a_table_checkpointed_by_an_older_psrt_is_read_back():
+    """The record and arrays a table's checkpoint held before rows could be evicted (no layout field; rows,
+    slots, ids, then the round by slot) still restore: rows, slots, version and the round in progress."""
+    spec = TableSpec(dim=3, dtype=np.dtype(np.float32), optimizer=AdaGrad(lr=0.1))
+    ids = np.array([7, -2, 40], np.int64)
+    param = np.arange(9, dtype=np.float32).reshape(3, 3)
+    record = {"name": "t", "dim": 3, "dtype": "<f4", "optimizer": spec.optimizer.to_wire(), "init": "normal",
+              "a": 0.0, "b": 0.01, "seed": 0, "num_rows": None, "max_rows": 1000, "used": 3, "version": 5,
+              "contributors": [1], "expected": [0, 1], "slots": ["sum"]}
+    round_slots, round_acc = np.array([2], np.int64), np.ones((1, 3), np.float32)
+    t = RowTable.from_state(record, [param.reshape(-1), np.full(9, 0.5, np.float32), ids, round_slots,
+                                     round_acc.reshape(-1)])
+    np.testing.assert_array_equal(t.gather(np.array([40, 7, -2], np.int64)), param[[2, 0, 1]])
+    assert t.version == 5 and t.round.contributors == {1} and t.row_ids[t.round.slots[0]] == 40
+    np.testing.assert_array_equal(t.slots["sum"][:3], np.full((3, 3), 0.5, np.float32))

@@ -102,6 +102,49 @@ def test_index_find_inserts_once_and_finds_again():
         rowkernels.index_find(keys, vals, np.arange(70, dtype=np.int64), np.empty(70, np.int64), row_ids, 4, True)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_index_remove_and_set_agree_with_a_dict(seed):
+    """Random inserts, removals (backward shift, clustered ids) and slot changes, checked against a dict after
+    every batch: every id left is found at its slot, every removed one is gone."""
+    rng = np.random.default_rng(seed)
+    cap = 64
+    keys, vals = np.zeros(cap, np.int64), np.full(cap, -1, np.int64)
+    row_ids = np.empty(cap, np.int64)
+    oracle: dict[int, int] = {}
+    for _ in range(60):
+        ids = rng.integers(-40, 40, rng.integers(1, 12)).astype(np.int64)  # small range: long probe clusters
+        if rng.random() < 0.5 and len(oracle) + len(ids) < cap // 2:
+            out = np.empty(len(ids), np.int64)
+            rowkernels.index_find(keys, vals, ids, out, row_ids, len(oracle), True)  # slots may repeat: no matter
+            for i, o in zip(ids.tolist(), out.tolist()):
+                assert oracle.setdefault(i, o) == o
+        elif rng.random() < 0.7:
+            out = np.empty(len(ids), np.int64)
+            rowkernels.index_remove(keys, vals, ids, out)
+            for i, o in zip(ids.tolist(), out.tolist()):
+                assert o == oracle.pop(i, -1)
+        elif oracle:
+            some = np.array(list(oracle)[:3], np.int64)
+            new = rng.integers(100, 200, len(some)).astype(np.int64)
+            assert rowkernels.index_set(keys, vals, np.append(some, 999), np.append(new, 5)) == len(some)
+            oracle.update(zip(some.tolist(), new.tolist()))
+        probe = np.arange(-45, 45, dtype=np.int64)
+        got = np.empty(len(probe), np.int64)
+        rowkernels.index_find(keys, vals, probe, got, row_ids, 0, False)
+        assert got.tolist() == [oracle.get(i, -1) for i in probe.tolist()]
+        assert int((vals >= 0).sum()) == len(oracle)
+
+
+def test_index_remove_and_set_check_their_arguments():
+    keys, vals = np.zeros(8, np.int64), np.full(8, -1, np.int64)
+    with pytest.raises(KernelArgumentError, match="power-of-two"):
+        rowkernels.index_remove(keys[:6], vals[:6], np.zeros(1, np.int64), np.empty(1, np.int64))
+    with pytest.raises(KernelArgumentError, match="entries"):
+        rowkernels.index_remove(keys, vals, np.zeros(2, np.int64), np.empty(1, np.int64))
+    with pytest.raises(KernelArgumentError, match=">= 0"):
+        rowkernels.index_set(keys, vals, np.zeros(1, np.int64), np.full(1, -1, np.int64))
+
+
 @pytest.mark.parametrize("kind,a,b", [("zeros", 0, 0), ("uniform", -0.5, 0.5), ("normal", 0.0, 0.1)])
 @pytest.mark.parametrize("dim", [1, 6, 7])
 def test_init_rows_is_a_pure_function_of_seed_and_id(kind, a, b, dim):

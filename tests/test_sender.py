@@ -64,7 +64,8 @@ EXPECTED_API = {
     "close": "failure=None",
     "init": "params optimizer=None timeout=None",
     "init_embedding": "name dim optimizer=None *initial=None *num_rows=None *dtype=float32 *init=normal "
-                      "*std=0.01 *low=-0.05 *high=0.05 *seed=0 *timeout=None",
+                      "*std=0.01 *low=-0.05 *high=0.05 *seed=0 *admit_after=1 *capacity=None *ttl=None "
+                      "*max_pending=None *timeout=None",
     "pull": "names=None timeout=None out=None",
     "pull_async": "names=None out=None",
     "pull_rows": "name ids timeout=None out=None",
@@ -76,6 +77,7 @@ EXPECTED_API = {
     "push_rows": "name ids grads timeout=None",
     "push_rows_async": "name ids grads",
     "stats": "timeout=None",
+    "table_stats": "name timeout=None",
 }
 
 

@@ -100,6 +100,22 @@ def test_nobody_listening_times_out():
             c.init({"w": np.zeros(3, np.float32)})
 
 
+def test_a_shard_that_answered_before_and_is_busy_is_not_said_to_be_unreachable(caplog):
+    from _helpers import serving
+
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync")) as server:
+        config = ClientConfig(timeout=1.0, warn_after=0.2)
+        with psrt.Client([server.endpoint], rank=0, num_workers=2, config=config) as c:
+            c.init_embedding("items", dim=4)
+            c.push_rows("items", [1, 2], np.ones((2, 4), np.float32))
+            with caplog.at_level(logging.WARNING, logger="psrt.client"):
+                with pytest.raises(psrt.ShardTimeoutError):
+                    c.pull_rows("items", [1, 2])  # the round waits for worker 1, which never pushes
+    warnings = [r.getMessage() for r in caplog.records if r.name == "psrt.client"]
+    assert len(warnings) == 1 and "answered this client before" in warnings[0], warnings
+    assert "is a psrt server running" not in warnings[0]
+
+
 def test_a_silent_shard_is_named_in_one_warning_before_the_timeout(caplog):
     ctx = zmq.Context()
     silent = ctx.socket(zmq.ROUTER)  # accepts connections and never answers

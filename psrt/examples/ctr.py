@@ -7,6 +7,11 @@ bag, and feeds ``[user, items]`` to a logistic head held as a dense tensor. Grad
 each worker trains on its own slice of every batch, and rank 0 prints held-out log-loss and AUC as they improve.
 
     psrt launch -s 2 -w 2 -- python -m psrt.examples.ctr
+
+``--criteo-like`` trains on data shaped like Criteo's instead (:mod:`psrt.examples.criteo`): 26 categorical
+features with Zipf-distributed ids over a 10M-id space and 13 dense features, a table per feature with
+``admit_after=2`` and a capacity, and prints the rows held, evicted and admitted, and, when the shards write
+checkpoints, the bytes of each (full or delta).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 import psrt
+from psrt.examples.metrics import auc
 
 __all__ = ["make_batch", "auc", "main", "train"]
 
@@ -34,15 +40,6 @@ def make_batch(step: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
     logit = user_score[users] + item_score[items].mean(1)
     labels = (rng.random(size) < 1 / (1 + np.exp(-logit))).astype(np.float32)
     return users.astype(np.int64), items.astype(np.int64), labels
-
-
-def auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the ROC curve (the rank statistic; ties broken by order)."""
-    ranks = np.empty(len(scores))
-    ranks[np.argsort(scores)] = np.arange(1, len(scores) + 1)
-    pos = labels > 0.5
-    n_pos, n_neg = pos.sum(), (~pos).sum()
-    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / max(n_pos * n_neg, 1))
 
 
 def forward(client: psrt.Client, head: dict[str, np.ndarray], users: np.ndarray, items: np.ndarray):
@@ -63,10 +60,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--criteo-like", action="store_true",
+                    help="26 categorical features (Zipf ids over 10M), 13 dense, admission and eviction")
+    ap.add_argument("--capacity", type=int, default=None,
+                    help="--criteo-like: rows per table and shard (default 2048)")
     a = ap.parse_args(argv)
     servers = a.servers.split(",") if a.servers else None
     try:
-        train(servers, a.rank, a.workers, a.steps, a.batch)
+        if a.criteo_like:
+            from psrt.examples import criteo
+
+            criteo.train(servers, a.rank, a.workers, a.steps, a.batch, a.capacity or criteo.CAPACITY)
+        else:
+            train(servers, a.rank, a.workers, a.steps, a.batch)
     except psrt.PsrtError as exc:
         print(f"ctr: error: {exc}", file=sys.stderr)
         return 2

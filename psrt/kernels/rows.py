@@ -17,7 +17,7 @@ from psrt import _core, dtypes
 from psrt.errors import KernelArgumentError, KernelTypeError
 
 __all__ = ["gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows", "adam_rows",
-           "index_find", "shard_of", "init_rows", "INIT_KINDS", "INITIALIZERS"]
+           "index_find", "index_remove", "index_set", "shard_of", "init_rows", "INIT_KINDS", "INITIALIZERS"]
 
 #: Initializer names and their kernel codes (see :func:`init_rows`).
 #: The row initializers and the parameters each takes; the kernel knows each by its position here.
@@ -192,6 +192,35 @@ def index_find(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, out: np.ndar
     if insert and (used + len(i) >= cap or used + len(i) > len(r)):
         raise KernelArgumentError("the index or row_ids has no room for the inserts; grow them first")
     return int(_core.index_find(k, v, i, o, r, int(used), bool(insert)))
+
+
+def _cells(keys: object, vals: object) -> tuple[np.ndarray, np.ndarray]:
+    k, v = _ids("keys", keys, writable=True), _ids("vals", vals, writable=True)
+    if len(v) != len(k) or len(k) & (len(k) - 1) or len(k) == 0:
+        raise KernelArgumentError("keys and vals must have the same power-of-two length")
+    return k, v
+
+
+def index_remove(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+    """Remove ids from an id index (:func:`index_find`'s cells); ``out[i]`` is the slot ``ids[i]`` had, -1 when
+    it was not there (or a repeat removed it first). Other ids keep their slots; no tombstones are left."""
+    k, v = _cells(keys, vals)
+    i, o = _ids("ids", ids), _ids("out", out, writable=True)
+    if len(o) != len(i):
+        raise KernelArgumentError(f"out has {len(o)} entries for {len(i)} ids")
+    _core.index_remove(k, v, i, o)
+
+
+def index_set(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, slots: np.ndarray) -> int:
+    """Give ids already in an id index new slots (``slots[i]`` for ``ids[i]``, each >= 0); returns how many of
+    them were found (the rest are left out)."""
+    k, v = _cells(keys, vals)
+    i, s = _ids("ids", ids), _ids("slots", slots)
+    if len(s) != len(i):
+        raise KernelArgumentError(f"slots has {len(s)} entries for {len(i)} ids")
+    if len(s) and int(s.min()) < 0:
+        raise KernelArgumentError("slots must be >= 0 (a negative value marks an empty cell)")
+    return int(_core.index_set(k, v, i, s))
 
 
 def shard_of(ids: np.ndarray, num_shards: int) -> np.ndarray:

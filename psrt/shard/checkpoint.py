@@ -17,6 +17,14 @@ directory may hold the checkpoints of several shards; while a shard runs it hold
 (:mod:`psrt.shard.recovery`), so two live shards never write the same rank. Files an older psrt named after the
 shard's endpoint (``shard-ENDPOINT-...``) are still read when they are the directory's only shard, and removed
 once their state is in a file of the rank.
+
+Incremental checkpoints (``chain``): a *delta* file, ``rank-R-TIME-vVERSION.delta.psrtckpt``, holds the whole dense
+state, sequence numbers and table records like a full one, but of each embedding table only the rows changed since
+the file before it and the ids evicted since then (:meth:`psrt.shard.embedding.RowTable.state`). Its header names
+the full file it builds on (``base``) and the file just before it (``prev``). A restore takes the newest complete
+full file and every complete delta after it whose ``prev`` is the one before, in order; a torn or missing link
+ends the chain there. Delta files are named so that the full files' listing (:func:`files_of`, :data:`KEEP`) never
+sees them; they are removed with the full file they build on.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from psrt.shard.embedding import RowTable
 from psrt.shard.store import Entry, Store, WorkerLog
 
 __all__ = ["save", "load_latest", "file_prefix", "endpoint_prefix", "rank_of", "holdings", "choose",
-           "files_of", "CheckpointError", "Restored", "TableState", "KEEP", "check_directory"]
+           "files_of", "deltas_of", "CheckpointError", "Restored", "TableState", "KEEP", "check_directory"]
 
 #: Embedding tables as :meth:`psrt.shard.tables.TableService.state` gives them: (record, arrays) per table, and the
 #: per-table worker sequence numbers.
@@ -65,6 +73,7 @@ MAGIC = b"PSRTCKP1"
 TRAILER_MAGIC = b"PSRTEND1"
 _TRAILER = struct.Struct("<8sQI")  # magic, bytes before the trailer, crc32 of them
 _SUFFIX = ".psrtckpt"
+_DELTA = ".delta" + _SUFFIX
 #: Checkpoints kept per shard (older ones are removed once a newer one is safely on disk).
 KEEP = 2
 
@@ -166,7 +175,7 @@ def _arrays_of(store: Store) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
 
 
 def save(store: Store, directory: Path, prefix: str, meta: dict[str, Any],
-         tables: Optional[TableState] = None) -> Path:
+         tables: Optional[TableState] = None, chain: Optional[tuple[str, str]] = None) -> Path:
     """Write a checkpoint of ``store`` atomically; returns its path.
 
     Parameters
@@ -181,6 +190,9 @@ def save(store: Store, directory: Path, prefix: str, meta: dict[str, Any],
         More to record (the endpoint, ...), msgpack-able.
     tables : TableState, optional
         The shard's embedding tables (:meth:`psrt.shard.tables.TableService.state`).
+    chain : (str, str), optional
+        A delta file's ``(base, prev)``: the names of the full file it builds on and of the file before it
+        (``tables`` then holds deltas); None: a full checkpoint.
 
     Raises
     ------
@@ -199,9 +211,10 @@ def save(store: Store, directory: Path, prefix: str, meta: dict[str, Any],
         "members": None if store.members is None else sorted(store.members),
         "workers": [[w, log_.session, log_.last_seq] for w, log_ in store.workers.items()],
         "keys": keys, "meta": meta, "tables": records, "table_logs": table_logs,
+        **({"chain": list(chain)} if chain is not None else {}),
     }, use_bin_type=True)
     stamp = max((e.version for e in store.entries.values()), default=0)
-    final = directory / f"{prefix}-{time.time_ns():020d}-v{stamp}{_SUFFIX}"
+    final = directory / f"{prefix}-{time.time_ns():020d}-v{stamp}{_DELTA if chain is not None else _SUFFIX}"
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{prefix}-", suffix=".tmp", dir=directory)
@@ -233,7 +246,22 @@ def save(store: Store, directory: Path, prefix: str, meta: dict[str, Any],
         raise CheckpointError(f"cannot write a checkpoint in {directory}: {exc}") from None
     for old in files_of(directory, prefix)[:-KEEP]:
         old.unlink(missing_ok=True)
+    kept = files_of(directory, prefix)
+    for old in deltas_of(directory, prefix):  # the deltas of full files no longer kept
+        if not kept or _time_of(old) < _time_of(kept[0]):
+            old.unlink(missing_ok=True)
     return final
+
+
+def _time_of(path: Path) -> str:
+    return path.name.rsplit("-", 2)[-2]
+
+
+def deltas_of(directory: Path, prefix: str) -> list[Path]:
+    """The delta checkpoint files of the shard ``prefix``, oldest first."""
+    pattern = re.compile(re.escape(prefix) + r"-(\d{20})-v\d+" + re.escape(_DELTA) + "$")
+    found = [(m.group(1), p) for p in directory.glob(f"{prefix}-*{_DELTA}") if (m := pattern.match(p.name))]
+    return [p for _, p in sorted(found)]
 
 
 def files_of(directory: Path, prefix: str) -> list[Path]:
@@ -255,7 +283,9 @@ def _verify(data: bytes) -> Optional[str]:
     return None
 
 
-def _restore(data: bytes) -> tuple[Store, dict[str, Any], list[RowTable], list[list[Any]]]:
+def _restore(data: bytes, onto: Optional[dict[str, RowTable]] = None
+             ) -> tuple[Store, dict[str, Any], list[RowTable], list[list[Any]]]:
+    """Read a complete file; a delta's tables are applied to ``onto`` (the chain's tables so far)."""
     (hlen,) = struct.unpack_from("<Q", data, len(MAGIC))
     start = len(MAGIC) + 8
     h = msgpack.unpackb(data[start:start + hlen], raw=False, strict_map_key=False)
@@ -286,13 +316,22 @@ def _restore(data: bytes) -> tuple[Store, dict[str, Any], list[RowTable], list[l
             entry.acc_filled = True
         store.entries[(k["name"], k["part"])] = entry
     tables = []
+    if ("chain" in h) != (onto is not None):
+        raise ValueError("a delta file read as a full one, or the reverse")
     for record in h.get("tables", []):
         arrays = []
         for dname, size in record.pop("arrays"):
             if dname not in _TABLE_DTYPES:
                 raise ValueError(f"table array dtype {dname!r}")
             arrays.append(take(np.dtype(dname), size))
-        tables.append(RowTable.from_state(record, arrays))
+        if onto is None:
+            tables.append(RowTable.from_state(record, arrays))
+            continue
+        table = onto.get(record["name"])  # a table made since the full file: all its rows are in the deltas
+        if table is None:
+            table = RowTable(RowTable.spec_of(record), record["max_rows"], record["name"])
+        table.apply_delta(record, arrays)
+        tables.append(table)
     if offset != len(data) - _TRAILER.size:
         raise ValueError("arrays do not fill the file")
     return store, h["meta"], tables, h.get("table_logs", [])
@@ -311,20 +350,58 @@ def load_latest(directory: Path, prefix: str) -> Optional[Restored]:
     if not _present(directory):
         return None
     for path in reversed(files_of(directory, prefix)):
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            log.warning("skipping checkpoint %s: %s", path, exc)
-            continue
-        problem = _verify(data)
+        data, problem = _read(path)
         if problem is None:
             try:
                 store, meta, tables, table_logs = _restore(data)
-                return Restored(store, meta, path, tables, table_logs)
+                restored = Restored(store, meta, path, tables, table_logs)
             except (ValueError, KeyError, TypeError, PsrtError, msgpack.UnpackException) as exc:
                 problem = f"unreadable ({exc})"
-        log.warning("skipping checkpoint %s: %s", path, problem)
+        if problem is not None:
+            log.warning("skipping checkpoint %s: %s", path, problem)
+            continue
+        return _follow(restored, [d for d in deltas_of(directory, prefix) if _time_of(d) > _time_of(path)])
     return None
+
+
+def _read(path: Path) -> tuple[bytes, Optional[str]]:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return b"", str(exc)
+    return data, _verify(data)
+
+
+def _follow(restored: Restored, deltas: list[Path]) -> Restored:
+    """Apply the deltas that extend ``restored``'s file, in order, up to the first that does not (torn, or of
+    another chain: it is skipped with a warning, and so is every later one)."""
+    base = prev = restored.path.name
+    for path in deltas:
+        data, problem = _read(path)
+        if problem is None:
+            try:
+                h = _header(data)
+                if h.get("chain") != [base, prev]:
+                    problem = f"builds on {h.get('chain')}, not on {[base, prev]}"
+                else:
+                    onto = {t.name: t for t in restored.tables}
+                    store, meta, tables, table_logs = _restore(data, onto)
+                    restored = Restored(store, meta, path, list({**onto, **{t.name: t for t in tables}}.values()),
+                                        table_logs)
+                    prev = path.name
+                    continue
+            except (ValueError, KeyError, TypeError, PsrtError, msgpack.UnpackException) as exc:
+                problem = f"unreadable ({exc}); the tables may be half applied"
+                raise CheckpointError(f"delta checkpoint {path}: {problem}") from None
+        log.warning("ignoring delta checkpoint %s and those after it: %s", path, problem)
+        break
+    return restored
+
+
+def _header(data: bytes) -> dict[str, Any]:
+    (hlen,) = struct.unpack_from("<Q", data, len(MAGIC))
+    start = len(MAGIC) + 8
+    return msgpack.unpackb(data[start:start + hlen], raw=False, strict_map_key=False)
 
 
 def check_directory(directory: Optional[str | os.PathLike]) -> None:

@@ -13,6 +13,12 @@ shard and worker agree, and a restarted job gets the same rows. Optimizer steps 
 only the touched rows and their slots change, duplicate ids are summed first (coalesced), and the step count
 that drives AdaGrad's ``lr_decay`` and Adam's bias correction is the table's (one per applied step), as torch
 counts steps per parameter tensor.
+
+Rows can also go (:mod:`psrt.shard.rowpolicy`): with ``admit_after``, ``capacity`` or ``ttl`` a table keeps, per
+row, its last push (a logical clock, ``last``, and the time, ``when``), and evicting a row removes it from the
+index (backward shift, :func:`psrt.kernels.rows.index_remove`) and moves a row from the end into its place, so
+the rows stay contiguous. Such a table never makes a row on a pull: a pull of an id without a row (pending,
+evicted, or never pushed) returns the id's initial value, which is the row the id would get.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import numpy as np
 
 from psrt import optim
 from psrt.kernels import rows as rowkernels
+from psrt.shard.rowpolicy import DEFAULT_MAX_PENDING, Oldest, Pending, compact, expired
 from psrt.tablespec import TableSpec
 
 __all__ = ["RowTable", "RowRound", "coalesce"]
@@ -91,8 +98,18 @@ class RowTable:
         self.param = np.zeros((cap, spec.dim), spec.dtype)
         self.slots = {name: np.zeros_like(self.param) for name in spec.optimizer.slots}
         self.row_ids = np.zeros(cap, np.int64)
+        self.last = np.zeros(cap, np.int64)  # per row: the push clock (``tick``) of its last push
+        self.when = np.zeros(cap, np.float64)  # per row: the time of its last push
+        self.dirty = np.zeros(cap, bool)  # per row: changed since the last checkpoint
         self._keys = np.zeros(2 * _MIN_ROWS, np.int64)
         self._vals = np.full(2 * _MIN_ROWS, -1, np.int64)
+        self.tick = 0  # pushes taken in, the clock of least-recently-pushed eviction
+        self.evicted = self.admitted = 0
+        self.removed: list[np.ndarray] = []  # ids evicted since the last checkpoint
+        self.pending = Pending(spec.admit_after, spec.max_pending or DEFAULT_MAX_PENDING) \
+            if spec.admit_after > 1 else None
+        self._swept = -np.inf  # when ttl's last sweep ran
+        self._oldest = Oldest()  # capacity's next victims
 
     @property
     def capacity(self) -> int:
@@ -110,7 +127,8 @@ class RowTable:
             cap = min(max(need, int(self.capacity * _GROWTH) + 1), self.max_rows)
             for a in (self.param, *self.slots.values()):
                 a.resize((cap, self.spec.dim), refcheck=False)  # realloc: no copy of pages Linux can remap
-            self.row_ids.resize(cap, refcheck=False)
+            for b in (self.row_ids, self.last, self.when, self.dirty):
+                b.resize(cap, refcheck=False)
         if 2 * need > len(self._keys):
             cells = len(self._keys)
             while 2 * need > cells:
@@ -146,11 +164,13 @@ class RowTable:
         out[missing] = got
         return out
 
-    def _init_new(self, start: int, stop: int) -> None:
+    def _init_new(self, start: int, stop: int, now: float = 0.0) -> None:
         spec = self.spec
         rowkernels.init_rows(self.param, start, self.row_ids[start:stop], spec.seed, spec.init, spec.a, spec.b)
         for name, a in self.slots.items():
             a[start:stop] = spec.optimizer.slot_fill(name)
+        self.last[start:stop], self.when[start:stop], self.dirty[start:stop] = self.tick, now, True
+        self.admitted += stop - start
 
     def set_missing(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Give the rows of ids not seen before the values ``rows`` (distinct ids); existing rows are kept."""
@@ -164,63 +184,214 @@ class RowTable:
             self.param[out[new]] = rows[new]
 
     def gather(self, ids: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
-        """The rows of ``ids`` (created on first touch), as a new ``(len(ids), dim)`` array."""
-        slots = self.slots_of(ids)
+        """The rows of ``ids`` as a new ``(len(ids), dim)`` array: created on first touch, or (a table whose rows
+        come and go, :attr:`TableSpec.managed`) the initial value of an id without a row, making nothing."""
         if out is None:
             out = np.empty((len(ids), self.spec.dim), self.spec.dtype)
-        rowkernels.gather_rows(self.param, slots, out)
+        if not self.spec.managed:
+            rowkernels.gather_rows(self.param, self.slots_of(ids), out)
+            return out
+        slots = self.find(ids)
+        held = slots >= 0
+        if held.all():
+            rowkernels.gather_rows(self.param, slots, out)
+            return out
+        out[held] = self.param[slots[held]]
+        spec, missing = self.spec, np.ascontiguousarray(ids[~held])
+        fresh = np.empty((len(missing), spec.dim), spec.dtype)
+        rowkernels.init_rows(fresh, 0, missing, spec.seed, spec.init, spec.a, spec.b)
+        out[~held] = fresh
         return out
 
     def apply(self, slots: np.ndarray, grad: np.ndarray, scale: float) -> None:
         """One optimizer step on the rows ``slots`` (distinct) with ``scale * grad``; bumps the version."""
         self.spec.optimizer.step_rows(self.param, self.slots, slots, grad, scale, self.version + 1)
+        self.dirty[slots] = True
         self.version += 1
 
-    def push(self, ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Slots of a push's ids (rows created on first touch), coalesced: ``(distinct slots, summed rows)``."""
-        return coalesce(self.slots_of(ids), grads)
+    def push(self, ids: np.ndarray, grads: np.ndarray, now: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """Take a push in: ``(distinct slots, summed rows)`` of its ids that hold a row, coalesced.
+
+        An id without a row gets one now (initialized from ``(seed, id)``, fresh optimizer slots), unless the
+        table admits ids after k pushes and this is not its k-th: then the push is counted, and its gradient
+        dropped. Every row pushed gets the push clock ``tick`` and the time ``now`` as its last push.
+        """
+        if not self.spec.managed:
+            slots, summed = coalesce(self.slots_of(ids), grads)
+        else:
+            uniq, inverse = np.unique(ids, return_inverse=True)
+            summed = np.zeros((len(uniq), grads.shape[1]), grads.dtype)
+            rowkernels.scatter_add_rows(summed, inverse.reshape(-1).astype(np.int64, copy=False), grads)
+            uniq = uniq.astype(np.int64, copy=False)
+            slots = self.find(uniq)
+            missing = slots < 0
+            if self.pending is not None and missing.any():
+                keep = ~missing
+                keep[missing] = self.pending.count(uniq[missing], self.tick, now)
+                uniq, summed, slots = uniq[keep], summed[keep], slots[keep]
+                missing = slots < 0
+            if missing.any():
+                new_ids = np.ascontiguousarray(uniq[missing])
+                self._reserve(len(new_ids))
+                old, got = self.used, np.empty(len(new_ids), np.int64)
+                self.used = rowkernels.index_find(self._keys, self._vals, new_ids, got, self.row_ids, old, True)
+                self._init_new(old, self.used, now)
+                slots[missing] = got
+        self.last[slots], self.when[slots], self.dirty[slots] = self.tick, now, True
+        self.tick += 1
+        return slots, summed
+
+    # ------------------------------------------------------------------ eviction
+    def evict_due(self, now: float) -> int:
+        """Evict what the table's capacity and ttl say must go now; returns how many rows went.
+
+        Rows of a sync round in progress are never evicted (the table may hold more than its capacity until
+        the round completes). The ttl sweep runs when ``ttl / 16`` passed since the last one, so a row not pushed
+        for ``ttl`` seconds is gone before a request is served at most ``ttl / 16`` later.
+        """
+        spec, gone = self.spec, 0
+        pinned = self.round.slots
+        if spec.ttl is not None and now - self._swept >= spec.ttl / 16:
+            self._swept = now
+            gone += self.remove(expired(self.when[:self.used], now, spec.ttl, pinned))
+            if self.pending is not None:
+                self.pending.expire(now, spec.ttl)
+        if spec.capacity is not None and self.used > spec.capacity:
+            gone += self.remove(self._oldest.take(self.find, self.last[:self.used], self.row_ids[:self.used],
+                                                  self.used - spec.capacity, pinned))
+        return gone
+
+    def remove(self, victims: np.ndarray) -> int:
+        """Evict the rows at the slots ``victims`` (distinct, none in a round in progress), with their optimizer
+        state; an evicted id starts over, admission included. Returns how many went."""
+        if not len(victims):
+            return 0
+        columns = [self.param, *self.slots.values(), self.last, self.when, self.dirty]
+        gone, holes, movers = compact(self._keys, self._vals, self.row_ids, self.used, victims, columns)
+        if self.round.slots is not None and len(holes):
+            where = np.arange(self.used, dtype=np.int64)
+            where[movers] = holes
+            self.round.slots = where[self.round.slots]
+        self.used -= len(gone)
+        self.evicted += len(gone)
+        self.removed.append(gone)
+        return len(gone)
 
     # ------------------------------------------------------------------ checkpoints
-    def state(self) -> tuple[dict[str, Any], list[np.ndarray]]:
-        """What a checkpoint keeps of the table: a msgpack-able record and its arrays, in order."""
+    def state(self, delta: bool = False) -> tuple[dict[str, Any], list[np.ndarray]]:
+        """What a checkpoint keeps of the table: a msgpack-able record and its arrays, in order.
+
+        ``delta``: only the rows changed since the last checkpoint (:meth:`saved` says when one is on disk) and
+        the ids evicted since then; everything else (version, round, counters, pending counts) whole.
+        """
         spec = self.spec
         record = {"name": self.name, "dim": spec.dim, "dtype": spec.dtype.str, "optimizer": spec.optimizer.to_wire(),
                   "init": spec.init, "a": spec.a, "b": spec.b, "seed": spec.seed, "num_rows": spec.num_rows,
                   "max_rows": self.max_rows, "used": self.used, "version": self.version,
                   "contributors": sorted(self.round.contributors), "expected": sorted(self.round.expected),
-                  "slots": sorted(self.slots)}
-        arrays = [self.param[:self.used], *(self.slots[n][:self.used] for n in record["slots"]),
-                  self.row_ids[:self.used]]
+                  "slots": sorted(self.slots), "layout": 2, "delta": delta, "policy": spec.policy(),
+                  "tick": self.tick, "evicted": self.evicted, "admitted": self.admitted}
+        rows = np.flatnonzero(self.dirty[:self.used]) if delta else slice(0, self.used)
+        removed = np.concatenate(self.removed) if delta and self.removed else np.empty(0, np.int64)
+        arrays = [self.param[rows], *(self.slots[n][rows] for n in record["slots"]), self.row_ids[rows],
+                  self.last[rows], self.when[rows], removed]
+        record["rows"] = len(arrays[0])
+        record["round"] = self.round.slots is not None and self.round.acc is not None
         if self.round.slots is not None and self.round.acc is not None:
-            arrays += [self.round.slots, self.round.acc]
+            arrays += [self.row_ids[self.round.slots], self.round.acc]  # by id: restored rows lie elsewhere
+        record["pending"] = None
+        if self.pending is not None:
+            record["pending"], pending = self.pending.state(delta)
+            arrays += pending
         return record, arrays
+
+    def saved(self) -> None:
+        """A checkpoint with this table's :meth:`state` is on disk: the next delta starts from here."""
+        self.dirty[:self.used] = False
+        self.removed = []
+        if self.pending is not None:
+            self.pending.saved()
+
+    @staticmethod
+    def spec_of(record: dict[str, Any]) -> TableSpec:
+        """The definition a checkpoint record holds."""
+        policy = record.get("policy") or {}
+        return TableSpec(dim=record["dim"], dtype=np.dtype(record["dtype"]),
+                         optimizer=optim.from_wire(record["optimizer"]), init=record["init"], a=record["a"],
+                         b=record["b"], seed=record["seed"], num_rows=record["num_rows"], **policy)
 
     @classmethod
     def from_state(cls, record: dict[str, Any], arrays: list[np.ndarray]) -> RowTable:
-        """The table a checkpoint's :meth:`state` describes (the id index is rebuilt from the rows' ids)."""
-        spec = TableSpec(dim=record["dim"], dtype=np.dtype(record["dtype"]),
-                         optimizer=optim.from_wire(record["optimizer"]), init=record["init"], a=record["a"],
-                         b=record["b"], seed=record["seed"], num_rows=record["num_rows"])
-        table = cls(spec, record["max_rows"], record["name"])
-        used = record["used"]
-        table._reserve(used)
-        n = len(record["slots"])
-        param, slots, row_ids, round_arrays = arrays[0], arrays[1:1 + n], arrays[1 + n], arrays[2 + n:]
-        table.param[:used] = param.reshape(used, spec.dim)
-        for name, a in zip(record["slots"], slots):
-            table.slots[name][:used] = a.reshape(used, spec.dim)
-        got = np.empty(used, np.int64)
-        table.used = rowkernels.index_find(table._keys, table._vals, np.ascontiguousarray(row_ids), got,
-                                           table.row_ids, 0, True)
-        table.version = record["version"]
-        if round_arrays:
-            table.round.slots, table.round.acc = round_arrays[0], round_arrays[1].reshape(-1, spec.dim)
+        """The table a full checkpoint's :meth:`state` describes (the id index is rebuilt from the rows' ids)."""
+        if record.get("delta"):
+            raise ValueError(f"table {record['name']!r}: a delta record without the full one it builds on")
+        table = cls(cls.spec_of(record), record["max_rows"], record["name"])
+        if record.get("layout", 1) == 1:  # psrt before eviction: rows, slots, ids, then the round by slot
+            used, n = record["used"], len(record["slots"])
+            table._upsert(arrays[1 + n], arrays[0], dict(zip(record["slots"], arrays[1:1 + n])), None, None)
+            round_arrays = arrays[2 + n:]
+            if round_arrays:
+                table.round.slots = round_arrays[0]
+                table.round.acc = round_arrays[1].reshape(-1, table.spec.dim)
+            table.version = record["version"]
             table.round.contributors = set(record["contributors"])
             table.round.expected = frozenset(record["expected"])
+            if table.used != used:
+                raise ValueError(f"table {record['name']!r} holds {table.used} distinct ids, not {used}")
+            return table
+        table.apply_delta(record, arrays)
         return table
+
+    def apply_delta(self, record: dict[str, Any], arrays: list[np.ndarray]) -> None:
+        """Apply a checkpoint's :meth:`state` to this table: evict the ids it says went, write its rows (an id
+        without a row gets one), and take its version, round, counters and pending counts."""
+        if self.spec_of(record) != self.spec:
+            raise ValueError(f"table {record['name']!r} changed definition between checkpoints")
+        n, names = len(record["slots"]), record["slots"]
+        it = iter(arrays)
+        param, slots = next(it), {name: next(it) for name in names}
+        ids, last, when, removed = next(it), next(it), next(it), next(it)
+        if len(removed):
+            at = self.find(np.ascontiguousarray(removed, np.int64))
+            self.remove(at[at >= 0])
+        self._upsert(ids, param, slots, last, when)
+        self.round.clear()
+        if record["round"]:
+            round_ids, acc = next(it), next(it)
+            at = self.find(np.ascontiguousarray(round_ids, np.int64))
+            if (at < 0).any():
+                raise ValueError(f"table {record['name']!r}: the round in progress names ids without a row")
+            self.round.slots, self.round.acc = at, acc.reshape(-1, self.spec.dim)
+        self.round.contributors = set(record["contributors"])
+        self.round.expected = frozenset(record["expected"])
+        if self.pending is not None and record["pending"] is not None:
+            self.pending.apply(record["pending"], [next(it) for _ in range(5)])
+        if next(it, None) is not None or n != len(self.slots):
+            raise ValueError(f"table {record['name']!r}: arrays do not match its record")
+        if self.used != record["used"]:
+            raise ValueError(f"table {record['name']!r} holds {self.used} rows after its checkpoints, not "
+                             f"{record['used']}")
+        self.version, self.tick = record["version"], record["tick"]
+        self.evicted, self.admitted = record["evicted"], record["admitted"]
+        self.saved()
+
+    def _upsert(self, ids: np.ndarray, param: np.ndarray, slots: dict[str, np.ndarray],
+                last: Optional[np.ndarray], when: Optional[np.ndarray]) -> None:
+        ids = np.ascontiguousarray(ids, np.int64)
+        self._reserve(len(ids))
+        at = np.empty(len(ids), np.int64)
+        self.used = rowkernels.index_find(self._keys, self._vals, ids, at, self.row_ids, self.used, True)
+        dim = self.spec.dim
+        self.param[at] = param.reshape(len(ids), dim)
+        for name, a in slots.items():
+            self.slots[name][at] = a.reshape(len(ids), dim)
+        if last is not None and when is not None:
+            self.last[at], self.when[at] = last, when
 
     # ------------------------------------------------------------------ accounting
     def memory(self) -> dict[str, int]:
         """Bytes allocated: ``rows`` (parameters), ``slots`` (optimizer state), ``index`` (id index, slot ids)."""
         return {"rows": self.param.nbytes, "slots": sum(a.nbytes for a in self.slots.values()),
-                "index": self._keys.nbytes + self._vals.nbytes + self.row_ids.nbytes}
+                "index": self._keys.nbytes + self._vals.nbytes + self.row_ids.nbytes + self.last.nbytes
+                + self.when.nbytes + self.dirty.nbytes,
+                "pending": self.pending.nbytes() if self.pending is not None else 0}

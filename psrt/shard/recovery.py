@@ -68,6 +68,9 @@ class Checkpointer:
         self._dirty = False
         self._lock: Optional[int] = None
         self._legacy: Optional[str] = None  # restored from an older psrt's endpoint-named files: removed once saved
+        self.full_every = config.checkpoint_full_every
+        self._chain: Optional[tuple[str, str]] = None  # (full file, last file) the next delta builds on
+        self._deltas = 0  # deltas written since the last full checkpoint
 
     @property
     def enabled(self) -> bool:
@@ -159,11 +162,20 @@ class Checkpointer:
             os.close(self._lock)
             self._lock = None
 
-    def save(self, store: Store, pushes: int, tables: Optional[TableState] = None) -> Path:
-        """Write a checkpoint now (:func:`psrt.shard.checkpoint.save`)."""
+    def next_is_delta(self) -> bool:
+        """Whether the next checkpoint may be a delta: a full one of this run is on disk, and fewer than
+        ``full_every - 1`` deltas follow it (after a restore, the first is full)."""
+        return self._chain is not None and self._deltas + 1 < self.full_every
+
+    def save(self, store: Store, pushes: int, tables: Optional[TableState] = None, delta: bool = False) -> Path:
+        """Write a checkpoint now (:func:`psrt.shard.checkpoint.save`); ``delta``: ``tables`` holds deltas
+        (:meth:`next_is_delta` said so)."""
         assert self.directory is not None and self.prefix
         started = time.monotonic()
-        path = save(store, self.directory, self.prefix, {"prefix": self.prefix, "rank": self.rank}, tables)
+        chain = self._chain if delta else None
+        path = save(store, self.directory, self.prefix, {"prefix": self.prefix, "rank": self.rank}, tables, chain)
+        self._chain, self._deltas = (chain[0], path.name) if chain else (path.name, path.name), \
+            self._deltas + 1 if chain else 0
         self._time, self._pushes, self._dirty = time.monotonic(), pushes, False
         if self._legacy is not None:  # their state is in this rank's own file now
             for old in files_of(self.directory, self._legacy):
@@ -275,7 +287,9 @@ class Recovery:
         """
         if not self._ckpt.enabled:
             raise RequestRefused("no_checkpoint_dir", "this shard was started without --checkpoint-dir")
-        path = self._ckpt.save(self.store, self.counters.pushes, self.tables.state())
+        delta = bool(self.tables.tables) and self._ckpt.next_is_delta()  # dense keys alone: always full
+        path = self._ckpt.save(self.store, self.counters.pushes, self.tables.state(delta), delta)
+        self.tables.saved()  # the next delta holds what changes from now
         self.counters.checkpoints += 1
         return path
 

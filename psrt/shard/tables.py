@@ -14,6 +14,7 @@ changes nothing. The shard (:class:`psrt.shard.server.Server`) hands these reque
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any, Callable, Optional, Union
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from psrt import kernels, optim, wire
 from psrt.config import RowLimits
-from psrt.errors import RequestRefused
+from psrt.errors import ConfigError, RequestRefused
 from psrt.shard.embedding import RowTable
 from psrt.shard.store import WorkerLog
 from psrt.tablespec import TableSpec
@@ -29,8 +30,8 @@ from psrt.tablespec import TableSpec
 __all__ = ["TableService", "REQUESTS"]
 
 #: The requests :class:`TableService` serves.
-REQUESTS = (wire.InitTableRequest, wire.PushRowsRequest, wire.PullRowsRequest)
-RowRequest = Union[wire.InitTableRequest, wire.PushRowsRequest, wire.PullRowsRequest]
+REQUESTS = (wire.InitTableRequest, wire.PushRowsRequest, wire.PullRowsRequest, wire.TableStatsRequest)
+RowRequest = Union[wire.InitTableRequest, wire.PushRowsRequest, wire.PullRowsRequest, wire.TableStatsRequest]
 
 
 class TableService:
@@ -67,6 +68,8 @@ class TableService:
         #: ``ssp``: how many pushes a worker may run ahead of the slowest (set with the job's mode).
         self.staleness = 0
         self._clocks: dict[str, dict[int, int]] = {}  # ssp: per table, each worker's latest applied clock
+        #: The time rows are stamped with and their ttl is judged by (wall time: it survives a restart).
+        self.clock: Callable[[], float] = time.time
         #: Says why a sync round needing a finished worker is refused (set by :meth:`set_finished`).
         self.finished_message: Callable[[int], str] = str
 
@@ -79,6 +82,9 @@ class TableService:
             self._error(identity, req.id, exc.code, str(exc))
 
     def _handle(self, identity: bytes, req: RowRequest) -> None:
+        if isinstance(req, wire.TableStatsRequest):
+            self._reply(identity, wire.encode_stats(req.id, self.table_stats(self._table(req.table))))
+            return
         if len(req.ids) > self.limits.max_rows_per_message:
             raise RequestRefused("too_many_rows", f"{len(req.ids)} ids in one message; this shard takes at most "
                                            f"{self.limits.max_rows_per_message} (PSRT_MAX_ROWS_PER_MESSAGE)")
@@ -118,8 +124,14 @@ class TableService:
 
     # ------------------------------------------------------------------ init
     def _init(self, identity: bytes, req: wire.InitTableRequest) -> None:
-        spec = TableSpec(dim=req.dim, dtype=req.dtype, optimizer=optim.from_wire(req.optimizer), init=req.init,
-                         a=req.a, b=req.b, seed=req.seed, num_rows=req.num_rows)
+        try:
+            spec = TableSpec(dim=req.dim, dtype=req.dtype, optimizer=optim.from_wire(req.optimizer), init=req.init,
+                             a=req.a, b=req.b, seed=req.seed, num_rows=req.num_rows, **(req.policy or {}))
+        except ConfigError as exc:
+            raise RequestRefused("bad_table", f"table {req.table!r}: {exc}") from None
+        if spec.capacity is not None and spec.capacity > self.limits.max_table_rows:
+            raise RequestRefused("bad_table", f"table {req.table!r}: capacity {spec.capacity} is above this shard's "
+                                 f"cap of {self.limits.max_table_rows} rows per table (PSRT_MAX_TABLE_ROWS)")
         table = self.tables.get(req.table)
         existed = table is not None
         if table is not None and table.spec != spec:
@@ -161,7 +173,8 @@ class TableService:
             target = table.version + (1 if req.worker in table.round.contributors else 0)
             self._reply(identity, wire.encode_ack(req.id, [target], True))
             return
-        slots, grads = table.push(req.ids, req.grads)
+        now = self.clock()
+        slots, grads = table.push(req.ids, req.grads, now)
         if log is None or log.session != req.session:
             self.logs[(req.table, req.worker)] = WorkerLog(req.session, req.seq)
         else:
@@ -169,6 +182,7 @@ class TableService:
         self.pushes += 1
         if not self.store.rounds:
             table.apply(slots, grads, 1.0)
+            table.evict_due(now)
             if self.store.mode == "ssp":
                 clocks = self._clocks.setdefault(req.table, {})
                 clocks[req.worker] = max(clocks.get(req.worker, 0), req.clock)
@@ -179,6 +193,7 @@ class TableService:
         if not rnd.contributors and self.store.members is not None:
             rnd.expected = self.store.members
         rnd.add(req.worker, slots, grads)
+        table.evict_due(now)  # never the round's rows: a capacity may be passed until the round completes
         self._reply(identity, wire.encode_ack(req.id, [table.version + 1], False))
         if self._round_done(table):
             self._step_round(req.table, table)
@@ -194,6 +209,7 @@ class TableService:
         assert rnd.slots is not None and rnd.acc is not None
         table.apply(rnd.slots, rnd.acc, 1.0 / len(rnd.contributors))  # the mean over the round's workers
         rnd.clear()
+        table.evict_due(self.clock())
         self.rounds += 1
         self._completed(name, table)
 
@@ -278,13 +294,23 @@ class TableService:
             except RequestRefused as exc:
                 self._error(identity, req.id, exc.code, str(exc))
                 return
+        table.evict_due(self.clock())  # a pull sees no row whose ttl has passed
         self._reply(identity, wire.encode_rows(req.id, req.table, table.version, table.gather(req.ids)))
 
     # ------------------------------------------------------------------ checkpoints
-    def state(self) -> tuple[list[tuple[dict[str, Any], list[np.ndarray]]], list[list[Any]]]:
-        """Every table's checkpoint record and arrays, and the per-table worker sequence numbers."""
+    def state(self, delta: bool = False) -> tuple[list[tuple[dict[str, Any], list[np.ndarray]]], list[list[Any]]]:
+        """Every table's checkpoint record and arrays (``delta``: only rows changed since the last checkpoint,
+        :meth:`psrt.shard.embedding.RowTable.state`), and the per-table worker sequence numbers."""
+        now = self.clock()
+        for t in self.tables.values():
+            t.evict_due(now)
         logs = [[t, w, log.session, log.last_seq] for (t, w), log in self.logs.items()]
-        return [t.state() for t in self.tables.values()], logs
+        return [t.state(delta) for t in self.tables.values()], logs
+
+    def saved(self) -> None:
+        """The last :meth:`state` is on disk: the next delta starts from here."""
+        for t in self.tables.values():
+            t.saved()
 
     def restore(self, tables: list[RowTable], logs: list[list[Any]]) -> None:
         """Adopt tables and sequence numbers read from a checkpoint."""
@@ -301,3 +327,14 @@ class TableService:
                 "table_round_bytes": sum(t.round.nbytes() for t in self.tables.values()),
                 "row_pushes": self.pushes, "row_pulls": self.pulls, "row_rounds": self.rounds,
                 "queued_row_pulls": sum(len(w) for w in self._waiting.values())}
+
+    def table_stats(self, t: RowTable) -> dict[str, Any]:
+        """A table's counters (the ``table_stats`` reply): ``rows`` (held), ``evicted``, ``admitted`` (rows
+        made), ``pending`` (ids counted but not yet admitted), ``forgotten`` (pending ids dropped, for the bound
+        or by ttl), ``bytes`` (allocated for rows, optimizer state, index and pending counts), ``version``; as
+        the last push, pull or checkpoint left them (a ttl sweep waits for those)."""
+        pending = t.pending
+        return {"rows": t.used, "evicted": t.evicted, "admitted": t.admitted,
+                "pending": pending.used if pending is not None else 0,
+                "forgotten": pending.forgotten if pending is not None else 0,
+                "bytes": sum(t.memory().values()), "version": t.version}

@@ -181,10 +181,12 @@ from psrt.wire.rows import (
     PullRowsRequest,
     PushRowsRequest,
     RowsReply,
+    TableStatsRequest,
     encode_init_table,
     encode_pull_rows,
     encode_push_rows,
     encode_rows,
+    encode_table_stats,
 )
 
 __all__ = [
@@ -202,7 +204,7 @@ __all__ = [
     "encode_register", "encode_barrier", "encode_done", "encode_failed", "encode_finished",
     "encode_forming", "encode_table_query", "encode_table", "encode_ok",
     "IDS_DTYPE", "InitTableRequest", "PushRowsRequest", "PullRowsRequest", "RowsReply", "encode_init_table",
-    "encode_push_rows", "encode_pull_rows", "encode_rows",
+    "encode_push_rows", "encode_pull_rows", "encode_rows", "TableStatsRequest", "encode_table_stats",
     "LaneRef", "LaneProbeRequest", "LaneOpenRequest", "BeaconReply", "LaneReply", "encode_lane_probe",
     "encode_lane_open", "encode_beacon", "encode_lane", "LaneCloseRequest", "ClosedReply", "encode_lane_close",
     "encode_closed",

@@ -11,10 +11,13 @@ request         fields (besides ``v, op, id``) + frames                     repl
 ==============  ==========================================================  ===================================
 ``init_table``  ``worker, table, dim, dtype, optimizer, init, a, b, seed,    ``ack`` (``versions``: the table's
                 num_rows, count`` + ids, rows when ``count > 0`` (given       version; ``duplicate``: it existed)
-                rows, set where missing)
+                rows, set where missing); optional ``policy``: a map of
+                ``admit_after, capacity, ttl, max_pending`` (left out
+                when all are the defaults)
 ``push_rows``   ``worker, session, seq, table, dim, dtype, count`` + ids,    ``ack`` (``versions``: the version
                 gradient rows (duplicate ids are summed)                     that will include the push)
 ``pull_rows``   ``worker, table, min_version, count`` + ids                  ``rows``
+``table_stats`` ``table``                                                    ``stats`` (the table's counters)
 ==============  ==========================================================  ===================================
 
 Reply ``rows {table, dim, dtype, count, version}`` + one frame: the rows of the request's ids, in its order.
@@ -34,7 +37,8 @@ from psrt.errors import ProtocolError
 from psrt.kernels.rows import INITIALIZERS
 from psrt.wire.codec import MAX_U63, MAX_WORKER, check_fields, encode, string, uint
 
-__all__ = ["InitTableRequest", "PushRowsRequest", "PullRowsRequest", "RowsReply", "REQUEST_FIELDS", "IDS_DTYPE",
+__all__ = ["InitTableRequest", "PushRowsRequest", "PullRowsRequest", "TableStatsRequest", "RowsReply",
+           "REQUEST_FIELDS", "IDS_DTYPE", "encode_table_stats",
            "MAX_ROW_DIM", "decode_row_request", "decode_rows_reply", "encode_init_table", "encode_push_rows",
            "encode_pull_rows", "encode_rows"]
 
@@ -49,6 +53,7 @@ REQUEST_FIELDS: dict[str, frozenset[str]] = {
                              "seed", "num_rows", "count"}),
     "push_rows": frozenset({"v", "op", "id", "worker", "session", "seq", "clock", "table", "dim", "dtype", "count"}),
     "pull_rows": frozenset({"v", "op", "id", "worker", "table", "min_version", "clock", "count"}),
+    "table_stats": frozenset({"v", "op", "id", "table"}),
 }
 _ROWS = frozenset({"v", "op", "id", "table", "dim", "dtype", "count", "version"})
 
@@ -79,6 +84,9 @@ class InitTableRequest(_Rows):
     seed: int
     num_rows: Optional[int]
     rows: Optional[np.ndarray]
+    #: The admission and eviction options (``admit_after``, ``capacity``, ``ttl``, ``max_pending``); None when
+    #: all are the defaults (the field is then left out, as before it existed).
+    policy: Optional[dict[str, Any]] = None
     op: ClassVar[str] = "init_table"
 
 
@@ -155,6 +163,15 @@ def _frame(buf: Any, dtype: np.dtype, count: int, what: str) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype) if count else np.empty(0, dtype)
 
 
+@dataclass
+class TableStatsRequest:
+    """``table_stats``: one table's counters on this shard (rows, evicted, admitted, pending, ...)."""
+
+    id: int
+    table: str
+    op: ClassVar[str] = "table_stats"
+
+
 def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLimits) -> Any:
     """Decode the fields and frames of an embedding request whose header passed the version check.
 
@@ -164,7 +181,11 @@ def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLi
         When a field is missing, extra or out of range, or a frame's size does not match the header.
     """
     op = h["op"]
-    check_fields(op, h, REQUEST_FIELDS[op])
+    check_fields(op, h, REQUEST_FIELDS[op] | ({"policy"} if op == "init_table" and "policy" in h else set()))
+    if op == "table_stats":
+        if buffers:
+            raise ProtocolError(f"op 'table_stats' takes no buffer frames, got {len(buffers)}")
+        return TableStatsRequest(uint(h, "id"), string(h, "table", limits.max_name_len))
     rid, worker = uint(h, "id"), uint(h, "worker", MAX_WORKER)
     pull = op == "pull_rows"
     table, dim, dtype, count = _shape(h, limits, with_dtype=not pull)
@@ -185,7 +206,25 @@ def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLi
     if num_rows is not None and (type(num_rows) is not int or not 1 <= num_rows <= MAX_U63):
         raise ProtocolError(f"field 'num_rows' must be nil or a positive integer, got {num_rows!r}")
     return InitTableRequest(table, dim, dtype, ids, rid, worker, h["optimizer"], string(h, "init", allowed=_INITS),
-                            _real(h, "a"), _real(h, "b"), uint(h, "seed"), num_rows, rows)
+                            _real(h, "a"), _real(h, "b"), uint(h, "seed"), num_rows, rows, _policy(h))
+
+
+_POLICY = frozenset({"admit_after", "capacity", "ttl", "max_pending"})
+
+
+def _policy(h: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The ``policy`` map of an ``init_table``, its types checked (the values' sense is the table spec's)."""
+    if "policy" not in h:
+        return None
+    p = h["policy"]
+    if type(p) is not dict or p.keys() != _POLICY:
+        raise ProtocolError(f"field 'policy' must be a map of exactly {sorted(_POLICY)}")
+    for key in ("admit_after", "capacity", "max_pending"):
+        if p[key] is not None or key == "admit_after":
+            uint(p, key, MAX_U63, 1)
+    if p["ttl"] is not None:
+        _real(p, "ttl")
+    return dict(p)
 
 
 def decode_rows_reply(h: dict[str, Any], limits: WireLimits) -> RowsReply:
@@ -197,11 +236,14 @@ def decode_rows_reply(h: dict[str, Any], limits: WireLimits) -> RowsReply:
 
 def encode_init_table(rid: int, worker: int, table: str, dim: int, dtype: np.dtype, optimizer: dict[str, Any],
                       init: str, a: float, b: float, seed: int, num_rows: Optional[int], ids: np.ndarray,
-                      rows: Optional[np.ndarray]) -> list[Any]:
-    """Frames of an ``init_table`` request (``rows`` None or ``(len(ids), dim)``; ids empty without rows)."""
+                      rows: Optional[np.ndarray], policy: Optional[dict[str, Any]] = None) -> list[Any]:
+    """Frames of an ``init_table`` request (``rows`` None or ``(len(ids), dim)``; ids empty without rows;
+    ``policy`` as :meth:`psrt.tablespec.TableSpec.policy` gives it)."""
     header = {"op": "init_table", "id": rid, "worker": worker, "table": table, "dim": dim,
               "dtype": dtypes.WIRE_NAMES[np.dtype(dtype)], "optimizer": optimizer, "init": init, "a": a, "b": b,
               "seed": seed, "num_rows": num_rows, "count": len(ids) if rows is not None else 0}
+    if policy is not None:
+        header["policy"] = policy
     return encode(header, [ids, rows] if rows is not None and len(ids) else [])
 
 
@@ -211,6 +253,11 @@ def encode_push_rows(rid: int, worker: int, session: int, seq: int, table: str, 
     return encode({"op": "push_rows", "id": rid, "worker": worker, "session": session, "seq": seq, "clock": clock,
                    "table": table, "dim": grads.shape[1], "dtype": dtypes.WIRE_NAMES[grads.dtype],
                    "count": len(ids)}, [ids, grads])
+
+
+def encode_table_stats(rid: int, table: str) -> list[Any]:
+    """Frames of a ``table_stats`` request."""
+    return encode({"op": "table_stats", "id": rid, "table": table})
 
 
 def encode_pull_rows(rid: int, worker: int, table: str, min_version: int, ids: np.ndarray,

@@ -185,6 +185,7 @@ class ShardCalls:
         self.versions = Versions(len(self.channels))
         self._connections = [0] * len(self.channels)  # handshakes seen per shard (see _ride_through)
         self._unanswered = [0] * len(self.channels)  # reconnections since the shard last answered anything
+        self._answered = [False] * len(self.channels)  # whether the shard ever answered this client
         #: Chunks to pull again (their shared parameters changed while being copied), once replies are taken in.
         self._again: list[tuple[Request, list[tuple[Chunk, int]]]] = []
         self.closed = False
@@ -229,9 +230,11 @@ class ShardCalls:
             if warn_at is not None and now >= warn_at:
                 warn_at = None  # once per call: a slow shard is worth one line, not one per poll
                 late = sorted({self._pending[r].shard for r in handle._outstanding})
-                log.warning("still waiting for %s to answer %s after %.0fs (timeout %gs); is a psrt server "
-                            "running there, and is it reachable from this host?",
-                            ", ".join(self.servers[s] for s in late), handle.op, now - start, timeout)
+                hint = ("they answered this client before: busy (a large table being made, a sync round waiting "
+                        "for another worker), not unreachable" if all(self._answered[s] for s in late) else
+                        "is a psrt server running there, and is it reachable from this host?")
+                log.warning("still waiting for %s to answer %s after %.0fs (timeout %gs); %s",
+                            ", ".join(self.servers[s] for s in late), handle.op, now - start, timeout, hint)
             remaining = deadline - now
             if remaining <= 0:
                 late = sorted({self._pending[r].shard for r in handle._outstanding})
@@ -362,6 +365,7 @@ class ShardCalls:
         shard = pending.shard
         endpoint = self.servers[shard]
         handle = pending.handle
+        self._answered[shard] = True
         if type(reply) is wire.ParamsReply:
             try:
                 self._receive_params(ch, reply, pending)

@@ -340,7 +340,9 @@ class Client:
     def init_embedding(self, name: str, dim: int, optimizer: Optional[Optimizer] = None, *,
                        initial: Optional[Any] = None, num_rows: Optional[int] = None, dtype: Any = np.float32,
                        init: str = "normal", std: float = 0.01, low: float = -0.05, high: float = 0.05,
-                       seed: int = 0, timeout: Optional[float] = None) -> None:
+                       seed: int = 0, admit_after: int = 1, capacity: Optional[int] = None,
+                       ttl: Optional[float] = None, max_pending: Optional[int] = None,
+                       timeout: Optional[float] = None) -> None:
         """Create (or join) the embedding table ``name``; the first definition wins and the rest must agree.
 
         Parameters
@@ -365,6 +367,20 @@ class Client:
             (:func:`psrt.kernels.rows.init_rows`), so shards, workers and restarted jobs agree.
         seed : int
             The table's seed.
+        admit_after : int
+            An id gets a row on its ``admit_after``-th push to its shard (that push is applied; the ones before
+            are counted, not applied, and a pull returns the id's initial value without making a row). 1 (the
+            default): a row on first touch.
+        capacity : int, optional
+            The most rows of the table a shard holds: making one more evicts the least recently pushed row with
+            its optimizer state (an evicted id starts over, admission included). Default: no bound.
+        ttl : float, optional
+            Rows not pushed for ``ttl`` seconds are evicted (lazily, when the table is next used; sweeps run at
+            most every ``ttl / 16``). Default: never.
+        max_pending : int, optional
+            The most ids a shard counts towards admission, exactly (a bounded map: past it the least recently
+            pushed pending ids are forgotten, so an id is never admitted early). Default 2**20; needs
+            ``admit_after > 1``.
         timeout : float, optional
             Seconds to wait for the shards.
 
@@ -375,7 +391,25 @@ class Client:
         """
         self._check_open()
         self._embedding.init_embedding(name, dim, optimizer, initial, num_rows, dtype, init, std, low, high, seed,
-                                       timeout)
+                                       timeout, admit_after=admit_after, capacity=capacity, ttl=ttl,
+                                       max_pending=max_pending)
+
+    def table_stats(self, name: str, timeout: Optional[float] = None) -> list[dict[str, Any]]:
+        """The table ``name``'s counters on each shard, in shard order: ``rows`` (held), ``evicted``,
+        ``admitted`` (rows made), ``pending`` (ids counted but not yet admitted), ``forgotten`` (pending ids
+        dropped), ``bytes`` (allocated for rows, optimizer state, index and pending counts), ``version``.
+
+        Raises
+        ------
+        ServerError
+            When a shard does not have the table (call :meth:`init_embedding` first).
+        """
+        self._check_open()
+        handle = Handle(self._calls, "table_stats", None)
+        for sender in self._senders:
+            sender.send(handle, lambda rid: wire.encode_table_stats(rid, name))
+        handle.wait(timeout)
+        return [handle._stats[s] for s in range(len(self.servers))]
 
     def pull_rows(self, name: str, ids: Any, timeout: Optional[float] = None,
                   out: Optional[np.ndarray] = None) -> np.ndarray:

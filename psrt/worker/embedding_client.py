@@ -104,7 +104,8 @@ class EmbeddingClient:
 
     def init_embedding(self, name: str, dim: int, optimizer: Optional[optim.Optimizer], initial: Optional[Any],
                        num_rows: Optional[int], dtype: Any, init: str, std: float, low: float, high: float, seed: int,
-                       timeout: Optional[float]) -> None:
+                       timeout: Optional[float], admit_after: int = 1, capacity: Optional[int] = None,
+                       ttl: Optional[float] = None, max_pending: Optional[int] = None) -> None:
         """:meth:`psrt.Client.init_embedding`."""
         optimizer = optim.SGD(lr=0.01) if optimizer is None else optimizer
         dtype = np.dtype(dtype)
@@ -119,8 +120,9 @@ class EmbeddingClient:
         if init not in INITIALIZERS:
             raise ConfigError(f"init must be one of {sorted(INITIALIZERS)}, got {init!r}")
         a, b = (low, high) if init == "uniform" else (0.0, std)
-        TableSpec(dim=dim, dtype=dtype, optimizer=optimizer, init=init, a=float(a), b=float(b), seed=seed,
-                  num_rows=num_rows)  # checks every field before anything is sent
+        policy = TableSpec(dim=dim, dtype=dtype, optimizer=optimizer, init=init, a=float(a), b=float(b), seed=seed,
+                           num_rows=num_rows, admit_after=admit_after, capacity=capacity, ttl=ttl,
+                           max_pending=max_pending).policy()  # checks every field before anything is sent
         handle = Handle(self._calls, "init_embedding", None)
         spec = optimizer.to_wire()
         splits = self._split(np.arange(num_rows, dtype=np.int64)) if rows is not None else None
@@ -134,7 +136,7 @@ class EmbeddingClient:
                           for i in range(0, max(len(ids), 1), _INIT_ROWS)]
             for ids, part in pieces:
                 sender.send(handle, lambda rid, i=ids, p=part: wire.encode_init_table(
-                    rid, self._rank, name, dim, dtype, spec, init, float(a), float(b), seed, num_rows, i, p),
+                    rid, self._rank, name, dim, dtype, spec, init, float(a), float(b), seed, num_rows, i, p, policy),
                     table=name)
         handle.wait(timeout)
         self._tables[name] = _Table(dim, dtype, num_rows)
