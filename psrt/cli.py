@@ -57,7 +57,7 @@ def _launch(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return launch(args.servers, args.workers, command, mode=args.mode, host=args.host, start_timeout=args.timeout,
                   transport=args.transport, secure=args.secure, elastic=args.elastic, staleness=args.staleness,
-                  clients=args.clients)
+                  clients=args.clients, backup_workers=args.backup_workers)
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -304,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=None,
                    help="with --scheduler: the address to bind and announce (default: $PSRT_NODE_HOST, or the "
                         "local address that reaches the scheduler)")
-    _add_flags(s, ServerConfig, ServerConfig(), joined=JOB_SETTINGS)
+    # (b's default, PSRT_BACKUP_WORKERS, is checked against W when the config is made, not here)
+    _add_flags(s, ServerConfig, ServerConfig(backup_workers=0), joined=JOB_SETTINGS)
     s.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics on this port (needs prometheus_client)")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
@@ -329,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sync (BSP), async or ssp (bounded staleness) (default %(default)s)")
     la.add_argument("--staleness", type=_nonnegative, default=None, metavar="S",
                     help="ssp: pushes a worker may run ahead of the slowest (default: $PSRT_STALENESS or 0)")
+    la.add_argument("--backup-workers", type=_nonnegative, default=None, metavar="B",
+                    help="sync: backup workers (0 <= B < W): a round closes on the first W - B pushes, a later "
+                         "push for it is dropped (default: $PSRT_BACKUP_WORKERS or 0)")
     la.add_argument("--host", default="127.0.0.1", help="address to bind on (default %(default)s)")
     la.add_argument("--timeout", type=_seconds, default=env.start_timeout,
                     help=f"seconds for the job to form and for each barrier (default: $PSRT_START_TIMEOUT or "

@@ -36,6 +36,7 @@ from psrt.shard.counters import Counters, report
 from psrt.shard.pulls import PullQueue, Waiter
 from psrt.shard.recovery import Checkpointer, Recovery
 from psrt.shard.store import Entry, Key, Store
+from psrt.shard.stragglers import Lateness
 from psrt.shm.lanes import ShardLane, ShardLanes
 from psrt.wire import compression
 
@@ -92,9 +93,10 @@ class Server(Recovery):
             raise
         self.endpoint: str = self._chan.endpoint
         self.lanes = ShardLanes(self.endpoint, config.shm)  # shared memory for workers on this host
-        self.store = Store(config.mode, config.num_workers)
+        self.store = Store(config.mode, config.num_workers, config.backup_workers)
         self.store.use_shared_memory(self.lanes.arena)  # workers of this host copy each round's result themselves
         self.counters = Counters()
+        self.lateness = Lateness()  # who is slow: per worker, how late its pushes come, how many were dropped
         self.replies = ShardReplies(self._chan, self.lanes, self.counters)
         self._reply, self._error = self.replies.reply, self.replies.error
         self._stop = threading.Event()
@@ -272,7 +274,8 @@ class Server(Recovery):
             entries.append(entry)
         self.counters.inits += 1
         members = self.store.members
-        job = wire.JobInfo(self.config.mode, self.config.num_workers if members is None else len(members), conflicts)
+        job = wire.JobInfo(self.config.mode, self.config.num_workers if members is None else len(members), conflicts,
+                           self.store.backup_workers if self.store.rounds else 0)
         self._send_params(identity, req.id, req.keys(), entries, job)
 
     def _at_once(self, identity: bytes, req: wire.PushRequest) -> bool:
@@ -331,7 +334,8 @@ class Server(Recovery):
             self._refuse_if_finished(req.worker, entries)
         if lane is not None:
             self.counters.shm_bytes_in += sum(m.nbytes for m in req.tensors)
-        if self._deferred.get(req.worker) or not self.store.can_join(req.worker, entries):
+        late = self._late(req, entries)  # (backup workers: keys whose round closed without this push)
+        if self._deferred.get(req.worker) or not self.store.can_join(req.worker, entries, late):
             # This worker is a round ahead on some key: hold the whole (validated) message until it can join.
             self._deferred.setdefault(req.worker, deque()).append((identity, req, entries, lane))
             return
@@ -343,9 +347,19 @@ class Server(Recovery):
             self.counters.duplicates += 1
             self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), True, lane, entries)
             return
+        late = self._late(req, entries)
+        if late is not None and all(late):  # too late for every key: dropped, answered as a pull would be
+            self._drop(identity, req, keys, entries, lane)
+            return
+        if self.store.rounds:
+            self.lateness.joined(req.worker, next(e for e, x in zip(entries, late or [False] * len(entries))
+                                                  if not x))
+        if late is not None:
+            self.counters.dropped_pushes += 1
         grads = [req.array(i) for i in range(len(entries))]
         # A push_pull's lane areas stay untouched until its answer, which comes after its round: held, not copied.
-        targets, completed = self.store.apply_push(req.worker, entries, grads, hold=lane is not None and req.pull)
+        targets, completed = self.store.apply_push(req.worker, entries, grads, hold=lane is not None and req.pull,
+                                                   late=late)
         if self.config.mode == "ssp":
             self.store.tick_clocks(req.worker, entries)
         self.store.record(req.worker, req.session, req.seq)
@@ -359,6 +373,27 @@ class Server(Recovery):
             self._drain_deferred()
         if completed:
             self._after_rounds()
+
+    def _late(self, req: wire.PushRequest, entries: list[Entry]) -> Optional[list[bool]]:
+        """Backup workers: per key, whether ``req`` is too late for it (:meth:`Store.late`); None when none is."""
+        if not self.store.backup_workers or not self.store.rounds:
+            return None
+        if req.base is None:
+            raise RequestRefused("config", f"this shard runs with --backup-workers {self.store.backup_workers}, "
+                                 "whose pushes must say which version their gradients were computed from; worker "
+                                 f"{req.worker}'s does not (an older psrt): run the same psrt on every worker")
+        return self.store.late(req.worker, entries, req.base)
+
+    def _drop(self, identity: bytes, req: wire.PushRequest, keys: list[Key], entries: list[Entry],
+              lane: Optional[ShardLane]) -> None:
+        """A push too late for its rounds: never applied, but counted, and remembered as taken (its sequence number:
+        sent again, it is not taken twice). A push_pull is answered with the newest parameters (at once, unless
+        this worker's earlier push is in a round still open), from which the worker joins the next round."""
+        self.store.record(req.worker, req.session, req.seq)
+        self.counters.pushes += 1
+        self.counters.dropped_pushes += 1
+        self.lateness.missed(req.worker, entries[0])
+        self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), False, lane, entries)
 
     def _answer_push(self, identity: bytes, req: wire.PushRequest, keys: list[Key], targets: list[int],
                      duplicate: bool, lane: Optional[ShardLane], entries: list[Entry]) -> None:
@@ -472,7 +507,8 @@ class Server(Recovery):
     def stats(self) -> dict[str, Any]:
         """The shard's counters and state sizes, as a flat mapping of numbers and strings."""
         return report(self.counters, self.store, endpoint=self.endpoint, mode=self.config.mode,
-                      num_workers=self.config.num_workers, queued_pulls=len(self._pulls) + len(self._stale_pulls),
+                      num_workers=self.config.num_workers, backup_workers=self.store.backup_workers,
+                      **self.lateness.stats(), queued_pulls=len(self._pulls) + len(self._stale_pulls),
                       deferred_pushes=sum(len(q) for q in self._deferred.values()), lanes=self.lanes.count,
                       **self.tables.stats())
 

@@ -295,6 +295,9 @@ class Table:
     elastic: bool = False
     #: ``ssp`` mode: how many pushes a worker may run ahead of the slowest.
     staleness: int = 0
+    #: Sync mode: backup workers b, a round closes on the first W - b pushes (sent only when b > 0, so that a
+    #: table of a job without them is the one older processes know).
+    backup_workers: int = 0
     op: ClassVar[str] = "table"
 
 
@@ -409,6 +412,10 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
         raise ProtocolError(f"control messages are one frame, got {len(frames)}")
     h = unpack_header(frames[0], limits)
     check_version(h)
+    backup = 0
+    if h.get("op") == "table" and "backup_workers" in h:  # optional: the fields checked below every table has
+        backup = uint(h, "backup_workers", 1 << 31)
+        del h["backup_workers"]
     op = op_of(h, _REPLY_FIELDS, "control reply")
     rid = uint(h, "id")
     if op == "table":
@@ -419,7 +426,8 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
         if type(h["elastic"]) is not bool:
             raise ProtocolError("table: 'elastic' must be true or false")
         return Table(rid, _rank(h), uint(h, "num_servers", lo=1), uint(h, "num_workers"),
-                     string(h, "mode", allowed=MODES), list(servers), h["elastic"], uint(h, "staleness", 1 << 31))
+                     string(h, "mode", allowed=MODES), list(servers), h["elastic"], uint(h, "staleness", 1 << 31),
+                     backup)
     if op in ("members", "finished"):
         workers = h["workers"]
         if type(workers) is not list or any(type(r) is not int or not 0 <= r <= MAX_U63 for r in workers):
@@ -444,10 +452,13 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
 
 
 def encode_table(rid: int, rank: int, num_servers: int, num_workers: int, mode: str,
-                 servers: list[str], elastic: bool = False, staleness: int = 0) -> list[Any]:
-    """Frames of a ``table`` reply."""
-    return encode({"op": "table", "id": rid, "rank": rank, "num_servers": num_servers, "num_workers": num_workers,
-                   "mode": mode, "servers": servers, "elastic": elastic, "staleness": staleness})
+                 servers: list[str], elastic: bool = False, staleness: int = 0, backup_workers: int = 0) -> list[Any]:
+    """Frames of a ``table`` reply (``backup_workers`` only when > 0)."""
+    header = {"op": "table", "id": rid, "rank": rank, "num_servers": num_servers, "num_workers": num_workers,
+              "mode": mode, "servers": servers, "elastic": elastic, "staleness": staleness}
+    if backup_workers:
+        header["backup_workers"] = backup_workers
+    return encode(header)
 
 
 def encode_members(epoch: int, workers: list[int]) -> list[Any]:

@@ -162,6 +162,18 @@ class Client:
         return self._num_workers
 
     @property
+    def round(self) -> int:
+        """The job's global step: the number of completed rounds behind the parameters this client holds (the
+        highest version among the tensors it last received; 0 before ``init``).
+
+        In sync mode every worker's parameters of round r are the same, so a loop ``while client.round < N:``
+        stops every worker at the same round N. With backup workers (``--backup-workers b``) a slow worker's
+        late push is dropped and it is handed the newest parameters, so it skips rounds: its own count of steps
+        is then smaller than the fast workers', and the round, not a step counter, says where the job is.
+        """
+        return max((v for held in self._calls.versions.held for v in held.values()), default=0)
+
+    @property
     def partition(self) -> PartitionMap:
         """The shard map of the initialized tensors."""
         return self._map
@@ -234,6 +246,7 @@ class Client:
             self._senders[shard].init(handle, messages, arrays, spec)
         result = handle.wait(timeout)
         for shard, job in handle._jobs.items():
+            self._senders[shard].backup_workers = job.backup_workers
             if not self._elastic and job.num_workers != self._num_workers:
                 raise ConfigError(f"shard {self.servers[shard]} runs with --workers {job.num_workers} "
                                   f"but this client has num_workers={self._num_workers}")

@@ -1,0 +1,124 @@
+"""Backup workers and who is slow: the rules that let a sync round close without its slowest workers, and what a
+shard measures of each worker's lateness.
+
+With ``b`` backup workers (``--backup-workers b``, ``0 <= b < W``) a key's round closes as soon as W - b workers
+pushed it, and steps with the mean of those pushes (Chen et al. 2016, "Revisiting Distributed Synchronous SGD").
+A worker whose push arrives for a round that already closed is late: its gradient was computed from parameters
+older than the key's, so it is dropped (counted, never applied) and its ``push_pull`` is answered with the newest
+parameters, from which it joins the next round. A push says which version it was computed from (its ``base``:
+the version of the parameters the worker held, :class:`psrt.wire.PushRequest`), which tells "late for a closed
+round" from "early for the next one" (queued, as without backup workers).
+
+Without backup workers (b = 0) nothing is ever late: every round waits for every worker (or member), as before,
+and ``base`` is not read. What is measured (:class:`Lateness`) is measured either way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["round_done", "late", "Lateness", "per_worker"]
+
+#: Lateness samples kept per worker (the median and p99 are of these).
+SAMPLES = 1024
+
+
+def round_done(contributors: set[int], num_workers: int, members: Optional[frozenset[int]],
+               expected: frozenset[int], backup_workers: int) -> bool:
+    """Whether a round with these ``contributors`` is complete.
+
+    A fixed job (``members`` None): W - b pushes. An elastic job: every member the round waits for (``expected``
+    that are still members), or, with backup workers, all but b of them (at least one push).
+    """
+    if members is None:
+        return len(contributors) >= num_workers - backup_workers
+    waited = expected & members
+    if contributors >= waited:
+        return True
+    return backup_workers > 0 and len(contributors & waited) >= max(1, len(waited) - backup_workers)
+
+
+def late(backup_workers: int, worker: int, entries: Sequence[Any], base: Any) -> Optional[list[bool]]:
+    """Per key, whether a push of ``worker`` computed from version ``base`` (an int, a list of one per key, or
+    None: not said) is late for a round that closed without it; None when none is.
+
+    Its gradient belongs to round ``base`` (the one producing version ``base + 1``). The round it could join is
+    the key's current one, or, where it is in that round already, the next: a base older than that round is
+    late. ``entries``: anything with ``version`` and ``contributors`` (an :class:`~psrt.shard.store.Entry`).
+    """
+    if not backup_workers or base is None:
+        return None
+    mask = None
+    for i, entry in enumerate(entries):
+        b = base if type(base) is int else base[i]
+        if b < entry.version + (1 if worker in entry.contributors else 0):
+            if mask is None:
+                mask = [False] * len(entries)
+            mask[i] = True
+    return mask
+
+
+class Lateness:
+    """Per worker: how late its pushes arrive after their round's first push, and how many were dropped.
+
+    A push that opens a round is 0 late; one that joins it, the seconds since the round's first push; one dropped
+    as late, the seconds since the first push of the round it missed (the key's last closed one). One sample per
+    push message, taken on its first key (a message's keys join their rounds together).
+    """
+
+    def __init__(self) -> None:
+        self.samples: dict[int, deque[float]] = {}
+        self.pushes: dict[int, int] = {}
+        self.dropped: dict[int, int] = {}
+
+    def joined(self, worker: int, entry: Any, now: Optional[float] = None) -> None:
+        """``worker``'s push is about to join ``entry``'s round (call before it is added)."""
+        now = time.monotonic() if now is None else now
+        if not entry.contributors:
+            entry.opened = now
+            self._sample(worker, 0.0)
+        else:
+            self._sample(worker, now - entry.opened)
+
+    def missed(self, worker: int, entry: Any, now: Optional[float] = None) -> None:
+        """``worker``'s push to ``entry`` was dropped: its round closed without it."""
+        now = time.monotonic() if now is None else now
+        self.dropped[worker] = self.dropped.get(worker, 0) + 1
+        self._sample(worker, max(0.0, now - entry.last_opened) if entry.last_opened else 0.0)
+
+    def _sample(self, worker: int, seconds: float) -> None:
+        queue = self.samples.get(worker)
+        if queue is None:
+            queue = self.samples[worker] = deque(maxlen=SAMPLES)
+        queue.append(seconds)
+        self.pushes[worker] = self.pushes.get(worker, 0) + 1
+
+    def stats(self) -> dict[str, Any]:
+        """Flat stats, per worker rank r: ``worker_r_pushes``, ``worker_r_dropped``, ``worker_r_late_p50_s`` and
+        ``worker_r_late_p99_s`` (over the last :data:`SAMPLES` pushes)."""
+        out: dict[str, Any] = {}
+        for worker in sorted(self.samples):
+            values = np.fromiter(self.samples[worker], float)
+            p50, p99 = np.percentile(values, [50, 99]) if values.size else (0.0, 0.0)
+            out[f"worker_{worker}_pushes"] = self.pushes.get(worker, 0)
+            out[f"worker_{worker}_dropped"] = self.dropped.get(worker, 0)
+            out[f"worker_{worker}_late_p50_s"] = float(p50)
+            out[f"worker_{worker}_late_p99_s"] = float(p99)
+        return out
+
+
+def per_worker(stats: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """The per-worker part of a shard's flat stats (:meth:`Lateness.stats`), by rank: ``{"pushes", "dropped",
+    "late_p50_s", "late_p99_s"}``."""
+    out: dict[int, dict[str, Any]] = {}
+    for name, value in stats.items():
+        if not name.startswith("worker_"):
+            continue
+        rank, _, what = name[len("worker_"):].partition("_")
+        if rank.isdigit() and what in ("pushes", "dropped", "late_p50_s", "late_p99_s"):
+            out.setdefault(int(rank), {})[what] = value
+    return out

@@ -1,0 +1,240 @@
+"""Backup workers (``--backup-workers b``): a sync round closes on its first W - b pushes, a late push is dropped
+(counted, never applied) and answered with the newest parameters; ``client.round`` is the job's global step; each
+shard measures how late each worker's pushes come."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from _helpers import RawPeer, serving
+
+import psrt
+from psrt import wire
+from psrt.config import ClientConfig, ClusterConfig, ServerConfig
+from psrt.control.scheduler import Scheduler
+from psrt.errors import ConfigError
+from psrt.shard.server import Server
+from psrt.shard.stragglers import per_worker
+
+LR = 0.5
+G = np.full(8, 1.0, np.float32)
+CFG = ClientConfig(timeout=20, shm=False)
+
+
+def _server(workers: int = 3, backup: int = 1, **kw) -> ServerConfig:
+    return ServerConfig(bind="tcp://127.0.0.1:*", num_workers=workers, backup_workers=backup, shm=False, **kw)
+
+
+def _clients(server: Server, workers: int = 3, config: ClientConfig = CFG) -> list[psrt.Client]:
+    clients = [psrt.Client([server.endpoint], rank=r, num_workers=workers, config=config) for r in range(workers)]
+    for c in clients:
+        c.init({"w": np.zeros(8, np.float32)}, optimizer=psrt.SGD(lr=LR))
+    return clients
+
+
+def _round_of(clients: list[psrt.Client], ranks: list[int]) -> list[dict]:
+    """The push_pulls of ``ranks`` together (one round's quorum), waited for."""
+    handles = [clients[r].push_pull_async({"w": G}) for r in ranks]
+    return [h.wait(20) for h in handles]
+
+
+def test_a_round_closes_on_w_minus_b_pushes_and_a_late_push_is_dropped_and_answered_with_the_newest():
+    with serving(_server()) as server:
+        clients = _clients(server)
+        try:
+            for c in clients:
+                assert c.round == 0
+            # Round 0: workers 0 and 1 are enough (W - b = 2); the step is their mean, g.
+            for got in _round_of(clients, [0, 1]):
+                np.testing.assert_array_equal(got["w"], -LR * G)
+            assert clients[0].round == clients[1].round == 1
+            # Worker 2 computed from version 0: too late. Nothing applied; it gets version 1 at once.
+            got = clients[2].push_pull({"w": 100 * G})
+            np.testing.assert_array_equal(got["w"], -LR * G)
+            assert clients[2].round == 1
+            # It rejoins: round 1 by workers 2 and 0; worker 1's push for round 1 comes late.
+            for got in _round_of(clients, [2, 0]):
+                np.testing.assert_array_equal(got["w"], -2 * LR * G)
+            got = clients[1].push_pull({"w": 100 * G})
+            np.testing.assert_array_equal(got["w"], -2 * LR * G)
+            assert [c.round for c in clients] == [2, 2, 2]
+            stats = server.stats()
+            assert stats["dropped_pushes"] == 2 and stats["rounds"] == 2 and stats["backup_workers"] == 1
+            workers = per_worker(stats)
+            assert {r: w["dropped"] for r, w in workers.items()} == {0: 0, 1: 1, 2: 1}
+            assert {r: w["pushes"] for r, w in workers.items()} == {0: 2, 1: 2, 2: 2}
+            assert all(w["late_p99_s"] >= w["late_p50_s"] >= 0 for w in workers.values())
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_a_second_push_from_the_same_parameters_is_dropped_and_its_pull_waits_for_the_open_round():
+    with serving(_server()) as server:
+        clients = _clients(server)
+        try:
+            clients[0].push({"w": G})  # joins round 0
+            late = clients[0].push_pull_async({"w": 100 * G})  # the same parameters again: dropped at once
+            clients[1].push({"w": G})  # round 0 completes with workers 0 and 1
+            np.testing.assert_array_equal(late.wait(20)["w"], -LR * G)  # answered once the open round closed
+            np.testing.assert_array_equal(clients[1].pull()["w"], -LR * G)
+            assert server.stats()["dropped_pushes"] == 1
+        finally:
+            for c in clients:
+                c.close()
+
+
+def _train(server: Server, clients: list[psrt.Client], rounds: int, pause) -> tuple[list[int], list[list]]:
+    """Every client on a thread, ``while client.round < rounds: push_pull(g)``, sleeping ``pause(rank)`` seconds
+    before each step; returns each one's steps and (round, parameters) after each."""
+    steps, seen, errors = [0] * len(clients), [[] for _ in clients], []
+
+    def loop(rank: int) -> None:
+        c = clients[rank]
+        try:
+            while c.round < rounds:
+                threading.Event().wait(pause(rank))
+                got = c.push_pull({"w": G})["w"]
+                seen[rank].append((c.round, got.copy()))
+                steps[rank] += 1
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(r,)) for r in range(len(clients))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    return steps, seen
+
+
+def test_with_identical_gradients_every_worker_holds_minus_lr_round_g_whichever_workers_were_dropped():
+    # Exactness: each round is the mean of the pushes that made it (g) and nothing is applied twice, so after
+    # round r every worker holds -lr * r * g, whatever the order of arrival did to who was dropped.
+    rounds, workers, backup = 12, 4, 2
+    rngs = [np.random.default_rng(r) for r in range(workers)]
+    with serving(_server(workers=workers, backup=backup)) as server:
+        clients = _clients(server, workers)
+        try:
+            _, seen = _train(server, clients, rounds, lambda rank: float(rngs[rank].uniform(0, 0.02)))
+            for rank in range(workers):
+                for r, got in seen[rank]:
+                    np.testing.assert_array_equal(got, np.float32(-LR * r) * G)
+            assert [c.round for c in clients] == [rounds] * workers
+            stats = server.stats()
+            assert stats["rounds"] == rounds
+            # Every push was in a round of exactly W - b, or dropped: none applied twice, none lost.
+            assert stats["pushes"] == (workers - backup) * rounds + stats["dropped_pushes"]
+            assert stats["dropped_pushes"] == sum(w["dropped"] for w in per_worker(stats).values())
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_every_worker_of_a_training_loop_stops_at_the_same_round():
+    # One worker slow: all end at round N holding -lr * N * g, the slow one having taken fewer steps.
+    n, workers = 15, 3
+    with serving(_server(workers=workers, backup=1)) as server:
+        clients = _clients(server, workers)
+        try:
+            steps, seen = _train(server, clients, n, lambda rank: 0.05 if rank == 2 else 0.0)
+            assert [c.round for c in clients] == [n] * workers
+            for rank in range(workers):
+                np.testing.assert_array_equal(seen[rank][-1][1], np.float32(-LR * n) * G)
+            assert server.stats()["rounds"] == n
+            assert sum(steps) >= 2 * n  # each round took W - b pushes
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_a_resent_dropped_push_is_a_duplicate_and_a_push_without_base_is_refused():
+    with serving(_server(workers=2, backup=1)) as server:
+        clients = _clients(server, 2)
+        try:
+            clients[0].push_pull({"w": G})  # round 0 closes alone (W - b = 1)
+            entries = [["w", 0, "<f4", [8]]]
+            with RawPeer(server.endpoint) as peer:
+                late = wire.encode_push(1, 1, 77, 0, entries, [100 * G], False, 1, base=0)
+                head, _ = peer.ask([bytes(f) for f in late])
+                assert head["op"] == "ack" and head["versions"] == [1] and not head["duplicate"]
+                head, _ = peer.ask([bytes(f) for f in late])  # the same push again: taken once already
+                assert head["op"] == "ack" and head["duplicate"]
+                old = wire.encode_push(2, 1, 77, 1, entries, [100 * G], False, 1)  # an older client: no base
+                head, _ = peer.ask([bytes(f) for f in old])
+                assert head["op"] == "error" and head["code"] == "config" and "--backup-workers" in head["message"]
+            np.testing.assert_array_equal(clients[0].pull()["w"], -LR * G)  # nothing of worker 1 applied
+            assert server.stats()["dropped_pushes"] == 1
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_without_backup_workers_pushes_carry_no_base_and_rounds_wait_for_everyone():
+    with serving(_server(workers=2, backup=0)) as server:
+        clients = _clients(server, 2)
+        try:
+            assert all(s.backup_workers == 0 for c in clients for s in c._senders)
+            first = clients[0].push_pull_async({"w": G})
+            with pytest.raises(psrt.ShardTimeoutError):
+                first.wait(0.3)  # the round waits for worker 1
+            clients[1].push_pull({"w": G})
+            np.testing.assert_array_equal(clients[0].pull()["w"], -LR * G)
+            assert server.stats()["dropped_pushes"] == 0
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_backup_workers_must_leave_a_round_at_least_one_push():
+    for bad in (-1, 3, 4, True, 1.5):
+        with pytest.raises(ConfigError, match="backup_workers"):
+            ServerConfig(num_workers=3, backup_workers=bad)
+    with pytest.raises(ConfigError, match="less than the number of workers"):
+        ClusterConfig(num_workers=2, backup_workers=2)
+    with pytest.raises(ConfigError, match="less than the number of workers"):
+        Scheduler("tcp://127.0.0.1:*", 1, 2, backup_workers=2)
+    assert ServerConfig(num_workers=3, backup_workers=2).backup_workers == 2
+
+
+def test_backup_workers_come_from_the_environment_and_the_command_line(monkeypatch, capsys):
+    from psrt.cli import main
+
+    monkeypatch.setenv("PSRT_BACKUP_WORKERS", "1")
+    assert ServerConfig(num_workers=3).backup_workers == 1
+    assert ClusterConfig.from_env().backup_workers == 1
+    monkeypatch.delenv("PSRT_BACKUP_WORKERS")
+    for argv in (["server", "--workers", "2", "--backup-workers", "2"],
+                 ["scheduler", "--workers", "2", "--backup-workers", "3"],
+                 ["launch", "-s", "1", "-w", "2", "--backup-workers", "2", "--", "true"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("psrt: error: ") and "backup_workers" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_shard_under_a_scheduler_takes_its_backup_workers_from_the_table():
+    table = wire.decode_control_reply(wire.encode_table(0, 0, 1, 3, "sync", ["tcp://127.0.0.1:1"],
+                                                        backup_workers=2), wire.CONTROL_LIMITS)
+    assert table.backup_workers == 2
+    plain = wire.encode_table(0, 0, 1, 3, "sync", ["tcp://127.0.0.1:1"])
+    assert b"backup_workers" not in bytes(plain[0])  # a job without them: the table older processes know
+    assert wire.decode_control_reply(plain, wire.CONTROL_LIMITS).backup_workers == 0
+    server = Server(ServerConfig(bind="tcp://127.0.0.1:*", shm=False), scheduled=True)
+    try:
+        server.join(table)
+        assert server.store.backup_workers == 2 and server.config.backup_workers == 2
+    finally:
+        server.close()
+
+
+def test_an_init_answer_tells_the_client_to_say_its_base():
+    with serving(_server(workers=3, backup=1)) as server:
+        clients = _clients(server, 3)
+        try:
+            assert all(s.backup_workers == 1 for c in clients for s in c._senders)
+        finally:
+            for c in clients:
+                c.close()
