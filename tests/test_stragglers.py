@@ -4,11 +4,14 @@ shard measures how late each worker's pushes come."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
-from _helpers import RawPeer, serving
+from _helpers import BENCH, RawPeer, serving
 
 import psrt
 from psrt import wire
@@ -238,3 +241,20 @@ def test_an_init_answer_tells_the_client_to_say_its_base():
         finally:
             for c in clients:
                 c.close()
+
+
+@pytest.mark.integration
+def test_the_bench_runs_a_launched_job_whose_shard_takes_b_from_the_scheduler(tmp_path):
+    # Real processes: psrt launch --backup-workers hands b to the scheduler, whose table hands it to the shard,
+    # whose answer to init hands it to the workers; each ends at the same round, exact.
+    out = tmp_path / "stragglers.json"
+    done = subprocess.run([sys.executable, str(BENCH / "stragglers.py"), "--rounds", "6", "--step-ms", "5",
+                           "--stall-s", "0.3", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    for backup in (0, 1):
+        workers = result[f"b{backup}"]["workers"]
+        assert [w["round"] for w in workers] == [6, 6, 6] and all(w["exact"] for w in workers)
+        assert all(w["backup_workers"] == backup for w in workers)
+    assert sum(w["dropped"] for w in result["b0"]["workers"]) == 0
+    assert "ratio b1/b0" in done.stdout
