@@ -361,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("stats", help="print a live per-shard table of a running job", description=(
         "Print a live table per shard of a running job: keys, MB held, pushes, pulls, rounds, queued pulls, "
-        "deferred pushes, errors, MB/s in and out."))
+        "deferred pushes, errors, MB/s in and out; and, in a sync job, per worker (rank, host) how late its pushes "
+        "come after their round's first push (median, p99) and how many were dropped (--backup-workers)."))
     st.add_argument("scheduler", type=_endpoint, help="the scheduler's endpoint, tcp://HOST:PORT")
     st.add_argument("--interval", type=_interval, default=1.0, help="seconds between refreshes (default %(default)s)")
     st.add_argument("--count", type=_positive_int, default=None,

@@ -16,10 +16,11 @@ from _helpers import BENCH, RawPeer, serving
 import psrt
 from psrt import wire
 from psrt.config import ClientConfig, ClusterConfig, ServerConfig
+from psrt.control.metrics import per_worker
 from psrt.control.scheduler import Scheduler
 from psrt.errors import ConfigError
 from psrt.shard.server import Server
-from psrt.shard.stragglers import per_worker
+from psrt.shard.stragglers import Lateness
 
 LR = 0.5
 G = np.full(8, 1.0, np.float32)
@@ -69,6 +70,7 @@ def test_a_round_closes_on_w_minus_b_pushes_and_a_late_push_is_dropped_and_answe
             assert {r: w["dropped"] for r, w in workers.items()} == {0: 0, 1: 1, 2: 1}
             assert {r: w["pushes"] for r, w in workers.items()} == {0: 2, 1: 2, 2: 2}
             assert all(w["late_p99_s"] >= w["late_p50_s"] >= 0 for w in workers.values())
+            assert {w["host"] for w in workers.values()} == {"127.0.0.1"}  # where their connections come from
         finally:
             for c in clients:
                 c.close()
@@ -258,3 +260,59 @@ def test_the_bench_runs_a_launched_job_whose_shard_takes_b_from_the_scheduler(tm
         assert all(w["backup_workers"] == backup for w in workers)
     assert sum(w["dropped"] for w in result["b0"]["workers"]) == 0
     assert "ratio b1/b0" in done.stdout
+
+
+def test_lateness_is_measured_from_the_first_push_of_the_round_a_push_was_computed_for():
+    from psrt.shard.store import Store
+
+    store = Store("sync", 3, backup_workers=1)
+    entry = store.create(("w", 0), np.zeros(2, np.float32), psrt.SGD(lr=1.0))
+    late = Lateness()
+    grads = [np.ones(2, np.float32)]
+    for rnd, t0 in enumerate((10.0, 20.0, 30.0)):  # rounds 0, 1, 2 opened at t0 by worker 0, closed by worker 1
+        late.joined(0, entry, now=t0)
+        store.apply_push(0, [entry], grads)
+        late.joined(1, entry, now=t0 + 0.5)
+        assert store.apply_push(1, [entry], grads)[1] == [0] and entry.version == rnd + 1
+    assert store.late(2, [entry], 1) == [True] and store.late(2, [entry], 3) is None
+    late.missed(2, entry, 1, now=24.0)  # computed for round 1, which opened at 20
+    late.missed(2, entry, [0], now=11.0)  # round 0, which opened at 10
+    stats = per_worker(late.stats())
+    assert stats[0] == {"pushes": 3, "dropped": 0, "late_p50_s": 0.0, "late_p99_s": 0.0, "host": ""}
+    assert stats[1]["late_p50_s"] == 0.5 and stats[1]["dropped"] == 0
+    assert stats[2]["dropped"] == 2 and stats[2]["pushes"] == 2
+    assert sorted(late.samples[2]) == [1.0, 4.0]
+
+
+def test_psrt_stats_and_prometheus_show_who_is_slow():
+    from prometheus_client.core import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from psrt.cluster.stats import format_workers
+    from psrt.control.metrics import ServerCollector
+
+    with serving(_server()) as server:
+        clients = _clients(server)
+        try:
+            _round_of(clients, [0, 1])
+            clients[2].push_pull({"w": G})  # late: dropped
+            rows = [server.stats()]
+            table = format_workers(rows)
+            registry = CollectorRegistry()
+            registry.register(ServerCollector(server))
+            body = generate_latest(registry).decode()
+        finally:
+            for c in clients:
+                c.close()
+    lines = table.splitlines()
+    assert lines[0].split() == ["worker", "host", "pushes", "late", "p50", "ms", "late", "p99", "ms", "dropped"]
+    cells = {int(line.split()[0]): line.split() for line in lines[1:]}
+    assert sorted(cells) == [0, 1, 2]
+    assert [cells[r][1] for r in range(3)] == ["127.0.0.1"] * 3
+    assert [int(cells[r][-1]) for r in range(3)] == [0, 0, 1]  # worker 2 dropped once
+    assert float(cells[2][3]) >= 0 and float(cells[2][4]) >= float(cells[2][3])
+    endpoint = server.endpoint
+    assert f'psrt_server_worker_dropped_pushes_total{{endpoint="{endpoint}",host="127.0.0.1",worker="2"}} 1.0' in body
+    assert f'psrt_server_dropped_pushes_total{{endpoint="{endpoint}"}} 1.0' in body
+    assert 'psrt_server_worker_lateness_p99_seconds{' in body
+    assert format_workers([{"endpoint": "x", "pushes": 3}]) == ""  # nothing measured (no sync rounds): no table

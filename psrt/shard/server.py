@@ -352,6 +352,7 @@ class Server(Recovery):
             self._drop(identity, req, keys, entries, lane)
             return
         if self.store.rounds:
+            self.lateness.seen(req.worker, req.buffers, lane is not None)
             self.lateness.joined(req.worker, next(e for e, x in zip(entries, late or [False] * len(entries))
                                                   if not x))
         if late is not None:
@@ -392,7 +393,8 @@ class Server(Recovery):
         self.store.record(req.worker, req.session, req.seq)
         self.counters.pushes += 1
         self.counters.dropped_pushes += 1
-        self.lateness.missed(req.worker, entries[0])
+        self.lateness.seen(req.worker, req.buffers, lane is not None)
+        self.lateness.missed(req.worker, entries[0], req.base)
         self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), False, lane, entries)
 
     def _answer_push(self, identity: bytes, req: wire.PushRequest, keys: list[Key], targets: list[int],

@@ -59,10 +59,10 @@ class Entry:
     acc_filled: bool = False
     #: Elastic sync: the members when the current round began (a worker that joins later is not waited for).
     expected: frozenset[int] = frozenset()
-    #: Sync mode: when the current round's first push came, and the last closed round's (``time.monotonic``;
-    #: :class:`psrt.shard.stragglers.Lateness` measures each push against them).
+    #: Sync mode: when the current round's first push came (``time.monotonic``), and ``(round, opened)`` of the
+    #: last closed rounds (:mod:`psrt.shard.stragglers` measures each push against them).
     opened: float = 0.0
-    last_opened: float = 0.0
+    closed: Any = None
     #: ``ssp``: each worker's clock (its count of pushes) as far as its pushes to this key have been applied.
     clocks: dict[int, int] = field(default_factory=dict)
     #: Zero-copy sends of ``param`` that may still be reading it.
@@ -230,7 +230,7 @@ class Store:
 
     @staticmethod
     def _step_round(entry: Entry) -> None:
-        entry.last_opened = entry.opened
+        stragglers.closing(entry)
         entry.settle()
         assert entry.acc is not None
         entry.apply(entry.acc, 1.0 / len(entry.contributors))  # the mean of the pushes in the round

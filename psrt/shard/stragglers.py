@@ -21,7 +21,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["round_done", "late", "Lateness", "per_worker"]
+from psrt import transport
+
+__all__ = ["round_done", "late", "closing", "Lateness"]
 
 #: Lateness samples kept per worker (the median and p99 are of these).
 SAMPLES = 1024
@@ -62,11 +64,23 @@ def late(backup_workers: int, worker: int, entries: Sequence[Any], base: Any) ->
     return mask
 
 
+#: Closed rounds whose opening time a key remembers (a dropped push is measured against its round's).
+HISTORY = 64
+
+
+def closing(entry: Any) -> None:
+    """``entry``'s current round (the one producing version ``entry.version + 1``) is closing: remember when it
+    opened."""
+    if entry.closed is None:
+        entry.closed = deque(maxlen=HISTORY)
+    entry.closed.append((entry.version, entry.opened))
+
+
 class Lateness:
     """Per worker: how late its pushes arrive after their round's first push, and how many were dropped.
 
     A push that opens a round is 0 late; one that joins it, the seconds since the round's first push; one dropped
-    as late, the seconds since the first push of the round it missed (the key's last closed one). One sample per
+    as late, the seconds since the first push of the round it was computed for. One sample per
     push message, taken on its first key (a message's keys join their rounds together).
     """
 
@@ -74,6 +88,15 @@ class Lateness:
         self.samples: dict[int, deque[float]] = {}
         self.pushes: dict[int, int] = {}
         self.dropped: dict[int, int] = {}
+        #: Where each worker's pushes come from: the IP address of its connection, or "local" (ipc://, or a
+        #: shared-memory lane: this host).
+        self.hosts: dict[int, str] = {}
+
+    def seen(self, worker: int, buffers: Sequence[Any], lane: bool) -> None:
+        """Learn where ``worker``'s pushes come from, from a push's received ``buffers`` (once per worker)."""
+        if worker not in self.hosts:
+            address = "" if lane or not buffers else transport.peer_address(buffers[0])
+            self.hosts[worker] = address or "local"
 
     def joined(self, worker: int, entry: Any, now: Optional[float] = None) -> None:
         """``worker``'s push is about to join ``entry``'s round (call before it is added)."""
@@ -84,11 +107,19 @@ class Lateness:
         else:
             self._sample(worker, now - entry.opened)
 
-    def missed(self, worker: int, entry: Any, now: Optional[float] = None) -> None:
-        """``worker``'s push to ``entry`` was dropped: its round closed without it."""
+    def missed(self, worker: int, entry: Any, base: Any, now: Optional[float] = None) -> None:
+        """``worker``'s push to ``entry``, computed from version ``base`` (an int, or a list whose first is
+        ``entry``'s), was dropped: round ``base`` closed without it. Measured from when that round opened (or, for
+        a round older than the key remembers, the oldest it does: a lower bound)."""
         now = time.monotonic() if now is None else now
         self.dropped[worker] = self.dropped.get(worker, 0) + 1
-        self._sample(worker, max(0.0, now - entry.last_opened) if entry.last_opened else 0.0)
+        base = base if type(base) is int else base[0]
+        opened = entry.opened if base >= entry.version else None  # (its own earlier push is in the open round)
+        for number, at in () if opened is not None else reversed(entry.closed or ()):
+            opened = at
+            if number <= base:
+                break
+        self._sample(worker, max(0.0, now - opened) if opened is not None else 0.0)
 
     def _sample(self, worker: int, seconds: float) -> None:
         queue = self.samples.get(worker)
@@ -99,7 +130,8 @@ class Lateness:
 
     def stats(self) -> dict[str, Any]:
         """Flat stats, per worker rank r: ``worker_r_pushes``, ``worker_r_dropped``, ``worker_r_late_p50_s`` and
-        ``worker_r_late_p99_s`` (over the last :data:`SAMPLES` pushes)."""
+        ``worker_r_late_p99_s`` (over the last :data:`SAMPLES` pushes), ``worker_r_host``
+        (:func:`psrt.control.metrics.per_worker` reads them back)."""
         out: dict[str, Any] = {}
         for worker in sorted(self.samples):
             values = np.fromiter(self.samples[worker], float)
@@ -108,17 +140,6 @@ class Lateness:
             out[f"worker_{worker}_dropped"] = self.dropped.get(worker, 0)
             out[f"worker_{worker}_late_p50_s"] = float(p50)
             out[f"worker_{worker}_late_p99_s"] = float(p99)
+            out[f"worker_{worker}_host"] = self.hosts.get(worker, "")
         return out
 
-
-def per_worker(stats: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    """The per-worker part of a shard's flat stats (:meth:`Lateness.stats`), by rank: ``{"pushes", "dropped",
-    "late_p50_s", "late_p99_s"}``."""
-    out: dict[int, dict[str, Any]] = {}
-    for name, value in stats.items():
-        if not name.startswith("worker_"):
-            continue
-        rank, _, what = name[len("worker_"):].partition("_")
-        if rank.isdigit() and what in ("pushes", "dropped", "late_p50_s", "late_p99_s"):
-            out.setdefault(int(rank), {})[what] = value
-    return out
