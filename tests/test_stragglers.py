@@ -18,7 +18,7 @@ from psrt import wire
 from psrt.config import ClientConfig, ClusterConfig, ServerConfig
 from psrt.control.metrics import per_worker
 from psrt.control.scheduler import Scheduler
-from psrt.errors import ConfigError
+from psrt.errors import ConfigError, ServerError
 from psrt.shard.server import Server
 from psrt.shard.stragglers import Lateness
 
@@ -316,3 +316,35 @@ def test_psrt_stats_and_prometheus_show_who_is_slow():
     assert f'psrt_server_dropped_pushes_total{{endpoint="{endpoint}"}} 1.0' in body
     assert 'psrt_server_worker_lateness_p99_seconds{' in body
     assert format_workers([{"endpoint": "x", "pushes": 3}]) == ""  # nothing measured (no sync rounds): no table
+
+
+def test_embedding_tables_in_sync_mode_follow_the_same_rule():
+    ids = np.array([3, 1, 7], np.int64)
+    rows = np.ones((3, 4), np.float32)
+    with serving(_server()) as server:
+        clients = _clients(server)  # (the dense init's answer tells each client the shard's b)
+        try:
+            for c in clients:
+                c.init_embedding("e", 4, psrt.SGD(lr=LR), init="zeros")
+            for c in clients[:2]:  # round 0 of the table: workers 0 and 1 are enough
+                c.pull_rows("e", ids)
+                c.push_rows("e", ids, rows)
+            got = clients[0].pull_rows("e", ids)
+            np.testing.assert_array_equal(got, -LR * rows)
+            clients[2].push_rows("e", ids, 100 * rows)  # computed from version 0 (never pulled since): dropped
+            np.testing.assert_array_equal(clients[1].pull_rows("e", ids), -LR * rows)
+            clients[2].pull_rows("e", ids)  # it rejoins from the newest rows: round 1 with worker 0
+            clients[2].push_rows("e", ids, rows)
+            clients[0].push_rows("e", ids, rows)
+            np.testing.assert_array_equal(clients[2].pull_rows("e", ids), -2 * LR * rows)
+            stats = server.stats()
+            assert stats["dropped_row_pushes"] == 1 and stats["row_rounds"] == 2
+        finally:
+            for c in clients:
+                c.close()
+    # A push_rows that does not say its base is refused by a shard with backup workers, naming the flag.
+    with serving(_server(workers=2, backup=1)) as server:
+        with psrt.Client([server.endpoint], rank=0, num_workers=2, config=CFG) as c:
+            c.init_embedding("e", 4, psrt.SGD(lr=LR), init="zeros")
+            with pytest.raises(ServerError, match="--backup-workers"):
+                c.push_rows("e", ids, rows)

@@ -130,6 +130,8 @@ class Versions:
         self.chunks: list[dict[Key, int]] = [{} for _ in range(num_shards)]
         self.tables: list[dict[str, int]] = [{} for _ in range(num_shards)]
         self.held: list[dict[Key, int]] = [{} for _ in range(num_shards)]
+        #: Per embedding table, the version of the rows last pulled from the shard (as ``held``).
+        self.held_tables: list[dict[str, int]] = [{} for _ in range(num_shards)]
 
     def forget(self, shard: int) -> None:
         """Nothing learned from ``shard`` holds any more (the dicts are emptied in place: senders hold them)."""
@@ -386,6 +388,7 @@ class ShardCalls:
                 return
             known = self.versions.tables[shard]
             known[reply.table] = max(known.get(reply.table, 0), reply.version)
+            self.versions.held_tables[shard][reply.table] = reply.version
             return
         ch.discard_rest()
         if isinstance(reply, wire.ErrorReply):

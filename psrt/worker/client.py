@@ -89,6 +89,7 @@ class Client:
         self._heartbeat: Optional[HeartbeatThread] = None
         self._elastic = False
         self._barriers = 0
+        table_backup = 0
         if servers is None:
             cluster = cluster if cluster is not None else ClusterConfig.from_env()
             scheduler = scheduler or cluster.scheduler
@@ -107,6 +108,7 @@ class Client:
                 raise
             servers, rank, num_workers = table.servers, table.rank, table.num_workers
             self._elastic = table.elastic
+            table_backup = table.backup_workers if table.mode == "sync" else 0
         else:
             rank = 0 if rank is None else rank
             num_workers = 1 if num_workers is None else num_workers
@@ -146,6 +148,9 @@ class Client:
                                  network=not all(transport.on_this_host(ep) for ep in self.servers))
         self._plans = Plans(self._map, rank, self._session, prefixes=compress is None)
         self._receive = ReceivePool()
+        if table_backup:  # the scheduler's table says it (a shard's answer to init says it too)
+            for sender in self._senders:
+                sender.backup_workers = table_backup
         self._embedding = EmbeddingClient(self._calls, self._senders, rank, self._session)
         self._closed = False
         exits.track(self)  # closed at interpreter exit if the program does not close it
