@@ -348,3 +348,74 @@ def test_embedding_tables_in_sync_mode_follow_the_same_rule():
             c.init_embedding("e", 4, psrt.SGD(lr=LR), init="zeros")
             with pytest.raises(ServerError, match="--backup-workers"):
                 c.push_rows("e", ids, rows)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_distributed_optimizer_trains_under_backup_workers(overlap):
+    # A dropped step's gradient is discarded and the new parameters land as usual. With one push_pull per step
+    # (overlap=False) every round is the mean of gradients computed from the same parameters on the same data, so
+    # the model follows single-process SGD exactly; pushed tensor by tensor (overlap) it trains and ends agreed.
+    torch = pytest.importorskip("torch")
+    import psrt.torch
+
+    n, workers = 10, 3
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 4, generator=gen), torch.randn(32, 1, generator=gen)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 1)
+
+    def loss_of(m: torch.nn.Module) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(m(x), y)
+
+    ref = model()
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.125)
+    for _ in range(n):
+        sgd.zero_grad()
+        loss_of(ref).backward()
+        sgd.step()
+    with serving(_server(workers=workers, backup=1)) as server:
+        clients = [psrt.Client([server.endpoint], rank=r, num_workers=workers, config=CFG) for r in range(workers)]
+        models = [model() for _ in range(workers)]
+        start = float(loss_of(models[0]).detach())
+        opts = [psrt.torch.DistributedOptimizer(m.named_parameters(), psrt.SGD(lr=0.125), client=c, overlap=overlap)
+                for m, c in zip(models, clients)]
+        errors = []
+
+        def loop(rank: int) -> None:
+            try:
+                while clients[rank].round < n:
+                    if rank == 2:
+                        threading.Event().wait(0.03)
+                    opts[rank].zero_grad()
+                    loss_of(models[rank]).backward()
+                    opts[rank].step()
+                opts[rank].synchronize()
+            except Exception as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=loop, args=(r,)) for r in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        try:
+            assert not errors and not any(t.is_alive() for t in threads), errors
+            assert [c.round for c in clients] == [n] * workers
+            final = [c.pull() for c in clients]
+            for other in final[1:]:
+                assert all(np.array_equal(final[0][k], other[k]) for k in final[0])
+            if not overlap:
+                for m in models:
+                    for p, q in zip(m.parameters(), ref.parameters()):
+                        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+            with torch.no_grad():
+                for name, p in models[0].named_parameters():
+                    p.copy_(torch.from_numpy(final[0][name]))
+            assert float(loss_of(models[0]).detach()) < start
+        finally:
+            for o in opts:
+                o.close()
+            for c in clients:
+                c.close()
