@@ -13,7 +13,9 @@ request         fields (besides ``v, op, id``) + frames                     repl
                 num_rows, count`` + ids, rows when ``count > 0`` (given       version; ``duplicate``: it existed)
                 rows, set where missing)
 ``push_rows``   ``worker, session, seq, table, dim, dtype, count`` + ids,    ``ack`` (``versions``: the version
-                gradient rows (duplicate ids are summed)                     that will include the push)
+                gradient rows (duplicate ids are summed); ``base`` (the      that will include the push)
+                table version they were computed from) to a shard with
+                backup workers
 ``pull_rows``   ``worker, table, min_version, count`` + ids                  ``rows``
 ==============  ==========================================================  ===================================
 
