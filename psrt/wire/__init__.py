@@ -58,13 +58,13 @@ request         fields                                                   reply
 ==============  =======================================================  =====================================
 
 Replies: ``table {rank, num_servers, num_workers, mode, servers, elastic}`` (and ``backup_workers`` when > 0),
-``forming {servers, num_servers,
-workers, num_workers}``, ``ok {}``, ``error {code, message}``; and, unprompted (id 0): ``shutdown {}`` to the
-servers when every worker is done, ``abort {code, message}`` to every process when the job fails (the message
-names the dead peer), and, in an elastic job, ``members {epoch, workers}`` to the servers whenever the workers
-change; in a fixed job, ``finished {workers}`` to the servers when workers said ``done`` while others go on;
-``moved {shard, endpoint}`` to the workers when a shard restarted from its checkpoint on another endpoint.
-A ``beats`` naming ranks the scheduler does not count is also answered ``not_members {workers, message}``.
+``forming {servers, num_servers, workers, num_workers}``, ``ok {}``, ``error {code, message}``; and, unprompted (id
+0): ``shutdown {}`` to the servers when every worker is done, ``abort {code, message}`` to every process when the
+job fails (the message names the dead peer), and, in an elastic job, ``members {epoch, workers}`` to the servers
+whenever the workers change; in a fixed job, ``finished {workers}`` to the servers when workers said ``done`` while
+others go on; ``moved {shard, endpoint}`` to the workers when a shard restarted from its checkpoint on another
+endpoint. A ``beats`` naming ranks the scheduler does not count is also answered ``not_members {workers,
+message}``.
 """
 
 from psrt.wire.codec import (
