@@ -239,12 +239,15 @@ _BACKUP_HELP = ("sync: backup workers b (0 <= b < W): a round closes on the firs
                 "it is dropped")
 
 
-def check_backup_workers(backup_workers: object, num_workers: Optional[int]) -> None:
+def check_backup_workers(backup_workers: object, num_workers: Optional[int], mode: str = "sync") -> None:
     """Raise :class:`ConfigError` unless ``backup_workers`` is a whole number b with ``0 <= b < num_workers``
-    (``num_workers`` None: W is not known yet, only b >= 0 is checked)."""
+    (``num_workers`` None: W is not known yet, only b >= 0 is checked), and 0 unless ``mode`` is sync."""
     if type(backup_workers) is not int or backup_workers < 0:
         raise ConfigError(f"backup_workers must be a whole number >= 0, got {backup_workers!r} "
                           "(--backup-workers, PSRT_BACKUP_WORKERS)")
+    if backup_workers and mode != "sync":
+        raise ConfigError(f"backup workers leave stragglers behind in sync rounds; this is --mode {mode}, where no "
+                          "push waits for another: leave --backup-workers (PSRT_BACKUP_WORKERS) out or use --mode sync")
     if num_workers is not None and type(num_workers) is int and backup_workers >= num_workers:
         raise ConfigError(f"backup_workers must be less than the number of workers W={num_workers} (a round needs "
                           f"at least one push), got {backup_workers}; pass --backup-workers B with 0 <= B < W "
@@ -478,7 +481,7 @@ class ServerConfig:
             raise ConfigError(f"mode must be 'sync', 'async' or 'ssp', got {self.mode!r}")
         if self.backup_workers is None:  # (its flag not given: the variable's value, checked against this W)
             object.__setattr__(self, "backup_workers", _Environment().whole("PSRT_BACKUP_WORKERS") or 0)
-        check_backup_workers(self.backup_workers, self.num_workers)
+        check_backup_workers(self.backup_workers, self.num_workers, self.mode)
         if self.nonfinite not in NONFINITE:
             raise ConfigError(f"nonfinite must be 'reject' or 'allow', got {self.nonfinite!r}")
         _positive("hwm", self.hwm)
@@ -615,7 +618,7 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         _check_keys(self.keys)
         if self.num_workers is not None or self.backup_workers:
-            check_backup_workers(self.backup_workers, self.num_workers)
+            check_backup_workers(self.backup_workers, self.num_workers, self.mode)
         if self.role is not None and self.role not in PROCESS_ROLES:
             raise ConfigError(f"role must be one of {PROCESS_ROLES}, got {self.role!r} (set PSRT_ROLE or DMLC_ROLE)")
         if self.scheduler is not None:

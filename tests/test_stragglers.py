@@ -203,6 +203,11 @@ def test_backup_workers_must_leave_a_round_at_least_one_push():
     with pytest.raises(ConfigError, match="less than the number of workers"):
         Scheduler("tcp://127.0.0.1:*", 1, 2, backup_workers=2)
     assert ServerConfig(num_workers=3, backup_workers=2).backup_workers == 2
+    for mode in ("async", "ssp"):
+        with pytest.raises(ConfigError, match="--mode sync"):
+            ServerConfig(num_workers=3, backup_workers=1, mode=mode)
+        with pytest.raises(ConfigError, match="--mode sync"):
+            ClusterConfig(num_workers=3, backup_workers=1, mode=mode)
 
 
 def test_backup_workers_come_from_the_environment_and_the_command_line(monkeypatch, capsys):

@@ -107,7 +107,7 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         raise ConfigError(f"--staleness is the bound of --mode ssp; this is --mode {mode}: leave --staleness out or "
                           "use --mode ssp")
     if backup_workers is not None:
-        check_backup_workers(backup_workers, num_workers)
+        check_backup_workers(backup_workers, num_workers, mode)
     if shutil.which(command[0]) is None:  # say so before starting a job that could not run
         raise ConfigError(f"cannot start the workers: {command[0]}: no such program (or not executable)")
     if start_timeout is None:

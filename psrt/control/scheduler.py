@@ -149,7 +149,7 @@ class Scheduler(Restarts):
         if type(staleness) is not int or staleness < 0:
             raise ConfigError(f"staleness must be a whole number of pushes >= 0, got {staleness!r}")
         self.staleness = staleness
-        check_backup_workers(backup_workers, num_workers)
+        check_backup_workers(backup_workers, num_workers, mode)
         self.backup_workers = backup_workers
         self._restarting: dict[int, tuple[float, str]] = {}  # server index -> (deadline, name)
         self._claims = []  # restarted servers waiting for their slot (psrt.control.restarts)

@@ -353,8 +353,8 @@ class Server(Recovery):
             return
         if self.store.rounds:
             self.lateness.seen(req.worker, req.buffers, lane is not None)
-            self.lateness.joined(req.worker, next(e for e, x in zip(entries, late or [False] * len(entries))
-                                                  if not x))
+            self.lateness.joined(req.worker, entries[0] if late is None else
+                                 next(e for e, x in zip(entries, late) if not x))
         if late is not None:
             self.counters.dropped_pushes += 1
         grads = [req.array(i) for i in range(len(entries))]
