@@ -424,3 +424,25 @@ def test_distributed_optimizer_trains_under_backup_workers(overlap):
                 o.close()
             for c in clients:
                 c.close()
+
+
+def test_the_round_rule_with_backup_workers_in_fixed_and_elastic_jobs():
+    from psrt.shard.stragglers import round_done
+
+    assert round_done({0, 1}, 3, None, frozenset(), 1) and not round_done({0}, 3, None, frozenset(), 1)
+    assert round_done({0, 1, 2}, 3, None, frozenset(), 0) and not round_done({0, 1}, 3, None, frozenset(), 0)
+    members = frozenset({0, 1, 2, 3})
+    assert not round_done({0, 1}, 4, members, members, 1) and round_done({0, 1, 2}, 4, members, members, 1)
+    # Members leave: the round waits for all but b of those still there, and at least one push.
+    assert round_done({0}, 4, frozenset({0, 1}), members, 1)
+    assert round_done({0, 1}, 4, frozenset({0, 1}), members, 0)
+    # A worker that finished (fixed job) stops a round only when more than b are missing.
+    from psrt.shard.store import Store
+
+    store = Store("sync", 3, backup_workers=1)
+    entry = store.create(("w", 0), np.zeros(2, np.float32), psrt.SGD(lr=1.0))
+    store.apply_push(0, [entry], [np.ones(2, np.float32)])
+    store.finished = frozenset({2})
+    assert store.missing_finished(entry) is None and store.missing_finished(entry, 0) is None
+    store.finished = frozenset({1, 2})
+    assert store.missing_finished(entry) == 1 and store.missing_finished(entry, 0) == 1
