@@ -446,3 +446,24 @@ def test_the_round_rule_with_backup_workers_in_fixed_and_elastic_jobs():
     assert store.missing_finished(entry) is None and store.missing_finished(entry, 0) is None
     store.finished = frozenset({1, 2})
     assert store.missing_finished(entry) == 1 and store.missing_finished(entry, 0) == 1
+
+
+def test_the_shard_names_the_workers_far_later_than_the_others(caplog):
+    late = Lateness()
+    for w, seconds in ((0, 0.001), (1, 0.002), (2, 0.9), (3, 0.0015)):
+        late.hosts[w] = f"10.0.0.{w}"
+        for _ in range(5):
+            late._sample(w, seconds)
+    late.dropped[2] = 3
+    line = late.slow()
+    assert line is not None and "worker 2 (10.0.0.2) 900 ms, 3 of 5 pushes dropped" in line
+    assert "worker 0" not in line and "worker 1" not in line and "worker 3" not in line
+    even = Lateness()
+    for w in range(3):
+        even._sample(w, 0.5)
+    assert even.slow() is None and Lateness().slow() is None
+    with serving(_server()) as server:
+        server.lateness = late
+        with caplog.at_level("WARNING", logger="psrt.server"):
+            assert server.report_slow() == line
+        assert line in caplog.text

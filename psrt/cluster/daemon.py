@@ -110,6 +110,7 @@ def run_server(scheduler: Optional[str] = None, host: Optional[str] = None, metr
                          **rank), file=out, flush=True)
         ready = True
         server.serve(control=link)
+        server.report_slow()  # who was slow, once more at the job's end
         server.checkpoint_at_exit()  # stopped cleanly (a signal, or the job's end): a restart resumes exactly
     finally:
         stats = server.stats()

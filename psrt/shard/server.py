@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -36,7 +37,7 @@ from psrt.shard.counters import Counters, report
 from psrt.shard.pulls import PullQueue, Waiter
 from psrt.shard.recovery import Checkpointer, Recovery
 from psrt.shard.store import Entry, Key, Store
-from psrt.shard.stragglers import Lateness
+from psrt.shard.stragglers import REPORT_EVERY_S, Lateness
 from psrt.shm.lanes import ShardLane, ShardLanes
 from psrt.wire import compression
 
@@ -97,6 +98,7 @@ class Server(Recovery):
         self.store.use_shared_memory(self.lanes.arena)  # workers of this host copy each round's result themselves
         self.counters = Counters()
         self.lateness = Lateness()  # who is slow: per worker, how late its pushes come, how many were dropped
+        self._slow_at = time.monotonic() + REPORT_EVERY_S  # when to log who is slow next
         self.replies = ShardReplies(self._chan, self.lanes, self.counters)
         self._reply, self._error = self.replies.reply, self.replies.error
         self._stop = threading.Event()
@@ -144,6 +146,9 @@ class Server(Recovery):
                         self.replies.dropped(self._chan.release())
             if self._ckpt.due_by_time():
                 self._checkpoint_quietly()
+            if self.lateness.samples and time.monotonic() >= self._slow_at:
+                self._slow_at = time.monotonic() + REPORT_EVERY_S
+                self.report_slow()
             if control is not None and control.tick(self.set_members, self.set_finished):
                 log.info("the scheduler ended the job")
                 return
@@ -198,6 +203,14 @@ class Server(Recovery):
             missing = self.store.missing_finished(entry, worker)
             if missing is not None:
                 raise RequestRefused("peer_finished", _finished_message(missing))
+
+    def report_slow(self) -> Optional[str]:
+        """Log (and return) the line naming the workers whose pushes come far later than the others', if any
+        (every 30 s while serving, and when the job ends)."""
+        line = self.lateness.slow()
+        if line is not None:
+            log.warning("%s", line)
+        return line
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return after the message in hand."""

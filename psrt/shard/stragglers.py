@@ -27,6 +27,11 @@ __all__ = ["round_done", "late", "closing", "Lateness"]
 
 #: Lateness samples kept per worker (the median and p99 are of these).
 SAMPLES = 1024
+#: A worker is named slow when its median lateness is over this many times the workers' typical (median) one,
+#: and over :data:`SLOW_FLOOR_S`; the shard logs who, every :data:`REPORT_EVERY_S` seconds and when it stops.
+SLOW_FACTOR = 4.0
+SLOW_FLOOR_S = 0.010
+REPORT_EVERY_S = 30.0
 
 
 def round_done(contributors: set[int], num_workers: int, members: Optional[frozenset[int]],
@@ -127,6 +132,22 @@ class Lateness:
             queue = self.samples[worker] = deque(maxlen=SAMPLES)
         queue.append(seconds)
         self.pushes[worker] = self.pushes.get(worker, 0) + 1
+
+    def slow(self) -> Optional[str]:
+        """A line naming the workers whose median lateness is far above the others' (:data:`SLOW_FACTOR`), or None
+        (none, or fewer than two workers measured)."""
+        medians = {w: float(np.median(np.fromiter(q, float))) for w, q in self.samples.items() if q}
+        if len(medians) < 2:
+            return None
+        typical = float(np.median(list(medians.values())))
+        slow = sorted((w for w, m in medians.items() if m > max(SLOW_FLOOR_S, SLOW_FACTOR * typical)),
+                      key=lambda w: -medians[w])
+        if not slow:
+            return None
+        named = ", ".join(f"worker {w} ({self.hosts.get(w) or 'host unknown'}) {1e3 * medians[w]:.0f} ms, "
+                          f"{self.dropped.get(w, 0)} of {self.pushes.get(w, 0)} pushes dropped" for w in slow)
+        return (f"slow workers (median lateness of their pushes after their round's first push): {named}; the "
+                f"workers' typical median is {1e3 * typical:.0f} ms")
 
     def stats(self) -> dict[str, Any]:
         """Flat stats, per worker rank r: ``worker_r_pushes``, ``worker_r_dropped``, ``worker_r_late_p50_s`` and
