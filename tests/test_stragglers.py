@@ -467,3 +467,24 @@ def test_the_shard_names_the_workers_far_later_than_the_others(caplog):
         with caplog.at_level("WARNING", logger="psrt.server"):
             assert server.report_slow() == line
         assert line in caplog.text
+
+
+def test_a_late_push_after_the_others_finished_is_answered_and_a_round_that_cannot_close_is_refused():
+    with serving(_server()) as server:
+        clients = _clients(server)
+        try:
+            for c in clients:
+                c.init_embedding("e", 2, psrt.SGD(lr=LR), init="zeros")
+            _round_of(clients, [0, 1])  # round 0 closes with workers 0 and 1 ...
+            for c in clients[:2]:
+                c.push_rows("e", np.array([1]), np.ones((1, 2), np.float32))
+            # ... which then say done: the scheduler's notice (the serving thread is idle: nothing is in flight)
+            server.set_finished([0, 1])
+            got = clients[2].push_pull({"w": 100 * G})  # late for round 0: dropped and answered, not refused
+            np.testing.assert_array_equal(got["w"], -LR * G)
+            clients[2].push_rows("e", np.array([1]), 100 * np.ones((1, 2), np.float32))  # late too: dropped
+            with pytest.raises(psrt.PeerFailedError, match="finished"):
+                clients[2].push_pull({"w": G})  # round 1 would need a finished worker (2 missing > b = 1)
+        finally:
+            for c in clients:
+                c.close()

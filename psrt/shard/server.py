@@ -343,11 +343,13 @@ class Server(Recovery):
         # Over a lane: the gradients are read where the worker wrote them.
         lane = self.lanes.push_lane(req) if req.lane is not None else None
         entries = admission.validate_push(self.store, req, self.config.nonfinite)
-        if self.store.finished and not self.store.is_duplicate(req.worker, req.session, req.seq):
+        late = self._late(req, entries)  # (backup workers: keys whose round closed without this push)
+        # (A push too late for every key joins no round: it needs no finished worker's push.)
+        if self.store.finished and not (late is not None and all(late)) \
+                and not self.store.is_duplicate(req.worker, req.session, req.seq):
             self._refuse_if_finished(req.worker, entries)
         if lane is not None:
             self.counters.shm_bytes_in += sum(m.nbytes for m in req.tensors)
-        late = self._late(req, entries)  # (backup workers: keys whose round closed without this push)
         if self._deferred.get(req.worker) or not self.store.can_join(req.worker, entries, late):
             # This worker is a round ahead on some key: hold the whole (validated) message until it can join.
             self._deferred.setdefault(req.worker, deque()).append((identity, req, entries, lane))

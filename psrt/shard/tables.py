@@ -148,11 +148,12 @@ class TableService:
         self._check_ids(table, req.ids)
         key = (req.table, req.worker)
         log = self.logs.get(key) if self.store.finished else None
-        if self.store.finished and not (log is not None and log.session == req.session and req.seq <= log.last_seq):
+        late = self._late(table, req)  # (backup workers: a round that closed without this push)
+        if self.store.finished and not late \
+                and not (log is not None and log.session == req.session and req.seq <= log.last_seq):
             missing = self.store.missing_finished(table.round, req.worker)
             if missing is not None:
                 raise RequestRefused("peer_finished", self.finished_message(missing))
-        late = self._late(table, req)  # (backup workers: a round that closed without this push)
         if self._deferred.get(key) or (self.store.rounds and req.worker in table.round.contributors and not late):
             self._deferred.setdefault(key, deque()).append((identity, req))  # a round ahead: wait for it
             return
