@@ -5,7 +5,8 @@ malformed or inconsistent request gets an error reply and leaves every parameter
 kernels release the GIL and ZeroMQ moves bytes on its own I/O thread, so transfers overlap the arithmetic.
 
 Modes (:mod:`psrt.shard.store` holds the round rules): **sync** sums a round's W pushes per key and steps once with
-``scale = 1/W``; a push a round ahead waits, queued, and a pull waits for the round its worker's pushes joined.
+``scale = 1/W``; a push a round ahead waits, queued, and a pull waits for the round its worker's pushes joined; with
+``backup_workers`` b a round closes on W - b pushes and a late push is dropped (:mod:`psrt.shard.stragglers`).
 **async** applies every push on arrival. **ssp** applies on arrival too, but answers a pull at clock c (the
 worker's pushes so far) once every worker's pushes to the pulled keys reach c - ``staleness``.
 

@@ -7,7 +7,9 @@ pushes are summed into the key's single accumulator as they arrive, whatever W i
 with ``scale = 1/W`` when the last of the W arrives (:meth:`Store.apply_push`, once :mod:`psrt.shard.admission`
 checked the push); a worker already in a key's round must wait for it to complete before pushing again
 (:meth:`Store.can_join`); and a pull may only ask for a version that this worker's pushes can still produce
-(:meth:`Store.reachable`). In async mode every push is one step.
+(:meth:`Store.reachable`). With backup workers b a round closes on its first W - b pushes and a push computed from
+parameters older than the round it could join is dropped (:meth:`Store.late`; the rule itself is
+:mod:`psrt.shard.stragglers`). In async mode every push is one step.
 
 An :class:`Entry` owns its parameters' storage: private memory, or, where pushes gather into rounds and the shard
 has shared memory, an area of the shard's shared parameters (:mod:`psrt.shm.arena`) under a seqlock counter, from
