@@ -488,3 +488,28 @@ def test_a_late_push_after_the_others_finished_is_answered_and_a_round_that_cann
         finally:
             for c in clients:
                 c.close()
+
+
+def test_a_shard_restored_from_its_checkpoint_keeps_closing_rounds_on_w_minus_b(tmp_path):
+    ckpt = dict(checkpoint_dir=str(tmp_path))
+    with serving(_server(**ckpt)) as server:
+        clients = _clients(server)
+        try:
+            _round_of(clients, [0, 1])
+            clients[2].push_pull({"w": G})  # dropped
+            server.checkpoint()
+        finally:
+            for c in clients:
+                c.close()
+    with serving(_server(restore=True, **ckpt)) as server:
+        assert server.store.backup_workers == 1 and server.store.entries[("w", 0)].version == 1
+        clients = _clients(server)  # (new sessions: the stored value wins their init)
+        try:
+            assert [c.round for c in clients] == [1, 1, 1]
+            for got in _round_of(clients, [1, 2]):
+                np.testing.assert_array_equal(got["w"], -2 * LR * G)
+            np.testing.assert_array_equal(clients[0].push_pull({"w": 100 * G})["w"], -2 * LR * G)  # late
+            assert server.stats()["dropped_pushes"] == 1
+        finally:
+            for c in clients:
+                c.close()
