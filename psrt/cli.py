@@ -330,9 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sync (BSP), async or ssp (bounded staleness) (default %(default)s)")
     la.add_argument("--staleness", type=_nonnegative, default=None, metavar="S",
                     help="ssp: pushes a worker may run ahead of the slowest (default: $PSRT_STALENESS or 0)")
-    la.add_argument("--backup-workers", type=_nonnegative, default=None, metavar="B",
+    la.add_argument("--backup-workers", type=_argument(config.parse_backup), default=None, metavar="B",
                     help="sync: backup workers (0 <= B < W): a round closes on the first W - B pushes, a later "
-                         "push for it is dropped (default: $PSRT_BACKUP_WORKERS or 0)")
+                         "push for it is dropped; auto: the shards pick B from how late the pushes come "
+                         "(default: $PSRT_BACKUP_WORKERS or 0)")
     la.add_argument("--host", default="127.0.0.1", help="address to bind on (default %(default)s)")
     la.add_argument("--timeout", type=_seconds, default=env.start_timeout,
                     help=f"seconds for the job to form and for each barrier (default: $PSRT_START_TIMEOUT or "

@@ -115,6 +115,19 @@ class _Environment:
         except ValueError:
             raise ConfigError(f"environment variable {_named(names)} = {raw!r} must be an integer") from None
 
+    def backup(self, *names: str) -> Optional[int | str]:
+        """Backup workers: a whole number, or ``auto``."""
+        raw = self.text(*names)
+        if raw is None:
+            return None
+        if raw.strip() == "auto":
+            return "auto"
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"environment variable {_named(names)} = {raw!r} must be a whole number or auto"
+                              ) from None
+
     def seconds(self, *names: str) -> Optional[float]:
         """A number of seconds (the config that takes it checks it is > 0; ``inf``: no limit)."""
         raw = self.text(*names)
@@ -192,6 +205,11 @@ def parse_whole(text: str) -> int:
     return value
 
 
+def parse_backup(text: str) -> int | str:
+    """Backup workers: a whole number >= 0, or ``auto``."""
+    return "auto" if text.strip() == "auto" else parse_whole(text)
+
+
 def parse_count(text: str) -> int:
     """A whole number >= 1."""
     value = parse_whole(text)
@@ -236,14 +254,20 @@ def parse_bind(text: str) -> str:
 
 
 _BACKUP_HELP = ("sync: backup workers b (0 <= b < W): a round closes on the first W - b pushes, a later push for "
-                "it is dropped")
+                "it is dropped; auto: the shard picks b from how late the workers' pushes come")
 
 
 def check_backup_workers(backup_workers: object, num_workers: Optional[int], mode: str = "sync") -> None:
     """Raise :class:`ConfigError` unless ``backup_workers`` is a whole number b with ``0 <= b < num_workers``
-    (``num_workers`` None: W is not known yet, only b >= 0 is checked), and 0 unless ``mode`` is sync."""
+    (``num_workers`` None: W is not known yet, only b >= 0 is checked) or ``"auto"``, and 0 unless ``mode`` is
+    sync."""
+    if backup_workers == "auto":
+        if mode != "sync":
+            raise ConfigError(f"--backup-workers auto picks how many stragglers a sync round leaves behind; this is "
+                              f"--mode {mode}: leave it out or use --mode sync")
+        return
     if type(backup_workers) is not int or backup_workers < 0:
-        raise ConfigError(f"backup_workers must be a whole number >= 0, got {backup_workers!r} "
+        raise ConfigError(f"backup_workers must be a whole number >= 0 or auto, got {backup_workers!r} "
                           "(--backup-workers, PSRT_BACKUP_WORKERS)")
     if backup_workers and mode != "sync":
         raise ConfigError(f"backup workers leave stragglers behind in sync rounds; this is --mode {mode}, where no "
@@ -432,8 +456,8 @@ class ServerConfig:
     staleness: int = _env_fed(0, "PSRT_STALENESS", read=_Environment.whole, flag=Flag(
         "--staleness", "ssp: pushes a worker may run ahead of the slowest", parse=parse_whole, metavar="S",
         unset=True))
-    backup_workers: int = _env_fed(0, "PSRT_BACKUP_WORKERS", read=_Environment.whole, flag=Flag(
-        "--backup-workers", _BACKUP_HELP, parse=parse_whole, metavar="B", unset=True))
+    backup_workers: int | str = _env_fed(0, "PSRT_BACKUP_WORKERS", read=_Environment.backup, flag=Flag(
+        "--backup-workers", _BACKUP_HELP, parse=parse_backup, metavar="B", unset=True))
     nonfinite: str = _env_fed("reject", "PSRT_NONFINITE", flag=Flag(
         "--nonfinite", "what to do with NaN/Inf gradients", choices=NONFINITE))
     hwm: int = 100_000
@@ -480,7 +504,7 @@ class ServerConfig:
         if self.mode not in MODES:
             raise ConfigError(f"mode must be 'sync', 'async' or 'ssp', got {self.mode!r}")
         if self.backup_workers is None:  # (its flag not given: the variable's value, checked against this W)
-            object.__setattr__(self, "backup_workers", _Environment().whole("PSRT_BACKUP_WORKERS") or 0)
+            object.__setattr__(self, "backup_workers", _Environment().backup("PSRT_BACKUP_WORKERS") or 0)
         check_backup_workers(self.backup_workers, self.num_workers, self.mode)
         if self.nonfinite not in NONFINITE:
             raise ConfigError(f"nonfinite must be 'reject' or 'allow', got {self.nonfinite!r}")
@@ -612,8 +636,8 @@ class ClusterConfig:
     staleness: int = _env_named(0, "PSRT_STALENESS", read=_Environment.whole, flag=Flag(
         "--staleness", "ssp: pushes a worker may run ahead of the slowest", parse=parse_whole, metavar="S",
         unset=True))
-    backup_workers: int = _env_named(0, "PSRT_BACKUP_WORKERS", read=_Environment.whole, flag=Flag(
-        "--backup-workers", _BACKUP_HELP, parse=parse_whole, metavar="B"))
+    backup_workers: int | str = _env_named(0, "PSRT_BACKUP_WORKERS", read=_Environment.backup, flag=Flag(
+        "--backup-workers", _BACKUP_HELP, parse=parse_backup, metavar="B"))
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)

@@ -526,3 +526,52 @@ def test_the_digits_time_to_accuracy_bench_runs_on_loopback(tmp_path):
     for run in result["runs"].values():
         assert run["curve"][-1][0] == 12 and 0 < run["final_acc"] <= 1 and len(run["steps"]) == 3
     assert "| straggler, b=1 |" in done.stdout
+
+
+def test_auto_backup_workers_leave_out_a_slow_worker_and_no_one_else():
+    from psrt.shard.stragglers import AutoBackup
+
+    def measured(medians: list[float], gap: float) -> Lateness:
+        late = Lateness()
+        for w, m in enumerate(medians):
+            for _ in range(AutoBackup.MIN_SAMPLES):
+                late._sample(w, m)
+        late.gaps.extend([gap] * 5)
+        return late
+
+    auto = AutoBackup(8)
+    assert auto.choose(measured([0.0] * 7, 0.02), 0, now=1.0) == 0  # not every worker measured yet: b stays
+    assert auto.choose(measured([0.0, 0.001, 0.001, 0.002, 0.001, 0.002, 0.001, 0.3], 0.02), 0, now=2.0) == 1
+    assert auto.choose(measured([0.0, 0.001, 0.001, 0.002, 0.001, 0.002, 0.001, 0.3], 0.02), 1, now=2.1) == 1
+    assert auto.choose(measured([0.0, 0.001, 0.001, 0.002, 0.001, 0.002, 0.001, 0.002], 0.02), 1, now=3.0) == 0
+    assert auto.choose(measured([0.0] + [0.5] * 7, 0.02), 0, now=4.0) <= 4  # at least half the workers
+    # Between picks (every tenth of a second) b stays as it is; before any, one backup worker.
+    assert auto.choose(measured([0.0] * 7 + [9.0], 0.02), 0, now=4.05) == 0
+    assert auto.first() == 1 and AutoBackup(2).first() == 0
+
+
+def test_backup_workers_auto_reaches_the_shard_and_drops_a_straggler():
+    assert ServerConfig(num_workers=3, backup_workers="auto").backup_workers == "auto"
+    with pytest.raises(ConfigError, match="--mode sync"):
+        ServerConfig(num_workers=3, backup_workers="auto", mode="async")
+    table = wire.decode_control_reply(wire.encode_table(0, 0, 1, 3, "sync", ["tcp://127.0.0.1:1"],
+                                                        backup_workers="auto"), wire.CONTROL_LIMITS)
+    assert table.backup_workers == "auto"
+    from psrt.config import parse_backup
+
+    assert parse_backup("auto") == "auto" and parse_backup("2") == 2
+    with serving(_server(backup="auto")) as server:
+        clients = _clients(server)
+        try:
+            assert all(s.backup_workers == 2 for c in clients for s in c._senders)  # (W - 1: say your base)
+            assert server.store.backup_workers == 1 and server.stats()["backup_auto"] == 1
+            _, seen = _train(server, clients, 40, lambda rank: 0.06 if rank == 2 else 0.005)
+            for rank in range(3):
+                for r, got in seen[rank]:
+                    np.testing.assert_array_equal(got, np.float32(-LR * r) * G)
+            stats = server.stats()
+            # Every round took 2 or 3 pushes (auto waits for at least half the workers); the rest were dropped.
+            assert stats["rounds"] == 40 and 2 * 40 <= stats["pushes"] - stats["dropped_pushes"] <= 3 * 40
+        finally:
+            for c in clients:
+                c.close()

@@ -53,7 +53,7 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
            host: str = "127.0.0.1", start_timeout: Optional[float] = None, out: IO[str] = sys.stdout,
            extra_env: Optional[dict[str, str]] = None, transport: str = "auto", secure: bool = False,
            elastic: bool = False, staleness: Optional[int] = None, clients: int = 1,
-           backup_workers: Optional[int] = None) -> int:
+           backup_workers: Optional[int | str] = None) -> int:
     """Run a whole job on this machine; returns the exit code (the first failure's, else 0).
 
     Parameters
@@ -85,9 +85,9 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
     elastic : bool
         An elastic job (docs/elastic.md): a worker that dies leaves the job instead of ending it, and the
         launcher goes on with the others; the job ends when every worker has exited.
-    backup_workers : int, optional
-        Sync mode: backup workers b, ``0 <= b < num_workers``: a round closes on the first W - b pushes (default:
-        ``PSRT_BACKUP_WORKERS`` or 0).
+    backup_workers : int or "auto", optional
+        Sync mode: backup workers b, ``0 <= b < num_workers``: a round closes on the first W - b pushes; ``"auto"``:
+        the shards pick b (default: ``PSRT_BACKUP_WORKERS`` or 0).
     clients : int
         Workers per copy of ``command``: ceil(W / clients) copies, copy k told to host the workers of ranks
         ``k * clients`` on (``PSRT_WORKER_ID``), ``clients`` of them, the last copy the rest (``PSRT_CLIENTS``).

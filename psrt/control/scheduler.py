@@ -116,9 +116,9 @@ class Scheduler(Restarts):
         Let workers leave (by dying or ``done``) and join while the job runs, instead of failing the job.
     staleness : int
         ``ssp`` mode: how many pushes a worker may run ahead of the slowest, handed to the servers.
-    backup_workers : int
+    backup_workers : int or "auto"
         Sync mode: backup workers b (``0 <= b < num_workers``), handed to the servers: a round closes on the first
-        W - b pushes.
+        W - b pushes; ``"auto"``: each shard picks b from how late the workers' pushes come.
     restart_grace : float
         Seconds a server that writes checkpoints (``restorable``) may take to restart (on any endpoint) and take
         its slot back, before its death fails the job (:mod:`psrt.control.restarts`).
@@ -136,7 +136,8 @@ class Scheduler(Restarts):
     def __init__(self, bind: str, num_servers: int, num_workers: int, mode: str = "sync",
                  start_timeout: float = START_TIMEOUT, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
                  elastic: bool = False, keys: Optional[security.PathLike] = None,
-                 restart_grace: float = RESTART_GRACE, staleness: int = 0, backup_workers: int = 0) -> None:
+                 restart_grace: float = RESTART_GRACE, staleness: int = 0,
+                 backup_workers: int | str = 0) -> None:
         if num_servers < 1 or num_workers < 1:
             raise ConfigError(f"need at least one server and one worker, got S={num_servers}, W={num_workers}")
         if mode not in MODES:

@@ -225,13 +225,14 @@ class Recovery:
         self.set_job(table.num_workers, table.mode, table.staleness, table.backup_workers)
         self._restore(table)
 
-    def set_job(self, num_workers: int, mode: str, staleness: int = 0, backup_workers: int = 0) -> None:
+    def set_job(self, num_workers: int, mode: str, staleness: int = 0, backup_workers: int | str = 0) -> None:
         """Adopt W, the mode, the staleness bound and the backup workers the scheduler's table gives (before
         serving)."""
         # (An elastic job's W is its members when the table was sent, maybe fewer than b + 1: its rounds count
         # the members, and the config only keeps b below that W.)
         self.config = dataclasses.replace(self.config, num_workers=num_workers, mode=mode, staleness=staleness,
-                                          backup_workers=min(backup_workers, num_workers - 1))
+                                          backup_workers=backup_workers if backup_workers == "auto"
+                                          else min(backup_workers, num_workers - 1))
         self.store.set_job(mode, num_workers, backup_workers)
         self.tables.staleness = staleness
         self._ckpt.mode = mode

@@ -289,7 +289,7 @@ class Server(Recovery):
         self.counters.inits += 1
         members = self.store.members
         job = wire.JobInfo(self.config.mode, self.config.num_workers if members is None else len(members), conflicts,
-                           self.store.backup_workers if self.store.rounds else 0)
+                           self._backup_of_job() if self.store.rounds else 0)
         self._send_params(identity, req.id, req.keys(), entries, job)
 
     def _at_once(self, identity: bytes, req: wire.PushRequest) -> bool:
@@ -389,17 +389,34 @@ class Server(Recovery):
         if completed and self._deferred:
             self._drain_deferred()
         if completed:
+            if self.store.auto is not None:
+                self._pick_backup()
             self._after_rounds()
 
     def _late(self, req: wire.PushRequest, entries: list[Entry]) -> Optional[list[bool]]:
         """Backup workers: per key, whether ``req`` is too late for it (:meth:`Store.late`); None when none is."""
-        if not self.store.backup_workers or not self.store.rounds:
+        if not self.store.drops_late or not self.store.rounds:
             return None
         if req.base is None:
-            raise RequestRefused("config", f"this shard runs with --backup-workers {self.store.backup_workers}, "
+            raise RequestRefused("config", f"this shard runs with --backup-workers {self._backup_of_job()}, "
                                  "whose pushes must say which version their gradients were computed from; worker "
                                  f"{req.worker}'s does not (an older psrt): run the same psrt on every worker")
         return self.store.late(req.worker, entries, req.base)
+
+    def _backup_of_job(self) -> int:
+        """The b a shard's answer to init gives: its fixed b, or with auto the most it may pick (W - 1)."""
+        store = self.store
+        return max(1, store.num_workers - 1) if store.auto is not None else store.backup_workers
+
+    def _pick_backup(self) -> None:
+        """``--backup-workers auto``: let the measured lateness pick b (every quarter second at most)."""
+        store = self.store
+        assert store.auto is not None
+        members = sorted(store.members) if store.members is not None else None
+        b = store.auto.choose(self.lateness, store.backup_workers, members)
+        if b != store.backup_workers:
+            log.info("backup workers: %d (picked from the workers' lateness)", b)
+            store.backup_workers = b
 
     def _drop(self, identity: bytes, req: wire.PushRequest, keys: list[Key], entries: list[Entry],
               lane: Optional[ShardLane]) -> None:
@@ -526,6 +543,7 @@ class Server(Recovery):
         """The shard's counters and state sizes, as a flat mapping of numbers and strings."""
         return report(self.counters, self.store, endpoint=self.endpoint, mode=self.config.mode,
                       num_workers=self.config.num_workers, backup_workers=self.store.backup_workers,
+                      backup_auto=int(self.store.auto is not None),
                       **self.lateness.stats(), queued_pulls=len(self._pulls) + len(self._stale_pulls),
                       deferred_pushes=sum(len(q) for q in self._deferred.values()), lanes=self.lanes.count,
                       **self.tables.stats())

@@ -65,6 +65,7 @@ class Entry:
     #: last closed rounds (:mod:`psrt.shard.stragglers` measures each push against them).
     opened: float = 0.0
     closed: Any = None
+    closed_at: float = 0.0
     #: ``ssp``: each worker's clock (its count of pushes) as far as its pushes to this key have been applied.
     clocks: dict[int, int] = field(default_factory=dict)
     #: Zero-copy sends of ``param`` that may still be reading it.
@@ -168,8 +169,9 @@ class Store:
         ``"sync"`` (a round of W pushes, one step), ``"async"`` or ``"ssp"`` (a step per push).
     num_workers : int
         W.
-    backup_workers : int
-        Sync mode: b, a round closes on its first W - b pushes (:mod:`psrt.shard.stragglers`).
+    backup_workers : int or "auto"
+        Sync mode: b, a round closes on its first W - b pushes (:mod:`psrt.shard.stragglers`); ``"auto"``: b is
+        picked from the measured lateness (:attr:`auto`, which sets :attr:`backup_workers`).
     """
 
     def __init__(self, mode: str = "sync", num_workers: int = 1, backup_workers: int = 0) -> None:
@@ -183,6 +185,8 @@ class Store:
         #: The shard's shared parameters, where keys of a job with rounds live (:meth:`use_shared_memory`).
         self.arena: Optional[Arena] = None
         self.backup_workers = 0
+        #: ``--backup-workers auto``: what picks :attr:`backup_workers` (None: a fixed b).
+        self.auto: Optional[stragglers.AutoBackup] = None
         self.set_job(mode, num_workers, backup_workers)
 
     def set_job(self, mode: str, num_workers: int, backup_workers: int = 0) -> None:
@@ -191,11 +195,21 @@ class Store:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
         if type(num_workers) is not int or num_workers < 1:
             raise ConfigError(f"num_workers must be a positive integer, got {num_workers!r}")
-        if type(backup_workers) is not int or backup_workers < 0:
-            raise ConfigError(f"backup_workers must be a whole number >= 0, got {backup_workers!r}")
+        auto = backup_workers == "auto" and mode == "sync"
+        if not auto and (type(backup_workers) is not int or backup_workers < 0):
+            raise ConfigError(f"backup_workers must be a whole number >= 0 or auto, got {backup_workers!r}")
         self.mode, self.num_workers = mode, num_workers
         # (Only sync rounds have stragglers to leave behind.)
-        self.backup_workers = backup_workers if mode == "sync" else 0
+        self.auto = stragglers.AutoBackup(num_workers) if auto else None
+        if self.auto is not None:
+            self.backup_workers = self.auto.first()
+        else:
+            self.backup_workers = 0 if mode != "sync" else int(backup_workers)
+
+    @property
+    def drops_late(self) -> bool:
+        """Whether pushes too late for a closed round are dropped (backup workers, fixed or auto)."""
+        return bool(self.backup_workers or self.auto is not None)
 
     @property
     def rounds(self) -> bool:
@@ -250,9 +264,9 @@ class Store:
     def late(self, worker: int, entries: list[Entry], base: Any) -> Optional[list[bool]]:
         """Per key, whether a push of ``worker`` computed from version(s) ``base`` is late for a round that closed
         without it (backup workers, :func:`psrt.shard.stragglers.late`); None when none is."""
-        if not self.backup_workers or not self.rounds:
+        if not self.drops_late or not self.rounds:
             return None
-        return stragglers.late(self.backup_workers, worker, entries, base)
+        return stragglers.late(1, worker, entries, base)
 
     def apply_push(self, worker: int, entries: list[Entry], grads: list[np.ndarray],
                    hold: bool = False, late: Optional[list[bool]] = None) -> tuple[list[int], list[int]]:

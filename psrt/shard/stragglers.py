@@ -23,7 +23,7 @@ import numpy as np
 
 from psrt import transport
 
-__all__ = ["round_done", "late", "closing", "Lateness"]
+__all__ = ["round_done", "late", "closing", "Lateness", "AutoBackup"]
 
 #: Lateness samples kept per worker (the median and p99 are of these).
 SAMPLES = 1024
@@ -75,10 +75,11 @@ HISTORY = 64
 
 def closing(entry: Any) -> None:
     """``entry``'s current round (the one producing version ``entry.version + 1``) is closing: remember when it
-    opened."""
+    opened, and when it closed (:class:`Lateness` measures the gap to the next round's first push)."""
     if entry.closed is None:
         entry.closed = deque(maxlen=HISTORY)
     entry.closed.append((entry.version, entry.opened))
+    entry.closed_at = time.monotonic()
 
 
 class Lateness:
@@ -96,6 +97,9 @@ class Lateness:
         #: Where each worker's pushes come from: the IP address of its connection, or "local" (ipc://, or a
         #: shared-memory lane: this host).
         self.hosts: dict[int, str] = {}
+        #: Seconds from a round's end to the next round's first push (the fastest worker's step: compute and
+        #: network), over the last :data:`SAMPLES` rounds (:class:`AutoBackup` reads them).
+        self.gaps: deque[float] = deque(maxlen=SAMPLES)
 
     def seen(self, worker: int, buffers: Sequence[Any], lane: bool) -> None:
         """Learn where ``worker``'s pushes come from, from a push's received ``buffers`` (once per worker)."""
@@ -108,6 +112,8 @@ class Lateness:
         now = time.monotonic() if now is None else now
         if not entry.contributors:
             entry.opened = now
+            if entry.closed_at:  # from the last round's end to this one's first push
+                self.gaps.append(now - entry.closed_at)
             self._sample(worker, 0.0)
         else:
             self._sample(worker, now - entry.opened)
@@ -164,3 +170,50 @@ class Lateness:
             out[f"worker_{worker}_host"] = self.hosts.get(worker, "")
         return out
 
+
+
+class AutoBackup:
+    """``--backup-workers auto``: b picked from the measured lateness, as DBW (Dynamic Backup Workers, arXiv
+    2004.14696) does from the workers' arrival times.
+
+    A round that waits for the first k pushes takes about ``t_k + c``: ``t_k`` the k-th smallest of the workers'
+    median lateness (how long after a round's first push the k-th comes), ``c`` the median gap from a round's
+    end to the next one's first push (a step of the fastest worker). It steps with k gradients, so the gradients
+    per second are ``k / (t_k + c)``; the shard waits for the k that maximizes them, at least half of the workers
+    (fewer would trade too much of each step's gradient for speed), and picks again every :data:`EVERY` seconds,
+    once every worker has :data:`MIN_SAMPLES` measured pushes. Until then b is :meth:`first`: one backup worker
+    (where W > 2), so that a straggler present from the start does not set the pace while it is measured.
+    """
+
+    EVERY = 0.1
+    MIN_SAMPLES = 3
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self._next = 0.0
+
+    def first(self) -> int:
+        """b before anything is measured."""
+        return 1 if self.num_workers > 2 else 0
+
+    def choose(self, lateness: Lateness, current: int, workers: Optional[Sequence[int]] = None,
+               now: Optional[float] = None) -> int:
+        """The b to use from now on (``current`` between picks); ``workers``: those whose lateness counts (the
+        members of an elastic job; default all measured)."""
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return current
+        self._next = now + self.EVERY
+        samples = lateness.samples
+        ranks = list(samples) if workers is None else [w for w in workers if w in samples]
+        n = len(ranks) if workers is not None else self.num_workers
+        if n < 2 or len(ranks) < n or any(len(samples[w]) < self.MIN_SAMPLES for w in ranks):
+            return current
+        medians = sorted(float(np.median(np.fromiter(samples[w], float))) for w in ranks)
+        gap = float(np.median(np.fromiter(lateness.gaps, float))) if lateness.gaps else 0.0
+        best_k, best = n, n / (medians[n - 1] + gap + 1e-4)
+        for k in range(n - 1, (n + 1) // 2 - 1, -1):
+            rate = k / (medians[k - 1] + gap + 1e-4)
+            if rate > best * 1.05:  # (within 5 %, the larger k: more gradients a step)
+                best_k, best = k, rate
+        return n - best_k

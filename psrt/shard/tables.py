@@ -207,7 +207,7 @@ class TableService:
         """Backup workers: whether ``req`` was computed from rows older than the round it could join
         (:func:`psrt.shard.stragglers.late`)."""
         store = self.store
-        if not store.backup_workers or not store.rounds:
+        if not store.drops_late or not store.rounds:
             return False
         if req.base is None:
             raise RequestRefused("config", f"this shard runs with --backup-workers {store.backup_workers}, whose "

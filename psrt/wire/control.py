@@ -295,9 +295,9 @@ class Table:
     elastic: bool = False
     #: ``ssp`` mode: how many pushes a worker may run ahead of the slowest.
     staleness: int = 0
-    #: Sync mode: backup workers b, a round closes on the first W - b pushes (sent only when b > 0, so that a
-    #: table of a job without them is the one older processes know).
-    backup_workers: int = 0
+    #: Sync mode: backup workers b, a round closes on the first W - b pushes, or ``"auto"`` (sent only when b > 0,
+    #: so that a table of a job without them is the one older processes know).
+    backup_workers: Union[int, str] = 0
     op: ClassVar[str] = "table"
 
 
@@ -414,7 +414,7 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
     check_version(h)
     backup = 0
     if h.get("op") == "table" and "backup_workers" in h:  # optional: the fields checked below every table has
-        backup = uint(h, "backup_workers", 1 << 31)
+        backup = "auto" if h["backup_workers"] == "auto" else uint(h, "backup_workers", 1 << 31)
         del h["backup_workers"]
     op = op_of(h, _REPLY_FIELDS, "control reply")
     rid = uint(h, "id")
@@ -452,7 +452,8 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
 
 
 def encode_table(rid: int, rank: int, num_servers: int, num_workers: int, mode: str,
-                 servers: list[str], elastic: bool = False, staleness: int = 0, backup_workers: int = 0) -> list[Any]:
+                 servers: list[str], elastic: bool = False, staleness: int = 0,
+                 backup_workers: Union[int, str] = 0) -> list[Any]:
     """Frames of a ``table`` reply (``backup_workers`` only when > 0)."""
     header = {"op": "table", "id": rid, "rank": rank, "num_servers": num_servers, "num_workers": num_workers,
               "mode": mode, "servers": servers, "elastic": elastic, "staleness": staleness}
