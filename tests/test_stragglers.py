@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 import pytest
-from _helpers import BENCH, RawPeer, serving
+from _helpers import BENCH, RawPeer, needs_shm, serving
 
 import psrt
 from psrt import wire
@@ -572,6 +572,28 @@ def test_backup_workers_auto_reaches_the_shard_and_drops_a_straggler():
             stats = server.stats()
             # Every round took 2 or 3 pushes (auto waits for at least half the workers); the rest were dropped.
             assert stats["rounds"] == 40 and 2 * 40 <= stats["pushes"] - stats["dropped_pushes"] <= 3 * 40
+        finally:
+            for c in clients:
+                c.close()
+
+
+@needs_shm(16)
+def test_backup_workers_over_shared_memory_lanes():
+    # A tensor large enough for the lanes: the push says its base over a lane just as over the socket.
+    n = 1 << 16
+    g = np.ones(n, np.float32)
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=3, backup_workers=1)) as server:
+        clients = [psrt.Client([server.endpoint], rank=r, num_workers=3, config=ClientConfig(timeout=20))
+                   for r in range(3)]
+        try:
+            for c in clients:
+                c.init({"w": np.zeros(n, np.float32)}, optimizer=psrt.SGD(lr=LR))
+            handles = [clients[r].push_pull_async({"w": g}) for r in (0, 1)]
+            for h in handles:
+                np.testing.assert_array_equal(h.wait(20)["w"], -LR * g)
+            np.testing.assert_array_equal(clients[2].push_pull({"w": 100 * g})["w"], -LR * g)  # late: dropped
+            stats = server.stats()
+            assert stats["lanes"] == 3 and stats["shm_bytes_in"] > 0 and stats["dropped_pushes"] == 1
         finally:
             for c in clients:
                 c.close()
