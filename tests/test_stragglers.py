@@ -320,6 +320,7 @@ def test_psrt_stats_and_prometheus_show_who_is_slow():
     assert f'psrt_server_worker_dropped_pushes_total{{endpoint="{endpoint}",host="127.0.0.1",worker="2"}} 1.0' in body
     assert f'psrt_server_dropped_pushes_total{{endpoint="{endpoint}"}} 1.0' in body
     assert 'psrt_server_worker_lateness_p99_seconds{' in body
+    assert f'psrt_server_backup_workers{{endpoint="{endpoint}"}} 1.0' in body
     assert format_workers([{"endpoint": "x", "pushes": 3}]) == ""  # nothing measured (no sync rounds): no table
 
 

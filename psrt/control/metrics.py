@@ -23,7 +23,8 @@ _PER_WORKER = (("worker_lateness_p50_seconds", "late_p50_s", False, "median late
                 "their round's first push"),
                ("worker_pushes", "pushes", True, "pushes of a worker"),
                ("worker_dropped_pushes", "dropped", True, "pushes of a worker dropped as too late"))
-_GAUGES = ("keys", "param_bytes", "accumulators", "accumulator_bytes", "queued_pulls", "deferred_pushes")
+_GAUGES = ("keys", "param_bytes", "accumulators", "accumulator_bytes", "queued_pulls", "deferred_pushes",
+           "backup_workers")
 
 
 class ServerCollector:
