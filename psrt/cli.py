@@ -57,7 +57,7 @@ def _launch(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return launch(args.servers, args.workers, command, mode=args.mode, host=args.host, start_timeout=args.timeout,
                   transport=args.transport, secure=args.secure, elastic=args.elastic, staleness=args.staleness,
-                  clients=args.clients, replicas=args.replicas)
+                  clients=args.clients, replicas=args.replicas, backup_workers=args.backup_workers)
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -304,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=None,
                    help="with --scheduler: the address to bind and announce (default: $PSRT_NODE_HOST, or the "
                         "local address that reaches the scheduler)")
-    _add_flags(s, ServerConfig, ServerConfig(), joined=JOB_SETTINGS)
+    # (b's default, PSRT_BACKUP_WORKERS, is checked against W when the config is made, not here)
+    _add_flags(s, ServerConfig, ServerConfig(backup_workers=0), joined=JOB_SETTINGS)
     s.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics on this port (needs prometheus_client)")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
@@ -332,6 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--replicas", type=_nonnegative, default=env.replicas, metavar="R",
                     help="copies of each shard's key range on the next R shards (at most S - 1); a dead "
                          "shard's range is taken over by its first replica (default: $PSRT_REPLICAS or 0)")
+    la.add_argument("--backup-workers", type=_argument(config.parse_backup), default=None, metavar="B",
+                    help="sync: backup workers (0 <= B < W): a round closes on the first W - B pushes, a later "
+                         "push for it is dropped; auto: the shards pick B from how late the pushes come "
+                         "(default: $PSRT_BACKUP_WORKERS or 0)")
     la.add_argument("--host", default="127.0.0.1", help="address to bind on (default %(default)s)")
     la.add_argument("--timeout", type=_seconds, default=env.start_timeout,
                     help=f"seconds for the job to form and for each barrier (default: $PSRT_START_TIMEOUT or "
@@ -360,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("stats", help="print a live per-shard table of a running job", description=(
         "Print a live table per shard of a running job: keys, MB held, pushes, pulls, rounds, queued pulls, "
-        "deferred pushes, errors, MB/s in and out."))
+        "deferred pushes, errors, MB/s in and out; and, in a sync job, per worker (rank, host) how late its pushes "
+        "come after their round's first push (median, p99) and how many were dropped (--backup-workers)."))
     st.add_argument("scheduler", type=_endpoint, help="the scheduler's endpoint, tcp://HOST:PORT")
     st.add_argument("--interval", type=_interval, default=1.0, help="seconds between refreshes (default %(default)s)")
     st.add_argument("--count", type=_positive_int, default=None,

@@ -14,6 +14,7 @@ variable                   also read                      meaning               
 ``PSRT_NODE_HOST``         ``DMLC_NODE_HOST``             the address this host is reached at
 ``PSRT_MODE``                                             ``sync`` (BSP), ``async`` or ``ssp``        ``sync``
 ``PSRT_STALENESS``                                        ``ssp``: pushes a worker may run ahead       0
+``PSRT_BACKUP_WORKERS``                                   sync: rounds close on the first W - b        0
 ``PSRT_START_TIMEOUT``                                    seconds for a job to form / a barrier        120
 ``PSRT_TIMEOUT``                                          seconds any single network wait may take    60
 ``PSRT_WARN_AFTER``                                       seconds before a slow wait logs a warning   5
@@ -72,7 +73,7 @@ PIPELINE = ("auto", "on", "off")
 PROCESS_ROLES = ("scheduler", "server", "worker")
 
 #: The :class:`ServerConfig` fields a shard that joins a scheduler's job takes from the scheduler's table.
-JOB_SETTINGS = ("num_workers", "mode", "staleness")
+JOB_SETTINGS = ("num_workers", "mode", "staleness", "backup_workers")
 
 #: Seconds for a job to form and for each barrier (``PSRT_START_TIMEOUT``).
 START_TIMEOUT = 120.0
@@ -118,6 +119,19 @@ class _Environment:
             return int(raw)
         except ValueError:
             raise ConfigError(f"environment variable {_named(names)} = {raw!r} must be an integer") from None
+
+    def backup(self, *names: str) -> Optional[int | str]:
+        """Backup workers: a whole number, or ``auto``."""
+        raw = self.text(*names)
+        if raw is None:
+            return None
+        if raw.strip() == "auto":
+            return "auto"
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"environment variable {_named(names)} = {raw!r} must be a whole number or auto"
+                              ) from None
 
     def seconds(self, *names: str) -> Optional[float]:
         """A number of seconds (the config that takes it checks it is > 0; ``inf``: no limit)."""
@@ -196,6 +210,11 @@ def parse_whole(text: str) -> int:
     return value
 
 
+def parse_backup(text: str) -> int | str:
+    """Backup workers: a whole number >= 0, or ``auto``."""
+    return "auto" if text.strip() == "auto" else parse_whole(text)
+
+
 def parse_count(text: str) -> int:
     """A whole number >= 1."""
     value = parse_whole(text)
@@ -237,6 +256,36 @@ def parse_bind(text: str) -> str:
     if problem:
         raise ConfigError(problem)
     return text
+
+
+_BACKUP_HELP = ("sync: backup workers b (0 <= b < W): a round closes on the first W - b pushes, a later push for "
+                "it is dropped; auto: the shard picks b from how late the workers' pushes come")
+
+
+#: Why a job cannot have both (yet): a dropped late push is recorded by its primary, not copied to its replicas.
+REPLICAS_WITH_BACKUP_WORKERS = ("--replicas with --backup-workers is not supported yet (a late push the primary "
+                                "drops is not copied to its replicas): leave one of them out")
+
+
+def check_backup_workers(backup_workers: object, num_workers: Optional[int], mode: str = "sync") -> None:
+    """Raise :class:`ConfigError` unless ``backup_workers`` is a whole number b with ``0 <= b < num_workers``
+    (``num_workers`` None: W is not known yet, only b >= 0 is checked) or ``"auto"``, and 0 unless ``mode`` is
+    sync."""
+    if backup_workers == "auto":
+        if mode != "sync":
+            raise ConfigError(f"--backup-workers auto picks how many stragglers a sync round leaves behind; this is "
+                              f"--mode {mode}: leave it out or use --mode sync")
+        return
+    if type(backup_workers) is not int or backup_workers < 0:
+        raise ConfigError(f"backup_workers must be a whole number >= 0 or auto, got {backup_workers!r} "
+                          "(--backup-workers, PSRT_BACKUP_WORKERS)")
+    if backup_workers and mode != "sync":
+        raise ConfigError(f"backup workers leave stragglers behind in sync rounds; this is --mode {mode}, where no "
+                          "push waits for another: leave --backup-workers (PSRT_BACKUP_WORKERS) out or use --mode sync")
+    if num_workers is not None and type(num_workers) is int and backup_workers >= num_workers:
+        raise ConfigError(f"backup_workers must be less than the number of workers W={num_workers} (a round needs "
+                          f"at least one push), got {backup_workers}; pass --backup-workers B with 0 <= B < W "
+                          "(or set PSRT_BACKUP_WORKERS)")
 
 
 @dataclass(frozen=True)
@@ -368,6 +417,9 @@ class ServerConfig:
         worker's clock is at least c - ``staleness`` (bounded staleness).
     staleness : int
         ``ssp`` mode: how many pushes a worker may run ahead of the slowest (0: lockstep).
+    backup_workers : int
+        Sync mode: b, with ``0 <= b < num_workers``. A key's round closes once W - b workers pushed it (the mean of
+        those pushes); a push for a round already closed is dropped (:mod:`psrt.shard.stragglers`).
     nonfinite : str
         ``"reject"`` answers a push holding NaN or Inf with an error and applies nothing; ``"allow"`` applies it.
     hwm : int
@@ -417,6 +469,8 @@ class ServerConfig:
     staleness: int = _env_fed(0, "PSRT_STALENESS", read=_Environment.whole, flag=Flag(
         "--staleness", "ssp: pushes a worker may run ahead of the slowest", parse=parse_whole, metavar="S",
         unset=True))
+    backup_workers: int | str = _env_fed(0, "PSRT_BACKUP_WORKERS", read=_Environment.backup, flag=Flag(
+        "--backup-workers", _BACKUP_HELP, parse=parse_backup, metavar="B", unset=True))
     nonfinite: str = _env_fed("reject", "PSRT_NONFINITE", flag=Flag(
         "--nonfinite", "what to do with NaN/Inf gradients", choices=NONFINITE))
     hwm: int = 100_000
@@ -468,6 +522,9 @@ class ServerConfig:
             raise ConfigError(f"staleness must be a whole number of pushes >= 0, got {self.staleness!r}")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be 'sync', 'async' or 'ssp', got {self.mode!r}")
+        if self.backup_workers is None:  # (its flag not given: the variable's value, checked against this W)
+            object.__setattr__(self, "backup_workers", _Environment().backup("PSRT_BACKUP_WORKERS") or 0)
+        check_backup_workers(self.backup_workers, self.num_workers, self.mode)
         if self.nonfinite not in NONFINITE:
             raise ConfigError(f"nonfinite must be 'reject' or 'allow', got {self.nonfinite!r}")
         _positive("hwm", self.hwm)
@@ -579,6 +636,8 @@ class ClusterConfig:
         Seconds the scheduler waits for a server that writes checkpoints to restart and take its slot back.
     staleness : int
         ``ssp`` mode: how many pushes a worker may run ahead of the slowest (``PSRT_STALENESS``).
+    backup_workers : int
+        Sync mode: b, rounds close on the first W - b pushes (``PSRT_BACKUP_WORKERS``; 0 <= b < W).
     keys : str or None
         The job's key directory (``PSRT_KEYS``): CURVE on every socket; None: no security.
     replicas : int
@@ -614,11 +673,17 @@ class ClusterConfig:
     replicas: int = _env_named(0, "PSRT_REPLICAS", read=_Environment.whole, flag=Flag(
         "--replicas", "copies of each shard's key range on the next R shards of the ring (at most S - 1); a dead "
         "shard's range is taken over by its first replica", parse=parse_whole, metavar="R"))
+    backup_workers: int | str = _env_named(0, "PSRT_BACKUP_WORKERS", read=_Environment.backup, flag=Flag(
+        "--backup-workers", _BACKUP_HELP, parse=parse_backup, metavar="B"))
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
         if type(self.replicas) is not int or self.replicas < 0:
             raise ConfigError(f"replicas must be a whole number >= 0, got {self.replicas!r} (PSRT_REPLICAS)")
+        if self.num_workers is not None or self.backup_workers:
+            check_backup_workers(self.backup_workers, self.num_workers, self.mode)
+        if self.replicas and self.backup_workers:
+            raise ConfigError(REPLICAS_WITH_BACKUP_WORKERS)
         if self.role is not None and self.role not in PROCESS_ROLES:
             raise ConfigError(f"role must be one of {PROCESS_ROLES}, got {self.role!r} (set PSRT_ROLE or DMLC_ROLE)")
         if self.scheduler is not None:

@@ -75,6 +75,7 @@ def run_server(scheduler: Optional[str] = None, host: Optional[str] = None, metr
         host = host or host_towards(scheduler)
         for name in JOB_SETTINGS:  # the scheduler's table gives them
             settings.pop(name, None)
+        settings["backup_workers"] = 0  # (until the table says: PSRT_BACKUP_WORKERS is not checked against W=1)
         settings.setdefault("bind", f"tcp://{host}:*")
     config = ServerConfig(**settings)
     server = Server(config, scheduled=bool(scheduler))
@@ -113,6 +114,7 @@ def run_server(scheduler: Optional[str] = None, host: Optional[str] = None, metr
                          **rank), file=out, flush=True)
         ready = True
         server.serve(control=link)
+        server.report_slow()  # who was slow, once more at the job's end
         server.checkpoint_at_exit()  # stopped cleanly (a signal, or the job's end): a restart resumes exactly
     finally:
         stats = server.stats()
@@ -148,7 +150,8 @@ def run_scheduler(bind: str, cluster: ClusterConfig, out: IO[str] = sys.stdout) 
     sched = Scheduler(bind, cluster.num_servers, cluster.num_workers, cluster.mode,
                       start_timeout=cluster.start_timeout, heartbeat_timeout=cluster.heartbeat_timeout,
                       elastic=cluster.elastic, restart_grace=cluster.restart_grace, keys=cluster.keys,
-                      staleness=cluster.staleness, replicas=cluster.replicas)
+                      staleness=cluster.staleness, replicas=cluster.replicas,
+                      backup_workers=cluster.backup_workers)
     _stop_on_signals(sched.stop)
     print(ready_line("scheduler", sched.endpoint, servers=cluster.num_servers, workers=cluster.num_workers,
                      mode=cluster.mode), file=out, flush=True)

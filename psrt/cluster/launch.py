@@ -29,7 +29,7 @@ import time
 from typing import IO, Optional, Sequence
 
 from psrt.cluster.daemon import run_scheduler, run_server
-from psrt.config import ClusterConfig
+from psrt.config import ClusterConfig, check_backup_workers
 from psrt.control.placement import check_job_replicas
 from psrt.control.process import (
     SCHEDULER_READY,
@@ -53,7 +53,8 @@ _EVERYWHERE = ("0.0.0.0", "*", "::", "[::]")
 def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str = "sync",
            host: str = "127.0.0.1", start_timeout: Optional[float] = None, out: IO[str] = sys.stdout,
            extra_env: Optional[dict[str, str]] = None, transport: str = "auto", secure: bool = False,
-           elastic: bool = False, staleness: Optional[int] = None, clients: int = 1, replicas: int = 0) -> int:
+           elastic: bool = False, staleness: Optional[int] = None, clients: int = 1, replicas: int = 0,
+           backup_workers: Optional[int | str] = None) -> int:
     """Run a whole job on this machine; returns the exit code (the first failure's, else 0).
 
     Parameters
@@ -85,6 +86,9 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
     elastic : bool
         An elastic job (docs/elastic.md): a worker that dies leaves the job instead of ending it, and the
         launcher goes on with the others; the job ends when every worker has exited.
+    backup_workers : int or "auto", optional
+        Sync mode: backup workers b, ``0 <= b < num_workers``: a round closes on the first W - b pushes; ``"auto"``:
+        the shards pick b (default: ``PSRT_BACKUP_WORKERS`` or 0).
     clients : int
         Workers per copy of ``command``: ceil(W / clients) copies, copy k told to host the workers of ranks
         ``k * clients`` on (``PSRT_WORKER_ID``), ``clients`` of them, the last copy the rest (``PSRT_CLIENTS``).
@@ -105,7 +109,9 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
     if staleness is not None and mode != "ssp":
         raise ConfigError(f"--staleness is the bound of --mode ssp; this is --mode {mode}: leave --staleness out or "
                           "use --mode ssp")
-    check_job_replicas(replicas, num_servers, mode, elastic)
+    if backup_workers is not None:
+        check_backup_workers(backup_workers, num_workers, mode)
+    check_job_replicas(replicas, num_servers, mode, elastic, backup_workers or 0)
     if shutil.which(command[0]) is None:  # say so before starting a job that could not run
         raise ConfigError(f"cannot start the workers: {command[0]}: no such program (or not executable)")
     if start_timeout is None:
@@ -133,6 +139,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
                                                 str(num_servers), "--workers", str(num_workers), "--mode", mode,
                                                 "--timeout", str(start_timeout),
                                                 *(["--staleness", str(staleness)] if staleness is not None else []),
+                                                *(["--backup-workers", str(backup_workers)]
+                                                  if backup_workers is not None else []),
                                                 *(["--elastic"] if elastic else []),
                                                 *(["--replicas", str(replicas)] if replicas else [])),
                       env, ready=SCHEDULER_READY)

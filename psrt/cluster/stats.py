@@ -11,10 +11,11 @@ from psrt import transport
 from psrt.checks import check_seconds
 from psrt.config import ClientConfig
 from psrt.control.link import SchedulerLink, Table
+from psrt.control.metrics import per_worker
 from psrt.errors import ConfigError, PsrtError
 from psrt.worker.client import Client
 
-__all__ = ["watch", "format_table", "format_ranges", "job_table", "checkpoint_job"]
+__all__ = ["watch", "format_table", "format_ranges", "format_workers", "job_table", "checkpoint_job"]
 
 COLUMNS = ("shard", "keys", "MB", "pushes", "pulls", "rounds", "queued", "deferred", "errors", "MB/s in",
            "MB/s out", "MB in", "kB in/push", "% shm in")
@@ -61,6 +62,32 @@ def format_ranges(table: Table) -> str:
     return "\n".join(lines)
 
 
+WORKER_COLUMNS = ("worker", "host", "pushes", "late p50 ms", "late p99 ms", "dropped")
+
+
+def format_workers(rows: list[dict[str, Any]]) -> str:
+    """Who is slow: per worker, over every shard, how late its pushes came after their round's first push (the
+    worst shard's median and p99) and how many were dropped as too late (backup workers); "" when no shard
+    measured any (no sync rounds)."""
+    workers: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        for rank, w in per_worker(r).items():
+            seen = workers.setdefault(rank, {"host": "", "pushes": 0, "dropped": 0, "p50": 0.0, "p99": 0.0})
+            seen["host"] = seen["host"] or w.get("host", "")
+            seen["pushes"] += w.get("pushes", 0)
+            seen["dropped"] += w.get("dropped", 0)
+            seen["p50"] = max(seen["p50"], w.get("late_p50_s", 0.0))
+            seen["p99"] = max(seen["p99"], w.get("late_p99_s", 0.0))
+    if not workers:
+        return ""
+    lines = [" ".join(f"{c:>12}" for c in WORKER_COLUMNS)]
+    for rank in sorted(workers):
+        w = workers[rank]
+        cells = [rank, w["host"] or "?", w["pushes"], f"{1e3 * w['p50']:.1f}", f"{1e3 * w['p99']:.1f}", w["dropped"]]
+        lines.append(" ".join(f"{c:>12}" for c in map(str, cells)))
+    return "\n".join(lines)
+
+
 def watch(scheduler: str, interval: float = 1.0, count: Optional[int] = None, out: IO[str] = sys.stdout) -> int:
     """Print the table every ``interval`` seconds, ``count`` times (None: until interrupted).
 
@@ -85,9 +112,11 @@ def watch(scheduler: str, interval: float = 1.0, count: Optional[int] = None, ou
             rows = client.stats(timeout=max(2.0, interval))
             now = time.monotonic()
             ranges = format_ranges(table)
+            backup = f"  b={table.backup_workers}" if table.backup_workers else ""
+            slow = format_workers(rows)
             out.write(f"\n{time.strftime('%H:%M:%S')}  {table.mode}  W={table.num_workers}  "
-                      f"S={table.num_servers}\n{format_table(rows, previous, now - last)}\n"
-                      + (f"{ranges}\n" if ranges else ""))
+                      f"S={table.num_servers}{backup}\n{format_table(rows, previous, now - last)}\n"
+                      + (f"{ranges}\n" if ranges else "") + (f"{slow}\n" if slow else ""))
             out.flush()
             previous, last, shown = rows, now, shown + 1
             if count is not None and shown >= count:

@@ -1,6 +1,9 @@
 """Prometheus metrics for a shard server (``psrt server --metrics-port``), via prometheus_client.
 
 The collector reads :meth:`psrt.shard.server.Server.stats` at scrape time, so the serving loop does no extra work.
+Per worker (labels ``endpoint, worker, host``), who is slow: ``psrt_server_worker_lateness_p50_seconds`` and
+``..._p99_seconds`` (how late its pushes come after their round's first push), ``psrt_server_worker_pushes_total``
+and ``psrt_server_worker_dropped_pushes_total`` (too late for a round closed without them: backup workers).
 """
 
 from __future__ import annotations
@@ -9,10 +12,19 @@ from typing import Any, Iterator
 
 from psrt.checks import check_port
 
-__all__ = ["serve_metrics", "ServerCollector"]
+__all__ = ["serve_metrics", "ServerCollector", "per_worker"]
 
-_COUNTERS = ("pushes", "pulls", "inits", "rounds", "duplicates", "errors", "dropped_replies", "bytes_in", "bytes_out")
-_GAUGES = ("keys", "param_bytes", "accumulators", "accumulator_bytes", "queued_pulls", "deferred_pushes")
+_COUNTERS = ("pushes", "pulls", "inits", "rounds", "duplicates", "errors", "dropped_replies", "bytes_in", "bytes_out",
+             "dropped_pushes")
+#: Per worker: (metric, the flat stats' suffix, counter or gauge, help).
+_PER_WORKER = (("worker_lateness_p50_seconds", "late_p50_s", False, "median lateness of a worker's pushes after "
+                "their round's first push"),
+               ("worker_lateness_p99_seconds", "late_p99_s", False, "p99 lateness of a worker's pushes after "
+                "their round's first push"),
+               ("worker_pushes", "pushes", True, "pushes of a worker"),
+               ("worker_dropped_pushes", "dropped", True, "pushes of a worker dropped as too late"))
+_GAUGES = ("keys", "param_bytes", "accumulators", "accumulator_bytes", "queued_pulls", "deferred_pushes",
+           "backup_workers")
 
 
 class ServerCollector:
@@ -41,6 +53,25 @@ class ServerCollector:
             g = GaugeMetricFamily(f"psrt_server_{name}", f"psrt shard {name.replace('_', ' ')}", labels=labels)
             g.add_metric([stats["endpoint"]], stats[name])
             yield g
+        workers = per_worker(stats)
+        for metric, suffix, counter, help_text in _PER_WORKER:
+            family = (CounterMetricFamily if counter else GaugeMetricFamily)(
+                f"psrt_server_{metric}", help_text, labels=["endpoint", "worker", "host"])
+            for rank, values in sorted(workers.items()):
+                family.add_metric([stats["endpoint"], str(rank), str(values.get("host", ""))], values.get(suffix, 0))
+            yield family
+
+
+def per_worker(stats: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """The per-worker entries ``worker_R_WHAT`` of a shard's flat stats (:mod:`psrt.shard.stragglers` makes them:
+    ``pushes``, ``dropped``, ``late_p50_s``, ``late_p99_s``, ``host``), by rank R."""
+    out: dict[int, dict[str, Any]] = {}
+    for name, value in stats.items():
+        if name.startswith("worker_"):
+            rank, _, what = name[len("worker_"):].partition("_")
+            if rank.isdigit():
+                out.setdefault(int(rank), {})[what] = value
+    return out
 
 
 def serve_metrics(server: Any, port: int, host: str = "127.0.0.1") -> Any:

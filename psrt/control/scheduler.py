@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from psrt import transport, wire
-from psrt.config import HEARTBEAT_TIMEOUT, MODES, RESTART_GRACE, START_TIMEOUT
+from psrt.config import HEARTBEAT_TIMEOUT, MODES, RESTART_GRACE, START_TIMEOUT, check_backup_workers
 from psrt.control import security
 from psrt.control.barriers import Barriers
 from psrt.control.formation import Formation
@@ -122,6 +122,9 @@ class Scheduler(Restarts):
         Let workers leave (by dying or ``done``) and join while the job runs, instead of failing the job.
     staleness : int
         ``ssp`` mode: how many pushes a worker may run ahead of the slowest, handed to the servers.
+    backup_workers : int or "auto"
+        Sync mode: backup workers b (``0 <= b < num_workers``), handed to the servers: a round closes on the first
+        W - b pushes; ``"auto"``: each shard picks b from how late the workers' pushes come.
     restart_grace : float
         Seconds a server that writes checkpoints (``restorable``) may take to restart (on any endpoint) and take
         its slot back, before its death fails the job (:mod:`psrt.control.restarts`).
@@ -142,12 +145,13 @@ class Scheduler(Restarts):
     def __init__(self, bind: str, num_servers: int, num_workers: int, mode: str = "sync",
                  start_timeout: float = START_TIMEOUT, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
                  elastic: bool = False, keys: Optional[security.PathLike] = None,
-                 restart_grace: float = RESTART_GRACE, staleness: int = 0, replicas: int = 0) -> None:
+                 restart_grace: float = RESTART_GRACE, staleness: int = 0, replicas: int = 0,
+                 backup_workers: int | str = 0) -> None:
         if num_servers < 1 or num_workers < 1:
             raise ConfigError(f"need at least one server and one worker, got S={num_servers}, W={num_workers}")
         if mode not in MODES:
             raise ConfigError(f"mode must be 'sync', 'async' or 'ssp', got {mode!r}")
-        check_job_replicas(replicas, num_servers, mode, elastic)
+        check_job_replicas(replicas, num_servers, mode, elastic, backup_workers)
         self.replicas = replicas
         #: A replicated job: each range's live holders; the token its servers' replication messages carry.
         self._placement = Placement(num_servers, replicas) if replicas else None
@@ -161,6 +165,8 @@ class Scheduler(Restarts):
         if type(staleness) is not int or staleness < 0:
             raise ConfigError(f"staleness must be a whole number of pushes >= 0, got {staleness!r}")
         self.staleness = staleness
+        check_backup_workers(backup_workers, num_workers, mode)
+        self.backup_workers = backup_workers
         self._restarting: dict[int, tuple[float, str]] = {}  # server index -> (deadline, name)
         self._claims = []  # restarted servers waiting for their slot (psrt.control.restarts)
         self._epoch = 0  # elastic: membership changes so far
@@ -331,7 +337,7 @@ class Scheduler(Restarts):
                                            self._token if server else "")
         self._send(identity, wire.encode_table(rid, rank, self.num_servers, workers, self.mode,
                                                [ep for _, ep in self.servers], self.elastic, self.staleness,
-                                               replication))
+                                               replication, self.backup_workers))
 
     def _fail_start(self) -> None:
         message = self._forming.missing(self.start_timeout)

@@ -21,6 +21,8 @@ class Counters:
     inits: int = 0
     rounds: int = 0
     duplicates: int = 0
+    #: Pushes (or parts of them) dropped as too late for a round closed without them (backup workers).
+    dropped_pushes: int = 0
     errors: int = 0
     dropped_replies: int = 0
     checkpoints: int = 0

@@ -239,13 +239,18 @@ class Recovery:
         asked = self.config.rank if self._early is None else self._early[0]
         if asked is not None and table.rank != asked:
             raise ConfigError(f"asked the scheduler for rank {asked} but got {table.rank}")
-        self.set_job(table.num_workers, table.mode, table.staleness)
+        self.set_job(table.num_workers, table.mode, table.staleness, table.backup_workers)
         self._restore(table)
 
-    def set_job(self, num_workers: int, mode: str, staleness: int = 0) -> None:
-        """Adopt W, the mode and the staleness bound the scheduler's table gives (before serving)."""
-        self.config = dataclasses.replace(self.config, num_workers=num_workers, mode=mode, staleness=staleness)
-        self.store.set_job(mode, num_workers)
+    def set_job(self, num_workers: int, mode: str, staleness: int = 0, backup_workers: int | str = 0) -> None:
+        """Adopt W, the mode, the staleness bound and the backup workers the scheduler's table gives (before
+        serving)."""
+        # (An elastic job's W is its members when the table was sent, maybe fewer than b + 1: its rounds count
+        # the members, and the config only keeps b below that W.)
+        self.config = dataclasses.replace(self.config, num_workers=num_workers, mode=mode, staleness=staleness,
+                                          backup_workers=backup_workers if backup_workers == "auto"
+                                          else min(backup_workers, num_workers - 1))
+        self.store.set_job(mode, num_workers, backup_workers)
         self.tables.staleness = staleness
         self._ckpt.mode = mode
 
@@ -269,8 +274,9 @@ class Recovery:
                         "the job's" if table is not None else "the checkpoint's")
         if table is None:  # by hand, the checkpoint knows best what the shard was
             self.config = dataclasses.replace(self.config, mode=store.mode, num_workers=store.num_workers)
+            store.set_job(store.mode, store.num_workers, self.config.backup_workers)
         else:  # under a scheduler, the job's table does
-            store.set_job(mode, workers)
+            store.set_job(mode, workers, self.config.backup_workers)
             self._ckpt.mode = mode
         store.use_shared_memory(self.lanes.arena)
         self.store, self.restored_from = store, path

@@ -5,7 +5,8 @@ malformed or inconsistent request gets an error reply and leaves every parameter
 kernels release the GIL and ZeroMQ moves bytes on its own I/O thread, so transfers overlap the arithmetic.
 
 Modes (:mod:`psrt.shard.store` holds the round rules): **sync** sums a round's W pushes per key and steps once with
-``scale = 1/W``; a push a round ahead waits, queued, and a pull waits for the round its worker's pushes joined.
+``scale = 1/W``; a push a round ahead waits, queued, and a pull waits for the round its worker's pushes joined; with
+``backup_workers`` b a round closes on W - b pushes and a late push is dropped (:mod:`psrt.shard.stragglers`).
 **async** applies every push on arrival. **ssp** applies on arrival too, but answers a pull at clock c (the
 worker's pushes so far) once every worker's pushes to the pulled keys reach c - ``staleness``.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -40,6 +42,7 @@ from psrt.shard.pulls import PullQueue, Waiter
 from psrt.shard.recovery import Checkpointer, Recovery
 from psrt.shard.replication import Copier, Replication
 from psrt.shard.store import Entry, Key, Store
+from psrt.shard.stragglers import REPORT_EVERY_S, Lateness
 from psrt.shm.lanes import ShardLane, ShardLanes
 from psrt.wire import compression
 
@@ -96,9 +99,11 @@ class Server(Recovery):
             raise
         self.endpoint: str = self._chan.endpoint
         self.lanes = ShardLanes(self.endpoint, config.shm)  # shared memory for workers on this host
-        self.store = Store(config.mode, config.num_workers)
+        self.store = Store(config.mode, config.num_workers, config.backup_workers)
         self.store.use_shared_memory(self.lanes.arena)  # workers of this host copy each round's result themselves
         self.counters = Counters()
+        self.lateness = Lateness()  # who is slow: per worker, how late its pushes come, how many were dropped
+        self._slow_at = time.monotonic() + REPORT_EVERY_S  # when to log who is slow next
         self.replies = ShardReplies(self._chan, self.lanes, self.counters)
         self._reply, self._error = self.replies.reply, self.replies.error
         self._stop = threading.Event()
@@ -159,6 +164,9 @@ class Server(Recovery):
                 self._failed = self._replication.failure
             if self._failed is not None:
                 raise self._failed
+            if self.lateness.samples and time.monotonic() >= self._slow_at:
+                self._slow_at = time.monotonic() + REPORT_EVERY_S
+                self.report_slow()
             if self._ended or (control is not None and control.tick(self.set_members, self.set_finished,
                                                                     self._on_ranges)):
                 log.info("the scheduler ended the job")
@@ -270,6 +278,14 @@ class Server(Recovery):
             if missing is not None:
                 raise RequestRefused("peer_finished", _finished_message(missing))
 
+    def report_slow(self) -> Optional[str]:
+        """Log (and return) the line naming the workers whose pushes come far later than the others', if any
+        (every 30 s while serving, and when the job ends)."""
+        line = self.lateness.slow()
+        if line is not None:
+            log.warning("%s", line)
+        return line
+
     def stop(self) -> None:
         """Ask :meth:`serve` to return after the message in hand."""
         self._stop.set()
@@ -352,7 +368,8 @@ class Server(Recovery):
             self._replication.commit([m.key for m in req.tensors])
         self.counters.inits += 1
         members = self.store.members
-        job = wire.JobInfo(self.config.mode, self.config.num_workers if members is None else len(members), conflicts)
+        job = wire.JobInfo(self.config.mode, self.config.num_workers if members is None else len(members), conflicts,
+                           self._backup_of_job() if self.store.rounds else 0)
         self._send_params(identity, req.id, req.keys(), entries, job)
 
     def _at_once(self, identity: bytes, req: wire.PushRequest) -> bool:
@@ -407,11 +424,14 @@ class Server(Recovery):
         # Over a lane: the gradients are read where the worker wrote them.
         lane = self.lanes.push_lane(req) if req.lane is not None else None
         entries = admission.validate_push(self.store, req, self.config.nonfinite)
-        if self.store.finished and not self.store.is_duplicate(req.worker, req.session, req.seq):
+        late = self._late(req, entries)  # (backup workers: keys whose round closed without this push)
+        # (A push too late for every key joins no round: it needs no finished worker's push.)
+        if self.store.finished and not (late is not None and all(late)) \
+                and not self.store.is_duplicate(req.worker, req.session, req.seq):
             self._refuse_if_finished(req.worker, entries)
         if lane is not None:
             self.counters.shm_bytes_in += sum(m.nbytes for m in req.tensors)
-        if self._deferred.get(req.worker) or not self.store.can_join(req.worker, entries):
+        if self._deferred.get(req.worker) or not self.store.can_join(req.worker, entries, late):
             # This worker is a round ahead on some key: hold the whole (validated) message until it can join.
             self._deferred.setdefault(req.worker, deque()).append((identity, req, entries, lane))
             return
@@ -423,14 +443,25 @@ class Server(Recovery):
             self.counters.duplicates += 1
             self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), True, lane, entries)
             return
+        late = self._late(req, entries)
+        if late is not None and all(late):  # too late for every key: dropped, answered as a pull would be
+            self._drop(identity, req, keys, entries, lane)
+            return
+        if self.store.rounds:
+            self.lateness.seen(req.worker, req.buffers, lane is not None)
+            self.lateness.joined(req.worker, entries[0] if late is None else
+                                 next(e for e, x in zip(entries, late) if not x))
+        if late is not None:
+            self.counters.dropped_pushes += 1
         grads = [req.array(i) for i in range(len(entries))]
         # A push_pull's lane areas stay untouched until its answer, which comes after its round: held, not copied.
         hold = lane is not None and req.pull
         skip = replication.replayed(self._included, req.worker, req.seq, keys) if self._included else None
         if skip:  # a range taken over: this push sent again is in part of its keys' copied state already
+            # (never late: a replicated job has no backup workers, psrt.config.REPLICAS_WITH_BACKUP_WORKERS)
             targets, completed = replication.apply_except(self.store, req.worker, entries, grads, skip, hold)
         else:
-            targets, completed = self.store.apply_push(req.worker, entries, grads, hold=hold)
+            targets, completed = self.store.apply_push(req.worker, entries, grads, hold=hold, late=late)
         if self.config.mode == "ssp":
             self.store.tick_clocks(req.worker, entries)
         self.store.record(req.worker, req.session, req.seq)
@@ -447,7 +478,46 @@ class Server(Recovery):
         if completed and self._deferred:
             self._drain_deferred()
         if completed:
+            if self.store.auto is not None:
+                self._pick_backup()
             self._after_rounds()
+
+    def _late(self, req: wire.PushRequest, entries: list[Entry]) -> Optional[list[bool]]:
+        """Backup workers: per key, whether ``req`` is too late for it (:meth:`Store.late`); None when none is."""
+        if not self.store.drops_late or not self.store.rounds:
+            return None
+        if req.base is None:
+            raise RequestRefused("config", f"this shard runs with --backup-workers {self._backup_of_job()}, "
+                                 "whose pushes must say which version their gradients were computed from; worker "
+                                 f"{req.worker}'s does not (an older psrt): run the same psrt on every worker")
+        return self.store.late(req.worker, entries, req.base)
+
+    def _backup_of_job(self) -> int:
+        """The b a shard's answer to init gives: its fixed b, or with auto the most it may pick (W - 1)."""
+        store = self.store
+        return max(1, store.num_workers - 1) if store.auto is not None else store.backup_workers
+
+    def _pick_backup(self) -> None:
+        """``--backup-workers auto``: let the measured lateness pick b (every quarter second at most)."""
+        store = self.store
+        assert store.auto is not None
+        members = sorted(store.members) if store.members is not None else None
+        b = store.auto.choose(self.lateness, store.backup_workers, members)
+        if b != store.backup_workers:
+            log.info("backup workers: %d (picked from the workers' lateness)", b)
+            store.backup_workers = b
+
+    def _drop(self, identity: bytes, req: wire.PushRequest, keys: list[Key], entries: list[Entry],
+              lane: Optional[ShardLane]) -> None:
+        """A push too late for its rounds: never applied, but counted, and remembered as taken (its sequence number:
+        sent again, it is not taken twice). A push_pull is answered with the newest parameters (at once, unless
+        this worker's earlier push is in a round still open), from which the worker joins the next round."""
+        self.store.record(req.worker, req.session, req.seq)
+        self.counters.pushes += 1
+        self.counters.dropped_pushes += 1
+        self.lateness.seen(req.worker, req.buffers, lane is not None)
+        self.lateness.missed(req.worker, entries[0], req.base)
+        self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), False, lane, entries)
 
     def _answer_push(self, identity: bytes, req: wire.PushRequest, keys: list[Key], targets: list[int],
                      duplicate: bool, lane: Optional[ShardLane], entries: list[Entry]) -> None:
@@ -562,7 +632,9 @@ class Server(Recovery):
     def stats(self) -> dict[str, Any]:
         """The shard's counters and state sizes, as a flat mapping of numbers and strings."""
         return report(self.counters, self.store, endpoint=self.endpoint, mode=self.config.mode,
-                      num_workers=self.config.num_workers, queued_pulls=len(self._pulls) + len(self._stale_pulls),
+                      num_workers=self.config.num_workers, backup_workers=self.store.backup_workers,
+                      backup_auto=int(self.store.auto is not None),
+                      **self.lateness.stats(), queued_pulls=len(self._pulls) + len(self._stale_pulls),
                       deferred_pushes=sum(len(q) for q in self._deferred.values()), lanes=self.lanes.count,
                       **self.tables.stats(), **(self._replication.stats() if self._replication is not None else {}))
 

@@ -7,7 +7,9 @@ pushes are summed into the key's single accumulator as they arrive, whatever W i
 with ``scale = 1/W`` when the last of the W arrives (:meth:`Store.apply_push`, once :mod:`psrt.shard.admission`
 checked the push); a worker already in a key's round must wait for it to complete before pushing again
 (:meth:`Store.can_join`); and a pull may only ask for a version that this worker's pushes can still produce
-(:meth:`Store.reachable`). In async mode every push is one step.
+(:meth:`Store.reachable`). With backup workers b a round closes on its first W - b pushes and a push computed from
+parameters older than the round it could join is dropped (:meth:`Store.late`; the rule itself is
+:mod:`psrt.shard.stragglers`). In async mode every push is one step.
 
 An :class:`Entry` owns its parameters' storage: private memory, or, where pushes gather into rounds and the shard
 has shared memory, an area of the shard's shared parameters (:mod:`psrt.shm.arena`) under a seqlock counter, from
@@ -31,6 +33,7 @@ from psrt import kernels
 from psrt.config import MODES
 from psrt.errors import ConfigError
 from psrt.optim import Optimizer
+from psrt.shard import stragglers
 from psrt.shm.arena import Arena, SharedArea
 from psrt.wire import compression
 
@@ -58,6 +61,11 @@ class Entry:
     acc_filled: bool = False
     #: Elastic sync: the members when the current round began (a worker that joins later is not waited for).
     expected: frozenset[int] = frozenset()
+    #: Sync mode: when the current round's first push came (``time.monotonic``), and ``(round, opened)`` of the
+    #: last closed rounds (:mod:`psrt.shard.stragglers` measures each push against them).
+    opened: float = 0.0
+    closed: Any = None
+    closed_at: float = 0.0
     #: ``ssp``: each worker's clock (its count of pushes) as far as its pushes to this key have been applied.
     clocks: dict[int, int] = field(default_factory=dict)
     #: Zero-copy sends of ``param`` that may still be reading it.
@@ -161,9 +169,12 @@ class Store:
         ``"sync"`` (a round of W pushes, one step), ``"async"`` or ``"ssp"`` (a step per push).
     num_workers : int
         W.
+    backup_workers : int or "auto"
+        Sync mode: b, a round closes on its first W - b pushes (:mod:`psrt.shard.stragglers`); ``"auto"``: b is
+        picked from the measured lateness (:attr:`auto`, which sets :attr:`backup_workers`).
     """
 
-    def __init__(self, mode: str = "sync", num_workers: int = 1) -> None:
+    def __init__(self, mode: str = "sync", num_workers: int = 1, backup_workers: int = 0) -> None:
         self.entries: dict[Key, Entry] = {}
         self.workers: dict[int, WorkerLog] = {}
         self.mode, self.num_workers = "sync", 1
@@ -173,15 +184,32 @@ class Store:
         self.finished: frozenset[int] = frozenset()
         #: The shard's shared parameters, where keys of a job with rounds live (:meth:`use_shared_memory`).
         self.arena: Optional[Arena] = None
-        self.set_job(mode, num_workers)
+        self.backup_workers = 0
+        #: ``--backup-workers auto``: what picks :attr:`backup_workers` (None: a fixed b).
+        self.auto: Optional[stragglers.AutoBackup] = None
+        self.set_job(mode, num_workers, backup_workers)
 
-    def set_job(self, mode: str, num_workers: int) -> None:
-        """Adopt the job's mode and W (before any push)."""
+    def set_job(self, mode: str, num_workers: int, backup_workers: int = 0) -> None:
+        """Adopt the job's mode, W and backup workers (before any push)."""
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
         if type(num_workers) is not int or num_workers < 1:
             raise ConfigError(f"num_workers must be a positive integer, got {num_workers!r}")
+        auto = backup_workers == "auto" and mode == "sync"
+        if not auto and (type(backup_workers) is not int or backup_workers < 0):
+            raise ConfigError(f"backup_workers must be a whole number >= 0 or auto, got {backup_workers!r}")
         self.mode, self.num_workers = mode, num_workers
+        # (Only sync rounds have stragglers to leave behind.)
+        self.auto = stragglers.AutoBackup(num_workers) if auto else None
+        if self.auto is not None:
+            self.backup_workers = self.auto.first()
+        else:
+            self.backup_workers = 0 if mode != "sync" else int(backup_workers)
+
+    @property
+    def drops_late(self) -> bool:
+        """Whether pushes too late for a closed round are dropped (backup workers, fixed or auto)."""
+        return bool(self.backup_workers or self.auto is not None)
 
     @property
     def rounds(self) -> bool:
@@ -213,12 +241,12 @@ class Store:
         return completed
 
     def _round_done(self, entry: Entry) -> bool:
-        if self.members is None:
-            return len(entry.contributors) == self.num_workers
-        return entry.contributors >= (entry.expected & self.members)
+        return stragglers.round_done(entry.contributors, self.num_workers, self.members, entry.expected,
+                                     self.backup_workers)
 
     @staticmethod
     def _step_round(entry: Entry) -> None:
+        stragglers.closing(entry)
         entry.settle()
         assert entry.acc is not None
         entry.apply(entry.acc, 1.0 / len(entry.contributors))  # the mean of the pushes in the round
@@ -226,18 +254,30 @@ class Store:
         entry.acc_filled = False
 
     # ------------------------------------------------------------------ the round
-    def can_join(self, worker: int, entries: list[Entry]) -> bool:
-        """Whether a push of ``worker`` to these keys can be taken now (else it waits for their rounds)."""
-        return not self.rounds or not any(worker in e.contributors for e in entries)
+    def can_join(self, worker: int, entries: list[Entry], late: Optional[list[bool]] = None) -> bool:
+        """Whether a push of ``worker`` to these keys can be taken now (else it waits for their rounds); ``late``
+        (:meth:`late`): keys it is late for, which it does not join (they are dropped at once)."""
+        if late is None:
+            return not self.rounds or not any(worker in e.contributors for e in entries)
+        return not self.rounds or not any(worker in e.contributors for e, x in zip(entries, late) if not x)
+
+    def late(self, worker: int, entries: list[Entry], base: Any) -> Optional[list[bool]]:
+        """Per key, whether a push of ``worker`` computed from version(s) ``base`` is late for a round that closed
+        without it (backup workers, :func:`psrt.shard.stragglers.late`); None when none is."""
+        if not self.drops_late or not self.rounds:
+            return None
+        return stragglers.late(1, worker, entries, base)
 
     def apply_push(self, worker: int, entries: list[Entry], grads: list[np.ndarray],
-                   hold: bool = False) -> tuple[list[int], list[int]]:
+                   hold: bool = False, late: Optional[list[bool]] = None) -> tuple[list[int], list[int]]:
         """Apply one push: sum it into each key's round (sync) or step with it (async, or W = 1).
 
         The caller has checked :meth:`can_join` and validated every gradient (:mod:`psrt.shard.admission`), so
         nothing here can fail halfway.
         ``hold``: the gradients stay unchanged until their round completes (a push_pull over a shared-memory
         lane), so a round sums them all at its end (:meth:`Entry.settle`) instead of one by one.
+        ``late`` (:meth:`late`): keys whose gradient is dropped, not applied; their target is what this worker's
+        earlier pushes reach.
 
         Returns
         -------
@@ -249,6 +289,9 @@ class Store:
         targets, completed = [], []
         rounds = self.rounds
         for i, (entry, grad) in enumerate(zip(entries, grads)):
+            if late is not None and late[i]:
+                targets.append(entry.version + (1 if worker in entry.contributors else 0))
+                continue
             if not rounds:
                 entry.apply(grad, 1.0)
                 completed.append(i)
@@ -286,11 +329,14 @@ class Store:
         ``entry``: anything whose ``contributors`` are its round's (an :class:`Entry`, a table's round)."""
         if not self.finished or not self.rounds:
             return None
+        # (With b backup workers a round completes without b pushes: b finished workers can be missing.)
         if worker is not None and worker in entry.contributors:
-            return min(self.finished)  # it would join the next round, which every finished worker misses
+            # It would join the next round, which every finished worker misses.
+            return min(self.finished) if len(self.finished) > self.backup_workers else None
         if worker is None and not entry.contributors:
             return None  # no round in progress
-        return next((w for w in sorted(self.finished) if w not in entry.contributors), None)
+        missing = [w for w in sorted(self.finished) if w not in entry.contributors]
+        return missing[0] if len(missing) > self.backup_workers else None
 
     def targets(self, worker: int, entries: list[Entry]) -> list[int]:
         """Per key, the version that includes everything ``worker`` has pushed so far (for a replayed push)."""

@@ -23,6 +23,7 @@ import numpy as np
 from psrt import kernels, optim, wire
 from psrt.config import RowLimits
 from psrt.errors import ConfigError, RequestRefused
+from psrt.shard import stragglers
 from psrt.shard.embedding import RowTable
 from psrt.shard.store import WorkerLog
 from psrt.tablespec import TableSpec
@@ -65,6 +66,7 @@ class TableService:
         self._deferred: dict[tuple[str, int], deque[tuple[bytes, wire.PushRowsRequest]]] = {}
         self._waiting: dict[str, list[tuple[bytes, wire.PullRowsRequest]]] = {}
         self.pushes = self.pulls = self.rounds = 0
+        self.dropped_pushes = 0  # backup workers: push_rows too late for a round closed without them
         #: ``ssp``: how many pushes a worker may run ahead of the slowest (set with the job's mode).
         self.staleness = 0
         self._clocks: dict[str, dict[int, int]] = {}  # ssp: per table, each worker's latest applied clock
@@ -158,11 +160,13 @@ class TableService:
         self._check_ids(table, req.ids)
         key = (req.table, req.worker)
         log = self.logs.get(key) if self.store.finished else None
-        if self.store.finished and not (log is not None and log.session == req.session and req.seq <= log.last_seq):
+        late = self._late(table, req)  # (backup workers: a round that closed without this push)
+        if self.store.finished and not late \
+                and not (log is not None and log.session == req.session and req.seq <= log.last_seq):
             missing = self.store.missing_finished(table.round, req.worker)
             if missing is not None:
                 raise RequestRefused("peer_finished", self.finished_message(missing))
-        if self._deferred.get(key) or (self.store.rounds and req.worker in table.round.contributors):
+        if self._deferred.get(key) or (self.store.rounds and req.worker in table.round.contributors and not late):
             self._deferred.setdefault(key, deque()).append((identity, req))  # a round ahead: wait for it
             return
         self._accept(identity, table, req)
@@ -173,7 +177,17 @@ class TableService:
             target = table.version + (1 if req.worker in table.round.contributors else 0)
             self._reply(identity, wire.encode_ack(req.id, [target], True))
             return
-        now = self.clock()
+        if self._late(table, req):  # dropped, never applied; taken (its seq), answered with what its pushes reach
+            if log is None or log.session != req.session:
+                self.logs[(req.table, req.worker)] = WorkerLog(req.session, req.seq)
+            else:
+                log.last_seq = req.seq
+            self.pushes += 1
+            self.dropped_pushes += 1
+            target = table.version + (1 if req.worker in table.round.contributors else 0)
+            self._reply(identity, wire.encode_ack(req.id, [target], False))
+            return
+        now = self.clock()  # (a dropped push counts toward no admission and refreshes no row)
         slots, grads = table.push(req.ids, req.grads, now)
         if log is None or log.session != req.session:
             self.logs[(req.table, req.worker)] = WorkerLog(req.session, req.seq)
@@ -200,9 +214,22 @@ class TableService:
 
     def _round_done(self, table: RowTable) -> bool:
         rnd = table.round
-        if self.store.members is None:
-            return len(rnd.contributors) == self.store.num_workers
-        return bool(rnd.contributors) and rnd.contributors >= (rnd.expected & self.store.members)
+        return bool(rnd.contributors) and stragglers.round_done(rnd.contributors, self.store.num_workers,
+                                                                self.store.members, rnd.expected,
+                                                                self.store.backup_workers)
+
+    def _late(self, table: RowTable, req: wire.PushRowsRequest) -> bool:
+        """Backup workers: whether ``req`` was computed from rows older than the round it could join
+        (:func:`psrt.shard.stragglers.late`)."""
+        store = self.store
+        if not store.drops_late or not store.rounds:
+            return False
+        if req.base is None:
+            raise RequestRefused("config", f"this shard runs with --backup-workers {store.backup_workers}, whose "
+                                 f"push_rows must say which table version their rows were computed from; worker "
+                                 f"{req.worker}'s does not (an older psrt, or a client given servers=[...] that "
+                                 "initialized no dense tensor): run the same psrt everywhere, under the scheduler")
+        return req.base < table.version + (1 if req.worker in table.round.contributors else 0)
 
     def _step_round(self, name: str, table: RowTable) -> None:
         rnd = table.round
@@ -326,6 +353,7 @@ class TableService:
                 "table_index_bytes": sum(m["index"] for m in mem),
                 "table_round_bytes": sum(t.round.nbytes() for t in self.tables.values()),
                 "row_pushes": self.pushes, "row_pulls": self.pulls, "row_rounds": self.rounds,
+                "dropped_row_pushes": self.dropped_pushes,
                 "queued_row_pulls": sum(len(w) for w in self._waiting.values())}
 
     def table_stats(self, t: RowTable) -> dict[str, Any]:

@@ -17,6 +17,7 @@ request         fields (besides ``v, op, id``)                           reply
 ``init``        ``worker, session, optimizer, tensors`` + buffers         ``params`` + ``mode, num_workers,
                 (set values unless the key exists)                         conflicts``
 ``push``        ``worker, session, seq, clock, tensors`` + buffers        ``ack``
+                (+ ``base`` to a shard with backup workers)
 ``push_pull``   as ``push``                                               ``params`` once the push's round
                                                                           is applied
 ``pull``        ``worker, clock, keys``: ``[[name, part, min_version],    ``params``
@@ -36,7 +37,8 @@ Shared-memory lanes (:mod:`psrt.wire.lanes`, its docstring has their table): ``l
 reply a ``lane`` field (the segment's generation) instead of its buffers.
 
 Replies: ``params {tensors, versions}`` + buffers (after ``init`` also ``mode, num_workers, conflicts``: the
-shard's mode and W, and the indices of tensors that exist with another optimizer); ``ack {versions,
+shard's mode and W, and the indices of tensors that exist with another optimizer; and ``backup_workers`` where
+the shard has some); ``ack {versions,
 duplicate}``; ``stats {stats}``; ``saved {path}``; ``error {code, message}``, to any request.
 
 Control plane (:mod:`psrt.wire.control`), one header frame each, no buffers:
@@ -55,15 +57,15 @@ request         fields                                                   reply
 ``beats``       ``ranks, pid``: a process's workers, every interval      ``ok`` (and ``not_members``)
 ==============  =======================================================  =====================================
 
-Replies: ``table {rank, num_servers, num_workers, mode, servers, elastic}``, ``forming {servers, num_servers,
-workers, num_workers}``, ``ok {}``, ``error {code, message}``; and, unprompted (id 0): ``shutdown {}`` to the
-servers when every worker is done, ``abort {code, message}`` to every process when the job fails (the message
-names the dead peer), and, in an elastic job, ``members {epoch, workers}`` to the servers whenever the workers
-change; in a fixed job, ``finished {workers}`` to the servers when workers said ``done`` while others go on;
-``moved {shard, endpoint}`` to the workers when a shard restarted from its checkpoint on another endpoint, or
-when a replica took a dead shard's key range over; ``ranges {holders, endpoints}`` to the servers of a replicated
-job when a shard died or another took its place. A replicated job's ``register`` (a server's) and ``table`` also
-carry ``replication`` (:mod:`psrt.wire.control`); the copies themselves travel between shards
+Replies: ``table {rank, num_servers, num_workers, mode, servers, elastic}`` (and ``backup_workers`` when > 0),
+``forming {servers, num_servers, workers, num_workers}``, ``ok {}``, ``error {code, message}``; and, unprompted (id
+0): ``shutdown {}`` to the servers when every worker is done, ``abort {code, message}`` to every process when the
+job fails (the message names the dead peer), and, in an elastic job, ``members {epoch, workers}`` to the servers
+whenever the workers change; in a fixed job, ``finished {workers}`` to the servers when workers said ``done`` while
+others go on; ``moved {shard, endpoint}`` to the workers when a shard restarted from its checkpoint on another
+endpoint, or when a replica took a dead shard's key range over; ``ranges {holders, endpoints}`` to the servers of a
+replicated job when a shard died or another took its place. A replicated job's ``register`` (a server's) and
+``table`` also carry ``replication`` (:mod:`psrt.wire.control`); the copies themselves travel between shards
 (:mod:`psrt.wire.replication`).
 A ``beats`` naming ranks the scheduler does not count is also answered ``not_members {workers, message}``.
 """

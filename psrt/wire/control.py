@@ -97,7 +97,8 @@ _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "ranges": frozenset({"v", "op", "id", "holders", "endpoints"}),
 }
 #: Fields a message may carry or leave out (replicated jobs only), taken out before its exact field set is checked.
-_OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {"register": ("replication",), "table": ("replication",)}
+_OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {"register": ("replication",),
+                                                "table": ("replication", "backup_workers")}
 #: Most endpoints a server announces for replication (its replication endpoint and one standby per range it backs).
 MAX_REPLICATION_ENDPOINTS = 1 << 8
 
@@ -272,6 +273,13 @@ def _take_optional(h: dict[str, Any]) -> dict[str, Any]:
     return {name: h.pop(name) for name in names if name in h}
 
 
+def _backup_workers(optional: dict[str, Any]) -> Union[int, str]:
+    """A table's backup workers b (0 when the table does not say), or ``"auto"``."""
+    if "backup_workers" not in optional:
+        return 0
+    return "auto" if optional["backup_workers"] == "auto" else uint(optional, "backup_workers", 1 << 31)
+
+
 def _endpoints(value: Any, what: str, lo: int = 0) -> tuple[str, ...]:
     if type(value) is not list or not lo <= len(value) <= MAX_REPLICATION_ENDPOINTS or any(
             type(e) is not str or "://" not in e or len(e) > _MAX_ENDPOINT for e in value):
@@ -328,6 +336,9 @@ class Table:
     staleness: int = 0
     #: A replicated job (``--replicas R``): R, the holders of each range and the shards' replication endpoints.
     replication: Optional[Replication] = None
+    #: Sync mode: backup workers b, a round closes on the first W - b pushes, or ``"auto"`` (sent only when b > 0,
+    #: so that a table of a job without them is the one older processes know).
+    backup_workers: Union[int, str] = 0
     op: ClassVar[str] = "table"
 
 
@@ -492,7 +503,7 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
             replication = _replication(optional["replication"])
         return Table(rid, _rank(h), uint(h, "num_servers", lo=1), uint(h, "num_workers"),
                      string(h, "mode", allowed=MODES), list(servers), h["elastic"], uint(h, "staleness", 1 << 31),
-                     replication)
+                     replication, _backup_workers(optional))
     if op in ("members", "finished"):
         workers = h["workers"]
         if type(workers) is not list or any(type(r) is not int or not 0 <= r <= MAX_U63 for r in workers):
@@ -518,14 +529,17 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
 
 def encode_table(rid: int, rank: int, num_servers: int, num_workers: int, mode: str,
                  servers: list[str], elastic: bool = False, staleness: int = 0,
-                 replication: Optional[Replication] = None) -> list[Any]:
-    """Frames of a ``table`` reply (``replication`` only in a replicated job's: an unreplicated job's is unchanged)."""
+                 replication: Optional[Replication] = None, backup_workers: Union[int, str] = 0) -> list[Any]:
+    """Frames of a ``table`` reply (``replication`` only in a replicated job's, ``backup_workers`` only when > 0:
+    a job without them sends the table older processes know)."""
     header = {"op": "table", "id": rid, "rank": rank, "num_servers": num_servers, "num_workers": num_workers,
               "mode": mode, "servers": servers, "elastic": elastic, "staleness": staleness}
     if replication is not None:
         header["replication"] = {"replicas": replication.replicas, "token": replication.token,
                                  "holders": [list(h) for h in replication.holders],
                                  "endpoints": [list(e) for e in replication.endpoints]}
+    if backup_workers:
+        header["backup_workers"] = backup_workers
     return encode(header)
 
 

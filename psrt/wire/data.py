@@ -127,7 +127,11 @@ class InitRequest(_WithTensors):
 class PushRequest(_WithTensors):
     """``push`` or ``push_pull`` (``pull`` true): gradients, with the sequence number that makes them exactly-once.
 
-    ``clock`` is the worker's count of pushes including this one (bounded staleness, ``ssp`` mode).
+    ``clock`` is the worker's count of pushes including this one (bounded staleness, ``ssp`` mode). ``base``: the
+    version of the parameters the gradients were computed from, one for every tensor (an int) or one per tensor (a
+    list); None when the push does not say (an older client, or a shard without backup workers, whose workers do
+    not send it). A shard with backup workers drops a push whose base is older than the round it could join
+    (:mod:`psrt.shard.stragglers`).
     """
 
     id: int
@@ -138,6 +142,7 @@ class PushRequest(_WithTensors):
     clock: int = 0
     #: Sent over a shared-memory lane (:mod:`psrt.wire.lanes`): the buffers are bound to the segment by the shard.
     lane: Optional[LaneRef] = None
+    base: Union[None, int, list[int]] = None
 
     @property
     def op(self) -> str:
@@ -241,6 +246,7 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         if type(h.get("op")) is str and h["op"] in lanes.REQUEST_FIELDS:  # shared-memory lanes: psrt.wire.lanes
             return lanes.decode_lane_request(h, list(frames[1:]))
         lane = h.pop("lane", None) if "lane" in h else _NO_LANE
+        base = _base(h.pop("base")) if "base" in h and h.get("op") in ("push", "push_pull") else None
         op = op_of(h, _REQUEST_FIELDS, "request")
         if lane is not _NO_LANE and op not in ("push", "push_pull", "pull"):
             raise ProtocolError(f"op {op!r} cannot travel over a shared-memory lane")
@@ -269,10 +275,22 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         _check_distinct(metas)
         if op == "init":
             return InitRequest(metas, buffers, rid, worker, session, h["optimizer"])
-        return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull", clock, ref)
+        if type(base) is list and len(base) != len(metas):
+            raise ProtocolError(f"field 'base' lists {len(base)} versions for {len(metas)} tensors")
+        return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull", clock, ref, base)
     except ProtocolError as exc:
         exc.request_id = request_id  # type: ignore[attr-defined]
         raise
+
+
+def _base(value: Any) -> Union[int, list[int]]:
+    """A push's optional ``base``: a version (uint), or a list of one per tensor."""
+    if type(value) is int and 0 <= value <= MAX_U63:
+        return value
+    if type(value) is list and all(type(v) is int and 0 <= v <= MAX_U63 for v in value):
+        return value
+    raise ProtocolError(f"field 'base' must be a version (an integer in [0, {MAX_U63}]) or a list of one per tensor, "
+                        f"got {value!r:.80}")
 
 
 def _header_bytes(frame: Any, limits: WireLimits) -> Any:
@@ -373,11 +391,21 @@ def encode_init(rid: int, worker: int, session: int, optimizer: dict[str, Any], 
 
 
 def encode_push(rid: int, worker: int, session: int, seq: int, entries: list[list[Any]],
-                payload: Sequence[np.ndarray], pull: bool, clock: int = 0, lane: Optional[LaneRef] = None) -> list[Any]:
+                payload: Sequence[np.ndarray], pull: bool, clock: int = 0, lane: Optional[LaneRef] = None,
+                base: Union[None, int, Sequence[int]] = None) -> list[Any]:
     """Frames of a ``push`` (or, with ``pull``, a ``push_pull``) request; with ``lane``, no payload.
 
-    Without ``lane``, the bytes of :func:`encode_push_after` from the :func:`push_prefix` of the same fields.
+    Without ``lane`` and ``base``, the bytes of :func:`encode_push_after` from the :func:`push_prefix` of the same
+    fields. ``base`` (for a shard with backup workers): the version the gradients were computed from, one int or
+    one per tensor; it follows the per-call fields.
     """
+    if base is not None:
+        header = _push_fixed(worker, session, entries, pull)
+        del header["v"]  # (encode puts it first)
+        if lane is not None:
+            header["lane"] = lane.to_wire()
+        header.update(id=rid, seq=seq, clock=clock, base=base if type(base) is int else list(base))
+        return encode(header, payload)
     return encode_push_after(_push_prefix(worker, session, entries, pull, lane), rid, seq, clock, payload)
 
 

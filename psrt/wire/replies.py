@@ -43,6 +43,8 @@ __all__ = ["JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "Sa
 #: A ``params`` reply's fields; answering ``init`` it adds the job's, over a shared-memory lane the lane's.
 _PARAMS = frozenset({"v", "op", "id", "tensors", "versions"})
 _PARAMS_JOB = _PARAMS | frozenset({"mode", "num_workers", "conflicts"})
+#: ... of a shard with backup workers (only then: a job without them answers as older shards do).
+_PARAMS_JOB_BACKUP = _PARAMS_JOB | frozenset({"backup_workers"})
 _PARAMS_LANE = _PARAMS | frozenset({"lane", "places"})
 _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "params": _PARAMS,
@@ -61,6 +63,9 @@ class JobInfo:
     num_workers: int
     #: Indices (into the request's tensors) of keys that exist with a different optimizer.
     conflicts: list[int]
+    #: Sync mode: the shard's backup workers b (> 0: its workers' pushes say which version they were computed
+    #: from, :mod:`psrt.shard.stragglers`).
+    backup_workers: int = 0
 
 
 @dataclass
@@ -143,7 +148,7 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
         return decode_rows_reply(h, limits)
     if type(op) is str and op in lanes.REPLY_FIELDS:
         return lanes.decode_lane_reply(h)
-    if type(op) is str and op == "params" and h.keys() in (_PARAMS_JOB, _PARAMS_LANE):
+    if type(op) is str and op == "params" and h.keys() in (_PARAMS_JOB, _PARAMS_LANE, _PARAMS_JOB_BACKUP):
         fields = h.keys()
     else:
         fields = _REPLY_FIELDS.get(op) if type(op) is str else None
@@ -158,7 +163,8 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
             conflicts = uint_list(h, "conflicts")
             if any(i >= len(metas) for i in conflicts):
                 raise ProtocolError("params reply: 'conflicts' must index the reply's tensors")
-            job = JobInfo(string(h, "mode", allowed=MODES), uint(h, "num_workers", MAX_WORKER, lo=1), conflicts)
+            job = JobInfo(string(h, "mode", allowed=MODES), uint(h, "num_workers", MAX_WORKER, lo=1), conflicts,
+                          uint(h, "backup_workers", MAX_WORKER) if "backup_workers" in h else 0)
         if "lane" not in h:
             return ParamsReply(rid, metas, versions, job)
         return ParamsReply(rid, metas, versions, job, uint(h, "lane"), lanes.places(h["places"], len(metas)))
@@ -324,6 +330,8 @@ def encode_params(rid: int, entries: list[list[Any]], versions: list[int], paylo
     header: dict[str, Any] = {"op": "params", "id": rid, "tensors": entries, "versions": versions}
     if job is not None:
         header.update(mode=job.mode, num_workers=job.num_workers, conflicts=job.conflicts)
+        if job.backup_workers:
+            header["backup_workers"] = job.backup_workers
     if lane is not None:
         header.update(lane=lane, places=places)
     return encode(header, payload)

@@ -15,7 +15,9 @@ request         fields (besides ``v, op, id``) + frames                     repl
                 ``admit_after, capacity, ttl, max_pending`` (left out
                 when all are the defaults)
 ``push_rows``   ``worker, session, seq, table, dim, dtype, count`` + ids,    ``ack`` (``versions``: the version
-                gradient rows (duplicate ids are summed)                     that will include the push)
+                gradient rows (duplicate ids are summed); ``base`` (the      that will include the push)
+                table version they were computed from) to a shard with
+                backup workers
 ``pull_rows``   ``worker, table, min_version, count`` + ids                  ``rows``
 ``table_stats`` ``table``                                                    ``stats`` (the table's counters)
 ==============  ==========================================================  ===================================
@@ -101,6 +103,9 @@ class PushRowsRequest(_Rows):
     grads: np.ndarray
     #: ``ssp``: the worker's count of pushes to this table, this one included.
     clock: int = 0
+    #: The table's version (on this shard) of the rows the gradients were computed from; sent to a shard with
+    #: backup workers only (None: not said).
+    base: Optional[int] = None
     op: ClassVar[str] = "push_rows"
 
 
@@ -181,6 +186,9 @@ def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLi
         When a field is missing, extra or out of range, or a frame's size does not match the header.
     """
     op = h["op"]
+    base = uint(h, "base") if op == "push_rows" and "base" in h else None  # (optional: backup workers)
+    if base is not None:
+        del h["base"]
     check_fields(op, h, REQUEST_FIELDS[op] | ({"policy"} if op == "init_table" and "policy" in h else set()))
     if op == "table_stats":
         if buffers:
@@ -199,7 +207,7 @@ def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLi
     if op == "push_rows":
         assert rows is not None
         return PushRowsRequest(table, dim, dtype, ids, rid, worker, uint(h, "session"), uint(h, "seq"), rows,
-                               uint(h, "clock"))
+                               uint(h, "clock"), base)
     if type(h["optimizer"]) is not dict:
         raise ProtocolError("field 'optimizer' must be a map")
     num_rows = h["num_rows"]
@@ -248,11 +256,14 @@ def encode_init_table(rid: int, worker: int, table: str, dim: int, dtype: np.dty
 
 
 def encode_push_rows(rid: int, worker: int, session: int, seq: int, table: str, ids: np.ndarray,
-                     grads: np.ndarray, clock: int = 0) -> list[Any]:
-    """Frames of a ``push_rows`` request: ids (int64) and ``(len(ids), dim)`` C-contiguous gradient rows."""
-    return encode({"op": "push_rows", "id": rid, "worker": worker, "session": session, "seq": seq, "clock": clock,
-                   "table": table, "dim": grads.shape[1], "dtype": dtypes.WIRE_NAMES[grads.dtype],
-                   "count": len(ids)}, [ids, grads])
+                     grads: np.ndarray, clock: int = 0, base: Optional[int] = None) -> list[Any]:
+    """Frames of a ``push_rows`` request: ids (int64) and ``(len(ids), dim)`` C-contiguous gradient rows; ``base``
+    (to a shard with backup workers): the table version the gradients were computed from."""
+    header = {"op": "push_rows", "id": rid, "worker": worker, "session": session, "seq": seq, "clock": clock,
+              "table": table, "dim": grads.shape[1], "dtype": dtypes.WIRE_NAMES[grads.dtype], "count": len(ids)}
+    if base is not None:
+        header["base"] = base
+    return encode(header, [ids, grads])
 
 
 def encode_table_stats(rid: int, table: str) -> list[Any]:

@@ -121,12 +121,17 @@ class Versions:
     """The highest version each key is known to have reached, from acks and replies, by shard.
 
     ``chunks[shard]`` holds dense keys ``(name, part)``, ``tables[shard]`` embedding tables by name. A shard that
-    restarted (maybe from a checkpoint, behind what it was) is forgotten whole (:meth:`forget`).
+    restarted (maybe from a checkpoint, behind what it was) is forgotten whole (:meth:`forget`). ``held[shard]``:
+    per dense key, the version of the parameters last received (what the client holds, which the next gradient
+    is computed from: a push to a shard with backup workers says it), kept across a restart.
     """
 
     def __init__(self, num_shards: int) -> None:
         self.chunks: list[dict[Key, int]] = [{} for _ in range(num_shards)]
         self.tables: list[dict[str, int]] = [{} for _ in range(num_shards)]
+        self.held: list[dict[Key, int]] = [{} for _ in range(num_shards)]
+        #: Per embedding table, the version of the rows last pulled from the shard (as ``held``).
+        self.held_tables: list[dict[str, int]] = [{} for _ in range(num_shards)]
 
     def forget(self, shard: int) -> None:
         """Nothing learned from ``shard`` holds any more (the dicts are emptied in place: senders hold them)."""
@@ -137,6 +142,7 @@ class Versions:
         """Forget the versions of ``chunks`` (tensors whose ``init`` failed)."""
         for c in chunks:
             self.chunks[c.shard].pop(c.key, None)
+            self.held[c.shard].pop(c.key, None)
 
 
 class ShardCalls:
@@ -386,6 +392,7 @@ class ShardCalls:
                 return
             known = self.versions.tables[shard]
             known[reply.table] = max(known.get(reply.table, 0), reply.version)
+            self.versions.held_tables[shard][reply.table] = reply.version
             return
         ch.discard_rest()
         if isinstance(reply, wire.ErrorReply):
@@ -423,6 +430,7 @@ class ShardCalls:
                     or (meta.dtype is not chunk.dtype and meta.dtype != chunk.dtype)):
                 raise ProtocolError(f"reply tensor {meta.name!r} part {meta.part} does not match the request")
         known = self.versions.chunks[pending.shard]
+        held = self.versions.held[pending.shard]
         if reply.lane is not None:  # the parameters are in this request's lane areas, or the shard's memory
             use = pending.lane
             if use is None or reply.lane != use.ref.generation or len(use.ref.outputs) != len(chunks) \
@@ -437,6 +445,7 @@ class ShardCalls:
                     again.append((chunk, version))  # the next round overwrote it meanwhile: ask again (socket)
                     continue
                 known[chunk.key] = max(known.get(chunk.key, 0), version)
+                held[chunk.key] = version
             if again:
                 self._again.append((pending, again))
             return
@@ -458,5 +467,6 @@ class ShardCalls:
                                     f"expected {meta.nbytes}")
             key = meta.key  # (the chunk's: checked above)
             known[key] = max(known.get(key, 0), version)
+            held[key] = version
         if ch.more():
             raise ProtocolError("reply has more buffer frames than tensors")

@@ -89,6 +89,7 @@ class Client:
         self._heartbeat: Optional[HeartbeatThread] = None
         self._elastic = False
         self._barriers = 0
+        table_backup = 0
         if servers is None:
             cluster = cluster if cluster is not None else ClusterConfig.from_env()
             scheduler = scheduler or cluster.scheduler
@@ -107,6 +108,7 @@ class Client:
                 raise
             servers, rank, num_workers = table.servers, table.rank, table.num_workers
             self._elastic = table.elastic
+            table_backup = table.backup_workers if table.mode == "sync" else 0
         else:
             rank = 0 if rank is None else rank
             num_workers = 1 if num_workers is None else num_workers
@@ -148,6 +150,9 @@ class Client:
                                  network=network)
         self._plans = Plans(self._map, rank, self._session, prefixes=compress is None)
         self._receive = ReceivePool()
+        if table_backup:  # the scheduler's table says it (a shard's answer to init says it too)
+            for sender in self._senders:
+                sender.backup_workers = table_backup
         self._embedding = EmbeddingClient(self._calls, self._senders, rank, self._session)
         self._closed = False
         exits.track(self)  # closed at interpreter exit if the program does not close it
@@ -162,6 +167,18 @@ class Client:
     def num_workers(self) -> int:
         """W, the number of workers in the job."""
         return self._num_workers
+
+    @property
+    def round(self) -> int:
+        """The job's global step: the number of completed rounds behind the parameters this client holds (the
+        highest version among the tensors it last received; 0 before ``init``).
+
+        In sync mode every worker's parameters of round r are the same, so a loop ``while client.round < N:``
+        stops every worker at the same round N. With backup workers (``--backup-workers b``) a slow worker's
+        late push is dropped and it is handed the newest parameters, so it skips rounds: its own count of steps
+        is then smaller than the fast workers', and the round, not a step counter, says where the job is.
+        """
+        return max((v for held in self._calls.versions.held for v in held.values()), default=0)
 
     @property
     def partition(self) -> PartitionMap:
@@ -236,6 +253,7 @@ class Client:
             self._senders[shard].init(handle, messages, arrays, spec)
         result = handle.wait(timeout)
         for shard, job in handle._jobs.items():
+            self._senders[shard].backup_workers = job.backup_workers
             if not self._elastic and job.num_workers != self._num_workers:
                 raise ConfigError(f"shard {self.servers[shard]} runs with --workers {job.num_workers} "
                                   f"but this client has num_workers={self._num_workers}")

@@ -222,6 +222,8 @@ class EmbeddingClient:
             lo, hi = int(offsets[shard]), int(offsets[shard + 1])
             seq = seqs[shard]
             seqs[shard] += 1
-            sender.send(handle, lambda rid, q=seq, i=a[lo:hi], r=g[lo:hi]: wire.encode_push_rows(
-                rid, self._rank, self._session, q, name, i, r, clock), table=name)
+            # A shard with backup workers is told the table version the rows were computed from (last pulled).
+            base = self._calls.versions.held_tables[shard].get(name, 0) if sender.backup_workers else None
+            sender.send(handle, lambda rid, q=seq, i=a[lo:hi], r=g[lo:hi], b=base: wire.encode_push_rows(
+                rid, self._rank, self._session, q, name, i, r, clock, b), table=name)
         return handle

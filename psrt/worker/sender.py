@@ -81,6 +81,10 @@ class ShardSender:
         self._pipeline = pipeline
         self._timeout = calls.config.timeout
         self._known = calls.versions.chunks[shard]  # the versions a pull asks for
+        self._held = calls.versions.held[shard]  # the versions of the parameters this client holds
+        #: The shard's backup workers (its answer to ``init`` says): > 0, each push says the version it was
+        #: computed from (its ``base``), and takes the general path.
+        self.backup_workers = 0
         #: The sequence number of this client's next push to the shard (the shard applies each once).
         self.seq = 0
 
@@ -161,7 +165,8 @@ class ShardSender:
         for msg, prefix in zip(messages, prefixes):
             seq = self.seq
             self.seq = seq + 1
-            if lane is None and prefix is not None:  # the usual small push: over the socket, uncompressed
+            base = self._base(msg) if self.backup_workers else None
+            if lane is None and prefix is not None and base is None:  # the usual small push: socket, uncompressed
                 payload = []
                 for c in msg:
                     a = arrays[c.name]
@@ -177,14 +182,22 @@ class ShardSender:
             refused = None
             if self._compressor is not None:
                 refused = self._compressor.compress(self.shard, msg, entries, payload)
-            plain = lambda rid, q=seq, e=entries, p=payload: wire.encode_push(  # noqa: E731
-                rid, rank, session, q, e, p, pull, clock)
+            plain = lambda rid, q=seq, e=entries, p=payload, b=base: wire.encode_push(  # noqa: E731
+                rid, rank, session, q, e, p, pull, clock, None, b)
             if use is None:
                 self._send(Request(handle, self, msg, None, plain, None, None, refused), plain)
                 continue
             self._send(Request(handle, self, msg, None, plain, use, plain, refused),
-                       lambda rid, q=seq, e=entries, u=use: wire.encode_push(
-                           rid, rank, session, q, e, [], pull, clock, u.ref))
+                       lambda rid, q=seq, e=entries, u=use, b=base: wire.encode_push(
+                           rid, rank, session, q, e, [], pull, clock, u.ref, b))
+
+    def _base(self, msg: Sequence[Chunk]) -> Any:
+        """The version(s) of the parameters a push of ``msg``'s gradients was computed from: those last received
+        (one int when the chunks agree, the usual case, else one per chunk)."""
+        held = self._held
+        versions = [held.get(c.key, 0) for c in msg]
+        first = versions[0] if versions else 0
+        return first if all(v == first for v in versions) else versions
 
     # ------------------------------------------------------------------ sending again
     def resend(self, rid: int, request: Request) -> None:
