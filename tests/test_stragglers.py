@@ -602,6 +602,7 @@ def test_backup_workers_over_shared_memory_lanes():
                 c.close()
 
 
+@pytest.mark.integration
 def test_backup_workers_with_replicas_are_refused_up_front_saying_what_to_do():
     """A late push the primary drops is not copied to its replicas: the pair is refused before anything starts,
     by the configuration, the scheduler and psrt launch alike."""
