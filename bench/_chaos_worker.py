@@ -13,6 +13,10 @@ can compare them with the moment it hurt a process.
 - ``job STEPS STEP_S [REJOIN_S [STOPFILE]]``: a worker under a scheduler (``psrt.Client()`` from the
   environment) that trains until STEPS are done, STOPFILE exists, or psrt raises; with REJOIN_S > 0 it then
   tries for that many seconds to join the job again (printing ``rejoined``) and goes on training.
+- ``momentum STEPS STEP_S OUT``: sync training under a scheduler with SGD and momentum and deterministic gradients
+  (a function of the rank and the step alone) over tensors both of two shards hold parts of; prints ``step N``
+  after each step and saves the final parameters in OUT (an .npz), so that two runs can be compared bit for bit.
+- ``ride-job RANK W STEPS STEP_S``: ``ride`` under a scheduler (async mode: a barrier before the final pull).
 """
 
 from __future__ import annotations
@@ -254,6 +258,67 @@ def job(steps: int, step_s: float, rejoin_s: float = 0.0, stopfile: str = "") ->
     return res
 
 
+# ------------------------------------------------------------------------------------------------ replication
+
+
+def momentum(steps: int, step_s: float, out: str) -> dict[str, Any]:
+    """Deterministic sync training (SGD with momentum) under the scheduler; every step's end time, the final
+    parameters in ``out``, and the first error (None when every step completed)."""
+    res: dict[str, Any] = {"rank": -1, "steps": 0, "times": [], "error": None, "message": ""}
+    try:
+        with psrt.Client(config=ClientConfig(timeout=60)) as client:
+            res["rank"] = rank = client.rank
+            shapes = {"big": 600_000, "small": 1000, "mid": 70_000}
+            client.init({n: np.linspace(-1, 1, s, dtype=np.float32) for n, s in shapes.items()},
+                        optimizer=psrt.SGD(lr=0.05, momentum=0.9))
+            grads = {n: np.empty(s, np.float32) for n, s in shapes.items()}
+            base = {n: np.sin(np.arange(s, dtype=np.float32) * 0.001) for n, s in shapes.items()}
+            for step in range(steps):
+                for n, g in grads.items():
+                    np.multiply(base[n], np.float32((rank + 1) * np.cos(step * 0.1)), out=g)
+                client.push_pull(grads)
+                res["times"].append(time.time())
+                res["steps"] = step + 1
+                print(f"step {step}", flush=True)
+                if step == 0:
+                    print("training", flush=True)
+                time.sleep(step_s)
+            final = client.pull()
+            client.barrier()  # nobody ends the job before everyone has pulled
+        np.savez(out, **final)
+    except psrt.PsrtError as exc:
+        res.update(error=type(exc).__name__, message=str(exc))
+    return res
+
+
+def ride_job(rank: int, workers: int, steps: int, step_s: float) -> dict[str, Any]:
+    """Recognisable pushes (as :func:`ride`) under the scheduler of the environment, in any mode; ``acked``: the
+    push_pulls that returned (each one an acknowledged push)."""
+    size = workers * steps
+    res: dict[str, Any] = {"rank": rank, "acked": 0, "times": [], "error": None, "message": "", "counts": {}}
+    try:
+        with psrt.Client(None, rank=rank, num_workers=workers, config=ClientConfig(timeout=60)) as client:
+            client.init({"w": np.zeros(size, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+            grad = np.zeros(size, np.float32)
+            for step in range(steps):
+                grad[:] = 0
+                grad[rank * steps + step] = workers
+                client.push_pull({"w": grad})
+                res["acked"] += 1
+                res["times"].append(time.time())
+                if step == 0:
+                    print("training", flush=True)
+                time.sleep(step_s)
+            client.barrier()  # every worker's pushes are in before the final pull
+            final = client.pull()["w"]
+            client.barrier()
+        values, counts = np.unique(final, return_counts=True)
+        res["counts"] = {str(float(v)): int(c) for v, c in zip(values, counts)}
+    except psrt.PsrtError as exc:
+        res.update(error=type(exc).__name__, message=str(exc))
+    return res
+
+
 def main(argv: list[str]) -> int:
     """Run the role named by ``argv[0]`` and print its result as the last line."""
     role, args = argv[0], argv[1:]
@@ -266,6 +331,10 @@ def main(argv: list[str]) -> int:
     elif role == "job":
         result = job(int(args[0]), float(args[1]), float(args[2]) if len(args) > 2 else 0.0,
                      args[3] if len(args) > 3 else "")
+    elif role == "momentum":
+        result = momentum(int(args[0]), float(args[1]), args[2])
+    elif role == "ride-job":
+        result = ride_job(int(args[0]), int(args[1]), int(args[2]), float(args[3]))
     else:
         print(f"unknown role {role!r}", file=sys.stderr)
         return 2

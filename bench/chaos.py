@@ -22,18 +22,30 @@ started, whatever happens.
   key with a client pair it never issued, no key, and a raw NULL-mechanism peer: only the first reaches a handler
   (the shard's counters stay unchanged for all others), and with keys the gradient's bytes never appear in the
   TCP stream (a relay records it; without keys they do, which shows the check can see them).
+- ``replication``: a replicated job (``--replicas 1``). Failover on loopback: a sync job (S=2, W=2, R=1, SGD with
+  momentum, deterministic gradients) whose shard 0 is SIGKILLed mid-run, once with the default
+  ``PSRT_HEARTBEAT_TIMEOUT`` and once with 1 s, each against a failure-free run (every step completes, no worker
+  error, final parameters bit-identical; the step across the failover); then an async job of recognisable pushes
+  (none acknowledged lost, none applied twice). Overhead on an emulated cluster (root and iproute2; skipped
+  without): W=4, S=2, sync, every process on its own host, every link shaped (``--replication-link``), R=0 and
+  R=1 jobs in turn; worker-steps/s side by side, and per shard and round the copy bytes (the shards' own
+  ``copy_bytes_sent`` counters) against the push bytes (``bytes_in``), with the shard hosts' tbf byte counters.
 
 Targets (each printed PASS or MISS with its figure; any MISS makes the exit status 1): a dead or stopped peer is
 named within 5 s, and nothing hangs; with ``--elastic`` the survivors' longest stall < 8 s; kill -9 + ``--restore``:
 zero pushes applied twice, lost rounds <= the checkpoint interval, recovery < 5 s; other keys, no keys, NULL: zero
 messages reach a handler, and gradients are never readable on the wire with keys; the flood: the shard alive,
-parameters exact, every message answered or counted.
+parameters exact, every message answered or counted; replication: every step completes, parameters within 1e-6
+relative of a failure-free run's (the aim: identical), the step across the failover < 2 s (with the default 2.5 s
+heartbeat timeout, which bounds it from below: < that + 1 s), no acknowledged push lost or applied twice, R=1
+costs at most 15 % of sync throughput and its copies at most 1/W of the push bytes plus 4 KiB of header a round.
 
 Usage::
 
     sudo python bench/chaos.py --json chaos.json        # everything, ~1 minute
     python bench/chaos.py --quick                       # 20,000 malformed messages, shorter runs
     python bench/chaos.py --only flood,auth             # some scenarios (linkcut needs root)
+    sudo python bench/chaos.py --only replication       # failover and overhead (the overhead part needs root)
 """
 
 from __future__ import annotations
@@ -58,11 +70,12 @@ import zmq
 from _common import Relay, serving, start_server
 
 import psrt
-from psrt.config import ClientConfig, ServerConfig
+from psrt.config import HEARTBEAT_TIMEOUT, ClientConfig, ServerConfig
 from psrt.control.process import SERVER_READY, Child, psrt_command, stop_children
+from psrt.emulation.netns import parse_rate
 
 WORKER = str(Path(__file__).with_name("_chaos_worker.py"))
-SCENARIOS = ("flood", "sigstop", "restore", "worker", "linkcut", "auth")
+SCENARIOS = ("flood", "sigstop", "restore", "worker", "linkcut", "auth", "replication")
 #: The issue's bounds.
 NAMED_WITHIN_S, ELASTIC_STALL_S, RECOVERY_S = 5.0, 8.0, 5.0
 TRAINING = re.compile(r"^training")
@@ -549,9 +562,320 @@ def scenario_auth(opts: argparse.Namespace, raw: dict[str, Any]) -> list[Row]:
     return rows
 
 
+# ------------------------------------------------------------------------------------------------ replication
+#: The issue's bounds for replication: the longest step across a failover, R=1's share of sync throughput, and
+#: the rounds' copy bytes over and above 1/W of the push bytes (a copy's header: versions, sequence numbers).
+FAILOVER_STEP_S, REPLICA_COST, COPY_HEADER_BYTES = 2.0, 0.15, 4096
+#: A failover's second run: liveness names a dead shard after 1 s of silence (the default is 2.5 s).
+FAST_HEARTBEAT = {"PSRT_HEARTBEAT_INTERVAL": "0.2", "PSRT_HEARTBEAT_TIMEOUT": "1.0"}
+#: What a shard prints once it serves a dead primary's range (the scheduler's word).
+PROMOTED = "is served by its replica"
+
+
+def _replicated_job(mode: str, servers: int, workers: int, replicas: int, worker: Callable[[int], list[str]],
+                    env: dict[str, str], vc: Any = None, port: int = 5710) -> tuple[Child, list[Child], list[Child]]:
+    """A scheduler (``--replicas``), S servers and W workers (``worker(rank)`` is each one's command line), on
+    loopback or each on its own host of ``vc``; every child is in the returned lists (the caller stops them)."""
+    children: list[Child] = []
+
+    def spawn(host: str, cmd: list[str], extra: dict[str, str], ready: Optional[re.Pattern]) -> Child:
+        child = vc.spawn(host, cmd, env={**env, **extra}, ready=ready) if vc else \
+            Child(cmd, label=host, env={**env, **extra}, ready=ready)
+        children.append(child)
+        return child
+
+    bind = f"tcp://{vc.address('sched')}:{port}" if vc else "tcp://127.0.0.1:*"
+    try:
+        sched = spawn("sched", psrt_command("scheduler", "--bind", bind, "--servers", str(servers), "--workers",
+                                            str(workers), "--mode", mode, "--replicas", str(replicas), "--timeout",
+                                            "60"), {}, re.compile(r"psrt-scheduler ready endpoint=(\S+)"))
+        endpoint = sched.wait_ready(30).group(1)
+        shards = [spawn(f"s{i}", psrt_command("server", "--scheduler", endpoint), {}, SERVER_RANK)
+                  for i in range(servers)]
+        ws = [spawn(f"w{r}", worker(r), {"PSRT_SCHEDULER": endpoint, "PSRT_WORKER_ID": str(r)}, None)
+              for r in range(workers)]
+        for s in shards:
+            s.wait_ready(60)
+    except BaseException:
+        stop_children(children)
+        raise
+    return sched, shards, ws
+
+
+def _across(times: Sequence[float], at: float) -> Optional[float]:
+    """The step that spans the moment ``at``: from the last step that ended before it to the first after it."""
+    before = [t for t in times if t <= at]
+    after = [t for t in times if t > at]
+    return after[0] - before[-1] if before and after else None
+
+
+def _failover_sync(opts: argparse.Namespace, tmp: str, name: str, kill_at: Optional[int],
+                   env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """One sync job (S=2, W=2, R=1, SGD with momentum); ``kill_at``: SIGKILL shard 0 once worker 0 finished that
+    step (None: no failure). The workers' results, their final parameters, and what the scheduler said."""
+    steps = opts.repl_steps
+    sched, shards, ws = _replicated_job(
+        "sync", 2, 2, 1, lambda r: worker_cmd("momentum", steps, 0.01, os.path.join(tmp, f"{name}-{r}.npz")),
+        {"PSRT_TIMEOUT": "30", "PSRT_START_TIMEOUT": "30", **(env or {})})
+    children = [sched, *shards, *ws]
+    killed_at = None
+    try:
+        if kill_at is not None:
+            if wait_for_line(ws[0], f"step {kill_at}\n", 120) is None:
+                raise RuntimeError(f"worker 0 never reached step {kill_at}: {ws[0].tail().strip()!r}")
+            victim = next(s for s in shards if s.match.group(2) == "0")
+            killed_at = time.time()
+            victim.signal(signal.SIGKILL)
+        codes = wait_all([sched, *ws, *(s for s in shards if s.match.group(2) != "0" or kill_at is None)], 180)
+        results = [last_json(w) for w in ws]
+    finally:
+        stop_children(children)
+    params = []
+    for r in range(2):
+        path = os.path.join(tmp, f"{name}-{r}.npz")
+        params.append(dict(np.load(path)) if os.path.exists(path) else {})
+    return {"results": results, "params": params, "codes": codes, "killed_at": killed_at,
+            "promoted": PROMOTED in sched.output, "scheduler": sched.tail()}
+
+
+def _max_relative(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    """The largest ``|a - b| / max|a|`` over the tensors (inf when their names differ)."""
+    if a.keys() != b.keys() or not a:
+        return float("inf")
+    return max(float(np.max(np.abs(a[n].astype(np.float64) - b[n])) / max(float(np.max(np.abs(a[n]))), 1e-30))
+               for n in a)
+
+
+def _failover_async(opts: argparse.Namespace) -> dict[str, Any]:
+    """An async job (S=2, W=2, R=1) of recognisable pushes; SIGKILL of the shard that holds them mid-run."""
+    from psrt.partition import PartitionMap
+
+    workers, steps = 2, opts.repl_async_steps
+    (chunk,) = PartitionMap(2, ClientConfig().partition_bytes).add({"w": ((workers * steps,), np.float32)})
+    sched, shards, ws = _replicated_job("async", 2, workers, 1,
+                                        lambda r: worker_cmd("ride-job", r, workers, steps, 0.01),
+                                        {"PSRT_TIMEOUT": "30", "PSRT_START_TIMEOUT": "30", **FAST_HEARTBEAT})
+    children = [sched, *shards, *ws]
+    try:
+        for w in ws:
+            if wait_for_line(w, "training", 60) is None:
+                raise RuntimeError(f"{w.label} never trained: {w.tail().strip()!r}")
+        time.sleep(0.4)
+        victim = next(s for s in shards if s.match.group(2) == str(chunk.shard))
+        killed_at = time.time()
+        victim.signal(signal.SIGKILL)
+        codes = wait_all([c for c in children if c is not victim], 180)
+        results = [last_json(w) for w in ws]
+    finally:
+        stop_children(children)
+    return {"results": results, "codes": codes, "killed_at": killed_at, "promoted": PROMOTED in sched.output,
+            "shard": chunk.shard}
+
+
+#: Reads every shard's stats through the scheduler's table, from a host of the emulated cluster: one JSON line.
+_STATS_PROBE = ("import json, sys; from psrt.cluster.stats import job_table; from psrt.config import ClientConfig; "
+                "from psrt.worker.client import Client; t = job_table(sys.argv[1], ClientConfig()); "
+                "c = Client(t.servers, rank=0, num_workers=max(1, t.num_workers)); "
+                "print(json.dumps(c.stats(timeout=10), default=str)); c.close()")
+
+
+def _probe(vc: Any, probe: list[str]) -> list[dict[str, Any]]:
+    """Every shard's stats, read by :data:`_STATS_PROBE` on the scheduler's host."""
+    proc = vc.run("sched", probe, timeout=60)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        raise RuntimeError(f"the stats probe failed ({proc.returncode}): {proc.stderr.strip()[-300:]}")
+    return json.loads(lines[-1])
+
+
+def _tbf_sent(vc: Any, host: str) -> tuple[int, int]:
+    """Bytes the shaped link of ``host`` carried so far, ``(into it, out of it)`` (the root qdiscs' counters)."""
+    import subprocess
+
+    got = []
+    for args in (["tc", "-s", "qdisc", "show", "dev", vc.veth(host)],
+                 ["ip", "netns", "exec", vc.namespace(host), "tc", "-s", "qdisc", "show", "dev", "eth0"]):
+        out = subprocess.run(args, capture_output=True, text=True, timeout=30).stdout
+        sent = re.search(r"Sent (\d+) bytes", out)
+        got.append(int(sent.group(1)) if sent else 0)
+    return got[0], got[1]
+
+
+def _overhead_point(opts: argparse.Namespace, vc: Any, replicas: int, port: int) -> dict[str, Any]:
+    """One sync job (S=2, W=4) with ``replicas`` on the emulated cluster: the workers' steps/s, and over a window
+    in the middle of the run each shard's rounds, bytes in, copy bytes, and its link's tbf bytes both ways."""
+    from psrt.control.process import parse_results
+
+    workers, steps = 4, opts.repl_overhead_steps
+    sched, shards, ws = _replicated_job(
+        "sync", 2, workers, replicas,
+        lambda r: psrt_command("worker", "--model", opts.repl_model, "--compute-ms", str(opts.repl_compute_ms),
+                               "--steps", str(steps), "--warmup", "2"),
+        {"PSRT_START_TIMEOUT": "60"}, vc=vc, port=port)
+    children = [sched, *shards, *ws]
+    endpoint = sched.match.group(1)
+    probe = [sys.executable, "-c", _STATS_PROBE, endpoint]
+    try:
+        time.sleep(opts.repl_settle)  # the init and the first rounds go by
+        first = (_probe(vc, probe), {h: _tbf_sent(vc, h) for h in ("s0", "s1")})
+        time.sleep(opts.repl_window)
+        second = (_probe(vc, probe), {h: _tbf_sent(vc, h) for h in ("s0", "s1")})
+        codes = wait_all(ws, 300)
+        results = [r for w in ws for r in parse_results(w.output)]
+        wait_all([sched, *shards], 30)
+    finally:
+        stop_children(children)
+    if len(results) != workers or any(v != 0 for v in codes.values()):
+        raise RuntimeError(f"R={replicas}: a worker failed: {codes} {ws[0].tail().strip()[-300:]!r}")
+    shard_rows = []
+    for i, (a, b) in enumerate(zip(first[0], second[0])):
+        host = next((h for h in ("s0", "s1") if f"//{vc.address(h)}:" in str(b.get("endpoint"))), f"s{i}")
+        rounds = b["rounds"] - a["rounds"]
+        shard_rows.append({"rank": b.get("rank", i), "rounds": rounds, "bytes_in": b["bytes_in"] - a["bytes_in"],
+                           "copy_bytes_sent": b.get("copy_bytes_sent", 0) - a.get("copy_bytes_sent", 0),
+                           "copy_bytes_taken": b.get("copy_bytes_taken", 0) - a.get("copy_bytes_taken", 0),
+                           "tbf_in": second[1].get(host, (0, 0))[0] - first[1].get(host, (0, 0))[0],
+                           "tbf_out": second[1].get(host, (0, 0))[1] - first[1].get(host, (0, 0))[1]})
+    return {"replicas": replicas, "steps_per_s": sum(r["steps_per_s"] for r in results), "shards": shard_rows}
+
+
+def _sync_rows(opts: argparse.Namespace, clean: dict[str, Any], failed: dict[str, Any], label: str,
+               env: dict[str, str]) -> list[Row]:
+    """The rows of one sync failover run against the failure-free one."""
+    steps = opts.repl_steps
+    timeout = float(env.get("PSRT_HEARTBEAT_TIMEOUT", os.environ.get("PSRT_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT)))
+    done = all(r["error"] is None and r["steps"] == steps for r in failed["results"])
+    same = len(clean["params"]) == len(failed["params"]) == 2 and all(
+        a.keys() == b.keys() and a and all(np.array_equal(a[n], b[n]) for n in a)
+        for a, b in zip(clean["params"], failed["params"]))
+    rel = max(_max_relative(a, b) for a, b in zip(clean["params"], failed["params"]))
+    across = [_across(r["times"], failed["killed_at"]) for r in failed["results"]]
+    worst = max((x for x in across if x is not None), default=None)
+    longest = max(max(np.diff(r["times"]), default=0.0) for r in failed["results"])
+    calm = max(max(np.diff(r["times"]), default=0.0) for r in clean["results"])
+    errors = [f"w{r['rank']}: {r['error']}: {r['message'][:80]}" for r in failed["results"] if r["error"]]
+    # The step across the failover waits for liveness to name the dead shard (PSRT_HEARTBEAT_TIMEOUT of silence),
+    # then for the promotion and the resent pushes: with the default timeout the issue's 2 s cannot hold, so that
+    # run is held to its own bound (the timeout + 1 s) and the run with a 1 s timeout to the issue's.
+    bound = FAILOVER_STEP_S if timeout + 1.0 <= FAILOVER_STEP_S else timeout + 1.0
+    hb = f"PSRT_HEARTBEAT_TIMEOUT {timeout:g} s" + (" (default)" if label == "default" else "")
+    return [
+        Row("replication", f"sync S=2 W=2 R=1, SGD+momentum, {hb}: kill -9 of shard 0 after step "
+            f"{opts.repl_kill_at}: steps completed; worker errors", f"{sum(r['steps'] for r in failed['results'])} "
+            f"of {2 * steps}; {'; '.join(errors) or 'none'}", "all, none", done and not errors),
+        Row("replication", f"sync, {hb}: range 0 served by its replica (scheduler); exit codes",
+            f"{'yes' if failed['promoted'] else 'NO'}; {sorted(failed['codes'].items())}", "yes, all 0",
+            failed["promoted"] and all(v == 0 for v in failed["codes"].values())),
+        Row("replication", f"sync, {hb}: final parameters vs a failure-free run's: bit-identical; max relative "
+            "difference", f"{'yes' if same else 'NO'}; {rel:.3g}", "<= 1e-6 (aim: identical)", rel <= 1e-6),
+        Row("replication", f"sync, {hb}: the step across the failover (slowest worker); longest step, this run / "
+            "failure-free", f"{fmt_s(worst)}; {longest:.3f} s / {calm:.3f} s", f"< {bound:g} s",
+            worst is not None and worst < bound),
+    ]
+
+
+def scenario_replication(opts: argparse.Namespace, raw: dict[str, Any]) -> list[Row]:
+    """Failover of a replicated job (sync and async, loopback) and R=1's overhead on the emulated cluster."""
+    rows: list[Row] = []
+    tmp = tempfile.mkdtemp(prefix="psrt-chaos-repl-")
+    try:
+        clean = _failover_sync(opts, tmp, "clean", None)
+        raw["replication"] = {"sync": {}}
+        for label, env in (("default", {}), ("fast", FAST_HEARTBEAT)):
+            failed = _failover_sync(opts, tmp, label, opts.repl_kill_at, env)
+            rows += _sync_rows(opts, clean, failed, label, env)
+            raw["replication"]["sync"][label] = {**failed, "params": None}
+        raw["replication"]["sync"]["clean"] = {**clean, "params": None}
+        asy = _failover_async(opts)
+        raw["replication"]["async"] = {**asy, "results": [{k: v for k, v in r.items() if k != "times"}
+                                                           for r in asy["results"]]}
+        res = asy["results"]
+        acked = sum(r["acked"] for r in res)
+        counts = res[0]["counts"] if res else {}
+        once = counts.get(str(-2.0), 0)
+        twice = sum(n for v, n in counts.items() if float(v) < -2.0)
+        lost = max(0, acked - once - twice)  # an acknowledged push whose index never moved
+        agree = all(r["counts"] == counts for r in res)
+        a_errors = [f"w{r['rank']}: {r['error']}" for r in res if r["error"]]
+        across = [_across(r["times"], asy["killed_at"]) for r in res]
+        a_worst = max((x for x in across if x is not None), default=None)
+        rows += [
+            Row("replication", f"async S=2 W=2 R=1, PSRT_HEARTBEAT_TIMEOUT 1 s: kill -9 of shard {asy['shard']}: "
+                "acknowledged pushes / applied once / lost / twice",
+                f"{acked} / {once} / {lost} / {twice}" + ("" if agree else " (the workers' final pulls differ)"),
+                "once = acknowledged, 0 lost, 0 twice",
+                acked == once and lost == 0 and twice == 0 and agree and not a_errors and asy["promoted"]),
+            Row("replication", "async: the step across the failover (slowest worker); worker errors",
+                f"{fmt_s(a_worst)}; {', '.join(a_errors) or 'none'}", f"< {FAILOVER_STEP_S:g} s",
+                a_worst is not None and a_worst < FAILOVER_STEP_S and not a_errors),
+        ]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    rows += _overhead(opts, raw)
+    return rows
+
+
+def _overhead(opts: argparse.Namespace, raw: dict[str, Any]) -> list[Row]:
+    """R=0 and R=1 in turn on one emulated cluster (W=4, S=2, every process on its own host, shaped links)."""
+    from psrt.emulation.netns import VirtualCluster, check_available
+
+    try:
+        check_available()
+    except psrt.ConfigError as exc:
+        print(f"replication: the emulated overhead part is skipped: {exc}", flush=True)
+        return [Row("replication", "overhead on the emulated cluster: skipped", str(exc)[:100])]
+    hosts = ["sched", "s0", "s1", "w0", "w1", "w2", "w3"]
+    points: list[dict[str, Any]] = []
+    with VirtualCluster(hosts, link=opts.repl_link) as vc:
+        port = 5720
+        for _ in range(opts.repl_pairs):  # alternated, so that a drift of the machine's load hits both alike
+            for replicas in (0, 1):
+                points.append(_overhead_point(opts, vc, replicas, port))
+                port += 1
+    raw.setdefault("replication", {})["overhead"] = points
+    rate = {r: float(np.mean([p["steps_per_s"] for p in points if p["replicas"] == r])) for r in (0, 1)}
+    cost = 1.0 - rate[1] / rate[0] if rate[0] > 0 else float("nan")
+    each = ", ".join(f"R={p['replicas']} {p['steps_per_s']:.2f}" for p in points)
+    shards = [s for p in points if p["replicas"] == 1 for s in p["shards"] if s["rounds"] > 0]
+    workers = 4
+    push = sum(s["bytes_in"] for s in shards) / max(1, sum(s["rounds"] for s in shards))
+    copy = sum(s["copy_bytes_sent"] for s in shards) / max(1, sum(s["rounds"] for s in shards))
+    excess = copy - push / workers
+    base = [s for p in points if p["replicas"] == 0 for s in p["shards"] if s["rounds"] > 0]
+    out0 = sum(s["tbf_out"] for s in base) / max(1, sum(s["rounds"] for s in base))
+    out1 = sum(s["tbf_out"] for s in shards) / max(1, sum(s["rounds"] for s in shards))
+    in0 = sum(s["tbf_in"] for s in base) / max(1, sum(s["rounds"] for s in base))
+    in1 = sum(s["tbf_in"] for s in shards) / max(1, sum(s["rounds"] for s in shards))
+    setup = (f"W=4 S=2 sync, {opts.repl_model} model, {opts.repl_compute_ms:g} ms compute, every host's link "
+             f"{opts.repl_link}")
+    return [
+        Row("replication", f"overhead ({setup}): worker-steps/s R=0 / R=1 (mean of {opts.repl_pairs} alternated "
+            f"pairs: {each})", f"{rate[0]:.2f} / {rate[1]:.2f}: R=1 costs {cost * 100:.1f} %",
+            f"<= {REPLICA_COST * 100:g} %", cost <= REPLICA_COST),
+        Row("replication", "R=1: per shard and round, copy bytes sent / bytes in (pushes) / excess over 1/W of them "
+            "(shards' counters)", f"{copy:,.0f} / {push:,.0f} B ({copy / push:.3f}); {excess:+,.0f} B",
+            f"<= 1/W = {1 / workers:.3f}, + {COPY_HEADER_BYTES} B", excess <= COPY_HEADER_BYTES),
+        Row("replication", "per shard host and round, its link's tbf bytes out / in, R=0 → R=1",
+            f"{out0:,.0f} → {out1:,.0f} B (+{out1 - out0:,.0f}) / {in0:,.0f} → {in1:,.0f} B (+{in1 - in0:,.0f})"),
+    ]
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace, dict[str, Any]], list[Row]]] = {
     "flood": scenario_flood, "sigstop": scenario_sigstop, "restore": scenario_restore, "worker": scenario_worker,
-    "linkcut": scenario_linkcut, "auth": scenario_auth}
+    "linkcut": scenario_linkcut, "auth": scenario_auth, "replication": scenario_replication}
+
+
+def replication_options(opts: argparse.Namespace, quick: bool, link: str = "1gbit",
+                        pairs: Optional[int] = None) -> argparse.Namespace:
+    """Set the replication scenario's sizes on ``opts`` (``quick``: shorter runs) and return it."""
+    opts.repl_steps = 60 if quick else 120
+    opts.repl_kill_at = opts.repl_steps // 3
+    opts.repl_async_steps = 80 if quick else 150
+    opts.repl_link, opts.repl_model, opts.repl_compute_ms = link, "4MB", 100.0
+    opts.repl_pairs = pairs or (1 if quick else 2)
+    opts.repl_overhead_steps = 80 if quick else 120  # >= 0.1 s each: longer than the settle and the window
+    opts.repl_settle, opts.repl_window = (1.5, 2.0) if quick else (3.0, 5.0)
+    return opts
 
 
 def table(rows: Sequence[Row]) -> str:
@@ -565,22 +889,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the chosen scenarios, print the table and the verdicts; 1 if any target was missed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default=",".join(SCENARIOS),
-                        help=f"comma-separated scenarios to run (default: all of {', '.join(SCENARIOS)})")
+                        help=f"comma-separated scenarios to run (default: all of {', '.join(SCENARIOS)}; linkcut and "
+                             "replication's overhead part need root)")
     parser.add_argument("--quick", action="store_true", help="20,000 malformed messages and shorter runs")
     parser.add_argument("--flood", type=int, default=None, help="malformed messages (default 100000, quick 20000)")
     parser.add_argument("--cut", type=float, default=5.0, help="seconds the link stays down (default 5)")
+    parser.add_argument("--replication-link", default="1gbit",
+                        help="replication: every emulated host's link, each way (default %(default)s)")
+    parser.add_argument("--replication-pairs", type=int, default=None,
+                        help="replication: alternated R=0, R=1 jobs on the emulated cluster (default 2, quick 1)")
     parser.add_argument("--json", default=None, help="write every row and the raw measurements to this file")
     opts = parser.parse_args(argv)
     chosen = [s.strip() for s in opts.only.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in RUNNERS]
     if unknown:
         parser.error(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+    if opts.replication_pairs is not None and opts.replication_pairs < 1:
+        parser.error(f"--replication-pairs must be at least 1, got {opts.replication_pairs}")
+    try:
+        parse_rate(opts.replication_link)
+    except psrt.ConfigError as exc:
+        parser.error(f"--replication-link: {exc}")
     if opts.flood is None:
         opts.flood = 20_000 if opts.quick else 100_000
     opts.baseline = 2.0 if opts.quick else 4.0
     opts.flood_timeout = 120.0 if opts.quick else 300.0
     opts.ride_steps = 100 if opts.quick else 150
     opts.elastic_steps = 250 if opts.quick else 400
+    replication_options(opts, opts.quick, opts.replication_link, opts.replication_pairs)
     logging.getLogger("psrt").setLevel(logging.ERROR)  # refused keys and reconnects are what we cause on purpose
 
     rows: list[Row] = []

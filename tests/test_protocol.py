@@ -46,6 +46,17 @@ def test_every_reply_round_trips_into_its_record():
     assert err == wire.ErrorReply(11, "protocol", "bad")
 
 
+def test_a_shards_stats_of_many_workers_decode():
+    """A shard's stats are one flat map with five entries per worker (and a replicated job's counters): the stats
+    of a job of 6 workers were refused as a malformed reply (at most 64 entries per map)."""
+    stats = {f"worker_{w}_{name}": 0 for w in range(100) for name in ("pushes", "dropped", "late_p50_s",
+                                                                       "late_p99_s", "host")}
+    reply = wire.decode_reply(wire.encode_stats(3, stats)[0], LIMITS)
+    assert reply.stats == stats
+    with pytest.raises(psrt.ProtocolError, match="max_map_len"):
+        wire.decode_reply(wire.encode_stats(3, {f"k{i}": 0 for i in range(5000)})[0], LIMITS)
+
+
 @pytest.mark.parametrize("op", [["params"], {"a": 1}, 5, None, True, b"", 1.5])
 def test_a_reply_whose_op_is_not_a_string_is_a_protocol_error(op):
     with pytest.raises(ProtocolError, match="unknown op"):

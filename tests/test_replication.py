@@ -296,6 +296,29 @@ def test_i4_a_round_is_answered_only_once_the_replica_holds_it_and_the_copy_is_e
         _close(pair, threads)
 
 
+def test_i4_the_shards_count_the_bytes_of_the_copies_they_send_and_take():
+    """The replica bytes per round (bench/chaos.py's replication overhead) come from these counters: a sync round's
+    copy carries the stepped parameters and optimizer slots once (not each worker's gradient), plus a header."""
+    from psrt.config import ClientConfig
+    from psrt.optim import SGD
+    from psrt.worker.client import Client
+
+    pair, threads, _ = _pair()
+    primary, replica = pair
+    try:
+        with Client(servers=[primary.endpoint], rank=0, num_workers=1, config=ClientConfig(timeout=10)) as client:
+            client.init({"w": np.zeros(5000, np.float32)}, optimizer=SGD(lr=0.1, momentum=0.9))
+            after_init = primary.stats()["copy_bytes_sent"]
+            for _ in range(3):
+                client.push_pull({"w": np.ones(5000, np.float32)})
+        sent, taken = primary.stats()["copy_bytes_sent"], replica.stats()["copy_bytes_taken"]
+        per_round = (sent - after_init) / 3
+        assert 2 * 5000 * 4 <= per_round < 2 * 5000 * 4 + 4096  # parameters and the momentum slot, and a header
+        assert sent == taken and after_init > 0
+    finally:
+        _close(pair, threads)
+
+
 # ---------------------------------------------------------------------------------------------- real processes
 def _sync_job(tmp_path, name: str, kills=(), steps: int = 120, env=None, servers: int = 2,
               replicas: int = 1, checkpoints=None, stats: Optional[list] = None) -> tuple[list[dict], str]:

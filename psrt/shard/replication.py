@@ -63,7 +63,8 @@ class ShardLike(Protocol):
     def stop(self) -> None: ...  # noqa: D102
     def close(self) -> None: ...  # noqa: D102
 
-__all__ = ["Replication", "Copier", "ShardLike", "sibling_endpoint", "peer_keys", "replayed", "apply_except"]
+__all__ = ["Replication", "Copier", "ShardLike", "sibling_endpoint", "frames_nbytes", "peer_keys", "replayed",
+           "apply_except"]
 
 log = logging.getLogger("psrt.replication")
 
@@ -78,6 +79,11 @@ def sibling_endpoint(bind: str, suffix: str) -> str:
         host = bind[len("tcp://"):].rpartition(":")[0]
         return f"tcp://{host}:*"
     return f"{bind}.{suffix}"  # ipc:// (a path) and inproc:// (a name)
+
+
+def frames_nbytes(frames: Sequence[Any]) -> int:
+    """The bytes of a message's frames (bytes, memoryviews or arrays alike)."""
+    return sum(memoryview(f).nbytes for f in frames)
 
 
 def peer_keys(directory: Optional[security.PathLike]) -> Optional[security.JobKeys]:
@@ -144,6 +150,8 @@ class Copier:
         self._acks: list[_HeldAck] = []
         self._next_id = 1
         self.copies_sent = 0
+        #: Bytes of every copy's frames, once per replica sent to (headers and tensors; not TCP's own).
+        self.copy_bytes_sent = 0
 
     def _connect(self) -> list[int]:
         """The live replicas, connected (those the scheduler dropped, closed): called on the serving thread."""
@@ -219,6 +227,7 @@ class Copier:
                 for j in live:
                     self._dealers[j].send(frames, self._timeout)
                 self.copies_sent += 1
+                self.copy_bytes_sent += frames_nbytes(frames) * len(live)
                 if not self._await(rid, live, frames):
                     break
                 live = [j for j in live if j in self._dealers]
@@ -312,7 +321,8 @@ class Copier:
 
     def stats(self) -> dict[str, Any]:
         """The range's copy counters, for :meth:`Server.stats`."""
-        return {"copies_sent": self.copies_sent, "copied_to": ",".join(map(str, self._dealers))}
+        return {"copies_sent": self.copies_sent, "copy_bytes_sent": self.copy_bytes_sent,
+                "copied_to": ",".join(map(str, self._dealers))}
 
 
 class Replication:
@@ -372,6 +382,8 @@ class Replication:
         #: the job ended or failed.
         self.tick: Callable[[], bool] = lambda: False
         self.copies_taken = self.copies_refused = 0
+        #: Bytes of the copies taken (their frames: headers and tensors).
+        self.copy_bytes_taken = 0
         #: Set when this shard cannot go on (promoted for a range it does not hold): its serving loop raises it.
         self.failure: Optional[PsrtError] = None
 
@@ -501,6 +513,7 @@ class Replication:
             self._unsynced.discard(req.range)
             log.warning("shard %d holds range %d now (a full copy from shard %d)", self.rank, req.range, req.sender)
         self.copies_taken += 1
+        self.copy_bytes_taken += frames_nbytes(frames)
         try:
             self._router.send(identity, messages.encode_replicated(req.id))
         except transport.SendDropped:
@@ -569,6 +582,7 @@ class Replication:
         """The replication counters and what this shard holds, for :meth:`Server.stats`."""
         own = self.copier.stats() if self.copier is not None else {}
         return {"replicas": self.replicas, **own, "copies_taken": self.copies_taken,
+                "copy_bytes_taken": self.copy_bytes_taken,
                 "copies_refused": self.copies_refused, "serving_ranges": ",".join(map(str, self.serving_ranges())),
                 "backed_ranges": ",".join(str(k) for k in self.backed if k not in self._promoted)}
 

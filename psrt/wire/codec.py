@@ -26,6 +26,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "MAX_U63",
     "MAX_WORKER",
+    "MAX_HEADER_MAP",
     "Key",
     "TensorMeta",
     "pack_header",
@@ -52,6 +53,10 @@ MAX_DIM = 1 << 40
 MAX_U63 = (1 << 63) - 1
 #: Largest worker rank, and number of workers W, on the wire.
 MAX_WORKER = 1 << 31
+#: Most entries of one map in a header. A shard's stats reply is one flat map that grows by five entries per worker
+#: (psrt.shard.stragglers) and by a replicated job's counters: 64 refused the stats of a job of 6 workers (4 when
+#: replicated). Every header is also bounded by its bytes (max_header_bytes).
+MAX_HEADER_MAP = 4096
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,7 @@ def unpack_header(data: Any, limits: WireLimits) -> dict[str, Any]:
             max_bin_len=0,
             max_ext_len=0,
             max_array_len=limits.max_tensors,
-            max_map_len=64,
+            max_map_len=MAX_HEADER_MAP,
         )
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise ProtocolError(f"header is not a valid msgpack map: {exc}") from None
