@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +48,26 @@ def test_every_reply_round_trips_into_its_record():
 
 
 def test_a_shards_stats_of_many_workers_decode():
-    """A shard's stats are one flat map with five entries per worker (and a replicated job's counters): the stats
-    of a job of 6 workers were refused as a malformed reply (at most 64 entries per map)."""
-    stats = {f"worker_{w}_{name}": 0 for w in range(100) for name in ("pushes", "dropped", "late_p50_s",
-                                                                       "late_p99_s", "host")}
+    """A shard's stats carry a row per worker (lateness, dropped pushes) in one ``workers`` entry, beside its
+    counters: a job of 1,000 workers decodes (five flat entries per worker had made the stats of 6 workers a
+    malformed reply, at most 64 entries per map then); a map may hold up to 4,096 entries, no more."""
+    from psrt.control.metrics import per_worker
+    from psrt.shard.stragglers import Lateness
+
+    late = Lateness()
+    for w in range(1000):
+        late.hosts[w] = "10.0.0.1"
+        late.pushes[w] = 3
+        late.samples[w] = deque([0.001 * w, 0.002 * w])
+    stats = {**{f"counter_{i}": i for i in range(60)}, **late.stats()}
     reply = wire.decode_reply(wire.encode_stats(3, stats)[0], LIMITS)
     assert reply.stats == stats
+    workers = per_worker(reply.stats)
+    assert sorted(workers) == list(range(1000))
+    assert workers[7] == {"pushes": 3, "dropped": 0, "late_p50_s": pytest.approx(0.0105), "late_p99_s":
+                          pytest.approx(0.01393), "host": "10.0.0.1"}
+    many = {f"k{i}": 0 for i in range(4096)}
+    assert wire.decode_reply(wire.encode_stats(3, many)[0], LIMITS).stats == many
     with pytest.raises(psrt.ProtocolError, match="max_map_len"):
         wire.decode_reply(wire.encode_stats(3, {f"k{i}": 0 for i in range(5000)})[0], LIMITS)
 

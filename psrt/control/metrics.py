@@ -62,15 +62,17 @@ class ServerCollector:
             yield family
 
 
+#: The fields of a row of a shard's ``workers`` stats, after the rank (:meth:`psrt.shard.stragglers.Lateness.stats`).
+WORKER_FIELDS = ("pushes", "dropped", "late_p50_s", "late_p99_s", "host")
+
+
 def per_worker(stats: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    """The per-worker entries ``worker_R_WHAT`` of a shard's flat stats (:mod:`psrt.shard.stragglers` makes them:
-    ``pushes``, ``dropped``, ``late_p50_s``, ``late_p99_s``, ``host``), by rank R."""
+    """A shard's per-worker stats (its ``workers`` rows) by rank: ``pushes``, ``dropped``, ``late_p50_s``,
+    ``late_p99_s``, ``host``. Rows of another shape (a newer shard's) are skipped."""
     out: dict[int, dict[str, Any]] = {}
-    for name, value in stats.items():
-        if name.startswith("worker_"):
-            rank, _, what = name[len("worker_"):].partition("_")
-            if rank.isdigit():
-                out.setdefault(int(rank), {})[what] = value
+    for row in stats.get("workers", ()):
+        if type(row) in (list, tuple) and len(row) == 1 + len(WORKER_FIELDS) and type(row[0]) is int:
+            out[row[0]] = dict(zip(WORKER_FIELDS, row[1:]))
     return out
 
 

@@ -156,19 +156,17 @@ class Lateness:
                 f"workers' typical median is {1e3 * typical:.0f} ms")
 
     def stats(self) -> dict[str, Any]:
-        """Flat stats, per worker rank r: ``worker_r_pushes``, ``worker_r_dropped``, ``worker_r_late_p50_s`` and
-        ``worker_r_late_p99_s`` (over the last :data:`SAMPLES` pushes), ``worker_r_host``
-        (:func:`psrt.control.metrics.per_worker` reads them back)."""
-        out: dict[str, Any] = {}
+        """The per-worker stats as one entry, ``workers``: a row ``[rank, pushes, dropped, late_p50_s, late_p99_s,
+        host]`` per worker measured (over the last :data:`SAMPLES` pushes); nothing when none was. One entry, not
+        five per worker, so that a shard's stats stay one small map at any W
+        (:func:`psrt.control.metrics.per_worker` reads the rows back by rank)."""
+        rows = []
         for worker in sorted(self.samples):
             values = np.fromiter(self.samples[worker], float)
             p50, p99 = np.percentile(values, [50, 99]) if values.size else (0.0, 0.0)
-            out[f"worker_{worker}_pushes"] = self.pushes.get(worker, 0)
-            out[f"worker_{worker}_dropped"] = self.dropped.get(worker, 0)
-            out[f"worker_{worker}_late_p50_s"] = float(p50)
-            out[f"worker_{worker}_late_p99_s"] = float(p99)
-            out[f"worker_{worker}_host"] = self.hosts.get(worker, "")
-        return out
+            rows.append([worker, self.pushes.get(worker, 0), self.dropped.get(worker, 0), float(p50), float(p99),
+                         self.hosts.get(worker, "")])
+        return {"workers": rows} if rows else {}
 
 
 

@@ -125,6 +125,12 @@ Reply = Union[ParamsReply, AckReply, StatsReply, ErrorReply, SavedReply, RowsRep
               lanes.LaneReply, lanes.ClosedReply]
 
 
+def _rows(value: Any) -> bool:
+    """Whether a stats value is rows of numbers and strings (a shard's per-worker ``workers`` table)."""
+    return type(value) is list and all(type(row) is list and all(type(x) in (int, float, str) for x in row)
+                                       for row in value)
+
+
 def decode_reply(data: Any, limits: WireLimits) -> Reply:
     """Decode a reply's header frame from a shard; a ``params`` reply's buffers follow as separate frames.
 
@@ -174,9 +180,9 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
         return AckReply(rid, uint_list(h, "versions"), h["duplicate"])
     if op == "stats":
         stats = h["stats"]
-        if type(stats) is not dict or any(type(k) is not str or type(v) not in (int, float, str)
+        if type(stats) is not dict or any(type(k) is not str or (type(v) not in (int, float, str) and not _rows(v))
                                           for k, v in stats.items()):
-            raise ProtocolError("stats reply: 'stats' must map names to numbers or strings")
+            raise ProtocolError("stats reply: 'stats' must map names to numbers, strings or rows of them")
         return StatsReply(rid, stats)
     if op == "saved":
         return SavedReply(rid, string(h, "path"))
