@@ -39,7 +39,7 @@ from typing import Any, Optional
 import numpy as np
 
 import psrt
-from psrt.control.process import SERVER_READY, parse_results, psrt_command, result_line
+from psrt.control.process import SERVER_READY, first_results, psrt_command, result_line
 from psrt.emulation.netns import VirtualCluster, check_available
 
 try:  # optional: `--help` works without it, and main() says what to install
@@ -142,12 +142,7 @@ def run_one(vc: VirtualCluster, name: str, args: argparse.Namespace) -> dict[str
                     "--lr", str(args.lr / W if mode != "sync" else args.lr), "--batch", str(args.batch),
                     "--eval-every", str(args.eval_every), "--seed", str(args.seed)]
             procs.append(vc.spawn(f"w{r}", wcmd, label=f"w{r} {name}"))
-        records = []
-        for p in procs[1:]:
-            out = p.communicate(timeout=900)
-            if p.returncode != 0:
-                raise RuntimeError(f"{name}: a worker failed ({p.returncode}):\n{out[-3000:]}")
-            records.append(parse_results(out)[0])
+        records = first_results(procs[1:], 900, name)
     finally:
         for p in procs:
             p.stop()

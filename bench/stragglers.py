@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from psrt.control.process import parse_results, psrt_command, result_line
+from psrt.control.process import first_results, parse_results, psrt_command, result_line
 
 LR = 0.125  # a power of two: -lr * N is exact in float32, so the check is equality
 SIZE = 1 << 14  # float32 entries of the one tensor
@@ -159,12 +159,7 @@ def digits(args: argparse.Namespace) -> int:
                             "--lr", str(args.lr), "--batch", str(args.batch), "--eval-every", str(args.eval_every),
                             *(["--straggler"] if straggler else [])]
                     procs.append(spawn(f"w{r}", wcmd, label=f"w{r} {name}"))
-                records = []
-                for p in procs[1:]:
-                    out = p.communicate(timeout=1800)
-                    if p.returncode != 0:
-                        raise RuntimeError(f"{name}: a worker failed ({p.returncode}):\n{out[-3000:]}")
-                    records.append(parse_results(out)[0])
+                records = first_results(procs[1:], 1800, name)
             finally:
                 for p in procs:
                     p.stop()

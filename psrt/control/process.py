@@ -33,7 +33,7 @@ from psrt.errors import ConfigError, PsrtError, PsrtTimeoutError
 
 __all__ = ["pid_alive", "Child", "ChildError", "popen", "stop_processes", "stop_children", "exit_status",
            "describe_exit", "psrt_command", "ready_line", "ready_pattern", "stopped_line", "result_line",
-           "parse_results", "SERVER_READY", "SCHEDULER_READY", "RESULT_PREFIX"]
+           "parse_results", "first_results", "SERVER_READY", "SCHEDULER_READY", "RESULT_PREFIX"]
 
 #: Prefix of a load-test worker's result line; the JSON object follows on the same line.
 RESULT_PREFIX = "psrt-worker-result "
@@ -318,6 +318,23 @@ class Child:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def first_results(children: Sequence[Child], timeout: float, what: str) -> list[dict[str, Any]]:
+    """Each child's first result line, in order, once it exited 0 within ``timeout`` seconds.
+
+    Raises
+    ------
+    RuntimeError
+        When a child exits with another code, naming ``what`` and the end of its output.
+    """
+    results = []
+    for child in children:
+        out = child.communicate(timeout=timeout)
+        if child.returncode != 0:
+            raise RuntimeError(f"{what}: a worker failed ({child.returncode}):\n{out[-3000:]}")
+        results.append(parse_results(out)[0])
+    return results
 
 
 def stop_children(children: Sequence[Child], grace: float = 5.0) -> list[int]:
