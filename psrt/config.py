@@ -58,7 +58,7 @@ from psrt.dtypes import check_compression
 from psrt.errors import ConfigError
 
 __all__ = ["WireLimits", "RowLimits", "ServerConfig", "ClientConfig", "ClusterConfig", "Flag", "flags",
-           "field_default", "MODES", "NONFINITE", "PIPELINE", "PROCESS_ROLES", "JOB_SETTINGS", "START_TIMEOUT",
+           "field_default", "MODES", "NONFINITE", "PIPELINE", "CUTS", "PROCESS_ROLES", "JOB_SETTINGS", "START_TIMEOUT",
            "HEARTBEAT_INTERVAL", "HEARTBEAT_TIMEOUT", "RESTART_GRACE", "WARN_AFTER", "parse_whole", "parse_count",
            "parse_seconds", "parse_interval", "parse_endpoint", "parse_bind"]
 
@@ -68,6 +68,9 @@ MODES = ("sync", "async", "ssp")
 NONFINITE = ("reject", "allow")
 #: ``ClientConfig.pipeline``'s values.
 PIPELINE = ("auto", "on", "off")
+#: How a job's workers cut tensors into chunks (a scheduler's table says which, :attr:`psrt.wire.Table.cut`):
+#: for shards on the workers' host, or for shards across a network (pieces that pipeline).
+CUTS = ("host", "network")
 
 #: The roles a process of a job can take (``PSRT_ROLE``); the scheduler is the one the others register with.
 PROCESS_ROLES = ("scheduler", "server", "worker")

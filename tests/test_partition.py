@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from psrt.errors import ConfigError
+from psrt.errors import ConfigError, ProtocolError
 from psrt.partition import MAX_CHUNKS_PER_MESSAGE, MIN_PIECE_BYTES, PIPELINE_PIECES, Chunk, PartitionMap, busiest_shard
 
 MiB = 1 << 20
@@ -434,3 +434,60 @@ def test_a_sockets_messages_carry_one_piece_each_and_a_lanes_group_them():
     assert sorted(len(socket[shard]) for shard in socket) == [1, 1], "a shard's small tensors share one message"
 
 
+
+
+# ---------------------------------------------------------------------------------------------- the job's cut
+def test_a_client_cuts_as_the_schedulers_table_says_whatever_endpoints_it_was_given():
+    from psrt.worker.plans import cuts_for_network
+
+    loopback, remote = ["tcp://127.0.0.1:5001", "ipc:///tmp/s1"], ["tcp://127.0.0.1:5001", "tcp://10.9.0.2:5002"]
+    # No table: the client's own list decides (every worker listing the same endpoints decides alike).
+    assert cuts_for_network("auto", None, loopback) is False
+    assert cuts_for_network("auto", None, remote) is True
+    # A shard moved to another host after the job formed on this one: a worker joining now cuts as the first did.
+    assert cuts_for_network("auto", "host", remote) is False
+    assert cuts_for_network("auto", "network", loopback) is True
+    # An explicit setting is the user's: it wins over the job's.
+    assert cuts_for_network("on", "host", loopback) is True
+    assert cuts_for_network("off", "network", remote) is False
+
+
+def test_the_scheduler_decides_the_cut_once_from_the_endpoints_the_job_formed_with():
+    import threading
+
+    from _helpers import scheduling
+
+    from psrt import transport, wire
+    from psrt.cluster.stats import job_table
+    from psrt.config import ClientConfig
+    from psrt.control.link import SchedulerLink
+
+    for endpoints, expected in ((["tcp://127.0.0.1:1", "ipc:///tmp/psrt-nowhere"], "host"),
+                                (["tcp://127.0.0.1:1", "tcp://192.0.2.7:2"], "network")):
+        with scheduling(2, 1) as sched:
+            assert job_table(sched.endpoint, ClientConfig()).cut is None  # not formed: nothing decided yet
+            ctx = transport.new_context()
+            links = [SchedulerLink(ctx, sched.endpoint) for _ in range(3)]
+            tables: list = [None] * 3
+            roles = [("server", endpoints[0]), ("server", endpoints[1]), ("worker", "")]
+
+            def register(i: int, links=links, roles=roles, tables=tables) -> None:
+                tables[i] = links[i].register(*roles[i], timeout=20.0)
+            try:
+                threads = [threading.Thread(target=register, args=(i,)) for i in range(3)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(30)
+                assert [t.cut for t in tables] == [expected] * 3
+                assert job_table(sched.endpoint, ClientConfig()).cut == expected
+            finally:
+                for link in links:
+                    link.close()
+                ctx.term()
+    # On the wire: an optional field, checked; a table without it is an older scheduler's (the client decides).
+    frames = wire.encode_table(1, 0, 1, 1, "sync", ["tcp://127.0.0.1:1"], cut="network")
+    assert wire.decode_control_reply(frames).cut == "network"
+    assert wire.decode_control_reply(wire.encode_table(1, 0, 1, 1, "sync", ["tcp://127.0.0.1:1"])).cut is None
+    with pytest.raises(ProtocolError, match="cut"):
+        wire.decode_control_reply(wire.encode_table(1, 0, 1, 1, "sync", ["tcp://127.0.0.1:1"], cut="everywhere"))

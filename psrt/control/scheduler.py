@@ -185,6 +185,7 @@ class Scheduler(Restarts):
         self._stop = threading.Event()
         self._forming = Formation(num_servers, num_workers, time.monotonic())  # registrations, until it forms
         self.servers: list[tuple[bytes, str]] = []  # (identity, endpoint) in shard order, once formed
+        self._cut: Optional[str] = None  # the job's tensor cut, once formed (see _form)
         self.workers: dict[int, bytes] = {}  # rank -> identity, once formed
         self._formed = False
         self._barriers = Barriers(start_timeout)
@@ -311,6 +312,10 @@ class Scheduler(Restarts):
         self.workers = {rank: p.identity for rank, p in workers}
         self._formed = True
         self._own_endpoints = [p.request.endpoint for p in servers]
+        # How every worker cuts tensors, decided once from the endpoints the job formed with (as a client without a
+        # scheduler decides from its own list): a worker that joins after a shard moved elsewhere cuts them as the
+        # first workers did, so the keys it pushes are the ones the shards hold.
+        self._cut = "host" if all(map(transport.on_this_host, self._own_endpoints)) else "network"
         if self._placement is not None:
             self._placement.endpoints = [list(p.request.replication) for p in servers]
         for index, p in enumerate(servers):
@@ -337,7 +342,7 @@ class Scheduler(Restarts):
                                            self._token if server else "")
         self._send(identity, wire.encode_table(rid, rank, self.num_servers, workers, self.mode,
                                                [ep for _, ep in self.servers], self.elastic, self.staleness,
-                                               replication, self.backup_workers))
+                                               replication, self.backup_workers, self._cut))
 
     def _fail_start(self) -> None:
         message = self._forming.missing(self.start_timeout)

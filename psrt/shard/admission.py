@@ -24,10 +24,16 @@ def check_shape(entry: Entry, meta: wire.TensorMeta) -> None:
     """``mismatch`` unless the message's tensor has the key's dtype and element count."""
     param = entry.param
     if (param.dtype is not meta.dtype and param.dtype != meta.dtype) or param.size != meta.count:
+        # Clients check a push's shapes before sending: a part of another length comes from an init of another
+        # shape, or from a worker that cut the tensor into other pieces.
+        hint = ("" if param.size == meta.count else
+                ": another worker initialized it with another shape, or cut it into other pieces (every worker must "
+                "list the shards alike, all by loopback or ipc:// endpoints, which cut for one host, or none, and "
+                "set PSRT_PIPELINE alike)")
         raise RequestRefused(
             "mismatch",
             f"tensor {meta.name!r} part {meta.part} holds {param.size} x {param.dtype} but the "
-            f"message has {meta.count} x {meta.dtype}",
+            f"message has {meta.count} x {meta.dtype}{hint}",
         )
 
 

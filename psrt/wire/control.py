@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence, Union
 
-from psrt.config import MODES, PROCESS_ROLES, WireLimits
+from psrt.config import CUTS, MODES, PROCESS_ROLES, WireLimits
 from psrt.errors import ProtocolError
 from psrt.wire.codec import MAX_U63, check_version, encode, op_of, string, uint, unpack_header
 
@@ -98,7 +98,7 @@ _REPLY_FIELDS: dict[str, frozenset[str]] = {
 }
 #: Fields a message may carry or leave out (replicated jobs only), taken out before its exact field set is checked.
 _OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {"register": ("replication",),
-                                                "table": ("replication", "backup_workers")}
+                                                "table": ("replication", "backup_workers", "cut")}
 #: Most endpoints a server announces for replication (its replication endpoint and one standby per range it backs).
 MAX_REPLICATION_ENDPOINTS = 1 << 8
 
@@ -339,6 +339,10 @@ class Table:
     #: Sync mode: backup workers b, a round closes on the first W - b pushes, or ``"auto"`` (sent only when b > 0,
     #: so that a table of a job without them is the one older processes know).
     backup_workers: Union[int, str] = 0
+    #: How every worker cuts tensors into chunks (:data:`CUTS`), decided by the scheduler when the job formed;
+    #: None when the table does not say (before formation, or from an older scheduler): the worker decides from
+    #: the endpoints.
+    cut: Optional[str] = None
     op: ClassVar[str] = "table"
 
 
@@ -501,9 +505,10 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
         replication = None
         if "replication" in optional:
             replication = _replication(optional["replication"])
+        cut = string(optional, "cut", allowed=CUTS) if "cut" in optional else None
         return Table(rid, _rank(h), uint(h, "num_servers", lo=1), uint(h, "num_workers"),
                      string(h, "mode", allowed=MODES), list(servers), h["elastic"], uint(h, "staleness", 1 << 31),
-                     replication, _backup_workers(optional))
+                     replication, _backup_workers(optional), cut)
     if op in ("members", "finished"):
         workers = h["workers"]
         if type(workers) is not list or any(type(r) is not int or not 0 <= r <= MAX_U63 for r in workers):
@@ -529,9 +534,10 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
 
 def encode_table(rid: int, rank: int, num_servers: int, num_workers: int, mode: str,
                  servers: list[str], elastic: bool = False, staleness: int = 0,
-                 replication: Optional[Replication] = None, backup_workers: Union[int, str] = 0) -> list[Any]:
-    """Frames of a ``table`` reply (``replication`` only in a replicated job's, ``backup_workers`` only when > 0:
-    a job without them sends the table older processes know)."""
+                 replication: Optional[Replication] = None, backup_workers: Union[int, str] = 0,
+                 cut: Optional[str] = None) -> list[Any]:
+    """Frames of a ``table`` reply (``replication`` only in a replicated job's, ``backup_workers`` only when > 0,
+    ``cut`` once the job formed: a job without them sends the table older processes know)."""
     header = {"op": "table", "id": rid, "rank": rank, "num_servers": num_servers, "num_workers": num_workers,
               "mode": mode, "servers": servers, "elastic": elastic, "staleness": staleness}
     if replication is not None:
@@ -540,6 +546,8 @@ def encode_table(rid: int, rank: int, num_servers: int, num_workers: int, mode: 
                                  "endpoints": [list(e) for e in replication.endpoints]}
     if backup_workers:
         header["backup_workers"] = backup_workers
+    if cut is not None:
+        header["cut"] = cut
     return encode(header)
 
 

@@ -34,7 +34,7 @@ from psrt.worker.calls import ShardCalls
 from psrt.worker.compress import Compressor
 from psrt.worker.embedding_client import EmbeddingClient, RowsHandle
 from psrt.worker.handles import Handle
-from psrt.worker.plans import Plans
+from psrt.worker.plans import Plans, cuts_for_network
 from psrt.worker.sender import ShardSender
 
 __all__ = ["Client", "Handle"]
@@ -90,6 +90,7 @@ class Client:
         self._elastic = False
         self._barriers = 0
         table_backup = 0
+        cut = None  # the job's cut, when a scheduler's table says it
         if servers is None:
             cluster = cluster if cluster is not None else ClusterConfig.from_env()
             scheduler = scheduler or cluster.scheduler
@@ -109,6 +110,7 @@ class Client:
             servers, rank, num_workers = table.servers, table.rank, table.num_workers
             self._elastic = table.elastic
             table_backup = table.backup_workers if table.mode == "sync" else 0
+            cut = table.cut
         else:
             rank = 0 if rank is None else rank
             num_workers = 1 if num_workers is None else num_workers
@@ -143,9 +145,7 @@ class Client:
         pipeline = self.config.pipeline
         self._senders = [ShardSender(shard, self._calls, self._lanes, rank, self._session, self._compressor, pipeline)
                          for shard in range(len(self.servers))]
-        # Every worker lists the same shards (and has the same setting), so every one cuts the tensors alike: by
-        # default for the network unless no shard can be more than this host away (ipc:// or loopback endpoints).
-        network = pipeline == "on" or (pipeline == "auto" and not all(map(transport.on_this_host, self.servers)))
+        network = cuts_for_network(pipeline, cut, self.servers)
         self._map = PartitionMap(len(self.servers), self.config.partition_bytes, self.config.limits.max_header_bytes,
                                  network=network)
         self._plans = Plans(self._map, rank, self._session, prefixes=compress is None)

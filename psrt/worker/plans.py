@@ -11,13 +11,31 @@ the lane (:func:`psrt.shm.lanes.call_bytes`), and for an uncompressed push each 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
-from psrt import wire
+from psrt import transport, wire
 from psrt.partition import MAX_CACHED_PLANS, Chunk, PartitionMap
 from psrt.shm.lanes import call_bytes
 
-__all__ = ["Plans", "ShardPlan"]
+__all__ = ["Plans", "ShardPlan", "cuts_for_network"]
+
+
+def cuts_for_network(pipeline: str, cut: Optional[str], servers: Sequence[str]) -> bool:
+    """Whether a client cuts tensors for shards across a network (:class:`psrt.partition.PartitionMap`'s
+    ``network``).
+
+    Every worker of a job must cut them alike: the shards hold the keys of the first worker's cut, and a worker
+    that cut otherwise is refused. ``pipeline`` (:attr:`psrt.config.ClientConfig.pipeline`) ``"on"`` or ``"off"``
+    decides. With ``"auto"``, the job's ``cut`` decides when a scheduler's table says it (decided once, from the
+    endpoints the job formed with, so that a worker joining after a shard moved to another host cuts as the first
+    ones did); without one, this client's ``servers``: for the network unless no shard can be more than this host
+    away (``ipc://`` or loopback endpoints), as every worker listing the same endpoints decides.
+    """
+    if pipeline != "auto":
+        return pipeline == "on"
+    if cut is not None:
+        return cut == "network"
+    return not all(map(transport.on_this_host, servers))
 
 
 @dataclass
