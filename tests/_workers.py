@@ -523,12 +523,12 @@ def replicated(steps: int, step_s: float, out: str) -> dict:
 
 
 def replicated_rows(steps: int, step_s: float, out: str, admit_after: int = 1, capacity: Optional[int] = None,
-                    vocab: int = 600) -> dict:
+                    vocab: int = 600, pause: float = 0.0) -> dict:
     """Sync training of an embedding table under a scheduler (AdaGrad), rows spread over every shard: each step
     pulls and pushes the same ids on every worker (a function of the step), with gradients a function of the
     rank, the step and the id (of the step and the id alone with ``admit_after`` or ``capacity``, whose choices
-    then do not depend on which worker's push came first). Prints ``step N`` after each step; saves the final rows
-    of every id in ``out`` (an .npz)."""
+    then do not depend on which worker's push came first). Prints ``step N`` after each step (and waits ``step_s``
+    + ``pause``); saves the final rows of every id in ``out`` (an .npz)."""
     gaps, last = [], None
     with psrt.Client(config=ClientConfig(timeout=60)) as client:
         rank = client.rank
@@ -545,7 +545,7 @@ def replicated_rows(steps: int, step_s: float, out: str, admit_after: int = 1, c
                 gaps.append(now - last)
             last = now
             print(f"step {step}", flush=True)
-            time.sleep(step_s)
+            time.sleep(step_s + pause)
         client.barrier()
         final = client.pull_rows("emb", np.arange(vocab))
         client.barrier()

@@ -227,3 +227,18 @@ def test_i4_i5_async_a_sigkilled_shard_loses_no_acknowledged_row_push_and_applie
     assert "key range 0 is served by its replica" in sched.output, sched.output
     for res in results:
         assert res["counts"] == {"-1.0": workers * steps * 2}, res  # once each: none lost, none twice
+
+
+@pytest.mark.integration
+def test_i2_i5_a_server_in_a_dead_shards_place_gets_the_tables_by_state_transfer(tmp_path):
+    """S = 3, R = 1: shard 0 dies (shard 1 serves range 0); a server started later takes rank 0's place as range
+    2's replica, getting its rows whole; then shard 2 dies and the newcomer serves range 2's rows: bit-identical."""
+    args = {"vocab": 600, "pause": 0.03}
+    clean, _ = _sync_job(tmp_path, "clean", env=FAST, servers=3, steps=100, role="replicated_rows", args=args)
+    failed, sched = _sync_job(tmp_path, "rejoin", kills=[(15, 0), (35, None), (60, 2)], env=FAST, servers=3,
+                              steps=100, role="replicated_rows", args=args)
+    assert "joined the job again as a replica of key ranges [2]" in sched, sched
+    assert "key range 2 is served by its replica, server 0" in sched, sched
+    for a, b in zip(clean, failed):
+        assert a["steps"] == b["steps"] == 100
+        assert np.array_equal(a["params"]["emb"], b["params"]["emb"])

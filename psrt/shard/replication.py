@@ -25,6 +25,9 @@ channels, both DEALER/ROUTER in a ZeroMQ context of their own (with keys: CURVE,
 
 A promoted standby copies its whole range to the range's other live holders before it serves
 (:meth:`Copier.catch_up`), then each round as its primary did, so a range survives R successive deaths.
+
+A range's embedding tables ride the same channel (:mod:`psrt.shard.tablecopy`, :meth:`Copier.deliver`): the rows a
+round or push touched, copied before it is answered, and every table whole wherever the dense keys go whole.
 """
 
 from __future__ import annotations
@@ -221,7 +224,7 @@ class Copier:
             self._fresh.clear()
             if self.rows is not None and live:  # the tables first: the dense copy's `full` makes the range held
                 self.rows.copy_all()
-        if live and keys:
+        if live and (keys or full):  # (a range of tables alone still says, with no keys, that it is whole)
             settled = self._settled(store)
             batches = _batches(keys, store)
             for n, batch in enumerate(batches):  # (a whole range in messages the replicas' limits take)

@@ -42,8 +42,8 @@ _RECORD: dict[str, tuple[type, ...]] = {
     "name": (str,), "dim": (int,), "dtype": (str,), "optimizer": (dict,), "init": (str,), "a": (float, int),
     "b": (float, int), "seed": (int,), "num_rows": (int, type(None)), "max_rows": (int,), "used": (int,),
     "version": (int,), "contributors": (list,), "expected": (list,), "slots": (list,), "layout": (int,),
-    "delta": (bool,), "policy": (dict, type(None)), "tick": (int,), "evicted": (int,), "admitted": (int,), "rows": (int,),
-    "round": (bool,), "pending": (dict, type(None))}
+    "delta": (bool,), "policy": (dict, type(None)), "tick": (int,), "evicted": (int,), "admitted": (int,),
+    "rows": (int,), "round": (bool,), "pending": (dict, type(None))}
 _INTS = ("dim", "seed", "max_rows", "used", "version", "tick", "evicted", "admitted", "rows")
 _MAX_DIM = 1 << 20
 _MAX_SLOTS = 8
