@@ -191,9 +191,11 @@ def test_i5_a_sigkilled_shard_loses_no_row_and_stops_nobody(tmp_path, policy):
     assert table.name == "emb" and table.version == 60 and table.used > 0
 
 
+@pytest.mark.parametrize("mode", ["async", "ssp"])
 @pytest.mark.integration
-def test_i4_i5_async_a_sigkilled_shard_loses_no_acknowledged_row_push_and_applies_none_twice():
-    """Async, S = 2, W = 2, R = 1: every push_rows is copied before it is acknowledged. Each push is recognisable
+def test_i4_i5_async_a_sigkilled_shard_loses_no_acknowledged_row_push_and_applies_none_twice(mode):
+    """Async and ssp, S = 2, W = 2, R = 1: every push_rows is copied before it is acknowledged (ssp: with the
+    table's clocks). Each push is recognisable
     (its own id's row moves by exactly -1): after a SIGKILL of a shard mid-run, every row moved exactly once."""
     import signal
 
@@ -203,7 +205,8 @@ def test_i4_i5_async_a_sigkilled_shard_loses_no_acknowledged_row_push_and_applie
 
     workers, steps = 2, 150
     sched = Child(psrt_command("scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "2", "--workers",
-                               str(workers), "--mode", "async", "--replicas", "1"), label="scheduler",
+                               str(workers), "--mode", mode, "--replicas", "1",
+                               *(["--staleness", "1"] if mode == "ssp" else [])), label="scheduler",
                   ready=SCHEDULER_READY, env=FAST)
     children, procs, results = [sched], [], []
     try:

@@ -172,7 +172,7 @@ def take(service: Any, req: messages.RowsCopy) -> Optional[str]:
         return f"table {req.table!r}: {exc}"
     if sorted(spec.optimizer.slots) != list(record["slots"]):
         return f"table {req.table!r}: slots {record['slots']} are not {spec.optimizer.name}'s"
-    if record["max_rows"] < record["used"] or (spec.capacity is not None and record["used"] > record["max_rows"]):
+    if record["used"] > record["max_rows"]:
         return f"table {req.table!r}: {record['used']} rows above its cap of {record['max_rows']}"
     table = service.tables.get(req.table)
     if table is not None and table.spec != spec:
@@ -187,8 +187,9 @@ def take(service: Any, req: messages.RowsCopy) -> Optional[str]:
         log.error("table %r's copy left it inconsistent: %s", req.table, exc)
         return f"table {req.table!r}: {exc}"
     service.tables[req.table] = target
-    for (t, w) in [k for k in service.logs if k[0] == req.table and req.full]:
-        del service.logs[(t, w)]
+    if req.full:  # the whole table: its sequence numbers are the copy's alone
+        for key in [k for k in service.logs if k[0] == req.table]:
+            del service.logs[key]
     for worker, session, seq in req.logs:
         service.logs[(req.table, worker)] = WorkerLog(session, seq)
     service.set_clocks(req.table, req.clocks)
