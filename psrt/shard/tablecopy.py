@@ -97,7 +97,8 @@ class TableCopies:
         """Every table whole, to every live replica (one that connected anew, or those of a range taken over)."""
         for name, table in self.service.tables.items():
             record, arrays = table.state(False)
-            self._send(name, record, arrays, True)
+            # Copies, not views: a replica given up on may leave the frames queued while the table grows (a realloc).
+            self._send(name, record, [np.array(a) for a in arrays], True)
 
     # ------------------------------------------------------------------ internals
     def _send(self, name: str, record: dict[str, Any], arrays: list[np.ndarray], full: bool) -> None:
