@@ -522,9 +522,59 @@ def replicated(steps: int, step_s: float, out: str) -> dict:
     return {"rank": rank, "max_gap": max(gaps), "steps": steps}
 
 
+def replicated_rows(steps: int, step_s: float, out: str, admit_after: int = 1, capacity: Optional[int] = None,
+                    vocab: int = 600, pause: float = 0.0) -> dict:
+    """Sync training of an embedding table under a scheduler (AdaGrad), rows spread over every shard: each step
+    pulls and pushes the same ids on every worker (a function of the step), with gradients a function of the
+    rank, the step and the id (of the step and the id alone with ``admit_after`` or ``capacity``, whose choices
+    then do not depend on which worker's push came first). Prints ``step N`` after each step (and waits ``step_s``
+    + ``pause``); saves the final rows of every id in ``out`` (an .npz)."""
+    gaps, last = [], None
+    with psrt.Client(config=ClientConfig(timeout=60)) as client:
+        rank = client.rank
+        client.init_embedding("emb", 8, psrt.AdaGrad(lr=0.1), seed=3, admit_after=admit_after, capacity=capacity)
+        by_rank = admit_after == 1 and capacity is None
+        for step in range(steps):
+            ids = np.random.default_rng(step).integers(0, vocab, 96)
+            rows = client.pull_rows("emb", ids)
+            scale = np.float32((rank + 1 if by_rank else 1) * np.cos(step * 0.1))
+            grads = (np.sin(ids[:, None] * 0.01 + np.arange(8)) * scale).astype(np.float32) + rows * np.float32(0.1)
+            client.push_rows("emb", ids, grads)
+            now = time.monotonic()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            print(f"step {step}", flush=True)
+            time.sleep(step_s + pause)
+        client.barrier()
+        final = client.pull_rows("emb", np.arange(vocab))
+        client.barrier()
+    np.savez(out, emb=final)
+    return {"rank": rank, "max_gap": max(gaps), "steps": steps}
+
+
+def ride_rows(steps: int, step_s: float, workers: int) -> dict:
+    """Async pushes of an embedding table under a scheduler, each recognisable: push (rank, step) gives the row of
+    id rank*T + step a gradient of ones (SGD lr=1, rows start at 0), so after training a row at 0 is a push lost,
+    -1 applied once, -2 twice. Prints ``training`` after the first push; returns the counts of the final values."""
+    with psrt.Client(config=ClientConfig(timeout=60)) as client:
+        rank = client.rank
+        client.init_embedding("emb", 2, psrt.SGD(lr=1.0), init="zeros")
+        for step in range(steps):
+            client.push_rows("emb", np.array([rank * steps + step]), np.ones((1, 2), np.float32))
+            if step == 0:
+                print("training", flush=True)
+            time.sleep(step_s)
+        client.barrier()
+        final = client.pull_rows("emb", np.arange(workers * steps))
+        client.barrier()
+    values, counts = np.unique(final, return_counts=True)
+    return {"rank": rank, "counts": {str(float(v)): int(c) for v, c in zip(values, counts)}}
+
+
 ROLES: dict[str, Callable[..., dict]] = {f.__name__: f for f in (
     async_pusher, sync_slice, ride, scheduled, liveness, crash, secure, momentum, split_steps, lane_probe, ssp,
-    torch_cnn, embedding_clicks, virtual_crash, virtual_vanish, replicated)}
+    torch_cnn, embedding_clicks, virtual_crash, virtual_vanish, replicated, replicated_rows, ride_rows)}
 
 
 def main(argv: list[str]) -> int:

@@ -321,11 +321,13 @@ def test_i4_the_shards_count_the_bytes_of_the_copies_they_send_and_take():
 
 # ---------------------------------------------------------------------------------------------- real processes
 def _sync_job(tmp_path, name: str, kills=(), steps: int = 120, env=None, servers: int = 2,
-              replicas: int = 1, checkpoints=None, stats: Optional[list] = None) -> tuple[list[dict], str]:
+              replicas: int = 1, checkpoints=None, stats: Optional[list] = None, role: str = "replicated",
+              args: Optional[dict] = None) -> tuple[list[dict], str]:
     """A sync job, S = ``servers``, W = 2, R = ``replicas``, of ``replicated`` workers (SGD with momentum,
     deterministic gradients); ``kills``: ``(step, rank)`` pairs, the shard of that rank SIGKILLed once worker 0
     finished that step. Returns the workers' results (their final parameters loaded) and the scheduler's output;
-    ``stats`` gets what ``psrt stats`` printed 30 steps after the last kill."""
+    ``stats`` gets what ``psrt stats`` printed 30 steps after the last kill; ``role`` and ``args``: another worker
+    of ``tests/_workers.py`` that prints ``step N`` and saves its final parameters in ``out``."""
     import io
     import signal
 
@@ -343,8 +345,9 @@ def _sync_job(tmp_path, name: str, kills=(), steps: int = 120, env=None, servers
         serve = ("server", "--scheduler", endpoint) + (("--checkpoint-dir", str(checkpoints)) if checkpoints else ())
         children += [Child(psrt_command(*serve), label=f"shard {i}", ready=SERVER_READY, env=env)
                      for i in range(servers)]
-        procs = [start_worker("replicated", env={**env, "PSRT_SCHEDULER": endpoint, "PSRT_WORKER_ID": str(r)},
-                              steps=steps, step_s=0.01, out=str(tmp_path / f"{name}-{r}.npz")) for r in range(2)]
+        procs = [start_worker(role, env={**env, "PSRT_SCHEDULER": endpoint, "PSRT_WORKER_ID": str(r)},
+                              steps=steps, step_s=0.01, out=str(tmp_path / f"{name}-{r}.npz"), **(args or {}))
+                 for r in range(2)]
         ready = [c.wait_ready(30) for c in children[1:]]
         for kill_at, rank in kills:  # rank None: a new server joins the job then
             for line in procs[0].stdout:
@@ -464,20 +467,6 @@ def test_stats_shows_each_key_ranges_primary_and_replicas():
         "  range 1: shard 1 (tcp://b:2), replicas: shard 2",
         "  range 2: shard 2 (tcp://b:3), replicas: none left"]
     assert format_ranges(wire.Table(0, -1, 1, 1, "sync", ["tcp://a:1"])) == ""
-
-
-def test_an_embedding_table_is_refused_in_a_replicated_job_rather_than_lost_at_a_failover():
-    from psrt.errors import ServerError
-    from psrt.worker.client import Client
-
-    pair, threads, _ = _pair()
-    try:
-        with Client(servers=[pair[0].endpoint], rank=0, num_workers=1) as client:
-            with pytest.raises(ServerError, match="not replicated yet"):
-                client.init_embedding("emb", 4)
-        assert pair[0].tables.stats().get("tables", 0) == 0
-    finally:
-        _close(pair, threads)
 
 
 @pytest.mark.integration

@@ -106,6 +106,8 @@ class RowTable:
         self.tick = 0  # pushes taken in, the clock of least-recently-pushed eviction
         self.evicted = self.admitted = 0
         self.removed: list[np.ndarray] = []  # ids evicted since the last checkpoint
+        #: Ids evicted since the last copy to the replicas (a replicated job sets a list: psrt.shard.tablecopy).
+        self.copy_removed: Optional[list[np.ndarray]] = None
         self.pending = Pending(spec.admit_after, spec.max_pending or DEFAULT_MAX_PENDING) \
             if spec.admit_after > 1 else None
         self._swept = -np.inf  # when ttl's last sweep ran
@@ -275,6 +277,8 @@ class RowTable:
         self.used -= len(gone)
         self.evicted += len(gone)
         self.removed.append(gone)
+        if self.copy_removed is not None:
+            self.copy_removed.append(gone)
         return len(gone)
 
     # ------------------------------------------------------------------ checkpoints

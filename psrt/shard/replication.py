@@ -25,6 +25,9 @@ channels, both DEALER/ROUTER in a ZeroMQ context of their own (with keys: CURVE,
 
 A promoted standby copies its whole range to the range's other live holders before it serves
 (:meth:`Copier.catch_up`), then each round as its primary did, so a range survives R successive deaths.
+
+A range's embedding tables ride the same channel (:mod:`psrt.shard.tablecopy`, :meth:`Copier.deliver`): the rows a
+round or push touched, copied before it is answered, and every table whole wherever the dense keys go whole.
 """
 
 from __future__ import annotations
@@ -43,8 +46,10 @@ from psrt.config import ServerConfig
 from psrt.control import security
 from psrt.errors import ConfigError, ProtocolError, PsrtError
 from psrt.partition import backed_ranges
+from psrt.shard import tablecopy
 from psrt.shard.store import Key, Store, WorkerLog
 from psrt.wire import replication as messages
+from psrt.wire import rowcopy
 
 
 class ShardLike(Protocol):
@@ -52,6 +57,7 @@ class ShardLike(Protocol):
 
     config: ServerConfig
     store: Store
+    tables: Any
     endpoint: str
     replies: Any
 
@@ -152,6 +158,8 @@ class Copier:
         self.copies_sent = 0
         #: Bytes of every copy's frames, once per replica sent to (headers and tensors; not TCP's own).
         self.copy_bytes_sent = 0
+        #: The range's embedding tables' copies (:class:`psrt.shard.tablecopy.TableCopies`, which sets itself).
+        self.rows: Optional[Any] = None
 
     def _connect(self) -> list[int]:
         """The live replicas, connected (those the scheduler dropped, closed): called on the serving thread."""
@@ -214,7 +222,9 @@ class Copier:
             keys = list(store.entries)
             self._included = {k: included.get(k, {}) for k in keys}
             self._fresh.clear()
-        if live and keys:
+            if self.rows is not None and live:  # the tables first: the dense copy's `full` makes the range held
+                self.rows.copy_all()
+        if live and (keys or full):  # (a range of tables alone still says, with no keys, that it is whole)
             settled = self._settled(store)
             batches = _batches(keys, store)
             for n, batch in enumerate(batches):  # (a whole range in messages the replicas' limits take)
@@ -240,7 +250,26 @@ class Copier:
     def catch_up(self) -> None:
         """A promoted range, before it serves: its whole state to its remaining replicas (whose last copy may be a
         round behind this one's)."""
-        self.commit(list(self.server.store.entries))
+        self.commit(list(self.server.store.entries))  # (its replicas are all new to it: its tables go whole too)
+
+    def deliver(self, make: Callable[[int], list[Any]]) -> None:
+        """One message other than a dense copy (a table's, :mod:`psrt.shard.tablecopy`) to every live replica,
+        awaited as a round's copy is; ``make(request id)`` gives its frames. A replica that connected anew gets the
+        whole range first."""
+        live = self._connect()
+        if self._fresh:
+            self.commit([])
+            live = self._connect()
+        if not live:
+            return
+        rid = self._next_id
+        self._next_id += 1
+        frames = make(rid)
+        for j in live:
+            self._dealers[j].send(frames, self._timeout)
+        self.copies_sent += 1
+        self.copy_bytes_sent += frames_nbytes(frames) * len(live)
+        self._await(rid, live, frames)
 
     def _await(self, rid: int, live: list[int], frames: list[Any]) -> bool:
         """Wait until every one of ``live`` acknowledged copy ``rid`` (or is dropped); False: the job ended."""
@@ -486,6 +515,9 @@ class Replication:
                     self._take_over(k)
 
     def _take(self, identity: bytes, frames: list[Any]) -> None:
+        if rowcopy.is_rows_copy(frames, self._limits):
+            self._take_rows(identity, frames)
+            return
         try:
             req = messages.decode_replicate(frames, self._limits)
         except ProtocolError as exc:
@@ -519,7 +551,30 @@ class Replication:
         except transport.SendDropped:
             log.warning("the acknowledgement of range %d's copy could not be sent", req.range)
 
-    def _refusal(self, req: messages.ReplicateRequest) -> Optional[tuple[str, str]]:
+    def _take_rows(self, identity: bytes, frames: list[Any]) -> None:
+        """A copy of one embedding table of a backed range (:mod:`psrt.shard.tablecopy`): checked as a dense copy
+        is, then whole, before anything changes."""
+        try:
+            req = rowcopy.decode_replicate_rows(frames, self._limits)
+        except ProtocolError as exc:
+            self._refuse(identity, getattr(exc, "request_id", None) or 0, "protocol", str(exc))
+            return
+        why = self._refusal(req)
+        if why is not None:
+            self._refuse(identity, req.id, *why)
+            return
+        problem = tablecopy.take(self._standbys[self.backed.index(req.range)].tables, req)
+        if problem is not None:
+            self._refuse(identity, req.id, "conflict", problem)
+            return
+        self.copies_taken += 1
+        self.copy_bytes_taken += frames_nbytes(frames)
+        try:
+            self._router.send(identity, messages.encode_replicated(req.id))
+        except transport.SendDropped:
+            log.warning("the acknowledgement of range %d's table copy could not be sent", req.range)
+
+    def _refusal(self, req: messages.ReplicateRequest | rowcopy.RowsCopy) -> Optional[tuple[str, str]]:
         """Why a copy is not taken (None: it is): not the job's, not a range this shard backs, not from its
         current primary, or a range this shard serves itself now."""
         if not self.token or not hmac.compare_digest(req.token.encode(), self.token.encode()):

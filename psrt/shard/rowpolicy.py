@@ -182,6 +182,8 @@ class Pending:
         self.used = 0
         self.forgotten = 0  # ids dropped for the bound or by ttl, counts and all
         self.removed: list[np.ndarray] = []  # ids that left (admitted or forgotten) since the last checkpoint
+        #: Ids that left since the last copy to the replicas (a replicated job sets a list: psrt.shard.tablecopy).
+        self.copy_removed: Optional[list[np.ndarray]] = None
         self._oldest = Oldest()
         self._alloc(min(_MIN, limit + 1))
 
@@ -250,6 +252,8 @@ class Pending:
                                  [self.counts, self.last, self.when, self.dirty])
             self.used -= len(gone)
             self.removed.append(gone)
+            if self.copy_removed is not None:
+                self.copy_removed.append(gone)
 
     def counts_of(self, ids: np.ndarray) -> np.ndarray:
         """Each id's count so far (0: not pending)."""

@@ -43,6 +43,7 @@ from psrt.shard.recovery import Checkpointer, Recovery
 from psrt.shard.replication import Copier, Replication
 from psrt.shard.store import Entry, Key, Store
 from psrt.shard.stragglers import REPORT_EVERY_S, Lateness
+from psrt.shard.tablecopy import TableCopies
 from psrt.shm.lanes import ShardLane, ShardLanes
 from psrt.wire import compression
 
@@ -206,12 +207,15 @@ class Server(Recovery):
         sent again that its copied state holds in part is applied to the rest of its keys only (``included``)."""
         self._replication = copier
         self._included = included
+        self.tables.copies = TableCopies(copier, self.tables)  # its tables are copied on too
 
     def join(self, table: wire.Table) -> None:
         """Adopt the scheduler's table (:meth:`Recovery.join`) and, in a replicated job, start copying."""
         super().join(table)
         if isinstance(self._replication, Replication):
             self._replication.start(table)
+            assert self._replication.copier is not None
+            self.tables.copies = TableCopies(self._replication.copier, self.tables)
 
     def _on_ranges(self, notice: wire.Ranges) -> None:
         if isinstance(self._replication, Replication):
@@ -321,9 +325,6 @@ class Server(Recovery):
             elif isinstance(req, wire.InitRequest):
                 self._init(identity, req)
             elif isinstance(req, tables.REQUESTS):
-                if self._replication is not None and isinstance(req, wire.InitTableRequest):
-                    raise RequestRefused("not_replicated", "embedding tables are not replicated yet, and this job "
-                                         "runs with --replicas: start it without --replicas to use embedding tables")
                 self.tables.handle(identity, req)
             elif isinstance(req, wire.LaneProbeRequest):
                 self._reply(identity, self.lanes.probe(req))

@@ -74,6 +74,9 @@ class TableService:
         self.clock: Callable[[], float] = time.time
         #: Says why a sync round needing a finished worker is refused (set by :meth:`set_finished`).
         self.finished_message: Callable[[int], str] = str
+        #: A replicated job: the copies of these tables to the range's replicas
+        #: (:class:`psrt.shard.tablecopy.TableCopies`), made before anything a push or init made true is answered.
+        self.copies: Optional[Any] = None
 
     # ------------------------------------------------------------------ dispatch
     def handle(self, identity: bytes, req: RowRequest) -> None:
@@ -149,6 +152,8 @@ class TableService:
         self.tables[req.table] = table  # only once everything above passed
         if req.rows is not None:
             table.set_missing(req.ids, req.rows)
+        if self.copies is not None:  # the table (and its rows) held R + 1 times before any worker learns of it
+            self.copies.commit(req.table, table, req.ids if req.rows is not None else None)
         self._reply(identity, wire.encode_ack(req.id, [table.version], existed))
 
     # ------------------------------------------------------------------ push
@@ -175,7 +180,8 @@ class TableService:
         log = self.logs.get((req.table, req.worker))
         if log is not None and log.session == req.session and req.seq <= log.last_seq:
             target = table.version + (1 if req.worker in table.round.contributors else 0)
-            self._reply(identity, wire.encode_ack(req.id, [target], True))
+            if self.copies is None or not self.copies.hold(identity, req.id, req.table, target, True):
+                self._reply(identity, wire.encode_ack(req.id, [target], True))
             return
         if self._late(table, req):  # dropped, never applied; taken (its seq), answered with what its pushes reach
             if log is None or log.session != req.session:
@@ -189,6 +195,8 @@ class TableService:
             return
         now = self.clock()  # (a dropped push counts toward no admission and refreshes no row)
         slots, grads = table.push(req.ids, req.grads, now)
+        if self.copies is not None:
+            self.copies.pushed(req.table, req.ids)
         if log is None or log.session != req.session:
             self.logs[(req.table, req.worker)] = WorkerLog(req.session, req.seq)
         else:
@@ -200,6 +208,8 @@ class TableService:
             if self.store.mode == "ssp":
                 clocks = self._clocks.setdefault(req.table, {})
                 clocks[req.worker] = max(clocks.get(req.worker, 0), req.clock)
+            if self.copies is not None:  # every push is a step: held R + 1 times before it is acknowledged
+                self.copies.commit(req.table, table)
             self._reply(identity, wire.encode_ack(req.id, [table.version], False))
             self._completed(req.table, table)
             return
@@ -208,7 +218,8 @@ class TableService:
             rnd.expected = self.store.members
         rnd.add(req.worker, slots, grads)
         table.evict_due(now)  # never the round's rows: a capacity may be passed until the round completes
-        self._reply(identity, wire.encode_ack(req.id, [table.version + 1], False))
+        if self.copies is None or not self.copies.hold(identity, req.id, req.table, table.version + 1, False):
+            self._reply(identity, wire.encode_ack(req.id, [table.version + 1], False))
         if self._round_done(table):
             self._step_round(req.table, table)
 
@@ -238,6 +249,8 @@ class TableService:
         rnd.clear()
         table.evict_due(self.clock())
         self.rounds += 1
+        if self.copies is not None:  # the round's rows held R + 1 times before its pulls and acks are answered
+            self.copies.commit(name, table)
         self._completed(name, table)
 
     def _completed(self, name: str, table: RowTable) -> None:
@@ -323,6 +336,19 @@ class TableService:
                 return
         table.evict_due(self.clock())  # a pull sees no row whose ttl has passed
         self._reply(identity, wire.encode_rows(req.id, req.table, table.version, table.gather(req.ids)))
+
+    # ------------------------------------------------------------------ replication
+    def reply(self, identity: bytes, frames: list[Any]) -> None:
+        """Send a reply (an ack held until its round was copied)."""
+        self._reply(identity, frames)
+
+    def clocks_of(self, name: str) -> dict[int, int]:
+        """ssp: each worker's latest applied clock of table ``name``."""
+        return self._clocks.get(name, {})
+
+    def set_clocks(self, name: str, clocks: dict[int, int]) -> None:
+        """A replica: adopt the ssp clocks of table ``name`` its copy carried."""
+        self._clocks[name] = dict(clocks)
 
     # ------------------------------------------------------------------ checkpoints
     def state(self, delta: bool = False) -> tuple[list[tuple[dict[str, Any], list[np.ndarray]]], list[list[Any]]]:

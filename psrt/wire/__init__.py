@@ -66,7 +66,7 @@ others go on; ``moved {shard, endpoint}`` to the workers when a shard restarted 
 endpoint, or when a replica took a dead shard's key range over; ``ranges {holders, endpoints}`` to the servers of a
 replicated job when a shard died or another took its place. A replicated job's ``register`` (a server's) and
 ``table`` also carry ``replication`` (:mod:`psrt.wire.control`); the copies themselves travel between shards
-(:mod:`psrt.wire.replication`).
+(:mod:`psrt.wire.replication`; an embedding table's, :mod:`psrt.wire.rowcopy`).
 A ``beats`` naming ranks the scheduler does not count is also answered ``not_members {workers, message}``.
 """
 
