@@ -50,9 +50,9 @@ What each case checks, from the documented semantics (README, docs/architecture.
   zero as at a restart (the client's channel to that range connects anew).
 
 Pairs psrt cannot run together are left out (:data:`INVALID`, :func:`valid`) and tested apart, each refused up
-front with a clear error: a replicated job is not elastic, and its shards hold no embedding tables yet. The
-refusals at the other factors' edges are tested at the end, with separate and with shared processes, and under a
-scheduler a refusing worker must end the job promptly.
+front with a clear error: a replicated job is not elastic. The refusals at the other factors' edges are tested
+at the end, with separate and with shared processes, and under a scheduler a refusing worker must end the job
+promptly.
 """
 
 from __future__ import annotations
@@ -135,10 +135,6 @@ INVALID: set[frozenset[tuple[str, str]]] = {
     # (tests/test_replication.py, test_replication_is_refused_with_elastic).
     frozenset({("replicas", "1"), ("event", "leave")}),
     frozenset({("replicas", "1"), ("event", "crash")}),
-    # Embedding tables are not replicated yet: init_embedding in a replicated job is refused (tests/
-    # test_replication.py, test_an_embedding_table_is_refused_in_a_replicated_job_rather_than_lost_at_a_failover).
-    frozenset({("replicas", "1"), ("tensors", "table")}),
-    frozenset({("replicas", "1"), ("tensors", "evicting")}),
 }
 
 
