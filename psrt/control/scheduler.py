@@ -22,7 +22,8 @@ socket's. When the connection a member heartbeats on closes while it was beating
 once silent for two heartbeat intervals (or twice its latest gap between beats, when that is longer; never
 longer than ``heartbeat_timeout``) unless it heartbeats again, over the connection its socket makes anew. A
 process that is alive but slow, or stopped, keeps its connections open and is judged by ``heartbeat_timeout``
-alone; a live one whose connection dropped heartbeats again within an interval and is not touched.
+alone; a live one whose connection dropped connects anew and heartbeats at once (:mod:`psrt.control.link`), and
+is not touched.
 
 Elastic jobs (``elastic=True``): a worker that dies or says ``done`` leaves the job instead, and a worker may
 register after the job formed (a free rank, or the rank of one that left). Every change is sent to the servers
@@ -534,8 +535,9 @@ class Scheduler(Restarts):
 
     def _confirm(self, member: _Member) -> float:
         """How long a member whose connection closed may be silent (since its last heartbeat) before it is dead: two
-        heartbeat intervals (a live process beats again within one, over the connection its socket makes anew), or
-        two of its own latest gaps between beats when it beats late; never longer than the heartbeat timeout."""
+        heartbeat intervals (a live process beats again over the connection its socket makes anew, at once and at
+        the latest within one), or two of its own latest gaps between beats when it beats late; never longer than
+        the heartbeat timeout."""
         return min(self.heartbeat_timeout, 2 * max(self.heartbeat_interval, member.gap))
 
     def _watch(self, now: float) -> None:
