@@ -4,7 +4,8 @@ The scheduler watches the connections of its socket: a killed process's kernel c
 whose connection closed while it was beating on time is dead once silent for two heartbeat intervals
 (``psrt/control/scheduler.py``). A process that is stopped keeps its connections, and one whose connection drops
 heartbeats again over a new one: neither is named. Real scheduler, shard and worker processes on loopback, in a
-replicated job (S=2, W=2, R=1: a dead shard is failed over) where a death does not end the job.
+replicated job (S=2, W=2, R=1: a dead shard is failed over) where a death does not end the job; and the rule
+that a close hurries only a member beating on time, with the scheduler on a thread.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
-from _helpers import LIVENESS
+from _helpers import LIVENESS, scheduling
 
+from psrt import transport
+from psrt.control.link import SchedulerLink
 from psrt.control.process import Child, psrt_command, stop_children
+from psrt.errors import PeerFailedError
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
@@ -237,3 +241,38 @@ def test_a_live_shard_whose_connection_to_the_scheduler_drops_is_not_taken_for_d
     finally:
         for r in relays:
             r.close()
+
+
+def test_a_member_silent_before_its_connection_closes_gets_the_whole_timeout():
+    """A close hurries only a member that was beating on time: one already silent for longer than the two intervals
+    (a stopped process whose connection ZeroMQ's own heartbeat dropped, say) is judged by the timeout alone. The
+    scheduler on a thread; a server and a worker are SchedulerLinks of this process, on real sockets."""
+    interval, timeout = 0.1, 2.0
+    ctx = transport.new_context()
+    try:
+        with scheduling(1, 1, heartbeat_timeout=timeout, heartbeat_interval=interval) as sched:
+            server = SchedulerLink(ctx, sched.endpoint, heartbeat_interval=interval, heartbeat_timeout=10.0)
+            worker = SchedulerLink(ctx, sched.endpoint, heartbeat_interval=interval, heartbeat_timeout=10.0)
+            registered = threading.Thread(target=server.register, args=("server", "tcp://127.0.0.1:1"), daemon=True)
+            registered.start()
+            worker.register("worker")
+            registered.join(10)
+            server.tick()
+            last_beat = time.monotonic()
+            time.sleep(4 * interval)  # silent for twice what a close would allow
+            server.close()
+            closed_at = time.monotonic()
+            failure = None
+            while failure is None and time.monotonic() - closed_at < 3 * timeout:
+                try:
+                    worker.tick()
+                except PeerFailedError as exc:
+                    failure = (time.monotonic(), str(exc))
+                time.sleep(interval / 2)
+            worker.close()
+    finally:
+        ctx.term()
+    assert failure is not None, "the server was never named"
+    at, message = failure
+    assert "server 0" in message and "stopped heartbeating" in message and CLOSED not in message, message
+    assert at - last_beat > timeout, (at - last_beat, message)  # not hurried by the close: the whole timeout
