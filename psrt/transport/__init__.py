@@ -9,6 +9,8 @@ known ZeroMQ pitfalls of a parameter server:
   or a hang.
 - ``ROUTER_HANDOVER``: a worker that reconnects with the same identity takes over its old connection.
 - ZMTP heartbeats (``HEARTBEAT_IVL``/``HEARTBEAT_TIMEOUT``/``HEARTBEAT_TTL``): dead TCP peers are detected.
+- The scheduler's ROUTER watches its connections (``watch_connections``, a socket monitor and each message's
+  ``SRCFD``): a killed peer's kernel closes them at once, which names it sooner than its silence would.
 - ``LINGER=0``: closing never blocks on unsent messages.
 - Frames of at least :data:`ZERO_COPY_BYTES` are sent with ``copy=False`` (smaller ones are cheaper to copy);
   the caller must not mutate such a buffer until the send is done, which it can learn from the returned
