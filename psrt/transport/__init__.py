@@ -344,7 +344,10 @@ class RouterChannel:
         # knows whether more follow: cheaper than recv_multipart's RCVMORE query per frame.
         frame = recv(_NOBLOCK, False)
         if self._closes is not None:
-            self.source = frame.get(_SRCFD)
+            try:
+                self.source = frame.get(_SRCFD)
+            except zmq.ZMQError:  # an inproc peer has no descriptor (ZeroMQ says EINVAL)
+                self.source = -1
         # The first frame is a header, which every reader wants as bytes: a small one is copied (once).
         frames = [frame.bytes if len(frame) < ZERO_COPY_BYTES else frame]
         while frame.more:
