@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -155,12 +154,11 @@ class Job:
 
 
 @pytest.fixture
-def job():
+def job(tmp_path):
     jobs: list[Job] = []
-    tmp = tempfile.mkdtemp(prefix="psrt-detect-")
 
     def start(**kw) -> Job:
-        jobs.append(Job(tmp, **kw))
+        jobs.append(Job(str(tmp_path), **kw))
         return jobs[-1]
 
     yield start
