@@ -147,6 +147,24 @@ def test_a_stopped_server_is_named_to_the_workers(job):
         j.servers[1].kill(signal.SIGKILL)
 
 
+def test_a_killed_server_is_named_for_its_closed_connection_before_the_heartbeat_timeout(job):
+    """A killed process's connection to the scheduler closes at once: it is named after two heartbeat intervals
+    of silence, not the heartbeat timeout, and the notice says why."""
+    j = job(2, 2)
+    rank = j.servers[1].expect(r"psrt-server ready .* rank=(\d+)", 10).group(1)
+    killed_at = time.time()
+    j.servers[1].kill(signal.SIGKILL)
+    for w in j.workers:
+        res = Job.result(w, NAMED_WITHIN_S + 5)
+        assert res["error"] == "PeerFailedError", res
+        assert f"server {rank} (" in res["message"] and "its connection to the scheduler closed" in res["message"], res
+        print(f"server {rank} killed: named to a survivor after {res['at'] - killed_at:.2f}s")
+        assert res["at"] - killed_at < LIVENESS.heartbeat_timeout, res
+        assert w.exit_code(10) != 0
+    assert j.scheduler.exit_code(10) != 0
+    assert j.servers[0].exit_code(10) != 0
+
+
 def test_a_dead_scheduler_is_noticed_by_servers_and_workers(job):
     j = job(1, 2)
     killed_at = time.time()

@@ -149,6 +149,7 @@ def run_scheduler(bind: str, cluster: ClusterConfig, out: IO[str] = sys.stdout) 
                           "PSRT_NUM_WORKERS (or DMLC_NUM_SERVER and DMLC_NUM_WORKER)")
     sched = Scheduler(bind, cluster.num_servers, cluster.num_workers, cluster.mode,
                       start_timeout=cluster.start_timeout, heartbeat_timeout=cluster.heartbeat_timeout,
+                      heartbeat_interval=cluster.heartbeat_interval,
                       elastic=cluster.elastic, restart_grace=cluster.restart_grace, keys=cluster.keys,
                       staleness=cluster.staleness, replicas=cluster.replicas,
                       backup_workers=cluster.backup_workers)

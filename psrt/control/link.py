@@ -13,7 +13,9 @@ died:
   reach the training loop through :meth:`HeartbeatThread.check`, which every wait of the client calls; the new
   endpoints of shards that restarted elsewhere, through :attr:`HeartbeatThread.moves`.
 
-A heartbeat is answered with ``ok``; no answer for ``heartbeat_timeout`` seconds means the scheduler is gone.
+A heartbeat is answered with ``ok``; no answer for ``heartbeat_timeout`` seconds means the scheduler is gone. A
+socket that connects to the scheduler anew (its connection dropped) heartbeats at once: the scheduler saw the old
+connection close, and takes a member whose connection closed for dead unless it hears from it within two intervals.
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ class SchedulerLink:
         self.warn_after = warn_after
         self.heartbeat_interval, self.heartbeat_timeout = heartbeat_interval, heartbeat_timeout
         self._next_beat = 0.0
+        self._connections = 0  # the channel's handshakes so far: one more is a new connection, to beat on at once
         self._last_answer = time.monotonic()
         #: The newest membership of an elastic job this process has adopted.
         self.epoch = 0
@@ -257,6 +260,9 @@ class SchedulerLink:
                     on_ranges(notice)
         except (ProtocolError, ConnectionLostError) as exc:
             log.warning("ignoring a control message: %s", exc)
+        if self.channel.connections != self._connections:
+            self._connections = self.channel.connections
+            self._next_beat = 0.0  # connected anew: the scheduler, which saw the old connection close, waits for word
         if self.role and now >= self._next_beat:
             self._next_beat = now + self.heartbeat_interval
             try:
@@ -413,6 +419,7 @@ class _Beater:
         channel = transport.DealerChannel(context, self.endpoint, hwm=100, keys=self._keys,
                                           max_frame=wire.CONTROL_LIMITS.max_header_bytes)
         last_answer = next_beat = time.monotonic()
+        connections = 0
         try:
             while True:
                 with self._lock:
@@ -421,6 +428,9 @@ class _Beater:
                         self._end()
                         return
                 now = time.monotonic()
+                if channel.connections != connections:  # connected anew: beat at once (see the module's docstring)
+                    connections = channel.connections
+                    next_beat = now
                 if now >= next_beat or self._joined.is_set():
                     self._joined.clear()
                     next_beat = now + self.interval

@@ -36,6 +36,11 @@ class Member:
     name: str
     last_seen: float
     restorable: bool = False
+    #: When the connection its notices go over closed while it was heartbeating on time; None once it heartbeats
+    #: again (or while none closed).
+    closed_at: Optional[float] = None
+    #: Seconds between its last two heartbeats: a process beating late is given longer to prove itself alive.
+    gap: float = 0.0
 
 
 @dataclass(frozen=True)

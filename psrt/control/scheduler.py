@@ -17,6 +17,14 @@ workers in four processes cost the scheduler four messages per interval; each ra
 its own. The scheduler judges silence only once it has read every message waiting for it: a heartbeat it has
 not yet read because it was itself starved of CPU is no silence.
 
+A process that dies is named sooner: its kernel closes its connections at once, and the scheduler watches its own
+socket's. When the connection a member heartbeats on closes while it was beating on time, the member is dead
+once silent for two heartbeat intervals (or twice its latest gap between beats, when that is longer; never
+longer than ``heartbeat_timeout``) unless it heartbeats again, over the connection its socket makes anew. A
+process that is alive but slow, or stopped, keeps its connections open and is judged by ``heartbeat_timeout``
+alone; a live one whose connection dropped connects anew and heartbeats at once (:mod:`psrt.control.link`), and
+is not touched.
+
 Elastic jobs (``elastic=True``): a worker that dies or says ``done`` leaves the job instead, and a worker may
 register after the job formed (a free rank, or the rank of one that left). Every change is sent to the servers
 as a ``members`` notice with a new epoch; a joining worker gets its table only once every server's heartbeat
@@ -44,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from psrt import transport, wire
-from psrt.config import HEARTBEAT_TIMEOUT, MODES, RESTART_GRACE, START_TIMEOUT, check_backup_workers
+from psrt.config import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, MODES, RESTART_GRACE, START_TIMEOUT, check_backup_workers
 from psrt.control import security
 from psrt.control.barriers import Barriers
 from psrt.control.formation import Formation
@@ -88,18 +96,28 @@ def _ranges(ranks: list[int], most: int = 32) -> str:
     return text + (f" and {sum(b - a + 1 for a, b in runs[most:])} more" if len(runs) > most else "")
 
 
+#: What the scheduler adds to a silence when the member's connection closed too: it says why it was named early.
+_CLOSED = "its connection to the scheduler closed"
+
+
+def _silence(m: _Member, now: float) -> str:
+    """``stopped heartbeating 1.0s ago``, and whether its connection closed (a process that ended)."""
+    return f"stopped heartbeating {now - m.last_seen:.1f}s ago" + (f", {_CLOSED}" if m.closed_at is not None else "")
+
+
 def _silence_report(dead: list[tuple[tuple[str, int], _Member]], now: float) -> str:
     """Who stopped heartbeating: each by name when few, else the servers by name and the workers as rank ranges (a
     thousand names in one line would say less)."""
     if len(dead) <= 8:
-        return "; ".join(f"{m.name} stopped heartbeating {now - m.last_seen:.1f}s ago" for _, m in dead)
-    parts = [f"{m.name} stopped heartbeating {now - m.last_seen:.1f}s ago" for (role, _), m in dead
-             if role == "server"]
+        return "; ".join(f"{m.name} {_silence(m, now)}" for _, m in dead)
+    parts = [f"{m.name} {_silence(m, now)}" for (role, _), m in dead if role == "server"]
     workers = [(rank, m) for (role, rank), m in dead if role == "worker"]
     if workers:
         quiet = [now - m.last_seen for _, m in workers]
+        closed = sum(m.closed_at is not None for _, m in workers)
         parts.append(f"{len(workers)} workers ({_ranges([r for r, _ in workers])}) stopped heartbeating "
-                     f"{min(quiet):.1f}-{max(quiet):.1f}s ago")
+                     f"{min(quiet):.1f}-{max(quiet):.1f}s ago" +
+                     (f", the connections of {closed} of them to the scheduler closed" if closed else ""))
     return "; ".join(parts)
 
 
@@ -118,6 +136,9 @@ class Scheduler(Restarts):
         Seconds from start for everyone to register, and for each barrier to fill.
     heartbeat_timeout : float
         Seconds of silence after which a registered process is taken for dead.
+    heartbeat_interval : float
+        Seconds between the members' heartbeats (the job's ``PSRT_HEARTBEAT_INTERVAL``): a member whose connection
+        closed is dead once silent for two of them (see the module's docstring).
     elastic : bool
         Let workers leave (by dying or ``done``) and join while the job runs, instead of failing the job.
     staleness : int
@@ -146,7 +167,7 @@ class Scheduler(Restarts):
                  start_timeout: float = START_TIMEOUT, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
                  elastic: bool = False, keys: Optional[security.PathLike] = None,
                  restart_grace: float = RESTART_GRACE, staleness: int = 0, replicas: int = 0,
-                 backup_workers: int | str = 0) -> None:
+                 backup_workers: int | str = 0, heartbeat_interval: float = HEARTBEAT_INTERVAL) -> None:
         if num_servers < 1 or num_workers < 1:
             raise ConfigError(f"need at least one server and one worker, got S={num_servers}, W={num_workers}")
         if mode not in MODES:
@@ -160,6 +181,7 @@ class Scheduler(Restarts):
         self.num_servers, self.num_workers, self.mode = num_servers, num_workers, mode
         self.start_timeout = start_timeout
         self.heartbeat_timeout = heartbeat_timeout
+        self.heartbeat_interval = heartbeat_interval
         self.elastic = elastic
         self.restart_grace = restart_grace
         if type(staleness) is not int or staleness < 0:
@@ -177,7 +199,8 @@ class Scheduler(Restarts):
         self._ctx = transport.new_context()
         try:
             self._chan = transport.RouterChannel(self._ctx, bind, hwm=10_000, send_timeout=5.0, keys=job_keys,
-                                                 max_frame=wire.CONTROL_LIMITS.max_header_bytes)
+                                                 max_frame=wire.CONTROL_LIMITS.max_header_bytes,
+                                                 watch_connections=True)
         except BaseException:
             self._ctx.term()
             raise
@@ -193,6 +216,9 @@ class Scheduler(Restarts):
         self._news: list[tuple[float, Callable[[], None]]] = []
         self._done: set[int] = set()
         self._members: dict[Peer, _Member] = {}  # watched once the job forms
+        #: The connection (its descriptor) each peer socket's messages come in on, and the sockets on each.
+        self._conn: dict[bytes, int] = {}
+        self._on_conn: dict[int, set[bytes]] = {}
         self._next_watch = 0.0
         self.exit_code: Optional[int] = None
 
@@ -206,7 +232,11 @@ class Scheduler(Restarts):
         try:
             while not self._stop.is_set() and self.exit_code is None:
                 caught_up = True
+                closed: list[int] = []
                 if self._chan.poll(0.1):
+                    # The closes before the messages: a dead process's last heartbeat, still queued behind its
+                    # connection's close, is read before the close counts, so it cannot clear it.
+                    closed = self._chan.closed()
                     for _ in range(4096):
                         msg = self._chan.recv()
                         if msg is None:
@@ -215,6 +245,8 @@ class Scheduler(Restarts):
                     else:
                         caught_up = False  # more waiting: read on before judging anyone silent
                 now = time.monotonic()
+                if closed:
+                    self._closed(closed, now)
                 if not self._formed:
                     self._report_forming(now)
                 if not self._formed and now > deadline:
@@ -241,6 +273,10 @@ class Scheduler(Restarts):
 
     # ------------------------------------------------------------------ handlers
     def _handle(self, identity: bytes, frames: list[Any]) -> None:
+        fd = self._chan.source
+        if fd >= 0 and self._conn.get(identity) != fd:
+            self._conn[identity] = fd
+            self._on_conn.setdefault(fd, set()).add(identity)
         try:
             req = wire.decode_control_request(frames)
         except ProtocolError as exc:
@@ -438,7 +474,11 @@ class Scheduler(Restarts):
             # A worker heartbeats from its own socket: notices go there from now on, named by its address.
             member.identity = identity
             member.name = f"worker {req.rank} ({transport.peer_address(frame) or 'local'}, pid {req.pid})"
-        member.last_seen = time.monotonic()
+        elif member.identity != identity:
+            # A server's socket connected anew (its connection dropped): its notices follow it.
+            self.servers = [(identity if ident == member.identity else ident, ep) for ident, ep in self.servers]
+            member.identity = identity
+        self._seen(member, time.monotonic())
         self._send(identity, wire.encode_ok(req.id))
         if req.role == "server" and self._joins:
             self._server_epochs[req.rank] = req.epoch
@@ -461,24 +501,62 @@ class Scheduler(Restarts):
                     address = transport.peer_address(frame) or "local"
                 member.identity = identity
                 member.name = f"worker {rank} ({address}, pid {req.pid})"
-            member.last_seen = now
+            self._seen(member, now)
         self._send(identity, wire.encode_ok(req.id))
         if strangers:
             self._send(identity, wire.encode_not_members(req.id, strangers, (
                 f"worker{'s' if len(strangers) > 1 else ''} {_ranges(strangers)} "
                 f"{'are' if len(strangers) > 1 else 'is'} not a member of the job")))
 
+    @staticmethod
+    def _seen(member: _Member, now: float) -> None:
+        """A member's heartbeat: it is alive, whether or not a connection of it closed."""
+        member.gap = now - member.last_seen
+        member.last_seen = now
+        member.closed_at = None
+
+    def _closed(self, fds: list[int], now: float) -> None:
+        """Connections closed: the members whose notices go over them (a server's one socket; a worker's heartbeat
+        socket, or before its first beat the one it registered on), if they were beating on time, are dead unless
+        they heartbeat again soon (:meth:`_confirm`). A descriptor is reused by later connections, so a close only
+        ever shortens the wait for a heartbeat: a member that beats again is untouched."""
+        for fd in fds:
+            gone = self._on_conn.pop(fd, set())
+            for identity in gone:
+                self._conn.pop(identity, None)
+            hurried = [(peer, m) for peer, m in self._members.items() if m.identity in gone
+                       # One silent for long before its connection closed (ZeroMQ's own heartbeat dropped a stopped
+                       # process) is not hurried: its silence is judged by the heartbeat timeout alone.
+                       and m.closed_at is None and now - m.last_seen <= self._confirm(m)] if gone else []
+            for _, m in hurried:
+                m.closed_at = now
+            if hurried:
+                # One line per connection: a process of a thousand workers heartbeats on one.
+                (_, first), *_ = hurried
+                workers = [rank for (role, rank), _ in hurried if role == "worker"]
+                who = first.name if len(hurried) == 1 else f"workers {_ranges(workers)}"
+                log.warning("%s: %s; taken for dead unless heard from within %.1fs", who, _CLOSED,
+                            max(self._confirm(m) - (now - m.last_seen) for _, m in hurried))
+
+    def _confirm(self, member: _Member) -> float:
+        """How long a member whose connection closed may be silent (since its last heartbeat) before it is dead: two
+        heartbeat intervals (a live process beats again over the connection its socket makes anew, at once and at
+        the latest within one), or two of its own latest gaps between beats when it beats late; never longer than
+        the heartbeat timeout."""
+        return min(self.heartbeat_timeout, 2 * max(self.heartbeat_interval, member.gap))
+
     def _watch(self, now: float) -> None:
         if self.exit_code is not None:
             return
-        dead = [(peer, m) for peer, m in self._members.items() if now - m.last_seen > self.heartbeat_timeout]
+        dead = [(peer, m) for peer, m in self._members.items() if now - m.last_seen > self.heartbeat_timeout or
+                (m.closed_at is not None and now - m.last_seen > self._confirm(m))]
         if self._placement is not None and any(role == "server" for (role, _), _ in dead):
             if not self._fail_over([d for d in dead if d[0][0] == "server"], now):
                 return
             dead = [d for d in dead if d[0][0] != "server"]
         for (role, index), m in [d for d in dead if d[1].restorable]:
-            log.warning("%s stopped heartbeating; waiting up to %gs for it to restart from its checkpoint",
-                        m.name, self.restart_grace)
+            log.warning("%s %s; waiting up to %gs for it to restart from its checkpoint",
+                        m.name, _silence(m, now), self.restart_grace)
             del self._members[(role, index)]
             self._restarting[index] = (now + self.restart_grace, m.name)
         dead = [d for d in dead if not d[1].restorable]
@@ -489,7 +567,7 @@ class Scheduler(Restarts):
             return
         if self.elastic and dead and all(role == "worker" for (role, _), _ in dead):
             for (_, rank), m in dead:
-                log.warning("%s stopped heartbeating %.1fs ago; it leaves the job", m.name, now - m.last_seen)
+                log.warning("%s %s; it leaves the job", m.name, _silence(m, now))
                 del self._members[("worker", rank)]
             self._leave([rank for (_, rank), _ in dead], "stopped heartbeating")
             if not self.workers:
@@ -515,7 +593,7 @@ class Scheduler(Restarts):
             del self._members[("server", index)]
             promoted, lost = placement.lose(index)
             if lost:
-                self._abort(f"{member.name} stopped heartbeating {now - member.last_seen:.1f}s ago and no live "
+                self._abort(f"{member.name} {_silence(member, now)} and no live "
                             f"shard holds key range{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} "
                             f"any more (--replicas {self.replicas}); the job cannot go on")
                 return False
@@ -526,8 +604,8 @@ class Scheduler(Restarts):
                     self._abort(f"{member.name} stopped heartbeating and shard {primary}, which holds its range "
                                 f"{rng}, announced no standby endpoint for it; the job cannot go on")
                     return False
-                log.warning("%s stopped heartbeating %.1fs ago: key range %d is served by its replica, server %d, "
-                            "at %s from now on", member.name, now - member.last_seen, rng, primary, endpoint)
+                log.warning("%s %s: key range %d is served by its replica, server %d, at %s from now on",
+                            member.name, _silence(member, now), rng, primary, endpoint)
                 self.servers[rng] = (holder.identity, endpoint)
                 moves.append((rng, endpoint))
         self._tell_servers(wire.encode_ranges(placement.holders, placement.endpoints))

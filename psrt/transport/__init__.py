@@ -9,6 +9,8 @@ known ZeroMQ pitfalls of a parameter server:
   or a hang.
 - ``ROUTER_HANDOVER``: a worker that reconnects with the same identity takes over its old connection.
 - ZMTP heartbeats (``HEARTBEAT_IVL``/``HEARTBEAT_TIMEOUT``/``HEARTBEAT_TTL``): dead TCP peers are detected.
+- The scheduler's ROUTER watches its connections (``watch_connections``, a socket monitor and each message's
+  ``SRCFD``): a killed peer's kernel closes them at once, which names it sooner than its silence would.
 - ``LINGER=0``: closing never blocks on unsent messages.
 - Frames of at least :data:`ZERO_COPY_BYTES` are sent with ``copy=False`` (smaller ones are cheaper to copy);
   the caller must not mutate such a buffer until the send is done, which it can learn from the returned
@@ -74,6 +76,9 @@ _RCVMORE = int(zmq.RCVMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 _NO_DETAIL = int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+#: A received message's property: the file descriptor of the connection it came in on (zmq_msg_get(3)).
+_SRCFD = int(zmq.SRCFD)
 
 #: Handshakes in a row that a keyless socket sees end without detail before it takes them for a refusal: a secured
 #: peer drops a keyless one at every attempt (ZeroMQ retries every 0.1 s or so), a busy one misses one greeting.
@@ -246,6 +251,10 @@ class RouterChannel:
     max_frame : int, optional
         The largest frame a valid message holds (:attr:`psrt.config.WireLimits.max_frame_bytes`); a peer
         sending a larger one is disconnected. None: no limit.
+    watch_connections : bool
+        Note the connection each message came in on (:attr:`source`) and report the connections that close
+        (:meth:`closed`): a peer process that dies closes them at once (its kernel does), well before its silence
+        tells. False: neither (the shards' sockets, whose reads this would slow).
 
     Raises
     ------
@@ -256,7 +265,8 @@ class RouterChannel:
     """
 
     def __init__(self, context: zmq.Context, endpoint: str, hwm: int, send_timeout: float, *,
-                 keys: Optional[JobKeys] = None, max_frame: Optional[int] = None) -> None:
+                 keys: Optional[JobKeys] = None, max_frame: Optional[int] = None,
+                 watch_connections: bool = False) -> None:
         check_endpoint(endpoint, bind=True, what="cannot bind")  # ZeroMQ would wrap a port above 65535 around
         if keys is not None:
             curve.authenticate(context, keys)  # before the socket exists: no handshake may precede the handler
@@ -278,20 +288,46 @@ class RouterChannel:
         last = self.sock.getsockopt(zmq.LAST_ENDPOINT)
         self.endpoint: str = last.decode() if isinstance(last, bytes) else str(last)
         self._poll_items = [(self.sock, _POLLIN)]
+        #: The connection (its file descriptor) the last message :meth:`recv` returned came in on; -1 when unknown
+        #: (an inproc peer) or when connections are not watched.
+        self.source = -1
+        self._closes: Optional[zmq.Socket] = None
+        self._wait_items = self._poll_items
+        if watch_connections:
+            self._closes = self.sock.get_monitor_socket(_DISCONNECTED)
+            self._wait_items = [*self._poll_items, (self._closes, _POLLIN)]
         #: Small replies kept back (:meth:`hold`), each with its frames' copies; None: every reply goes at once.
         self._held: Optional[list[tuple[bytes, list[bytes]]]] = None
         self._hold_most = 0
         self._dropped: list[tuple[int, str]] = []
 
     def poll(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for an incoming message."""
-        return bool(zmq.zmq_poll(self._poll_items, _ms(timeout)))
+        """Wait up to ``timeout`` seconds for an incoming message (or, when watched, a connection's close)."""
+        return bool(zmq.zmq_poll(self._wait_items, _ms(timeout)))
 
     def readable(self) -> bool:
         """True when a message is waiting (never waits)."""
         # A poll without timeout reads the socket's event flags as getsockopt(EVENTS) does, without the enum member
         # pyzmq makes of getsockopt's answer.
         return bool(zmq.zmq_poll(self._poll_items, 0))
+
+    def closed(self) -> list[int]:
+        """The connections (file descriptors, as in :attr:`source`) that closed since the last call; never waits.
+
+        A descriptor is reused by a later connection: the caller takes a close for a hint about whoever last spoke
+        on it, to be confirmed by that peer's silence, never for proof of a death.
+        """
+        fds: list[int] = []
+        if self._closes is None:
+            return fds
+        while self._closes.poll(0):
+            try:
+                event, value = monitor_event(self._closes.recv_multipart(_NOBLOCK))
+            except (zmq.Again, ProtocolError):
+                break
+            if event == _DISCONNECTED:
+                fds.append(value)
+        return fds
 
     def recv(self) -> Optional[tuple[bytes, list[zmq.Frame]]]:
         """Receive one message without blocking: ``(identity, frames)``, or None when nothing is queued.
@@ -307,6 +343,11 @@ class RouterChannel:
         # A ROUTER puts the peer's identity before every message, which has at least one frame. Each zmq.Frame
         # knows whether more follow: cheaper than recv_multipart's RCVMORE query per frame.
         frame = recv(_NOBLOCK, False)
+        if self._closes is not None:
+            try:
+                self.source = frame.get(_SRCFD)
+            except zmq.ZMQError:  # an inproc peer has no descriptor (ZeroMQ says EINVAL)
+                self.source = -1
         # The first frame is a header, which every reader wants as bytes: a small one is copied (once).
         frames = [frame.bytes if len(frame) < ZERO_COPY_BYTES else frame]
         while frame.more:
@@ -392,6 +433,9 @@ class RouterChannel:
 
     def close(self, linger: float = 0.0) -> None:
         """Close the socket, giving queued messages at most ``linger`` seconds to leave."""
+        if self._closes is not None:
+            self.sock.disable_monitor()
+            self._closes.close(linger=0)
         self.sock.close(linger=_ms(linger))
 
 
