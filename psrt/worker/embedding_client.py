@@ -7,7 +7,9 @@ the same map. A call sorts its ids by shard once (a stable argsort), sends one m
 shard's ids as a contiguous int64 frame, receives each shard's rows straight into one buffer, and puts them
 back in the caller's order with one fancy-index assignment: no Python loop over rows. With S = 1 there is no
 reordering at all and the rows land in the output directly. A pull sends each distinct id once
-(``np.unique``) and gathers the rows of repeated ids back from the one copy received.
+(:func:`psrt.kernels.rows.unique_first`: no sort) and gathers the rows of repeated ids back from the one copy
+received. To a shard of this host, a call of at least 64 KiB carries its ids and rows in the shard's
+shared-memory lane (:meth:`psrt.worker.sender.ShardSender.pull_rows`, ``push_rows``).
 
 A push goes to every shard, even one with no ids this time (an empty message), so that in sync mode every
 shard's round counts every worker.
@@ -183,7 +185,7 @@ class EmbeddingClient:
               or not out.flags.c_contiguous or not out.flags.writeable):
             raise ConfigError(f"out must be a writable C-contiguous array of shape {shape} and dtype {table.dtype}")
         # A repeated id travels once: the shards send one row per distinct id, scattered back in the caller's order.
-        unique, inverse = np.unique(a, return_inverse=True)
+        unique, inverse = rowkernels.unique_first(a)  # (no sort: the order of the distinct ids does not matter)
         gather = None
         if len(unique) < len(a):
             a, order, offsets = unique, *self._split(unique)
