@@ -203,7 +203,7 @@ def unique_first(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     i = _ids("ids", ids)
     n = len(i)
-    cells = 1 << max(4, (2 * n + 1).bit_length())  # load at most 1/2, as a table's index
+    cells = 1 << max(4, (2 * n - 1).bit_length())  # load at most 1/2, as a table's index
     keys, vals = np.zeros(cells, _I64), np.full(cells, -1, _I64)
     distinct, inverse = np.empty(n, _I64), np.empty(n, _I64)
     used = int(_core.index_find(keys, vals, i, inverse, distinct, 0, True))

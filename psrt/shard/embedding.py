@@ -227,7 +227,12 @@ class RowTable:
         dropped. Every row pushed gets the push clock ``tick`` and the time ``now`` as its last push.
         """
         if not self.spec.managed:
-            slots, summed = coalesce(self.slots_of(ids), grads)
+            # The distinct ids first (by hashing, no sort), then their slots: new rows are made in the order the
+            # ids first appear, as slots_of(ids) makes them, and each id's rows are summed in the order they come.
+            uniq, inverse = rowkernels.unique_first(np.ascontiguousarray(ids, np.int64))
+            summed = np.zeros((len(uniq), grads.shape[1]), grads.dtype)
+            rowkernels.scatter_add_rows(summed, inverse, np.ascontiguousarray(grads))
+            slots = self.slots_of(uniq)
         else:
             uniq, inverse = np.unique(ids, return_inverse=True)
             summed = np.zeros((len(uniq), grads.shape[1]), grads.dtype)
