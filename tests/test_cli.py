@@ -290,6 +290,7 @@ def test_launch_gives_every_shard_the_checkpoint_flags_and_restores_from_them(tm
     assert "rows -12.0 -24.0" in again.stdout, "the rows came back from the checkpoints"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("args, says", [
     (("--checkpoint-every", "3"), "need --checkpoint-dir"),
     (("--restore",), "need --checkpoint-dir"),
@@ -298,3 +299,4 @@ def test_launch_gives_every_shard_the_checkpoint_flags_and_restores_from_them(tm
 def test_launch_checkpoint_flags_that_cannot_be_meant_are_one_line_errors(args, says):
     proc = run_psrt("launch", "-s", "1", "-w", "1", *args, "--", sys.executable, "-c", "pass")
     assert says in one_line_error(proc)
+    assert "ready" not in proc.stdout  # refused before anything started
