@@ -187,3 +187,36 @@ def test_a_long_first_embedding_call_does_not_ask_whether_a_server_runs_there(sh
     waits = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
     assert waits, "the call took longer than warn_after"
     assert not any("is a psrt server running there" in m for m in waits), waits
+
+
+def _sync_worker(endpoints: list[str], shm_on: bool, rank: int, pulled: list) -> None:
+    config = ClientConfig(timeout=30, shm=shm_on)
+    with psrt.Client(endpoints, rank=rank, num_workers=2, config=config) as c:
+        c.init_embedding("t", dim=DIM, optimizer=psrt.AdaGrad(lr=0.1, eps=1e-10), std=0.1, seed=7)
+        for ids, grads in _steps(seed=10 + rank, steps=3):
+            c.push_rows("t", ids, grads)
+            pulled.append(c.pull_rows("t", ids))  # waits for the round both workers' pushes joined
+
+
+@pytest.mark.integration
+def test_sync_rounds_over_lanes_give_bit_for_bit_what_sockets_give(shards):
+    """Two workers of a sync job: each round's pulls wait, their answers gathered into the lane when it completes."""
+    import threading
+
+    results = {}
+    for shm_on in (True, False):
+        group = shards(2, workers=2, mode="sync")
+        pulled: list[list] = [[], []]
+        threads = [threading.Thread(target=_sync_worker, args=(group.endpoints, shm_on, r, pulled[r]))
+                   for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert all(len(p) == 3 for p in pulled), "every worker finished its steps"
+        with psrt.Client(group.endpoints, config=ClientConfig(timeout=20, shm=False)) as c:
+            lane_bytes = sum(s["shm_bytes_out"] for s in c.stats())
+        assert (lane_bytes > 0) == shm_on
+        results[shm_on] = pulled
+    for a, b in zip(results[True], results[False]):
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
