@@ -201,17 +201,25 @@ class WorkerLanes:
         return lane
 
     @staticmethod
-    def carry_rows(lane: Lane, ids: np.ndarray, grads: Optional[np.ndarray], out_bytes: int) -> LaneUse:
-        """Hand out one embedding request's areas: its ids and (``push_rows``) gradient rows, copied in, and
-        (``pull_rows``, ``out_bytes`` > 0) the area its rows come back to; the caller checked :meth:`Lane.fits`
-        for :func:`rows_bytes`."""
+    def carry_rows(lane: Lane, ids: np.ndarray, grads: Optional[np.ndarray], out_bytes: int,
+                   select: Optional[np.ndarray] = None) -> LaneUse:
+        """Hand out one embedding request's areas: its ids and (``push_rows``) gradient rows, copied in (with
+        ``select``, the entries ``ids[select]`` and rows ``grads[select]``, gathered straight into the segment),
+        and (``pull_rows``, ``out_bytes`` > 0) the area its rows come back to; the caller checked
+        :meth:`Lane.fits` for :func:`rows_bytes`. The areas (views, ids 1-D and rows 2-D) are the use's
+        ``inputs``."""
         segment = lane.segment
         inputs: list[np.ndarray] = []
         offsets: list[int] = []
         for a in (ids,) if grads is None else (ids, grads):
-            offset = lane.take(a.nbytes)
-            view = segment.array(offset, a.dtype, a.size)
-            np.copyto(view, a.reshape(-1))
+            shape = ((len(a) if select is None else len(select)),) + a.shape[1:]
+            count = int(np.prod(shape))
+            offset = lane.take(count * a.itemsize)
+            view = segment.array(offset, a.dtype, count).reshape(shape)
+            if select is None:
+                np.copyto(view, a)
+            else:  # (mode="clip": "raise" would gather into a buffer first; the indices are the caller's own)
+                np.take(a, select, axis=0, out=view, mode="clip")
             inputs.append(view)
             offsets.append(offset)
         outputs = [lane.take(out_bytes)] if out_bytes else []

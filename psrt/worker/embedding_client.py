@@ -218,9 +218,7 @@ class EmbeddingClient:
             raise PsrtTypeError(f"grads of table {name!r} must be {table.dtype}, got {g.dtype}")
         if g.shape != (len(a), table.dim):
             raise ConfigError(f"grads must have shape {(len(a), table.dim)} for {len(a)} ids, got {g.shape}")
-        order, offsets = self._split(a)
-        if order is not None:
-            a, g = a[order], g[order]
+        order, offsets = self._split(a)  # (with order, each shard's ids and rows are gathered once, by its sender)
         handle = Handle(self._calls, "push_rows", None)
         seqs = self._seq.setdefault(name, [0] * len(self._senders))
         clock = self._clock[name] = self._clock.get(name, 0) + 1  # ssp: this worker's pushes to the table, this too
@@ -230,5 +228,8 @@ class EmbeddingClient:
             seqs[shard] += 1
             # A shard with backup workers is told the table version the rows were computed from (last pulled).
             base = self._calls.versions.held_tables[shard].get(name, 0) if sender.backup_workers else None
-            sender.push_rows(handle, name, seq, a[lo:hi], g[lo:hi], clock, base)
+            if order is None:
+                sender.push_rows(handle, name, seq, a[lo:hi], g[lo:hi], clock, base)
+            else:
+                sender.push_rows(handle, name, seq, a, g, clock, base, order[lo:hi])
         return handle

@@ -208,24 +208,29 @@ class ShardSender:
                    lambda rid: wire.encode_pull_rows(rid, rank, table, version, ids, clock, use.ref))
 
     def push_rows(self, handle: Handle, table: str, seq: int, ids: np.ndarray, grads: np.ndarray, clock: int,
-                  base: Optional[int]) -> None:
-        """Send one ``push_rows`` of ``ids`` and their gradient rows (C-contiguous): through the shard's lane when
-        it moves enough bytes and the shard has one, else over the socket."""
+                  base: Optional[int], select: Optional[np.ndarray] = None) -> None:
+        """Send one ``push_rows`` of ``ids`` and their gradient rows (C-contiguous; with ``select``, of
+        ``ids[select]`` and ``grads[select]``, gathered once, straight into the lane when it takes one): through
+        the shard's lane when it moves enough bytes and the shard has one, else over the socket."""
         rank, session = self._rank, self._session
-        plain = lambda rid: wire.encode_push_rows(rid, rank, session, seq, table, ids, grads, clock,  # noqa: E731
-                                                  base)
-        lane = self._rows_lane(rows_bytes(ids.nbytes, grads.nbytes))
+        count = len(ids) if select is None else len(select)
+        lane = self._rows_lane(rows_bytes(count * ids.itemsize, count * grads.shape[1] * grads.itemsize))
         if lane is None:
+            if select is not None:
+                ids, grads = ids[select], grads[select]
+            plain = lambda rid: wire.encode_push_rows(rid, rank, session, seq, table, ids, grads,  # noqa: E731
+                                                      clock, base)
             self._send(Request(handle, self, (), table, plain), plain)
             return
-        use = WorkerLanes.carry_rows(lane, ids, grads, 0)
+        use = WorkerLanes.carry_rows(lane, ids, grads, 0, select)
         # Sent again over the socket (a refused lane, a restarted shard), it is the copy in the lane that goes: the
         # caller may change its gradients once this returns, as over a lane for dense tensors.
-        lids, lgrads = use.inputs[0], use.inputs[1].reshape(grads.shape)
+        lids, lgrads = use.inputs
         plain = lambda rid: wire.encode_push_rows(rid, rank, session, seq, table, lids, lgrads, clock,  # noqa: E731
                                                   base)
         self._send(Request(handle, self, (), table, plain, use, plain),
-                   lambda rid: wire.encode_push_rows(rid, rank, session, seq, table, ids, grads, clock, base, use.ref))
+                   lambda rid: wire.encode_push_rows(rid, rank, session, seq, table, lids, lgrads, clock, base,
+                                                     use.ref))
 
     def _rows_lane(self, nbytes: int) -> Any:
         """The lane an embedding request moving ``nbytes`` (aligned areas) takes, or None: sockets."""
