@@ -22,6 +22,10 @@ request naming a segment the shard no longer has is refused with a ``lane_*`` co
 again over sockets, so losing a lane never loses a call. A refused ``lane_open`` is an answer, not a shard
 error. ``PSRT_SHM=0`` (``ClientConfig.shm``,
 ``ServerConfig.shm``) turns lanes off on either side.
+
+Embedding rows go the same way (:meth:`WorkerLanes.carry_rows`, :meth:`ShardLanes.bind_rows`): a ``push_rows``
+puts its ids and rows in the segment, a ``pull_rows`` its ids, and the shard gathers the answer into the area
+the request names.
 """
 
 from __future__ import annotations
