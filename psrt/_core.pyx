@@ -353,20 +353,43 @@ cdef extern from *:
         z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
         return z ^ (z >> 31);
     }
+    /* The rows a batch touches lie far apart in a large table, so each is a cache miss. A row kernel asks for
+       the row it will touch PSRT_AHEAD rows from now, so that the misses of several rows overlap instead of
+       following one another (its first lines: the hardware prefetcher follows a row on from there). A hint:
+       results do not change. */
+    enum { PSRT_AHEAD = 8 };
+    #if defined(__GNUC__)
+    #  define PSRT_PREFETCH_LINES(p, nbytes, rw)                                                           \
+        do {                                                                                              \
+            uintptr_t q_ = (uintptr_t)(p) & ~(uintptr_t)63, end_ = (uintptr_t)(p) + (uintptr_t)(nbytes);  \
+            for (int k_ = 0; k_ < 4 && q_ < end_; k_++, q_ += 64) __builtin_prefetch((const void *)q_, rw, 3); \
+        } while (0)
+    #else
+    #  define PSRT_PREFETCH_LINES(p, nbytes, rw) do { (void)(p); (void)(nbytes); } while (0)
+    #endif
+    static inline void psrt_prefetch_r(const void *p, Py_ssize_t nbytes) { PSRT_PREFETCH_LINES(p, nbytes, 0); }
+    static inline void psrt_prefetch_w(const void *p, Py_ssize_t nbytes) { PSRT_PREFETCH_LINES(p, nbytes, 1); }
     """
     uint64_t psrt_mix64(uint64_t z) noexcept nogil
+    enum: PSRT_AHEAD
+    void psrt_prefetch_r(const void *p, Py_ssize_t nbytes) noexcept nogil
+    void psrt_prefetch_w(const void *p, Py_ssize_t nbytes) noexcept nogil
 
 cdef uint64_t _GOLDEN = 0x9E3779B97F4A7C15ULL
 
 
 def gather_rows(const real[:, ::1] table, const int64_t[::1] slots, real[:, ::1] out):
     """``out[i] = table[slots[i]]`` for every i (rows whose slot is out of range are left as they are)."""
-    cdef Py_ssize_t n = _min2(slots.shape[0], out.shape[0]), i, s
+    cdef Py_ssize_t n = _min2(slots.shape[0], out.shape[0]), i, s, t
     cdef Py_ssize_t dim = _min2(table.shape[1], out.shape[1]), rows = table.shape[0]
     if n == 0 or dim == 0:
         return
     with nogil:
         for i in range(n):
+            if i + PSRT_AHEAD < n:
+                t = slots[i + PSRT_AHEAD]
+                if 0 <= t < rows:
+                    psrt_prefetch_r(&table[t, 0], dim * sizeof(real))
             s = slots[i]
             if 0 <= s < rows:
                 memcpy(&out[i, 0], &table[s, 0], dim * sizeof(real))
@@ -391,13 +414,17 @@ def scatter_add_rows(real[:, ::1] dst, const int64_t[::1] slots, const real[:, :
 def sgd_rows(real[:, ::1] param, const int64_t[::1] slots, const real[:, ::1] grad, double lr, double scale,
              double weight_decay):
     """:func:`sgd_step` on the rows ``param[slots[i]]`` with ``grad[i]``; slots must be distinct."""
-    cdef Py_ssize_t n = _min2(slots.shape[0], grad.shape[0]), i, s
+    cdef Py_ssize_t n = _min2(slots.shape[0], grad.shape[0]), i, s, t
     cdef Py_ssize_t dim = _min2(param.shape[1], grad.shape[1]), rows = param.shape[0]
     cdef real lr_ = <real>lr, sc = <real>scale, wd = <real>weight_decay
     if n == 0 or dim == 0:
         return
     with nogil:
         for i in range(n):
+            if i + PSRT_AHEAD < n:
+                t = slots[i + PSRT_AHEAD]
+                if 0 <= t < rows:
+                    psrt_prefetch_w(&param[t, 0], dim * sizeof(real))
             s = slots[i]
             if 0 <= s < rows:
                 if real is float:
@@ -409,7 +436,7 @@ def sgd_rows(real[:, ::1] param, const int64_t[::1] slots, const real[:, ::1] gr
 def momentum_rows(real[:, ::1] param, real[:, ::1] buf, const int64_t[::1] slots, const real[:, ::1] grad,
                   double lr, double momentum, double scale, double weight_decay, bint nesterov):
     """:func:`momentum_step` on the touched rows (their momentum buffers only); slots must be distinct."""
-    cdef Py_ssize_t n = _min2(slots.shape[0], grad.shape[0]), i, s
+    cdef Py_ssize_t n = _min2(slots.shape[0], grad.shape[0]), i, s, t
     cdef Py_ssize_t dim = _min2(_min2(param.shape[1], buf.shape[1]), grad.shape[1])
     cdef Py_ssize_t rows = _min2(param.shape[0], buf.shape[0])
     cdef real lr_ = <real>lr, mu = <real>momentum, sc = <real>scale, wd = <real>weight_decay
@@ -417,6 +444,11 @@ def momentum_rows(real[:, ::1] param, real[:, ::1] buf, const int64_t[::1] slots
         return
     with nogil:
         for i in range(n):
+            if i + PSRT_AHEAD < n:
+                t = slots[i + PSRT_AHEAD]
+                if 0 <= t < rows:
+                    psrt_prefetch_w(&param[t, 0], dim * sizeof(real))
+                    psrt_prefetch_w(&buf[t, 0], dim * sizeof(real))
             s = slots[i]
             if 0 <= s < rows:
                 if real is float:
@@ -428,7 +460,7 @@ def momentum_rows(real[:, ::1] param, real[:, ::1] buf, const int64_t[::1] slots
 def adagrad_rows(real[:, ::1] param, real[:, ::1] acc, const int64_t[::1] slots, const real[:, ::1] grad,
                  double lr, double eps, double scale, double weight_decay):
     """:func:`adagrad_step` on the touched rows and their sums (torch.optim.Adagrad with a sparse gradient)."""
-    cdef Py_ssize_t n = _min2(slots.shape[0], grad.shape[0]), i, s
+    cdef Py_ssize_t n = _min2(slots.shape[0], grad.shape[0]), i, s, t
     cdef Py_ssize_t dim = _min2(_min2(param.shape[1], acc.shape[1]), grad.shape[1])
     cdef Py_ssize_t rows = _min2(param.shape[0], acc.shape[0])
     cdef real lr_ = <real>lr, eps_ = <real>eps, sc = <real>scale, wd = <real>weight_decay
@@ -436,6 +468,11 @@ def adagrad_rows(real[:, ::1] param, real[:, ::1] acc, const int64_t[::1] slots,
         return
     with nogil:
         for i in range(n):
+            if i + PSRT_AHEAD < n:
+                t = slots[i + PSRT_AHEAD]
+                if 0 <= t < rows:
+                    psrt_prefetch_w(&param[t, 0], dim * sizeof(real))
+                    psrt_prefetch_w(&acc[t, 0], dim * sizeof(real))
             s = slots[i]
             if 0 <= s < rows:
                 if real is float:
@@ -448,7 +485,7 @@ def adam_rows(real[:, ::1] param, real[:, ::1] m, real[:, ::1] v, const int64_t[
               const real[:, ::1] grad, double step_size, double inv_bc2_sqrt, double beta1, double beta2,
               double eps, double scale):
     """The Adam update on the touched rows and their moments; the caller computes the step factors."""
-    cdef Py_ssize_t n = _min2(slots.shape[0], grad.shape[0]), i, s
+    cdef Py_ssize_t n = _min2(slots.shape[0], grad.shape[0]), i, s, t
     cdef Py_ssize_t dim = _min2(_min2(param.shape[1], m.shape[1]), _min2(v.shape[1], grad.shape[1]))
     cdef Py_ssize_t rows = _min2(param.shape[0], _min2(m.shape[0], v.shape[0]))
     cdef real ss = <real>step_size, ib = <real>inv_bc2_sqrt, b1 = <real>beta1, b2 = <real>beta2
@@ -458,6 +495,12 @@ def adam_rows(real[:, ::1] param, real[:, ::1] m, real[:, ::1] v, const int64_t[
         return
     with nogil:
         for i in range(n):
+            if i + PSRT_AHEAD < n:
+                t = slots[i + PSRT_AHEAD]
+                if 0 <= t < rows:
+                    psrt_prefetch_w(&param[t, 0], dim * sizeof(real))
+                    psrt_prefetch_w(&m[t, 0], dim * sizeof(real))
+                    psrt_prefetch_w(&v[t, 0], dim * sizeof(real))
             s = slots[i]
             if 0 <= s < rows:
                 if real is float:
@@ -485,6 +528,10 @@ def index_find(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, int
         return used
     with nogil:
         for i in range(n):
+            if i + PSRT_AHEAD < n:  # the cell the id PSRT_AHEAD on starts probing at (see PSRT_AHEAD)
+                j = psrt_mix64(<uint64_t>ids[i + PSRT_AHEAD]) & mask
+                psrt_prefetch_w(&keys[j], sizeof(int64_t))
+                psrt_prefetch_w(&vals[j], sizeof(int64_t))
             key = ids[i]
             j = psrt_mix64(<uint64_t>key) & mask
             while vals[j] >= 0 and keys[j] != key:
@@ -518,6 +565,10 @@ def index_remove(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, i
         return
     with nogil:
         for i in range(n):
+            if i + PSRT_AHEAD < n:  # the cell the id PSRT_AHEAD on starts probing at (see PSRT_AHEAD)
+                j = psrt_mix64(<uint64_t>ids[i + PSRT_AHEAD]) & mask
+                psrt_prefetch_w(&keys[j], sizeof(int64_t))
+                psrt_prefetch_w(&vals[j], sizeof(int64_t))
             key = ids[i]
             j = psrt_mix64(<uint64_t>key) & mask
             while vals[j] >= 0 and keys[j] != key:
@@ -550,6 +601,10 @@ def index_set(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, cons
         return 0
     with nogil:
         for i in range(n):
+            if i + PSRT_AHEAD < n:  # the cell the id PSRT_AHEAD on starts probing at (see PSRT_AHEAD)
+                j = psrt_mix64(<uint64_t>ids[i + PSRT_AHEAD]) & mask
+                psrt_prefetch_w(&keys[j], sizeof(int64_t))
+                psrt_prefetch_w(&vals[j], sizeof(int64_t))
             key = ids[i]
             j = psrt_mix64(<uint64_t>key) & mask
             while vals[j] >= 0 and keys[j] != key:

@@ -57,7 +57,8 @@ def _launch(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return launch(args.servers, args.workers, command, mode=args.mode, host=args.host, start_timeout=args.timeout,
                   transport=args.transport, secure=args.secure, elastic=args.elastic, staleness=args.staleness,
-                  clients=args.clients, replicas=args.replicas, backup_workers=args.backup_workers)
+                  clients=args.clients, replicas=args.replicas, backup_workers=args.backup_workers,
+                  **{name: getattr(args, name) for name in config.CHECKPOINT_SETTINGS})
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -214,12 +215,16 @@ _size = _argument(_parse_size)
 _bind_endpoint = _argument(config.parse_bind)
 
 
-def _add_flags(parser: argparse.ArgumentParser, kind: type, defaults: Any, joined: Sequence[str] = ()) -> None:
-    """Add the flags of config dataclass ``kind`` (:func:`psrt.config.flags`), defaulting to ``defaults``' values.
+def _add_flags(parser: argparse.ArgumentParser, kind: type, defaults: Any, joined: Sequence[str] = (),
+               only: Optional[Sequence[str]] = None) -> None:
+    """Add the flags of config dataclass ``kind`` (:func:`psrt.config.flags`), defaulting to ``defaults``' values
+    (``only``: the flags of those fields alone).
 
     The help text says each default, and for the ``joined`` fields that a job's scheduler gives them instead.
     """
     for f, flag in config.flags(kind):
+        if only is not None and f.name not in only:
+            continue
         default = None if flag.unset else getattr(defaults, f.name)
         says = _default_text(f, flag) + ("; from the scheduler with --scheduler" if f.name in joined else "")
         kwargs: dict[str, Any] = dict(default=flag.fallback if default is None else default,
@@ -353,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--clients", type=_positive_int, default=1, metavar="N",
                     help="workers per copy of CMD: start ceil(W/N) copies, each told by PSRT_CLIENTS and "
                          "PSRT_WORKER_ID to host N of them (psrt worker does; default %(default)s)")
+    _add_flags(la, ServerConfig, ServerConfig(backup_workers=0), only=config.CHECKPOINT_SETTINGS)  # every shard's
     la.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS: the worker program")
     la.set_defaults(func=_launch)
 

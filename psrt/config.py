@@ -58,9 +58,10 @@ from psrt.dtypes import check_compression
 from psrt.errors import ConfigError
 
 __all__ = ["WireLimits", "RowLimits", "ServerConfig", "ClientConfig", "ClusterConfig", "Flag", "flags",
-           "field_default", "MODES", "NONFINITE", "PIPELINE", "CUTS", "PROCESS_ROLES", "JOB_SETTINGS", "START_TIMEOUT",
-           "HEARTBEAT_INTERVAL", "HEARTBEAT_TIMEOUT", "RESTART_GRACE", "WARN_AFTER", "parse_whole", "parse_count",
-           "parse_seconds", "parse_interval", "parse_endpoint", "parse_bind"]
+           "field_default", "MODES", "NONFINITE", "PIPELINE", "CUTS", "PROCESS_ROLES", "JOB_SETTINGS",
+           "START_TIMEOUT", "CHECKPOINT_SETTINGS", "HEARTBEAT_INTERVAL", "HEARTBEAT_TIMEOUT", "RESTART_GRACE",
+           "WARN_AFTER", "parse_whole", "parse_count", "parse_seconds", "parse_interval", "parse_endpoint",
+           "parse_bind"]
 
 MODES = ("sync", "async", "ssp")
 
@@ -77,6 +78,8 @@ PROCESS_ROLES = ("scheduler", "server", "worker")
 
 #: The :class:`ServerConfig` fields a shard that joins a scheduler's job takes from the scheduler's table.
 JOB_SETTINGS = ("num_workers", "mode", "staleness", "backup_workers")
+#: The :class:`ServerConfig` fields ``psrt launch`` takes as flags too and gives every shard it starts.
+CHECKPOINT_SETTINGS = ("checkpoint_dir", "checkpoint_every", "checkpoint_secs", "checkpoint_full_every", "restore")
 
 #: Seconds for a job to form and for each barrier (``PSRT_START_TIMEOUT``).
 START_TIMEOUT = 120.0

@@ -166,3 +166,15 @@ def test_msgrate_times_every_side_and_checks_every_push(tmp_path):
     assert res["pushes_checked"] > 0 and res["latency_psrt"]["count"] == 20 and res["p50_ratio"] > 0
     assert [t["target"] for t in report["targets"]] == ["rate ratio >= 0.6", "shard rate ratio >= 0.6",
                                                         "p50 ratio <= 1.5"]
+
+
+@pytest.mark.integration
+def test_embedding_bench_reports_the_targets_ratios_and_rows_per_shard_core():
+    proc = subprocess.run([sys.executable, str(BENCH / "embedding.py"), "--rows", "20K", "--dims", "16", "--shards",
+                           "2", "--seconds", "0.2", "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (r,) = json.loads(proc.stdout)
+    assert r["pull_vs_dense"] == pytest.approx(r["pull_ms"] / r["dense_push_pull_ms"])
+    assert r["pull_ok"] == (r["pull_vs_dense"] <= 1.5) and r["push_ok"] == (r["push_vs_dense"] <= 2.0)
+    assert r["push_rows_per_s_per_shard_core"] == pytest.approx(r["push_rows_per_s"] / 2)
+    assert ("ok" if r["pull_ok"] else "MISS") in proc.stderr and "per shard core" in proc.stderr

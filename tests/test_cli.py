@@ -264,3 +264,39 @@ def test_launch_labels_each_server_with_its_rank():
     ready = re.findall(r"^\[server (\d+)\] psrt-server ready .* rank=(\d+)$", proc.stdout, re.M)
     assert len(ready) == 4, proc.stdout
     assert all(label == rank for label, rank in ready), ready  # labels went by start order, ranks by registration
+
+
+_ROWS_WORKER = """
+import numpy as np, psrt
+with psrt.Client() as c:
+    c.init_embedding("t", dim=4, optimizer=psrt.SGD(lr=1.0), init="zeros")
+    before = c.pull_rows("t", np.arange(3))
+    c.push_rows("t", np.arange(3), np.ones((3, 4), np.float32))
+    print("rows", before.sum(), c.pull_rows("t", np.arange(3)).sum(), flush=True)
+"""
+
+
+@pytest.mark.integration
+def test_launch_gives_every_shard_the_checkpoint_flags_and_restores_from_them(tmp_path):
+    where = tmp_path / "ckpt"
+    first = run_psrt("launch", "-s", "2", "-w", "1", "--mode", "async", "--checkpoint-dir", str(where),
+                     "--checkpoint-full-every", "3", "--", sys.executable, "-c", _ROWS_WORKER, timeout=120)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "rows 0.0 -12.0" in first.stdout
+    assert len(list(where.iterdir())) >= 2, "each shard wrote its rank's checkpoint at the end"
+    again = run_psrt("launch", "-s", "2", "-w", "1", "--mode", "async", "--checkpoint-dir", str(where), "--restore",
+                     "--", sys.executable, "-c", _ROWS_WORKER, timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "rows -12.0 -24.0" in again.stdout, "the rows came back from the checkpoints"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("args, says", [
+    (("--checkpoint-every", "3"), "need --checkpoint-dir"),
+    (("--restore",), "need --checkpoint-dir"),
+    (("--checkpoint-dir", "/tmp", "--checkpoint-full-every", "0"), "--checkpoint-full-every"),
+])
+def test_launch_checkpoint_flags_that_cannot_be_meant_are_one_line_errors(args, says):
+    proc = run_psrt("launch", "-s", "1", "-w", "1", *args, "--", sys.executable, "-c", "pass")
+    assert says in one_line_error(proc)
+    assert "ready" not in proc.stdout  # refused before anything started

@@ -103,6 +103,18 @@ def test_index_find_inserts_once_and_finds_again():
 
 
 @pytest.mark.parametrize("seed", range(6))
+def test_unique_first_is_its_twin_and_np_unique_up_to_order(seed):
+    rng = np.random.default_rng(seed)
+    ids = ((rng.zipf(1.1, rng.integers(0, 3000)) - 1) * (1 if seed % 2 else -(2**40))).astype(np.int64)
+    distinct, inverse = rowkernels.unique_first(ids)
+    want, want_inverse = reference.unique_first(ids)
+    assert distinct.tolist() == want.tolist() and inverse.tolist() == want_inverse.tolist()
+    assert (distinct[inverse] == ids).all() and sorted(distinct.tolist()) == np.unique(ids).tolist()
+    with pytest.raises(KernelTypeError):
+        rowkernels.unique_first(ids.astype(np.int32))
+
+
+@pytest.mark.parametrize("seed", range(6))
 def test_index_remove_and_set_agree_with_a_dict(seed):
     """Random inserts, removals (backward shift, clustered ids) and slot changes, checked against a dict after
     every batch: every id left is found at its slot, every removed one is gone."""

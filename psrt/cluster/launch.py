@@ -29,7 +29,8 @@ import time
 from typing import IO, Optional, Sequence
 
 from psrt.cluster.daemon import run_scheduler, run_server
-from psrt.config import ClusterConfig, check_backup_workers
+from psrt.config import CHECKPOINT_SETTINGS, ClusterConfig, ServerConfig, check_backup_workers
+from psrt.config import flags as config_flags
 from psrt.control.placement import check_job_replicas
 from psrt.control.process import (
     SCHEDULER_READY,
@@ -41,6 +42,7 @@ from psrt.control.process import (
     stop_children,
 )
 from psrt.errors import ConfigError, PsrtTimeoutError
+from psrt.shard.checkpoint import check_directory
 
 __all__ = ["launch", "run_role", "scheduler_bind", "exit_status", "worker_copies", "SCHEDULER_READY"]
 
@@ -54,7 +56,9 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
            host: str = "127.0.0.1", start_timeout: Optional[float] = None, out: IO[str] = sys.stdout,
            extra_env: Optional[dict[str, str]] = None, transport: str = "auto", secure: bool = False,
            elastic: bool = False, staleness: Optional[int] = None, clients: int = 1, replicas: int = 0,
-           backup_workers: Optional[int | str] = None) -> int:
+           backup_workers: Optional[int | str] = None, checkpoint_dir: Optional[str] = None,
+           checkpoint_every: int = 0, checkpoint_secs: float = 0.0, checkpoint_full_every: int = 10,
+           restore: bool = False) -> int:
     """Run a whole job on this machine; returns the exit code (the first failure's, else 0).
 
     Parameters
@@ -95,6 +99,9 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         ``psrt worker`` understands it (``--clients``); another program must run that many clients itself.
     replicas : int
         Copies of each shard's key range on the next R shards (``psrt scheduler --replicas``).
+    checkpoint_dir, checkpoint_every, checkpoint_secs, checkpoint_full_every, restore
+        Every shard's checkpoints, as ``psrt server`` takes them (:class:`psrt.config.ServerConfig`): each shard
+        writes its rank's files in ``checkpoint_dir`` and, with ``restore``, starts from its rank's newest.
     """
     if transport not in ("auto", "tcp", "ipc"):
         raise ConfigError(f"transport must be auto, tcp or ipc, got {transport!r}")
@@ -116,6 +123,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
         raise ConfigError(f"cannot start the workers: {command[0]}: no such program (or not executable)")
     if start_timeout is None:
         start_timeout = ClusterConfig.from_env().start_timeout
+    checkpoints = _checkpoint_flags(checkpoint_dir, checkpoint_every, checkpoint_secs, checkpoint_full_every,
+                                    restore)
     lock = threading.Lock()
     env = dict(extra_env or {})  # on top of this process's environment (Child adds it)
     if threading.current_thread() is threading.main_thread():
@@ -152,7 +161,8 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
             return ["--bind", f"ipc://{sockdir}/server-{i}.sock"] if sockdir else []
 
         # The scheduler ranks servers in the order they register: each takes its label from its ready line's rank.
-        servers = [start("server", psrt_command("server", "--scheduler", endpoint, "--host", host, *bind(i)),
+        servers = [start("server", psrt_command("server", "--scheduler", endpoint, "--host", host, *bind(i),
+                                                *checkpoints),
                          {**job_env, "PSRT_ROLE": "server"}, ready=SERVER_READY, relabel=_server_label)
                    for i in range(num_servers)]
         workers = [start(_workers_label(first, count), command,
@@ -172,6 +182,33 @@ def launch(num_servers: int, num_workers: int, command: Sequence[str], mode: str
             shutil.rmtree(sockdir, ignore_errors=True)
         if keydir:
             shutil.rmtree(keydir, ignore_errors=True)
+
+
+def _checkpoint_flags(checkpoint_dir: Optional[str], every: int, secs: float, full_every: int,
+                      restore: bool) -> list[str]:
+    """The ``psrt server`` flags of a job's checkpoint settings, checked now (as a shard would refuse them) so that
+    a wrong one stops the launch before anything starts.
+
+    Raises
+    ------
+    ConfigError
+        When a setting is out of range, needs ``checkpoint_dir``, or the directory cannot be written.
+    """
+    settings = ServerConfig(checkpoint_dir=checkpoint_dir, checkpoint_every=every, checkpoint_secs=secs,
+                            checkpoint_full_every=full_every, restore=restore, backup_workers=0)
+    if checkpoint_dir is None:
+        return []
+    check_directory(checkpoint_dir)
+    defaults = ServerConfig(backup_workers=0)
+    args: list[str] = []
+    for f, flag in config_flags(ServerConfig):
+        if f.name not in CHECKPOINT_SETTINGS or getattr(settings, f.name) == getattr(defaults, f.name):
+            continue
+        value = getattr(settings, f.name)
+        if f.name == "checkpoint_dir":
+            value = os.path.abspath(value)  # the shards' working directory is this one, but say it once and for all
+        args += [flag.name] if isinstance(value, bool) else [flag.name, str(value)]
+    return args
 
 
 def worker_copies(num_workers: int, clients: int) -> list[tuple[int, int]]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["accumulate", "sgd_step", "momentum_step", "adam_step", "adagrad_step", "all_finite", "mix64", "shard_of",
-           "init_rows", "gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows", "adam_rows"]
+           "init_rows", "gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows", "adam_rows",
+           "unique_first"]
 
 
 def accumulate(dst: np.ndarray, src: np.ndarray) -> None:
@@ -101,6 +102,15 @@ def init_rows(ids: np.ndarray, dim: int, dtype, seed: int, kind: int, a: float, 
     out[:, 0::2] = a + b * r * np.cos(t)
     out[:, 1::2] = (a + b * r * np.sin(t))[:, :dim // 2]
     return out
+
+
+def unique_first(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ids in the order they first appear, and each id's index among them."""
+    uniq, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order))
+    return uniq[order].astype(np.int64), rank[inverse.reshape(-1)]
 
 
 def gather_rows(table: np.ndarray, slots: np.ndarray) -> np.ndarray:

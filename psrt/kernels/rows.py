@@ -17,7 +17,8 @@ from psrt import _core, dtypes
 from psrt.errors import KernelArgumentError, KernelTypeError
 
 __all__ = ["gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows", "adam_rows",
-           "index_find", "index_remove", "index_set", "shard_of", "init_rows", "INIT_KINDS", "INITIALIZERS"]
+           "index_find", "index_remove", "index_set", "unique_first", "shard_of", "init_rows", "INIT_KINDS",
+           "INITIALIZERS"]
 
 #: Initializer names and their kernel codes (see :func:`init_rows`).
 #: The row initializers and the parameters each takes; the kernel knows each by its position here.
@@ -192,6 +193,21 @@ def index_find(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, out: np.ndar
     if insert and (used + len(i) >= cap or used + len(i) > len(r)):
         raise KernelArgumentError("the index or row_ids has no room for the inserts; grow them first")
     return int(_core.index_find(k, v, i, o, r, int(used), bool(insert)))
+
+
+def unique_first(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ids in the order they first appear, and where each id went: ``distinct[inverse] == ids``.
+
+    What ``np.unique(ids, return_inverse=True)`` gives, up to the order of the distinct ids, without a sort: the
+    ids are inserted into a fresh :func:`index_find` index (a few ns an id; a sort of 8,192 ids costs ~0.3 ms).
+    """
+    i = _ids("ids", ids)
+    n = len(i)
+    cells = 1 << max(4, (2 * n - 1).bit_length())  # load at most 1/2, as a table's index
+    keys, vals = np.zeros(cells, _I64), np.full(cells, -1, _I64)
+    distinct, inverse = np.empty(n, _I64), np.empty(n, _I64)
+    used = int(_core.index_find(keys, vals, i, inverse, distinct, 0, True))
+    return distinct[:used], inverse
 
 
 def _cells(keys: object, vals: object) -> tuple[np.ndarray, np.ndarray]:

@@ -325,6 +325,8 @@ class Server(Recovery):
             elif isinstance(req, wire.InitRequest):
                 self._init(identity, req)
             elif isinstance(req, tables.REQUESTS):
+                if getattr(req, "lane", None) is not None:  # its ids and rows are in the worker's segment
+                    self._bind_rows(req)
                 self.tables.handle(identity, req)
             elif isinstance(req, wire.LaneProbeRequest):
                 self._reply(identity, self.lanes.probe(req))
@@ -348,6 +350,21 @@ class Server(Recovery):
             self._error(identity, req.id, "internal", f"{type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ ops
+    def _bind_rows(self, req: Any) -> None:
+        """Bind a ``push_rows`` or ``pull_rows`` that came over a shared-memory lane to its segment (every area
+        checked first: a refusal changes nothing, and the worker sends it again over the socket)."""
+        shape = None
+        if isinstance(req, wire.PullRowsRequest):
+            table = self.tables.tables.get(req.table)
+            shape = (table.spec.dim, table.spec.dtype) if table is not None else None
+        nbytes = self.lanes.bind_rows(req, shape)
+        if isinstance(req, wire.PushRowsRequest):
+            self.counters.shm_bytes_in += nbytes
+        else:
+            out = req.out.nbytes if req.out is not None else 0
+            self.counters.shm_bytes_in += nbytes - out
+            self.counters.shm_bytes_out += out
+
     def _init(self, identity: bytes, req: wire.InitRequest) -> None:
         opt = optim.from_wire(req.optimizer)
         for i, meta in enumerate(req.tensors):

@@ -335,6 +335,10 @@ class TableService:
                 self._error(identity, req.id, exc.code, str(exc))
                 return
         table.evict_due(self.clock())  # a pull sees no row whose ttl has passed
+        if req.lane is not None and req.out is not None:  # over a shared-memory lane: gathered into its area there
+            rows = table.gather(req.ids, req.out)
+            self._reply(identity, wire.encode_rows(req.id, req.table, table.version, rows, req.lane.generation))
+            return
         self._reply(identity, wire.encode_rows(req.id, req.table, table.version, table.gather(req.ids)))
 
     # ------------------------------------------------------------------ replication

@@ -22,6 +22,10 @@ request naming a segment the shard no longer has is refused with a ``lane_*`` co
 again over sockets, so losing a lane never loses a call. A refused ``lane_open`` is an answer, not a shard
 error. ``PSRT_SHM=0`` (``ClientConfig.shm``,
 ``ServerConfig.shm``) turns lanes off on either side.
+
+Embedding rows go the same way (:meth:`WorkerLanes.carry_rows`, :meth:`ShardLanes.bind_rows`): a ``push_rows``
+puts its ids and rows in the segment, a ``pull_rows`` its ids, and the shard gathers the answer into the area
+the request names.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ if TYPE_CHECKING:
     from psrt.partition import Chunk
 
 __all__ = ["MAX_LANES", "LANE_IDLE_S", "MAX_LANE_BYTES", "LANE_CODES", "Lane", "LaneUse", "WorkerLanes",
-           "ShardLanes", "ShardLane", "call_bytes"]
+           "ShardLanes", "ShardLane", "call_bytes", "rows_bytes"]
 
 log = logging.getLogger("psrt.lanes")
 
@@ -200,6 +204,32 @@ class WorkerLanes:
         lane = self._lanes[shard] = Lane(segment)
         return lane
 
+    @staticmethod
+    def carry_rows(lane: Lane, ids: np.ndarray, grads: Optional[np.ndarray], out_bytes: int,
+                   select: Optional[np.ndarray] = None) -> LaneUse:
+        """Hand out one embedding request's areas: its ids and (``push_rows``) gradient rows, copied in (with
+        ``select``, the entries ``ids[select]`` and rows ``grads[select]``, gathered straight into the segment),
+        and (``pull_rows``, ``out_bytes`` > 0) the area its rows come back to; the caller checked
+        :meth:`Lane.fits` for :func:`rows_bytes`. The areas (views, ids 1-D and rows 2-D) are the use's
+        ``inputs``."""
+        segment = lane.segment
+        inputs: list[np.ndarray] = []
+        offsets: list[int] = []
+        for a in (ids,) if grads is None else (ids, grads):
+            shape = ((len(a) if select is None else len(select)),) + a.shape[1:]
+            count = int(np.prod(shape))
+            offset = lane.take(count * a.itemsize)
+            view = segment.array(offset, a.dtype, count).reshape(shape)
+            if select is None:
+                np.copyto(view, a)
+            else:  # (mode="clip": "raise" would gather into a buffer first; the indices are the caller's own)
+                np.take(a, select, axis=0, out=view, mode="clip")
+            inputs.append(view)
+            offsets.append(offset)
+        outputs = [lane.take(out_bytes)] if out_bytes else []
+        lane.live += 1
+        return LaneUse(lane, wire.LaneRef(segment.generation, offsets, outputs), inputs)
+
     def copy_shared(self, shard: int, place: list[int], dest: np.ndarray) -> bool:
         """Copy parameters from ``shard``'s shared memory into ``dest``: :meth:`psrt.shm.arena.ArenaReader.copy`."""
         return self._arenas[shard].copy(place, dest)
@@ -223,6 +253,11 @@ class WorkerLanes:
                 out_offsets.append(lane.take(c.nbytes))
         lane.live += 1
         return LaneUse(lane, wire.LaneRef(segment.generation, in_offsets, out_offsets), inputs)
+
+
+def rows_bytes(*nbytes: int) -> int:
+    """The aligned bytes an embedding request's areas (ids, rows) take in a lane."""
+    return sum(shm.aligned(n) for n in nbytes)
 
 
 def call_bytes(messages: Sequence[Sequence[Chunk]], inputs: bool, outputs: bool) -> int:
@@ -352,12 +387,7 @@ class ShardLanes:
         ref = req.lane
         if ref is None:
             return None
-        segment = self._segments.get(ref.generation)
-        if segment is None:
-            raise RequestRefused("lane_stale", f"no shared-memory segment of generation {ref.generation} here "
-                                               "(a stale or unknown lane): send the tensors over the socket")
-        self._segments.move_to_end(ref.generation)
-        self._used[ref.generation] = time.monotonic()
+        segment = self._segment(ref)
         if isinstance(req, wire.PushRequest):
             buffers = []
             for meta, offset in zip(req.tensors, ref.inputs):
@@ -366,6 +396,59 @@ class ShardLanes:
                 buffers.append(segment.array(offset, meta.dtype, meta.count))
             req.buffers = buffers
         return segment
+
+    def _segment(self, ref: wire.LaneRef) -> shm.Segment:
+        segment = self._segments.get(ref.generation)
+        if segment is None:
+            raise RequestRefused("lane_stale", f"no shared-memory segment of generation {ref.generation} here "
+                                               "(a stale or unknown lane): send the tensors over the socket")
+        self._segments.move_to_end(ref.generation)
+        self._used[ref.generation] = time.monotonic()
+        return segment
+
+    def bind_rows(self, req: Any, row_shape: Optional[tuple[int, np.dtype]]) -> int:
+        """Point an embedding request that came over a lane (``push_rows``, ``pull_rows``) into its segment, after
+        checking the generation and every area; returns the bytes bound.
+
+        The ids are copied out (they index the table, and the worker may write its segment at any time); a
+        push's gradient rows are read where the worker wrote them, as a dense push's are. ``row_shape``
+        (``pull_rows``): the table's ``(dim, dtype)``, the size of the area the answer is gathered into (None:
+        the shard has no such table, which refuses the request itself).
+
+        Raises
+        ------
+        RequestRefused
+            ``lane_stale`` (no such segment, or no longer) or ``lane_bounds`` (an area outside it).
+        """
+        ref = req.lane
+        segment = self._segment(ref)
+        count = req.lane_count
+        ids_at = ref.inputs[0]
+        if not segment.holds(ids_at, count * wire.IDS_DTYPE.itemsize):
+            raise RequestRefused("lane_bounds", _outside_rows("ids", count * wire.IDS_DTYPE.itemsize, ids_at, segment))
+        areas = []
+        if isinstance(req, wire.PushRowsRequest):
+            nbytes = count * req.dim * req.dtype.itemsize
+            if not segment.holds(ref.inputs[1], nbytes):
+                raise RequestRefused("lane_bounds", _outside_rows("gradient rows", nbytes, ref.inputs[1], segment))
+            areas.append((ref.inputs[1], req.dtype, count * req.dim, req.dim))
+        elif row_shape is not None:
+            dim, dtype = row_shape
+            nbytes = count * dim * dtype.itemsize
+            if not segment.holds(ref.outputs[0], nbytes):
+                raise RequestRefused("lane_bounds", _outside_rows("rows", nbytes, ref.outputs[0], segment))
+            areas.append((ref.outputs[0], dtype, count * dim, dim))
+        # Every area checked: bind.
+        req.ids = segment.array(ids_at, wire.IDS_DTYPE, count).copy()
+        bound = count * wire.IDS_DTYPE.itemsize
+        for offset, dtype, n, dim in areas:
+            view = segment.array(offset, dtype, n).reshape(count, dim)
+            if isinstance(req, wire.PushRowsRequest):
+                req.grads = view
+            else:
+                req.out = view
+            bound += view.nbytes
+        return bound
 
     def push_lane(self, req: wire.PushRequest) -> Optional[ShardLane]:
         """Bind a push's gradients to its segment (:meth:`bind`) and check its output areas; None: no lane."""
@@ -405,6 +488,11 @@ class ShardLanes:
             self._drop(generation)
         if self._arena is not None:
             self._arena.close()
+
+
+def _outside_rows(what: str, nbytes: int, offset: int, segment: shm.Segment) -> str:
+    return (f"{what}: {nbytes} bytes at offset {offset} are not an aligned area of the {segment.size}-byte "
+            "segment")
 
 
 def _outside(meta: Any, offset: int, segment: shm.Segment) -> str:

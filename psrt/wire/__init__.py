@@ -33,8 +33,8 @@ one frame of the table's dtype.
 Shared-memory lanes (:mod:`psrt.wire.lanes`, its docstring has their table): ``lane_probe`` (answered by
 ``beacon``) and ``lane_open`` (answered by ``lane``) set up a segment between a worker and a shard of one host,
 ``lane_close`` (answered by ``closed``) gives it back;
-``push``, ``push_pull`` and ``pull`` then carry a ``lane`` field instead of buffer frames, and the ``params``
-reply a ``lane`` field (the segment's generation) instead of its buffers.
+``push``, ``push_pull``, ``pull``, ``push_rows`` and ``pull_rows`` then carry a ``lane`` field instead of buffer
+frames, and the ``params`` and ``rows`` replies a ``lane`` field (the segment's generation) instead of theirs.
 
 Replies: ``params {tensors, versions}`` + buffers (after ``init`` also ``mode, num_workers, conflicts``: the
 shard's mode and W, and the indices of tensors that exist with another optimizer; and ``backup_workers`` where

@@ -23,6 +23,13 @@ request         fields (besides ``v, op, id``) + frames                     repl
 ==============  ==========================================================  ===================================
 
 Reply ``rows {table, dim, dtype, count, version}`` + one frame: the rows of the request's ids, in its order.
+
+Over a shared-memory lane (:mod:`psrt.wire.lanes`, a worker and a shard of one host) a ``push_rows`` or
+``pull_rows`` has no buffer frames and one more field, ``lane: [generation, inputs, outputs]``: ``push_rows``
+``[ids, rows]`` offsets in and none out, ``pull_rows`` ``[ids]`` in and ``[rows]`` out (where the shard is to
+write the answer). Its ``rows`` reply then carries ``lane: generation`` and no frame: the rows are at the
+request's output offset. The shard checks every area against the segment before anything changes
+(``lane_stale``, ``lane_bounds``), as for dense tensors.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from psrt.config import WireLimits
 from psrt.errors import ProtocolError
 from psrt.kernels.rows import INITIALIZERS
 from psrt.wire.codec import MAX_U63, MAX_WORKER, check_fields, encode, string, uint
+from psrt.wire.lanes import LaneRef, lane_ref
 
 __all__ = ["InitTableRequest", "PushRowsRequest", "PullRowsRequest", "TableStatsRequest", "RowsReply",
            "REQUEST_FIELDS", "IDS_DTYPE", "encode_table_stats",
@@ -58,6 +66,9 @@ REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "table_stats": frozenset({"v", "op", "id", "table"}),
 }
 _ROWS = frozenset({"v", "op", "id", "table", "dim", "dtype", "count", "version"})
+_ROWS_LANE = _ROWS | {"lane"}
+#: The ops that may travel over a shared-memory lane, with their ``(inputs, outputs)`` areas.
+_LANE_AREAS = {"push_rows": (2, 0), "pull_rows": (1, 1)}
 
 
 @dataclass
@@ -106,6 +117,10 @@ class PushRowsRequest(_Rows):
     #: The table's version (on this shard) of the rows the gradients were computed from; sent to a shard with
     #: backup workers only (None: not said).
     base: Optional[int] = None
+    #: Over a shared-memory lane: where the ids and rows are (``ids`` and ``grads`` are empty until the shard
+    #: binds them to the segment, :meth:`psrt.shm.lanes.ShardLanes.bind_rows`), and their count.
+    lane: Optional[LaneRef] = None
+    lane_count: int = 0
     op: ClassVar[str] = "push_rows"
 
 
@@ -118,6 +133,12 @@ class PullRowsRequest(_Rows):
     min_version: int
     #: ``ssp``: the worker's count of pushes to this table so far.
     clock: int = 0
+    #: Over a shared-memory lane: where the ids are and the rows go (``ids`` is empty until the shard binds it,
+    #: :meth:`psrt.shm.lanes.ShardLanes.bind_rows`), and their count.
+    lane: Optional[LaneRef] = None
+    lane_count: int = 0
+    #: Over a lane, once bound: the ``(count, dim)`` area of the segment the answer is gathered into.
+    out: Optional[np.ndarray] = None
     op: ClassVar[str] = "pull_rows"
 
 
@@ -131,6 +152,8 @@ class RowsReply:
     dtype: np.dtype
     count: int
     version: int
+    #: Over a shared-memory lane: the segment's generation (the rows are at the request's output area; no frame).
+    lane: Optional[int] = None
     op: ClassVar[str] = "rows"
 
     @property
@@ -189,6 +212,7 @@ def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLi
     base = uint(h, "base") if op == "push_rows" and "base" in h else None  # (optional: backup workers)
     if base is not None:
         del h["base"]
+    lane = h.pop("lane") if op in _LANE_AREAS and "lane" in h else None
     check_fields(op, h, REQUEST_FIELDS[op] | ({"policy"} if op == "init_table" and "policy" in h else set()))
     if op == "table_stats":
         if buffers:
@@ -197,6 +221,16 @@ def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLi
     rid, worker = uint(h, "id"), uint(h, "worker", MAX_WORKER)
     pull = op == "pull_rows"
     table, dim, dtype, count = _shape(h, limits, with_dtype=not pull)
+    if lane is not None:  # the ids and rows are in the worker's segment: the shard binds them
+        ref = lane_ref(lane, *_LANE_AREAS[op])
+        if buffers:
+            raise ProtocolError(f"a {op!r} over a shared-memory lane takes no buffer frames, got {len(buffers)}")
+        none = np.empty(0, IDS_DTYPE)
+        if pull:
+            return PullRowsRequest(table, 0, IDS_DTYPE, none, rid, worker, uint(h, "min_version"), uint(h, "clock"),
+                                   ref, count)
+        return PushRowsRequest(table, dim, dtype, none, rid, worker, uint(h, "session"), uint(h, "seq"),
+                               np.empty((0, dim), dtype), uint(h, "clock"), base, ref, count)
     want = 1 if pull else (0 if op == "init_table" and count == 0 else 2)
     if len(buffers) != want:
         raise ProtocolError(f"op {op!r} with count {count} takes {want} buffer frames, got {len(buffers)}")
@@ -237,9 +271,10 @@ def _policy(h: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 def decode_rows_reply(h: dict[str, Any], limits: WireLimits) -> RowsReply:
     """Check a ``rows`` reply's header (its frame is received by the caller, straight into place)."""
-    check_fields("rows", h, _ROWS)
+    check_fields("rows", h, _ROWS_LANE if "lane" in h else _ROWS)
     table, dim, dtype, count = _shape(h, limits)
-    return RowsReply(uint(h, "id"), table, dim, dtype, count, uint(h, "version"))
+    return RowsReply(uint(h, "id"), table, dim, dtype, count, uint(h, "version"),
+                     uint(h, "lane") if "lane" in h else None)
 
 
 def encode_init_table(rid: int, worker: int, table: str, dim: int, dtype: np.dtype, optimizer: dict[str, Any],
@@ -256,13 +291,18 @@ def encode_init_table(rid: int, worker: int, table: str, dim: int, dtype: np.dty
 
 
 def encode_push_rows(rid: int, worker: int, session: int, seq: int, table: str, ids: np.ndarray,
-                     grads: np.ndarray, clock: int = 0, base: Optional[int] = None) -> list[Any]:
+                     grads: np.ndarray, clock: int = 0, base: Optional[int] = None,
+                     lane: Optional[LaneRef] = None) -> list[Any]:
     """Frames of a ``push_rows`` request: ids (int64) and ``(len(ids), dim)`` C-contiguous gradient rows; ``base``
-    (to a shard with backup workers): the table version the gradients were computed from."""
+    (to a shard with backup workers): the table version the gradients were computed from; ``lane``: the ids and
+    rows are in a shared-memory segment there (copied in by the caller), and no frame carries them."""
     header = {"op": "push_rows", "id": rid, "worker": worker, "session": session, "seq": seq, "clock": clock,
               "table": table, "dim": grads.shape[1], "dtype": dtypes.WIRE_NAMES[grads.dtype], "count": len(ids)}
     if base is not None:
         header["base"] = base
+    if lane is not None:
+        header["lane"] = lane.to_wire()
+        return encode(header)
     return encode(header, [ids, grads])
 
 
@@ -272,13 +312,23 @@ def encode_table_stats(rid: int, table: str) -> list[Any]:
 
 
 def encode_pull_rows(rid: int, worker: int, table: str, min_version: int, ids: np.ndarray,
-                     clock: int = 0) -> list[Any]:
-    """Frames of a ``pull_rows`` request."""
-    return encode({"op": "pull_rows", "id": rid, "worker": worker, "table": table, "min_version": min_version,
-                   "clock": clock, "count": len(ids)}, [ids])
+                     clock: int = 0, lane: Optional[LaneRef] = None) -> list[Any]:
+    """Frames of a ``pull_rows`` request; ``lane``: the ids are in a shared-memory segment there (copied in by
+    the caller) and the rows are to be written at its output offset."""
+    header = {"op": "pull_rows", "id": rid, "worker": worker, "table": table, "min_version": min_version,
+              "clock": clock, "count": len(ids)}
+    if lane is not None:
+        header["lane"] = lane.to_wire()
+        return encode(header)
+    return encode(header, [ids])
 
 
-def encode_rows(rid: int, table: str, version: int, rows: np.ndarray) -> list[Any]:
-    """Frames of a ``rows`` reply: ``rows`` is the ``(count, dim)`` answer."""
-    return encode({"op": "rows", "id": rid, "table": table, "dim": rows.shape[1],
-                   "dtype": dtypes.WIRE_NAMES[rows.dtype], "count": rows.shape[0], "version": version}, [rows])
+def encode_rows(rid: int, table: str, version: int, rows: np.ndarray, lane: Optional[int] = None) -> list[Any]:
+    """Frames of a ``rows`` reply: ``rows`` is the ``(count, dim)`` answer; with ``lane`` (the segment's
+    generation) it was written into the request's output area, and only the header goes."""
+    header = {"op": "rows", "id": rid, "table": table, "dim": rows.shape[1], "dtype": dtypes.WIRE_NAMES[rows.dtype],
+              "count": rows.shape[0], "version": version}
+    if lane is not None:
+        header["lane"] = lane
+        return encode(header)
+    return encode(header, [rows])

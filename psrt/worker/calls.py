@@ -55,6 +55,8 @@ class Sender(Protocol):
     (:class:`psrt.worker.sender.ShardSender`)."""
 
     shard: int
+    #: Whether embedding rows may take the shard's lane.
+    rows_lane: bool
 
     def resend(self, rid: int, request: Request) -> None:
         """The shard restarted before answering: send ``request`` again in its socket form."""
@@ -236,9 +238,14 @@ class ShardCalls:
             if warn_at is not None and now >= warn_at:
                 warn_at = None  # once per call: a slow shard is worth one line, not one per poll
                 late = sorted({self._pending[r].shard for r in handle._outstanding})
-                hint = ("they answered this client before: busy (a large table being made, a sync round waiting "
-                        "for another worker), not unreachable" if all(self._answered[s] for s in late) else
-                        "is a psrt server running there, and is it reachable from this host?")
+                if all(self._answered[s] for s in late):
+                    hint = ("they answered this client before: busy (a large table being made, a sync round "
+                            "waiting for another worker), not unreachable")
+                elif all(self._answered[s] or self._reached(s) for s in late):
+                    hint = ("they took the connection and have not answered yet: busy (a large table being made, "
+                            "a sync round waiting for another worker), not unreachable")
+                else:
+                    hint = "is a psrt server running there, and is it reachable from this host?"
                 log.warning("still waiting for %s to answer %s after %.0fs (timeout %gs); %s",
                             ", ".join(self.servers[s] for s in late), handle.op, now - start, timeout, hint)
             remaining = deadline - now
@@ -261,6 +268,16 @@ class ShardCalls:
                 self._forget(handle)
                 handle._fail(exc)
                 return
+
+    def _reached(self, shard: int) -> bool:
+        """Whether ``shard``'s socket completed a handshake (a ZeroMQ peer took the connection), as far as its
+        monitor says now."""
+        ch = self.channels[shard]
+        try:
+            ch.check_handshake()
+        except AuthenticationError:
+            return False
+        return ch.connections > 0
 
     def _forget(self, handle: Handle) -> None:
         """Stop waiting for ``handle``'s replies: any that still come are dropped as late."""
@@ -355,8 +372,11 @@ class ShardCalls:
         if pending is None or pending.shard != shard:
             ch.discard_rest()  # a late reply to a call that timed out, or one this shard was never asked
             return
-        if (isinstance(reply, wire.ErrorReply) and reply.code in LANE_CODES and pending.plain is not None):
+        if isinstance(reply, wire.ErrorReply) and pending.plain is not None and (
+                reply.code in LANE_CODES or (reply.code == "protocol" and pending.table is not None)):
             ch.discard_rest()
+            if reply.code == "protocol":  # a shard older than embedding rows over lanes: sockets for them
+                pending.sender.rows_lane = False
             pending.sender.without_lane(reply.id, pending, reply.message)  # still awaited, under the same id
             return
         del self._pending[reply.id]
@@ -385,7 +405,7 @@ class ShardCalls:
             return
         if isinstance(reply, wire.RowsReply):  # embedding rows: psrt.worker.embedding_client.RowsHandle
             try:
-                handle._take_rows(ch, reply, shard)  # type: ignore[attr-defined]
+                handle._take_rows(ch, reply, shard, pending.lane)  # type: ignore[attr-defined]
             except ProtocolError as exc:
                 ch.discard_rest()
                 handle._fail(ProtocolError(f"shard {endpoint}: {exc}"))

@@ -7,7 +7,9 @@ the same map. A call sorts its ids by shard once (a stable argsort), sends one m
 shard's ids as a contiguous int64 frame, receives each shard's rows straight into one buffer, and puts them
 back in the caller's order with one fancy-index assignment: no Python loop over rows. With S = 1 there is no
 reordering at all and the rows land in the output directly. A pull sends each distinct id once
-(``np.unique``) and gathers the rows of repeated ids back from the one copy received.
+(:func:`psrt.kernels.rows.unique_first`: no sort) and gathers the rows of repeated ids back from the one copy
+received. To a shard of this host, a call of at least 64 KiB carries its ids and rows in the shard's
+shared-memory lane (:meth:`psrt.worker.sender.ShardSender.pull_rows`, ``push_rows``).
 
 A push goes to every shard, even one with no ids this time (an empty message), so that in sync mode every
 shard's round counts every worker.
@@ -23,6 +25,7 @@ import numpy as np
 from psrt import dtypes, optim, wire
 from psrt.errors import ConfigError, ProtocolError, PsrtTypeError
 from psrt.kernels import rows as rowkernels
+from psrt.shm.lanes import LaneUse
 from psrt.tablespec import INITIALIZERS, TableSpec
 from psrt.worker.calls import ShardCalls
 from psrt.worker.handles import Handle
@@ -59,14 +62,19 @@ class RowsHandle(Handle):
             self._order = None
         return self._out
 
-    def _take_rows(self, ch: Any, reply: wire.RowsReply, shard: int) -> None:
-        """Receive ``shard``'s ``rows`` frame straight into place (called by :mod:`psrt.worker.calls`, which then
-        takes the table's version in)."""
+    def _take_rows(self, ch: Any, reply: wire.RowsReply, shard: int, lane: Optional[LaneUse] = None) -> None:
+        """Receive ``shard``'s ``rows`` frame straight into place, or copy them from the request's lane area
+        (called by :mod:`psrt.worker.calls`, which then takes the table's version in)."""
         dest = self._buf[int(self._offsets[shard]):int(self._offsets[shard + 1])]
         if (reply.table != self._name or reply.count != len(dest) or reply.dim != dest.shape[1]
                 or reply.dtype != dest.dtype):
             raise ProtocolError(f"rows reply for {reply.table!r} ({reply.count} x {reply.dim}) does not match "
                                 f"the request ({len(dest)} x {dest.shape[1]} of {self._name!r})")
+        if reply.lane is not None:  # the shard wrote the rows into this request's area of the lane
+            if lane is None or reply.lane != lane.ref.generation or len(lane.ref.outputs) != 1 or ch.more():
+                raise ProtocolError("rows reply names a shared-memory lane this request did not use")
+            np.copyto(dest, lane.output(0, dest.dtype, dest.size).reshape(dest.shape))
+            return
         if not ch.more():
             raise ProtocolError("rows reply has no rows frame")
         got = ch.recv_into(memoryview(dest).cast("B") if dest.size else bytearray())
@@ -177,7 +185,7 @@ class EmbeddingClient:
               or not out.flags.c_contiguous or not out.flags.writeable):
             raise ConfigError(f"out must be a writable C-contiguous array of shape {shape} and dtype {table.dtype}")
         # A repeated id travels once: the shards send one row per distinct id, scattered back in the caller's order.
-        unique, inverse = np.unique(a, return_inverse=True)
+        unique, inverse = rowkernels.unique_first(a)  # (no sort: the order of the distinct ids does not matter)
         gather = None
         if len(unique) < len(a):
             a, order, offsets = unique, *self._split(unique)
@@ -193,15 +201,13 @@ class EmbeddingClient:
         handle = RowsHandle(self._calls, name, out, buf, offsets, None if gather is not None else order, gather)
         versions = self._calls.versions.tables
         clock = self._clock.get(name, 0)
+        row_bytes = table.dim * table.dtype.itemsize
         for shard, sender in enumerate(self._senders):
             lo, hi = int(offsets[shard]), int(offsets[shard + 1])
             if lo == hi:
                 continue
-            mine = sorted_ids[lo:hi]
-            version = versions[shard].get(name, 0)
-            sender.send(handle, lambda rid, i=mine, v=version: wire.encode_pull_rows(
-                rid, self._rank, name, v, i, clock), lambda rid, i=mine: wire.encode_pull_rows(
-                rid, self._rank, name, 0, i, clock), table=name)
+            sender.pull_rows(handle, self._rank, name, versions[shard].get(name, 0), sorted_ids[lo:hi], clock,
+                             (hi - lo) * row_bytes)
         return handle
 
     def push_rows_async(self, name: str, ids: Any, grads: Any) -> Handle:
@@ -212,9 +218,7 @@ class EmbeddingClient:
             raise PsrtTypeError(f"grads of table {name!r} must be {table.dtype}, got {g.dtype}")
         if g.shape != (len(a), table.dim):
             raise ConfigError(f"grads must have shape {(len(a), table.dim)} for {len(a)} ids, got {g.shape}")
-        order, offsets = self._split(a)
-        if order is not None:
-            a, g = a[order], g[order]
+        order, offsets = self._split(a)  # (with order, each shard's ids and rows are gathered once, by its sender)
         handle = Handle(self._calls, "push_rows", None)
         seqs = self._seq.setdefault(name, [0] * len(self._senders))
         clock = self._clock[name] = self._clock.get(name, 0) + 1  # ssp: this worker's pushes to the table, this too
@@ -224,6 +228,8 @@ class EmbeddingClient:
             seqs[shard] += 1
             # A shard with backup workers is told the table version the rows were computed from (last pulled).
             base = self._calls.versions.held_tables[shard].get(name, 0) if sender.backup_workers else None
-            sender.send(handle, lambda rid, q=seq, i=a[lo:hi], r=g[lo:hi], b=base: wire.encode_push_rows(
-                rid, self._rank, self._session, q, name, i, r, clock, b), table=name)
+            if order is None:
+                sender.push_rows(handle, name, seq, a[lo:hi], g[lo:hi], clock, base)
+            else:
+                sender.push_rows(handle, name, seq, a, g, clock, base, order[lo:hi])
         return handle

@@ -30,7 +30,7 @@ import numpy as np
 from psrt import wire
 from psrt.errors import PsrtError
 from psrt.partition import Chunk
-from psrt.shm.lanes import LaneUse, WorkerLanes
+from psrt.shm.lanes import LaneUse, WorkerLanes, rows_bytes
 from psrt.transport import ZERO_COPY_BYTES
 from psrt.worker.calls import Encode, Request, ShardCalls
 from psrt.worker.compress import Compressor
@@ -87,6 +87,8 @@ class ShardSender:
         self.backup_workers = 0
         #: The sequence number of this client's next push to the shard (the shard applies each once).
         self.seq = 0
+        #: Whether embedding rows may take the shard's lane (False once a shard too old for it refused one).
+        self.rows_lane = True
 
     # ------------------------------------------------------------------ sending
     def send(self, handle: Handle, encode: Encode, resend: Optional[Encode] = None,
@@ -190,6 +192,51 @@ class ShardSender:
             self._send(Request(handle, self, msg, None, plain, use, plain, refused),
                        lambda rid, q=seq, e=entries, u=use, b=base: wire.encode_push(
                            rid, rank, session, q, e, [], pull, clock, u.ref, b))
+
+    def pull_rows(self, handle: Handle, rank: int, table: str, version: int, ids: np.ndarray, clock: int,
+                  row_bytes: int) -> None:
+        """Send one ``pull_rows`` of ``ids`` (int64, C-contiguous; its answer takes ``row_bytes``): through the
+        shard's lane when it moves enough bytes and the shard has one, else over the socket."""
+        plain = lambda rid: wire.encode_pull_rows(rid, rank, table, version, ids, clock)  # noqa: E731
+        resend = lambda rid: wire.encode_pull_rows(rid, rank, table, 0, ids, clock)  # noqa: E731
+        lane = self._rows_lane(rows_bytes(ids.nbytes, row_bytes))
+        if lane is None:
+            self._send(Request(handle, self, (), table, resend), plain)
+            return
+        use = WorkerLanes.carry_rows(lane, ids, None, row_bytes)
+        self._send(Request(handle, self, (), table, resend, use, plain),
+                   lambda rid: wire.encode_pull_rows(rid, rank, table, version, ids, clock, use.ref))
+
+    def push_rows(self, handle: Handle, table: str, seq: int, ids: np.ndarray, grads: np.ndarray, clock: int,
+                  base: Optional[int], select: Optional[np.ndarray] = None) -> None:
+        """Send one ``push_rows`` of ``ids`` and their gradient rows (C-contiguous; with ``select``, of
+        ``ids[select]`` and ``grads[select]``, gathered once, straight into the lane when it takes one): through
+        the shard's lane when it moves enough bytes and the shard has one, else over the socket."""
+        rank, session = self._rank, self._session
+        count = len(ids) if select is None else len(select)
+        lane = self._rows_lane(rows_bytes(count * ids.itemsize, count * grads.shape[1] * grads.itemsize))
+        if lane is None:
+            if select is not None:
+                ids, grads = ids[select], grads[select]
+            plain = lambda rid: wire.encode_push_rows(rid, rank, session, seq, table, ids, grads,  # noqa: E731
+                                                      clock, base)
+            self._send(Request(handle, self, (), table, plain), plain)
+            return
+        use = WorkerLanes.carry_rows(lane, ids, grads, 0, select)
+        # Sent again over the socket (a refused lane, a restarted shard), it is the copy in the lane that goes: the
+        # caller may change its gradients once this returns, as over a lane for dense tensors.
+        lids, lgrads = use.inputs
+        plain = lambda rid: wire.encode_push_rows(rid, rank, session, seq, table, lids, lgrads, clock,  # noqa: E731
+                                                  base)
+        self._send(Request(handle, self, (), table, plain, use, plain),
+                   lambda rid: wire.encode_push_rows(rid, rank, session, seq, table, lids, lgrads, clock, base,
+                                                     use.ref))
+
+    def _rows_lane(self, nbytes: int) -> Any:
+        """The lane an embedding request moving ``nbytes`` (aligned areas) takes, or None: sockets."""
+        if nbytes < ZERO_COPY_BYTES or not self.rows_lane:
+            return None
+        return self._lanes.lane_for(self.shard, nbytes, self.ask)
 
     def _base(self, msg: Sequence[Chunk]) -> Any:
         """The version(s) of the parameters a push of ``msg``'s gradients was computed from: those last received
