@@ -664,3 +664,44 @@ def test_a_whole_range_is_copied_in_messages_the_replicas_limits_take(monkeypatc
         assert pair[0]._replication.copier.copies_sent >= 4 + 4  # 10 keys: 4 messages, for the init and the round
     finally:
         _close(pair, threads)
+
+
+def _pushes_around_a_move(fail: bool) -> dict:
+    """W = 1 over one range, R = 1: a push of ``a``, then (after the client followed the range's move, when
+    ``fail``) a push of ``b``, both unanswered at first. The push of ``a`` went to the dead primary; the one of
+    ``b`` goes straight to the range's new server, as a framework's per-tensor pushes do."""
+    from psrt.config import ClientConfig
+    from psrt.optim import SGD
+    from psrt.worker.client import Client
+
+    pair, threads, announced = _pair()
+    primary, replica = pair
+    client = Client(servers=[primary.endpoint], rank=0, num_workers=1, config=ClientConfig(timeout=10, shm=False))
+    try:
+        client.init({n: np.zeros(5, np.float32) for n in "ab"}, optimizer=SGD(lr=1.0))
+        client.push({n: np.ones(5, np.float32) for n in "ab"})
+        if fail:
+            primary.stop()
+            threads[0].join(10)
+            replica._replication.on_ranges(wire.Ranges(0, ((1,), (1,))))  # the scheduler's word: shard 1 serves
+            client._calls._moves = {0: announced[1][1]}  # as the scheduler's moved notice fills it
+        first = client.push_async({"a": np.full(5, 2, np.float32)})  # (fail: to the dead primary)
+        first.done()  # takes the move in: the channel points at the range's new server now
+        second = client.push_async({"b": np.full(5, 3, np.float32)})  # (fail: sent there, after the move)
+        first.wait(10)
+        second.wait(10)
+        if fail:
+            assert replica._replication.serving_ranges() == [1, 0]
+        return client.pull()
+    finally:
+        client.close()
+        _close(pair, threads)
+
+
+def test_i5_a_push_the_dead_primary_never_answered_is_applied_though_a_later_one_reached_the_new_server_first():
+    """The push the dead primary never answered goes again to the range's new server before anything the worker
+    sends after it: taken after a later push it would look like one already applied (a duplicate) and be lost."""
+    clean, failed = _pushes_around_a_move(False), _pushes_around_a_move(True)
+    assert clean["a"].tolist() == [-3.0] * 5 and clean["b"].tolist() == [-4.0] * 5
+    for name in "ab":
+        assert np.array_equal(clean[name], failed[name]), (name, failed[name])

@@ -192,6 +192,8 @@ class ShardCalls:
         self._pending: dict[int, Request] = {}
         self.versions = Versions(len(self.channels))
         self._connections = [0] * len(self.channels)  # handshakes seen per shard (see _ride_through)
+        #: Shards re-pointed whose new endpoint's first handshake is still to come: ridden through already.
+        self._repointed = [False] * len(self.channels)
         self._unanswered = [0] * len(self.channels)  # reconnections since the shard last answered anything
         self._answered = [False] * len(self.channels)  # whether the shard ever answered this client
         #: Chunks to pull again (their shared parameters changed while being copied), once replies are taken in.
@@ -303,7 +305,13 @@ class ShardCalls:
             self._pull_again()
         for shard, ch in enumerate(self.channels):
             if ch.connections != self._connections[shard]:
-                if self._connections[shard]:
+                seen = ch.connections - self._connections[shard]
+                if self._repointed[shard]:  # the new endpoint's first handshake: _follow_moves rode it through
+                    self._repointed[shard] = False
+                    again = seen > 1  # (and the shard went away and came back since)
+                else:
+                    again = self._connections[shard] > 0
+                if again:
                     self._ride_through(shard)
                 self._connections[shard] = ch.connections
 
@@ -319,7 +327,15 @@ class ShardCalls:
                 raise
 
     def _follow_moves(self) -> None:
-        """Shards that came back on another endpoint: connect there; the new handshake rides through as any."""
+        """Shards that came back on another endpoint: connect there, and ride through at once.
+
+        Re-pointing drops what is still queued for the old endpoint, and what this client sends from now on goes
+        to the new one, in order. What the old endpoint never answered must go first: a shard takes a worker's
+        pushes exactly once by their sequence numbers, so a push sent again *after* a later one reached the new
+        endpoint would look applied already (a duplicate) and be lost. So it goes again now, ahead of anything sent
+        later; the new endpoint's first handshake then rides through no more (which would also forget the versions
+        its first answers taught, read in the same poll).
+        """
         while self._moves:
             shard, endpoint = self._moves.popitem()
             if shard >= len(self.channels) or endpoint == self.servers[shard]:
@@ -328,8 +344,8 @@ class ShardCalls:
                         "reconnecting", shard, self.servers[shard], endpoint)
             self.channels[shard].repoint(endpoint)
             self.servers[shard] = endpoint
-            if not self._connections[shard]:
-                self._connections[shard] = -1  # never connected before: its first handshake must ride through too
+            self._repointed[shard] = True
+            self._ride_through(shard)
 
     def _ride_through(self, shard: int) -> None:
         """A shard came back (restarted, maybe from a checkpoint): its senders send again what it never answered.
@@ -350,7 +366,7 @@ class ShardCalls:
                 p.abandon()
                 p.handle._fail(error)
             return
-        log.warning("shard %s reconnected (restarted?): sending again the %d requests it has not answered",
+        log.warning("shard %s reconnected or moved (restarted?): sending again the %d requests it has not answered",
                     self.servers[shard], len(unanswered))
         self.versions.forget(shard)
         self._lanes.reset(shard)  # its lanes died with it; what was sent over one goes again over the socket
