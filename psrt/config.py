@@ -262,11 +262,6 @@ _BACKUP_HELP = ("sync: backup workers b (0 <= b < W): a round closes on the firs
                 "it is dropped; auto: the shard picks b from how late the workers' pushes come")
 
 
-#: Why a job cannot have both (yet): a dropped late push is recorded by its primary, not copied to its replicas.
-REPLICAS_WITH_BACKUP_WORKERS = ("--replicas with --backup-workers is not supported yet (a late push the primary "
-                                "drops is not copied to its replicas): leave one of them out")
-
-
 def check_backup_workers(backup_workers: object, num_workers: Optional[int], mode: str = "sync") -> None:
     """Raise :class:`ConfigError` unless ``backup_workers`` is a whole number b with ``0 <= b < num_workers``
     (``num_workers`` None: W is not known yet, only b >= 0 is checked) or ``"auto"``, and 0 unless ``mode`` is
@@ -682,8 +677,6 @@ class ClusterConfig:
             raise ConfigError(f"replicas must be a whole number >= 0, got {self.replicas!r} (PSRT_REPLICAS)")
         if self.num_workers is not None or self.backup_workers:
             check_backup_workers(self.backup_workers, self.num_workers, self.mode)
-        if self.replicas and self.backup_workers:
-            raise ConfigError(REPLICAS_WITH_BACKUP_WORKERS)
         if self.role is not None and self.role not in PROCESS_ROLES:
             raise ConfigError(f"role must be one of {PROCESS_ROLES}, got {self.role!r} (set PSRT_ROLE or DMLC_ROLE)")
         if self.scheduler is not None:

@@ -458,8 +458,7 @@ class Server(Recovery):
         hold = lane is not None and req.pull
         skip = replication.replayed(self._included, req.worker, req.seq, keys) if self._included else None
         if skip:  # a range taken over: this push sent again is in part of its keys' copied state already
-            # (never late: a replicated job has no backup workers, psrt.config.REPLICAS_WITH_BACKUP_WORKERS)
-            targets, completed = replication.apply_except(self.store, req.worker, entries, grads, skip, hold)
+            targets, completed = replication.apply_except(self.store, req.worker, entries, grads, skip, hold, late)
         else:
             targets, completed = self.store.apply_push(req.worker, entries, grads, hold=hold, late=late)
         if self.config.mode == "ssp":
@@ -468,7 +467,7 @@ class Server(Recovery):
         self.counters.pushes += 1
         self.counters.rounds += len(completed)
         if self._replication is not None:  # the rounds this push completed are held R + 1 times before answers
-            self._replication.joined(req.worker, req.seq, keys, completed)
+            self._replication.joined(req.worker, req.seq, keys, completed, late)
             if completed:
                 self._replication.commit([keys[i] for i in completed])
         self._answer_push(identity, req, keys, targets, False, lane, entries)
@@ -511,12 +510,15 @@ class Server(Recovery):
               lane: Optional[ShardLane]) -> None:
         """A push too late for its rounds: never applied, but counted, and remembered as taken (its sequence number:
         sent again, it is not taken twice). A push_pull is answered with the newest parameters (at once, unless
-        this worker's earlier push is in a round still open), from which the worker joins the next round."""
+        this worker's earlier push is in a round still open), from which the worker joins the next round. In a
+        replicated job its sequence number is held by the replicas before the drop is answered."""
         self.store.record(req.worker, req.session, req.seq)
         self.counters.pushes += 1
         self.counters.dropped_pushes += 1
         self.lateness.seen(req.worker, req.buffers, lane is not None)
         self.lateness.missed(req.worker, entries[0], req.base)
+        if self._replication is not None:
+            self._replication.settle()
         self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), False, lane, entries)
 
     def _answer_push(self, identity: bytes, req: wire.PushRequest, keys: list[Key], targets: list[int],
