@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import threading
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from psrt.config import ClientConfig, ClusterConfig, ServerConfig
 from psrt.control.metrics import per_worker
 from psrt.control.process import psrt_command
 from psrt.control.scheduler import Scheduler
-from psrt.errors import ConfigError, ServerError
+from psrt.errors import ConfigError, ProtocolError, ServerError
 from psrt.shard.server import Server
 from psrt.shard.stragglers import Lateness
 
@@ -681,19 +682,20 @@ def test_a_replayed_push_late_for_a_key_is_not_applied_to_it():
     assert targets == [0, 1, 0] and completed == []
 
 
-def _replicated_job(name: str, backup: str, kill_at: int = 0, rounds: int = 60) -> tuple[list[dict], str]:
-    """A sync job of S = 2 shards, W = 3 workers (the last one slow), R = 1, ``--backup-workers backup``, training
-    by the round (the ``backup_rounds`` worker); with ``kill_at``, the shard of rank 0 is SIGKILLed once worker 0
-    finished that step. Returns the workers' results and the scheduler's output."""
+def _replicated_job(name: str, backup: str, kill_at: int = 0, rounds: int = 60, replicas: int = 1,
+                    env: Optional[dict] = None) -> tuple[list[dict], str]:
+    """A sync job of S = 2 shards, W = 3 workers (the last one slow), R = ``replicas``, ``--backup-workers
+    backup``, training by the round (the ``backup_rounds`` worker); with ``kill_at``, the shard of rank 0 is
+    SIGKILLed once worker 0 finished that step. Returns the workers' results and the scheduler's output."""
     import signal
 
     from _helpers import finish_worker, start_worker, stop_workers
 
     from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child
 
-    env = {"PSRT_HEARTBEAT_INTERVAL": "0.2", "PSRT_HEARTBEAT_TIMEOUT": "1.0"}
+    env = {"PSRT_HEARTBEAT_INTERVAL": "0.2", "PSRT_HEARTBEAT_TIMEOUT": "1.0", **(env or {})}
     sched = Child(psrt_command("scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "2", "--workers", "3",
-                               "--replicas", "1", "--backup-workers", backup), label="scheduler",
+                               "--replicas", str(replicas), "--backup-workers", backup), label="scheduler",
                   ready=SCHEDULER_READY, env=env)
     children, procs, results = [sched], [], []
     try:
@@ -711,7 +713,11 @@ def _replicated_job(name: str, backup: str, kill_at: int = 0, rounds: int = 60) 
             assert primary, "\n".join(f"[{c.label}] {c.output}" for c in children)
             children[primary[0]].signal(signal.SIGKILL)
         for p in procs:
-            result, err = finish_worker(p, 60)  # exit 0: no worker saw an error
+            try:
+                result, err = finish_worker(p, 90)  # exit 0: no worker saw an error
+            except subprocess.TimeoutExpired as exc:  # a hang: say where everyone was
+                stop_workers(procs)
+                raise AssertionError("\n".join(f"[{c.label}] {c.output}" for c in children)) from exc
             assert "Traceback" not in err, err
             results.append(result)
         assert sched.wait(30) == 0, sched.output
@@ -739,3 +745,46 @@ def test_replicas_keep_the_exact_rule_of_backup_workers_across_a_sigkilled_prima
         assert [w["versions"] for w in run] == [[rounds]] * 3, run  # every tensor at the last round, as in clean
         assert all(w["backup"] == [backup, backup] for w in run), run  # a promoted standby's b is the job's
     assert clean[2]["dropped"] > 0 and clean[2]["steps"] < rounds, clean  # the slow worker was left behind
+
+
+@pytest.mark.integration
+def test_the_scheduler_logs_the_workers_slow_on_every_shard_every_n_rounds_and_at_the_end():
+    """The shards' heartbeats say who they find slow; the scheduler names the workers slow on every shard, every
+    PSRT_SLOW_EVERY rounds and once at the job's end: the slowed worker, and no fast one."""
+    workers, sched = _replicated_job("slow", "0", rounds=80, replicas=0, env={"PSRT_SLOW_EVERY": "20"})
+    assert [w["round"] for w in workers] == [80] * 3 and all(w["exact"] for w in workers), workers
+    lines = [line for line in sched.splitlines() if "slow workers" in line]
+    periodic = [line for line in lines if "slow workers at round" in line]
+    final = [line for line in lines if "slow workers at the job's end" in line]
+    assert periodic and len(final) == 1, sched
+    for line in lines:
+        assert "every one of the 2 shards" in line and "worker 2 (" in line, line
+        assert "worker 0" not in line and "worker 1" not in line, line
+    print(final[0])
+
+
+def test_a_servers_heartbeat_may_say_who_is_slow_and_old_heartbeats_stay_valid():
+    from psrt.control.slow import SlowWorkers
+
+    old = wire.decode_control_request(wire.encode_heartbeat(3, "server", 1, 99, 2))
+    assert old.lateness is None and old.epoch == 2
+    report = wire.SlowReport(40, 3, 0.002, ((2, 0.25, 30, 12),))
+    got = wire.decode_control_request(wire.encode_heartbeat(3, "server", 1, 99, 2, report)).lateness
+    assert got == report
+    for bad in ([40, 3, 0.002], [40, 3, -1.0, []], [40, 3, 0.0, [[2, 0.1, 3]]], [40, 3, 0.0, [[-2, 0.1, 3, 1]]],
+                [40, 3, 0.0, [[2, float("nan"), 3, 1]]], [40, 3, 0.0, [[2, 0.1, 3, 1]] * (wire.MAX_SLOW_ROWS + 1)]):
+        frames = wire.encode_heartbeat(3, "server", 1, 99)
+        header = wire.unpack_header(frames[0], wire.CONTROL_LIMITS)
+        header["lateness"] = bad
+        with pytest.raises(ProtocolError, match="lateness"):
+            wire.decode_control_request(wire.encode(header))
+    # The merge: a worker slow on one shard alone is not the job's straggler; one slow on both is.
+    slow = SlowWorkers(every=20)
+    assert not slow.add(0, wire.SlowReport(10, 3, 0.001, ((2, 0.2, 10, 4), (1, 0.05, 10, 0))))
+    assert slow.add(1, wire.SlowReport(21, 3, 0.001, ((2, 0.3, 10, 5),)))
+    line = slow.line()
+    assert line is not None and "at round 21" in line
+    assert "worker 2 200-300 ms, 9 of its 20 pushes to them dropped" in line
+    assert "worker 1" not in line
+    assert not slow.add(0, wire.SlowReport(30, 3, 0.001, ())) and slow.line(final=True) is None
+    assert slow.add(0, wire.SlowReport(40, 3, 0.001, ()))  # every 20 rounds of the job

@@ -42,7 +42,7 @@ from psrt.shard.pulls import PullQueue, Waiter
 from psrt.shard.recovery import Checkpointer, Recovery
 from psrt.shard.replication import Copier, Replication
 from psrt.shard.store import Entry, Key, Store
-from psrt.shard.stragglers import REPORT_EVERY_S, Lateness
+from psrt.shard.stragglers import REPORT_EVERY_S, TELL_EVERY_S, Lateness
 from psrt.shm.lanes import ShardLane, ShardLanes
 from psrt.wire import compression
 
@@ -104,6 +104,7 @@ class Server(Recovery):
         self.counters = Counters()
         self.lateness = Lateness()  # who is slow: per worker, how late its pushes come, how many were dropped
         self._slow_at = time.monotonic() + REPORT_EVERY_S  # when to log who is slow next
+        self._tell_at = 0.0  # when to tell the scheduler next (_slow_report)
         self.replies = ShardReplies(self._chan, self.lanes, self.counters)
         self._reply, self._error = self.replies.reply, self.replies.error
         self._stop = threading.Event()
@@ -141,6 +142,8 @@ class Server(Recovery):
         """Serve requests until :meth:`stop` is called or, with ``control``, the scheduler ends the job."""
         poll = self.config.poll_interval
         self._control = control
+        if control is not None:
+            control.report = self._slow_report
         while not self._stop.is_set():
             if self._chan.poll(poll):
                 # Every message queued, then one receive that finds none: a socket's event flags cost a system
@@ -285,6 +288,15 @@ class Server(Recovery):
         if line is not None:
             log.warning("%s", line)
         return line
+
+    def _slow_report(self) -> Optional[wire.SlowReport]:
+        """Who is slow, for a heartbeat to the scheduler: every :data:`TELL_EVERY_S` seconds of a job with rounds
+        that measured lateness (None otherwise)."""
+        now = time.monotonic()
+        if now < self._tell_at or not self.lateness.samples:
+            return None
+        self._tell_at = now + TELL_EVERY_S
+        return self.lateness.report(max((e.version for e in self.store.entries.values()), default=0))
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return after the message in hand."""
