@@ -603,6 +603,17 @@ def test_backup_workers_over_shared_memory_lanes():
                 c.close()
 
 
+def test_backup_workers_with_replicas_are_taken_by_the_configuration_and_the_scheduler():
+    from psrt.control.placement import check_job_replicas
+
+    assert ClusterConfig(num_servers=2, num_workers=3, replicas=1, backup_workers=1).backup_workers == 1
+    for backup in (1, "auto"):
+        check_job_replicas(1, 2, "sync", False, backup)  # (what psrt launch checks before it starts anything)
+        sched = Scheduler("tcp://127.0.0.1:*", 2, 3, replicas=1, backup_workers=backup)
+        sched.stop()
+        assert sched.serve() == 0  # (stopped at once: it only had to bind)
+
+
 def _replicated_pair(workers: int = 3, backup: int = 1):
     """A primary (rank 0) and its replica (rank 1) of a job of two shards, R = 1, W = ``workers``, b = ``backup``,
     on threads of this process, given the table a scheduler would give them; and W clients of range 0 alone."""
