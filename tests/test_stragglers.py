@@ -769,7 +769,7 @@ def test_the_scheduler_logs_the_workers_slow_on_every_shard_every_n_rounds_and_a
     final = [line for line in lines if "slow workers at the job's end" in line]
     assert periodic and len(final) == 1, sched
     for line in lines:
-        assert "every one of the 2 shards" in line and "worker 2 (" in line, line
+        assert "every one of the 2 shards measuring lateness" in line and "worker 2 (" in line, line
         assert "worker 0" not in line and "worker 1" not in line, line
     print(final[0])
 

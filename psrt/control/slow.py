@@ -4,9 +4,10 @@ Each shard of a sync job measures, per worker, how late its pushes come after th
 the workers far later than the others (:mod:`psrt.shard.stragglers`). Every second or so a server's heartbeat
 carries that verdict (:class:`psrt.wire.SlowReport`: its round, how many workers it measured, their typical
 median and the slow ones). A worker slow on one shard alone has a slow path to that shard (that shard's own log
-names it); one slow on every shard that measured it is a straggler of the job. :class:`SlowWorkers` keeps each
-shard's latest verdict and names the stragglers: the scheduler logs them every N rounds of the job (its round:
-the highest any shard reported; N is ``PSRT_SLOW_EVERY``) and once when the job ends.
+names it); one slow on every shard (of those that measured two workers or more) is a straggler of the job.
+:class:`SlowWorkers` keeps each shard's latest verdict and names the stragglers: the scheduler logs them every N
+rounds of the job (its round: the highest any shard reported; N is ``PSRT_SLOW_EVERY``) and once when the job
+ends.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class SlowWorkers:
             parts.append(f"{self.names.get(w, f'worker {w}')} {_span(medians)} ms, {dropped} of its {pushes} "
                          "pushes to them dropped")
         when = "at the job's end" if final else f"at round {self.round}"
-        return (f"slow workers {when} (slow on every one of the {shards} shards that measured them; median lateness "
+        return (f"slow workers {when} (slow on every one of the {shards} shards measuring lateness; median lateness "
                 f"of their pushes after their round's first push): {', '.join(parts)}; the workers' typical median "
                 f"is {_span(typical)} ms")
 
