@@ -98,7 +98,8 @@ _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "not_members": frozenset({"v", "op", "id", "workers", "message"}),
     "ranges": frozenset({"v", "op", "id", "holders", "endpoints"}),
 }
-#: Fields a message may carry or leave out (replicated jobs only), taken out before its exact field set is checked.
+#: Fields a message may carry or leave out (a replicated job's, b, a server's word on who is slow), taken out before
+#: its exact field set is checked.
 _OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {"register": ("replication",),
                                                 "table": ("replication", "backup_workers"),
                                                 "heartbeat": ("lateness",)}
@@ -173,7 +174,7 @@ class SlowReport:
 
     ``round``: the shard's round (the highest version of its keys); ``measured``: the workers whose lateness it
     measured; ``typical``: their typical (median) median lateness in seconds; ``slow``: ``(rank, median lateness
-    s, pushes, dropped)`` of those it names slow (:func:`psrt.shard.stragglers.Lateness.slow_rows`), slowest first,
+    s, pushes, dropped)`` of those it names slow (:meth:`psrt.shard.stragglers.Lateness.report`), slowest first,
     at most :data:`MAX_SLOW_ROWS`.
     """
 
