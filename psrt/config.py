@@ -24,6 +24,7 @@ variable                   also read                      meaning               
 ``PSRT_ELASTIC``                                          ``1``: workers may leave and join a job      ``0``
 ``PSRT_RESTART_GRACE``                                    seconds for a checkpointing server to restart 30
 ``PSRT_REPLICAS``                                         copies of each shard's key range (sync)      0
+``PSRT_SLOW_EVERY``                                       rounds between the scheduler's slow lines    100
 ``PSRT_PARTITION_BYTES``                                  tensors larger than this are split          4 MiB
 ``PSRT_NONFINITE``                                        ``reject`` or ``allow`` NaN/Inf gradients   ``reject``
 ``PSRT_PIPELINE``                                         cut tensors for a network: ``auto``,        ``auto``
@@ -91,6 +92,8 @@ HEARTBEAT_TIMEOUT = 2.5
 RESTART_GRACE = 30.0
 #: Seconds a wait lasts before it logs, once, what it waits for (``PSRT_WARN_AFTER``).
 WARN_AFTER = 5.0
+#: Rounds of a sync job between the scheduler's lines naming the workers slow on every shard (``PSRT_SLOW_EVERY``).
+SLOW_EVERY = 100
 
 #: Environment variables that give a process's global rank and the job size under MPI or Slurm.
 _LAUNCHER_RANK = ("PSRT_GLOBAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
@@ -266,11 +269,6 @@ def parse_bind(text: str) -> str:
 
 _BACKUP_HELP = ("sync: backup workers b (0 <= b < W): a round closes on the first W - b pushes, a later push for "
                 "it is dropped; auto: the shard picks b from how late the workers' pushes come")
-
-
-#: Why a job cannot have both (yet): a dropped late push is recorded by its primary, not copied to its replicas.
-REPLICAS_WITH_BACKUP_WORKERS = ("--replicas with --backup-workers is not supported yet (a late push the primary "
-                                "drops is not copied to its replicas): leave one of them out")
 
 
 def check_backup_workers(backup_workers: object, num_workers: Optional[int], mode: str = "sync") -> None:
@@ -649,6 +647,9 @@ class ClusterConfig:
     replicas : int
         Copies of each shard's key range, held by the next R shards on the ring (``PSRT_REPLICAS``; 0: none;
         at most S - 1). The scheduler hands it to the shards; a dead primary's first replica takes its range over.
+    slow_every : int
+        Rounds of a sync job between the scheduler's log lines naming the workers slow on every shard
+        (``PSRT_SLOW_EVERY``; 100); one more when the job ends.
 
     Fields with ``flag`` metadata are ``psrt scheduler``'s flags (:class:`Flag`).
     """
@@ -681,15 +682,17 @@ class ClusterConfig:
         "shard's range is taken over by its first replica", parse=parse_whole, metavar="R"))
     backup_workers: int | str = _env_named(0, "PSRT_BACKUP_WORKERS", read=_Environment.backup, flag=Flag(
         "--backup-workers", _BACKUP_HELP, parse=parse_backup, metavar="B"))
+    slow_every: int = _env_named(SLOW_EVERY, "PSRT_SLOW_EVERY", read=_Environment.whole)
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
+        if type(self.slow_every) is not int or self.slow_every < 1:
+            raise ConfigError(f"slow_every must be a whole number of rounds >= 1, got {self.slow_every!r} "
+                              "(PSRT_SLOW_EVERY)")
         if type(self.replicas) is not int or self.replicas < 0:
             raise ConfigError(f"replicas must be a whole number >= 0, got {self.replicas!r} (PSRT_REPLICAS)")
         if self.num_workers is not None or self.backup_workers:
             check_backup_workers(self.backup_workers, self.num_workers, self.mode)
-        if self.replicas and self.backup_workers:
-            raise ConfigError(REPLICAS_WITH_BACKUP_WORKERS)
         if self.role is not None and self.role not in PROCESS_ROLES:
             raise ConfigError(f"role must be one of {PROCESS_ROLES}, got {self.role!r} (set PSRT_ROLE or DMLC_ROLE)")
         if self.scheduler is not None:

@@ -19,13 +19,15 @@ import numpy as np
 
 from psrt.config import ClientConfig
 
-__all__ = ["WORKERS", "SERVERS", "STEPS", "STALENESS", "LEAVE_AFTER", "sent", "compression_ratio", "Oracle",
-           "exact"]
+__all__ = ["WORKERS", "SERVERS", "STEPS", "STALENESS", "LEAVE_AFTER", "BACKUP", "sent", "compression_ratio",
+           "Oracle", "exact"]
 
 #: The shape of every job: W workers, S shards, steps per worker, ssp's bound.
 WORKERS, SERVERS, STEPS, STALENESS = 2, cw.SHARDS, 6, 2
 #: A worker that leaves the job (by closing its client, or by a script that raises) leaves after this many steps.
 LEAVE_AFTER = 3
+#: sync rounds with one backup worker, where worker 1 always pushes after worker 0 closed the round (dropped).
+BACKUP = "sync_b1"
 
 
 def compression_ratio(compression: Optional[str]) -> Optional[float]:
@@ -100,7 +102,7 @@ class Oracle:
     Parameters
     ----------
     mode : str
-        ``sync``, ``async`` or ``ssp`` (with :data:`STALENESS`).
+        ``sync``, ``async`` or ``ssp`` (with :data:`STALENESS`), or :data:`BACKUP`.
     compression : str or None
         The workers' compression (``PSRT_COMPRESSION``).
     leaves : bool
@@ -137,8 +139,9 @@ class Oracle:
         self.row_shard = shard_of(self.row_ids, SERVERS)
 
     def pushers(self, step: int) -> list[int]:
-        """The workers whose pushes make round ``step`` (0-based)."""
-        return [w for w in range(WORKERS) if step < self.pushes[w]]
+        """The workers whose pushes make round ``step`` (0-based): with a backup worker, worker 0 alone (worker 1's
+        pushes come late for every round, :data:`BACKUP`)."""
+        return [w for w in range(WORKERS) if step < self.pushes[w] and (self.mode != BACKUP or w == 0)]
 
     # ---------------------------------------------------------------- dense
     def sync_params(self, tensor: int, rounds: int) -> np.ndarray:
@@ -192,7 +195,7 @@ class Oracle:
 
     def check_dense(self, what: str, reader: int, step: int, tensor: int, value: np.ndarray, final: bool) -> None:
         value = value.astype(np.float64)
-        if self.mode == "sync":
+        if self.mode in ("sync", BACKUP):
             exact(what, value, self.sync_params(tensor, STEPS if final else step))
             return
         # A tensor's chunks are applied apart (async, ssp): each span between counters holds its own prefix.
@@ -208,7 +211,7 @@ class Oracle:
 
     def check_rows(self, what: str, reader: int, step: int, rows: np.ndarray, final: bool) -> None:
         rows = rows.astype(np.float64)
-        if self.mode == "sync":
+        if self.mode in ("sync", BACKUP):
             exact(what, rows, self.sync_rows(STEPS if final else step))
             return
         # Each shard applies a push's rows at once; shards may be at different prefixes.

@@ -14,7 +14,8 @@ After each step it records what it read (the parameters the step returned, the t
 after a barrier, the final parameters; all of it goes to the ``.npz`` file ``out``, and a JSON line with the
 shards' stats (and the process id) to stdout. The JSON arguments also say when to leave the job
 (``leave_after``, ``leave_by``: ``close`` or ``raise``), when to pause for the test (``pause_after``, until the
-file ``go`` exists) and when to let worker 0 run ahead (``lead``). ``calls: torch_embedding`` runs a torch
+file ``go`` exists), when to let worker 0 run ahead (``lead``) and, with backup workers, to take turns with the
+other worker step by step (``lockstep``). ``calls: torch_embedding`` runs a torch
 ``nn.Embedding`` instead.
 
 ``python tests/_combo_worker.py '[JSON, JSON, ...]'`` runs one such worker per object on threads of this one
@@ -157,8 +158,9 @@ def cold_ids(worker: int, step: int) -> np.ndarray:
     return -(1 + np.arange(COLD_PER_PUSH, dtype=np.int64) + COLD_PER_PUSH * (step + 100 * worker))
 
 
-def init_table(client: Any, evicting: bool) -> None:
-    """The table, and for an evicting one, the zero pushes that count every hot id once."""
+def init_table(client: Any, evicting: bool, args: Optional[dict[str, Any]] = None) -> None:
+    """The table, and for an evicting one, the zero pushes that count every hot id once (with backup workers,
+    ``lockstep``: worker 0's alone, then a pull, as a loop reads before it pushes: its first push's base)."""
     import psrt
 
     workers, shards = client.num_workers, len(client.servers)
@@ -166,7 +168,13 @@ def init_table(client: Any, evicting: bool) -> None:
     client.init_embedding(TABLE, dim=DIM, optimizer=psrt.SGD(lr=1.0), init="zeros", **policy)
     if evicting:
         hot = all_row_ids(workers, shards)
+        lock = args is not None and args.get("lockstep") is not None
+        if lock:
+            _lockstep(args, client.rank, -1)
         client.push_rows(TABLE, hot, np.zeros((len(hot), DIM), np.float32))
+        if lock:
+            client.pull_rows(TABLE, hot)
+            _lockstep(args, client.rank, -1, done=True)
 
 
 def table_push(worker: int, step: int, num_workers: int, num_shards: int,
@@ -227,6 +235,22 @@ def _between_steps(args: dict[str, Any], rank: int, step: int) -> None:
     time.sleep(args.get("sleep", 0.0))
 
 
+def _lockstep(args: dict[str, Any], rank: int, step: int, done: bool = False) -> None:
+    """Backup workers (``lockstep``): worker 1 starts each step once worker 0 finished it, and worker 0 the next
+    once worker 1 finished this one (while worker 1 still trains), so that worker 0 closes every round alone and
+    worker 1's push always comes late for it. ``step`` 0-based, or ``-1``: the evicting table's first zero push;
+    ``done``: this worker finished the step."""
+    lock = args.get("lockstep")
+    if lock is None:
+        return
+    if done:
+        Path(lock["dir"], f"step-{rank}-{step}").touch()
+    elif rank == 1:
+        _wait_for(str(Path(lock["dir"], f"step-0-{step}")))
+    elif step >= 0 and 0 <= step - 1 < lock["partner_steps"]:
+        _wait_for(str(Path(lock["dir"], f"step-1-{step - 1}")))
+
+
 def _leave(rec: _Recorder, result: dict[str, Any], how: Optional[str]) -> None:
     """The end of a worker that leaves the job early: by closing its client, or by an uncaught exception."""
     rec.finish(result)
@@ -258,9 +282,10 @@ def _client_steps(client: Any, args: dict[str, Any], rec: _Recorder) -> None:
     client.init({n: np.zeros(size, np.float32) for n, size in zip(names, SIZES)}, optimizer=psrt.SGD(lr=1.0))
     ids_all = all_row_ids(workers, shards)
     if args["table"]:
-        init_table(client, args.get("evicting", False))
+        init_table(client, args.get("evicting", False), args)
     last = steps if leave is None else leave
     for step in range(last):
+        _lockstep(args, rank, step)
         grads = {n: dense_grad(kind, rank, step, t) for t, n in enumerate(names)}
         rows = None
         if args["table"]:
@@ -287,6 +312,7 @@ def _client_steps(client: Any, args: dict[str, Any], rec: _Recorder) -> None:
             client.push_rows(TABLE, ids, row_grads)
             rows = client.pull_rows(TABLE, ids_all)
         rec.add([params[n] for n in names], rows)
+        _lockstep(args, rank, step, done=True)
         if step == 0:
             say(f"training {rank}")
         _between_steps(args, rank, step + 1)
@@ -347,9 +373,10 @@ def _torch_steps(model: Any, opt: Any, args: dict[str, Any], rec: _Recorder) -> 
     names = [n for n, _ in model.named_parameters()]
     ids_all = all_row_ids(workers, shards)
     if args["table"]:
-        init_table(client, args.get("evicting", False))
+        init_table(client, args.get("evicting", False), args)
     last = steps if leave is None else leave
     for step in range(last):
+        _lockstep(args, rank, step)
         opt.zero_grad()
         model([torch.from_numpy(dense_grad(kind, rank, step, t)) for t in range(len(SIZES))]).backward()
         opt.step()
@@ -362,6 +389,7 @@ def _torch_steps(model: Any, opt: Any, args: dict[str, Any], rec: _Recorder) -> 
             client.push_rows(TABLE, ids, row_grads)
             rows = client.pull_rows(TABLE, ids_all)
         rec.add(seen, rows)
+        _lockstep(args, rank, step, done=True)
         if step == 0:
             say(f"training {rank}")
         if args.get("pause_after") == step + 1:

@@ -572,9 +572,43 @@ def ride_rows(steps: int, step_s: float, workers: int) -> dict:
     return {"rank": rank, "counts": {str(float(v)): int(c) for v, c in zip(values, counts)}}
 
 
+def backup_rounds(rounds: int, step_s: float, slow_s: float) -> dict:
+    """Sync training under a scheduler by the job's round (``while client.round < rounds``) with identical
+    gradients g on every worker and plain SGD, over tensors spread on every shard; the last rank sleeps a further
+    ``slow_s`` a step (a straggler). Prints ``step N`` after each step; returns whether every answer held
+    -lr x v x g for each tensor's version v (the exact rule of backup workers), the round, steps, dropped
+    pushes and the b each shard serving a range says it runs with (from the shards' stats)."""
+    from psrt.control.metrics import per_worker
+
+    lr = 0.125  # a power of two: -lr * v * g is exact in float32
+    names = [f"t{i}" for i in range(8)]
+    with psrt.Client(config=ClientConfig(timeout=60)) as client:
+        rank = client.rank
+        g = {n: np.full(64, 1.0 + i, np.float32) for i, n in enumerate(names)}
+        client.init({n: np.zeros(64, np.float32) for n in names}, optimizer=psrt.SGD(lr=lr))
+        client.barrier()
+        slow = rank == client.num_workers - 1
+        steps, exact, versions = 0, True, {}
+        while client.round < rounds:
+            time.sleep(step_s + (slow_s if slow else 0.0))
+            got = client.push_pull(g)
+            versions = {key[0]: v for held in client._calls.versions.held for key, v in held.items()}
+            exact = exact and all(np.array_equal(got[n], np.float32(-lr * versions[n]) * g[n]) for n in names)
+            steps += 1
+            print(f"step {steps}", flush=True)
+        stats = client.stats()
+        dropped = sum(per_worker(s).get(rank, {}).get("dropped", 0) for s in stats)
+        backup = ["auto" if s.get("backup_auto") else str(s.get("backup_workers")) for s in stats]
+        final = client.round
+        client.barrier()
+    return {"rank": rank, "round": final, "steps": steps, "exact": bool(exact), "dropped": dropped,
+            "backup": backup, "versions": sorted(set(versions.values()))}
+
+
 ROLES: dict[str, Callable[..., dict]] = {f.__name__: f for f in (
     async_pusher, sync_slice, ride, scheduled, liveness, crash, secure, momentum, split_steps, lane_probe, ssp,
-    torch_cnn, embedding_clicks, virtual_crash, virtual_vanish, replicated, replicated_rows, ride_rows)}
+    torch_cnn, embedding_clicks, virtual_crash, virtual_vanish, replicated, replicated_rows, ride_rows,
+    backup_rounds)}
 
 
 def main(argv: list[str]) -> int:

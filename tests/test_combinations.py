@@ -14,6 +14,10 @@ What each case checks, from the documented semantics (README, docs/architecture.
 - **sync**: every read (what a step's call returned; with psrt.torch, the parameters once ``step()`` returned)
   is exactly the parameters after that round: the mean of the round's pushes (of those who pushed it, once a
   worker left an elastic job);
+- **sync_b1** (sync, ``--backup-workers 1``): a round closes on its first push; worker 1 waits for worker 0's
+  step before each of its own (and worker 0 for worker 1's before the next), so every round is worker 0's push
+  alone and every push of worker 1 is late, dropped (counted, never applied) and answered with the newest
+  parameters: every read is the parameters after that round of worker 0's pushes;
 - **async / ssp**: every push is applied once, on arrival, with scale 1, so every read is the sum of a prefix of
   each worker's pushes, and the workers' counter entries say which prefix: the read must equal that sum exactly,
   a worker must see all of its own pushes, and in ssp (s = 2) a worker that has pushed a tensor c times reads it
@@ -74,10 +78,11 @@ from allpairspy import AllPairs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _combo_worker as cw  # noqa: E402
-from _combo_oracle import LEAVE_AFTER, SERVERS, STALENESS, STEPS, WORKERS, Oracle  # noqa: E402
+from _combo_oracle import BACKUP, LEAVE_AFTER, SERVERS, STALENESS, STEPS, WORKERS, Oracle  # noqa: E402
 
 import psrt  # noqa: E402
 from psrt.config import ClientConfig, ClusterConfig  # noqa: E402
+from psrt.control.metrics import per_worker  # noqa: E402
 from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command, stop_children  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -94,7 +99,7 @@ LEAVING = ("leave", "crash")
 
 #: Each factor and its values, in the order of a case's id.
 FACTORS: dict[str, list[str]] = {
-    "mode": ["sync", "async", "ssp"],
+    "mode": ["sync", "async", "ssp", "sync_b1"],
     "path": ["sockets", "shm"],
     "calls": ["push_pull", "one_by_one", "overlapped", "torch"],
     "compression": ["none", "fp16", "topk"],
@@ -228,6 +233,8 @@ class Job:
                     "PSRT_KEYS": keys if case.security == "keys" else "", "PSRT_RESTART_GRACE": "15",
                     "PSRT_PIPELINE": case.pipeline}
         mode = ["--mode", case.mode, *(["--staleness", str(STALENESS)] if case.mode == "ssp" else [])]
+        if case.mode == BACKUP:
+            mode = ["--mode", "sync", "--backup-workers", "1"]
         elastic = ["--elastic"] if case.event in LEAVING else []
         replicas = ["--replicas", case.replicas] if case.replicas != "0" else []
         self.scheduler = self.start("scheduler", psrt_command(
@@ -264,8 +271,11 @@ class Job:
             args.update(leave_after=LEAVE_AFTER, leave_by="close" if self.case.event == "leave" else "raise")
         if self.case.event == "restore":
             args.update(pause_after=PAUSE_AFTER, go=str(self.tmp / "go"))
-        if self.case.mode != "sync":  # worker 1 waits after its first step until worker 0 has done 1 + s steps
+        if self.case.mode in ("async", "ssp"):  # worker 1 waits after its first step until worker 0 did 1 + s
             args["lead"] = {"steps": STALENESS, "file": str(self.tmp / "lead")}
+        if self.case.mode == BACKUP:  # worker 0 makes each round alone, worker 1's push comes late for it
+            partner = LEAVE_AFTER if self.case.event in LEAVING else STEPS
+            args["lockstep"] = {"dir": str(self.tmp), "partner_steps": partner}
         return {**args, **(self.extra(rank) if self.extra else {})}
 
     def start(self, label: str, cmd: list[str], ready: Any = None, env: Optional[dict[str, str]] = None) -> Child:
@@ -381,6 +391,9 @@ def _check(case: Case, tmp: Path, results: list[dict[str, Any]], victim: int) ->
     stats = next(r["stats"] for r in results if not r["left"])
     if case.tensors == "evicting":
         _check_evictions(oracle, next(r["table_stats"] for r in results if not r["left"]))
+    if case.mode == BACKUP:  # every push of worker 1 came late for a round worker 0 had closed: dropped
+        dropped = {w: sum(per_worker(s).get(w, {}).get("dropped", 0) for s in stats) for w in range(WORKERS)}
+        assert dropped[0] == 0 and dropped[1] > 0, dropped
     if case.event != "restore":  # (a restarted shard refuses the lanes of its predecessor: error replies too)
         errors = {s["endpoint"]: s["errors"] for s in stats if s["errors"]}
         assert not errors, f"error replies in a healthy job: {errors}"
@@ -398,8 +411,9 @@ def _check_evictions(oracle: Oracle, stats: list[dict[str, Any]]) -> None:
     from psrt.kernels.rows import shard_of
 
     cap = cw.capacity(WORKERS, SERVERS)
-    twice = np.concatenate([cw.cold_ids(w, s) for w in range(WORKERS) for s in range(oracle.pushes[w] - 1)])
-    once = np.concatenate([cw.cold_ids(w, oracle.pushes[w] - 1) for w in range(WORKERS)])
+    pushing = oracle.pushers(0)  # (a dropped push counts toward no admission)
+    twice = np.concatenate([cw.cold_ids(w, s) for w in pushing for s in range(oracle.pushes[w] - 1)])
+    once = np.concatenate([cw.cold_ids(w, oracle.pushes[w] - 1) for w in pushing])
     hot = np.bincount(oracle.row_shard, minlength=SERVERS)
     for s, st in enumerate(stats):
         admitted = int(hot[s]) + int((shard_of(twice, SERVERS) == s).sum())

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import threading
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from psrt.config import ClientConfig, ClusterConfig, ServerConfig
 from psrt.control.metrics import per_worker
 from psrt.control.process import psrt_command
 from psrt.control.scheduler import Scheduler
-from psrt.errors import ConfigError, ServerError
+from psrt.errors import ConfigError, ProtocolError, ServerError
 from psrt.shard.server import Server
 from psrt.shard.stragglers import Lateness
 
@@ -602,15 +603,199 @@ def test_backup_workers_over_shared_memory_lanes():
                 c.close()
 
 
+def test_backup_workers_with_replicas_are_taken_by_the_configuration_and_the_scheduler():
+    from psrt.control.placement import check_job_replicas
+
+    assert ClusterConfig(num_servers=2, num_workers=3, replicas=1, backup_workers=1).backup_workers == 1
+    for backup in (1, "auto"):
+        check_job_replicas(1, 2, "sync", False, backup)  # (what psrt launch checks before it starts anything)
+        sched = Scheduler("tcp://127.0.0.1:*", 2, 3, replicas=1, backup_workers=backup)
+        sched.stop()
+        assert sched.serve() == 0  # (stopped at once: it only had to bind)
+
+
+def _replicated_pair(workers: int = 3, backup: int = 1):
+    """A primary (rank 0) and its replica (rank 1) of a job of two shards, R = 1, W = ``workers``, b = ``backup``,
+    on threads of this process, given the table a scheduler would give them; and W clients of range 0 alone."""
+    def make() -> Server:
+        return Server(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=workers, shm=False), scheduled=True)
+
+    pair = [make(), make()]
+    announced = tuple(s.prepare_replication(1) for s in pair)
+    info = wire.Replication(1, ((0, 1), (1, 0)), announced, "the-job-token")
+    for rank, shard in enumerate(pair):
+        shard.join(wire.Table(0, rank, 2, workers, "sync", [s.endpoint for s in pair], replication=info,
+                              backup_workers=backup))
+    threads = [threading.Thread(target=s.serve, daemon=True) for s in pair]
+    for t in threads:
+        t.start()
+    clients = [psrt.Client([pair[0].endpoint], rank=r, num_workers=workers, config=CFG) for r in range(workers)]
+    return pair, threads, clients
+
+
+def _close_pair(pair, threads, clients) -> None:
+    for c in clients:
+        c.close()
+    for s in pair:
+        s.stop()
+    for t in threads:
+        t.join(10)
+    for s in pair:
+        s.close()
+
+
+def test_a_dropped_push_is_settled_on_the_replicas_before_its_drop_is_answered():
+    pair, threads, clients = _replicated_pair()
+    primary, standby = pair[0], pair[1]._replication._standbys[0]
+    try:
+        assert standby.store.backup_workers == 1  # the standby closes rounds as its primary does once it serves
+        for c in clients:
+            c.init({"w": np.zeros(8, np.float32)}, optimizer=psrt.SGD(lr=LR))
+        _round_of(clients, [0, 1])  # the round closes on W - b = 2 pushes, copied
+        np.testing.assert_array_equal(clients[2].push_pull({"w": G})["w"], np.float32(-LR) * G)  # late: dropped
+        assert primary.stats()["dropped_pushes"] == 1 and standby.store.entries[("w", 0)].version == 1
+        # Answered only once the replica holds its sequence number: sent again there, it is a duplicate.
+        assert standby.store.workers[2].last_seq == primary.store.workers[2].last_seq >= 0
+    finally:
+        _close_pair(pair, threads, clients)
+
+
+def test_a_push_late_for_one_key_joins_the_others_round_alone_in_what_the_replicas_hold():
+    pair, threads, clients = _replicated_pair()
+    primary, standby = pair[0], pair[1]._replication._standbys[0]
+    try:
+        for c in clients:
+            c.init({n: np.zeros(8, np.float32) for n in "ab"}, optimizer=psrt.SGD(lr=LR))
+        first = clients[0].push_pull_async({"a": G})
+        clients[1].push({"a": G})  # a's round closes on two pushes; b's has none yet
+        first.wait(20)
+        both = clients[2].push_pull_async({"a": G, "b": G})  # late for a (dropped there), joins b's round
+        clients[0].push({"b": G})  # b's round closes (workers 2 and 0): copied, with who is settled
+        got = both.wait(20)
+        for n in "ab":
+            np.testing.assert_array_equal(got[n], np.float32(-LR) * G)
+            assert standby.store.entries[(n, 0)].version == primary.store.entries[(n, 0)].version == 1
+        # Worker 2's push is in every round it joined: settled (a resend is a duplicate), not held open by a.
+        assert standby.store.workers[2].last_seq == primary.store.workers[2].last_seq >= 0
+    finally:
+        _close_pair(pair, threads, clients)
+
+
+def test_a_replayed_push_late_for_a_key_is_not_applied_to_it():
+    from psrt.shard.replication import apply_except
+    from psrt.shard.store import Store
+
+    store = Store("sync", 3, backup_workers=1)
+    entries = [store.create((n, 0), np.zeros(2, np.float32), psrt.SGD(lr=1.0)) for n in "abc"]
+    grads = [np.ones(2, np.float32)] * 3
+    targets, completed = apply_except(store, 2, entries, grads, skip={2}, late=[True, False, False])
+    assert not entries[0].contributors and entries[1].contributors == {2} and not entries[2].contributors
+    assert targets == [0, 1, 0] and completed == []
+
+
+def _replicated_job(name: str, backup: str, kill_at: int = 0, rounds: int = 60, replicas: int = 1,
+                    env: Optional[dict] = None) -> tuple[list[dict], str]:
+    """A sync job of S = 2 shards, W = 3 workers (the last one slow), R = ``replicas``, ``--backup-workers
+    backup``, training by the round (the ``backup_rounds`` worker); with ``kill_at``, the shard of rank 0 is
+    SIGKILLed once worker 0 finished that step. Returns the workers' results and the scheduler's output."""
+    import signal
+
+    from _helpers import finish_worker, start_worker, stop_workers
+
+    from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child
+
+    env = {"PSRT_HEARTBEAT_INTERVAL": "0.2", "PSRT_HEARTBEAT_TIMEOUT": "1.0", **(env or {})}
+    sched = Child(psrt_command("scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "2", "--workers", "3",
+                               "--replicas", str(replicas), "--backup-workers", backup), label="scheduler",
+                  ready=SCHEDULER_READY, env=env)
+    children, procs, results = [sched], [], []
+    try:
+        endpoint = sched.wait_ready(30).group(1)
+        children += [Child(psrt_command("server", "--scheduler", endpoint), label=f"shard {i}", ready=SERVER_READY,
+                           env=env) for i in range(2)]
+        procs = [start_worker("backup_rounds", env={**env, "PSRT_SCHEDULER": endpoint, "PSRT_WORKER_ID": str(r)},
+                              rounds=rounds, step_s=0.005, slow_s=0.03) for r in range(3)]
+        ready = [c.wait_ready(30) for c in children[1:]]
+        if kill_at:
+            for line in procs[0].stdout:
+                if line.strip() == f"step {kill_at}":
+                    break
+            primary = [i + 1 for i, m in enumerate(ready) if " rank=0" in m.string]
+            assert primary, "\n".join(f"[{c.label}] {c.output}" for c in children)
+            children[primary[0]].signal(signal.SIGKILL)
+        for p in procs:
+            try:
+                result, err = finish_worker(p, 90)  # exit 0: no worker saw an error
+            except subprocess.TimeoutExpired as exc:  # a hang: say where everyone was
+                stop_workers(procs)
+                raise AssertionError("\n".join(f"[{c.label}] {c.output}" for c in children)) from exc
+            assert "Traceback" not in err, err
+            results.append(result)
+        assert sched.wait(30) == 0, sched.output
+    finally:
+        stop_workers(procs)
+        for c in children:
+            c.stop()
+    return results, sched.output
+
+
+@pytest.mark.parametrize("backup", ["1", "auto"])
 @pytest.mark.integration
-def test_backup_workers_with_replicas_are_refused_up_front_saying_what_to_do():
-    """A late push the primary drops is not copied to its replicas: the pair is refused before anything starts,
-    by the configuration, the scheduler and psrt launch alike."""
-    with pytest.raises(ConfigError, match="--replicas with --backup-workers is not supported yet"):
-        ClusterConfig(num_servers=2, num_workers=3, replicas=1, backup_workers=1)
-    with pytest.raises(ConfigError, match="leave one of them out"):
-        Scheduler("tcp://127.0.0.1:*", 2, 3, replicas=1, backup_workers=1)
-    proc = subprocess.run(psrt_command("launch", "-s", "2", "-w", "3", "--replicas", "1", "--backup-workers", "1",
-                                       "--", sys.executable, "-c", "pass"),
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--replicas with --backup-workers is not supported yet" in proc.stderr, proc
+def test_replicas_keep_the_exact_rule_of_backup_workers_across_a_sigkilled_primary(backup):
+    """R = 1 with backup workers: a round closed on W - b pushes is copied, and a dropped late push is settled on
+    the replicas before its drop is answered, so a primary SIGKILLed mid-run loses no round and applies no push
+    twice: every worker reaches the last round, no error, each answer holding -lr x v x g (v its version), the
+    final state that of a run without the kill."""
+    rounds = 60
+    clean, _ = _replicated_job("clean", backup, rounds=rounds)
+    failed, sched = _replicated_job("failover", backup, kill_at=20, rounds=rounds)
+    assert "key range 0 is served by its replica, server 1" in sched, sched
+    for run in (clean, failed):
+        assert [w["round"] for w in run] == [rounds] * 3, run
+        assert all(w["exact"] for w in run), run
+        assert [w["versions"] for w in run] == [[rounds]] * 3, run  # every tensor at the last round, as in clean
+        assert all(w["backup"] == [backup, backup] for w in run), run  # a promoted standby's b is the job's
+    assert clean[2]["dropped"] > 0 and clean[2]["steps"] < rounds, clean  # the slow worker was left behind
+
+
+@pytest.mark.integration
+def test_the_scheduler_logs_the_workers_slow_on_every_shard_every_n_rounds_and_at_the_end():
+    """The shards' heartbeats say who they find slow; the scheduler names the workers slow on every shard, every
+    PSRT_SLOW_EVERY rounds and once at the job's end: the slowed worker, and no fast one."""
+    workers, sched = _replicated_job("slow", "0", rounds=80, replicas=0, env={"PSRT_SLOW_EVERY": "20"})
+    assert [w["round"] for w in workers] == [80] * 3 and all(w["exact"] for w in workers), workers
+    lines = [line for line in sched.splitlines() if "slow workers" in line]
+    periodic = [line for line in lines if "slow workers at round" in line]
+    final = [line for line in lines if "slow workers at the job's end" in line]
+    assert periodic and len(final) == 1, sched
+    for line in lines:
+        assert "every one of the 2 shards measuring lateness" in line and "worker 2 (" in line, line
+        assert "worker 0" not in line and "worker 1" not in line, line
+    print(final[0])
+
+
+def test_a_servers_heartbeat_may_say_who_is_slow_and_old_heartbeats_stay_valid():
+    from psrt.control.slow import SlowWorkers
+
+    old = wire.decode_control_request(wire.encode_heartbeat(3, "server", 1, 99, 2))
+    assert old.lateness is None and old.epoch == 2
+    report = wire.SlowReport(40, 3, 0.002, ((2, 0.25, 30, 12),))
+    got = wire.decode_control_request(wire.encode_heartbeat(3, "server", 1, 99, 2, report)).lateness
+    assert got == report
+    for bad in ([40, 3, 0.002], [40, 3, -1.0, []], [40, 3, 0.0, [[2, 0.1, 3]]], [40, 3, 0.0, [[-2, 0.1, 3, 1]]],
+                [40, 3, 0.0, [[2, float("nan"), 3, 1]]], [40, 3, 0.0, [[2, 0.1, 3, 1]] * (wire.MAX_SLOW_ROWS + 1)]):
+        frames = wire.encode_heartbeat(3, "server", 1, 99)
+        header = wire.unpack_header(frames[0], wire.CONTROL_LIMITS)
+        header["lateness"] = bad
+        with pytest.raises(ProtocolError, match="lateness"):
+            wire.decode_control_request(wire.encode(header))
+    # The merge: a worker slow on one shard alone is not the job's straggler; one slow on both is.
+    slow = SlowWorkers(every=20)
+    assert not slow.add(0, wire.SlowReport(10, 3, 0.001, ((2, 0.2, 10, 4), (1, 0.05, 10, 0))))
+    assert slow.add(1, wire.SlowReport(21, 3, 0.001, ((2, 0.3, 10, 5),)))
+    line = slow.line()
+    assert line is not None and "at round 21" in line
+    assert "worker 2 200-300 ms, 9 of its 20 pushes to them dropped" in line
+    assert "worker 1" not in line
+    assert not slow.add(0, wire.SlowReport(30, 3, 0.001, ())) and slow.line(final=True) is None
+    assert slow.add(0, wire.SlowReport(40, 3, 0.001, ()))  # every 20 rounds of the job

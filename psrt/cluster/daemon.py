@@ -152,7 +152,7 @@ def run_scheduler(bind: str, cluster: ClusterConfig, out: IO[str] = sys.stdout) 
                       heartbeat_interval=cluster.heartbeat_interval,
                       elastic=cluster.elastic, restart_grace=cluster.restart_grace, keys=cluster.keys,
                       staleness=cluster.staleness, replicas=cluster.replicas,
-                      backup_workers=cluster.backup_workers)
+                      backup_workers=cluster.backup_workers, slow_every=cluster.slow_every)
     _stop_on_signals(sched.stop)
     print(ready_line("scheduler", sched.endpoint, servers=cluster.num_servers, workers=cluster.num_workers,
                      mode=cluster.mode), file=out, flush=True)

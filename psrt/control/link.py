@@ -123,6 +123,8 @@ class SchedulerLink:
         self.epoch = 0
         #: Called while a request waits; raises to end the wait (a worker passes :meth:`HeartbeatThread.check`).
         self.check: Callable[[], None] = lambda: None
+        #: A server's word on who is slow for its next heartbeat, when it has one (its serving loop sets it).
+        self.report: Optional[Callable[[], Optional[wire.SlowReport]]] = None
 
     def _ask(self, op: str, encode: Any, timeout: float) -> wire.ControlReply:
         rid = self._next_id
@@ -266,7 +268,9 @@ class SchedulerLink:
         if self.role and now >= self._next_beat:
             self._next_beat = now + self.heartbeat_interval
             try:
-                self.channel.send(wire.encode_heartbeat(0, self.role, self.rank, os.getpid(), self.epoch), 1.0)
+                report = self.report() if self.report is not None else None
+                self.channel.send(wire.encode_heartbeat(0, self.role, self.rank, os.getpid(), self.epoch, report),
+                                  1.0)
             except PsrtError:
                 pass  # a full queue: the scheduler is not reading; its silence is judged below
         if self.role and now - self._last_answer > self.heartbeat_timeout:

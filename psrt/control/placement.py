@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from psrt.config import REPLICAS_WITH_BACKUP_WORKERS
 from psrt.errors import ConfigError
 from psrt.partition import backed_ranges, check_replicas, range_holders
 
@@ -26,7 +25,8 @@ __all__ = ["Placement", "check_job_replicas"]
 
 def check_job_replicas(replicas: int, num_servers: int, mode: str, elastic: bool,
                        backup_workers: object = 0) -> None:
-    """Refuse a replicated job psrt cannot run (yet): R out of range for S, elastic, backup workers.
+    """Refuse a replicated job psrt cannot run (yet): R out of range for S, elastic. (``backup_workers``: any b
+    runs replicated, kept for the callers that pass it.)
 
     Raises
     ------
@@ -36,8 +36,6 @@ def check_job_replicas(replicas: int, num_servers: int, mode: str, elastic: bool
     check_replicas(replicas, num_servers)
     if replicas and elastic:
         raise ConfigError("--replicas with --elastic is not supported yet: leave one of them out")
-    if replicas and backup_workers:
-        raise ConfigError(REPLICAS_WITH_BACKUP_WORKERS)
 
 
 class Placement:

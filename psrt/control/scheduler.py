@@ -38,6 +38,9 @@ notice to the servers), and the workers are told where each such range is served
 A server that writes checkpoints and dies is waited for: restarted with ``--restore`` on any endpoint, it takes
 its rank's slot back and the workers are told where it is now (:mod:`psrt.control.restarts`).
 
+Who is slow: a server's heartbeat now and then says which workers it finds far later than the others; the
+scheduler logs those slow on every shard every ``slow_every`` rounds and at the job's end (:mod:`psrt.control.slow`).
+
 Control messages are single header frames with the data plane's framing and decode rules; their records and
 encoders live in :mod:`psrt.wire.control`, which lists every field.
 """
@@ -52,7 +55,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from psrt import transport, wire
-from psrt.config import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, MODES, RESTART_GRACE, START_TIMEOUT, check_backup_workers
+from psrt.config import (
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_TIMEOUT,
+    MODES,
+    RESTART_GRACE,
+    SLOW_EVERY,
+    START_TIMEOUT,
+    check_backup_workers,
+)
 from psrt.control import security
 from psrt.control.barriers import Barriers
 from psrt.control.formation import Formation
@@ -60,6 +71,7 @@ from psrt.control.link import SchedulerLink, Table
 from psrt.control.placement import Placement, check_job_replicas
 from psrt.control.restarts import Member as _Member
 from psrt.control.restarts import Restarts
+from psrt.control.slow import SlowWorkers
 from psrt.errors import ConfigError, ProtocolError
 
 __all__ = ["Scheduler", "SchedulerLink", "Table"]
@@ -154,6 +166,8 @@ class Scheduler(Restarts):
     replicas : int
         Copies of each shard's key range on the next R shards of the ring (sync mode; 0 <= R < S): a dead shard's
         ranges are promoted to their first live replicas instead of ending the job.
+    slow_every : int
+        Rounds of the job between two log lines naming the workers slow on every shard (and one at the end).
 
     Raises
     ------
@@ -167,7 +181,8 @@ class Scheduler(Restarts):
                  start_timeout: float = START_TIMEOUT, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
                  elastic: bool = False, keys: Optional[security.PathLike] = None,
                  restart_grace: float = RESTART_GRACE, staleness: int = 0, replicas: int = 0,
-                 backup_workers: int | str = 0, heartbeat_interval: float = HEARTBEAT_INTERVAL) -> None:
+                 backup_workers: int | str = 0, heartbeat_interval: float = HEARTBEAT_INTERVAL,
+                 slow_every: int = SLOW_EVERY) -> None:
         if num_servers < 1 or num_workers < 1:
             raise ConfigError(f"need at least one server and one worker, got S={num_servers}, W={num_workers}")
         if mode not in MODES:
@@ -189,6 +204,9 @@ class Scheduler(Restarts):
         self.staleness = staleness
         check_backup_workers(backup_workers, num_workers, mode)
         self.backup_workers = backup_workers
+        if type(slow_every) is not int or slow_every < 1:
+            raise ConfigError(f"slow_every must be a whole number of rounds >= 1, got {slow_every!r} (PSRT_SLOW_EVERY)")
+        self._slow = SlowWorkers(slow_every)  # the servers' word on who is slow
         self._restarting: dict[int, tuple[float, str]] = {}  # server index -> (deadline, name)
         self._claims = []  # restarted servers waiting for their slot (psrt.control.restarts)
         self._epoch = 0  # elastic: membership changes so far
@@ -401,13 +419,16 @@ class Scheduler(Restarts):
 
     def _finish(self, identity: bytes, req: wire.Done) -> None:
         self._done.add(req.rank)
-        self._members.pop(("worker", req.rank), None)  # a worker that is done may stop heartbeating
+        member = self._members.pop(("worker", req.rank), None)  # a worker that is done may stop heartbeating
+        if member is not None:
+            self._slow.names[req.rank] = member.name
         self._send(identity, wire.encode_ok(req.id))
         if self.elastic and req.rank in self.workers:
             self._leave([req.rank], "said done")
         if self._formed and self._done >= set(self.workers) and not self._joins:
             self._tell_servers(wire.encode_shutdown())
             log.info("all %d workers done; servers told to shut down", self.num_workers)
+            self._log_slow(final=True)
             self.exit_code = 0
         elif self._formed and not self.elastic and req.rank in self.workers:
             # The others go on; a sync round that needs a finished worker can never complete: the servers say so.
@@ -480,9 +501,20 @@ class Scheduler(Restarts):
             member.identity = identity
         self._seen(member, time.monotonic())
         self._send(identity, wire.encode_ok(req.id))
+        if req.role == "server" and req.lateness is not None and self._slow.add(req.rank, req.lateness):
+            self._log_slow()
         if req.role == "server" and self._joins:
             self._server_epochs[req.rank] = req.epoch
             self._admit_joins()
+
+    def _log_slow(self, final: bool = False) -> None:
+        """Log the workers slow on every shard (every ``slow_every`` rounds, and at the job's end), if any."""
+        for (role, rank), member in self._members.items():
+            if role == "worker":
+                self._slow.names[rank] = member.name
+        line = self._slow.line(final)
+        if line is not None:
+            log.warning("%s", line)
 
     def _beats(self, identity: bytes, req: wire.Beats, frame: Any) -> None:
         """The heartbeat of a process's workers, all in one message."""

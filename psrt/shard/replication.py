@@ -184,12 +184,16 @@ class Copier:
                 self._fresh.add(j)
         return [j for j in live if j in self._dealers]
 
-    def joined(self, worker: int, seq: int, keys: list[Key], completed: Sequence[int]) -> None:
+    def joined(self, worker: int, seq: int, keys: list[Key], completed: Sequence[int],
+               late: Optional[Sequence[bool]] = None) -> None:
         """A push (``seq`` of ``worker``) joined the rounds of ``keys``; those at ``completed`` stepped (and which
-        pushes each of those rounds holds goes with its copy)."""
+        pushes each of those rounds holds goes with its copy). ``late`` (backup workers): keys it was dropped for,
+        whose rounds it did not join."""
         done = set(completed)
         opened = None
         for i, key in enumerate(keys):
+            if late is not None and late[i]:
+                continue
             if i not in done:
                 if opened is None:
                     opened = self._open.setdefault(worker, {})
@@ -208,9 +212,10 @@ class Copier:
         self._acks.append(_HeldAck(identity, request_id, keys, targets, duplicate))
         return True
 
-    def commit(self, keys: list[Key]) -> None:
+    def commit(self, keys: list[Key], settle: bool = False) -> None:
         """The rounds of ``keys`` completed (or ``init`` made them): copy their state to every live replica and
-        wait until each acknowledged it (or the scheduler says it is gone); then release the acks it held."""
+        wait until each acknowledged it (or the scheduler says it is gone); then release the acks it held.
+        ``settle``: copy the workers' settled sequence numbers even when no key changed (:meth:`settle`)."""
         for opened in self._open.values():
             for key in keys:
                 opened.pop(key, None)
@@ -224,7 +229,7 @@ class Copier:
             self._fresh.clear()
             if self.rows is not None and live:  # the tables first: the dense copy's `full` makes the range held
                 self.rows.copy_all()
-        if live and (keys or full):  # (a range of tables alone still says, with no keys, that it is whole)
+        if live and (keys or full or settle):  # (a range of tables alone still says, with no keys, that it is whole)
             settled = self._settled(store)
             batches = _batches(keys, store)
             for n, batch in enumerate(batches):  # (a whole range in messages the replicas' limits take)
@@ -246,6 +251,12 @@ class Copier:
                 self._included.pop(k, None)
         if self._acks:
             self._release_acks()
+
+    def settle(self) -> None:
+        """A push dropped as late (backup workers) changed no key but is settled: its sequence number goes to
+        every live replica (a copy of no keys) before the drop is answered, so that after a failover the push sent
+        again is a duplicate there, neither applied nor lost."""
+        self.commit([], settle=True)
 
     def catch_up(self) -> None:
         """A promoted range, before it serves: its whole state to its remaining replicas (whose last copy may be a
@@ -426,7 +437,7 @@ class Replication:
         self.rank, self.token, self.holders, self._endpoints = table.rank, info.token, info.holders, info.endpoints
         self.backed = backed_ranges(table.num_servers, self.replicas, self.rank)
         for standby in self._standbys:
-            standby.set_job(table.num_workers, table.mode, table.staleness)
+            standby.set_job(table.num_workers, table.mode, table.staleness, table.backup_workers)
         self.copier = Copier(self.server, self._ctx, self._keys, self.rank, self.rank, self.token, self._endpoints,
                              lambda: self.tick())
         own = self.holders[self.rank]
@@ -483,10 +494,11 @@ class Replication:
         return [self.rank, *sorted(self._promoted)]
 
     # ------------------------------------------------------------------ the server's hooks (its own range)
-    def joined(self, worker: int, seq: int, keys: list[Key], completed: Sequence[int]) -> None:
+    def joined(self, worker: int, seq: int, keys: list[Key], completed: Sequence[int],
+               late: Optional[Sequence[bool]] = None) -> None:
         """:meth:`Copier.joined` of this shard's own range."""
         assert self.copier is not None
-        self.copier.joined(worker, seq, keys, completed)
+        self.copier.joined(worker, seq, keys, completed, late)
 
     def hold_ack(self, identity: bytes, request_id: int, keys: list[Key], targets: list[int],
                  duplicate: bool) -> bool:
@@ -498,6 +510,11 @@ class Replication:
         """:meth:`Copier.commit` of this shard's own range."""
         assert self.copier is not None
         self.copier.commit(keys)
+
+    def settle(self) -> None:
+        """:meth:`Copier.settle` of this shard's own range."""
+        assert self.copier is not None
+        self.copier.settle()
 
     # ------------------------------------------------------------------ replica side
     def _serve_copies(self) -> None:
@@ -670,12 +687,14 @@ def replayed(included: dict[Key, dict[int, int]], worker: int, seq: int, keys: S
 
 
 def apply_except(store: Store, worker: int, entries: list[Any], grads: list[np.ndarray], skip: set[int],
-                 hold: bool = False) -> tuple[list[int], list[int]]:
+                 hold: bool = False, late: Optional[Sequence[bool]] = None) -> tuple[list[int], list[int]]:
     """:meth:`Store.apply_push` of the keys not in ``skip``; a skipped key's target is its version now (it holds
-    the push already). Returns the targets and completed indices of every key, as ``apply_push`` does."""
+    the push already). ``late`` (backup workers): keys the push is dropped for, as ``apply_push`` takes it.
+    Returns the targets and completed indices of every key, as ``apply_push`` does."""
     keep = [i for i in range(len(entries)) if i not in skip]
     targets = [e.version for e in entries]
-    part_targets, part_done = store.apply_push(worker, [entries[i] for i in keep], [grads[i] for i in keep], hold)
+    part_targets, part_done = store.apply_push(worker, [entries[i] for i in keep], [grads[i] for i in keep], hold,
+                                               None if late is None else [late[i] for i in keep])
     for i, t in zip(keep, part_targets):
         targets[i] = t
     return targets, [keep[j] for j in part_done]

@@ -42,7 +42,7 @@ from psrt.shard.pulls import PullQueue, Waiter
 from psrt.shard.recovery import Checkpointer, Recovery
 from psrt.shard.replication import Copier, Replication
 from psrt.shard.store import Entry, Key, Store
-from psrt.shard.stragglers import REPORT_EVERY_S, Lateness
+from psrt.shard.stragglers import REPORT_EVERY_S, TELL_EVERY_S, Lateness
 from psrt.shard.tablecopy import TableCopies
 from psrt.shm.lanes import ShardLane, ShardLanes
 from psrt.wire import compression
@@ -105,6 +105,7 @@ class Server(Recovery):
         self.counters = Counters()
         self.lateness = Lateness()  # who is slow: per worker, how late its pushes come, how many were dropped
         self._slow_at = time.monotonic() + REPORT_EVERY_S  # when to log who is slow next
+        self._tell_at = 0.0  # when to tell the scheduler next (_slow_report)
         self.replies = ShardReplies(self._chan, self.lanes, self.counters)
         self._reply, self._error = self.replies.reply, self.replies.error
         self._stop = threading.Event()
@@ -142,6 +143,8 @@ class Server(Recovery):
         """Serve requests until :meth:`stop` is called or, with ``control``, the scheduler ends the job."""
         poll = self.config.poll_interval
         self._control = control
+        if control is not None:
+            control.report = self._slow_report
         while not self._stop.is_set():
             if self._chan.poll(poll):
                 # Every message queued, then one receive that finds none: a socket's event flags cost a system
@@ -289,6 +292,15 @@ class Server(Recovery):
         if line is not None:
             log.warning("%s", line)
         return line
+
+    def _slow_report(self) -> Optional[wire.SlowReport]:
+        """Who is slow, for a heartbeat to the scheduler: every :data:`TELL_EVERY_S` seconds of a job with rounds
+        that measured lateness (None otherwise)."""
+        now = time.monotonic()
+        if now < self._tell_at or not self.lateness.samples:
+            return None
+        self._tell_at = now + TELL_EVERY_S
+        return self.lateness.report(max((e.version for e in self.store.entries.values()), default=0))
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return after the message in hand."""
@@ -476,8 +488,7 @@ class Server(Recovery):
         hold = lane is not None and req.pull
         skip = replication.replayed(self._included, req.worker, req.seq, keys) if self._included else None
         if skip:  # a range taken over: this push sent again is in part of its keys' copied state already
-            # (never late: a replicated job has no backup workers, psrt.config.REPLICAS_WITH_BACKUP_WORKERS)
-            targets, completed = replication.apply_except(self.store, req.worker, entries, grads, skip, hold)
+            targets, completed = replication.apply_except(self.store, req.worker, entries, grads, skip, hold, late)
         else:
             targets, completed = self.store.apply_push(req.worker, entries, grads, hold=hold, late=late)
         if self.config.mode == "ssp":
@@ -486,7 +497,7 @@ class Server(Recovery):
         self.counters.pushes += 1
         self.counters.rounds += len(completed)
         if self._replication is not None:  # the rounds this push completed are held R + 1 times before answers
-            self._replication.joined(req.worker, req.seq, keys, completed)
+            self._replication.joined(req.worker, req.seq, keys, completed, late)
             if completed:
                 self._replication.commit([keys[i] for i in completed])
         self._answer_push(identity, req, keys, targets, False, lane, entries)
@@ -529,12 +540,15 @@ class Server(Recovery):
               lane: Optional[ShardLane]) -> None:
         """A push too late for its rounds: never applied, but counted, and remembered as taken (its sequence number:
         sent again, it is not taken twice). A push_pull is answered with the newest parameters (at once, unless
-        this worker's earlier push is in a round still open), from which the worker joins the next round."""
+        this worker's earlier push is in a round still open), from which the worker joins the next round. In a
+        replicated job its sequence number is held by the replicas before the drop is answered."""
         self.store.record(req.worker, req.session, req.seq)
         self.counters.pushes += 1
         self.counters.dropped_pushes += 1
         self.lateness.seen(req.worker, req.buffers, lane is not None)
         self.lateness.missed(req.worker, entries[0], req.base)
+        if self._replication is not None:
+            self._replication.settle()
         self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), False, lane, entries)
 
     def _answer_push(self, identity: bytes, req: wire.PushRequest, keys: list[Key], targets: list[int],

@@ -21,17 +21,19 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from psrt import transport
+from psrt import transport, wire
 
 __all__ = ["round_done", "late", "closing", "Lateness", "AutoBackup"]
 
 #: Lateness samples kept per worker (the median and p99 are of these).
 SAMPLES = 1024
 #: A worker is named slow when its median lateness is over this many times the workers' typical (median) one,
-#: and over :data:`SLOW_FLOOR_S`; the shard logs who, every :data:`REPORT_EVERY_S` seconds and when it stops.
+#: and over :data:`SLOW_FLOOR_S`; the shard logs who, every :data:`REPORT_EVERY_S` seconds and when it stops, and
+#: tells the scheduler on a heartbeat every :data:`TELL_EVERY_S` seconds (:meth:`Lateness.report`).
 SLOW_FACTOR = 4.0
 SLOW_FLOOR_S = 0.010
 REPORT_EVERY_S = 30.0
+TELL_EVERY_S = 1.0
 
 
 def round_done(contributors: set[int], num_workers: int, members: Optional[frozenset[int]],
@@ -139,21 +141,36 @@ class Lateness:
         queue.append(seconds)
         self.pushes[worker] = self.pushes.get(worker, 0) + 1
 
-    def slow(self) -> Optional[str]:
-        """A line naming the workers whose median lateness is far above the others' (:data:`SLOW_FACTOR`), or None
-        (none, or fewer than two workers measured)."""
+    def _slow(self) -> tuple[dict[int, float], float, list[int]]:
+        """Each measured worker's median lateness, their typical (median) one, and the slow workers, slowest first
+        (none with fewer than two measured)."""
         medians = {w: float(np.median(np.fromiter(q, float))) for w, q in self.samples.items() if q}
         if len(medians) < 2:
-            return None
+            return medians, 0.0, []
         typical = float(np.median(list(medians.values())))
         slow = sorted((w for w, m in medians.items() if m > max(SLOW_FLOOR_S, SLOW_FACTOR * typical)),
                       key=lambda w: -medians[w])
+        return medians, typical, slow
+
+    def slow(self) -> Optional[str]:
+        """A line naming the workers whose median lateness is far above the others' (:data:`SLOW_FACTOR`), or None
+        (none, or fewer than two workers measured)."""
+        medians, typical, slow = self._slow()
         if not slow:
             return None
         named = ", ".join(f"worker {w} ({self.hosts.get(w) or 'host unknown'}) {1e3 * medians[w]:.0f} ms, "
                           f"{self.dropped.get(w, 0)} of {self.pushes.get(w, 0)} pushes dropped" for w in slow)
         return (f"slow workers (median lateness of their pushes after their round's first push): {named}; the "
                 f"workers' typical median is {1e3 * typical:.0f} ms")
+
+    def report(self, round_: int) -> Optional[wire.SlowReport]:
+        """What the shard's heartbeat tells the scheduler of who is slow at its round ``round_`` (the scheduler
+        names the workers slow on every shard, :mod:`psrt.control.slow`); None before anything was measured."""
+        medians, typical, slow = self._slow()
+        if not medians:
+            return None
+        rows = tuple((w, medians[w], self.pushes.get(w, 0), self.dropped.get(w, 0)) for w in slow[:wire.MAX_SLOW_ROWS])
+        return wire.SlowReport(round_, len(medians), typical, rows)
 
     def stats(self) -> dict[str, Any]:
         """The per-worker stats as one entry, ``workers``: a row ``[rank, pushes, dropped, late_p50_s, late_p99_s,

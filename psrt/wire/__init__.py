@@ -85,6 +85,7 @@ from psrt.wire.codec import (
 from psrt.wire.control import (
     CONTROL_LIMITS,
     MAX_BEAT_RANKS,
+    MAX_SLOW_ROWS,
     Abort,
     Barrier,
     Beats,
@@ -104,6 +105,7 @@ from psrt.wire.control import (
     Register,
     Replication,
     Shutdown,
+    SlowReport,
     Table,
     TableQuery,
     decode_control_reply,
@@ -212,5 +214,5 @@ __all__ = [
     "encode_closed",
     "encode_control_error", "encode_shutdown", "encode_abort", "encode_heartbeat", "encode_members",
     "Moved", "encode_moved", "Beats", "MAX_BEAT_RANKS", "encode_beats", "NotMembers", "encode_not_members",
-    "Ranges", "Replication", "encode_ranges",
+    "Ranges", "Replication", "encode_ranges", "SlowReport", "MAX_SLOW_ROWS",
 ]

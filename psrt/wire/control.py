@@ -22,6 +22,8 @@ __all__ = [
     "Failed",
     "TableQuery",
     "Heartbeat",
+    "SlowReport",
+    "MAX_SLOW_ROWS",
     "Beats",
     "MAX_BEAT_RANKS",
     "ControlRequest",
@@ -96,9 +98,13 @@ _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "not_members": frozenset({"v", "op", "id", "workers", "message"}),
     "ranges": frozenset({"v", "op", "id", "holders", "endpoints"}),
 }
-#: Fields a message may carry or leave out (replicated jobs only), taken out before its exact field set is checked.
+#: Fields a message may carry or leave out (a replicated job's, b, a server's word on who is slow), taken out before
+#: its exact field set is checked.
 _OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {"register": ("replication",),
-                                                "table": ("replication", "backup_workers", "cut")}
+                                                "table": ("replication", "backup_workers", "cut"),
+                                                "heartbeat": ("lateness",)}
+#: Most slow workers one server's heartbeat names (:class:`SlowReport`); a line naming more would be unreadable.
+MAX_SLOW_ROWS = 64
 #: Most endpoints a server announces for replication (its replication endpoint and one standby per range it backs).
 MAX_REPLICATION_ENDPOINTS = 1 << 8
 
@@ -163,10 +169,27 @@ class TableQuery:
 
 
 @dataclass(frozen=True)
+class SlowReport:
+    """What a server's heartbeat may say of who is slow (``lateness``, optional; sync jobs, now and then).
+
+    ``round``: the shard's round (the highest version of its keys); ``measured``: the workers whose lateness it
+    measured; ``typical``: their typical (median) median lateness in seconds; ``slow``: ``(rank, median lateness
+    s, pushes, dropped)`` of those it names slow (:meth:`psrt.shard.stragglers.Lateness.report`), slowest first,
+    at most :data:`MAX_SLOW_ROWS`.
+    """
+
+    round: int
+    measured: int
+    typical: float
+    slow: tuple[tuple[int, float, int, int], ...] = ()
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """``heartbeat``: a registered process is alive; answered with ``ok`` so it knows the scheduler is too.
 
-    ``epoch`` is the newest membership a server has adopted (:class:`Members`); workers send 0.
+    ``epoch`` is the newest membership a server has adopted (:class:`Members`); workers send 0. A server's may
+    carry its :class:`SlowReport` (None: not this time).
     """
 
     id: int
@@ -174,6 +197,7 @@ class Heartbeat:
     rank: int
     pid: int
     epoch: int
+    lateness: Optional[SlowReport] = None
     op: ClassVar[str] = "heartbeat"
 
 
@@ -246,8 +270,9 @@ def decode_control_request(frames: Sequence[Any], limits: WireLimits = CONTROL_L
         if op == "failed":
             return Failed(rid, _rank(h), string(h, "message", _MAX_MESSAGE))
         if op == "heartbeat":
+            lateness = _slow_report(optional["lateness"]) if "lateness" in optional else None
             return Heartbeat(rid, string(h, "role", allowed=REGISTERING_ROLES), _rank(h), uint(h, "pid", 1 << 32),
-                             uint(h, "epoch"))
+                             uint(h, "epoch"), lateness)
         if op == "beats":
             return Beats(rid, _ranks(h, "ranks", MAX_BEAT_RANKS, lo=1), uint(h, "pid", 1 << 32))
         return TableQuery(rid)
@@ -307,9 +332,36 @@ def encode_table_query(rid: int) -> list[Any]:
     return encode({"op": "table", "id": rid})
 
 
-def encode_heartbeat(rid: int, role: str, rank: int, pid: int, epoch: int = 0) -> list[Any]:
-    """Frames of a ``heartbeat`` request."""
-    return encode({"op": "heartbeat", "id": rid, "role": role, "rank": rank, "pid": pid, "epoch": epoch})
+def encode_heartbeat(rid: int, role: str, rank: int, pid: int, epoch: int = 0,
+                     lateness: Optional[SlowReport] = None) -> list[Any]:
+    """Frames of a ``heartbeat`` request (``lateness`` only where given: other heartbeats are unchanged)."""
+    header: dict[str, Any] = {"op": "heartbeat", "id": rid, "role": role, "rank": rank, "pid": pid, "epoch": epoch}
+    if lateness is not None:
+        header["lateness"] = [lateness.round, lateness.measured, float(lateness.typical),
+                              [[r, float(m), p, d] for r, m, p, d in lateness.slow[:MAX_SLOW_ROWS]]]
+    return encode(header)
+
+
+def _seconds(value: Any) -> bool:
+    return type(value) in (int, float) and 0.0 <= value < 1e9  # (NaN fails both)
+
+
+def _slow_report(value: Any) -> SlowReport:
+    """A heartbeat's ``lateness``: ``[round, measured, typical_s, [[rank, median_s, pushes, dropped], ...]]``."""
+    what = "field 'lateness' must be [round, measured, typical seconds, [[rank, median seconds, pushes, dropped]]]"
+    if type(value) is not list or len(value) != 4 or type(value[3]) is not list or len(value[3]) > MAX_SLOW_ROWS:
+        raise ProtocolError(what)
+    head = {"lateness round": value[0], "lateness measured": value[1]}
+    if not _seconds(value[2]):
+        raise ProtocolError(what)
+    rows = []
+    for row in value[3]:
+        if type(row) is not list or len(row) != 4 or not _seconds(row[1]):
+            raise ProtocolError(what)
+        fields = {"lateness rank": row[0], "lateness pushes": row[2], "lateness dropped": row[3]}
+        rows.append((uint(fields, "lateness rank"), float(row[1]), uint(fields, "lateness pushes"),
+                     uint(fields, "lateness dropped")))
+    return SlowReport(uint(head, "lateness round"), uint(head, "lateness measured"), float(value[2]), tuple(rows))
 
 
 def encode_beats(rid: int, ranks: Sequence[int], pid: int) -> list[Any]:
