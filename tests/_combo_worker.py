@@ -221,6 +221,13 @@ def _wait_for(path: str, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+def _pauses(args: dict[str, Any]) -> list[int]:
+    """The steps after which to pause (``pause_after``: one, or a list): after the first until the file ``go``
+    exists, after a later one, step k, until ``go-k`` does."""
+    pauses = args.get("pause_after")
+    return [] if pauses is None else pauses if isinstance(pauses, list) else [pauses]
+
+
 def _between_steps(args: dict[str, Any], rank: int, step: int) -> None:
     """After step ``step`` (1-based): let another worker run ahead, pause for the test's event, sleep."""
     lead = args.get("lead")
@@ -229,9 +236,9 @@ def _between_steps(args: dict[str, Any], rank: int, step: int) -> None:
             Path(lead["file"]).touch()
         elif rank == 1 and step == 1:
             _wait_for(lead["file"])
-    if args.get("pause_after") == step:
+    if step in _pauses(args):
         say(f"paused {rank}")
-        _wait_for(args["go"])
+        _wait_for(args["go"] if step == _pauses(args)[0] else f"{args['go']}-{step}")
     time.sleep(args.get("sleep", 0.0))
 
 
@@ -392,7 +399,7 @@ def _torch_steps(model: Any, opt: Any, args: dict[str, Any], rec: _Recorder) -> 
         _lockstep(args, rank, step, done=True)
         if step == 0:
             say(f"training {rank}")
-        if args.get("pause_after") == step + 1:
+        if step + 1 in _pauses(args):
             opt.synchronize()  # nothing in flight while the test hurts a shard
         _between_steps(args, rank, step + 1)
     opt.synchronize()

@@ -258,6 +258,22 @@ class Copier:
         again is a duplicate there, neither applied nor lost."""
         self.commit([], settle=True)
 
+    def newcomers(self) -> bool:
+        """Whether a live replica is not connected yet (a server that took a dead one's place): it holds the
+        range only once a full copy came, which :meth:`sync_newcomers` sends."""
+        for j in self.live:
+            announced = self.endpoints[j] if j < len(self.endpoints) else ()
+            if j not in self._dropped and announced and (j not in self._dealers
+                                                         or announced[:1] != (self._connected.get(j),)):
+                return True
+        return False
+
+    def sync_newcomers(self) -> None:
+        """Send a replica that joined the whole range now, when the range is idle, rather than with its next round:
+        until it holds the range the job keeps one copy fewer (and a range whose primary dies meanwhile is lost)."""
+        if self.newcomers():
+            self.commit([])
+
     def catch_up(self) -> None:
         """A promoted range, before it serves: its whole state to its remaining replicas (whose last copy may be a
         round behind this one's)."""
@@ -515,6 +531,11 @@ class Replication:
         """:meth:`Copier.settle` of this shard's own range."""
         assert self.copier is not None
         self.copier.settle()
+
+    def sync_newcomers(self) -> None:
+        """:meth:`Copier.sync_newcomers` of this shard's own range (once it copies: the job has formed)."""
+        if self.copier is not None:
+            self.copier.sync_newcomers()
 
     # ------------------------------------------------------------------ replica side
     def _serve_copies(self) -> None:

@@ -168,6 +168,8 @@ class Server(Recovery):
                 self._failed = self._replication.failure
             if self._failed is not None:
                 raise self._failed
+            if self._replication is not None:  # (a standby serving a range it took over has its range's copier)
+                self._replication.sync_newcomers()
             if self.lateness.samples and time.monotonic() >= self._slow_at:
                 self._slow_at = time.monotonic() + REPORT_EVERY_S
                 self.report_slow()
