@@ -41,6 +41,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from psrt.control.metrics import per_worker
 from psrt.control.process import first_results, parse_results, psrt_command, result_line
 
 LR = 0.125  # a power of two: -lr * N is exact in float32, so the check is equality
@@ -68,10 +69,11 @@ def worker(rounds: int, step_s: float, stall_s: float, stall_every: int, straggl
         elapsed = time.perf_counter() - start
         exact = w is not None and bool(np.array_equal(w, np.full(SIZE, np.float32(-LR * rounds), np.float32)))
         stats = client.stats()[0]
+        mine = per_worker(stats).get(client.rank, {})  # this worker's row of the shard's per-worker table
         print(result_line({"rank": client.rank, "seconds": elapsed, "steps": steps, "round": client.round,
                            "exact": exact, "backup_workers": stats["backup_workers"],
-                           "dropped": stats.get(f"worker_{client.rank}_dropped", 0),
-                           "late_p50_s": stats.get(f"worker_{client.rank}_late_p50_s", 0.0)}), flush=True)
+                           "dropped": mine.get("dropped", 0), "late_p50_s": mine.get("late_p50_s", 0.0)}),
+              flush=True)
     finally:
         client.close()
 
