@@ -177,7 +177,20 @@ def _complete(rows: list[list[str]]) -> list[list[str]]:
     return rows
 
 
-CASES = [Case(*row) for row in _complete(list(AllPairs(list(FACTORS.values()), filter_func=valid)))]
+def _pairwise() -> list[list[str]]:
+    """allpairspy's rows, generated with the factors of most values first (its greedy search then needs fewer
+    rows: 20 cases here against 25 in :data:`FACTORS`' order), in :data:`FACTORS`' order."""
+    order = sorted(FACTORS, key=lambda f: -len(FACTORS[f]))
+
+    def ordered_valid(row: list[str]) -> bool:
+        named = list(zip(order, row))
+        return not any(frozenset(pair) in INVALID for pair in combinations(named, 2))
+
+    rows = [dict(zip(order, row)) for row in AllPairs([FACTORS[f] for f in order], filter_func=ordered_valid)]
+    return [[row[f] for f in FACTORS] for row in rows]
+
+
+CASES = [Case(*row) for row in _complete(_pairwise())]
 
 
 def test_the_cases_cover_every_valid_pair_of_values():
