@@ -453,6 +453,8 @@ class Server(Recovery):
         return True
 
     def _push(self, identity: bytes, req: wire.PushRequest) -> None:
+        # A push older than the replay window cannot be told applied or not: refused, neither applied nor acked.
+        self.store.check_window(req.worker, req.session, req.seq)
         # Over a lane: the gradients are read where the worker wrote them.
         lane = self.lanes.push_lane(req) if req.lane is not None else None
         entries = admission.validate_push(self.store, req, self.config.nonfinite)

@@ -51,6 +51,9 @@ Key = tuple[str, int]
 MAX_DIM = 1 << 40
 #: Largest unsigned integer a field may hold (ids, sessions, sequence numbers, versions, clocks).
 MAX_U63 = (1 << 63) - 1
+#: A shard's replay window's holes as bytes (replication copies carry them): at most the window's bits
+#: (:data:`psrt.shard.replay.REPLAY_WINDOW`, which the wire, below the shard, does not import).
+MAX_HOLES_BYTES = (1 << 16) // 8
 #: Largest worker rank, and number of workers W, on the wire.
 MAX_WORKER = 1 << 31
 #: Most entries of one map in a header. A shard's stats reply is one flat map that grows by five entries per worker
