@@ -42,17 +42,27 @@ def test_settled_cuts_the_window_below_the_first_push_of_an_open_round():
         log.take(q)
     assert log.settled() == (6, 0b0010100)  # 4 and 2 not applied
     last, holes = log.settled(5)  # 5 and after are in open rounds
-    back = WorkerLog.restored(1, last, WorkerLog(1, last, holes).holes_bytes())
+    back = WorkerLog.restored(1, last, WorkerLog(1, last, holes).hole_runs())
     assert [q for q in range(8) if back.applied(q)] == [0, 1, 3]
     last, holes = log.settled(3)
     assert (last, holes) == (2, 1)  # 2 itself is a hole
-    back = WorkerLog.restored(1, last, WorkerLog(1, last, holes).holes_bytes())
+    back = WorkerLog.restored(1, last, WorkerLog(1, last, holes).hole_runs())
     assert [q for q in range(8) if back.applied(q)] == [0, 1]
+
+
+def test_holes_go_as_runs_and_come_back_cut_to_the_window():
+    log = WorkerLog(1)
+    for q in (0, 3, 4, 9):
+        log.take(q)
+    assert log.hole_runs() == [[1, 2], [5, 4]]
+    assert WorkerLog.restored(1, 9, log.hole_runs()) == log
+    cut = WorkerLog.restored(1, REPLAY_WINDOW + 2, [[0, 10], [REPLAY_WINDOW + 2, 5]])  # below the window, above last
+    assert cut.hole_runs() == [[3, 7], [REPLAY_WINDOW + 2, 1]]
 
 
 def test_a_log_without_holes_restores_as_before():
     log = WorkerLog.restored(3, 9)  # a checkpoint or copy of an older psrt: everything up to 9 applied
-    assert log.holes_bytes() == b""
+    assert log.hole_runs() == []
     assert all(log.applied(q) for q in range(10)) and not log.applied(10)
 
 
@@ -72,7 +82,7 @@ def test_any_order_of_arrival_applies_each_push_once(seqs, offset):
     if applied:
         log = logs[0]
         assert log.last_seq == max(applied)
-        again = WorkerLog.restored(5, log.last_seq, log.holes_bytes())  # what copies and checkpoints carry
+        again = WorkerLog.restored(5, log.last_seq, log.hole_runs())  # what copies and checkpoints carry
         lo = max(0, log.last_seq - REPLAY_WINDOW + 1)
         assert {q for q in range(lo, log.last_seq + 2) if again.applied(q)} == {q for q in applied if q >= lo}
 

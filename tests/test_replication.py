@@ -233,6 +233,35 @@ def test_i3_a_replica_refuses_a_copy_not_from_its_jobs_primary_and_changes_nothi
         _close(pair, threads)
 
 
+def test_i3_a_copy_carries_the_replay_window_so_a_push_overtaken_before_a_failover_is_still_taken():
+    from psrt.config import WireLimits
+    from psrt.optim import SGD
+    from psrt.shard.replay import WorkerLog
+    from psrt.shard.store import Store
+
+    log = WorkerLog(77)
+    for q in (0, 1, 3, 5):  # 2 and 4 overtaken (sent again later, after the failover)
+        log.take(q)
+    settled, holes = log.settled(5)  # 5 is in an open round: not settled
+    store = Store("sync", 2)
+    entry = store.create(("w", 0), np.arange(4, dtype=np.float32), SGD(lr=0.1))
+    runs = {0: WorkerLog(77, settled, holes).hole_runs()}
+    frames = wire_replication.encode_replicate(5, "the-job-token", 0, 0, [(0, 77, settled), (1, 78, 3)],
+                                               [(("w", 0), entry)], holes=runs)
+    req = wire_replication.decode_replicate([bytes(f) for f in frames], WireLimits())
+    assert req.workers == [(0, 77, 4), (1, 78, 3)] and req.holes == {0: [[2, 1], [4, 1]]}
+    pair, threads, announced = _pair()
+    try:
+        standby = pair[1]._replication._standbys[0]
+        with RawPeer(announced[1][0]) as peer:
+            peer.send([bytes(f) for f in frames])
+            assert _reply(peer)["op"] == "replicated"
+        assert [q for q in range(7) if standby.store.is_duplicate(0, 77, q)] == [0, 1, 3]
+        assert [q for q in range(5) if standby.store.is_duplicate(1, 78, q)] == [0, 1, 2, 3]  # no holes: all in
+    finally:
+        _close(pair, threads)
+
+
 def test_i3_a_malformed_copy_is_refused_with_a_protocol_error():
     pair, threads, announced = _pair()
     try:

@@ -210,7 +210,7 @@ def save(store: Store, directory: Path, prefix: str, meta: dict[str, Any],
         "format": 1, "created": time.time(), "mode": store.mode, "num_workers": store.num_workers,
         "members": None if store.members is None else sorted(store.members),
         # (A log's replay holes, where it has any, are a fourth element: psrt.shard.replay.)
-        "workers": [[w, log_.session, log_.last_seq] + ([log_.holes_bytes()] if log_.holes else [])
+        "workers": [[w, log_.session, log_.last_seq] + ([log_.hole_runs()] if log_.holes else [])
                     for w, log_ in store.workers.items()],
         "keys": keys, "meta": meta, "tables": records, "table_logs": table_logs,
         **({"chain": list(chain)} if chain is not None else {}),

@@ -15,15 +15,16 @@ duplicate could lose a gradient silently, applying it could apply one twice. A n
 message refused, or lost for good) is a hole: "not applied here", which is what it is.
 
 The holes are a bitmap (a Python int: bit ``i`` set when ``last_seq - i`` was not applied), which in-order pushes,
-the usual case, leave 0, so that a push costs a comparison and a shift of 0; replication and checkpoints carry
-it as bytes (none: the session's pushes up to ``last_seq`` are all in, which is also what a copy or a checkpoint of
-an older psrt meant).
+the usual case, leave 0, so that a push costs a comparison and a shift of 0. Replication and checkpoints carry it
+as runs of numbers not applied, ``[[first, count], ...]`` (none: the session's pushes up to ``last_seq`` are all
+in, which is also what a copy or a checkpoint of an older psrt meant).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 from psrt.errors import RequestRefused
 
@@ -89,15 +90,26 @@ class WorkerLog:
         # (``below - 1`` itself may be a hole: bit 0 then says so.)
         return below - 1, self.holes >> (self.last_seq - below + 1)
 
-    def holes_bytes(self) -> bytes:
-        """The holes as little-endian bytes (empty: none), as copies and checkpoints carry them."""
-        return self.holes.to_bytes((self.holes.bit_length() + 7) // 8, "little")
+    def hole_runs(self) -> list[list[int]]:
+        """The holes as runs ``[first seq, count]``, lowest first (empty: none), as copies and checkpoints carry
+        them (a few runs where a few pushes were overtaken, whatever the window's size)."""
+        if not self.holes:
+            return []
+        last, bits = self.last_seq, bin(self.holes)[:1:-1]  # bit i, i.e. seq last - i, at index i
+        return [[last - m.end() + 1, m.end() - m.start()] for m in reversed(list(re.finditer("1+", bits)))]
 
     @classmethod
-    def restored(cls, session: int, last_seq: int, holes: Optional[bytes] = None) -> WorkerLog:
-        """A log read back from a copy or a checkpoint (``holes``: :meth:`holes_bytes`); None or empty (one of an
-        older psrt): every push of the session up to ``last_seq`` applied, as such a copy meant."""
-        return cls(session, last_seq, int.from_bytes(holes, "little") & _FULL if holes else 0)
+    def restored(cls, session: int, last_seq: int, runs: Optional[Iterable[Sequence[int]]] = None) -> WorkerLog:
+        """A log read back from a copy or a checkpoint (``runs``: :meth:`hole_runs`); None or empty (one of an
+        older psrt): every push of the session up to ``last_seq`` applied, as such a copy meant. Runs reaching
+        beyond the window or above ``last_seq`` are cut to it."""
+        holes = 0
+        for first, count in runs or ():
+            top = min(first + count - 1, last_seq)
+            low = max(first, last_seq - REPLAY_WINDOW + 1)
+            if top >= low:
+                holes |= ((1 << (top - low + 1)) - 1) << (last_seq - top)
+        return cls(session, last_seq, holes)
 
 
 def is_duplicate(log: Optional[WorkerLog], session: int, seq: int) -> bool:

@@ -353,7 +353,7 @@ class Copier:
         if ch is not None:
             ch.close()
 
-    def _settled(self, store: Store) -> tuple[list[tuple[int, int, int]], dict[int, bytes]]:
+    def _settled(self, store: Store) -> tuple[list[tuple[int, int, int]], dict[int, list[list[int]]]]:
         """Per worker ``(worker, session, seq)``: its pushes below the first still in an open round (below none: all
         of them) are settled, except its replay holes among them (:mod:`psrt.shard.replay`), given per worker that
         has any."""
@@ -363,7 +363,7 @@ class Copier:
             seq, below = wlog.settled(min(opened.values()) if opened else None)
             out.append((worker, wlog.session, seq))
             if below:
-                holes[worker] = WorkerLog(wlog.session, seq, below).holes_bytes()
+                holes[worker] = WorkerLog(wlog.session, seq, below).hole_runs()
         return out, holes
 
     def _release_acks(self) -> None:

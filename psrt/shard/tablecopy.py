@@ -104,7 +104,7 @@ class TableCopies:
     def _send(self, name: str, record: dict[str, Any], arrays: list[np.ndarray], full: bool) -> None:
         service, copier = self.service, self.copier
         logs = [(w, wl.session, wl.last_seq) for (t, w), wl in service.logs.items() if t == name]
-        holes = {w: wl.holes_bytes() for (t, w), wl in service.logs.items() if t == name and wl.holes}
+        holes = {w: wl.hole_runs() for (t, w), wl in service.logs.items() if t == name and wl.holes}
         clocks = dict(service.clocks_of(name))
         copier.deliver(lambda rid: messages.encode_replicate_rows(rid, copier.token, copier.sender, copier.range,
                                                                   name, record, arrays, logs, clocks, full, holes))

@@ -355,7 +355,7 @@ class TableService:
         for t in self.tables.values():
             t.evict_due(now)
         # (A log's replay holes, where it has any, are a fifth element: older psrt reads four.)
-        logs = [[t, w, log.session, log.last_seq] + ([log.holes_bytes()] if log.holes else [])
+        logs = [[t, w, log.session, log.last_seq] + ([log.hole_runs()] if log.holes else [])
                 for (t, w), log in self.logs.items()]
         return [t.state(delta) for t in self.tables.values()], logs
 

@@ -15,8 +15,8 @@ each one's optimizer, ``slots`` the names of each one's optimizer slots, whose b
 dtype and size) follow its parameters in that order. ``workers`` is ``[[worker, session, settled], ...]``:
 every push of that session up to sequence number ``settled - 1`` is in the state the replica holds once it
 applied the message (``settled`` 0: none), and where some of those are not (a push lost and sent again arrives
-after later ones: :mod:`psrt.shard.replay`), a fourth element, ``holes``: bytes, little-endian, whose bit ``i`` is
-set when push ``settled - 1 - i`` is not in the state (left out, as an older psrt sends it: every one is).
+after later ones: :mod:`psrt.shard.replay`), a fourth element, ``holes``: ``[[first, count], ...]``, the runs
+of sequence numbers below ``settled`` not in the state (left out, as an older psrt sends it: every one is).
 ``included`` lists per tensor ``[[worker, seq], ...]``: the pushes its
 state includes beyond that, the round's contributors (a push whose other keys' rounds were still open is not
 settled, but its part in this key is in). ``full``: the message holds every key of the range (a replica that
@@ -35,11 +35,11 @@ import numpy as np
 from psrt.config import WireLimits
 from psrt.errors import ProtocolError
 from psrt.wire.codec import (
-    MAX_HOLES_BYTES,
     MAX_U63,
     TensorMeta,
     check_version,
     encode,
+    hole_runs,
     op_of,
     string,
     tensor_entry,
@@ -86,7 +86,7 @@ class ReplicateRequest:
     clocks: list[dict[int, int]] = field(default_factory=list)
     #: Per worker with holes: its replay window's holes below the settled seq (:mod:`psrt.shard.replay`); a worker
     #: left out has none.
-    holes: dict[int, bytes] = field(default_factory=dict)
+    holes: dict[int, list[list[int]]] = field(default_factory=dict)
     op: ClassVar[str] = "replicate"
 
 
@@ -111,11 +111,11 @@ class ReplicationError:
 def encode_replicate(rid: int, token: str, sender: int, rng: int, workers: Sequence[tuple[int, int, int]],
                      entries: Sequence[tuple[tuple[str, int], Any]],
                      included: Sequence[dict[int, int]] = (), full: bool = False,
-                     holes: Optional[Mapping[int, bytes]] = None) -> list[Any]:
+                     holes: Optional[Mapping[int, list[list[int]]]] = None) -> list[Any]:
     """Frames of a ``replicate`` message: ``entries`` are ``(key, store entry)`` pairs (parameters, slots, version,
     optimizer), ``workers`` ``(worker, session, last applied seq)``, ``included`` per entry the ``{worker: seq}``
     of its last round (none when left out); ``full``: ``entries`` are every key of the range; ``holes``: per worker
-    the replay holes at and below its last applied seq (:meth:`psrt.shard.replay.WorkerLog.holes_bytes`; none when
+    the replay holes at and below its last applied seq (:meth:`psrt.shard.replay.WorkerLog.hole_runs`; none when
     left out or empty)."""
     holes = holes or {}
     specs: list[dict[str, Any]] = []
@@ -176,9 +176,9 @@ def decode_replicate(frames: Sequence[Any], limits: WireLimits) -> ReplicateRequ
         if type(workers) is not list or len(workers) > 1 << 20 or any(
                 type(w) is not list or len(w) not in (3, 4)
                 or any(type(x) is not int or not 0 <= x <= MAX_U63 for x in w[:3])
-                or (len(w) == 4 and (type(w[3]) is not bytes or len(w[3]) > MAX_HOLES_BYTES)) for w in workers):
+                or (len(w) == 4 and not hole_runs(w[3])) for w in workers):
             raise ProtocolError("field 'workers' must be a list of [worker, session, settled] or "
-                                f"[worker, session, settled, holes] (holes: at most {MAX_HOLES_BYTES} bytes)")
+                                "[worker, session, settled, holes] (holes: [[first, count], ...])")
         included = h["included"]
         if type(included) is not list or len(included) != n or any(
                 type(pairs) is not list or len(pairs) > 1 << 20 or any(
@@ -210,7 +210,7 @@ def decode_replicate(frames: Sequence[Any], limits: WireLimits) -> ReplicateRequ
                 these.append(np.frombuffer(buf, meta.dtype) if meta.nbytes else np.empty(0, meta.dtype))
             arrays.append(these)
         return ReplicateRequest(uint(h, "id"), string(h, "token", 128), uint(h, "sender", 1 << 31),
-                                uint(h, "range", 1 << 31), [(w, s, q - 1) for w, s, q in workers], optimizers,
+                                uint(h, "range", 1 << 31), [(w[0], w[1], w[2] - 1) for w in workers], optimizers,
                                 metas, versions, opt, [tuple(s) for s in slots], arrays,
                                 [{w: q for w, q in pairs} for pairs in included], h["full"],
                                 [{w: c for w, c in pairs} for pairs in clocks],

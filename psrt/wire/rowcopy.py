@@ -33,11 +33,11 @@ from psrt import dtypes
 from psrt.config import WireLimits
 from psrt.errors import ProtocolError
 from psrt.wire.codec import (
-    MAX_HOLES_BYTES,
     MAX_U63,
     MAX_WORKER,
     check_version,
     encode,
+    hole_runs,
     op_of,
     string,
     uint,
@@ -77,7 +77,7 @@ class RowsCopy:
     clocks: dict[int, int]
     full: bool
     #: Per worker with holes: its replay window's holes (:mod:`psrt.shard.replay`); a worker left out has none.
-    holes: dict[int, bytes] = field(default_factory=dict)
+    holes: dict[int, list[list[int]]] = field(default_factory=dict)
     op: ClassVar[str] = OP
 
 
@@ -106,7 +106,8 @@ def layout(record: dict[str, Any]) -> list[tuple[np.dtype, int]]:
 
 def encode_replicate_rows(rid: int, token: str, sender: int, rng: int, table: str, record: dict[str, Any],
                           arrays: Sequence[np.ndarray], logs: Sequence[tuple[int, int, int]],
-                          clocks: dict[int, int], full: bool, holes: Optional[dict[int, bytes]] = None) -> list[Any]:
+                          clocks: dict[int, int], full: bool,
+                          holes: Optional[dict[int, list[list[int]]]] = None) -> list[Any]:
     """Frames of a ``replicate_rows`` message: ``record`` and ``arrays`` as a table's checkpoint state has them
     (:meth:`psrt.shard.embedding.RowTable.state`, or a copy's delta of it), ``logs`` ``(worker, session, last
     applied seq)`` of the table's pushes, ``holes`` per worker its replay holes (none when left out or empty)."""
@@ -190,9 +191,9 @@ def decode_replicate_rows(frames: Sequence[Any], limits: WireLimits) -> RowsCopy
         if type(logs) is not list or len(logs) > 1 << 20 or any(
                 type(w) is not list or len(w) not in (3, 4)
                 or any(type(x) is not int or not 0 <= x <= MAX_U63 for x in w[:3])
-                or (len(w) == 4 and (type(w[3]) is not bytes or len(w[3]) > MAX_HOLES_BYTES)) for w in logs):
+                or (len(w) == 4 and not hole_runs(w[3])) for w in logs):
             raise ProtocolError("field 'logs' must be a list of [worker, session, settled] or "
-                                f"[worker, session, settled, holes] (holes: at most {MAX_HOLES_BYTES} bytes)")
+                                "[worker, session, settled, holes] (holes: [[first, count], ...])")
         clocks = _uint_pairs(h["clocks"], 2, "clocks")
         if type(h["full"]) is not bool:
             raise ProtocolError("field 'full' must be true or false")
