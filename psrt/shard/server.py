@@ -10,7 +10,8 @@ Modes (:mod:`psrt.shard.store` holds the round rules): **sync** sums a round's W
 **async** applies every push on arrival. **ssp** applies on arrival too, but answers a pull at clock c (the
 worker's pushes so far) once every worker's pushes to the pulled keys reach c - ``staleness``.
 
-Every push carries ``(worker, session, seq)``; a push already applied is acknowledged again but not re-applied.
+Every push carries ``(worker, session, seq)``; a push already applied is acknowledged again but not re-applied,
+whatever the order pushes arrive in (:mod:`psrt.shard.replay`).
 Checkpoints (``config.checkpoint_dir``, :mod:`psrt.shard.recovery`): the whole state with the sequence numbers, every
 ``checkpoint_every`` rounds, every ``checkpoint_secs`` seconds, on request and at a clean shutdown, named by the
 shard's rank; ``config.restore`` resumes from the newest of its rank.
