@@ -36,8 +36,8 @@ def busy_store() -> Store:
 
 def same(x: Store, y: Store) -> None:
     assert (x.mode, x.num_workers, x.members) == (y.mode, y.num_workers, y.members)
-    assert {w: (log.session, log.last_seq) for w, log in x.workers.items()} == \
-        {w: (log.session, log.last_seq) for w, log in y.workers.items()}
+    assert {w: (log.session, log.last_seq, log.holes) for w, log in x.workers.items()} == \
+        {w: (log.session, log.last_seq, log.holes) for w, log in y.workers.items()}
     assert x.entries.keys() == y.entries.keys()
     for key, e in x.entries.items():
         f = y.entries[key]
@@ -65,6 +65,36 @@ def test_a_checkpoint_restores_everything_exactly(tmp_path):
             store.apply_push(worker, [store.entries[("w", 0)]], [np.full(1000, 2.0, np.float32)])
     same(s, restored)
     assert restored.entries[("w", 0)].version == 4
+
+
+def test_a_checkpoint_keeps_the_replay_window_and_one_without_restores_as_before(tmp_path):
+    import struct
+
+    import msgpack
+
+    from psrt.shard.tables import TableService
+
+    s = Store("async", 2)
+    s.create(("w", 0), np.zeros(4, np.float32), psrt.SGD(lr=1.0))
+    for seq in (0, 1, 4, 2):  # 3 was overtaken by 4 and not sent again yet
+        s.record(0, 9, seq)
+    s.record(1, 8, 0)
+    s.record(1, 8, 1)  # in order: no holes
+    logs = [["emb", 0, 9, 6, [[4, 2]]], ["emb", 1, 8, 3]]  # a table's log with holes (4, 5), one without
+    path = checkpoint.save(s, tmp_path, "shard-x", {}, tables=([], logs))
+    data = path.read_bytes()
+    (hlen,) = struct.unpack_from("<Q", data, len(checkpoint.MAGIC))
+    header = msgpack.unpackb(data[len(checkpoint.MAGIC) + 8:][:hlen], raw=False, strict_map_key=False)
+    assert sorted(len(w) for w in header["workers"]) == [3, 4]  # holes only where there are: older psrt reads the rest
+    restored, _, _, _, table_logs = checkpoint.load_latest(tmp_path, "shard-x")
+    same(s, restored)
+    assert [q for q in range(6) if restored.is_duplicate(0, 9, q)] == [0, 1, 2, 4]
+    assert [q for q in range(3) if restored.is_duplicate(1, 8, q)] == [0, 1]
+    service = TableService(s, lambda *a: None, lambda *a: None)
+    service.restore([], table_logs)
+    assert [q for q in range(8) if service.logs[("emb", 0)].applied(q)] == [0, 1, 2, 3, 6]
+    assert [q for q in range(5) if service.logs[("emb", 1)].applied(q)] == [0, 1, 2, 3]
+    assert service.state(False)[1] == logs  # and saved again alike
 
 
 def test_the_newest_complete_checkpoint_wins_and_torn_or_corrupt_ones_are_skipped(tmp_path, caplog):

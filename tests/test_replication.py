@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 import pytest
-from _helpers import RawPeer
+from _helpers import RawPeer, push_header
 
 from psrt import wire
 from psrt.config import ClusterConfig
@@ -229,6 +229,63 @@ def test_i3_a_replica_refuses_a_copy_not_from_its_jobs_primary_and_changes_nothi
         assert entry.version == 3 and entry.param.tolist() == [0, 1, 2, 3]
         assert entry.slots["momentum_buffer"].tolist() == [4, 5, 6, 7]
         assert (standby.store.workers[0].session, standby.store.workers[0].last_seq) == (77, 2)
+    finally:
+        _close(pair, threads)
+
+
+def test_i3_a_copy_carries_the_replay_window_so_a_push_overtaken_before_a_failover_is_still_taken():
+    from psrt.config import WireLimits
+    from psrt.optim import SGD
+    from psrt.shard.replay import WorkerLog
+    from psrt.shard.store import Store
+
+    log = WorkerLog(77)
+    for q in (0, 1, 3, 5):  # 2 and 4 overtaken (sent again later, after the failover)
+        log.take(q)
+    settled, holes = log.settled(5)  # 5 is in an open round: not settled
+    store = Store("sync", 2)
+    entry = store.create(("w", 0), np.arange(4, dtype=np.float32), SGD(lr=0.1))
+    runs = {0: WorkerLog(77, settled, holes).hole_runs()}
+    frames = wire_replication.encode_replicate(5, "the-job-token", 0, 0, [(0, 77, settled), (1, 78, 3)],
+                                               [(("w", 0), entry)], holes=runs)
+    req = wire_replication.decode_replicate([bytes(f) for f in frames], WireLimits())
+    assert req.workers == [(0, 77, 4), (1, 78, 3)] and req.holes == {0: [[2, 1], [4, 1]]}
+    pair, threads, announced = _pair()
+    try:
+        standby = pair[1]._replication._standbys[0]
+        with RawPeer(announced[1][0]) as peer:
+            peer.send([bytes(f) for f in frames])
+            assert _reply(peer)["op"] == "replicated"
+        assert [q for q in range(7) if standby.store.is_duplicate(0, 77, q)] == [0, 1, 3]
+        assert [q for q in range(5) if standby.store.is_duplicate(1, 78, q)] == [0, 1, 2, 3]  # no holes: all in
+    finally:
+        _close(pair, threads)
+
+
+def test_i4_the_primary_copies_a_push_overtaken_by_a_later_one_as_not_applied_until_it_is():
+    from psrt.config import ClientConfig
+    from psrt.optim import SGD
+    from psrt.worker.client import Client
+
+    pair, threads, _ = _pair()
+    primary, replica = pair
+    standby = replica._replication._standbys[0]
+    try:
+        with Client(servers=[primary.endpoint], rank=0, num_workers=1, config=ClientConfig(timeout=10)) as client:
+            client.init({"w": np.zeros(4, np.float32)}, optimizer=SGD(lr=1.0))
+            with RawPeer(primary.endpoint) as peer:
+                def push(seq: int) -> dict:
+                    frames = wire.encode(push_header(worker=0, session=77, seq=seq), [np.ones(4, np.float32)])
+                    reply = peer.ask([bytes(f) for f in frames], timeout=10.0)[0]
+                    assert reply["op"] == "ack", reply
+                    return reply
+
+                push(0)
+                push(2)  # 1 overtaken
+                assert [q for q in range(4) if standby.store.is_duplicate(0, 77, q)] == [0, 2]
+                assert push(1)["duplicate"] is False
+                assert [q for q in range(4) if standby.store.is_duplicate(0, 77, q)] == [0, 1, 2]
+            assert standby.store.entries[("w", 0)].version == primary.store.entries[("w", 0)].version == 3
     finally:
         _close(pair, threads)
 

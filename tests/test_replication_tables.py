@@ -16,6 +16,7 @@ from test_replication import _close, _pair, _reply, _sync_job
 import psrt
 from psrt import wire
 from psrt.config import ClientConfig
+from psrt.errors import ProtocolError
 from psrt.shard.embedding import RowTable
 from psrt.tablespec import TableSpec
 from psrt.wire import rowcopy
@@ -153,6 +154,23 @@ def test_i3_a_forged_table_copy_is_refused_and_changes_nothing(copy, code):
         assert standby.tables.logs[("emb", 0)].last_seq == 0
     finally:
         _close(pair, threads)
+
+
+def test_i3_a_table_copy_carries_each_log_s_replay_holes():
+    from psrt.config import WireLimits
+
+    spec = TableSpec(dim=3, dtype=np.dtype(np.float32), optimizer=psrt.SGD(lr=0.1), init="zeros")
+    record, arrays = RowTable(spec, 1000, "emb").state(False)
+    frames = rowcopy.encode_replicate_rows(9, "t", 0, 0, "emb", record, arrays, [(0, 77, 6), (1, 78, 2)], {}, True,
+                                           {0: [[4, 2]], 1: []})
+    header = wire.unpack_header(bytes(frames[0]), WireLimits())
+    assert header["logs"] == [[0, 77, 7, [[4, 2]]], [1, 78, 3]]  # none: as an older psrt sends it
+    req = rowcopy.decode_replicate_rows([bytes(f) for f in frames], WireLimits())
+    assert req.logs == [(0, 77, 6), (1, 78, 2)] and req.holes == {0: [[4, 2]]}
+    for bad in ("x", [[1, 2, 3]], [[-1, 2]], [[0, 1]] * (1 << 16)):
+        header["logs"] = [[0, 77, 7, bad]]
+        with pytest.raises(ProtocolError):
+            rowcopy.decode_replicate_rows([wire.pack_header(header), *frames[1:]], WireLimits())
 
 
 @pytest.mark.parametrize("field", ["token", "sender", "range", "table", "record", "logs", "clocks", "full"])

@@ -267,6 +267,34 @@ def test_duplicate_push_is_acknowledged_but_applied_once(shards):
             peer.close()
 
 
+def test_a_push_overtaken_by_a_later_one_is_applied_once_not_taken_for_a_duplicate(shards):
+    """A push lost in a dying connection is sent again after the reconnect, behind a later one that sat queued
+    in the DEALER's pipe: the shard sees seq 2 before seq 1. Seq 1 is applied (once), seq 2 sent again is not."""
+    from psrt.shard.replay import REPLAY_WINDOW
+
+    group = shards(1, workers=1, mode="async")
+    with psrt.Client(group.endpoints, config=small()) as c:
+        c.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        peer = RawPeer(group.endpoints[0])
+        try:
+            def push(seq: int, value: float) -> dict:
+                frames = wire.encode(push_header(worker=5, session=77, seq=seq), [np.full(4, value, np.float32)])
+                return peer.ask([bytes(f) for f in frames])[0]
+
+            assert [push(0, 1.0)["duplicate"], push(2, 4.0)["duplicate"]] == [False, False]
+            assert push(1, 2.0)["duplicate"] is False  # below the highest applied, but never applied
+            assert [push(1, 2.0)["duplicate"], push(2, 4.0)["duplicate"]] == [True, True]
+            np.testing.assert_array_equal(c.pull()["w"], np.full(4, -7.0, np.float32))
+            # Older than the window: refused with an error, neither applied nor acknowledged.
+            assert push(REPLAY_WINDOW + 3, 8.0)["duplicate"] is False
+            refused = push(3, 16.0)
+            assert refused["op"] == "error" and refused["code"] == "replay_window", refused
+            np.testing.assert_array_equal(c.pull()["w"], np.full(4, -15.0, np.float32))
+            assert c.stats()[0]["duplicates"] == 2
+        finally:
+            peer.close()
+
+
 def test_push_pull_async_overlaps(shards):
     group = shards(2, workers=1)
     with psrt.Client(group.endpoints, config=small(partition_bytes=1 << 16)) as c:

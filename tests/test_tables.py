@@ -125,6 +125,25 @@ def test_hostile_row_messages_change_nothing(shards):
         assert c.stats()[0]["row_pushes"] == 0
 
 
+def test_a_row_push_overtaken_by_a_later_one_is_applied_once(shards):
+    """As a dense push: seq 2 arrives before seq 1 (sent again after a reconnect); both are applied, once."""
+    group = shards(1, extra=())
+    with psrt.Client(group.endpoints, config=cfg()) as c:
+        c.init_embedding("t", dim=3, initial=np.ones((4, 3), np.float32), optimizer=psrt.SGD(lr=1.0))
+        ids = np.array([0], "<i8").tobytes()
+        with RawPeer(group.endpoints[0]) as peer:
+            def push(seq: int, value: float) -> dict:
+                header = {"op": "push_rows", "id": 1, "worker": 0, "session": 1, "seq": seq, "table": "t", "dim": 3,
+                          "dtype": "<f4", "count": 1, "clock": 0}
+                reply = peer.ask(header, [ids, np.full((1, 3), value, np.float32).tobytes()], timeout=10.0)[0]
+                assert reply["op"] == "ack", reply
+                return reply
+
+            assert [push(q, v)["duplicate"] for q, v in ((0, 1.0), (2, 4.0), (1, 2.0))] == [False, False, False]
+            assert [push(1, 2.0)["duplicate"], push(2, 4.0)["duplicate"]] == [True, True]
+        np.testing.assert_array_equal(c.pull_rows("t", [0]), np.full((1, 3), -6.0, np.float32))
+
+
 def test_row_cap_per_message_and_table(shards, monkeypatch):
     monkeypatch.setenv("PSRT_MAX_ROWS_PER_MESSAGE", "100")
     monkeypatch.setenv("PSRT_MAX_TABLE_ROWS", "150")

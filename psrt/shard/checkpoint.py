@@ -209,7 +209,9 @@ def save(store: Store, directory: Path, prefix: str, meta: dict[str, Any],
     header = msgpack.packb({
         "format": 1, "created": time.time(), "mode": store.mode, "num_workers": store.num_workers,
         "members": None if store.members is None else sorted(store.members),
-        "workers": [[w, log_.session, log_.last_seq] for w, log_ in store.workers.items()],
+        # (A log's replay holes, where it has any, are a fourth element: psrt.shard.replay.)
+        "workers": [[w, log_.session, log_.last_seq] + ([log_.hole_runs()] if log_.holes else [])
+                    for w, log_ in store.workers.items()],
         "keys": keys, "meta": meta, "tables": records, "table_logs": table_logs,
         **({"chain": list(chain)} if chain is not None else {}),
     }, use_bin_type=True)
@@ -293,8 +295,8 @@ def _restore(data: bytes, onto: Optional[dict[str, RowTable]] = None
     store = Store(h["mode"], h["num_workers"])
     if h["members"] is not None:
         store.members = frozenset(h["members"])
-    for worker, session, last_seq in h["workers"]:
-        store.workers[worker] = WorkerLog(session, last_seq)
+    for worker, session, last_seq, *holes in h["workers"]:  # (no holes: a checkpoint of an older psrt, or none)
+        store.workers[worker] = WorkerLog.restored(session, last_seq, holes[0] if holes else None)
 
     def take(dtype: np.dtype, size: int) -> np.ndarray:
         nonlocal offset

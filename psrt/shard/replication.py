@@ -47,7 +47,8 @@ from psrt.control import security
 from psrt.errors import ConfigError, ProtocolError, PsrtError
 from psrt.partition import backed_ranges
 from psrt.shard import tablecopy
-from psrt.shard.store import Key, Store, WorkerLog
+from psrt.shard.replay import WorkerLog
+from psrt.shard.store import Key, Store
 from psrt.wire import replication as messages
 from psrt.wire import rowcopy
 
@@ -230,7 +231,7 @@ class Copier:
             if self.rows is not None and live:  # the tables first: the dense copy's `full` makes the range held
                 self.rows.copy_all()
         if live and (keys or full or settle):  # (a range of tables alone still says, with no keys, that it is whole)
-            settled = self._settled(store)
+            settled, holes = self._settled(store)
             batches = _batches(keys, store)
             for n, batch in enumerate(batches):  # (a whole range in messages the replicas' limits take)
                 rid = self._next_id
@@ -238,7 +239,7 @@ class Copier:
                 frames = messages.encode_replicate(rid, self.token, self.sender, self.range, settled,
                                                    [(k, store.entries[k]) for k in batch],
                                                    [self._included.pop(k, {}) for k in batch],
-                                                   full and n == len(batches) - 1)
+                                                   full and n == len(batches) - 1, holes)
                 for j in live:
                     self._dealers[j].send(frames, self._timeout)
                 self.copies_sent += 1
@@ -352,13 +353,18 @@ class Copier:
         if ch is not None:
             ch.close()
 
-    def _settled(self, store: Store) -> list[tuple[int, int, int]]:
-        out = []
+    def _settled(self, store: Store) -> tuple[list[tuple[int, int, int]], dict[int, list[list[int]]]]:
+        """Per worker ``(worker, session, seq)``: its pushes below the first still in an open round (below none: all
+        of them) are settled, except its replay holes among them (:mod:`psrt.shard.replay`), given per worker that
+        has any."""
+        out, holes = [], {}
         for worker, wlog in store.workers.items():
             opened = self._open.get(worker)
-            seq = min(opened.values()) - 1 if opened else wlog.last_seq
+            seq, below = wlog.settled(min(opened.values()) if opened else None)
             out.append((worker, wlog.session, seq))
-        return out
+            if below:
+                holes[worker] = WorkerLog(wlog.session, seq, below).hole_runs()
+        return out, holes
 
     def _release_acks(self) -> None:
         entries, still = self.server.store.entries, []
@@ -748,4 +754,4 @@ def _apply_copy(store: Store, req: messages.ReplicateRequest, optimizers: list[o
         entry.version = version
         entry.clocks = dict(clock)
     for worker, session, seq in req.workers:
-        store.workers[worker] = WorkerLog(session, seq)
+        store.workers[worker] = WorkerLog.restored(session, seq, req.holes.get(worker))

@@ -10,7 +10,8 @@ Modes (:mod:`psrt.shard.store` holds the round rules): **sync** sums a round's W
 **async** applies every push on arrival. **ssp** applies on arrival too, but answers a pull at clock c (the
 worker's pushes so far) once every worker's pushes to the pulled keys reach c - ``staleness``.
 
-Every push carries ``(worker, session, seq)``; a push already applied is acknowledged again but not re-applied.
+Every push carries ``(worker, session, seq)``; a push already applied is acknowledged again but not re-applied,
+whatever the order pushes arrive in (:mod:`psrt.shard.replay`).
 Checkpoints (``config.checkpoint_dir``, :mod:`psrt.shard.recovery`): the whole state with the sequence numbers, every
 ``checkpoint_every`` rounds, every ``checkpoint_secs`` seconds, on request and at a clean shutdown, named by the
 shard's rank; ``config.restore`` resumes from the newest of its rank.
@@ -453,6 +454,8 @@ class Server(Recovery):
         return True
 
     def _push(self, identity: bytes, req: wire.PushRequest) -> None:
+        # A push older than the replay window cannot be told applied or not: refused, neither applied nor acked.
+        self.store.check_window(req.worker, req.session, req.seq)
         # Over a lane: the gradients are read where the worker wrote them.
         lane = self.lanes.push_lane(req) if req.lane is not None else None
         entries = admission.validate_push(self.store, req, self.config.nonfinite)

@@ -33,7 +33,8 @@ from psrt import kernels
 from psrt.config import MODES
 from psrt.errors import ConfigError
 from psrt.optim import Optimizer
-from psrt.shard import stragglers
+from psrt.shard import replay, stragglers
+from psrt.shard.replay import WorkerLog
 from psrt.shm.arena import Arena, SharedArea
 from psrt.wire import compression
 
@@ -150,14 +151,6 @@ class Entry:
             kernels.sum_into(self.acc, self.held, self.acc_filled)
             self.acc_filled = True
             self.held.clear()
-
-
-@dataclass
-class WorkerLog:
-    """The last push sequence number applied for one worker, within its current session (incarnation)."""
-
-    session: int
-    last_seq: int = -1
 
 
 class Store:
@@ -377,22 +370,20 @@ class Store:
             entry.share(self.arena)
 
     def is_duplicate(self, worker: int, session: int, seq: int) -> bool:
-        """True when ``seq`` was already applied for this worker's session (a retry or replay).
+        """True when ``seq`` was already applied for this worker's session (a retry or replay), in any order
+        (:mod:`psrt.shard.replay`: a push below the highest one applied that was not is no duplicate).
 
         A new session (the worker restarted) starts a fresh sequence.
         """
-        log = self.workers.get(worker)
-        if log is None or log.session != session:
-            return False
-        return seq <= log.last_seq
+        return replay.is_duplicate(self.workers.get(worker), session, seq)
+
+    def check_window(self, worker: int, session: int, seq: int) -> None:
+        """Refuse a push older than the worker's replay window (:func:`psrt.shard.replay.check_window`)."""
+        replay.check_window(self.workers.get(worker), session, seq, f"push of worker {worker}")
 
     def record(self, worker: int, session: int, seq: int) -> None:
         """Remember that push ``seq`` of this worker's session has been applied."""
-        log = self.workers.get(worker)
-        if log is None or log.session != session:
-            self.workers[worker] = WorkerLog(session, seq)
-        else:
-            log.last_seq = max(log.last_seq, seq)
+        replay.record(self.workers, worker, session, seq)
 
     def nbytes(self) -> int:
         """Bytes of parameters held."""

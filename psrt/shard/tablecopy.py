@@ -31,7 +31,7 @@ import numpy as np
 
 from psrt.errors import ConfigError
 from psrt.shard.embedding import RowTable
-from psrt.shard.store import WorkerLog
+from psrt.shard.replay import WorkerLog
 from psrt.wire import encode_ack
 from psrt.wire import rowcopy as messages
 
@@ -104,9 +104,10 @@ class TableCopies:
     def _send(self, name: str, record: dict[str, Any], arrays: list[np.ndarray], full: bool) -> None:
         service, copier = self.service, self.copier
         logs = [(w, wl.session, wl.last_seq) for (t, w), wl in service.logs.items() if t == name]
+        holes = {w: wl.hole_runs() for (t, w), wl in service.logs.items() if t == name and wl.holes}
         clocks = dict(service.clocks_of(name))
         copier.deliver(lambda rid: messages.encode_replicate_rows(rid, copier.token, copier.sender, copier.range,
-                                                                  name, record, arrays, logs, clocks, full))
+                                                                  name, record, arrays, logs, clocks, full, holes))
 
     def _delta(self, name: str, table: RowTable) -> tuple[dict[str, Any], list[np.ndarray]]:
         touched = self._touched[name]
@@ -192,7 +193,7 @@ def take(service: Any, req: messages.RowsCopy) -> Optional[str]:
         for key in [k for k in service.logs if k[0] == req.table]:
             del service.logs[key]
     for worker, session, seq in req.logs:
-        service.logs[(req.table, worker)] = WorkerLog(session, seq)
+        service.logs[(req.table, worker)] = WorkerLog.restored(session, seq, req.holes.get(worker))
     service.set_clocks(req.table, req.clocks)
     return None
 

@@ -23,9 +23,9 @@ import numpy as np
 from psrt import kernels, optim, wire
 from psrt.config import RowLimits
 from psrt.errors import ConfigError, RequestRefused
-from psrt.shard import stragglers
+from psrt.shard import replay, stragglers
 from psrt.shard.embedding import RowTable
-from psrt.shard.store import WorkerLog
+from psrt.shard.replay import WorkerLog
 from psrt.tablespec import TableSpec
 
 __all__ = ["TableService", "REQUESTS"]
@@ -164,10 +164,10 @@ class TableService:
         self._check_rows(table, req, req.grads, "gradient")
         self._check_ids(table, req.ids)
         key = (req.table, req.worker)
-        log = self.logs.get(key) if self.store.finished else None
+        replay.check_window(self.logs.get(key), req.session, req.seq, f"push_rows of worker {req.worker}")
         late = self._late(table, req)  # (backup workers: a round that closed without this push)
         if self.store.finished and not late \
-                and not (log is not None and log.session == req.session and req.seq <= log.last_seq):
+                and not replay.is_duplicate(self.logs.get(key), req.session, req.seq):
             missing = self.store.missing_finished(table.round, req.worker)
             if missing is not None:
                 raise RequestRefused("peer_finished", self.finished_message(missing))
@@ -177,17 +177,13 @@ class TableService:
         self._accept(identity, table, req)
 
     def _accept(self, identity: bytes, table: RowTable, req: wire.PushRowsRequest) -> None:
-        log = self.logs.get((req.table, req.worker))
-        if log is not None and log.session == req.session and req.seq <= log.last_seq:
+        if replay.is_duplicate(self.logs.get((req.table, req.worker)), req.session, req.seq):
             target = table.version + (1 if req.worker in table.round.contributors else 0)
             if self.copies is None or not self.copies.hold(identity, req.id, req.table, target, True):
                 self._reply(identity, wire.encode_ack(req.id, [target], True))
             return
         if self._late(table, req):  # dropped, never applied; taken (its seq), answered with what its pushes reach
-            if log is None or log.session != req.session:
-                self.logs[(req.table, req.worker)] = WorkerLog(req.session, req.seq)
-            else:
-                log.last_seq = req.seq
+            replay.record(self.logs, (req.table, req.worker), req.session, req.seq)
             self.pushes += 1
             self.dropped_pushes += 1
             target = table.version + (1 if req.worker in table.round.contributors else 0)
@@ -197,10 +193,7 @@ class TableService:
         slots, grads = table.push(req.ids, req.grads, now)
         if self.copies is not None:
             self.copies.pushed(req.table, req.ids)
-        if log is None or log.session != req.session:
-            self.logs[(req.table, req.worker)] = WorkerLog(req.session, req.seq)
-        else:
-            log.last_seq = req.seq
+        replay.record(self.logs, (req.table, req.worker), req.session, req.seq)
         self.pushes += 1
         if not self.store.rounds:
             table.apply(slots, grads, 1.0)
@@ -361,7 +354,9 @@ class TableService:
         now = self.clock()
         for t in self.tables.values():
             t.evict_due(now)
-        logs = [[t, w, log.session, log.last_seq] for (t, w), log in self.logs.items()]
+        # (A log's replay holes, where it has any, are a fifth element: older psrt reads four.)
+        logs = [[t, w, log.session, log.last_seq] + ([log.hole_runs()] if log.holes else [])
+                for (t, w), log in self.logs.items()]
         return [t.state(delta) for t in self.tables.values()], logs
 
     def saved(self) -> None:
@@ -372,7 +367,8 @@ class TableService:
     def restore(self, tables: list[RowTable], logs: list[list[Any]]) -> None:
         """Adopt tables and sequence numbers read from a checkpoint."""
         self.tables = {t.name: t for t in tables}
-        self.logs = {(t, w): WorkerLog(session, seq) for t, w, session, seq in logs}
+        self.logs = {(t, w): WorkerLog.restored(session, seq, holes[0] if holes else None)
+                     for t, w, session, seq, *holes in logs}
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

@@ -51,6 +51,16 @@ Key = tuple[str, int]
 MAX_DIM = 1 << 40
 #: Largest unsigned integer a field may hold (ids, sessions, sequence numbers, versions, clocks).
 MAX_U63 = (1 << 63) - 1
+#: A shard's replay window's holes as runs ``[first, count]`` (replication copies carry them): at most half the
+#: window's numbers (:data:`psrt.shard.replay.REPLAY_WINDOW`, which the wire, below the shard, does not import).
+MAX_HOLE_RUNS = (1 << 16) // 2
+
+
+def hole_runs(value: Any) -> bool:
+    """Whether ``value`` is a replay window's holes as runs: a list of at most :data:`MAX_HOLE_RUNS`
+    ``[first, count]`` pairs of unsigned integers."""
+    return type(value) is list and len(value) <= MAX_HOLE_RUNS and all(
+        type(p) is list and len(p) == 2 and all(type(x) is int and 0 <= x <= MAX_U63 for x in p) for p in value)
 #: Largest worker rank, and number of workers W, on the wire.
 MAX_WORKER = 1 << 31
 #: Most entries of one map in a header. A shard's stats reply is one flat map that grows by five entries per worker

@@ -14,7 +14,10 @@ request         fields (besides ``v, op, id``)                             reply
 each one's optimizer, ``slots`` the names of each one's optimizer slots, whose buffers (of the parameters'
 dtype and size) follow its parameters in that order. ``workers`` is ``[[worker, session, settled], ...]``:
 every push of that session up to sequence number ``settled - 1`` is in the state the replica holds once it
-applied the message (``settled`` 0: none). ``included`` lists per tensor ``[[worker, seq], ...]``: the pushes its
+applied the message (``settled`` 0: none), and where some of those are not (a push lost and sent again arrives
+after later ones: :mod:`psrt.shard.replay`), a fourth element, ``holes``: ``[[first, count], ...]``, the runs
+of sequence numbers below ``settled`` not in the state (left out, as an older psrt sends it: every one is).
+``included`` lists per tensor ``[[worker, seq], ...]``: the pushes its
 state includes beyond that, the round's contributors (a push whose other keys' rounds were still open is not
 settled, but its part in this key is in). ``full``: the message holds every key of the range (a replica that
 joined a running job holds the range once it took one). ``clocks`` lists per tensor ``[[worker, clock], ...]``, its
@@ -25,7 +28,7 @@ the rank of the shard sending (:mod:`psrt.control.placement`): a replica checks 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -36,6 +39,7 @@ from psrt.wire.codec import (
     TensorMeta,
     check_version,
     encode,
+    hole_runs,
     op_of,
     string,
     tensor_entry,
@@ -80,6 +84,9 @@ class ReplicateRequest:
     full: bool = False
     #: Per tensor: ``{worker: clock}`` (ssp).
     clocks: list[dict[int, int]] = field(default_factory=list)
+    #: Per worker with holes: its replay window's holes below the settled seq (:mod:`psrt.shard.replay`); a worker
+    #: left out has none.
+    holes: dict[int, list[list[int]]] = field(default_factory=dict)
     op: ClassVar[str] = "replicate"
 
 
@@ -103,10 +110,14 @@ class ReplicationError:
 
 def encode_replicate(rid: int, token: str, sender: int, rng: int, workers: Sequence[tuple[int, int, int]],
                      entries: Sequence[tuple[tuple[str, int], Any]],
-                     included: Sequence[dict[int, int]] = (), full: bool = False) -> list[Any]:
+                     included: Sequence[dict[int, int]] = (), full: bool = False,
+                     holes: Optional[Mapping[int, list[list[int]]]] = None) -> list[Any]:
     """Frames of a ``replicate`` message: ``entries`` are ``(key, store entry)`` pairs (parameters, slots, version,
     optimizer), ``workers`` ``(worker, session, last applied seq)``, ``included`` per entry the ``{worker: seq}``
-    of its last round (none when left out); ``full``: ``entries`` are every key of the range."""
+    of its last round (none when left out); ``full``: ``entries`` are every key of the range; ``holes``: per worker
+    the replay holes at and below its last applied seq (:meth:`psrt.shard.replay.WorkerLog.hole_runs`; none when
+    left out or empty)."""
+    holes = holes or {}
     specs: list[dict[str, Any]] = []
     seen: dict[int, int] = {}  # by identity: the keys of one init share one optimizer object
     tensors, versions, opt, slots, arrays, clocks = [], [], [], [], [], []
@@ -124,7 +135,8 @@ def encode_replicate(rid: int, token: str, sender: int, rng: int, workers: Seque
         arrays.append(entry.param.reshape(-1))
         arrays.extend(entry.slots[s].reshape(-1) for s in names)
     return encode({"op": "replicate", "id": rid, "token": token, "sender": sender, "range": rng,
-                   "workers": [[w, session, seq + 1] for w, session, seq in workers], "optimizers": specs,
+                   "workers": [[w, session, seq + 1] + ([holes[w]] if holes.get(w) else [])
+                               for w, session, seq in workers], "optimizers": specs,
                    "tensors": tensors, "versions": versions, "opt": opt, "slots": slots,
                    "included": [[[w, q] for w, q in sorted(d.items())] for d in included] or [[] for _ in tensors],
                    "full": full, "clocks": clocks},
@@ -162,9 +174,11 @@ def decode_replicate(frames: Sequence[Any], limits: WireLimits) -> ReplicateRequ
             raise ProtocolError("field 'slots' must list each tensor's optimizer slot names")
         workers = h["workers"]
         if type(workers) is not list or len(workers) > 1 << 20 or any(
-                type(w) is not list or len(w) != 3 or any(type(x) is not int or not 0 <= x <= MAX_U63 for x in w)
-                for w in workers):
-            raise ProtocolError("field 'workers' must be a list of [worker, session, settled]")
+                type(w) is not list or len(w) not in (3, 4)
+                or any(type(x) is not int or not 0 <= x <= MAX_U63 for x in w[:3])
+                or (len(w) == 4 and not hole_runs(w[3])) for w in workers):
+            raise ProtocolError("field 'workers' must be a list of [worker, session, settled] or "
+                                "[worker, session, settled, holes] (holes: [[first, count], ...])")
         included = h["included"]
         if type(included) is not list or len(included) != n or any(
                 type(pairs) is not list or len(pairs) > 1 << 20 or any(
@@ -196,10 +210,11 @@ def decode_replicate(frames: Sequence[Any], limits: WireLimits) -> ReplicateRequ
                 these.append(np.frombuffer(buf, meta.dtype) if meta.nbytes else np.empty(0, meta.dtype))
             arrays.append(these)
         return ReplicateRequest(uint(h, "id"), string(h, "token", 128), uint(h, "sender", 1 << 31),
-                                uint(h, "range", 1 << 31), [(w, s, q - 1) for w, s, q in workers], optimizers,
+                                uint(h, "range", 1 << 31), [(w[0], w[1], w[2] - 1) for w in workers], optimizers,
                                 metas, versions, opt, [tuple(s) for s in slots], arrays,
                                 [{w: q for w, q in pairs} for pairs in included], h["full"],
-                                [{w: c for w, c in pairs} for pairs in clocks])
+                                [{w: c for w, c in pairs} for pairs in clocks],
+                                {w[0]: w[3] for w in workers if len(w) == 4})
     except ProtocolError as exc:
         exc.request_id = request_id  # type: ignore[attr-defined]
         raise

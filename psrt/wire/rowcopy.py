@@ -15,7 +15,8 @@ whole one every row. Its arrays come in the checkpoint's order, each a frame who
 fixes (:func:`layout`): the rows, each optimizer slot's rows, the rows' ids, push clocks and push times, the ids
 evicted; then the round in progress (its ids and summed rows) and the pending map (ids, counts, push clocks, push
 times, ids that left). ``logs`` is ``[[worker, session, settled], ...]``: every ``push_rows`` of that session to
-the table up to sequence number ``settled - 1`` is in the state the message leaves (``settled`` 0: none);
+the table up to sequence number ``settled - 1`` is in the state the message leaves (``settled`` 0: none), but for
+its replay holes where it has any (a fourth element, as a ``replicate``'s ``workers`` carry them);
 ``clocks`` ``[[worker, clock], ...]`` the workers' ssp clocks of the table. ``full``: the record is the whole
 table, which replaces the replica's. ``token`` and ``sender`` are checked as a ``replicate``'s are
 (:mod:`psrt.wire.replication`) before anything changes.
@@ -23,15 +24,25 @@ table, which replaces the replica's. ``token`` and ``sender`` are checked as a `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional, Sequence
 
 import numpy as np
 
 from psrt import dtypes
 from psrt.config import WireLimits
 from psrt.errors import ProtocolError
-from psrt.wire.codec import MAX_U63, MAX_WORKER, check_version, encode, op_of, string, uint, unpack_header
+from psrt.wire.codec import (
+    MAX_U63,
+    MAX_WORKER,
+    check_version,
+    encode,
+    hole_runs,
+    op_of,
+    string,
+    uint,
+    unpack_header,
+)
 
 __all__ = ["RowsCopy", "encode_replicate_rows", "decode_replicate_rows", "is_rows_copy", "layout"]
 
@@ -65,6 +76,8 @@ class RowsCopy:
     logs: list[tuple[int, int, int]]
     clocks: dict[int, int]
     full: bool
+    #: Per worker with holes: its replay window's holes (:mod:`psrt.shard.replay`); a worker left out has none.
+    holes: dict[int, list[list[int]]] = field(default_factory=dict)
     op: ClassVar[str] = OP
 
 
@@ -93,10 +106,12 @@ def layout(record: dict[str, Any]) -> list[tuple[np.dtype, int]]:
 
 def encode_replicate_rows(rid: int, token: str, sender: int, rng: int, table: str, record: dict[str, Any],
                           arrays: Sequence[np.ndarray], logs: Sequence[tuple[int, int, int]],
-                          clocks: dict[int, int], full: bool) -> list[Any]:
+                          clocks: dict[int, int], full: bool,
+                          holes: Optional[dict[int, list[list[int]]]] = None) -> list[Any]:
     """Frames of a ``replicate_rows`` message: ``record`` and ``arrays`` as a table's checkpoint state has them
     (:meth:`psrt.shard.embedding.RowTable.state`, or a copy's delta of it), ``logs`` ``(worker, session, last
-    applied seq)`` of the table's pushes."""
+    applied seq)`` of the table's pushes, ``holes`` per worker its replay holes (none when left out or empty)."""
+    holes = holes or {}
     record = dict(record)
     n_fixed = 1 + len(record["slots"]) + 3  # rows, slots, ids, clocks, times: then the ids evicted
     record["removed"] = len(arrays[n_fixed])
@@ -108,7 +123,7 @@ def encode_replicate_rows(rid: int, token: str, sender: int, rng: int, table: st
         record["pending"] = {**record["pending"], "rows": len(arrays[at]), "removed": len(arrays[at + 4])}
     flat = [np.ascontiguousarray(a).reshape(-1) for a in arrays]
     return encode({"op": OP, "id": rid, "token": token, "sender": sender, "range": rng, "table": table,
-                   "record": record, "logs": [[w, s, q + 1] for w, s, q in logs],
+                   "record": record, "logs": [[w, s, q + 1] + ([holes[w]] if holes.get(w) else []) for w, s, q in logs],
                    "clocks": [[w, c] for w, c in sorted(clocks.items())], "full": full}, flat)
 
 
@@ -172,7 +187,13 @@ def decode_replicate_rows(frames: Sequence[Any], limits: WireLimits) -> RowsCopy
         check_version(h)
         op_of(h, _FIELDS, "replication message")
         record = _check_record(h["record"])
-        logs = _uint_pairs(h["logs"], 3, "logs")
+        logs = h["logs"]
+        if type(logs) is not list or len(logs) > 1 << 20 or any(
+                type(w) is not list or len(w) not in (3, 4)
+                or any(type(x) is not int or not 0 <= x <= MAX_U63 for x in w[:3])
+                or (len(w) == 4 and not hole_runs(w[3])) for w in logs):
+            raise ProtocolError("field 'logs' must be a list of [worker, session, settled] or "
+                                "[worker, session, settled, holes] (holes: [[first, count], ...])")
         clocks = _uint_pairs(h["clocks"], 2, "clocks")
         if type(h["full"]) is not bool:
             raise ProtocolError("field 'full' must be true or false")
@@ -186,8 +207,8 @@ def decode_replicate_rows(frames: Sequence[Any], limits: WireLimits) -> RowsCopy
                 raise ProtocolError(f"array {i}: a frame of {len(buf)} bytes, expected {count} x {dtype}")
             arrays.append(np.frombuffer(buf, dtype).copy() if count else np.empty(0, dtype))
         return RowsCopy(uint(h, "id"), string(h, "token", 128), uint(h, "sender", 1 << 31), uint(h, "range", 1 << 31),
-                        string(h, "table", 256), record, arrays, [(w, s, q - 1) for w, s, q in logs],
-                        {w: c for w, c in clocks}, h["full"])
+                        string(h, "table", 256), record, arrays, [(w[0], w[1], w[2] - 1) for w in logs],
+                        {w: c for w, c in clocks}, h["full"], {w[0]: w[3] for w in logs if len(w) == 4})
     except ProtocolError as exc:
         exc.request_id = request_id  # type: ignore[attr-defined]
         raise
