@@ -330,11 +330,11 @@ class ShardCalls:
         """Shards that came back on another endpoint: connect there, and ride through at once.
 
         Re-pointing drops what is still queued for the old endpoint, and what this client sends from now on goes
-        to the new one, in order. What the old endpoint never answered must go first: a shard takes a worker's
-        pushes exactly once by their sequence numbers, so a push sent again *after* a later one reached the new
-        endpoint would look applied already (a duplicate) and be lost. So it goes again now, ahead of anything sent
-        later; the new endpoint's first handshake then rides through no more (which would also forget the versions
-        its first answers taught, read in the same poll).
+        to the new one, in order. What the old endpoint never answered goes first: a shard takes a worker's pushes
+        exactly once in any order (its replay window, :mod:`psrt.shard.replay`), but a sync round is made of the
+        pushes in the order they come, and a push sent again ahead of later ones keeps its rounds as they were
+        meant. So it goes again now, ahead of anything sent later; the new endpoint's first handshake then rides
+        through no more (which would also forget the versions its first answers taught, read in the same poll).
         """
         while self._moves:
             shard, endpoint = self._moves.popitem()
