@@ -9,7 +9,7 @@ tracker on its entry, so a later step copies the buffer first if ZeroMQ is still
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 from psrt import transport, wire
 from psrt.shard.counters import Counters
@@ -44,12 +44,17 @@ class ShardReplies:
         self._tensors: dict[tuple[Key, ...], bytes] = {}
         #: Replies kept back until a replicated job's copy of what they tell is acknowledged (:meth:`gate`), each
         #: with copies of its frames; None: replies go at once.
-        self._gated: Optional[list[tuple[bytes, list[bytes]]]] = None
+        self._gated: Optional[list[Union[tuple[bytes, list[bytes]], Callable[[], None]]]] = None
 
     def params(self, identity: bytes, request_id: int, keys: list[Key], entries: list[Entry], rounds: bool,
                job: Optional[wire.JobInfo] = None, codec: Optional[str] = None,
                lane: Optional[ShardLane] = None) -> None:
-        """Send the parameters of ``entries``; ``rounds``: the shard's pushes gather into sync rounds."""
+        """Send the parameters of ``entries``; ``rounds``: the shard's pushes gather into sync rounds. While replies
+        are kept back (:meth:`gate`) the answer is made when they go: the parameters then, which the replicas hold
+        (every change until then is in the copy they acknowledged), sent zero-copy as ever."""
+        if self._gated is not None:
+            self._gated.append(lambda: self.params(identity, request_id, keys, entries, rounds, job, codec, lane))
+            return
         if lane is None and codec is None and job is None:  # the usual answer: full precision, over the socket
             which = tuple(keys)
             tensors = self._tensors.get(which)
@@ -122,8 +127,8 @@ class ShardReplies:
         self.counters.bytes_out += sum(map(len, frames))
 
     def _send(self, identity: bytes, frames: list[Any], track: bool) -> list[Any]:
-        """Every reply's way out: at once, or kept back while :meth:`gate` holds (copied: the parameters may step
-        again before it goes, and the reply must say what it said when it was made)."""
+        """Every reply's way out: at once, or kept back while :meth:`gate` holds (copied, as a held reply of the
+        channel is: the caller may change its buffers at once)."""
         gated = self._gated
         if gated is None:
             return self._chan.send(identity, frames, track=track)
@@ -145,7 +150,11 @@ class ShardReplies:
     def ungate(self) -> None:
         """Send the replies kept back since :meth:`gate`, in the order they were made; replies go at once again."""
         gated, self._gated = self._gated, None
-        for identity, frames in gated or ():
+        for held in gated or ():
+            if callable(held):
+                held()
+                continue
+            identity, frames = held
             try:
                 self._chan.send(identity, frames)
             except transport.SendDropped as exc:  # (counted as sent when it was made)

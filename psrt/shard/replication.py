@@ -156,7 +156,6 @@ class Copier:
         self._acks: list[_HeldAck] = []
         #: Keys whose new state waits for the batch's copy (:meth:`defer`), in the order they changed.
         self._dirty: dict[Key, None] = {}
-        self._settle_due = False  # a push dropped as late waits for the batch's copy of the settled seqs
         self._depth = 0  # commits in progress (a newcomer's full copy may start one inside another)
         self._next_id = 1
         self.copies_sent = 0
@@ -218,23 +217,21 @@ class Copier:
         self._acks.append(_HeldAck(identity, request_id, keys, targets, duplicate))
         return True
 
-    def defer(self, keys: Sequence[Key], settle: bool = False) -> None:
+    def defer(self, keys: Sequence[Key]) -> None:
         """The rounds of ``keys`` completed (in async and ssp modes: a push was applied) while the serving loop
         handles a batch of queued messages: their copy goes with the batch's (:meth:`flush`), one for every key
         the batch changed, each with its latest state; until the replicas acknowledged it every reply the shard
-        makes is kept back (:meth:`psrt.shard.answers.ShardReplies.gate`). ``settle``: the batch's copy carries
-        the workers' settled sequence numbers even when no key changed (a push dropped as late)."""
+        makes is kept back (:meth:`psrt.shard.answers.ShardReplies.gate`)."""
         for opened in self._open.values():  # (now: a push of the key's next round in the batch stays open)
             for key in keys:
                 opened.pop(key, None)
         for key in keys:
             self._dirty[key] = None
-        self._settle_due |= settle
         self.server.replies.gate()
 
     def pending(self) -> bool:
         """Whether the batch changed something not copied yet, or keeps replies back (:meth:`flush` sends it)."""
-        return bool(self._dirty or self._settle_due or self.server.replies.gated
+        return bool(self._dirty or self.server.replies.gated
                     or (self.rows is not None and self.rows.pending()))
 
     def flush(self) -> None:
@@ -254,7 +251,6 @@ class Copier:
         if self._dirty:
             keys = [*self._dirty, *(k for k in keys if k not in self._dirty)]
             self._dirty = {}
-        settle, self._settle_due = settle or self._settle_due, False
         self._depth += 1
         try:
             self._copy(keys, settle)
@@ -263,7 +259,6 @@ class Copier:
         except BaseException:  # not copied: it goes with the next copy, and the replies kept back wait for it
             for key in keys:
                 self._dirty[key] = None
-            self._settle_due |= settle
             self.server.replies.gate()
             raise
         finally:
@@ -309,9 +304,9 @@ class Copier:
 
     def settle(self) -> None:
         """A push dropped as late (backup workers) changed no key but is settled: its sequence number goes to
-        every live replica (a copy of no keys, or with the batch's: :meth:`defer`) before the drop is answered, so
-        that after a failover the push sent again is a duplicate there, neither applied nor lost."""
-        self.defer([], settle=True)
+        every live replica (a copy of no keys) before the drop is answered, so that after a failover the push sent
+        again is a duplicate there, neither applied nor lost."""
+        self.commit([], settle=True)
 
     def newcomers(self) -> bool:
         """Whether a live replica is not connected yet (a server that took a dead one's place): it holds the

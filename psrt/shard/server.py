@@ -512,7 +512,9 @@ class Server(Recovery):
         self.counters.rounds += len(completed)
         if self._replication is not None:  # the rounds this push completed are held R + 1 times before answers
             self._replication.joined(req.worker, req.seq, keys, completed, late)
-            if completed:  # (copied with the batch's other changes at its end; every answer kept back till then)
+            if completed and self.store.rounds:  # sync: a round's copy at once, before its answers
+                self._replication.commit([keys[i] for i in completed])
+            elif completed:  # async, ssp: copied with the batch's other pushes at its end, answers kept back till then
                 self._replication.defer([keys[i] for i in completed])
         self._answer_push(identity, req, keys, targets, False, lane, entries)
         if self._pulls or self._stale_pulls:  # (nothing waits: the usual case with W = 1, or async)
