@@ -204,8 +204,9 @@ class Copier:
                 continue
             included = {w: o.pop(key) for w, o in self._open.items() if key in o}
             included[worker] = seq
-            for w, s in self._included.get(key, {}).items():  # a round of the same batch, not copied yet
-                included[w] = max(s, included.get(w, s))
+            if key in self._dirty:  # a push of the same batch, not copied yet: its copy holds both
+                for w, s in self._included.get(key, {}).items():
+                    included[w] = max(s, included.get(w, s))
             self._included[key] = included
 
     def hold_ack(self, identity: bytes, request_id: int, keys: list[Key], targets: list[int],
@@ -291,8 +292,7 @@ class Copier:
                                                    [(k, store.entries[k]) for k in batch],
                                                    [self._included.pop(k, {}) for k in batch],
                                                    full and n == len(batches) - 1)
-                for j in live:
-                    self._dealers[j].send(frames, self._timeout)
+                live = self._send(live, frames)
                 self.copies_sent += 1
                 self.copy_bytes_sent += frames_nbytes(frames) * len(live)
                 if not self._await(rid, live, frames):
@@ -342,11 +342,25 @@ class Copier:
         rid = self._next_id
         self._next_id += 1
         frames = make(rid)
-        for j in live:
-            self._dealers[j].send(frames, self._timeout)
+        live = self._send(live, frames)
         self.copies_sent += 1
         self.copy_bytes_sent += frames_nbytes(frames) * len(live)
         self._await(rid, live, frames)
+
+    def _send(self, live: list[int], frames: list[Any]) -> list[int]:
+        """Queue a copy to each of ``live``; returns those it was queued to. One whose queue stays full past
+        ``send_timeout`` (or whose connection failed) is dropped as one that never answers is."""
+        sent = []
+        for j in live:
+            try:
+                self._dealers[j].send(frames, self._timeout)
+            except PsrtError as exc:
+                log.error("range %d's copy could not be sent to shard %d (%s); going on without it", self.range, j,
+                          exc)
+                self._drop(j)
+                continue
+            sent.append(j)
+        return sent
 
     def _await(self, rid: int, live: list[int], frames: list[Any]) -> bool:
         """Wait until every one of ``live`` acknowledged copy ``rid`` (or is dropped); False: the job ended."""

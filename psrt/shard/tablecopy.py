@@ -58,6 +58,7 @@ class TableCopies:
         self._made: dict[str, int] = {}  # per table whose rows never go: its rows at its last copy (rows made after)
         self._acks: list[tuple[bytes, int, str, int, bool]] = []
         self._dirty: dict[str, RowTable] = {}  # tables stepped in the batch being handled, not copied yet (defer)
+        self._whole: set[str] = set()  # tables whose delta was taken but not sent: their next copy goes whole
         for name, table in service.tables.items():
             self._watch(name, table)
         copier.rows = self
@@ -100,8 +101,19 @@ class TableCopies:
         while self._dirty:
             name = next(iter(self._dirty))
             table = self._dirty.pop(name)
-            record, arrays = self._delta(name, table)
-            self._send(name, record, arrays, False)
+            whole = name in self._whole
+            try:
+                if whole:
+                    record, arrays = table.state(False)
+                    arrays = [np.array(a) for a in arrays]
+                else:
+                    record, arrays = self._delta(name, table)
+                self._send(name, record, arrays, whole)
+            except BaseException:  # (what the delta took is gone from the lists: the next copy goes whole)
+                self._dirty[name] = table
+                self._whole.add(name)
+                raise
+            self._whole.discard(name)
 
     def release(self) -> None:
         """The sync acks whose table's round is copied now (once the replies kept back went)."""
