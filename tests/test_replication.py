@@ -162,7 +162,7 @@ def test_launch_refuses_more_replicas_than_its_shards_hold_before_starting_anyth
 
 
 # ---------------------------------------------------------------------------------------------- two shards on threads
-def _pair(num_workers: int = 1, keys=None, send_timeout: float = 2.0):
+def _pair(num_workers: int = 1, keys=None, send_timeout: float = 2.0, mode: str = "sync"):
     """A primary (rank 0) and its replica (rank 1) of a job of two shards with R = 1, on threads of this process,
     given the table a scheduler would give them."""
     from psrt.config import ServerConfig
@@ -176,7 +176,8 @@ def _pair(num_workers: int = 1, keys=None, send_timeout: float = 2.0):
     announced = tuple(s.prepare_replication(1) for s in pair)
     info = wire.Replication(1, ((0, 1), (1, 0)), announced, "the-job-token")
     for rank, shard in enumerate(pair):
-        shard.join(wire.Table(0, rank, 2, num_workers, "sync", [s.endpoint for s in pair], replication=info))
+        shard.join(wire.Table(0, rank, 2, num_workers, mode, [s.endpoint for s in pair], replication=info,
+                              staleness=num_workers if mode == "ssp" else 0))
     threads = [threading.Thread(target=s.serve, daemon=True) for s in pair]
     for t in threads:
         t.start()
@@ -350,6 +351,82 @@ def test_i4_a_round_is_answered_only_once_the_replica_holds_it_and_the_copy_is_e
                 client.push_pull({"w": np.ones(5000, np.float32)}, timeout=1.0)  # not answered: not held twice
             assert standby.store.entries[("w", 0)].version == 4
     finally:
+        _close(pair, threads)
+
+
+def _pause_copies(shard) -> None:
+    """The replica stops taking copies (it is not declared dead: its primary waits for it)."""
+    shard._replication._stop.set()
+    shard._replication._thread.join(5)
+
+
+def _resume_copies(shard) -> None:
+    replication = shard._replication
+    replication._stop.clear()
+    replication._thread = threading.Thread(target=replication._serve_copies, daemon=True)
+    replication._thread.start()
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_i4_async_pushes_queued_together_share_one_copy_and_none_is_answered_before_the_replica_holds_it(mode):
+    """Group commit: pushes the primary's loop finds queued together are copied once, at the batch's end (each key
+    once, with its latest state and every worker's settled seq); none of them, nor a push_pull's parameters, is
+    answered before the replica acknowledged that copy. A lone push is copied (and answered) at once."""
+    from psrt.config import ClientConfig
+    from psrt.optim import SGD
+    from psrt.worker.client import Client
+
+    workers = 6
+    pair, threads, _ = _pair(num_workers=workers, send_timeout=30.0, mode=mode)
+    primary, replica = pair
+    standby = replica._replication._standbys[0]
+    clients = [Client(servers=[primary.endpoint], rank=r, num_workers=workers,
+                      config=ClientConfig(timeout=30)) for r in range(workers)]
+    try:
+        for client in clients:
+            client.init({"w": np.zeros(1000, np.float32), "b": np.zeros(10, np.float32)}, optimizer=SGD(lr=1.0))
+        before = primary.stats()["copies_sent"]
+        _pause_copies(replica)
+        held: dict[int, bool] = {}
+        answers: dict[int, dict] = {}
+
+        def push(r: int) -> None:
+            grads = {"w": np.full(1000, r + 1, np.float32), "b": np.full(10, r + 1, np.float32)}
+            if r % 2:
+                answers[r] = clients[r].push_pull(grads)
+            else:
+                clients[r].push(grads)
+            held[r] = r in standby.store.workers  # (the replica's state, the moment the answer came)
+
+        pushers = [threading.Thread(target=push, args=(r,), daemon=True) for r in range(workers)]
+        for t in pushers:
+            t.start()
+        deadline = time.monotonic() + 10
+        while primary.counters.pushes < 1 and time.monotonic() < deadline:  # the first push, applied
+            time.sleep(0.01)
+        time.sleep(0.5)  # (the others reach the primary's queue behind it, while its copy waits)
+        assert not held, "a push was answered while the replica held no copy of it"
+        _resume_copies(replica)
+        for t in pushers:
+            t.join(30)
+        assert len(held) == workers and all(held.values()), held
+        # The first push alone (its copy went at once), then every push queued behind it in one copy.
+        assert primary.stats()["copies_sent"] - before <= 2
+        for key in (("w", 0), ("b", 0)):
+            entry, copy = primary.store.entries[key], standby.store.entries[key]
+            assert entry.version == copy.version == workers
+            assert np.array_equal(entry.param, copy.param)
+            assert entry.param[0] == -sum(range(1, workers + 1))
+        assert all(standby.store.workers[r].last_seq == primary.store.workers[r].last_seq for r in range(workers))
+        for r, params in answers.items():  # each push_pull's parameters hold its own push (and are whole)
+            assert params["w"][0] <= -(r + 1) and np.all(params["w"] == params["w"][0])
+        lone = primary.stats()["copies_sent"]
+        clients[0].push({"w": np.ones(1000, np.float32), "b": np.ones(10, np.float32)})
+        assert primary.stats()["copies_sent"] == lone + 1
+        assert standby.store.entries[("w", 0)].version == workers + 1
+    finally:
+        for client in clients:
+            client.close()
         _close(pair, threads)
 
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 from _helpers import RawPeer
-from test_replication import _close, _pair, _reply, _sync_job
+from test_replication import _close, _pair, _pause_copies, _reply, _resume_copies, _sync_job
 
 import psrt
 from psrt import wire
@@ -71,6 +71,36 @@ def test_i4_a_tables_round_is_answered_only_once_the_replica_holds_its_rows(poli
     finally:
         for c in clients:
             c.close()
+        _close(pair, threads)
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_i4_async_row_pushes_queued_together_share_one_copy_and_none_is_acked_before_the_replica_holds_it(mode):
+    """Group commit of a table: the push_rows the primary's loop finds queued together go in one copy of the rows
+    they touched, at the batch's end, and none is acknowledged before the replica acknowledged that copy."""
+    pair, threads, _ = _pair(num_workers=1, send_timeout=30.0, mode=mode)
+    primary, replica = pair
+    standby = replica._replication._standbys[0]
+    client = _client(pair)
+    try:
+        client.init_embedding("emb", 4, psrt.AdaGrad(lr=0.1))
+        before = primary.stats()["copies_sent"]
+        _pause_copies(replica)
+        pushes = [client.push_rows_async("emb", np.arange(n, n + 20), np.ones((20, 4), np.float32))
+                  for n in range(8)]
+        deadline = time.monotonic() + 10
+        while primary.tables.pushes < 1 and time.monotonic() < deadline:  # the first, applied: its copy waits
+            time.sleep(0.01)
+        time.sleep(0.5)  # (the others reach the primary's queue behind it)
+        assert not any(p.done() for p in pushes), "a push_rows was acknowledged while the replica held no copy of it"
+        _resume_copies(replica)
+        for p in pushes:
+            p.wait(30)
+        assert primary.stats()["copies_sent"] - before <= 2  # the first alone, then the 7 queued behind it in one
+        _same_table(primary.tables.tables["emb"], standby.tables.tables["emb"], np.arange(40))
+        assert standby.tables.logs[("emb", 0)].last_seq == primary.tables.logs[("emb", 0)].last_seq
+    finally:
+        client.close()
         _close(pair, threads)
 
 

@@ -9,7 +9,7 @@ tracker on its entry, so a later step copies the buffer first if ZeroMQ is still
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 from psrt import transport, wire
 from psrt.shard.counters import Counters
@@ -42,11 +42,19 @@ class ShardReplies:
         #: The ``tensors`` part of the params replies of each set of keys, packed once: a key's dtype and size never
         #: change (a shard refuses to initialize it again otherwise), so every reply for them repeats its bytes.
         self._tensors: dict[tuple[Key, ...], bytes] = {}
+        #: Replies kept back until a replicated job's copy of what they tell is acknowledged (:meth:`gate`), each
+        #: with copies of its frames; None: replies go at once.
+        self._gated: Optional[list[Union[tuple[bytes, list[bytes]], Callable[[], None]]]] = None
 
     def params(self, identity: bytes, request_id: int, keys: list[Key], entries: list[Entry], rounds: bool,
                job: Optional[wire.JobInfo] = None, codec: Optional[str] = None,
                lane: Optional[ShardLane] = None) -> None:
-        """Send the parameters of ``entries``; ``rounds``: the shard's pushes gather into sync rounds."""
+        """Send the parameters of ``entries``; ``rounds``: the shard's pushes gather into sync rounds. While replies
+        are kept back (:meth:`gate`) the answer is made when they go: the parameters then, which the replicas hold
+        (every change until then is in the copy they acknowledged), sent zero-copy as ever."""
+        if self._gated is not None:
+            self._gated.append(lambda: self.params(identity, request_id, keys, entries, rounds, job, codec, lane))
+            return
         if lane is None and codec is None and job is None:  # the usual answer: full precision, over the socket
             which = tuple(keys)
             tensors = self._tensors.get(which)
@@ -60,7 +68,7 @@ class ShardReplies:
                 param = entry.param
                 frames = wire.encode_params_packed(request_id, tensors, [entry.version], [param])
                 try:
-                    trackers = self._chan.send(identity, frames, track=True)
+                    trackers = self._send(identity, frames, True)
                 except transport.SendDropped as exc:
                     self.counters.dropped_replies += 1
                     log.warning("reply to a worker dropped: %s", exc)
@@ -96,7 +104,7 @@ class ShardReplies:
 
     def _send_params(self, identity: bytes, entries: list[Entry], payload: list[Any], frames: list[Any]) -> None:
         try:
-            trackers = self._chan.send(identity, frames, track=True)
+            trackers = self._send(identity, frames, True)
         except transport.SendDropped as exc:
             self.counters.dropped_replies += 1
             log.warning("reply to a worker dropped: %s", exc)
@@ -111,12 +119,46 @@ class ShardReplies:
     def reply(self, identity: bytes, frames: list[Any]) -> None:
         """Send a reply whose buffers (if any) are small: acks, rows, stats, lane set-up."""
         try:
-            self._chan.send(identity, frames)
+            self._send(identity, frames, False)
         except transport.SendDropped as exc:
             self.counters.dropped_replies += 1
             log.warning("reply to a worker dropped: %s", exc)
             return
         self.counters.bytes_out += sum(map(len, frames))
+
+    def _send(self, identity: bytes, frames: list[Any], track: bool) -> list[Any]:
+        """Every reply's way out: at once, or kept back while :meth:`gate` holds (copied, as a held reply of the
+        channel is: the caller may change its buffers at once)."""
+        gated = self._gated
+        if gated is None:
+            return self._chan.send(identity, frames, track=track)
+        gated.append((identity, [f if type(f) is bytes else memoryview(f).tobytes() for f in frames]))
+        return [None] * len(frames)
+
+    @property
+    def gated(self) -> bool:
+        """Whether replies are kept back (:meth:`gate`)."""
+        return self._gated is not None
+
+    def gate(self) -> None:
+        """Keep every reply back from now on, in order, until :meth:`ungate`: a replicated job's state changed and
+        its copy is not acknowledged yet, so nothing that tells of it (an ack, parameters, even an error that
+        follows it in a worker's stream) may go out before it is held R + 1 times."""
+        if self._gated is None:
+            self._gated = []
+
+    def ungate(self) -> None:
+        """Send the replies kept back since :meth:`gate`, in the order they were made; replies go at once again."""
+        gated, self._gated = self._gated, None
+        for held in gated or ():
+            if callable(held):
+                held()
+                continue
+            identity, frames = held
+            try:
+                self._chan.send(identity, frames)
+            except transport.SendDropped as exc:  # (counted as sent when it was made)
+                self.dropped([(sum(map(len, frames)), str(exc))])
 
     def dropped(self, replies: list[tuple[int, str]]) -> None:
         """Count replies that were held back (:meth:`psrt.transport.RouterChannel.hold`) and could not be sent,

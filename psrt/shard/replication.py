@@ -155,6 +155,9 @@ class Copier:
         #: Per key whose round just completed: ``{worker: seq}`` of the pushes in it, for its copy.
         self._included: dict[Key, dict[int, int]] = {}
         self._acks: list[_HeldAck] = []
+        #: Keys whose new state waits for the batch's copy (:meth:`defer`), in the order they changed.
+        self._dirty: dict[Key, None] = {}
+        self._depth = 0  # commits in progress (a newcomer's full copy may start one inside another)
         self._next_id = 1
         self.copies_sent = 0
         #: Bytes of every copy's frames, once per replica sent to (headers and tensors; not TCP's own).
@@ -202,6 +205,9 @@ class Copier:
                 continue
             included = {w: o.pop(key) for w, o in self._open.items() if key in o}
             included[worker] = seq
+            if key in self._dirty:  # a push of the same batch, not copied yet: its copy holds both
+                for w, s in self._included.get(key, {}).items():
+                    included[w] = max(s, included.get(w, s))
             self._included[key] = included
 
     def hold_ack(self, identity: bytes, request_id: int, keys: list[Key], targets: list[int],
@@ -213,13 +219,60 @@ class Copier:
         self._acks.append(_HeldAck(identity, request_id, keys, targets, duplicate))
         return True
 
+    def defer(self, keys: Sequence[Key]) -> None:
+        """The rounds of ``keys`` completed (in async and ssp modes: a push was applied) while the serving loop
+        handles a batch of queued messages: their copy goes with the batch's (:meth:`flush`), one for every key
+        the batch changed, each with its latest state; until the replicas acknowledged it every reply the shard
+        makes is kept back (:meth:`psrt.shard.answers.ShardReplies.gate`)."""
+        for opened in self._open.values():  # (now: a push of the key's next round in the batch stays open)
+            for key in keys:
+                opened.pop(key, None)
+        for key in keys:
+            self._dirty[key] = None
+        self.server.replies.gate()
+
+    def pending(self) -> bool:
+        """Whether the batch changed something not copied yet, or keeps replies back (:meth:`flush` sends it)."""
+        return bool(self._dirty or self.server.replies.gated
+                    or (self.rows is not None and self.rows.pending()))
+
+    def flush(self) -> None:
+        """The end of a batch: what it changed (:meth:`defer`) goes in one copy to every live replica, awaited;
+        then the replies kept back go, in order."""
+        if self.pending():
+            self.commit([])
+
     def commit(self, keys: list[Key], settle: bool = False) -> None:
-        """The rounds of ``keys`` completed (or ``init`` made them): copy their state to every live replica and
-        wait until each acknowledged it (or the scheduler says it is gone); then release the acks it held.
-        ``settle``: copy the workers' settled sequence numbers even when no key changed (:meth:`settle`)."""
+        """The rounds of ``keys`` completed (or ``init`` made them): copy their state, and that of the keys deferred
+        (:meth:`defer`), to every live replica and wait until each acknowledged it (or the scheduler says it is
+        gone); then send the replies kept back and release the acks it held. ``settle``: copy the workers' settled
+        sequence numbers even when no key changed (:meth:`settle`)."""
         for opened in self._open.values():
             for key in keys:
                 opened.pop(key, None)
+        if self._dirty:
+            keys = [*self._dirty, *(k for k in keys if k not in self._dirty)]
+            self._dirty = {}
+        self._depth += 1
+        try:
+            self._copy(keys, settle)
+            if self.rows is not None:  # the tables a batch changed, each in one copy
+                self.rows.flush()
+        except BaseException:  # not copied: it goes with the next copy, and the replies kept back wait for it
+            for key in keys:
+                self._dirty[key] = None
+            self.server.replies.gate()
+            raise
+        finally:
+            self._depth -= 1
+        if self._depth == 0:  # (an inner commit, a newcomer's, leaves the outer one's replies kept back)
+            self.server.replies.ungate()
+        if self._acks:
+            self._release_acks()
+        if self.rows is not None:
+            self.rows.release()
+
+    def _copy(self, keys: list[Key], settle: bool) -> None:
         store = self.server.store
         live = self._connect()
         full = bool(self._fresh)
@@ -240,8 +293,7 @@ class Copier:
                                                    [(k, store.entries[k]) for k in batch],
                                                    [self._included.pop(k, {}) for k in batch],
                                                    full and n == len(batches) - 1, holes)
-                for j in live:
-                    self._dealers[j].send(frames, self._timeout)
+                live = self._send(live, frames)
                 self.copies_sent += 1
                 self.copy_bytes_sent += frames_nbytes(frames) * len(live)
                 if not self._await(rid, live, frames):
@@ -250,8 +302,6 @@ class Copier:
         else:
             for k in keys:
                 self._included.pop(k, None)
-        if self._acks:
-            self._release_acks()
 
     def settle(self) -> None:
         """A push dropped as late (backup workers) changed no key but is settled: its sequence number goes to
@@ -293,11 +343,25 @@ class Copier:
         rid = self._next_id
         self._next_id += 1
         frames = make(rid)
-        for j in live:
-            self._dealers[j].send(frames, self._timeout)
+        live = self._send(live, frames)
         self.copies_sent += 1
         self.copy_bytes_sent += frames_nbytes(frames) * len(live)
         self._await(rid, live, frames)
+
+    def _send(self, live: list[int], frames: list[Any]) -> list[int]:
+        """Queue a copy to each of ``live``; returns those it was queued to. One whose queue stays full past
+        ``send_timeout`` (or whose connection failed) is dropped as one that never answers is."""
+        sent = []
+        for j in live:
+            try:
+                self._dealers[j].send(frames, self._timeout)
+            except PsrtError as exc:
+                log.error("range %d's copy could not be sent to shard %d (%s); going on without it", self.range, j,
+                          exc)
+                self._drop(j)
+                continue
+            sent.append(j)
+        return sent
 
     def _await(self, rid: int, live: list[int], frames: list[Any]) -> bool:
         """Wait until every one of ``live`` acknowledged copy ``rid`` (or is dropped); False: the job ended."""
@@ -532,6 +596,16 @@ class Replication:
         """:meth:`Copier.commit` of this shard's own range."""
         assert self.copier is not None
         self.copier.commit(keys)
+
+    def defer(self, keys: list[Key]) -> None:
+        """:meth:`Copier.defer` of this shard's own range."""
+        assert self.copier is not None
+        self.copier.defer(keys)
+
+    def flush(self) -> None:
+        """:meth:`Copier.flush` of this shard's own range (a no-op before the job formed)."""
+        if self.copier is not None:
+            self.copier.flush()
 
     def settle(self) -> None:
         """:meth:`Copier.settle` of this shard's own range."""

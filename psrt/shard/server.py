@@ -161,8 +161,10 @@ class Server(Recovery):
                             if msg is None:
                                 break
                             self.handle(*msg)
+                        self._flush_copies()  # what the batch changed: one copy, then its answers
                     finally:
                         self.replies.dropped(self._chan.release())
+            self._flush_copies()  # (a copy that failed goes again)
             if self._ckpt.due_by_time():
                 self._checkpoint_quietly()
             if self._failed is None and isinstance(self._replication, Replication):
@@ -189,6 +191,16 @@ class Server(Recovery):
                                                                             scheduled=True))
         self._replication.tick = self._tick_while_copying
         return self._replication.endpoints
+
+    def _flush_copies(self) -> None:
+        """A replicated job: the copy of what the batch of messages just handled changed, one for them all, awaited
+        before the answers it kept back go (:meth:`Copier.flush`). One that fails keeps them back and goes again."""
+        if self._replication is None:
+            return
+        try:
+            self._replication.flush()
+        except Exception:  # (a replica's send queue full past send_timeout): nothing is answered that is not held
+            log.exception("the copy of this shard's latest changes to its replicas failed; it goes again")
 
     def take_rank(self, rank: int) -> None:
         """A standby taking range ``rank`` over: with a checkpoint directory, its checkpoints are that rank's from
@@ -503,8 +515,10 @@ class Server(Recovery):
         self.counters.rounds += len(completed)
         if self._replication is not None:  # the rounds this push completed are held R + 1 times before answers
             self._replication.joined(req.worker, req.seq, keys, completed, late)
-            if completed:
+            if completed and self.store.rounds:  # sync: a round's copy at once, before its answers
                 self._replication.commit([keys[i] for i in completed])
+            elif completed:  # async, ssp: copied with the batch's other pushes at its end, answers kept back till then
+                self._replication.defer([keys[i] for i in completed])
         self._answer_push(identity, req, keys, targets, False, lane, entries)
         if self._pulls or self._stale_pulls:  # (nothing waits: the usual case with W = 1, or async)
             for i in completed:

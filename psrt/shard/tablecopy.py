@@ -57,6 +57,8 @@ class TableCopies:
         self._touched: dict[str, list[np.ndarray]] = {}  # per table: the ids pushed (or set) since its last copy
         self._made: dict[str, int] = {}  # per table whose rows never go: its rows at its last copy (rows made after)
         self._acks: list[tuple[bytes, int, str, int, bool]] = []
+        self._dirty: dict[str, RowTable] = {}  # tables stepped in the batch being handled, not copied yet (defer)
+        self._whole: set[str] = set()  # tables whose delta was taken but not sent: their next copy goes whole
         for name, table in service.tables.items():
             self._watch(name, table)
         copier.rows = self
@@ -81,6 +83,46 @@ class TableCopies:
         self._acks.append((identity, request_id, name, target, duplicate))
         return True
 
+    def defer(self, name: str, table: RowTable) -> None:
+        """Table ``name`` stepped while the serving loop handles a batch of queued messages: what changed goes in
+        one copy at the batch's end (:meth:`flush`, from the range's copier), and the shard keeps every reply back
+        until it is acknowledged (as :meth:`psrt.shard.replication.Copier.defer` does for dense keys)."""
+        if name not in self._made:
+            self._watch(name, table)
+        self._dirty[name] = table
+        self.copier.server.replies.gate()
+
+    def pending(self) -> bool:
+        """Whether a table stepped in this batch is not copied yet."""
+        return bool(self._dirty)
+
+    def flush(self) -> None:
+        """Each table the batch stepped: what changed since its last copy, one copy each, awaited."""
+        while self._dirty:
+            name = next(iter(self._dirty))
+            table = self._dirty.pop(name)
+            whole = name in self._whole
+            try:
+                if whole:
+                    record, arrays = table.state(False)
+                    arrays = [np.array(a) for a in arrays]
+                else:
+                    record, arrays = self._delta(name, table)
+                self._send(name, record, arrays, whole)
+            except BaseException:  # (what the delta took is gone from the lists: the next copy goes whole)
+                self._dirty[name] = table
+                self._whole.add(name)
+                raise
+            self._whole.discard(name)
+
+    def release(self) -> None:
+        """The sync acks whose table's round is copied now (once the replies kept back went)."""
+        if self._acks:
+            tables = self.service.tables
+            for name in {a[2] for a in self._acks}:
+                if name in tables:
+                    self._release(name, tables[name])
+
     def commit(self, name: str, table: RowTable, ids: Optional[np.ndarray] = None) -> None:
         """Table ``name`` stepped (or ``init_table`` made or set rows, ``ids``): copy what changed to every live
         replica and wait for each one's answer; then release the acks its version reached."""
@@ -88,6 +130,7 @@ class TableCopies:
             self._watch(name, table)
         if ids is not None and len(ids):
             self._touched[name].append(ids)
+        self._dirty.pop(name, None)  # (this copy holds what the batch changed in it)
         record, arrays = self._delta(name, table)
         self._send(name, record, arrays, False)
         if self._acks:

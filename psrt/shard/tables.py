@@ -201,8 +201,8 @@ class TableService:
             if self.store.mode == "ssp":
                 clocks = self._clocks.setdefault(req.table, {})
                 clocks[req.worker] = max(clocks.get(req.worker, 0), req.clock)
-            if self.copies is not None:  # every push is a step: held R + 1 times before it is acknowledged
-                self.copies.commit(req.table, table)
+            if self.copies is not None:  # every push is a step: held R + 1 times before it is acknowledged (its
+                self.copies.defer(req.table, table)  # copy and ack go with the batch's, the ack kept back till then)
             self._reply(identity, wire.encode_ack(req.id, [table.version], False))
             self._completed(req.table, table)
             return
