@@ -2,7 +2,8 @@
 
 For each S (shards) and dim, one worker pulls and pushes batches of ids drawn Zipf-distributed over a table of
 ``--rows`` rows (prefilled, so the shards hold them all); the dense baseline is a ``push_pull`` of one tensor of
-``batch * dim`` float32, the bytes the caller hands a push and gets back from a pull. Both sides run the same
+``batch * dim`` float32, the bytes the caller hands a push and gets back from a pull (the partition map cuts it
+over as many shards as its pieces of at least 256 KiB allow: each line says how many). Both sides run the same
 optimizer (``--optimizer``, AdaGrad by default) on the same gradient values. What differs is what rows are: a
 row pull gathers (a push updates) rows scattered through the whole table, a repeated id travelling once, while
 the dense tensor is contiguous; that is the cost the targets bound. The three calls are timed side by side:
@@ -102,6 +103,8 @@ def run(rows: int, dims: list[int], shards: list[int], batch: int, zipf: float, 
                     lambda n=name, i=ids, g=grads: c.push_rows(n, i, g),
                     lambda g=dense_grad, o=dense_out: c.push_pull(g, out=o)], seconds)
                 pull, push, dense = (float(np.median(t)) for t in (pulls, pushes, denses))
+                # The partition map may put a small tensor on fewer shards than the rows (which spread over all S).
+                dense_shards = len({ch.shard for ch in c.partition.chunks_of([f"d{dim}"])})
                 pull_r, push_r = ratio_stats(pulls, denses), ratio_stats(pushes, denses)
                 d25, d75 = np.percentile(denses, [25, 75])
                 after = _table_memory(c)
@@ -112,7 +115,7 @@ def run(rows: int, dims: list[int], shards: list[int], batch: int, zipf: float, 
                     "shards": s, "dim": dim, "rows": rows, "batch": batch, "zipf": zipf, "shm": shm,
                     "optimizer": optimizer, "rounds": len(denses), "unique_ids": int(len(np.unique(ids))),
                     "pull_ms": pull * 1e3, "push_ms": push * 1e3, "dense_push_pull_ms": dense * 1e3,
-                    "dense_spread": float(d75 / d25),
+                    "dense_spread": float(d75 / d25), "dense_shards": dense_shards,
                     "pull_rows_per_s": batch / pull, "push_rows_per_s": batch / push,
                     "pull_rows_per_s_per_shard_core": batch / pull / s,
                     "push_rows_per_s_per_shard_core": batch / push / s,
@@ -126,8 +129,9 @@ def run(rows: int, dims: list[int], shards: list[int], batch: int, zipf: float, 
                       f"{r['pull_rows_per_s_per_shard_core'] / 1e6:.2f} M per shard core), push {r['push_ms']:.2f} ms "
                       f"({r['push_rows_per_s'] / 1e6:.2f} M rows/s, {r['push_rows_per_s_per_shard_core'] / 1e6:.2f} "
                       f"M per shard core), dense push_pull of the same bytes {r['dense_push_pull_ms']:.2f} ms "
-                      f"(quartiles {d75 / d25:.2f}x apart) -> pull {r['pull_vs_dense']:.2f}x [{pull_r[1]:.2f}, "
-                      f"{pull_r[2]:.2f}] ({'ok' if r['pull_ok'] else 'MISS'}: <= {PULL_TARGET}x), push "
+                      f"(on {dense_shards} of {s} shards; quartiles {d75 / d25:.2f}x apart) -> pull "
+                      f"{r['pull_vs_dense']:.2f}x [{pull_r[1]:.2f}, {pull_r[2]:.2f}] "
+                      f"({'ok' if r['pull_ok'] else 'MISS'}: <= {PULL_TARGET}x), push "
                       f"{r['push_vs_dense']:.2f}x [{push_r[1]:.2f}, {push_r[2]:.2f}] "
                       f"({'ok' if r['push_ok'] else 'MISS'}: <= {PUSH_TARGET}x), {len(denses)} rounds; "
                       f"shard memory {per_table:.0f} B/row ({r['memory_vs_raw']:.3f}x rows + slots)",
