@@ -174,7 +174,11 @@ def test_embedding_bench_reports_the_targets_ratios_and_rows_per_shard_core():
                            "2", "--seconds", "0.2", "--json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     (r,) = json.loads(proc.stdout)
-    assert r["pull_vs_dense"] == pytest.approx(r["pull_ms"] / r["dense_push_pull_ms"])
+    # The same optimizer on both sides; a ratio is the median of the rounds' ratios, inside their quartiles.
+    assert r["optimizer"] == "adagrad" and r["rounds"] >= 15
+    lo, hi = r["pull_vs_dense_iqr"]
+    assert lo <= r["pull_vs_dense"] <= hi and r["push_vs_dense_iqr"][0] <= r["push_vs_dense"]
+    assert "load average" in proc.stderr and "rounds" in proc.stderr
     assert r["pull_ok"] == (r["pull_vs_dense"] <= 1.5) and r["push_ok"] == (r["push_vs_dense"] <= 2.0)
     assert r["push_rows_per_s_per_shard_core"] == pytest.approx(r["push_rows_per_s"] / 2)
     assert ("ok" if r["pull_ok"] else "MISS") in proc.stderr and "per shard core" in proc.stderr

@@ -137,3 +137,38 @@ def test_a_table_checkpointed_by_an_older_psrt_is_read_back():
     np.testing.assert_array_equal(t.gather(np.array([40, 7, -2], np.int64)), param[[2, 0, 1]])
     assert t.version == 5 and t.round.contributors == {1} and t.row_ids[t.round.slots[0]] == 40
     np.testing.assert_array_equal(t.slots["sum"][:3], np.full((3, 3), 0.5, np.float32))
+
+
+def _huge_page_bytes(array: np.ndarray) -> int:
+    """Bytes of ``array``'s buffer that this process's mappings back with transparent huge pages."""
+    lo, hi = array.ctypes.data, array.ctypes.data + array.nbytes
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start < hi and end > lo
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1]) << 10
+    return total
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "none"
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="huge pages only on advice (THP 'madvise') tells them apart")
+def test_a_grown_table_lies_in_huge_pages_with_the_same_rows():
+    # Rows are touched at random: the table asks for 2 MiB pages, so a batch's rows do not each miss the TLB.
+    t = table(dim=64, optimizer=AdaGrad(lr=0.1), max_rows=1 << 20)
+    ids = np.arange(300_000, dtype=np.int64)
+    rows = t.gather(ids)
+    assert _huge_page_bytes(t.param) > 0 and _huge_page_bytes(t.slots["sum"]) > 0
+    assert _huge_page_bytes(t._keys) > 0
+    fresh = table(dim=64, optimizer=AdaGrad(lr=0.1), max_rows=1 << 20)
+    np.testing.assert_array_equal(fresh.gather(ids[::-7].copy()), rows[::-7])  # (a pure function of seed and id)

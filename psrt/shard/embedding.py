@@ -6,7 +6,10 @@ most 1/2, two int64 cells per entry; :func:`psrt.kernels.rows.index_find`), so a
 and a batch of ids is looked up in one compiled loop. A dict would cost ~100 ns per id in the interpreter; the
 compiled index costs a few ns. The row arrays grow geometrically, by 1.2x, through ``ndarray.resize`` (a
 ``realloc``, which Linux satisfies for large blocks by remapping pages, not copying), so the capacity slack
-stays under 20% and no view of the table ever escapes this class (a resize would leave it dangling).
+stays under 20% and no view of the table ever escapes this class (a resize would leave it dangling). The rows,
+their slots and the index are backed by transparent huge pages where Linux has them
+(:func:`psrt.memory.advise_huge_pages`): a batch touches rows all over the table, and with 4 KiB pages each is a
+TLB miss.
 
 A row made on first touch is initialized from ``(seed, id)`` alone (:func:`psrt.kernels.rows.init_rows`), so every
 shard and worker agree, and a restarted job gets the same rows. Optimizer steps follow torch's sparse semantics:
@@ -30,6 +33,7 @@ import numpy as np
 
 from psrt import optim
 from psrt.kernels import rows as rowkernels
+from psrt.memory import advise_huge_pages
 from psrt.shard.rowpolicy import DEFAULT_MAX_PENDING, Oldest, Pending, compact, expired
 from psrt.tablespec import TableSpec
 
@@ -141,11 +145,15 @@ class RowTable:
                 a.resize((cap, self.spec.dim), refcheck=False)  # realloc: no copy of pages Linux can remap
             for b in (self.row_ids, self.last, self.when, self.dirty):
                 b.resize(cap, refcheck=False)
+            for a in (self.param, *self.slots.values()):
+                advise_huge_pages(a)  # rows are touched at random: one TLB entry per 2 MiB, not per 4 KiB
         if 2 * need > len(self._keys):
             cells = len(self._keys)
             while 2 * need > cells:
                 cells *= 2
             self._keys, self._vals = np.zeros(cells, np.int64), np.full(cells, -1, np.int64)
+            advise_huge_pages(self._keys)
+            advise_huge_pages(self._vals)
             if self.used:  # re-insert every id in slot order, so each keeps its slot
                 known = self.row_ids[:self.used].copy()
                 rowkernels.index_find(self._keys, self._vals, known, np.empty(self.used, np.int64), self.row_ids,
