@@ -523,14 +523,15 @@ def test_a_shard_restored_from_its_checkpoint_keeps_closing_rounds_on_w_minus_b(
 @pytest.mark.integration
 def test_the_digits_time_to_accuracy_bench_runs_on_loopback(tmp_path):
     done = subprocess.run([sys.executable, str(BENCH / "stragglers.py"), "--digits", "--loopback", "--workers", "3",
-                           "--rounds", "12", "--step-ms", "2", "--straggle-ms", "20", "--target", "0.5",
-                           "--eval-every", "3", "--runs", "base,b1,auto", "--out", str(tmp_path)],
+                           "--rounds", "9", "--step-ms", "2", "--straggle-ms", "20", "--target", "0.5",
+                           "--eval-every", "3", "--runs", "base,b1", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((tmp_path / "stragglers_digits.json").read_text())
-    assert list(result["runs"]) == ["no straggler, b=0", "straggler, b=1", "straggler, b=auto"]
+    # (b=auto's run is the same job with another flag; its rule is tested on threads above and below)
+    assert list(result["runs"]) == ["no straggler, b=0", "straggler, b=1"]
     for run in result["runs"].values():
-        assert run["curve"][-1][0] == 12 and 0 < run["final_acc"] <= 1 and len(run["steps"]) == 3
+        assert run["curve"][-1][0] == 9 and 0 < run["final_acc"] <= 1 and len(run["steps"]) == 3
     assert "| straggler, b=1 |" in done.stdout
 
 
