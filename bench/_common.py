@@ -103,7 +103,9 @@ def start_server(workers: int, timeout: float, bind: str = "tcp://127.0.0.1:*", 
 
 class Relay:
     """A TCP forwarder on 127.0.0.1 that records every byte it passes, each direction apart: to show what an
-    eavesdropper on the link would read (the chaos bench and the security tests use it)."""
+    eavesdropper on the link would read (the chaos bench and the security tests use it). :meth:`cut` closes the
+    connections passing through while it keeps listening, so a peer connects again (a dropped link, as the
+    failure-detection tests make one)."""
 
     def __init__(self, upstream: str) -> None:
         host, port = upstream[len("tcp://"):].rsplit(":", 1)
@@ -113,6 +115,9 @@ class Relay:
         self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
         self.to_server = bytearray()
         self.to_client = bytearray()
+        #: Connections accepted so far.
+        self.accepted = 0
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._accept, daemon=True)]
@@ -124,7 +129,14 @@ class Relay:
                 conn, _ = self.listener.accept()
             except (TimeoutError, socket.timeout):
                 continue
-            up = socket.create_connection(self.upstream, timeout=5)
+            try:
+                up = socket.create_connection(self.upstream, timeout=5)
+            except OSError:  # the upstream is gone (its job ended): the peer's socket tries again, in vain
+                conn.close()
+                continue
+            with self._lock:
+                self._pairs.append((conn, up))
+                self.accepted += 1
             for src, dst, record in ((conn, up, self.to_server), (up, conn, self.to_client)):
                 t = threading.Thread(target=self._pump, args=(src, dst, record), daemon=True)
                 t.start()
@@ -147,11 +159,14 @@ class Relay:
                 dst.sendall(data)
             except OSError:
                 break
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        _shut(src, dst)
+
+    def cut(self) -> None:
+        """Close every connection passing through (both of its ends): the peers see their connections drop."""
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for pair in pairs:
+            _shut(*pair)
 
     def close(self) -> None:
         """Stop forwarding."""
@@ -159,6 +174,17 @@ class Relay:
         for t in self._threads:
             t.join(5)
         self.listener.close()
+        for pair in self._pairs:
+            for s in pair:
+                s.close()
+
+
+def _shut(*sockets: socket.socket) -> None:
+    for s in sockets:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 @contextmanager

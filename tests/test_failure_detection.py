@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
-from _helpers import LIVENESS, scheduling
+from _helpers import LIVENESS, Relay, scheduling
 
 from psrt import transport
 from psrt.control.link import SchedulerLink
@@ -37,83 +36,6 @@ pytestmark = pytest.mark.integration
 #: What the scheduler says when a member's connection closed (psrt.control.scheduler._CLOSED).
 CLOSED = "its connection to the scheduler closed"
 STEPS, STEP_S, HURT_AT = 60, 0.02, 15
-
-
-class Relay:
-    """A TCP forwarder on 127.0.0.1 whose connections :meth:`cut` closes (it keeps listening: a peer reconnects)."""
-
-    def __init__(self, upstream: str) -> None:
-        host, port = upstream[len("tcp://"):].rsplit(":", 1)
-        self.upstream = (host, int(port))
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.listener.settimeout(0.1)
-        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.accepted = 0
-        self._pairs: list[tuple[socket.socket, socket.socket]] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except (TimeoutError, socket.timeout):
-                continue
-            try:
-                up = socket.create_connection(self.upstream, timeout=5)
-            except OSError:  # the scheduler is gone (the job ended): the peer's socket tries again, in vain
-                conn.close()
-                continue
-            with self._lock:
-                self._pairs.append((conn, up))
-                self.accepted += 1
-            for src, dst in ((conn, up), (up, conn)):
-                t = threading.Thread(target=self._pump, args=(src, dst), daemon=True)
-                t.start()
-                self._threads.append(t)
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        src.settimeout(0.1)
-        while not self._stop.is_set():
-            try:
-                data = src.recv(1 << 16)
-            except (TimeoutError, socket.timeout):
-                continue
-            except OSError:
-                return
-            if not data:
-                break
-            try:
-                dst.sendall(data)
-            except OSError:
-                break
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def cut(self) -> None:
-        """Close every connection passing through (both of its ends): the peers see their connections drop."""
-        with self._lock:
-            pairs, self._pairs = self._pairs, []
-        for pair in pairs:
-            for s in pair:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(5)
-        self.listener.close()
-        for pair in self._pairs:
-            for s in pair:
-                s.close()
 
 
 class Job:
