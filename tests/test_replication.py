@@ -263,6 +263,40 @@ def test_i3_a_copy_carries_the_replay_window_so_a_push_overtaken_before_a_failov
         _close(pair, threads)
 
 
+def test_i5_a_keys_included_pushes_carry_their_holes_so_a_later_one_held_says_nothing_of_an_earlier_one():
+    from psrt.config import WireLimits
+    from psrt.optim import SGD
+    from psrt.shard.replication import holds, replayed
+    from psrt.shard.store import Store
+
+    store = Store("sync", 2)
+    entries = [(("a", 0), store.create(("a", 0), np.zeros(2, np.float32), SGD(lr=0.1))),
+               (("b", 0), store.create(("b", 0), np.zeros(2, np.float32), SGD(lr=0.1)))]
+    frames = wire_replication.encode_replicate(5, "the-job-token", 0, 0, [(0, 77, 0), (1, 78, 3)], entries,
+                                               [{0: (6, [[2, 1], [4, 2]]), 1: 3}, {0: 6, 1: (3, [])}])
+    header = wire.unpack_header(bytes(frames[0]), WireLimits())
+    assert header["included"] == [[[0, 6, [[2, 1], [4, 2]]], [1, 3]], [[0, 6], [1, 3]]]  # in order: two numbers
+    req = wire_replication.decode_replicate([bytes(f) for f in frames], WireLimits())
+    assert req.included == [{0: 6, 1: 3}, {0: 6, 1: 3}] and req.included_holes == [{0: [[2, 1], [4, 2]]}, {}]
+    held = (6, [[2, 1], [4, 2]])
+    assert [q for q in range(9) if holds(held, q)] == [0, 1, 3, 6]
+    assert [q for q in range(9) if holds(6, q)] == list(range(7))  # no holes: every push up to 6, as before
+    assert not holds(None, 0)
+    included = {("a", 0): {0: held}, ("b", 0): {0: 6}}
+    assert replayed(included, 0, 4, [("a", 0), ("b", 0), ("c", 0)]) == {1}
+    assert replayed(included, 0, 3, [("a", 0), ("b", 0)]) == {0, 1}
+    assert replayed(included, 1, 0, [("a", 0), ("b", 0)]) == set()
+    # An older psrt's copy (two numbers a worker, no holes) decodes with the meaning it had.
+    header["included"] = [[[0, 6]], [[0, 6]]]
+    old = wire_replication.decode_replicate([wire.pack_header(header), *[bytes(f) for f in frames[1:]]], WireLimits())
+    assert old.included == [{0: 6}, {0: 6}] and old.included_holes == [{}, {}]
+    for bad in ([[0, 6, [[1]]]], [[0, 6, "x"]], [[0, 6, [], 1]], [[0, 6, [[-1, 1]]]]):
+        header["included"] = [bad, []]
+        with pytest.raises(ProtocolError, match="included"):
+            wire_replication.decode_replicate([wire.pack_header(header), *[bytes(f) for f in frames[1:]]],
+                                              WireLimits())
+
+
 def test_i4_the_primary_copies_a_push_overtaken_by_a_later_one_as_not_applied_until_it_is():
     from psrt.config import ClientConfig
     from psrt.optim import SGD
@@ -739,6 +773,130 @@ def test_i5_a_push_partly_in_a_copied_round_is_applied_once_to_each_key_after_a_
         for name in "ab":
             assert np.array_equal(clean[when][name], failed[when][name]), (when, name)
 
+
+
+def test_i5_a_push_overtaken_before_a_failover_is_applied_once_to_a_key_that_holds_a_later_one():
+    """W = 2 over one range, R = 1, sync: worker 0's push 0 (of a) is overtaken by its push 1 (of a and b), which
+    completes a's round with worker 1's push while b's stays open; the primary dies. a's copied state holds push 1
+    but not push 0: sent again to the range's new server, push 0 joins a's next round (not taken for one a holds),
+    and push 1 sent again goes to b alone (a holds it). The result is the NumPy sum of each push once."""
+    from psrt.config import ClientConfig
+    from psrt.optim import SGD
+    from psrt.worker.client import Client
+
+    pair, threads, announced = _pair(num_workers=2)
+    primary, replica = pair
+    init = {n: np.full(4, 8.0, np.float32) for n in "ab"}
+    g0, g1, h0, h1, h2 = (np.full(4, v, np.float32) for v in (1.0, 2.0, 4.0, 16.0, 32.0))
+    peers = []
+    try:
+        with Client(servers=[primary.endpoint], rank=0, num_workers=2, config=ClientConfig(timeout=10)) as client:
+            client.init(init, optimizer=SGD(lr=1.0))
+
+        def push(peer, worker: int, session: int, seq: int, grads: dict) -> None:
+            header = push_header(id=seq + 1, worker=worker, session=session, seq=seq,
+                                 tensors=[[n, 0, "<f4", [4]] for n in grads])
+            peer.send([bytes(f) for f in wire.encode(header, list(grads.values()))])
+
+        def acks(peer, count: int) -> list[dict]:
+            out = []
+            while len(out) < count and peer.answered(10.0):  # (a push whose round never completes: no answer)
+                out.append(peer.recv()[0])
+                assert out[-1]["op"] == "ack", out[-1]
+            return out
+
+        peers = [RawPeer(primary.endpoint), RawPeer(primary.endpoint)]
+        push(peers[0], 0, 77, 1, {"a": g1, "b": g1})  # (push 0, {"a": g0}, lost with a dying connection)
+        push(peers[1], 1, 88, 0, {"a": h0})  # a's round completes (and is copied); b's waits for worker 1
+        assert len(acks(peers[1], 1)) == 1
+        standby = replica._replication._standbys[0]
+        assert standby.store.entries[("a", 0)].version == 1 and standby.store.entries[("b", 0)].version == 0
+        assert not standby.store.is_duplicate(0, 77, 0) and not standby.store.is_duplicate(0, 77, 1)
+        primary.stop()
+        threads[0].join(10)
+        replica._replication.on_ranges(wire.Ranges(0, ((1,), (1,))))  # the scheduler's word: shard 1 serves
+        for p in peers:
+            p.close()
+        peers = [RawPeer(announced[1][1]), RawPeer(announced[1][1])]
+        push(peers[0], 0, 77, 0, {"a": g0})  # sent again, behind push 1: a holds 1, not 0
+        push(peers[0], 0, 77, 1, {"a": g1, "b": g1})  # unanswered: sent again too; a holds it, b does not
+        push(peers[1], 1, 88, 1, {"b": h1})
+        push(peers[1], 1, 88, 2, {"a": h2})
+        answered = acks(peers[1], 2) + acks(peers[0], 2)
+        assert replica._replication.serving_ranges() == [1, 0]
+        expect = {"a": init["a"] - (g1 + h0) / 2 - (g0 + h2) / 2, "b": init["b"] - (g1 + h1) / 2}
+        for n in "ab":
+            entry = standby.store.entries[(n, 0)]
+            assert entry.version == (2 if n == "a" else 1), (n, entry.version, entry.param)
+            np.testing.assert_array_equal(entry.param, expect[n], err_msg=n)
+        assert len(answered) == 4 and not any(a["duplicate"] for a in answered), answered
+    finally:
+        for p in peers:
+            p.close()
+        _close(pair, threads)
+
+
+def test_i5_a_key_holding_an_overtaken_push_and_the_later_one_is_given_neither_again_after_a_failover():
+    """W = 2, sync: worker 0's push 1 (a, c) overtakes its push 0 (a, b), so push 0 joins a's next round, whose seq
+    is below push 1's; b's and c's rounds stay open, so neither push is settled when the primary dies. a holds both:
+    sent again to the range's new server, each goes to its other key alone, and a's next round is not joined."""
+    from psrt.config import ClientConfig
+    from psrt.optim import SGD
+    from psrt.worker.client import Client
+
+    pair, threads, announced = _pair(num_workers=2)
+    primary, replica = pair
+    init = {n: np.full(4, 8.0, np.float32) for n in "abc"}
+    g0, g1, h0, h1, hb, hc = (np.full(4, v, np.float32) for v in (1.0, 2.0, 4.0, 16.0, 32.0, 64.0))
+    peers = []
+    try:
+        with Client(servers=[primary.endpoint], rank=0, num_workers=2, config=ClientConfig(timeout=10)) as client:
+            client.init(init, optimizer=SGD(lr=1.0))
+
+        def push(peer, worker: int, session: int, seq: int, grads: dict) -> None:
+            header = push_header(id=seq + 1, worker=worker, session=session, seq=seq,
+                                 tensors=[[n, 0, "<f4", [4]] for n in grads])
+            peer.send([bytes(f) for f in wire.encode(header, list(grads.values()))])
+
+        def acks(peer, count: int) -> list[dict]:
+            out = []
+            while len(out) < count and peer.answered(10.0):
+                out.append(peer.recv()[0])
+                assert out[-1]["op"] == "ack", out[-1]
+            return out
+
+        peers = [RawPeer(primary.endpoint), RawPeer(primary.endpoint)]
+        push(peers[0], 0, 77, 1, {"a": g1, "c": g1})
+        push(peers[1], 1, 88, 0, {"a": h0})  # a's first round: pushes 1 and 0 of the two workers
+        assert len(acks(peers[1], 1)) == 1
+        push(peers[0], 0, 77, 0, {"a": g0, "b": g0})  # the overtaken one, late: a's second round
+        push(peers[1], 1, 88, 1, {"a": h1})
+        assert len(acks(peers[1], 1)) == 1
+        standby = replica._replication._standbys[0]
+        assert [standby.store.entries[(n, 0)].version for n in "abc"] == [2, 0, 0]
+        primary.stop()
+        threads[0].join(10)
+        replica._replication.on_ranges(wire.Ranges(0, ((1,), (1,))))  # the scheduler's word: shard 1 serves
+        for p in peers:
+            p.close()
+        peers = [RawPeer(announced[1][1]), RawPeer(announced[1][1])]
+        push(peers[0], 0, 77, 0, {"a": g0, "b": g0})  # both unanswered (b's and c's rounds): sent again
+        push(peers[0], 0, 77, 1, {"a": g1, "c": g1})
+        push(peers[1], 1, 88, 2, {"b": hb})
+        push(peers[1], 1, 88, 3, {"c": hc})
+        answered = acks(peers[1], 2) + acks(peers[0], 2)
+        assert replica._replication.serving_ranges() == [1, 0]
+        expect = {"a": init["a"] - (g1 + h0) / 2 - (g0 + h1) / 2, "b": init["b"] - (g0 + hb) / 2,
+                  "c": init["c"] - (g1 + hc) / 2}
+        for n in "abc":
+            entry = standby.store.entries[(n, 0)]
+            assert (entry.version, entry.contributors) == (2 if n == "a" else 1, set()), (n, entry.contributors)
+            np.testing.assert_array_equal(entry.param, expect[n], err_msg=n)
+        assert len(answered) == 4 and not any(a["duplicate"] for a in answered), answered
+    finally:
+        for p in peers:
+            p.close()
+        _close(pair, threads)
 
 @pytest.mark.integration
 def test_i2_i5_a_server_started_later_takes_a_dead_shards_place_by_state_transfer(tmp_path):

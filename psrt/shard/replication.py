@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -52,6 +52,12 @@ from psrt.shard.store import Key, Store
 from psrt.wire import replication as messages
 from psrt.wire import rowcopy
 
+#: What a key's state holds of one worker's pushes, beyond its settled ones: every push of the worker up to ``seq``
+#: that touches the key, as an int ``seq``; or, where some of those are not in it (pushes overtaken by later ones:
+#: :mod:`psrt.shard.replay`), ``(seq, holes)``: all but the holes (on a replica, runs ``[[first, count], ...]``; on
+#: the primary, before its copy, the replay window's bitmap). In-order pushes leave it an int.
+Held = Union[int, tuple[int, Any]]
+
 
 class ShardLike(Protocol):
     """What replication uses of a :class:`psrt.shard.server.Server` (not imported: the server imports this)."""
@@ -64,14 +70,14 @@ class ShardLike(Protocol):
 
     def set_job(self, num_workers: int, mode: str, staleness: int = 0) -> None: ...  # noqa: D102
     def take_rank(self, rank: int) -> None: ...  # noqa: D102
-    def adopt_copier(self, copier: Copier, included: dict[Key, dict[int, int]]) -> None: ...  # noqa: D102
+    def adopt_copier(self, copier: Copier, included: dict[Key, dict[int, Held]]) -> None: ...  # noqa: D102
     def checkpoint_at_exit(self) -> Any: ...  # noqa: D102
     def serve(self, control: Any = None) -> None: ...  # noqa: D102
     def stop(self) -> None: ...  # noqa: D102
     def close(self) -> None: ...  # noqa: D102
 
-__all__ = ["Replication", "Copier", "ShardLike", "sibling_endpoint", "frames_nbytes", "peer_keys", "replayed",
-           "apply_except"]
+__all__ = ["Replication", "Copier", "ShardLike", "Held", "sibling_endpoint", "frames_nbytes", "peer_keys", "holds",
+           "replayed", "apply_except"]
 
 log = logging.getLogger("psrt.replication")
 
@@ -152,8 +158,9 @@ class Copier:
         self._fresh: set[int] = set()  # replicas connected since the last copy: they get the whole range first
         #: Per worker, the seq of its first push in each key's open round (those pushes are not settled).
         self._open: dict[int, dict[Key, int]] = {}
-        #: Per key whose round just completed: ``{worker: seq}`` of the pushes in it, for its copy.
-        self._included: dict[Key, dict[int, int]] = {}
+        #: Per key whose round just completed: per worker of it, what the key's state holds of its pushes (:data:`Held`,
+        #: holes as a bitmap), for its copy.
+        self._included: dict[Key, dict[int, Held]] = {}
         self._acks: list[_HeldAck] = []
         #: Keys whose new state waits for the batch's copy (:meth:`defer`), in the order they changed.
         self._dirty: dict[Key, None] = {}
@@ -190,11 +197,18 @@ class Copier:
 
     def joined(self, worker: int, seq: int, keys: list[Key], completed: Sequence[int],
                late: Optional[Sequence[bool]] = None) -> None:
-        """A push (``seq`` of ``worker``) joined the rounds of ``keys``; those at ``completed`` stepped (and which
-        pushes each of those rounds holds goes with its copy). ``late`` (backup workers): keys it was dropped for,
-        whose rounds it did not join."""
+        """A push (``seq`` of ``worker``, already recorded in the store's replay window) joined the rounds of
+        ``keys``; those at ``completed`` stepped (and what each of those keys' state holds of its round's workers'
+        pushes goes with its copy). ``late`` (backup workers): keys it was dropped for, whose rounds it did not join.
+
+        A key whose round just completed holds every push of each of that round's workers the shard has taken and
+        that touches it (no push of theirs is open on it now, and one a round ahead is queued, not taken), so what
+        it holds of a worker is that worker's replay window as it is now: its highest seq taken, and its holes (in
+        order, none). Exact in any order of arrival, where the round's own seq would not be: a push overtaken by a
+        later one joins the key's next round, its seq below the one that overtook it."""
         done = set(completed)
         opened = None
+        logs = self.server.store.workers
         for i, key in enumerate(keys):
             if late is not None and late[i]:
                 continue
@@ -203,11 +217,15 @@ class Copier:
                     opened = self._open.setdefault(worker, {})
                 opened.setdefault(key, seq)
                 continue
-            included = {w: o.pop(key) for w, o in self._open.items() if key in o}
-            included[worker] = seq
-            if key in self._dirty:  # a push of the same batch, not copied yet: its copy holds both
-                for w, s in self._included.get(key, {}).items():
-                    included[w] = max(s, included.get(w, s))
+            included: dict[int, Held] = {}
+            for w, o in self._open.items():
+                if key in o:
+                    del o[key]
+                    included[w] = _held_now(logs[w])
+            included[worker] = _held_now(logs[worker])
+            if key in self._dirty:  # a push of the same batch, not copied yet: its copy holds both (the later wins)
+                for w, held in self._included.get(key, {}).items():
+                    included.setdefault(w, held)
             self._included[key] = included
 
     def hold_ack(self, identity: bytes, request_id: int, keys: list[Key], targets: list[int],
@@ -286,12 +304,13 @@ class Copier:
         if live and (keys or full or settle):  # (a range of tables alone still says, with no keys, that it is whole)
             settled, holes = self._settled(store)
             batches = _batches(keys, store)
+            runs: dict[tuple[int, int], list[list[int]]] = {}  # (a round's keys share their workers' windows)
             for n, batch in enumerate(batches):  # (a whole range in messages the replicas' limits take)
                 rid = self._next_id
                 self._next_id += 1
                 frames = messages.encode_replicate(rid, self.token, self.sender, self.range, settled,
                                                    [(k, store.entries[k]) for k in batch],
-                                                   [self._included.pop(k, {}) for k in batch],
+                                                   [_held_runs(self._included.pop(k, {}), runs) for k in batch],
                                                    full and n == len(batches) - 1, holes)
                 live = self._send(live, frames)
                 self.copies_sent += 1
@@ -493,8 +512,9 @@ class Replication:
         #: This shard's own range's copies (made by :meth:`start`).
         self.copier: Optional[Copier] = None
         self._copiers: dict[int, Copier] = {}  # ranges taken over: their standbys' copiers
-        #: Per backed range: per key, ``{worker: seq}`` of the pushes its copied state holds beyond the settled ones.
-        self._included: dict[int, dict[Key, dict[int, int]]] = {}
+        #: Per backed range: per key, per worker of its last copied round, what its copied state holds of that
+        #: worker's pushes beyond the settled ones (:data:`Held`, holes as runs).
+        self._included: dict[int, dict[Key, dict[int, Held]]] = {}
         #: Backed ranges no full copy has come for yet (a shard that joined a running job): never taken over.
         self._unsynced: set[int] = set()
         self._endpoints: tuple[tuple[str, ...], ...] = ()
@@ -657,8 +677,8 @@ class Replication:
             return
         _apply_copy(store, req, optimizers)
         held = self._included.setdefault(req.range, {})
-        for meta, pushes in zip(req.tensors, req.included):
-            held[meta.key] = pushes
+        for meta, pushes, gaps in zip(req.tensors, req.included, req.included_holes or [{}] * len(req.tensors)):
+            held[meta.key] = {w: (q, gaps[w]) if w in gaps else q for w, q in pushes.items()} if gaps else pushes
         if req.full and req.range in self._unsynced:
             self._unsynced.discard(req.range)
             log.warning("shard %d holds range %d now (a full copy from shard %d)", self.rank, req.range, req.sender)
@@ -781,10 +801,48 @@ def _batches(keys: list[Key], store: Store) -> list[list[Key]]:
     return out
 
 
-def replayed(included: dict[Key, dict[int, int]], worker: int, seq: int, keys: Sequence[Key]) -> set[int]:
+def _held_now(wlog: WorkerLog) -> Held:
+    """What a key whose round just completed holds of a worker of it: its replay window now (:meth:`Copier.joined`)."""
+    return (wlog.last_seq, wlog.holes) if wlog.holes else wlog.last_seq
+
+
+def _held_runs(included: dict[int, Held], cache: dict[tuple[int, int], list[list[int]]]) -> dict[int, Held]:
+    """``included`` (:attr:`Copier._included`'s) for the wire: holes as runs (made once per window per copy)."""
+    if all(type(h) is int for h in included.values()):  # in order: as it is
+        return included
+    out: dict[int, Held] = {}
+    for w, held in included.items():
+        if type(held) is int:
+            out[w] = held
+            continue
+        runs = cache.get(held)
+        if runs is None:
+            runs = cache[held] = WorkerLog(0, *held).hole_runs()
+        out[w] = (held[0], runs)
+    return out
+
+
+def holds(held: Optional[Held], seq: int) -> bool:
+    """Whether a key whose copied state holds ``held`` of a worker's pushes (:data:`Held`; None: nothing beyond
+    the settled ones) holds that worker's push ``seq``, which touches it."""
+    if held is None:
+        return False
+    if type(held) is int:
+        return held >= seq
+    last, runs = held
+    return last >= seq and not any(first <= seq < first + count for first, count in runs)
+
+
+def replayed(included: dict[Key, dict[int, Held]], worker: int, seq: int, keys: Sequence[Key]) -> set[int]:
     """A range taken over: the indices of ``keys`` whose state already holds push ``seq`` of ``worker`` (its copy
-    said so), though the push as a whole was not settled (another of its keys' rounds was still open)."""
-    return {i for i, key in enumerate(keys) if included.get(key, {}).get(worker, -1) >= seq}
+    said so: :func:`holds`), though the push as a whole was not settled (another of its keys' rounds was still
+    open). Exact in any order of arrival: a key may hold a later push of the worker and not this one."""
+    out = set()
+    for i, key in enumerate(keys):
+        pushes = included.get(key)
+        if pushes and holds(pushes.get(worker), seq):
+            out.add(i)
+    return out
 
 
 def apply_except(store: Store, worker: int, entries: list[Any], grads: list[np.ndarray], skip: set[int],

@@ -125,8 +125,9 @@ class Server(Recovery):
         self._control: Optional[SchedulerLink] = None
         self._ended = False  # the scheduler ended the job while a copy was awaited
         self._failed: Optional[BaseException] = None  # ... or aborted it: raised by the loop, not by a handler
-        #: A range taken over: per key, the pushes its copied state holds though they were not settled.
-        self._included: dict[Key, dict[int, int]] = {}
+        #: A range taken over: per key, what its copied state holds of each worker's pushes though they were not
+        #: settled (:data:`psrt.shard.replication.Held`).
+        self._included: dict[Key, dict[int, replication.Held]] = {}
         if not scheduled:
             try:
                 self._restore()
@@ -220,7 +221,7 @@ class Server(Recovery):
             self._replication.checkpoint_at_exit()
         return path
 
-    def adopt_copier(self, copier: Copier, included: dict[Key, dict[int, int]]) -> None:
+    def adopt_copier(self, copier: Copier, included: dict[Key, dict[int, replication.Held]]) -> None:
         """A standby taking its range over: its rounds are copied on to the range's remaining replicas, and a push
         sent again that its copied state holds in part is applied to the rest of its keys only (``included``)."""
         self._replication = copier
