@@ -302,9 +302,9 @@ class Copier:
             if self.rows is not None and live:  # the tables first: the dense copy's `full` makes the range held
                 self.rows.copy_all()
         if live and (keys or full or settle):  # (a range of tables alone still says, with no keys, that it is whole)
-            settled, holes = self._settled(store)
+            runs: dict[tuple[int, int], list[list[int]]] = {}  # (a round's keys hold their workers' windows now)
+            settled, holes = self._settled(store, runs)
             batches = _batches(keys, store)
-            runs: dict[tuple[int, int], list[list[int]]] = {}  # (a round's keys share their workers' windows)
             for n, batch in enumerate(batches):  # (a whole range in messages the replicas' limits take)
                 rid = self._next_id
                 self._next_id += 1
@@ -436,17 +436,20 @@ class Copier:
         if ch is not None:
             ch.close()
 
-    def _settled(self, store: Store) -> tuple[list[tuple[int, int, int]], dict[int, list[list[int]]]]:
+    def _settled(self, store: Store, runs: dict[tuple[int, int], list[list[int]]]
+                 ) -> tuple[list[tuple[int, int, int]], dict[int, list[list[int]]]]:
         """Per worker ``(worker, session, seq)``: its pushes below the first still in an open round (below none: all
         of them) are settled, except its replay holes among them (:mod:`psrt.shard.replay`), given per worker that
-        has any."""
+        has any. ``runs`` gets each window's holes as runs by ``(last_seq, holes)``, which the keys whose round just
+        completed hold (:meth:`joined`): the settled ones are those runs, cut at ``seq``."""
         out, holes = [], {}
         for worker, wlog in store.workers.items():
             opened = self._open.get(worker)
             seq, below = wlog.settled(min(opened.values()) if opened else None)
             out.append((worker, wlog.session, seq))
             if below:
-                holes[worker] = WorkerLog(wlog.session, seq, below).hole_runs()
+                every = runs[(wlog.last_seq, wlog.holes)] = wlog.hole_runs()
+                holes[worker] = [[first, min(count, seq - first + 1)] for first, count in every if first <= seq]
         return out, holes
 
     def _release_acks(self) -> None:
