@@ -18,7 +18,8 @@ applied the message (``settled`` 0: none), and where some of those are not (a pu
 after later ones: :mod:`psrt.shard.replay`), a fourth element, ``holes``: ``[[first, count], ...]``, the runs
 of sequence numbers below ``settled`` not in the state (left out, as an older psrt sends it: every one is).
 ``included`` lists per tensor ``[[worker, seq], ...]`` for the workers of its
-last round: its state includes every push of that worker's session up to ``seq`` that touches it (a push whose
+rounds (as of the last one each joined; the session: ``workers``'): its state includes every push of that
+worker's session up to ``seq`` that touches it (a push whose
 other keys' rounds were still open is not settled, but its part in this key is in), except, where a third element
 ``holes``, ``[[first, count], ...]``, is given, the runs of sequence numbers listed there (pushes overtaken by
 later ones: :mod:`psrt.shard.replay`; left out, as an older psrt sends it and as in-order pushes leave it: none).
@@ -81,8 +82,9 @@ class ReplicateRequest:
     slots: list[tuple[str, ...]]
     #: Per tensor: its parameters, then its slots, as arrays of its dtype (read-only views of the frames).
     arrays: list[list[np.ndarray]]
-    #: Per tensor: ``{worker: seq}`` of the workers of its last round: its state holds every push of the worker up
-    #: to ``seq`` that touches it (settled or not), but the holes in :attr:`included_holes`.
+    #: Per tensor: ``{worker: seq}`` of the workers of its rounds: its state holds every push of the worker's
+    #: session (:attr:`workers`') up to ``seq`` that touches it (settled or not), but the holes in
+    #: :attr:`included_holes`.
     included: list[dict[int, int]]
     #: The message holds every key of the range.
     full: bool = False
@@ -120,8 +122,8 @@ def encode_replicate(rid: int, token: str, sender: int, rng: int, workers: Seque
                      included: Sequence[Mapping[int, Any]] = (), full: bool = False,
                      holes: Optional[Mapping[int, list[list[int]]]] = None) -> list[Any]:
     """Frames of a ``replicate`` message: ``entries`` are ``(key, store entry)`` pairs (parameters, slots, version,
-    optimizer), ``workers`` ``(worker, session, last applied seq)``, ``included`` per entry the workers of its last
-    round, each ``seq`` or ``(seq, holes)`` (its state holds the worker's pushes up to ``seq`` that touch it, but
+    optimizer), ``workers`` ``(worker, session, last applied seq)``, ``included`` per entry the workers of its rounds,
+    each ``seq`` or ``(seq, holes)`` (its state holds the worker's pushes up to ``seq`` that touch it, but
     the runs ``holes``, :meth:`psrt.shard.replay.WorkerLog.hole_runs`; none when left out or empty); ``full``:
     ``entries`` are every key of the range; ``holes``: per worker the replay holes at and below its last applied
     seq (none when left out or empty)."""
