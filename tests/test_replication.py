@@ -263,6 +263,81 @@ def test_i3_a_copy_carries_the_replay_window_so_a_push_overtaken_before_a_failov
         _close(pair, threads)
 
 
+def test_i5_a_keys_included_pushes_carry_their_holes_so_a_later_one_held_says_nothing_of_an_earlier_one():
+    from psrt.config import WireLimits
+    from psrt.optim import SGD
+    from psrt.shard.replication import holds, replayed
+    from psrt.shard.store import Store
+
+    store = Store("sync", 2)
+    entries = [(("a", 0), store.create(("a", 0), np.zeros(2, np.float32), SGD(lr=0.1))),
+               (("b", 0), store.create(("b", 0), np.zeros(2, np.float32), SGD(lr=0.1)))]
+    frames = wire_replication.encode_replicate(5, "the-job-token", 0, 0, [(0, 77, 0), (1, 78, 3)], entries,
+                                               [{0: (6, [[2, 1], [4, 2]]), 1: 3}, {0: 6, 1: (3, [])}])
+    header = wire.unpack_header(bytes(frames[0]), WireLimits())
+    assert header["included"] == [[[0, 6, [[2, 1], [4, 2]]], [1, 3]], [[0, 6], [1, 3]]]  # in order: two numbers
+    req = wire_replication.decode_replicate([bytes(f) for f in frames], WireLimits())
+    assert req.included == [{0: 6, 1: 3}, {0: 6, 1: 3}] and req.included_holes == [{0: [[2, 1], [4, 2]]}, {}]
+    held = (6, [[2, 1], [4, 2]])
+    assert [q for q in range(9) if holds(held, q)] == [0, 1, 3, 6]
+    assert [q for q in range(9) if holds(6, q)] == list(range(7))  # no holes: every push up to 6, as before
+    assert not holds(None, 0)
+    sessions = {0: 77, 1: 78}
+    included = {("a", 0): (sessions, {0: held}), ("b", 0): (sessions, {0: 6})}
+    assert replayed(included, 0, 77, 4, [("a", 0), ("b", 0), ("c", 0)]) == {1}
+    assert replayed(included, 0, 77, 3, [("a", 0), ("b", 0)]) == {0, 1}
+    assert replayed(included, 1, 78, 0, [("a", 0), ("b", 0)]) == set()
+    assert replayed(included, 0, 79, 3, [("a", 0), ("b", 0)]) == set()  # worker 0 restarted: a new session
+    # An older psrt's copy (two numbers a worker, no holes) decodes with the meaning it had.
+    header["included"] = [[[0, 6]], [[0, 6]]]
+    old = wire_replication.decode_replicate([wire.pack_header(header), *[bytes(f) for f in frames[1:]]], WireLimits())
+    assert old.included == [{0: 6}, {0: 6}] and old.included_holes == [{}, {}]
+    for bad in ([[0, 6, [[1]]]], [[0, 6, "x"]], [[0, 6, [], 1]], [[0, 6, [[-1, 1]]]]):
+        header["included"] = [bad, []]
+        with pytest.raises(ProtocolError, match="included"):
+            wire_replication.decode_replicate([wire.pack_header(header), *[bytes(f) for f in frames[1:]]],
+                                              WireLimits())
+
+
+def test_what_a_key_holds_of_a_worker_is_the_union_of_what_it_was_copied_and_what_its_rounds_took():
+    from psrt.shard.replay import WorkerLog
+    from psrt.shard.replication import _union
+
+    def held(h) -> list[int]:
+        last, holes = h if type(h) is tuple else (h, 0)
+        return [q for q in range(12) if WorkerLog(0, last, holes).applied(q)]
+
+    window = WorkerLog(0)
+    for q in (0, 1, 3, 6):
+        window.take(q)
+    copied = (window.last_seq, window.holes)  # holds 0, 1, 3, 6 (not 2, 4, 5)
+    assert held(_union(None, copied)) == [0, 1, 3, 6]
+    assert held(_union(copied, 4)) == [0, 1, 2, 3, 4, 6]  # the range's new server took 0 .. 4 in order
+    assert held(_union(4, copied)) == [0, 1, 2, 3, 4, 6]
+    assert held(_union(copied, (5, 0b110))) == [0, 1, 2, 3, 5, 6]  # (5, 0b110) holds 0, 1, 2 and 5
+    assert _union(3, 5) == _union(5, 3) == 5
+    assert _union(copied, 6) == 6  # holes all filled: an int again, as in order
+
+
+def test_a_worker_that_restarted_has_nothing_held_of_its_old_session():
+    from types import SimpleNamespace
+
+    from psrt.config import ServerConfig
+    from psrt.shard.replication import Copier
+    from psrt.shard.store import Store
+
+    store = Store("sync", 2)
+    copier = Copier(SimpleNamespace(store=store, config=ServerConfig()), None, None, 0, 0, "t", (), lambda: False)
+    keys = [("a", 0), ("b", 0)]
+    for q in range(5):
+        store.record(0, 77, q)
+        copier.joined(0, q, keys, [0, 1])
+    assert copier._holds == {("a", 0): {0: 4}, ("b", 0): {0: 4}}
+    store.record(0, 78, 0)  # restarted: a new session, numbered from 0
+    copier.joined(0, 0, keys[:1], [0])
+    assert copier._holds == {("a", 0): {0: 0}, ("b", 0): {}}  # (b's 4 was of the old session)
+
+
 def test_i4_the_primary_copies_a_push_overtaken_by_a_later_one_as_not_applied_until_it_is():
     from psrt.config import ClientConfig
     from psrt.optim import SGD
@@ -739,6 +814,165 @@ def test_i5_a_push_partly_in_a_copied_round_is_applied_once_to_each_key_after_a_
         for name in "ab":
             assert np.array_equal(clean[when][name], failed[when][name]), (when, name)
 
+
+
+def _raw_push(peer, worker: int, session: int, seq: int, grads: dict) -> None:
+    """Send push ``seq`` of ``worker``'s ``session`` (``grads``: name to 4 float32 values), not waiting."""
+    header = push_header(id=seq + 1, worker=worker, session=session, seq=seq,
+                         tensors=[[n, 0, "<f4", [4]] for n in grads])
+    peer.send([bytes(f) for f in wire.encode(header, list(grads.values()))])
+
+
+def _acks(peer, count: int) -> list[dict]:
+    """Up to ``count`` acks ``peer`` gets (fewer: a push whose round never completes is not answered)."""
+    out = []
+    while len(out) < count and peer.answered(10.0):
+        out.append(peer.recv()[0])
+        assert out[-1]["op"] == "ack", out[-1]
+    return out
+
+
+def _fail_over(pair, threads, announced, peers: list) -> list:
+    """Stop the primary of a :func:`_pair`, promote its replica as the scheduler would, and give raw peers of the
+    range's new server in place of ``peers``."""
+    pair[0].stop()
+    threads[0].join(10)
+    pair[1]._replication.on_ranges(wire.Ranges(0, ((1,), (1,))))  # the scheduler's word: shard 1 serves
+    for p in peers:
+        p.close()
+    return [RawPeer(announced[1][1]) for _ in peers]
+
+
+def test_i5_a_push_overtaken_before_a_failover_is_applied_once_to_a_key_that_holds_a_later_one():
+    """W = 2 over one range, R = 1, sync: worker 0's push 0 (of a) is overtaken by its push 1 (of a and b), which
+    completes a's round with worker 1's push while b's stays open; the primary dies. a's copied state holds push 1
+    but not push 0: sent again to the range's new server, push 0 joins a's next round (not taken for one a holds),
+    and push 1 sent again goes to b alone (a holds it). The result is the NumPy sum of each push once."""
+    from psrt.config import ClientConfig
+    from psrt.optim import SGD
+    from psrt.worker.client import Client
+
+    pair, threads, announced = _pair(num_workers=2)
+    primary, replica = pair
+    init = {n: np.full(4, 8.0, np.float32) for n in "ab"}
+    g0, g1, h0, h1, h2 = (np.full(4, v, np.float32) for v in (1.0, 2.0, 4.0, 16.0, 32.0))
+    peers = []
+    try:
+        with Client(servers=[primary.endpoint], rank=0, num_workers=2, config=ClientConfig(timeout=10)) as client:
+            client.init(init, optimizer=SGD(lr=1.0))
+
+        peers = [RawPeer(primary.endpoint), RawPeer(primary.endpoint)]
+        _raw_push(peers[0], 0, 77, 1, {"a": g1, "b": g1})  # (push 0, {"a": g0}, lost with a dying connection)
+        _raw_push(peers[1], 1, 88, 0, {"a": h0})  # a's round completes (and is copied); b's waits for worker 1
+        assert len(_acks(peers[1], 1)) == 1
+        standby = replica._replication._standbys[0]
+        assert standby.store.entries[("a", 0)].version == 1 and standby.store.entries[("b", 0)].version == 0
+        assert not standby.store.is_duplicate(0, 77, 0) and not standby.store.is_duplicate(0, 77, 1)
+        peers = _fail_over(pair, threads, announced, peers)
+        _raw_push(peers[0], 0, 77, 0, {"a": g0})  # sent again, behind push 1: a holds 1, not 0
+        _raw_push(peers[0], 0, 77, 1, {"a": g1, "b": g1})  # unanswered: sent again too; a holds it, b does not
+        _raw_push(peers[1], 1, 88, 1, {"b": h1})
+        _raw_push(peers[1], 1, 88, 2, {"a": h2})
+        answered = _acks(peers[1], 2) + _acks(peers[0], 2)
+        assert replica._replication.serving_ranges() == [1, 0]
+        expect = {"a": init["a"] - (g1 + h0) / 2 - (g0 + h2) / 2, "b": init["b"] - (g1 + h1) / 2}
+        for n in "ab":
+            entry = standby.store.entries[(n, 0)]
+            assert entry.version == (2 if n == "a" else 1), (n, entry.version, entry.param)
+            np.testing.assert_array_equal(entry.param, expect[n], err_msg=n)
+        assert len(answered) == 4 and not any(a["duplicate"] for a in answered), answered
+    finally:
+        for p in peers:
+            p.close()
+        _close(pair, threads)
+
+
+def test_i5_a_key_holding_an_overtaken_push_and_the_later_one_is_given_neither_again_after_a_failover():
+    """W = 2, sync: worker 0's push 1 (a, c) overtakes its push 0 (a, b), so push 0 joins a's next round, whose seq
+    is below push 1's; b's and c's rounds stay open, so neither push is settled when the primary dies. a holds both:
+    sent again to the range's new server, each goes to its other key alone, and a's next round is not joined."""
+    from psrt.config import ClientConfig
+    from psrt.optim import SGD
+    from psrt.worker.client import Client
+
+    pair, threads, announced = _pair(num_workers=2)
+    primary, replica = pair
+    init = {n: np.full(4, 8.0, np.float32) for n in "abc"}
+    g0, g1, h0, h1, hb, hc = (np.full(4, v, np.float32) for v in (1.0, 2.0, 4.0, 16.0, 32.0, 64.0))
+    peers = []
+    try:
+        with Client(servers=[primary.endpoint], rank=0, num_workers=2, config=ClientConfig(timeout=10)) as client:
+            client.init(init, optimizer=SGD(lr=1.0))
+
+        peers = [RawPeer(primary.endpoint), RawPeer(primary.endpoint)]
+        _raw_push(peers[0], 0, 77, 1, {"a": g1, "c": g1})
+        _raw_push(peers[1], 1, 88, 0, {"a": h0})  # a's first round: pushes 1 and 0 of the two workers
+        assert len(_acks(peers[1], 1)) == 1
+        _raw_push(peers[0], 0, 77, 0, {"a": g0, "b": g0})  # the overtaken one, late: a's second round
+        _raw_push(peers[1], 1, 88, 1, {"a": h1})
+        assert len(_acks(peers[1], 1)) == 1
+        standby = replica._replication._standbys[0]
+        assert [standby.store.entries[(n, 0)].version for n in "abc"] == [2, 0, 0]
+        peers = _fail_over(pair, threads, announced, peers)
+        _raw_push(peers[0], 0, 77, 0, {"a": g0, "b": g0})  # both unanswered (b's and c's rounds): sent again
+        _raw_push(peers[0], 0, 77, 1, {"a": g1, "c": g1})
+        _raw_push(peers[1], 1, 88, 2, {"b": hb})
+        _raw_push(peers[1], 1, 88, 3, {"c": hc})
+        answered = _acks(peers[1], 2) + _acks(peers[0], 2)
+        assert replica._replication.serving_ranges() == [1, 0]
+        expect = {"a": init["a"] - (g1 + h0) / 2 - (g0 + h1) / 2, "b": init["b"] - (g0 + hb) / 2,
+                  "c": init["c"] - (g1 + hc) / 2}
+        for n in "abc":
+            entry = standby.store.entries[(n, 0)]
+            assert (entry.version, entry.contributors) == (2 if n == "a" else 1, set()), (n, entry.contributors)
+            np.testing.assert_array_equal(entry.param, expect[n], err_msg=n)
+        assert len(answered) == 4 and not any(a["duplicate"] for a in answered), answered
+    finally:
+        for p in peers:
+            p.close()
+        _close(pair, threads)
+
+
+def test_i5_a_whole_range_copy_keeps_what_its_keys_hold_of_pushes_not_settled():
+    """W = 2, sync: worker 0's push 0 (a, b) is in a's completed round, b's is open, when the primary copies the
+    whole range (as it does for a replica that connected anew; here on the next init); then it dies. The copy of a
+    still says a holds push 0: sent again, it goes to b alone."""
+    from psrt.config import ClientConfig
+    from psrt.optim import SGD
+    from psrt.worker.client import Client
+
+    pair, threads, announced = _pair(num_workers=2)
+    primary, replica = pair
+    init = {n: np.full(4, 8.0, np.float32) for n in "ab"}
+    g0, h0, hb = (np.full(4, v, np.float32) for v in (1.0, 2.0, 4.0))
+    peers = []
+    try:
+        with Client(servers=[primary.endpoint], rank=0, num_workers=2, config=ClientConfig(timeout=10)) as client:
+            client.init(init, optimizer=SGD(lr=1.0))
+            peers = [RawPeer(primary.endpoint), RawPeer(primary.endpoint)]
+            _raw_push(peers[0], 0, 77, 0, {"a": g0, "b": g0})
+            _raw_push(peers[1], 1, 88, 0, {"a": h0})  # a's round completes, b's waits for worker 1
+            assert len(_acks(peers[1], 1)) == 1
+            primary._replication.copier._fresh.add(1)  # as if shard 1 had connected anew: the whole range next
+            client.init({"z": np.zeros(4, np.float32)}, optimizer=SGD(lr=1.0))
+        standby = replica._replication._standbys[0]
+        assert ("z", 0) in standby.store.entries and standby.store.entries[("a", 0)].version == 1
+        peers = _fail_over(pair, threads, announced, peers)
+        _raw_push(peers[0], 0, 77, 0, {"a": g0, "b": g0})  # unanswered (b's round): sent again
+        _raw_push(peers[1], 1, 88, 1, {"b": hb})
+        answered = _acks(peers[1], 1) + _acks(peers[0], 1)
+        # What the range's new server copies on to further replicas says of a, as its own copy said:
+        assert replica._replication._copiers[0]._holds[("a", 0)] == {0: 0, 1: 0}
+        expect = {"a": init["a"] - (g0 + h0) / 2, "b": init["b"] - (g0 + hb) / 2}
+        for n in "ab":
+            entry = standby.store.entries[(n, 0)]
+            assert (entry.version, entry.contributors) == (1, set()), (n, entry.contributors)
+            np.testing.assert_array_equal(entry.param, expect[n], err_msg=n)
+        assert len(answered) == 2 and not any(a["duplicate"] for a in answered), answered
+    finally:
+        for p in peers:
+            p.close()
+        _close(pair, threads)
 
 @pytest.mark.integration
 def test_i2_i5_a_server_started_later_takes_a_dead_shards_place_by_state_transfer(tmp_path):

@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -47,10 +47,16 @@ from psrt.control import security
 from psrt.errors import ConfigError, ProtocolError, PsrtError
 from psrt.partition import backed_ranges
 from psrt.shard import tablecopy
-from psrt.shard.replay import WorkerLog
+from psrt.shard.replay import REPLAY_WINDOW, WorkerLog
 from psrt.shard.store import Key, Store
 from psrt.wire import replication as messages
 from psrt.wire import rowcopy
+
+#: What a key's state holds of one worker's pushes, beyond its settled ones: every push of the worker up to ``seq``
+#: that touches the key, as an int ``seq``; or, where some of those are not in it (pushes overtaken by later ones:
+#: :mod:`psrt.shard.replay`), ``(seq, holes)``: all but the holes (on a replica, runs ``[[first, count], ...]``; on
+#: the primary, before its copy, the replay window's bitmap). In-order pushes leave it an int.
+Held = Union[int, tuple[int, Any]]
 
 
 class ShardLike(Protocol):
@@ -64,16 +70,19 @@ class ShardLike(Protocol):
 
     def set_job(self, num_workers: int, mode: str, staleness: int = 0) -> None: ...  # noqa: D102
     def take_rank(self, rank: int) -> None: ...  # noqa: D102
-    def adopt_copier(self, copier: Copier, included: dict[Key, dict[int, int]]) -> None: ...  # noqa: D102
+    def adopt_copier(self, copier: Copier,  # noqa: D102
+                     included: dict[Key, tuple[dict[int, int], dict[int, Held]]]) -> None: ...
     def checkpoint_at_exit(self) -> Any: ...  # noqa: D102
     def serve(self, control: Any = None) -> None: ...  # noqa: D102
     def stop(self) -> None: ...  # noqa: D102
     def close(self) -> None: ...  # noqa: D102
 
-__all__ = ["Replication", "Copier", "ShardLike", "sibling_endpoint", "frames_nbytes", "peer_keys", "replayed",
-           "apply_except"]
+__all__ = ["Replication", "Copier", "ShardLike", "Held", "sibling_endpoint", "frames_nbytes", "peer_keys", "holds",
+           "replayed", "apply_except"]
 
 log = logging.getLogger("psrt.replication")
+
+_FULL = (1 << REPLAY_WINDOW) - 1
 
 #: Seconds between the replication thread's looks for a stop or a promotion while no copy arrives.
 _POLL = 0.05
@@ -152,8 +161,11 @@ class Copier:
         self._fresh: set[int] = set()  # replicas connected since the last copy: they get the whole range first
         #: Per worker, the seq of its first push in each key's open round (those pushes are not settled).
         self._open: dict[int, dict[Key, int]] = {}
-        #: Per key whose round just completed: ``{worker: seq}`` of the pushes in it, for its copy.
-        self._included: dict[Key, dict[int, int]] = {}
+        #: Per key, per worker of a round of it: what the key's state holds of the worker's pushes (:data:`Held`,
+        #: holes as a bitmap), as of the last of its rounds that worker joined; every copy of the key carries it.
+        self._holds: dict[Key, dict[int, Held]] = {}
+        #: Per worker, the session :attr:`_holds` speaks of (a worker that restarted starts afresh).
+        self._sessions: dict[int, int] = {w: wlog.session for w, wlog in server.store.workers.items()}
         self._acks: list[_HeldAck] = []
         #: Keys whose new state waits for the batch's copy (:meth:`defer`), in the order they changed.
         self._dirty: dict[Key, None] = {}
@@ -190,11 +202,21 @@ class Copier:
 
     def joined(self, worker: int, seq: int, keys: list[Key], completed: Sequence[int],
                late: Optional[Sequence[bool]] = None) -> None:
-        """A push (``seq`` of ``worker``) joined the rounds of ``keys``; those at ``completed`` stepped (and which
-        pushes each of those rounds holds goes with its copy). ``late`` (backup workers): keys it was dropped for,
-        whose rounds it did not join."""
+        """A push (``seq`` of ``worker``, already recorded in the store's replay window) joined the rounds of
+        ``keys``; those at ``completed`` stepped (and what each of those keys' state holds of its round's workers'
+        pushes goes with its copy). ``late`` (backup workers): keys it was dropped for, whose rounds it did not join.
+
+        A key whose round just completed holds every push of each of that round's workers the shard has taken and
+        that touches it (no push of theirs is open on it now, and one a round ahead is queued, not taken), so what
+        it holds of a worker is that worker's replay window as it is now: its highest seq taken, and its holes (in
+        order, none). Exact in any order of arrival, where the round's own seq would not be: a push overtaken by a
+        later one joins the key's next round, its seq below the one that overtook it. (A range taken over: the
+        key also holds what its copies said it held, pushes its primary took that were not sent here again yet.)"""
         done = set(completed)
         opened = None
+        logs = self.server.store.workers
+        if self._sessions.get(worker) != logs[worker].session:
+            self._new_session(worker, logs[worker].session)
         for i, key in enumerate(keys):
             if late is not None and late[i]:
                 continue
@@ -203,12 +225,33 @@ class Copier:
                     opened = self._open.setdefault(worker, {})
                 opened.setdefault(key, seq)
                 continue
-            included = {w: o.pop(key) for w, o in self._open.items() if key in o}
-            included[worker] = seq
-            if key in self._dirty:  # a push of the same batch, not copied yet: its copy holds both
-                for w, s in self._included.get(key, {}).items():
-                    included[w] = max(s, included.get(w, s))
-            self._included[key] = included
+            holds = self._holds.get(key)
+            if holds is None:
+                holds = self._holds[key] = {}
+            for w, o in self._open.items():
+                if key in o:
+                    del o[key]
+                    holds[w] = _union(holds.get(w), _held_now(logs[w]))
+            holds[worker] = _union(holds.get(worker), _held_now(logs[worker]))
+
+    def _new_session(self, worker: int, session: int) -> None:
+        """``worker`` restarted (a new session, numbered from 0): what keys held of its old one says nothing now."""
+        for holds in self._holds.values():
+            holds.pop(worker, None)
+        self._sessions[worker] = session
+
+    def adopt(self, held: dict[Key, tuple[dict[int, int], dict[int, Held]]]) -> None:
+        """A range taken over: what its copies said its keys hold (:attr:`Replication._included`'s, holes as runs)
+        becomes what this copier's copies say, for the workers whose sessions the range's state still has."""
+        logs = self.server.store.workers
+        self._sessions = {w: wlog.session for w, wlog in logs.items()}
+        for key, (sessions, pushes) in held.items():
+            mine: dict[int, Held] = {}
+            for w, h in pushes.items():
+                if w in logs and sessions.get(w) == logs[w].session:
+                    mine[w] = h if type(h) is int else _held_now(WorkerLog.restored(0, h[0], h[1]))
+            if mine:
+                self._holds[key] = mine
 
     def hold_ack(self, identity: bytes, request_id: int, keys: list[Key], targets: list[int],
                  duplicate: bool) -> bool:
@@ -277,21 +320,20 @@ class Copier:
         live = self._connect()
         full = bool(self._fresh)
         if full:  # a replica connected since the last copy (one that joined the job): the whole range, to all
-            included = {k: self._included.get(k, {}) for k in keys}
             keys = list(store.entries)
-            self._included = {k: included.get(k, {}) for k in keys}
             self._fresh.clear()
             if self.rows is not None and live:  # the tables first: the dense copy's `full` makes the range held
                 self.rows.copy_all()
         if live and (keys or full or settle):  # (a range of tables alone still says, with no keys, that it is whole)
-            settled, holes = self._settled(store)
+            runs: dict[tuple[int, int], list[list[int]]] = {}  # (a round's keys hold their workers' windows now)
+            settled, holes = self._settled(store, runs)
             batches = _batches(keys, store)
             for n, batch in enumerate(batches):  # (a whole range in messages the replicas' limits take)
                 rid = self._next_id
                 self._next_id += 1
                 frames = messages.encode_replicate(rid, self.token, self.sender, self.range, settled,
                                                    [(k, store.entries[k]) for k in batch],
-                                                   [self._included.pop(k, {}) for k in batch],
+                                                   [_held_runs(self._holds.get(k, {}), runs) for k in batch],
                                                    full and n == len(batches) - 1, holes)
                 live = self._send(live, frames)
                 self.copies_sent += 1
@@ -299,9 +341,6 @@ class Copier:
                 if not self._await(rid, live, frames):
                     break
                 live = [j for j in live if j in self._dealers]
-        else:
-            for k in keys:
-                self._included.pop(k, None)
 
     def settle(self) -> None:
         """A push dropped as late (backup workers) changed no key but is settled: its sequence number goes to
@@ -417,17 +456,22 @@ class Copier:
         if ch is not None:
             ch.close()
 
-    def _settled(self, store: Store) -> tuple[list[tuple[int, int, int]], dict[int, list[list[int]]]]:
+    def _settled(self, store: Store, runs: dict[tuple[int, int], list[list[int]]]
+                 ) -> tuple[list[tuple[int, int, int]], dict[int, list[list[int]]]]:
         """Per worker ``(worker, session, seq)``: its pushes below the first still in an open round (below none: all
         of them) are settled, except its replay holes among them (:mod:`psrt.shard.replay`), given per worker that
-        has any."""
+        has any. ``runs`` gets each window's holes as runs by ``(last_seq, holes)``, which the keys whose round just
+        completed hold (:meth:`joined`): the settled ones are those runs, cut at ``seq``."""
         out, holes = [], {}
         for worker, wlog in store.workers.items():
+            if self._sessions.get(worker) != wlog.session:
+                self._new_session(worker, wlog.session)
             opened = self._open.get(worker)
             seq, below = wlog.settled(min(opened.values()) if opened else None)
             out.append((worker, wlog.session, seq))
             if below:
-                holes[worker] = WorkerLog(wlog.session, seq, below).hole_runs()
+                every = runs[(wlog.last_seq, wlog.holes)] = wlog.hole_runs()
+                holes[worker] = [[first, min(count, seq - first + 1)] for first, count in every if first <= seq]
         return out, holes
 
     def _release_acks(self) -> None:
@@ -493,8 +537,9 @@ class Replication:
         #: This shard's own range's copies (made by :meth:`start`).
         self.copier: Optional[Copier] = None
         self._copiers: dict[int, Copier] = {}  # ranges taken over: their standbys' copiers
-        #: Per backed range: per key, ``{worker: seq}`` of the pushes its copied state holds beyond the settled ones.
-        self._included: dict[int, dict[Key, dict[int, int]]] = {}
+        #: Per backed range: per key, what its copied state holds of each worker's pushes beyond the settled ones
+        #: (:data:`Held`, holes as runs), with the sessions they are of (its copy's ``workers``, shared by its keys).
+        self._included: dict[int, dict[Key, tuple[dict[int, int], dict[int, Held]]]] = {}
         #: Backed ranges no full copy has come for yet (a shard that joined a running job): never taken over.
         self._unsynced: set[int] = set()
         self._endpoints: tuple[tuple[str, ...], ...] = ()
@@ -657,8 +702,10 @@ class Replication:
             return
         _apply_copy(store, req, optimizers)
         held = self._included.setdefault(req.range, {})
-        for meta, pushes in zip(req.tensors, req.included):
-            held[meta.key] = pushes
+        sessions = {w: session for w, session, _ in req.workers}
+        for meta, pushes, gaps in zip(req.tensors, req.included, req.included_holes or [{}] * len(req.tensors)):
+            held[meta.key] = sessions, ({w: (q, gaps[w]) if w in gaps else q for w, q in pushes.items()} if gaps
+                                        else pushes)
         if req.full and req.range in self._unsynced:
             self._unsynced.discard(req.range)
             log.warning("shard %d holds range %d now (a full copy from shard %d)", self.rank, req.range, req.sender)
@@ -726,7 +773,9 @@ class Replication:
             self._promoted.add(k)
             copier.live = self.holders[k][1:] if self.holders[k][:1] == (self.rank,) else ()
             self._copiers[k] = copier
-        standby.adopt_copier(copier, self._included.pop(k, {}))
+        held = self._included.pop(k, {})
+        copier.adopt(held)
+        standby.adopt_copier(copier, held)
         standby.take_rank(k)
         versions = [e.version for e in standby.store.entries.values()]
         log.warning("shard %d takes key range %d over at %s (%d keys, versions %s..%s; copied on to shards %s)",
@@ -781,10 +830,67 @@ def _batches(keys: list[Key], store: Store) -> list[list[Key]]:
     return out
 
 
-def replayed(included: dict[Key, dict[int, int]], worker: int, seq: int, keys: Sequence[Key]) -> set[int]:
-    """A range taken over: the indices of ``keys`` whose state already holds push ``seq`` of ``worker`` (its copy
-    said so), though the push as a whole was not settled (another of its keys' rounds was still open)."""
-    return {i for i, key in enumerate(keys) if included.get(key, {}).get(worker, -1) >= seq}
+def _held_now(wlog: WorkerLog) -> Held:
+    """What a key whose round just completed holds of a worker of it: its replay window now (:meth:`Copier.joined`)."""
+    return (wlog.last_seq, wlog.holes) if wlog.holes else wlog.last_seq
+
+
+def _union(a: Optional[Held], b: Held) -> Held:
+    """What a key holds of a worker's pushes when it holds ``a`` and ``b`` (:data:`Held`, holes as bitmaps): each
+    push either holds; ``a`` None: ``b``. (A key's own rounds give it its worker's window as it grows, which holds
+    every earlier one: the union is the newer; what a range taken over was copied can hold more.)"""
+    if a is None:
+        return b
+    if type(a) is int and type(b) is int:
+        return a if a > b else b
+    (la, ha), (lb, hb) = (a if type(a) is tuple else (a, 0)), (b if type(b) is tuple else (b, 0))
+    if la < lb:
+        (la, ha), (lb, hb) = (lb, hb), (la, ha)
+    d = la - lb  # b holds none of lb + 1 .. la: holes, shifted in below b's
+    hb = ((hb << d) | ((1 << d) - 1)) & _FULL if d < REPLAY_WINDOW else _FULL
+    holes = ha & hb
+    return (la, holes) if holes else la
+
+
+def _held_runs(included: dict[int, Held], cache: dict[tuple[int, int], list[list[int]]]) -> dict[int, Held]:
+    """``included`` (:attr:`Copier._holds`'s) for the wire: holes as runs (made once per window per copy)."""
+    if all(type(h) is int for h in included.values()):  # in order: as it is
+        return included
+    out: dict[int, Held] = {}
+    for w, held in included.items():
+        if type(held) is int:
+            out[w] = held
+            continue
+        runs = cache.get(held)
+        if runs is None:
+            runs = cache[held] = WorkerLog(0, *held).hole_runs()
+        out[w] = (held[0], runs)
+    return out
+
+
+def holds(held: Optional[Held], seq: int) -> bool:
+    """Whether a key whose copied state holds ``held`` of a worker's pushes (:data:`Held`; None: nothing beyond
+    the settled ones) holds that worker's push ``seq``, which touches it."""
+    if held is None:
+        return False
+    if type(held) is int:
+        return held >= seq
+    last, runs = held
+    return last >= seq and not any(first <= seq < first + count for first, count in runs)
+
+
+def replayed(included: dict[Key, tuple[dict[int, int], dict[int, Held]]], worker: int, session: int, seq: int,
+             keys: Sequence[Key]) -> set[int]:
+    """A range taken over: the indices of ``keys`` whose state already holds push ``seq`` of ``worker``'s
+    ``session`` (its copy said so: :func:`holds`), though the push as a whole was not settled (another of its keys'
+    rounds was still open). Exact in any order of arrival: a key may hold a later push of the worker and not this
+    one; and a worker that restarted (another session) has none held."""
+    out = set()
+    for i, key in enumerate(keys):
+        held = included.get(key)
+        if held is not None and held[0].get(worker) == session and holds(held[1].get(worker), seq):
+            out.add(i)
+    return out
 
 
 def apply_except(store: Store, worker: int, entries: list[Any], grads: list[np.ndarray], skip: set[int],

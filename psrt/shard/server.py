@@ -125,8 +125,9 @@ class Server(Recovery):
         self._control: Optional[SchedulerLink] = None
         self._ended = False  # the scheduler ended the job while a copy was awaited
         self._failed: Optional[BaseException] = None  # ... or aborted it: raised by the loop, not by a handler
-        #: A range taken over: per key, the pushes its copied state holds though they were not settled.
-        self._included: dict[Key, dict[int, int]] = {}
+        #: A range taken over: per key, what its copied state holds of each worker's pushes though they were not
+        #: settled (:data:`psrt.shard.replication.Held`), with the sessions they are of.
+        self._included: dict[Key, tuple[dict[int, int], dict[int, replication.Held]]] = {}
         if not scheduled:
             try:
                 self._restore()
@@ -220,7 +221,8 @@ class Server(Recovery):
             self._replication.checkpoint_at_exit()
         return path
 
-    def adopt_copier(self, copier: Copier, included: dict[Key, dict[int, int]]) -> None:
+    def adopt_copier(self, copier: Copier, included: dict[Key, tuple[dict[int, int], dict[int, replication.Held]]]
+                     ) -> None:
         """A standby taking its range over: its rounds are copied on to the range's remaining replicas, and a push
         sent again that its copied state holds in part is applied to the rest of its keys only (``included``)."""
         self._replication = copier
@@ -503,7 +505,7 @@ class Server(Recovery):
         grads = [req.array(i) for i in range(len(entries))]
         # A push_pull's lane areas stay untouched until its answer, which comes after its round: held, not copied.
         hold = lane is not None and req.pull
-        skip = replication.replayed(self._included, req.worker, req.seq, keys) if self._included else None
+        skip = replication.replayed(self._included, req.worker, req.session, req.seq, keys) if self._included else None
         if skip:  # a range taken over: this push sent again is in part of its keys' copied state already
             targets, completed = replication.apply_except(self.store, req.worker, entries, grads, skip, hold, late)
         else:

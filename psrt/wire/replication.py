@@ -17,9 +17,13 @@ every push of that session up to sequence number ``settled - 1`` is in the state
 applied the message (``settled`` 0: none), and where some of those are not (a push lost and sent again arrives
 after later ones: :mod:`psrt.shard.replay`), a fourth element, ``holes``: ``[[first, count], ...]``, the runs
 of sequence numbers below ``settled`` not in the state (left out, as an older psrt sends it: every one is).
-``included`` lists per tensor ``[[worker, seq], ...]``: the pushes its
-state includes beyond that, the round's contributors (a push whose other keys' rounds were still open is not
-settled, but its part in this key is in). ``full``: the message holds every key of the range (a replica that
+``included`` lists per tensor ``[[worker, seq], ...]`` for the workers of its
+rounds (as of the last one each joined; the session: ``workers``'): its state includes every push of that
+worker's session up to ``seq`` that touches it (a push whose
+other keys' rounds were still open is not settled, but its part in this key is in), except, where a third element
+``holes``, ``[[first, count], ...]``, is given, the runs of sequence numbers listed there (pushes overtaken by
+later ones: :mod:`psrt.shard.replay`; left out, as an older psrt sends it and as in-order pushes leave it: none).
+``full``: the message holds every key of the range (a replica that
 joined a running job holds the range once it took one). ``clocks`` lists per tensor ``[[worker, clock], ...]``, its
 workers' ssp clocks (empty in the other modes). ``token`` is the job's replication token and ``sender``
 the rank of the shard sending (:mod:`psrt.control.placement`): a replica checks both before it changes anything.
@@ -78,7 +82,9 @@ class ReplicateRequest:
     slots: list[tuple[str, ...]]
     #: Per tensor: its parameters, then its slots, as arrays of its dtype (read-only views of the frames).
     arrays: list[list[np.ndarray]]
-    #: Per tensor: ``{worker: seq}`` of the pushes of its last round (in its state, settled or not).
+    #: Per tensor: ``{worker: seq}`` of the workers of its rounds: its state holds every push of the worker's
+    #: session (:attr:`workers`') up to ``seq`` that touches it (settled or not), but the holes in
+    #: :attr:`included_holes`.
     included: list[dict[int, int]]
     #: The message holds every key of the range.
     full: bool = False
@@ -87,6 +93,9 @@ class ReplicateRequest:
     #: Per worker with holes: its replay window's holes below the settled seq (:mod:`psrt.shard.replay`); a worker
     #: left out has none.
     holes: dict[int, list[list[int]]] = field(default_factory=dict)
+    #: Per tensor (or none, an older psrt's): ``{worker: [[first, count], ...]}`` of the workers in
+    #: :attr:`included` whose pushes up to their ``seq`` are not all in its state; a worker left out has none.
+    included_holes: list[dict[int, list[list[int]]]] = field(default_factory=list)
     op: ClassVar[str] = "replicate"
 
 
@@ -110,13 +119,14 @@ class ReplicationError:
 
 def encode_replicate(rid: int, token: str, sender: int, rng: int, workers: Sequence[tuple[int, int, int]],
                      entries: Sequence[tuple[tuple[str, int], Any]],
-                     included: Sequence[dict[int, int]] = (), full: bool = False,
+                     included: Sequence[Mapping[int, Any]] = (), full: bool = False,
                      holes: Optional[Mapping[int, list[list[int]]]] = None) -> list[Any]:
     """Frames of a ``replicate`` message: ``entries`` are ``(key, store entry)`` pairs (parameters, slots, version,
-    optimizer), ``workers`` ``(worker, session, last applied seq)``, ``included`` per entry the ``{worker: seq}``
-    of its last round (none when left out); ``full``: ``entries`` are every key of the range; ``holes``: per worker
-    the replay holes at and below its last applied seq (:meth:`psrt.shard.replay.WorkerLog.hole_runs`; none when
-    left out or empty)."""
+    optimizer), ``workers`` ``(worker, session, last applied seq)``, ``included`` per entry the workers of its rounds,
+    each ``seq`` or ``(seq, holes)`` (its state holds the worker's pushes up to ``seq`` that touch it, but
+    the runs ``holes``, :meth:`psrt.shard.replay.WorkerLog.hole_runs`; none when left out or empty); ``full``:
+    ``entries`` are every key of the range; ``holes``: per worker the replay holes at and below its last applied
+    seq (none when left out or empty)."""
     holes = holes or {}
     specs: list[dict[str, Any]] = []
     seen: dict[int, int] = {}  # by identity: the keys of one init share one optimizer object
@@ -138,9 +148,18 @@ def encode_replicate(rid: int, token: str, sender: int, rng: int, workers: Seque
                    "workers": [[w, session, seq + 1] + ([holes[w]] if holes.get(w) else [])
                                for w, session, seq in workers], "optimizers": specs,
                    "tensors": tensors, "versions": versions, "opt": opt, "slots": slots,
-                   "included": [[[w, q] for w, q in sorted(d.items())] for d in included] or [[] for _ in tensors],
+                   "included": [[_included_pair(w, q) for w, q in sorted(d.items())] for d in included]
+                   or [[] for _ in tensors],
                    "full": full, "clocks": clocks},
                   arrays)
+
+
+def _included_pair(worker: int, pushes: Any) -> list[Any]:
+    """``[worker, seq]``, or ``[worker, seq, holes]`` where ``pushes`` is ``(seq, holes)`` with holes."""
+    if type(pushes) is int:
+        return [worker, pushes]
+    seq, runs = pushes
+    return [worker, seq, runs] if runs else [worker, seq]
 
 
 def decode_replicate(frames: Sequence[Any], limits: WireLimits) -> ReplicateRequest:
@@ -182,9 +201,11 @@ def decode_replicate(frames: Sequence[Any], limits: WireLimits) -> ReplicateRequ
         included = h["included"]
         if type(included) is not list or len(included) != n or any(
                 type(pairs) is not list or len(pairs) > 1 << 20 or any(
-                    type(p) is not list or len(p) != 2 or any(type(x) is not int or not 0 <= x <= MAX_U63 for x in p)
-                    for p in pairs) for pairs in included):
-            raise ProtocolError("field 'included' must list each tensor's [worker, seq] pairs")
+                    type(p) is not list or len(p) not in (2, 3)
+                    or any(type(x) is not int or not 0 <= x <= MAX_U63 for x in p[:2])
+                    or (len(p) == 3 and not hole_runs(p[2])) for p in pairs) for pairs in included):
+            raise ProtocolError("field 'included' must list each tensor's [worker, seq] or [worker, seq, holes] "
+                                "(holes: [[first, count], ...])")
         clocks = h["clocks"]
         if type(clocks) is not list or len(clocks) != n or any(
                 type(pairs) is not list or len(pairs) > 1 << 20 or any(
@@ -212,9 +233,10 @@ def decode_replicate(frames: Sequence[Any], limits: WireLimits) -> ReplicateRequ
         return ReplicateRequest(uint(h, "id"), string(h, "token", 128), uint(h, "sender", 1 << 31),
                                 uint(h, "range", 1 << 31), [(w[0], w[1], w[2] - 1) for w in workers], optimizers,
                                 metas, versions, opt, [tuple(s) for s in slots], arrays,
-                                [{w: q for w, q in pairs} for pairs in included], h["full"],
+                                [{p[0]: p[1] for p in pairs} for pairs in included], h["full"],
                                 [{w: c for w, c in pairs} for pairs in clocks],
-                                {w[0]: w[3] for w in workers if len(w) == 4})
+                                {w[0]: w[3] for w in workers if len(w) == 4},
+                                [{p[0]: p[2] for p in pairs if len(p) == 3} for pairs in included])
     except ProtocolError as exc:
         exc.request_id = request_id  # type: ignore[attr-defined]
         raise
