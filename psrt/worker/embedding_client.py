@@ -156,7 +156,7 @@ class EmbeddingClient:
         return order, offsets
 
     def _split_where(self, ids: np.ndarray) -> tuple[Optional[np.ndarray], np.ndarray, Optional[np.ndarray]]:
-        """:meth:`_split` and, but for S = 1, each id's position in the sorted order (``order``'s inverse)."""
+        """:meth:`_split`, and each id's position in the sorted order (``order``'s inverse; None for S = 1)."""
         s = len(self._senders)
         if s == 1:
             return None, np.array([0, len(ids)]), None
