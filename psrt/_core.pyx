@@ -625,6 +625,39 @@ def shard_of(const int64_t[::1] ids, int64_t[::1] out, int64_t num_shards):
             out[i] = <int64_t>(psrt_mix64(<uint64_t>ids[i]) % <uint64_t>num_shards)
 
 
+def shard_order(const int64_t[::1] ids, int64_t num_shards, int64_t[::1] order, int64_t[::1] offsets,
+                int64_t[::1] where):
+    """Sort ids by shard (``mix64(id) % num_shards``, as :func:`shard_of`) in one counting sort.
+
+    ``offsets`` (``num_shards + 1`` entries): shard s's range of ``order`` is ``offsets[s]:offsets[s + 1]``;
+    ``order`` lists each shard's indices into ``ids`` in ascending order, which is what a stable argsort of the
+    shards gives, in O(n) instead of O(n log n); ``where[i]``: the position of ``i`` in ``order`` (it holds the
+    shards until then). Does nothing unless every array has its size.
+    """
+    cdef Py_ssize_t n = ids.shape[0], i, s
+    cdef int64_t pos
+    if num_shards <= 0 or order.shape[0] != n or where.shape[0] != n or offsets.shape[0] != num_shards + 1:
+        return
+    with nogil:
+        for s in range(num_shards + 1):
+            offsets[s] = 0
+        for i in range(n):  # each shard's count, one entry on: offsets[s + 1]
+            s = <Py_ssize_t>(psrt_mix64(<uint64_t>ids[i]) % <uint64_t>num_shards)
+            where[i] = s
+            offsets[s + 1] += 1
+        for s in range(num_shards):  # offsets[s]: where shard s starts
+            offsets[s + 1] += offsets[s]
+        for i in range(n):  # offsets[s] serves as shard s's cursor: it ends where shard s + 1 starts
+            s = where[i]
+            pos = offsets[s]
+            order[pos] = i
+            where[i] = pos
+            offsets[s] = pos + 1
+        for s in range(num_shards, 0, -1):  # back to the starts
+            offsets[s] = offsets[s - 1]
+        offsets[0] = 0
+
+
 def init_rows(real[:, ::1] table, Py_ssize_t start, const int64_t[::1] ids, uint64_t seed, int kind, double a,
               double b):
     """Fill ``table[start + i]`` with the initial row of ``ids[i]``: a pure function of ``(seed, id, column)``.

@@ -185,6 +185,27 @@ def test_shard_of_spreads_strided_ids_evenly():
     assert counts.min() > 0.95 * counts.max()
 
 
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 7, 64])
+def test_shard_order_is_a_stable_sort_by_shard(num_shards):
+    rng = np.random.default_rng(num_shards)
+    for ids in (np.empty(0, np.int64), np.array([5], np.int64), rng.integers(-2**63, 2**63 - 1, 5000),
+                (rng.zipf(1.1, 8192) - 1) % 1000):  # (any int64: negative, huge, repeated)
+        ids = ids.astype(np.int64)
+        order, offsets, where = rowkernels.shard_order(ids, num_shards)
+        want = reference.shard_order(ids, num_shards)
+        for got, expected in zip((order, offsets, where), want):
+            assert got.dtype == np.int64 and np.array_equal(got, expected)
+        shards = rowkernels.shard_of(ids, num_shards)
+        for s in range(num_shards):  # each shard's range holds its ids, in the order they came
+            mine = order[offsets[s]:offsets[s + 1]]
+            assert np.array_equal(mine, np.flatnonzero(shards == s))
+        assert np.array_equal(order[where], np.arange(len(ids)))
+    with pytest.raises(KernelArgumentError):
+        rowkernels.shard_order(np.arange(3, dtype=np.int64), 0)
+    with pytest.raises(KernelTypeError):
+        rowkernels.shard_order(np.arange(3, dtype=np.int32), num_shards)
+
 def test_wrappers_refuse_what_the_kernels_cannot_check():
     table = np.zeros((4, 3), np.float32)
     with pytest.raises(KernelArgumentError, match=r"\[0, 4\)"):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["accumulate", "sgd_step", "momentum_step", "adam_step", "adagrad_step", "all_finite", "mix64", "shard_of",
-           "init_rows", "gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows", "adam_rows",
-           "unique_first"]
+           "shard_order", "init_rows", "gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows",
+           "adam_rows", "unique_first"]
 
 
 def accumulate(dst: np.ndarray, src: np.ndarray) -> None:
@@ -81,6 +81,19 @@ def mix64(z: np.ndarray) -> np.ndarray:
 def shard_of(ids: np.ndarray, num_shards: int) -> np.ndarray:
     """The shard of each id: ``mix64(id) % num_shards``."""
     return (mix64(ids.astype(np.int64).view(np.uint64)) % np.uint64(num_shards)).astype(np.int64)
+
+
+
+def shard_order(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ids sorted by shard, stably: ``(order, offsets, where)``, shard s's indices in
+    ``order[offsets[s]:offsets[s + 1]]`` and ``where`` the inverse permutation of ``order``."""
+    shards = shard_of(ids, num_shards)
+    offsets = np.zeros(num_shards + 1, np.int64)
+    np.cumsum(np.bincount(shards, minlength=num_shards), out=offsets[1:])
+    order = np.argsort(shards, kind="stable").astype(np.int64)
+    where = np.empty(len(order), np.int64)
+    where[order] = np.arange(len(order))
+    return order, offsets, where
 
 
 def init_rows(ids: np.ndarray, dim: int, dtype, seed: int, kind: int, a: float, b: float) -> np.ndarray:

@@ -3,9 +3,10 @@
 :class:`EmbeddingClient` serves these calls for :class:`psrt.Client`. A table's rows are spread over the S shards
 by a stable hash of the id, ``shard = mix64(id) % S`` (splitmix64's finaliser, :func:`psrt.kernels.rows.shard_of`),
 so rows spread evenly whatever the id pattern (contiguous, strided, or hot ids alike) and every worker computes
-the same map. A call sorts its ids by shard once (a stable argsort), sends one message per shard with that
-shard's ids as a contiguous int64 frame, receives each shard's rows straight into one buffer, and puts them
-back in the caller's order with one fancy-index assignment: no Python loop over rows. With S = 1 there is no
+the same map. A call sorts its ids by shard once (a counting sort, :func:`psrt.kernels.rows.shard_order`),
+sends one message per shard with that shard's ids as a contiguous int64 frame, receives each shard's rows
+straight into one buffer, and puts them back in the caller's order with one fancy-index assignment: no Python
+loop over rows. With S = 1 there is no
 reordering at all and the rows land in the output directly. A pull sends each distinct id once
 (:func:`psrt.kernels.rows.unique_first`: no sort) and gathers the rows of repeated ids back from the one copy
 received. To a shard of this host, a call of at least 64 KiB carries its ids and rows in the shard's
@@ -151,14 +152,15 @@ class EmbeddingClient:
 
     def _split(self, ids: np.ndarray) -> tuple[Optional[np.ndarray], np.ndarray]:
         """``(order, offsets)``: ids sorted by shard (None: already in order, S = 1) and each shard's range."""
+        order, offsets, _ = self._split_where(ids)
+        return order, offsets
+
+    def _split_where(self, ids: np.ndarray) -> tuple[Optional[np.ndarray], np.ndarray, Optional[np.ndarray]]:
+        """:meth:`_split`, and each id's position in the sorted order (``order``'s inverse; None for S = 1)."""
         s = len(self._senders)
         if s == 1:
-            return None, np.array([0, len(ids)])
-        shards = rowkernels.shard_of(ids, s)
-        order = np.argsort(shards, kind="stable")
-        offsets = np.zeros(s + 1, np.int64)
-        np.cumsum(np.bincount(shards, minlength=s), out=offsets[1:])
-        return order, offsets
+            return None, np.array([0, len(ids)]), None
+        return rowkernels.shard_order(ids, s)  # (a counting sort: a stable argsort costs several times more)
 
     def _ids(self, name: str, ids: Any) -> tuple[_Table, np.ndarray]:
         table = self._tables.get(name)
@@ -188,11 +190,9 @@ class EmbeddingClient:
         unique, inverse = rowkernels.unique_first(a)  # (no sort: the order of the distinct ids does not matter)
         gather = None
         if len(unique) < len(a):
-            a, order, offsets = unique, *self._split(unique)
+            a, (order, offsets, where) = unique, self._split_where(unique)
             gather = inverse.reshape(-1)
-            if order is not None:  # where each distinct id's row lands in the shard-sorted buffer
-                where = np.empty_like(order)
-                where[order] = np.arange(len(order))
+            if where is not None:  # where each distinct id's row lands in the shard-sorted buffer
                 gather = where[gather]
         else:
             order, offsets = self._split(a)
