@@ -160,7 +160,8 @@ def cold_ids(worker: int, step: int) -> np.ndarray:
 
 def init_table(client: Any, evicting: bool, args: Optional[dict[str, Any]] = None) -> None:
     """The table, and for an evicting one, the zero pushes that count every hot id once (with backup workers,
-    ``lockstep``: worker 0's alone, then a pull, as a loop reads before it pushes: its first push's base)."""
+    ``lockstep``: worker 0's alone, then a pull, as a loop reads before it pushes: its first push's base; the
+    caller then says it is ready, :func:`_ready`)."""
     import psrt
 
     workers, shards = client.num_workers, len(client.servers)
@@ -174,7 +175,6 @@ def init_table(client: Any, evicting: bool, args: Optional[dict[str, Any]] = Non
         client.push_rows(TABLE, hot, np.zeros((len(hot), DIM), np.float32))
         if lock:
             client.pull_rows(TABLE, hot)
-            _lockstep(args, client.rank, -1, done=True)
 
 
 def table_push(worker: int, step: int, num_workers: int, num_shards: int,
@@ -245,8 +245,11 @@ def _between_steps(args: dict[str, Any], rank: int, step: int) -> None:
 def _lockstep(args: dict[str, Any], rank: int, step: int, done: bool = False) -> None:
     """Backup workers (``lockstep``): worker 1 starts each step once worker 0 finished it, and worker 0 the next
     once worker 1 finished this one (while worker 1 still trains), so that worker 0 closes every round alone and
-    worker 1's push always comes late for it. ``step`` 0-based, or ``-1``: the evicting table's first zero push;
-    ``done``: this worker finished the step."""
+    worker 1's push always comes late for it. ``step`` 0-based, or ``-1``: the start, until the worker is ready
+    (:func:`_ready`), which the evicting table's first zero push is part of; ``done``: this worker finished the
+    step. Worker 0's first step waits for worker 1's start: a push is late only if computed from parameters older
+    than its key's, and a worker that joins after a round closed holds that round's parameters from ``init`` (its
+    first push then rightly makes the next round, not the one that closed)."""
     lock = args.get("lockstep")
     if lock is None:
         return
@@ -254,8 +257,14 @@ def _lockstep(args: dict[str, Any], rank: int, step: int, done: bool = False) ->
         Path(lock["dir"], f"step-{rank}-{step}").touch()
     elif rank == 1:
         _wait_for(str(Path(lock["dir"], f"step-0-{step}")))
-    elif step >= 0 and 0 <= step - 1 < lock["partner_steps"]:
+    elif step >= 0 and step - 1 < lock["partner_steps"]:
         _wait_for(str(Path(lock["dir"], f"step-1-{step - 1}")))
+
+
+def _ready(args: dict[str, Any], rank: int) -> None:
+    """With backup workers (``lockstep``): this worker holds the initial parameters (and rows, :func:`init_table`)
+    and is about to take its first step."""
+    _lockstep(args, rank, -1, done=True)
 
 
 def _leave(rec: _Recorder, result: dict[str, Any], how: Optional[str]) -> None:
@@ -290,6 +299,7 @@ def _client_steps(client: Any, args: dict[str, Any], rec: _Recorder) -> None:
     ids_all = all_row_ids(workers, shards)
     if args["table"]:
         init_table(client, args.get("evicting", False), args)
+    _ready(args, rank)
     last = steps if leave is None else leave
     for step in range(last):
         _lockstep(args, rank, step)
@@ -381,6 +391,7 @@ def _torch_steps(model: Any, opt: Any, args: dict[str, Any], rec: _Recorder) -> 
     ids_all = all_row_ids(workers, shards)
     if args["table"]:
         init_table(client, args.get("evicting", False), args)
+    _ready(args, rank)
     last = steps if leave is None else leave
     for step in range(last):
         _lockstep(args, rank, step)

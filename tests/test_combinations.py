@@ -15,9 +15,11 @@ What each case checks, from the documented semantics (README, docs/architecture.
   is exactly the parameters after that round: the mean of the round's pushes (of those who pushed it, once a
   worker left an elastic job);
 - **sync_b1** (sync, ``--backup-workers 1``): a round closes on its first push; worker 1 waits for worker 0's
-  step before each of its own (and worker 0 for worker 1's before the next), so every round is worker 0's push
-  alone and every push of worker 1 is late, dropped (counted, never applied) and answered with the newest
-  parameters: every read is the parameters after that round of worker 0's pushes;
+  step before each of its own (and worker 0 for worker 1's before the next, and before its first until worker 1
+  holds the initial parameters: a worker that joins later holds a later round's, and its first push rightly
+  makes the next round), so every round is worker 0's push alone and every push of worker 1 is late, dropped
+  (counted, never applied) and answered with the newest parameters: every read is the parameters after that
+  round of worker 0's pushes;
 - **async / ssp**: every push is applied once, on arrival, with scale 1, so every read is the sum of a prefix of
   each worker's pushes, and the workers' counter entries say which prefix: the read must equal that sum exactly,
   a worker must see all of its own pushes, and in ssp (s = 2) a worker that has pushed a tensor c times reads it
