@@ -20,6 +20,7 @@ from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, Py
 from libc.math cimport cos, log, pow, sin, sqrt
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.string cimport memcpy
+import sys
 
 cdef extern from *:
     r"""
@@ -186,10 +187,20 @@ def sgd_step(real[::1] param, const real[::1] grad, double lr, double scale, dou
 # A shard's every push: the gradient's finiteness check and the SGD step of a small tensor cost less than setting up
 # a typed memoryview per argument does (a memoryview object each, its format parsed and checked); the buffer
 # protocol's own view is enough for a flat pass over one C-contiguous buffer.
+cdef char _NATIVE_ORDER = b'<' if sys.byteorder == "little" else b'>'
+
+
 cdef int _real_size(const Py_buffer *view) noexcept:
-    """4 for a buffer of native float32 (format ``f``), 8 for float64 (``d``), 0 for any other."""
+    """4 for a buffer of native float32 (format ``f``), 8 for float64 (``d``), 0 for any other.
+
+    The format may name the byte order, as NumPy's does for some dtypes of native order (``=f``, ``<f``).
+    """
     cdef const char *f = view.format
-    if f == NULL or f[0] == 0 or f[1] != 0:
+    if f == NULL:
+        return 0
+    if f[0] == b'@' or f[0] == b'=' or f[0] == _NATIVE_ORDER:
+        f += 1
+    if f[0] == 0 or f[1] != 0:
         return 0
     if f[0] == b'f' and view.itemsize == 4:
         return 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -678,6 +679,15 @@ def test_core_buffer_kernels_match_the_memoryview_kernels_and_touch_only_the_com
     _core.sgd_step_buffer(grid, g, 0.1, 1.0, 0.0)
     _core.sgd_step(flat, g.reshape(-1), 0.1, 1.0, 0.0)
     np.testing.assert_array_equal(grid.reshape(-1), flat)
+    # A dtype that names the native byte order (NumPy then writes it into the buffer's format: "<f") is native.
+    native = np.dtype(dtype).newbyteorder("<" if sys.byteorder == "little" else ">")
+    named = rand(rng, 5, dtype).astype(native)
+    assert memoryview(named).format[0] in "<>"
+    want = named.astype(dtype)
+    _core.sgd_step(want, np.ones(5, dtype), 0.1, 1.0, 0.0)
+    _core.sgd_step_buffer(named, np.ones(5, native), 0.1, 1.0, 0.0)
+    np.testing.assert_array_equal(named, want)
+    assert _core.all_finite_buffer(named) is True
 
 
 def test_core_buffer_kernels_refuse_what_they_do_not_take_and_touch_nothing():
