@@ -227,12 +227,14 @@ class ShardCalls:
         if self.closed:
             raise ConnectionLostError("this client is closed")
         # A pipelined caller's reply has most likely arrived (see _take_arrived): taken without the clock's work.
-        # (With a job to watch, every wait checks on it first: the loop below does.)
-        eager = True  # whether progress tries a receive before it polls: not again right after one found nothing
+        # (With a job to watch, every wait checks on it first: the loop below does.) Whatever this finds, what was
+        # queued is taken in: the loop's first step polls.
+        eager = True
         if self._check is None and handle._outstanding:
-            eager = self._take_arrived(handle)
+            self._take_arrived(handle)
             if not handle._outstanding:
                 return
+            eager = False
         start = time.monotonic()
         deadline = start + timeout
         warn_at = start + self.config.warn_after if self.config.warn_after < timeout else None
@@ -272,7 +274,7 @@ class ShardCalls:
             # With a job to watch, wait in short slices so that news of a dead peer ends the wait promptly.
             try:
                 self.progress(handle, wait if self._check is None else min(wait, 0.25), eager)
-                eager = True
+                eager = False  # (every reply queued was taken in: the next step polls)
             except AuthenticationError as exc:
                 # A refused handshake will not heal by waiting: fail this call now, naming the shard.
                 self._forget(handle)
@@ -303,7 +305,9 @@ class ShardCalls:
         one without a poll (:meth:`_take_arrived`)."""
         if self._moves:
             self._follow_moves()
-        if not (eager and handle._outstanding and self._take_arrived(handle)):
+        # (Replies taken without a poll, and the handle still waits: every one queued on that socket is in, so the
+        # poll waits for the rest.)
+        if not (eager and handle._outstanding and self._take_arrived(handle)) or handle._outstanding:
             for index in self._poller.wait(timeout):
                 # The poll says a reply is there.
                 self._receive(index, self.channels[index].recv_frame())
