@@ -16,9 +16,11 @@ rounds in the arrays' own dtype, and the build disables floating-point contracti
 both variants give bit-identical results.
 """
 
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.math cimport cos, log, pow, sin, sqrt
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.string cimport memcpy
+import sys
 
 cdef extern from *:
     r"""
@@ -180,6 +182,91 @@ def sgd_step(real[::1] param, const real[::1] grad, double lr, double scale, dou
             psrt_sgd_f32(&param[0], &grad[0], n, lr_, s, wd)
         else:
             psrt_sgd_f64(&param[0], &grad[0], n, lr_, s, wd)
+
+
+# A shard's every push: the gradient's finiteness check and the SGD step of a small tensor cost less than setting up
+# a typed memoryview per argument does (a memoryview object each, its format parsed and checked); the buffer
+# protocol's own view is enough for a flat pass over one C-contiguous buffer.
+cdef char _NATIVE_ORDER = b'<' if sys.byteorder == "little" else b'>'
+
+
+cdef int _real_size(const Py_buffer *view) noexcept:
+    """4 for a buffer of native float32 (format ``f``), 8 for float64 (``d``), 0 for any other.
+
+    The format may name the byte order, as NumPy's does for some dtypes of native order (``=f``, ``<f``).
+    """
+    cdef const char *f = view.format
+    if f == NULL:
+        return 0
+    if f[0] == b'@' or f[0] == b'=' or f[0] == _NATIVE_ORDER:
+        f += 1
+    if f[0] == 0 or f[1] != 0:
+        return 0
+    if f[0] == b'f' and view.itemsize == 4:
+        return 4
+    if f[0] == b'd' and view.itemsize == 8:
+        return 8
+    return 0
+
+
+cdef int _get_buffer(object obj, Py_buffer *view, int flags, str name) except -1:
+    """``obj``'s C-contiguous buffer of float32 or float64 (released by the caller), else ``ValueError``."""
+    try:
+        PyObject_GetBuffer(obj, view, flags | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+    except (BufferError, TypeError):
+        raise ValueError(f"{name} must be a C-contiguous{' writable' if flags else ''} buffer") from None
+    if _real_size(view) == 0:
+        PyBuffer_Release(view)
+        raise ValueError(f"{name} must be a buffer of native float32 or float64")
+    return 0
+
+
+def sgd_step_buffer(param, grad, double lr, double scale, double weight_decay):
+    """:func:`sgd_step` of C-contiguous buffers of any shape, both native float32 or both float64, taken through
+    the buffer protocol (no typed memoryviews: cheaper to call). ``ValueError``, touching nothing, for anything
+    else; only the first ``min(len(param), len(grad))`` elements are stepped."""
+    cdef Py_buffer p, g
+    cdef Py_ssize_t n
+    cdef int size
+    _get_buffer(param, &p, PyBUF_WRITABLE, "param")
+    try:
+        _get_buffer(grad, &g, 0, "grad")
+        try:
+            size = _real_size(&p)
+            if _real_size(&g) != size:
+                raise ValueError("param and grad must have one dtype")
+            n = _min2(p.len, g.len) // size
+            if n:
+                with nogil:
+                    if size == 4:
+                        psrt_sgd_f32(<float*> p.buf, <const float*> g.buf, n, <float> lr, <float> scale,
+                                     <float> weight_decay)
+                    else:
+                        psrt_sgd_f64(<double*> p.buf, <const double*> g.buf, n, lr, scale, weight_decay)
+        finally:
+            PyBuffer_Release(&g)
+    finally:
+        PyBuffer_Release(&p)
+
+
+def all_finite_buffer(x):
+    """:func:`all_finite` of a C-contiguous buffer of any shape of native float32 or float64, taken through the
+    buffer protocol (no typed memoryview: cheaper to call); ``ValueError`` for any other."""
+    cdef Py_buffer v
+    cdef int ok = 1
+    cdef Py_ssize_t n
+    _get_buffer(x, &v, 0, "x")
+    try:
+        n = v.len // v.itemsize
+        if n:
+            with nogil:
+                if v.itemsize == 4:
+                    ok = psrt_all_finite_f32(<const uint32_t*> v.buf, n)
+                else:
+                    ok = psrt_all_finite_f64(<const uint64_t*> v.buf, n)
+    finally:
+        PyBuffer_Release(&v)
+    return ok != 0
 
 
 def momentum_step(real[::1] param, real[::1] buf, const real[::1] grad, double lr, double momentum,

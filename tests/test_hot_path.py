@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 from unittest import mock
 
@@ -10,12 +11,13 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from _helpers import serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import psrt
 from psrt import transport, wire
-from psrt.config import ClientConfig, WireLimits
+from psrt.config import ClientConfig, ServerConfig, WireLimits
 from psrt.errors import ProtocolError
 from psrt.shard.pulls import PullQueue, Waiter
 from psrt.wire import data, replies
@@ -95,6 +97,52 @@ def test_dealer_knows_where_each_reply_ends():
         dealer.close()
         router.close()
         ctx.term()
+
+
+def test_a_dealer_tries_a_receive_and_copies_what_fits():
+    ctx, router, dealer = _pair()
+    try:
+        assert dealer.try_recv_frame() is None  # nothing queued: no wait, no error
+        dealer.send([b"hello"], 5.0)
+        assert router.poll(5.0)
+        identity, _ = router.recv()
+        router.send(identity, [b"head", b"\x01" * 8, b"\x02" * 3, b"\x03" * 2])
+        assert _ready(dealer)
+        assert dealer.try_recv_frame() == b"head" and dealer.more()
+        small, large = bytearray(4), bytearray(b"\xff" * 6)
+        assert dealer.recv_into(small) == 8 and bytes(small) == b"\x01" * 4  # the frame's size; what fits copied
+        assert dealer.recv_into(large) == 3 and bytes(large) == b"\x02" * 3 + b"\xff" * 3
+        into = np.zeros(1, np.uint16)
+        assert dealer.recv_into(memoryview(into)) == 2 and into[0] == 0x0303 and not dealer.more()
+        assert dealer.try_recv_frame() is None
+    finally:
+        dealer.close()
+        router.close()
+        ctx.term()
+
+
+def test_pipelined_calls_each_get_their_own_answer_in_any_order_of_waiting():
+    """Many calls in flight: a wait takes the replies already queued without a poll (its reply is most likely
+    there), whichever call each answers; waiting out of order, or asking done(), changes nothing."""
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async")) as server:
+        with psrt.Client([server.endpoint], rank=0, num_workers=1, config=ClientConfig(timeout=20)) as c:
+            c.init({"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float64)}, optimizer=psrt.SGD(lr=1.0))
+            handles = [c.push_pull_async({"w": np.ones(4, np.float32), "b": np.ones(2)}) for _ in range(12)]
+            order = [3, 0, 11, 1, 2, *range(4, 11)]
+            deadline = time.monotonic() + 20  # (done() takes in what has arrived, never waits)
+            while not handles[5].done() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            for i in order:
+                got = handles[i].wait()
+                np.testing.assert_array_equal(got["w"], np.full(4, -(i + 1.0), np.float32))
+                np.testing.assert_array_equal(got["b"], np.full(2, -(i + 1.0)))
+            for _ in range(3):  # one in flight at a time (a poll first), then many again
+                c.push_pull({"w": np.ones(4, np.float32), "b": np.ones(2)})
+            more = [c.push_async({"w": np.ones(4, np.float32)}) for _ in range(5)]
+            for h in reversed(more):
+                assert h.wait() is None
+            np.testing.assert_array_equal(c.pull(["w"])["w"], np.full(4, -20.0, np.float32))
+        assert server.counters.pushes == 20 and server.counters.errors == 0
 
 
 @pytest.mark.integration

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -653,6 +654,57 @@ def test_core_kernels_with_mismatched_lengths_touch_only_the_common_prefix(dtype
     assert_close(param, want_p)
     assert_close(acc, want_a)
     assert np.all(pbase[long:] == SENTINEL) and np.all(abase[long:] == SENTINEL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("long", "short"), [(9, 4), (4, 9), (1, 0), (0, 3), (1027, 1027)])
+def test_core_buffer_kernels_match_the_memoryview_kernels_and_touch_only_the_common_prefix(dtype, long, short):
+    rng = np.random.default_rng(long * 17 + short)
+    pbase, param = _views(long, dtype, rng)
+    grad = rand(rng, short, dtype)
+    want = param.copy()
+    _core.sgd_step(want, grad, 0.1, 0.5, 0.01)
+    _core.sgd_step_buffer(param, grad, 0.1, 0.5, 0.01)
+    np.testing.assert_array_equal(param, want)  # the same C loop: bit for bit
+    assert np.all(pbase[long:] == SENTINEL)
+    x = rand(rng, long, dtype)
+    assert _core.all_finite_buffer(x) is _core.all_finite(x) is True
+    if long:
+        x[long // 2] = np.nan
+        assert _core.all_finite_buffer(x) is False
+    # Any C-contiguous shape is its flat elements; a read-only input is fine.
+    grid = rand(rng, 12, dtype).reshape(3, 4)
+    flat = grid.reshape(-1).copy()
+    g = np.frombuffer(rand(rng, 12, dtype).tobytes(), dtype).reshape(4, 3)
+    _core.sgd_step_buffer(grid, g, 0.1, 1.0, 0.0)
+    _core.sgd_step(flat, g.reshape(-1), 0.1, 1.0, 0.0)
+    np.testing.assert_array_equal(grid.reshape(-1), flat)
+    # A dtype that names the native byte order (NumPy then writes it into the buffer's format: "<f") is native.
+    native = np.dtype(dtype).newbyteorder("<" if sys.byteorder == "little" else ">")
+    named = rand(rng, 5, dtype).astype(native)
+    assert memoryview(named).format[0] in "<>"
+    want = named.astype(dtype)
+    _core.sgd_step(want, np.ones(5, dtype), 0.1, 1.0, 0.0)
+    _core.sgd_step_buffer(named, np.ones(5, native), 0.1, 1.0, 0.0)
+    np.testing.assert_array_equal(named, want)
+    assert _core.all_finite_buffer(named) is True
+
+
+def test_core_buffer_kernels_refuse_what_they_do_not_take_and_touch_nothing():
+    f32, f64 = np.ones(8, np.float32), np.ones(8, np.float64)
+    readonly = np.frombuffer(f32.tobytes(), np.float32)
+    swapped = f32.astype(f32.dtype.newbyteorder())
+    for param, grad in [(f32, f64), (f64, f32), (f32[::2], f32[:4]), (f32, f32[::2]), (readonly, f32),
+                        (np.ones(8, np.float16), np.ones(8, np.float16)), (swapped, f32), (np.ones(8, np.int32),) * 2,
+                        (f32, b"\0" * 32), ([1.0], f32)]:
+        before = param.copy() if isinstance(param, np.ndarray) else None
+        with pytest.raises(ValueError):
+            _core.sgd_step_buffer(param, grad, 0.1, 1.0, 0.0)
+        if before is not None:
+            np.testing.assert_array_equal(param, before)
+    for x in [f32[::2], np.ones(4, np.float16), swapped, b"\0" * 8, object()]:
+        with pytest.raises(ValueError):
+            _core.all_finite_buffer(x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -149,14 +149,16 @@ def sgd_step(param: np.ndarray, grad: np.ndarray, lr: float, scale: float = 1.0,
         Learning rate, gradient scale, L2 weight decay (torch.optim.SGD semantics).
     """
     # A shard's every push: written out rather than through _kernel and _finite (a call each costs more than
-    # checking). Finite floats have a finite sum, unless it overflows, which only sends it the long way.
+    # checking), and the kernel taking the buffers as they are (sgd_step_buffer: no typed memoryviews, whose set-up
+    # costs more than a small tensor's step). Finite floats have a finite sum, unless it overflows, which only
+    # sends it the long way.
     if type(param) is np.ndarray and type(grad) is np.ndarray and param.size == grad.size \
             and type(lr) is float and type(scale) is float and type(weight_decay) is float:
-        kernel = _SGD.get(param.dtype)
         total = lr + scale + weight_decay
-        if kernel is not None and total - total == 0.0:
+        if total - total == 0.0:
             try:
-                kernel(param, grad, lr, scale, weight_decay)  # refuses another dtype, layout or dimension
+                # Refuses (touching nothing) another dtype, two dtypes, a strided or a read-only parameter.
+                _core.sgd_step_buffer(param, grad, lr, scale, weight_decay)
                 return
             except ValueError:
                 pass  # not what the kernel takes: the checks below say why
@@ -297,14 +299,14 @@ def all_finite(x: np.ndarray) -> bool:
     x : numpy.ndarray
         C-contiguous float32 or float64 array (may be read-only).
     """
-    # The shard checks every received gradient: a flat native float array skips the checks that explain errors.
+    # The shard checks every received gradient: a native float array skips the checks that explain errors, and
+    # the kernel takes its buffer as it is (all_finite_buffer: no typed memoryview, whose set-up costs more than
+    # a small gradient's check).
     if type(x) is np.ndarray:
-        kernel = _ALL_FINITE.get(x.dtype)
-        if kernel is not None:
-            try:
-                return kernel(x)  # (a bool) refuses a strided or a many-dimensional array
-            except ValueError:
-                pass  # the checks below take it
+        try:
+            return _core.all_finite_buffer(x)  # (a bool) refuses another dtype or a strided array
+        except ValueError:
+            pass  # the checks below take it
     x = _flat("x", x, writable=False)
     return bool(_ALL_FINITE[x.dtype](x))
 

@@ -59,9 +59,12 @@ class ReceivePool:
 
     def reusable(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """An array this pool handed out before and nobody else holds any more, else a new one."""
-        pool = self._pool.setdefault(name, [])
+        pool = self._pool.get(name)  # (not setdefault: its default list would be made on every call)
+        if pool is None:
+            pool = self._pool[name] = []
+        refs = sys.getrefcount
         for a in pool:
-            if sys.getrefcount(a) <= _POOL_ONLY:
+            if refs(a) <= _POOL_ONLY:
                 return a
         a = np.empty(shape, dtype)
         if len(pool) == POOL_SIZE:

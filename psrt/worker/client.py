@@ -252,7 +252,7 @@ class Client:
         for shard, messages in self._map.messages(chunks, pipelined=False).items():
             self._senders[shard].init(handle, messages, arrays, spec)
         result = handle.wait(timeout)
-        for shard, job in handle._jobs.items():
+        for shard, job in handle._answers.items():
             self._senders[shard].backup_workers = job.backup_workers
             if not self._elastic and job.num_workers != self._num_workers:
                 raise ConfigError(f"shard {self.servers[shard]} runs with --workers {job.num_workers} "
@@ -337,7 +337,7 @@ class Client:
         for sender in self._senders:
             sender.send(handle, wire.encode_stats_request)
         handle.wait(timeout)
-        return [handle._stats[s] for s in range(len(self.servers))]
+        return [handle._answers[s] for s in range(len(self.servers))]
 
     def checkpoint(self, timeout: Optional[float] = None) -> list[str]:
         """Ask every shard to write a checkpoint now; returns each one's file, in shard order.
@@ -352,7 +352,7 @@ class Client:
         for sender in self._senders:
             sender.send(handle, wire.encode_checkpoint_request)
         handle.wait(timeout)
-        return [handle._saved[s] for s in range(len(self.servers))]
+        return [handle._answers[s] for s in range(len(self.servers))]
 
     # ------------------------------------------------------------------ embedding tables
     def init_embedding(self, name: str, dim: int, optimizer: Optional[Optimizer] = None, *,
@@ -427,7 +427,7 @@ class Client:
         for sender in self._senders:
             sender.send(handle, lambda rid: wire.encode_table_stats(rid, name))
         handle.wait(timeout)
-        return [handle._stats[s] for s in range(len(self.servers))]
+        return [handle._answers[s] for s in range(len(self.servers))]
 
     def pull_rows(self, name: str, ids: Any, timeout: Optional[float] = None,
                   out: Optional[np.ndarray] = None) -> np.ndarray:

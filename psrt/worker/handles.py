@@ -10,7 +10,6 @@ from typing import Any, Optional
 
 import numpy as np
 
-from psrt import wire
 from psrt.checks import check_seconds
 
 __all__ = ["Handle"]
@@ -25,11 +24,11 @@ class Handle:
         self._outputs = outputs
         self._outstanding: set[int] = set()
         self._error: Optional[BaseException] = None
-        self._conflicts: list[str] = []
-        self._jobs: dict[int, wire.JobInfo] = {}  # init: what each shard said about the job
-        self._stats: dict[int, dict[str, Any]] = {}  # stats: each shard's counters
-        self._saved: dict[int, str] = {}  # checkpoint: each shard's file
-        self._answers: dict[int, Any] = {}  # lane_probe / lane_open: each shard's reply record
+        self._conflicts: list[str] = []  # init: tensors another worker initialized with another optimizer
+        #: Each shard's answer, for the calls that ask every shard something (one dict for them all: a handle is
+        #: made for every push, and most ask nothing): ``init``, the job (a :class:`psrt.wire.JobInfo`);
+        #: ``stats``/``table_stats``, its counters; ``checkpoint``, its file; a lane set-up, its reply record.
+        self._answers: dict[int, Any] = {}
 
     def done(self) -> bool:
         """True when every reply has arrived (takes in any replies already queued, never blocks)."""

@@ -173,7 +173,7 @@ class ShardSender:
                 for c in msg:
                     a = arrays[c.name]
                     # A whole tensor's bytes are its own (encoding takes any C-contiguous shape): no flat view.
-                    payload.append(a if c.start == 0 and c.count == a.size else c.of(a))
+                    payload.append(a if c.pieces == 1 else c.of(a))
                 encode = lambda rid, h=prefix, q=seq, p=payload: wire.encode_push_after(  # noqa: E731
                     h, rid, q, clock, p)
                 self._send(Request(handle, self, msg, None, encode), encode)
