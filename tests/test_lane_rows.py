@@ -5,6 +5,7 @@ over sockets and as the NumPy oracle; hostile lane offsets get an error reply an
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -183,6 +184,12 @@ def test_a_long_first_embedding_call_does_not_ask_whether_a_server_runs_there(sh
     rows = np.zeros((1 << 20, DIM), np.float32)
     with caplog.at_level(logging.WARNING, logger="psrt.client"), \
             psrt.Client(group.endpoints, config=ClientConfig(timeout=60, warn_after=0.001)) as c:
+        # The shard takes the connection first (a handshake the client's monitor has seen): 1 ms into a call whose
+        # connection is not made yet, the client cannot tell a busy shard from none, and says so.
+        deadline = time.monotonic() + 10
+        while not c._calls._reached(0):
+            assert time.monotonic() < deadline, "the shard never took the connection"
+            time.sleep(0.01)
         c.init_embedding("big", dim=DIM, initial=rows)
     waits = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
     assert waits, "the call took longer than warn_after"
