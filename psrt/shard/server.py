@@ -148,7 +148,9 @@ class Server(Recovery):
         if control is not None:
             control.report = self._slow_report
         while not self._stop.is_set():
-            if self._chan.poll(poll):
+            # A sync round's copy not yet acknowledged (pipelined): its replicas' answers end the wait too.
+            awaiting = self._replication.awaiting() if self._replication is not None else ()
+            if self._chan.poll(poll, awaiting):
                 # Every message queued, then one receive that finds none: a socket's event flags cost a system
                 # call per message, a receive that succeeds none. The first message's answer goes at once (a
                 # single request waits for nothing else); those of the messages queued behind it go together.
@@ -517,8 +519,9 @@ class Server(Recovery):
         self.counters.rounds += len(completed)
         if self._replication is not None:  # the rounds this push completed are held R + 1 times before answers
             self._replication.joined(req.worker, req.seq, keys, completed, late)
-            if completed and self.store.rounds:  # sync: a round's copy at once, before its answers
-                self._replication.commit([keys[i] for i in completed])
+            if completed and self.store.rounds:  # sync: a round's copy at once, before its answers (kept back
+                # until the replicas hold it while the shard serves on: the next piece's round is copied meanwhile)
+                self._replication.commit([keys[i] for i in completed], pipelined=True)
             elif completed:  # async, ssp: copied with the batch's other pushes at its end, answers kept back till then
                 self._replication.defer([keys[i] for i in completed])
         self._answer_push(identity, req, keys, targets, False, lane, entries)
