@@ -78,8 +78,8 @@ class ShardLike(Protocol):
     def stop(self) -> None: ...  # noqa: D102
     def close(self) -> None: ...  # noqa: D102
 
-__all__ = ["Replication", "Copier", "ShardLike", "Held", "sibling_endpoint", "frames_nbytes", "peer_keys", "holds",
-           "replayed", "apply_except"]
+__all__ = ["COPY_POLL", "Replication", "Copier", "ShardLike", "Held", "sibling_endpoint", "frames_nbytes", "peer_keys",
+           "holds", "replayed", "apply_except"]
 
 log = logging.getLogger("psrt.replication")
 
@@ -87,6 +87,10 @@ _FULL = (1 << REPLAY_WINDOW) - 1
 
 #: Seconds between the replication thread's looks for a stop or a promotion while no copy arrives.
 _POLL = 0.05
+#: Most seconds a serving loop waits between reads of the scheduler's notices while a pipelined copy is awaited:
+#: as often as an awaited copy reads them (:meth:`Copier._await`), so a replica named dead is not waited for
+#: longer than there.
+COPY_POLL = _POLL
 
 
 def sibling_endpoint(bind: str, suffix: str) -> str:
