@@ -429,6 +429,106 @@ def test_i4_a_round_is_answered_only_once_the_replica_holds_it_and_the_copy_is_e
         _close(pair, threads)
 
 
+def _early_came(client) -> bool:
+    """Whether every call of ``client`` in flight has its parameters, sent before the replicas held them."""
+    pending = client._calls._pending.values()
+    return bool(pending) and all(p.early is not None for p in pending)
+
+
+def test_i4_a_sync_rounds_copy_is_not_awaited_by_the_next_ones_and_no_reply_goes_before_its_own_is_held():
+    """Pipelined copies: a sync round's copy is sent and the primary serves on, so the next round (the next piece of
+    a tensor, here another key) is copied while the first one's copy is still unacknowledged; the push_pulls'
+    parameters go at once, marked not held, and their calls end only on the held notice that follows once the
+    replica holds that round; then they are exact."""
+    from psrt.config import ClientConfig
+    from psrt.optim import SGD
+    from psrt.worker.client import Client
+
+    pair, threads, _ = _pair(num_workers=2, send_timeout=30.0)
+    primary, replica = pair
+    standby = replica._replication._standbys[0]
+    copier = primary._replication.copier
+    clients = [Client(servers=[primary.endpoint], rank=r, num_workers=2, config=ClientConfig(timeout=30))
+               for r in range(2)]
+    try:
+        for client in clients:
+            client.init({"w": np.zeros(1000, np.float32), "b": np.zeros(10, np.float32)}, optimizer=SGD(lr=1.0))
+        _pause_copies(replica)
+        handles = [(c.push_pull_async({"w": np.full(1000, r + 1, np.float32)}),
+                    c.push_pull_async({"b": np.full(10, r + 3, np.float32)})) for r, c in enumerate(clients)]
+        deadline = time.monotonic() + 10
+        while len(copier._flights) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(copier._flights) == 2, "the second round was not copied while the first one's copy waited"
+        assert primary.store.entries[("b", 0)].version == 1  # both rounds stepped on the primary ...
+        deadline = time.monotonic() + 10
+        while not all(_early_came(c) for c in clients) and time.monotonic() < deadline:
+            assert not any(h.done() for pair_ in handles for h in pair_)  # none answered: the replica holds neither
+            time.sleep(0.01)
+        assert all(_early_came(c) for c in clients)  # ... though their parameters came already (early data)
+        assert not any(h.done() for pair_ in handles for h in pair_)
+        assert standby.store.entries[("w", 0)].version == 0
+        _resume_copies(replica)
+        for first, second in handles:
+            w, b = first.wait(30)["w"], second.wait(30)["b"]
+            for key, got in ((("w", 0), w), (("b", 0), b)):
+                entry, copy = primary.store.entries[key], standby.store.entries[key]
+                assert entry.version == copy.version == 1
+                assert np.array_equal(copy.param, entry.param) and np.array_equal(got, entry.param)
+            assert w[0] == -1.5 and b[0] == -3.5  # (a round steps by the mean of its pushes)
+        assert all(standby.store.workers[r].last_seq == primary.store.workers[r].last_seq for r in range(2))
+        assert not copier._flights and not primary.replies.gated
+    finally:
+        for client in clients:
+            client.close()
+        _close(pair, threads)
+
+
+def test_i4_i5_a_primary_dying_between_its_early_parameters_and_their_notice_leaves_the_calls_unanswered():
+    """The early parameters of a round came, its held notice never does (the primary dies): the workers' calls stay
+    unanswered, go again to the promoted replica, and end there with the exact result, the push applied once."""
+    from psrt.config import ClientConfig
+    from psrt.optim import SGD
+    from psrt.worker.client import Client
+
+    pair, threads, announced = _pair(num_workers=2, send_timeout=30.0)
+    primary, replica = pair
+    standby = replica._replication._standbys[0]
+    clients = [Client(servers=[primary.endpoint], rank=r, num_workers=2, config=ClientConfig(timeout=30, shm=False))
+               for r in range(2)]
+    try:
+        for client in clients:
+            client.init({"w": np.zeros(1000, np.float32)}, optimizer=SGD(lr=1.0))
+        _pause_copies(replica)
+        handles = [c.push_pull_async({"w": np.full(1000, r + 1, np.float32)}) for r, c in enumerate(clients)]
+        deadline = time.monotonic() + 10
+        while not all(_early_came(c) for c in clients) and time.monotonic() < deadline:
+            assert not any(h.done() for h in handles)  # (takes in what came, never blocks)
+            time.sleep(0.01)
+        assert all(_early_came(c) for c in clients) and not any(h.done() for h in handles)
+        primary.stop()  # dies before the replica acknowledged the round: no notice
+        threads[0].join(10)
+        _resume_copies(replica)  # it takes the copy queued there, whose answer nobody reads
+        deadline = time.monotonic() + 10
+        while standby.store.entries[("w", 0)].version < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        replica._replication.on_ranges(wire.Ranges(0, ((1,), (1,))))  # the scheduler's word: shard 1 serves
+        for client in clients:
+            client._calls._moves = {0: announced[1][1]}  # as the scheduler's moved notice fills it
+        deadline = time.monotonic() + 30
+        while not all(h.done() for h in handles) and time.monotonic() < deadline:  # (each client sends again)
+            time.sleep(0.01)
+        for h in handles:
+            assert h.wait(0)["w"].tolist() == [-1.5] * 1000  # the mean of the two pushes, applied once
+        copy = standby.store.entries[("w", 0)]
+        assert copy.version == 1 and copy.param.tolist() == [-1.5] * 1000
+        assert standby.counters.duplicates == 2  # the copy came before the promotion: both sent again, not applied
+    finally:
+        for client in clients:
+            client.close()
+        _close(pair, threads)
+
+
 def _pause_copies(shard) -> None:
     """The replica stops taking copies (it is not declared dead: its primary waits for it)."""
     shard._replication._stop.set()
@@ -1073,3 +1173,24 @@ def test_i5_a_push_the_dead_primary_never_answered_is_applied_though_a_later_one
     assert clean["a"].tolist() == [-3.0] * 5 and clean["b"].tolist() == [-4.0] * 5
     for name in "ab":
         assert np.array_equal(clean[name], failed[name]), (name, failed[name])
+
+
+def test_i4_an_early_params_reply_and_its_held_notice_round_trip_and_a_held_reply_is_unchanged_on_the_wire():
+    from psrt.config import WireLimits
+
+    limits = WireLimits()
+    entry = [wire.tensor_entry("w", 0, np.dtype(np.float32), (4,))]
+    plain = wire.encode_params(3, entry, [2], [np.zeros(4, np.float32)])
+    assert b"held" not in bytes(plain[0]) and wire.decode_reply(plain[0], limits).held
+    early = wire.encode_params(3, entry, [2], [np.zeros(4, np.float32)], held=False)
+    reply = wire.decode_reply(early[0], limits)
+    assert isinstance(reply, wire.ParamsReply) and not reply.held and reply.versions == [2]
+    notice = wire.decode_reply(wire.encode_held([3, 9])[0], limits)
+    assert isinstance(notice, wire.HeldReply) and notice.ids == [3, 9]
+    header = wire.unpack_header(early[0], limits)
+    for bad in ({**header, "held": True}, {**header, "held": 0}):
+        with pytest.raises(ProtocolError, match="held"):
+            wire.decode_reply(wire.pack_header(bad), limits)
+    for ids in ([], [-1], "3"):
+        with pytest.raises(ProtocolError):
+            wire.decode_reply(wire.pack_header({"v": header["v"], "op": "held", "id": 0, "ids": ids}), limits)

@@ -20,6 +20,25 @@ __all__ = ["ShardReplies"]
 
 log = logging.getLogger("psrt.server")
 
+class _Mark:
+    """Where a pipelined copy was sent in the replies kept back (:meth:`ShardReplies.mark`): what follows it tells
+    of that copy's state, and waits for it."""
+
+    __slots__ = ("copy",)
+
+    def __init__(self, copy: int) -> None:
+        self.copy = copy
+
+
+class _Notice:
+    """An early params reply's ``held`` notice, kept back with the replies until the replicas hold what it told."""
+
+    __slots__ = ("identity", "request_id")
+
+    def __init__(self, identity: bytes, request_id: int) -> None:
+        self.identity, self.request_id = identity, request_id
+
+
 #: Sets of keys whose params replies' tensors part a shard keeps packed (:attr:`ShardReplies._tensors`).
 _MAX_KEY_SETS = 1 << 12
 
@@ -44,7 +63,10 @@ class ShardReplies:
         self._tensors: dict[tuple[Key, ...], bytes] = {}
         #: Replies kept back until a replicated job's copy of what they tell is acknowledged (:meth:`gate`), each
         #: with copies of its frames; None: replies go at once.
-        self._gated: Optional[list[Union[tuple[bytes, list[bytes]], Callable[[], None]]]] = None
+        self._gated: Optional[list[Union[tuple[bytes, list[bytes]], Callable[[], None], _Mark, _Notice]]] = None
+        #: Whether the replies kept back wait for pipelined copies (:meth:`mark`): a params answer is then made at
+        #: once, from the state then, as a later round's copy may be on its way when the earlier one's replies go.
+        self._marked = False
 
     def params(self, identity: bytes, request_id: int, keys: list[Key], entries: list[Entry], rounds: bool,
                job: Optional[wire.JobInfo] = None, codec: Optional[str] = None,
@@ -53,8 +75,13 @@ class ShardReplies:
         are kept back (:meth:`gate`) the answer is made when they go: the parameters then, which the replicas hold
         (every change until then is in the copy they acknowledged), sent zero-copy as ever."""
         if self._gated is not None:
-            self._gated.append(lambda: self.params(identity, request_id, keys, entries, rounds, job, codec, lane))
-            return
+            if not self._marked:
+                self._gated.append(lambda: self.params(identity, request_id, keys, entries, rounds, job, codec,
+                                                       lane))
+                return
+            if lane is None and job is None:  # pipelined copies: the data now, the notice once they are held
+                self._early(identity, request_id, keys, entries, codec)
+                return
         if lane is None and codec is None and job is None:  # the usual answer: full precision, over the socket
             which = tuple(keys)
             tensors = self._tensors.get(which)
@@ -101,6 +128,32 @@ class ShardReplies:
                     tensors[i][2], payload[i] = packed
         self._send_params(identity, entries, payload,
                           wire.encode_params(request_id, tensors, [e.version for e in entries], payload, job))
+
+    def _early(self, identity: bytes, request_id: int, keys: list[Key], entries: list[Entry],
+               codec: Optional[str]) -> None:
+        """A params reply made while pipelined copies are awaited (:meth:`mark`): sent at once marked not held, so
+        its bytes leave while the copy travels; the worker keeps them but completes the call only on the ``held``
+        notice, which waits with the replies kept back (:meth:`release`)."""
+        tensors = [wire.tensor_entry(k[0], k[1], e.param.dtype, (e.param.size,)) for k, e in zip(keys, entries)]
+        payload: list[Any] = [e.param for e in entries]
+        if codec is not None:
+            for i, e in enumerate(entries):
+                packed = e.packed_param(codec)
+                if packed is not None:
+                    tensors[i][2], payload[i] = packed
+        frames = wire.encode_params(request_id, tensors, [e.version for e in entries], payload, held=False)
+        try:
+            trackers = self._chan.send(identity, frames, track=True)
+        except transport.SendDropped as exc:  # (as a dropped reply: the worker's call times out and goes again)
+            self.counters.dropped_replies += 1
+            log.warning("reply to a worker dropped: %s", exc)
+            return
+        self.counters.bytes_out += sum(map(len, frames))
+        for entry, frame, tracker in zip(entries, payload, trackers[1:]):
+            if tracker is not None and frame is entry.param:
+                entry.trackers.append(tracker)
+        assert self._gated is not None
+        self._gated.append(_Notice(identity, request_id))
 
     def _send_params(self, identity: bytes, entries: list[Entry], payload: list[Any], frames: list[Any]) -> None:
         try:
@@ -149,16 +202,66 @@ class ShardReplies:
 
     def ungate(self) -> None:
         """Send the replies kept back since :meth:`gate`, in the order they were made; replies go at once again."""
-        gated, self._gated = self._gated, None
+        gated, self._gated, self._marked = self._gated, None, False
         for held in gated or ():
-            if callable(held):
-                held()
-                continue
-            identity, frames = held
-            try:
-                self._chan.send(identity, frames)
-            except transport.SendDropped as exc:  # (counted as sent when it was made)
-                self.dropped([(sum(map(len, frames)), str(exc))])
+            self._send_held(held)
+
+    def mark(self, copy: int) -> None:
+        """A sync round's copy ``copy`` was sent and is not awaited (a pipelined copy): every reply made from now on
+        is kept back, in order, until :meth:`release` says the replicas hold that copy; a params reply is made now
+        (its frames copied), from the state this copy and the earlier ones hold."""
+        if self._gated is None:
+            self._gated = []
+            self._marked = True
+        self._gated.append(_Mark(copy))
+
+    def release(self, copy: int, last: bool) -> None:
+        """Every copy up to ``copy`` is held by the replicas: send the replies kept back before a later copy's
+        :meth:`mark`, in order; ``last``: no copy is awaited any more, so replies go at once again."""
+        gated = self._gated or []
+        n = 0
+        for n, held in enumerate(gated):  # noqa: B007  (n: where the replies still waiting begin)
+            if type(held) is _Mark and held.copy > copy:
+                break
+        else:
+            n = len(gated)
+        self._gated = gated[n:]
+        if last and not self._gated:
+            self._gated, self._marked = None, False
+        notices: dict[bytes, list[int]] = {}  # one per worker: every early reply of it this release answers
+        for held in gated[:n]:
+            if type(held) is _Notice:
+                notices.setdefault(held.identity, []).append(held.request_id)
+            elif type(held) is not _Mark:
+                self._send_held(held)
+        for identity, ids in notices.items():
+            self._notify(identity, ids)
+
+    def _send_held(self, held: Union[tuple[bytes, list[bytes]], Callable[[], None], _Mark, _Notice]) -> None:
+        if type(held) is _Mark:
+            return
+        if type(held) is _Notice:
+            self._notify(held.identity, [held.request_id])
+            return
+        if callable(held):
+            held()
+            return
+        identity, frames = held
+        try:
+            self._chan.send(identity, frames)
+        except transport.SendDropped as exc:  # (counted as sent when it was made)
+            self.dropped([(sum(map(len, frames)), str(exc))])
+
+    def _notify(self, identity: bytes, ids: list[int]) -> None:
+        """Send a ``held`` notice now (past the replies still kept back for later copies)."""
+        frames = wire.encode_held(ids)
+        try:
+            self._chan.send(identity, frames)
+        except transport.SendDropped as exc:  # (the worker's calls time out and go again, as after a lost reply)
+            self.counters.dropped_replies += 1
+            log.warning("reply to a worker dropped: %s", exc)
+            return
+        self.counters.bytes_out += sum(map(len, frames))
 
     def dropped(self, replies: list[tuple[int, str]]) -> None:
         """Count replies that were held back (:meth:`psrt.transport.RouterChannel.hold`) and could not be sent,

@@ -36,6 +36,7 @@ import hmac
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
@@ -77,8 +78,8 @@ class ShardLike(Protocol):
     def stop(self) -> None: ...  # noqa: D102
     def close(self) -> None: ...  # noqa: D102
 
-__all__ = ["Replication", "Copier", "ShardLike", "Held", "sibling_endpoint", "frames_nbytes", "peer_keys", "holds",
-           "replayed", "apply_except"]
+__all__ = ["COPY_POLL", "Replication", "Copier", "ShardLike", "Held", "sibling_endpoint", "frames_nbytes", "peer_keys",
+           "holds", "replayed", "apply_except"]
 
 log = logging.getLogger("psrt.replication")
 
@@ -86,6 +87,10 @@ _FULL = (1 << REPLAY_WINDOW) - 1
 
 #: Seconds between the replication thread's looks for a stop or a promotion while no copy arrives.
 _POLL = 0.05
+#: Most seconds a serving loop waits between reads of the scheduler's notices while a pipelined copy is awaited:
+#: as often as an awaited copy reads them (:meth:`Copier._await`), so a replica named dead is not waited for
+#: longer than there.
+COPY_POLL = _POLL
 
 
 def sibling_endpoint(bind: str, suffix: str) -> str:
@@ -119,6 +124,16 @@ class _HeldAck:
     def __init__(self, identity: bytes, request_id: int, keys: list[Key], want: list[int], duplicate: bool) -> None:
         self.identity, self.request_id, self.keys = identity, request_id, keys
         self.want, self.duplicate = want, duplicate
+
+
+class _Flight:
+    """A sync round's copy sent and not awaited (:meth:`Copier.commit` with ``pipelined``): the replicas yet to
+    acknowledge it, and its frames (sent again to one that has not yet read that this shard serves the range)."""
+
+    __slots__ = ("rid", "frames", "waiting", "deadline")
+
+    def __init__(self, rid: int, frames: list[Any], waiting: set[int], deadline: float) -> None:
+        self.rid, self.frames, self.waiting, self.deadline = rid, frames, waiting, deadline
 
 
 class Copier:
@@ -159,6 +174,11 @@ class Copier:
         self._connected: dict[int, str] = {}  # each dealer's endpoint (a shard that took a dead one's place: new)
         self._dropped: set[int] = set()  # replicas given up on (they refused, or never answered)
         self._fresh: set[int] = set()  # replicas connected since the last copy: they get the whole range first
+        #: Replicas that acknowledged a copy of this shard's since they were connected: they take this shard for
+        #: the range's primary, so a copy sent them without waiting is never refused as not the primary's.
+        self._confirmed: set[int] = set()
+        #: Sync rounds' copies sent and not yet acknowledged by every live replica, oldest first (pipelined).
+        self._flights: deque[_Flight] = deque()
         #: Per worker, the seq of its first push in each key's open round (those pushes are not settled).
         self._open: dict[int, dict[Key, int]] = {}
         #: Per key, per worker of a round of it: what the key's state holds of the worker's pushes (:data:`Held`,
@@ -184,10 +204,12 @@ class Copier:
             log.warning("shard %d no longer holds a copy of range %d (the scheduler says): not copying to it", j,
                         self.range)
             self._dealers.pop(j).close()
+            self._confirmed.discard(j)
         for j in live:
             announced = self.endpoints[j] if j < len(self.endpoints) else ()
             if j in self._dealers and announced[:1] != (self._connected.get(j),):  # another shard in j's place
                 self._dealers.pop(j).close()
+                self._confirmed.discard(j)
             if j not in self._dealers:
                 if not announced:
                     log.error("shard %d announced no replication endpoint: range %d is not copied there", j,
@@ -276,20 +298,29 @@ class Copier:
 
     def pending(self) -> bool:
         """Whether the batch changed something not copied yet, or keeps replies back (:meth:`flush` sends it)."""
-        return bool(self._dirty or self.server.replies.gated
+        return bool(self._dirty or (self.server.replies.gated and not self._flights)
                     or (self.rows is not None and self.rows.pending()))
 
     def flush(self) -> None:
         """The end of a batch: what it changed (:meth:`defer`) goes in one copy to every live replica, awaited;
         then the replies kept back go, in order."""
+        if self._flights:
+            self.poll()
         if self.pending():
             self.commit([])
 
-    def commit(self, keys: list[Key], settle: bool = False) -> None:
+    def commit(self, keys: list[Key], settle: bool = False, pipelined: bool = False) -> None:
         """The rounds of ``keys`` completed (or ``init`` made them): copy their state, and that of the keys deferred
         (:meth:`defer`), to every live replica and wait until each acknowledged it (or the scheduler says it is
         gone); then send the replies kept back and release the acks it held. ``settle``: copy the workers' settled
-        sequence numbers even when no key changed (:meth:`settle`)."""
+        sequence numbers even when no key changed (:meth:`settle`).
+
+        ``pipelined`` (a sync round): where it can, the copy is sent and not awaited; every reply made from then on
+        is kept back until the replicas acknowledged it (:meth:`poll`), while the shard goes on serving, so the
+        next piece's round is copied while this one's waits. Otherwise any copy still awaited is awaited first."""
+        if pipelined and self._pipeline(keys):
+            return
+        self.drain()
         for opened in self._open.values():
             for key in keys:
                 opened.pop(key, None)
@@ -314,6 +345,115 @@ class Copier:
             self._release_acks()
         if self.rows is not None:
             self.rows.release()
+
+    def _pipeline(self, keys: list[Key]) -> bool:
+        """:meth:`commit` of a sync round without waiting for its copy, when it can be (False: it cannot): nothing
+        else is to be copied with it, every live replica took this shard's copies before, and the replies kept
+        back, if any, wait for earlier pipelined copies only."""
+        replies = self.server.replies
+        if self._dirty or self._depth or self._fresh or (replies.gated and not self._flights) \
+                or (self.rows is not None and self.rows.pending()) or not keys:
+            return False
+        live = self._connect()
+        if not live or self._fresh or any(j not in self._confirmed for j in live):
+            return False
+        for opened in self._open.values():
+            for key in keys:
+                opened.pop(key, None)
+        store = self.server.store
+        batches = _batches(keys, store)
+        if len(batches) != 1:
+            return False
+        runs: dict[tuple[int, int], list[list[int]]] = {}  # (the round's keys hold their workers' windows now)
+        settled, holes = self._settled(store, runs)
+        rid = self._next_id
+        self._next_id += 1
+        frames = messages.encode_replicate(rid, self.token, self.sender, self.range, settled,
+                                           [(k, store.entries[k]) for k in keys],
+                                           [_held_runs(self._holds.get(k, {}), runs) for k in keys], False, holes)
+        live = self._send(live, frames)
+        self.copies_sent += 1
+        self.copy_bytes_sent += frames_nbytes(frames) * len(live)
+        replies.mark(rid)  # what is answered from now on tells of this round: kept back until it is held
+        self._flights.append(_Flight(rid, frames, set(live), time.monotonic() + self._timeout))
+        if self._acks:
+            self._release_acks()  # (their acks go once the copy is held, kept back in order behind the mark)
+        if self.rows is not None:
+            self.rows.release()
+        if not live:
+            self.poll()
+        return True
+
+    def awaiting(self) -> list[Any]:
+        """The sockets of the replicas a pipelined copy waits for (the serving loop polls them with its own)."""
+        if not self._flights:
+            return []
+        waiting = set().union(*(f.waiting for f in self._flights))
+        return [self._dealers[j].sock for j in waiting if j in self._dealers]
+
+    def poll(self) -> None:
+        """Read the replicas' answers to the pipelined copies (never waits): each copy every live replica holds
+        releases, in order, the replies kept back behind it. A replica that does not answer within
+        ``send_timeout`` (and is not named dead) is dropped, as a blocking copy's is."""
+        flights = self._flights
+        if not flights:
+            return
+        by_id = {f.rid: f for f in flights}
+        for j in {j for f in flights for j in f.waiting}:
+            ch = self._dealers.get(j)
+            while ch is not None and ch.readable():
+                head = ch.recv_frame()
+                more = ch.more()
+                ch.discard_rest()
+                try:
+                    if more:
+                        raise ProtocolError("a replica's reply is one frame")
+                    reply = messages.decode_replication_reply([head], self._limits)
+                except ProtocolError as exc:
+                    log.error("shard %d sent a malformed reply to a copy: %s", j, exc)
+                    continue
+                flight = by_id.get(reply.id)
+                if flight is None or j not in flight.waiting:
+                    continue  # a late answer to a copy that was given up on
+                flight.waiting.discard(j)
+                if isinstance(reply, messages.ReplicationError):
+                    log.error("shard %d refused range %d's copy: [%s] %s; it no longer holds a current copy",
+                              j, self.range, reply.code, reply.message)
+                    self._drop(j)
+                    for f in flights:
+                        f.waiting.discard(j)
+                    ch = None
+                else:
+                    self._confirmed.add(j)
+        now = time.monotonic()
+        for f in flights:
+            for j in list(f.waiting):
+                if j not in self.live or j in self._dropped:  # the scheduler declared it dead meanwhile
+                    f.waiting.discard(j)
+                elif now > f.deadline:
+                    log.error("shard %d did not acknowledge range %d's copy within %gs and the scheduler did not "
+                              "declare it dead; going on without it", j, self.range, self._timeout)
+                    self._drop(j)
+                    for g in flights:
+                        g.waiting.discard(j)
+        held = None
+        while flights and not flights[0].waiting:
+            held = flights.popleft().rid
+        if held is not None:
+            self.server.replies.release(held, not flights)
+
+    def drain(self) -> None:
+        """Wait until every pipelined copy is acknowledged (or its replicas dropped), releasing what it kept back:
+        before any copy that is awaited (its answers would otherwise overtake theirs)."""
+        while self._flights:
+            self.poll()
+            if not self._flights:
+                return
+            if self.tick():
+                return  # the job ended or failed: nothing will be answered any more
+            socks = self.awaiting()
+            if socks:
+                transport.wait_readable(socks, _POLL)
 
     def _copy(self, keys: list[Key], settle: bool) -> None:
         store = self.server.store
@@ -373,6 +513,7 @@ class Copier:
         """One message other than a dense copy (a table's, :mod:`psrt.shard.tablecopy`) to every live replica,
         awaited as a round's copy is; ``make(request id)`` gives its frames. A replica that connected anew gets the
         whole range first."""
+        self.drain()
         live = self._connect()
         if self._fresh:
             self.commit([])
@@ -435,6 +576,8 @@ class Copier:
                         log.error("shard %d refused range %d's copy: [%s] %s; it no longer holds a current copy",
                                   j, self.range, reply.code, reply.message)
                         self._drop(j)
+                    else:
+                        self._confirmed.add(j)
                     break
             if not waiting:
                 return True
@@ -452,6 +595,7 @@ class Copier:
 
     def _drop(self, j: int) -> None:
         self._dropped.add(j)
+        self._confirmed.discard(j)
         ch = self._dealers.pop(j, None)
         if ch is not None:
             ch.close()
@@ -637,10 +781,19 @@ class Replication:
         assert self.copier is not None
         return self.copier.hold_ack(identity, request_id, keys, targets, duplicate)
 
-    def commit(self, keys: list[Key]) -> None:
+    def commit(self, keys: list[Key], settle: bool = False, pipelined: bool = False) -> None:
         """:meth:`Copier.commit` of this shard's own range."""
         assert self.copier is not None
-        self.copier.commit(keys)
+        self.copier.commit(keys, settle, pipelined)
+
+    def awaiting(self) -> list[Any]:
+        """:meth:`Copier.awaiting` of this shard's own range."""
+        return self.copier.awaiting() if self.copier is not None else []
+
+    def poll(self) -> None:
+        """:meth:`Copier.poll` of this shard's own range."""
+        if self.copier is not None:
+            self.copier.poll()
 
     def defer(self, keys: list[Key]) -> None:
         """:meth:`Copier.defer` of this shard's own range."""

@@ -41,7 +41,7 @@ from psrt.shard.answers import ShardReplies
 from psrt.shard.counters import Counters, report
 from psrt.shard.pulls import PullQueue, Waiter
 from psrt.shard.recovery import Checkpointer, Recovery
-from psrt.shard.replication import Copier, Replication
+from psrt.shard.replication import COPY_POLL, Copier, Replication
 from psrt.shard.store import Entry, Key, Store
 from psrt.shard.stragglers import REPORT_EVERY_S, TELL_EVERY_S, Lateness
 from psrt.shard.tablecopy import TableCopies
@@ -148,7 +148,10 @@ class Server(Recovery):
         if control is not None:
             control.report = self._slow_report
         while not self._stop.is_set():
-            if self._chan.poll(poll):
+            # A sync round's copy not yet acknowledged (pipelined): its replicas' answers end the wait too.
+            # It is then read as often as an awaited copy reads the scheduler's notices (COPY_POLL).
+            awaiting = self._replication.awaiting() if self._replication is not None else ()
+            if self._chan.poll(min(poll, COPY_POLL) if awaiting else poll, awaiting):
                 # Every message queued, then one receive that finds none: a socket's event flags cost a system
                 # call per message, a receive that succeeds none. The first message's answer goes at once (a
                 # single request waits for nothing else); those of the messages queued behind it go together.
@@ -181,6 +184,11 @@ class Server(Recovery):
                                                                     self._on_ranges)):
                 log.info("the scheduler ended the job")
                 return
+            if self._replication is not None:
+                # A replica the scheduler just named dead is waited for no more: what a pipelined copy kept back
+                # for it goes now, as a copy that is awaited lets its answers go on that notice, not a poll later
+                # (a sync push's ack would otherwise wait a poll interval for a replica that will never answer).
+                self._replication.poll()
 
     # ------------------------------------------------------------------ replication
     def prepare_replication(self, replicas: int) -> tuple[str, ...]:
@@ -517,8 +525,9 @@ class Server(Recovery):
         self.counters.rounds += len(completed)
         if self._replication is not None:  # the rounds this push completed are held R + 1 times before answers
             self._replication.joined(req.worker, req.seq, keys, completed, late)
-            if completed and self.store.rounds:  # sync: a round's copy at once, before its answers
-                self._replication.commit([keys[i] for i in completed])
+            if completed and self.store.rounds:  # sync: a round's copy at once, before its answers (kept back
+                # until the replicas hold it while the shard serves on: the next piece's round is copied meanwhile)
+                self._replication.commit([keys[i] for i in completed], pipelined=True)
             elif completed:  # async, ssp: copied with the batch's other pushes at its end, answers kept back till then
                 self._replication.defer([keys[i] for i in completed])
         self._answer_push(identity, req, keys, targets, False, lane, entries)

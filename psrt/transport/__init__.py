@@ -53,7 +53,7 @@ from psrt.transport.curve import ZAP_DOMAIN, JobKeys, create_certificates, read_
 
 __all__ = ["ZERO_COPY_BYTES", "ZAP_DOMAIN", "new_context", "acquire_context", "release_context", "RouterChannel",
            "DealerChannel", "Poller", "monitor_event", "SendDropped", "peer_address", "create_certificates",
-           "read_certificate", "on_this_host"]
+           "read_certificate", "on_this_host", "wait_readable"]
 
 #: Below this many bytes a copy costs less than avoiding it: smaller frames are copied into ZeroMQ's messages
 #: (pyzmq copies them anyway), and a call moving fewer bytes to a shard stays on the sockets instead of taking a
@@ -180,6 +180,11 @@ def release_context(context: zmq.Context) -> None:
     context.term()
 
 
+def wait_readable(sockets: Sequence[zmq.Socket], timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for a message on any of ``sockets``; True when one is waiting."""
+    return bool(zmq.zmq_poll([(s, _POLLIN) for s in sockets], _ms(timeout)))
+
+
 def _max_frame(sock: zmq.Socket, max_frame: Optional[int]) -> None:
     if max_frame is not None:
         sock.setsockopt(zmq.MAXMSGSIZE, min(max_frame + _FRAME_SLACK, _MAX_INT64))
@@ -301,9 +306,13 @@ class RouterChannel:
         self._hold_most = 0
         self._dropped: list[tuple[int, str]] = []
 
-    def poll(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for an incoming message (or, when watched, a connection's close)."""
-        return bool(zmq.zmq_poll(self._wait_items, _ms(timeout)))
+    def poll(self, timeout: float, also: Sequence[zmq.Socket] = ()) -> bool:
+        """Wait up to ``timeout`` seconds for an incoming message (or, when watched, a connection's close); ``also``:
+        sockets whose message ends the wait too (True only when this channel has one)."""
+        if not also:
+            return bool(zmq.zmq_poll(self._wait_items, _ms(timeout)))
+        got = zmq.zmq_poll([*self._wait_items, *((s, _POLLIN) for s in also)], _ms(timeout))
+        return any(s is self.sock or s is self._closes for s, _ in got)
 
     def readable(self) -> bool:
         """True when a message is waiting (never waits)."""

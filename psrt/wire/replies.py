@@ -36,9 +36,9 @@ from psrt.wire.codec import (
 )
 from psrt.wire.rows import RowsReply, decode_rows_reply
 
-__all__ = ["JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "SavedReply", "Reply", "decode_reply",
-           "encode_params", "params_tensors", "encode_params_packed", "encode_ack", "encode_stats", "encode_error",
-           "encode_saved"]
+__all__ = ["JobInfo", "ParamsReply", "AckReply", "StatsReply", "ErrorReply", "SavedReply", "HeldReply", "Reply",
+           "decode_reply", "encode_params", "params_tensors", "encode_params_packed", "encode_ack", "encode_stats",
+           "encode_error", "encode_saved", "encode_held"]
 
 #: A ``params`` reply's fields; answering ``init`` it adds the job's, over a shared-memory lane the lane's.
 _PARAMS = frozenset({"v", "op", "id", "tensors", "versions"})
@@ -46,12 +46,18 @@ _PARAMS_JOB = _PARAMS | frozenset({"mode", "num_workers", "conflicts"})
 #: ... of a shard with backup workers (only then: a job without them answers as older shards do).
 _PARAMS_JOB_BACKUP = _PARAMS_JOB | frozenset({"backup_workers"})
 _PARAMS_LANE = _PARAMS | frozenset({"lane", "places"})
+#: ... sent before the replicas hold the round it tells (a replicated job's pipelined copy): ``held`` is false, and
+#: a ``held`` notice naming its id follows once they do (a reply without the field is held already).
+_PARAMS_EARLY = _PARAMS | frozenset({"held"})
+#: Most request ids one ``held`` notice names (a worker has at most a step's calls per shard in flight).
+MAX_HELD_IDS = 1 << 16
 _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "params": _PARAMS,
     "ack": frozenset({"v", "op", "id", "versions", "duplicate"}),
     "stats": frozenset({"v", "op", "id", "stats"}),
     "error": frozenset({"v", "op", "id", "code", "message"}),
     "saved": frozenset({"v", "op", "id", "path"}),
+    "held": frozenset({"v", "op", "id", "ids"}),
 }
 
 
@@ -80,6 +86,8 @@ class ParamsReply:
     #: per tensor ``[]`` (in the lane) or ``[generation, offset, counter]`` (in the shard's shared parameters).
     lane: Optional[int] = None
     places: Optional[list[list[int]]] = None
+    #: False: sent before the replicas hold what it tells; the call completes on a :class:`HeldReply` naming it.
+    held: bool = True
     op: ClassVar[str] = "params"
 
 
@@ -121,7 +129,17 @@ class SavedReply:
     op: ClassVar[str] = "saved"
 
 
-Reply = Union[ParamsReply, AckReply, StatsReply, ErrorReply, SavedReply, RowsReply, lanes.BeaconReply,
+@dataclass
+class HeldReply:
+    """``held``: the replicas hold what the early ``params`` replies ``ids`` (``held`` false) told: those calls are
+    answered now. Its own ``id`` is 0 (it answers no request of its own)."""
+
+    id: int
+    ids: list[int]
+    op: ClassVar[str] = "held"
+
+
+Reply = Union[ParamsReply, AckReply, StatsReply, ErrorReply, SavedReply, HeldReply, RowsReply, lanes.BeaconReply,
               lanes.LaneReply, lanes.ClosedReply]
 
 
@@ -154,7 +172,8 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
         return decode_rows_reply(h, limits)
     if type(op) is str and op in lanes.REPLY_FIELDS:
         return lanes.decode_lane_reply(h)
-    if type(op) is str and op == "params" and h.keys() in (_PARAMS_JOB, _PARAMS_LANE, _PARAMS_JOB_BACKUP):
+    if type(op) is str and op == "params" and h.keys() in (_PARAMS_JOB, _PARAMS_LANE, _PARAMS_JOB_BACKUP,
+                                                           _PARAMS_EARLY):
         fields = h.keys()
     else:
         fields = _REPLY_FIELDS.get(op) if type(op) is str else None
@@ -171,6 +190,10 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
                 raise ProtocolError("params reply: 'conflicts' must index the reply's tensors")
             job = JobInfo(string(h, "mode", allowed=MODES), uint(h, "num_workers", MAX_WORKER, lo=1), conflicts,
                           uint(h, "backup_workers", MAX_WORKER) if "backup_workers" in h else 0)
+        if "held" in h:
+            if h["held"] is not False:
+                raise ProtocolError("params reply: 'held' is false when given (a held reply leaves it out)")
+            return ParamsReply(rid, metas, versions, held=False)
         if "lane" not in h:
             return ParamsReply(rid, metas, versions, job)
         return ParamsReply(rid, metas, versions, job, uint(h, "lane"), lanes.places(h["places"], len(metas)))
@@ -186,6 +209,11 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
         return StatsReply(rid, stats)
     if op == "saved":
         return SavedReply(rid, string(h, "path"))
+    if op == "held":
+        ids = uint_list(h, "ids")
+        if not 0 < len(ids) <= MAX_HELD_IDS:
+            raise ProtocolError(f"held reply: 'ids' names {len(ids)} requests (1 to {MAX_HELD_IDS})")
+        return HeldReply(rid, ids)
     return ErrorReply(rid, string(h, "code", 64), string(h, "message", 1 << 16))
 
 
@@ -330,10 +358,15 @@ def _params_of(h: dict[str, Any], limits: WireLimits) -> tuple[list[TensorMeta],
 
 def encode_params(rid: int, entries: list[list[Any]], versions: list[int], payload: Sequence[np.ndarray],
                   job: Optional[JobInfo] = None, lane: Optional[int] = None,
-                  places: Optional[list[list[int]]] = None) -> list[Any]:
+                  places: Optional[list[list[int]]] = None, held: bool = True) -> list[Any]:
     """Frames of a ``params`` reply (with the job's mode, W and conflicts when answering ``init``; with ``lane``,
-    the parameters are in that lane's segment and ``payload`` is empty)."""
+    the parameters are in that lane's segment and ``payload`` is empty; ``held`` False: sent before the replicas
+    hold it, a ``held`` notice follows, :func:`encode_held`)."""
     header: dict[str, Any] = {"op": "params", "id": rid, "tensors": entries, "versions": versions}
+    if not held:
+        if job is not None or lane is not None:
+            raise ValueError("an early params reply carries neither the job's fields nor a lane")
+        header["held"] = False
     if job is not None:
         header.update(mode=job.mode, num_workers=job.num_workers, conflicts=job.conflicts)
         if job.backup_workers:
@@ -403,6 +436,11 @@ def encode_stats(rid: int, stats: dict[str, Any]) -> list[Any]:
 def encode_error(rid: int, code: str, message: str) -> list[Any]:
     """Frames of an ``error`` reply."""
     return encode({"op": "error", "id": rid, "code": code, "message": message})
+
+
+def encode_held(ids: Sequence[int]) -> list[Any]:
+    """Frames of a ``held`` notice: the early params replies ``ids`` tell what the replicas hold now."""
+    return encode({"op": "held", "id": 0, "ids": list(ids)})
 
 
 def encode_saved(rid: int, path: str) -> list[Any]:

@@ -89,9 +89,12 @@ class Request:
         Over a lane: its frames over the socket, should the shard refuse the lane.
     refused : callable or None
         Called when the shard refuses it (top-k: its residual changes are taken back).
+    early : list or None
+        Its parameters came before the shard's replicas held them (a replicated job's early reply): each key's
+        version, taken once the ``held`` notice naming it comes (None: no such reply, or it was sent again since).
     """
 
-    __slots__ = ("handle", "sender", "shard", "chunks", "table", "resend", "lane", "plain", "refused")
+    __slots__ = ("handle", "sender", "shard", "chunks", "table", "resend", "lane", "plain", "refused", "early")
 
     def __init__(self, handle: Handle, sender: Sender, chunks: Sequence[Chunk], table: Optional[str],
                  resend: Encode, lane: Optional[LaneUse] = None, plain: Optional[Encode] = None,
@@ -105,6 +108,7 @@ class Request:
         self.lane = lane
         self.plain = plain
         self.refused = refused
+        self.early: Optional[list[tuple[Any, int]]] = None
 
     def release(self) -> None:
         """It was answered: its lane areas are free."""
@@ -418,6 +422,7 @@ class ShardCalls:
         if self._restarted is not None:
             self._restarted(shard)
         for rid, p in unanswered:
+            p.early = None  # parameters an early reply brought are not held: the new answer replaces them
             p.sender.resend(rid, p)
 
     def _receive(self, shard: int, head: bytes) -> None:
@@ -429,9 +434,16 @@ class ShardCalls:
             ch.discard_rest()
             raise ProtocolError(f"shard {self.servers[shard]} sent a malformed reply: {exc}") from None
         self._unanswered[shard] = 0
+        if type(reply) is wire.HeldReply:
+            ch.discard_rest()
+            self._held(shard, reply.ids)
+            return
         pending = self._pending.get(reply.id)
         if pending is None or pending.shard != shard:
             ch.discard_rest()  # a late reply to a call that timed out, or one this shard was never asked
+            return
+        if type(reply) is wire.ParamsReply and not reply.held:
+            self._early(ch, reply, pending)
             return
         if isinstance(reply, wire.ErrorReply) and pending.plain is not None and (
                 reply.code in LANE_CODES or (reply.code == "protocol" and pending.table is not None)):
@@ -445,6 +457,36 @@ class ShardCalls:
         try:
             self._take(ch, reply, pending)
         finally:
+            pending.release()
+
+    def _early(self, ch: transport.DealerChannel, reply: wire.ParamsReply, pending: Request) -> None:
+        """A params reply sent before the shard's replicas held its round: its parameters are taken into the call's
+        outputs now, but the call stays pending until the ``held`` notice (:meth:`_held`). Should the shard die
+        first, the request goes again to whoever takes its range over, whose answer replaces them: a call never
+        ends with parameters the replicas did not hold."""
+        try:
+            pending.early = self._receive_params(ch, reply, pending, early=True)
+        except ProtocolError as exc:
+            ch.discard_rest()
+            del self._pending[reply.id]
+            pending.handle._outstanding.discard(reply.id)
+            pending.release()
+            pending.handle._fail(ProtocolError(f"shard {self.servers[pending.shard]}: {exc}"))
+
+    def _held(self, shard: int, ids: list[int]) -> None:
+        """A ``held`` notice: the early replies ``ids`` of ``shard`` are held by its replicas: their calls end."""
+        known, held = self.versions.chunks[shard], self.versions.held[shard]
+        for rid in ids:
+            pending = self._pending.get(rid)
+            if pending is None or pending.shard != shard or pending.early is None:
+                continue  # a call that timed out, or one sent again since its early reply (its answer is to come)
+            del self._pending[rid]
+            pending.handle._outstanding.discard(rid)
+            self._answered[shard] = True
+            for key, version in pending.early:
+                known[key] = max(known.get(key, 0), version)
+                held[key] = version
+            pending.early = None
             pending.release()
 
     def _take(self, ch: transport.DealerChannel, reply: Any, pending: Request) -> None:
@@ -501,7 +543,10 @@ class ShardCalls:
         else:
             handle._answers[shard] = reply.stats
 
-    def _receive_params(self, ch: transport.DealerChannel, reply: wire.ParamsReply, pending: Request) -> None:
+    def _receive_params(self, ch: transport.DealerChannel, reply: wire.ParamsReply, pending: Request,
+                        early: bool = False) -> Optional[list[tuple[Any, int]]]:
+        """Take a params reply's parameters into the call's outputs and learn their versions; ``early`` (a reply
+        the replicas do not hold yet, over the socket): the versions are returned instead, to learn on its notice."""
         chunks = pending.chunks
         outputs = pending.handle._outputs
         if outputs is None or len(reply.tensors) != len(chunks):
@@ -512,6 +557,7 @@ class ShardCalls:
                 raise ProtocolError(f"reply tensor {meta.name!r} part {meta.part} does not match the request")
         known = self.versions.chunks[pending.shard]
         held = self.versions.held[pending.shard]
+        versions: list[tuple[Any, int]] = []
         if reply.lane is not None:  # the parameters are in this request's lane areas, or the shard's memory
             use = pending.lane
             if use is None or reply.lane != use.ref.generation or len(use.ref.outputs) != len(chunks) \
@@ -547,7 +593,11 @@ class ShardCalls:
                 raise ProtocolError(f"tensor {meta.name!r} part {meta.part}: frame has {got} bytes, "
                                     f"expected {meta.nbytes}")
             key = meta.key  # (the chunk's: checked above)
+            if early:
+                versions.append((key, version))
+                continue
             known[key] = max(known.get(key, 0), version)
             held[key] = version
         if ch.more():
             raise ProtocolError("reply has more buffer frames than tensors")
+        return versions if early else None
