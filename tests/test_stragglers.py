@@ -756,7 +756,12 @@ def test_replicas_keep_the_exact_rule_of_backup_workers_across_a_sigkilled_prima
     for run in (clean, failed):
         assert [w["round"] for w in run] == [rounds] * 3, run
         assert all(w["exact"] for w in run), run
-        assert [w["versions"] for w in run] == [[rounds]] * 3, run  # every tensor at the last round, as in clean
+        # The fast workers close the last round on both shards: every tensor at it, as in the clean run. The slow
+        # worker's last push is late, dropped and answered at once with each shard's newest parameters (the rule),
+        # and one shard may not have closed the last round yet when it answers: as the fast workers' calls need
+        # both shards each round, the shards are never more than a round apart.
+        assert [w["versions"] for w in run[:2]] == [[rounds]] * 2, run
+        assert rounds in run[2]["versions"] and set(run[2]["versions"]) <= {rounds - 1, rounds}, run
         assert all(w["backup"] == [backup, backup] for w in run), run  # a promoted standby's b is the job's
     assert clean[2]["dropped"] > 0 and clean[2]["steps"] < rounds, clean  # the slow worker was left behind
 
