@@ -120,12 +120,7 @@ class ShardReplies:
             self.reply(identity, wire.encode_params(request_id, tensors, [e.version for e in entries], [], job,
                                                     lane=segment.generation, places=places))
             return
-        payload: list[Any] = [e.param for e in entries]
-        if codec is not None:
-            for i, e in enumerate(entries):
-                packed = e.packed_param(codec)  # None: float64, or out of fp16's range
-                if packed is not None:
-                    tensors[i][2], payload[i] = packed
+        payload = _packed(tensors, entries, codec)
         self._send_params(identity, entries, payload,
                           wire.encode_params(request_id, tensors, [e.version for e in entries], payload, job))
 
@@ -135,39 +130,29 @@ class ShardReplies:
         its bytes leave while the copy travels; the worker keeps them but completes the call only on the ``held``
         notice, which waits with the replies kept back (:meth:`release`)."""
         tensors = [wire.tensor_entry(k[0], k[1], e.param.dtype, (e.param.size,)) for k, e in zip(keys, entries)]
-        payload: list[Any] = [e.param for e in entries]
-        if codec is not None:
-            for i, e in enumerate(entries):
-                packed = e.packed_param(codec)
-                if packed is not None:
-                    tensors[i][2], payload[i] = packed
+        payload = _packed(tensors, entries, codec)
         frames = wire.encode_params(request_id, tensors, [e.version for e in entries], payload, held=False)
-        try:
-            trackers = self._chan.send(identity, frames, track=True)
-        except transport.SendDropped as exc:  # (as a dropped reply: the worker's call times out and goes again)
-            self.counters.dropped_replies += 1
-            log.warning("reply to a worker dropped: %s", exc)
-            return
-        self.counters.bytes_out += sum(map(len, frames))
-        for entry, frame, tracker in zip(entries, payload, trackers[1:]):
-            if tracker is not None and frame is entry.param:
-                entry.trackers.append(tracker)
-        assert self._gated is not None
-        self._gated.append(_Notice(identity, request_id))
+        # (a dropped one gets no notice: the worker's call times out and goes again)
+        if self._send_params(identity, entries, payload, frames, at_once=True):
+            assert self._gated is not None
+            self._gated.append(_Notice(identity, request_id))
 
-    def _send_params(self, identity: bytes, entries: list[Entry], payload: list[Any], frames: list[Any]) -> None:
+    def _send_params(self, identity: bytes, entries: list[Entry], payload: list[Any], frames: list[Any],
+                     at_once: bool = False) -> bool:
+        """Send a params reply (``at_once``: past the gate, an early reply); whether it went."""
         try:
-            trackers = self._send(identity, frames, True)
+            trackers = self._chan.send(identity, frames, track=True) if at_once else self._send(identity, frames, True)
         except transport.SendDropped as exc:
             self.counters.dropped_replies += 1
             log.warning("reply to a worker dropped: %s", exc)
-            return
+            return False
         self.counters.bytes_out += sum(map(len, frames))
         # One tracker per frame (None where the frame was copied); the parameters' frames follow the header.
         # A 16-bit copy is the frame's own: only frames of the parameters themselves are tracked.
         for entry, frame, tracker in zip(entries, payload, trackers[1:]):
             if tracker is not None and frame is entry.param:
                 entry.trackers.append(tracker)
+        return True
 
     def reply(self, identity: bytes, frames: list[Any]) -> None:
         """Send a reply whose buffers (if any) are small: acks, rows, stats, lane set-up."""
@@ -277,3 +262,15 @@ class ShardReplies:
         self.counters.errors += counted
         log.info("error reply (%s): %s", code, message)
         self.reply(identity, wire.encode_error(request_id, code, message))
+
+
+def _packed(tensors: list[list[Any]], entries: list[Entry], codec: Optional[str]) -> list[Any]:
+    """The payload of a params reply: each entry's parameters, or with a 16-bit ``codec`` their packed copy where
+    one exists (None: float64, or out of fp16's range), whose dtype then goes into its ``tensors`` entry."""
+    payload: list[Any] = [e.param for e in entries]
+    if codec is not None:
+        for i, e in enumerate(entries):
+            packed = e.packed_param(codec)
+            if packed is not None:
+                tensors[i][2], payload[i] = packed
+    return payload

@@ -402,15 +402,8 @@ class Copier:
         for j in {j for f in flights for j in f.waiting}:
             ch = self._dealers.get(j)
             while ch is not None and ch.readable():
-                head = ch.recv_frame()
-                more = ch.more()
-                ch.discard_rest()
-                try:
-                    if more:
-                        raise ProtocolError("a replica's reply is one frame")
-                    reply = messages.decode_replication_reply([head], self._limits)
-                except ProtocolError as exc:
-                    log.error("shard %d sent a malformed reply to a copy: %s", j, exc)
+                reply = self._reply(j, ch)
+                if reply is None:
                     continue
                 flight = by_id.get(reply.id)
                 if flight is None or j not in flight.waiting:
@@ -543,6 +536,20 @@ class Copier:
             sent.append(j)
         return sent
 
+    def _reply(self, j: int, ch: Any) -> Any:
+        """The next answer of replica ``j`` to a copy, read from its channel ``ch`` (readable); None: it was
+        malformed, logged and dropped."""
+        head = ch.recv_frame()
+        more = ch.more()
+        ch.discard_rest()
+        try:
+            if more:
+                raise ProtocolError("a replica's reply is one frame")
+            return messages.decode_replication_reply([head], self._limits)
+        except ProtocolError as exc:
+            log.error("shard %d sent a malformed reply to a copy: %s", j, exc)
+            return None
+
     def _await(self, rid: int, live: list[int], frames: list[Any]) -> bool:
         """Wait until every one of ``live`` acknowledged copy ``rid`` (or is dropped); False: the job ended."""
         waiting = set(live)
@@ -554,15 +561,8 @@ class Copier:
                     continue
                 ch = self._dealers[j]
                 while ch.readable():
-                    head = ch.recv_frame()
-                    more = ch.more()
-                    ch.discard_rest()
-                    try:
-                        if more:
-                            raise ProtocolError("a replica's reply is one frame")
-                        reply = messages.decode_replication_reply([head], self._limits)
-                    except ProtocolError as exc:
-                        log.error("shard %d sent a malformed reply to a copy: %s", j, exc)
+                    reply = self._reply(j, ch)
+                    if reply is None:
                         continue
                     if reply.id != rid:
                         continue  # a late answer to a copy that was given up on
