@@ -250,12 +250,15 @@ def shard_of(ids: np.ndarray, num_shards: int) -> np.ndarray:
         S, positive.
     """
     i = _ids("ids", ids)
-    if type(num_shards) is not int or num_shards < 1:
-        raise KernelArgumentError(f"num_shards must be a positive integer, got {num_shards!r}")
+    _check_shards(num_shards)
     out = np.empty(len(i), np.int64)
     _core.shard_of(i, out, num_shards)
     return out
 
+
+def _check_shards(num_shards: int) -> None:
+    if type(num_shards) is not int or num_shards < 1:
+        raise KernelArgumentError(f"num_shards must be a positive integer, got {num_shards!r}")
 
 
 def shard_order(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -283,8 +286,7 @@ def shard_order(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarra
         int64, each id's position in ``order``.
     """
     i = _ids("ids", ids)
-    if type(num_shards) is not int or num_shards < 1:
-        raise KernelArgumentError(f"num_shards must be a positive integer, got {num_shards!r}")
+    _check_shards(num_shards)
     n = len(i)
     order, offsets, where = np.empty(n, _I64), np.empty(num_shards + 1, _I64), np.empty(n, _I64)
     _core.shard_order(i, num_shards, order, offsets, where)
