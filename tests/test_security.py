@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import zmq.auth
 from _helpers import RawPeer, Relay, launched_results, scheduling, serving, worker_command
+from zmq.utils import z85
 
 import psrt
 from psrt import transport
@@ -29,6 +30,7 @@ from psrt.config import ClientConfig, ServerConfig, WireLimits
 from psrt.control import security
 from psrt.control.scheduler import SchedulerLink
 from psrt.shard.server import Server
+from psrt.transport import curve
 
 PSRT = [sys.executable, "-m", "psrt.cli"]
 #: How long a refused peer's call would wait without the handshake monitor (its timeout here); the monitor reports
@@ -147,6 +149,55 @@ def test_a_client_without_the_jobs_keys_is_refused_and_reaches_nothing(who, job_
     assert server.endpoint in message and "PSRT_KEYS" in message and "--keys" in message
     assert info.value.endpoint == server.endpoint
     assert isinstance(info.value, PermissionError) and isinstance(info.value, psrt.PsrtError)
+
+
+def test_a_shard_back_with_other_keys_fails_the_next_call_at_once(job_keys, other_keys):
+    """A refused reconnection leaves the DEALER no queue (ZeroMQ does not retry it), so the next request finds no
+    room: its wait for room watches the handshake monitor and ends with the refusal, not the send timeout."""
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", keys=str(job_keys))) as first:
+        endpoint = first.endpoint
+        c = psrt.Client([endpoint], config=client_config(job_keys, timeout=WAIT_S))
+        c.init({"w": np.zeros(5, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+    try:
+        with serving(ServerConfig(bind=endpoint, keys=str(other_keys))) as second:
+            # The reconnection's refusal is in the monitor, unread: nothing has waited on the socket since.
+            assert c._calls.channels[0].monitor.poll(int(WAIT_S * 1000)), "the client never tried the new shard"
+            started = time.monotonic()
+            with pytest.raises(psrt.AuthenticationError) as info:
+                c.push_pull({"w": np.ones(5, np.float32)})
+            elapsed = time.monotonic() - started
+            assert counters(second)["pushes"] == 0 and counters(second)["bytes_in"] == 0
+    finally:
+        c.close()
+    assert elapsed < REFUSED_WITHIN_S, f"refusal took {elapsed:.2f}s: the wait for room should report it at once"
+    assert info.value.endpoint == endpoint and "PSRT_KEYS" in str(info.value)
+
+
+def test_the_zap_handler_admits_only_the_jobs_curve_key_in_psrt_s_domain(job_keys, other_keys):
+    job, other = security.load_keys(job_keys), security.load_keys(other_keys)
+    ctx = transport.new_context()
+    try:
+        handler = curve.ZapHandler(ctx, curve._OnlyKey(job.client_public))
+        try:
+            def status(*, key: bytes = job.client_public, domain: bytes = b"psrt", mechanism: bytes = b"CURVE",
+                       version: bytes = b"1.0") -> bytes:
+                request = [b"peer", b"", version, b"7", domain, b"127.0.0.1", b"", mechanism, z85.decode(key)]
+                reply = handler.answer(request)
+                assert reply[:4] == [b"peer", b"", b"1.0", b"7"]  # routed back, the request's id answered
+                return reply[4]
+
+            assert status() == b"200"
+            assert status(key=other.client_public) == b"400"
+            assert status(key=job.server_public) == b"400"  # the server's public key is no client key
+            assert status(domain=b"other") == b"400"
+            assert status(mechanism=b"PLAIN") == b"400"
+            assert status(version=b"2.0") == b"400"
+            assert handler.answer([b"peer", b"", b"1.0"]) is None  # nothing ZeroMQ would send: no reply
+        finally:
+            handler.stop()
+        assert not handler._thread.is_alive()
+    finally:
+        ctx.term()
 
 
 def test_a_raw_null_mechanism_peer_reaches_no_handler(job_keys):
