@@ -29,6 +29,8 @@ variable                   also read                      meaning               
 ``PSRT_NONFINITE``                                        ``reject`` or ``allow`` NaN/Inf gradients   ``reject``
 ``PSRT_PIPELINE``                                         cut tensors for a network: ``auto``,        ``auto``
                                                           ``on`` or ``off`` (every worker alike)
+``PSRT_IN_FLIGHT``                                        a blocking sync call's pieces in flight     2
+                                                          per shard over a network; 0: all at once
 ``PSRT_KEYS``                                             the job's key directory (``psrt keygen``):  off
                                                           CURVE on every socket; empty: off
 ``PSRT_SHM``                                              ``0``: no shared memory between a worker     ``1``
@@ -571,6 +573,15 @@ class ClientConfig:
         the bottleneck can be better served by fewer, larger messages. The cut names the keys a shard holds, so
         every worker of a job must use the same setting (a worker that differs is refused: its chunks are not
         the shard's).
+    in_flight : int
+        A blocking ``push``/``push_pull`` to a sync shard reached over a network sends a split tensor's pieces at
+        most this many ahead of the shard's answers to them (default 2, ``PSRT_IN_FLIGHT``; 0: every piece at
+        once). A sync round closes only when every worker's piece is in; sent all at once, the workers' pieces
+        race each other over the shard's link and the rounds close late, in bursts, with the link idle between
+        them. Held in step, every worker's pieces arrive side by side, each round closes as its last piece
+        lands, and the answers stream out while the next pieces stream in (docs/perfmodel.md, "The pull
+        tail"). Non-blocking calls send everything at once: nothing would send the rest while the caller
+        computes.
     """
 
     timeout: float = _env_fed(60.0, "PSRT_TIMEOUT", read=_Environment.seconds)
@@ -582,9 +593,13 @@ class ClientConfig:
     keys: Optional[str | os.PathLike] = _env_fed(None, "PSRT_KEYS")
     shm: bool = _env_fed(True, "PSRT_SHM", read=_Environment.switch)
     pipeline: str = _env_fed("auto", "PSRT_PIPELINE")
+    in_flight: int = _env_fed(2, "PSRT_IN_FLIGHT", read=_Environment.whole)
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
+        if isinstance(self.in_flight, bool) or not isinstance(self.in_flight, int) or self.in_flight < 0:
+            where = " (PSRT_IN_FLIGHT)" if os.environ.get("PSRT_IN_FLIGHT", "").strip() == str(self.in_flight) else ""
+            raise ConfigError(f"in_flight must be a whole number >= 0 (0: no limit), got {self.in_flight!r}{where}")
         if self.pipeline not in PIPELINE:
             where = " (PSRT_PIPELINE)" if os.environ.get("PSRT_PIPELINE") == self.pipeline else ""
             raise ConfigError(f"pipeline must be 'auto', 'on' or 'off', got {self.pipeline!r}{where}")

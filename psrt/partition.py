@@ -28,7 +28,7 @@ import numpy as np
 from psrt.errors import ConfigError
 
 __all__ = ["Chunk", "PartitionMap", "busiest_shard", "check_replicas", "replica_ring", "range_holders",
-           "backed_ranges"]
+           "backed_ranges", "paired"]
 
 #: Most chunks sent in one message (keeps headers far below the decode limits).
 MAX_CHUNKS_PER_MESSAGE = 4096
@@ -43,10 +43,15 @@ MAX_CACHED_PLANS = 4096
 #: cost more per message than they gain in parallel: ~0.1 ms of a shard's time per message against 2 ms of a
 #: 1 Gbit/s link's for 256 KiB).
 MIN_PIECE_BYTES = 256 << 10
-#: Pieces per shard a large tensor is cut into, so that a shard's replies to a sync round's first pieces flow out
-#: while its later pieces arrive: the replies still to send when a round's last push is in are then ~1/8 of a
-#: shard's traffic, and a step costs ~1.125x a link's traffic one way instead of 2x (both ways in turn).
-PIPELINE_PIECES = 8
+#: Pieces per shard a large tensor is cut into for a network, so that a shard's replies to a sync round's first
+#: pieces flow out while its later pieces arrive: the replies still to send when a round's last push is in are then
+#: ~1/16 of a shard's traffic, and a step costs ~1.06x a link's traffic one way instead of 2x (both ways in turn).
+#: With the workers' pieces held in step (:attr:`psrt.config.ClientConfig.in_flight`) the rounds close one by one
+#: as their pieces land; sent all at once, 16 pieces gain nothing over 8 (the rounds close in bursts).
+PIPELINE_PIECES = 16
+#: The smallest piece a tensor is cut into for a network (1 ms of a 1 Gbit/s link, ~10x a shard's cost per
+#: message); the pieces cut only to spread a tensor over the shards of one host stay :data:`MIN_PIECE_BYTES`.
+NETWORK_PIECE_BYTES = 128 << 10
 
 
 @dataclass(frozen=True)
@@ -188,12 +193,38 @@ class PartitionMap:
         return out
 
 
+def paired(messages: list[list[Chunk]], most_bytes: int) -> list[list[Chunk]]:
+    """``messages`` (a split tensor's pieces each alone) with each two successive pieces of one tensor in one
+    message, where the two fit in ``most_bytes``.
+
+    The map cuts tensors fine for a network so that a paced call's rounds close one by one
+    (:attr:`psrt.config.ClientConfig.in_flight`); a call that sends everything at once gains nothing from that
+    and pays each message's cost, so it sends them two by two. A shard answers such a message once both its
+    rounds closed; its keys are the same.
+    """
+    out: list[list[Chunk]] = []
+    i = 0
+    while i < len(messages):
+        msg = messages[i]
+        if i + 1 < len(messages) and len(msg) == 1 and msg[0].pieces > 1:
+            following = messages[i + 1]
+            if (len(following) == 1 and following[0].name == msg[0].name
+                    and msg[0].nbytes + following[0].nbytes <= most_bytes):
+                out.append([msg[0], following[0]])
+                i += 2
+                continue
+        out.append(msg)
+        i += 1
+    return out
+
+
 def _parts(count: int, itemsize: int, num_shards: int, partition_bytes: int, network: bool) -> int:
     """How many pieces a tensor of ``count`` elements is cut into (the module's docstring says the rule)."""
     parts = max(1, -(-count // max(1, partition_bytes // itemsize)))
     nbytes = count * itemsize
-    if nbytes >= 2 * MIN_PIECE_BYTES and (network or num_shards > 1):
-        most = nbytes // MIN_PIECE_BYTES  # pieces no smaller than MIN_PIECE_BYTES ...
+    least = NETWORK_PIECE_BYTES if network else MIN_PIECE_BYTES
+    if nbytes >= 2 * least and (network or num_shards > 1):
+        most = nbytes // least  # pieces no smaller than the least ...
         if most >= num_shards:
             most -= most % num_shards  # ... and as many on every shard, where there are enough
         wanted = -(-max(parts, (PIPELINE_PIECES if network else 1) * num_shards) // num_shards) * num_shards

@@ -11,7 +11,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from psrt.errors import ConfigError, ProtocolError
-from psrt.partition import MAX_CHUNKS_PER_MESSAGE, MIN_PIECE_BYTES, PIPELINE_PIECES, Chunk, PartitionMap, busiest_shard
+from psrt.partition import (
+    MAX_CHUNKS_PER_MESSAGE,
+    MIN_PIECE_BYTES,
+    NETWORK_PIECE_BYTES,
+    PIPELINE_PIECES,
+    Chunk,
+    PartitionMap,
+    busiest_shard,
+    paired,
+)
 
 MiB = 1 << 20
 HSETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -177,12 +186,12 @@ def test_ten_million_float32_over_two_shards_lands_half_on_each():
     n = 10_000_000
     pmap = PartitionMap(2, 4 * MiB)
     chunks = pmap.add({"big": ((n,), np.float32)})
-    assert len(chunks) == 2 * PIPELINE_PIECES == 16, "more than the 10 of 4 MiB: PIPELINE_PIECES on each shard"
-    assert all(c.nbytes <= 4 * MiB and c.pieces == 16 for c in chunks)
+    assert len(chunks) == 2 * PIPELINE_PIECES == 32, "more than the 10 of 4 MiB: PIPELINE_PIECES on each shard"
+    assert all(c.nbytes <= 4 * MiB and c.pieces == 32 for c in chunks)
     total = n * 4
     assert sum(pmap.shard_bytes) == total
     assert pmap.shard_bytes == [total // 2, total // 2]
-    assert sum(1 for c in chunks if c.shard == 0) == sum(1 for c in chunks if c.shard == 1) == 8
+    assert sum(1 for c in chunks if c.shard == 0) == sum(1 for c in chunks if c.shard == 1) == 16
 
 
 def test_many_equal_tensors_spread_evenly():
@@ -245,9 +254,12 @@ def test_busiest_shard_is_the_maps_busiest(specs, num_shards, partition_bytes):
 
 
 def test_busiest_shard_of_a_thousand_shards():
-    # 24 tensors of 1 MiB are 96 pieces of MIN_PIECE_BYTES at any S > 24: one each on shards 0..95.
+    # 24 tensors of 1 MiB are 192 pieces of NETWORK_PIECE_BYTES at any S > 24: one each on shards 0..191.
     specs = {f"t{i:02d}": ((1 << 18,), np.float32) for i in range(24)}
     (chunk,) = busiest_shard(specs, 1000, 4 << 20)
+    assert (chunk.name, chunk.part, chunk.shard, chunk.nbytes) == ("t00", 0, 0, NETWORK_PIECE_BYTES)
+    # With every shard on the workers' host, pieces of MIN_PIECE_BYTES: 96, on shards 0..95.
+    (chunk,) = busiest_shard(specs, 1000, 4 << 20, network=False)
     assert (chunk.name, chunk.part, chunk.shard, chunk.nbytes) == ("t00", 0, 0, MIN_PIECE_BYTES)
     with pytest.raises(ConfigError, match="at least one shard"):
         busiest_shard(specs, 0, 4 << 20)
@@ -364,40 +376,40 @@ def test_chunks_of_unknown_name_raises():
 
 
 def test_a_large_tensor_keeps_every_shard_busy():
-    """A tensor of at least two MIN_PIECE_BYTES pieces is cut into PIPELINE_PIECES per shard, a multiple of the
-    shard count, where its pieces stay that large."""
+    """For a network, a tensor of at least two NETWORK_PIECE_BYTES pieces is cut into PIPELINE_PIECES per shard, a
+    multiple of the shard count, where its pieces stay that large."""
     four_mib = PartitionMap(2, 4 << 20).add({"w": ((1 << 20,), np.dtype(np.float32))})
-    assert [sum(c.shard == s for c in four_mib) for s in range(2)] == [8, 8]
-    assert {c.nbytes for c in four_mib} == {MIN_PIECE_BYTES}
-    # 4,000,000 bytes hold 15 whole pieces of MIN_PIECE_BYTES: 14, 7 on each shard.
+    assert [sum(c.shard == s for c in four_mib) for s in range(2)] == [16, 16]
+    assert {c.nbytes for c in four_mib} == {NETWORK_PIECE_BYTES}
+    # 4,000,000 bytes hold 30 whole pieces of NETWORK_PIECE_BYTES: 15 on each shard.
     four_mb = PartitionMap(2, 4 << 20).add({"w": ((1_000_000,), np.dtype(np.float32))})
-    assert [sum(c.shard == s for c in four_mb) for s in range(2)] == [7, 7]
-    assert min(c.nbytes for c in four_mb) >= MIN_PIECE_BYTES
+    assert [sum(c.shard == s for c in four_mb) for s in range(2)] == [15, 15]
+    assert min(c.nbytes for c in four_mb) >= NETWORK_PIECE_BYTES
     forty_mb = PartitionMap(3, 4 << 20).add({"w": ((10_000_000,), np.dtype(np.float32))})
-    assert len(forty_mb) == 24 and [sum(c.shard == s for c in forty_mb) for s in range(3)] == [8, 8, 8]
-    # Pieces never shrink below MIN_PIECE_BYTES to reach every shard, and one shard takes a tensor whole.
-    small = PartitionMap(4, 4 << 20).add({"w": ((150_000,), np.dtype(np.float32))})  # 600 KB
-    assert len(small) == 2 and min(c.nbytes for c in small) >= MIN_PIECE_BYTES
-    assert len(PartitionMap(1, 4 << 20).add({"w": ((100_000,), np.dtype(np.float32))})) == 1  # 400 KB: whole
-    # One shard pipelines too: a 4 MB tensor is 8 pieces of 500 KB.
+    assert len(forty_mb) == 48 and [sum(c.shard == s for c in forty_mb) for s in range(3)] == [16, 16, 16]
+    # Pieces never shrink below NETWORK_PIECE_BYTES to reach every shard, and one shard takes a tensor whole.
+    small = PartitionMap(4, 4 << 20).add({"w": ((75_000,), np.dtype(np.float32))})  # 300 KB
+    assert len(small) == 2 and min(c.nbytes for c in small) >= NETWORK_PIECE_BYTES
+    assert len(PartitionMap(1, 4 << 20).add({"w": ((50_000,), np.dtype(np.float32))})) == 1  # 200 KB: whole
+    # One shard pipelines too: a 4 MB tensor is 16 pieces of 250 KB.
     one = PartitionMap(1, 4 << 20).add({"w": ((1_000_000,), np.dtype(np.float32))})
-    assert len(one) == PIPELINE_PIECES and {c.count for c in one} == {125_000}
+    assert len(one) == PIPELINE_PIECES and {c.count for c in one} == {62_500}
     # A partition size smaller than the pipeline's pieces is kept (PSRT_PARTITION_BYTES is the user's word).
     assert len(PartitionMap(2, 64 << 10).add({"w": ((1_000_000,), np.dtype(np.float32))})) == 62
 
 
 @given(count=st.integers(1, 40_000_000), servers=st.integers(1, 40), partition=st.sampled_from([64 << 10, 4 << 20]))
 @settings(max_examples=300, deadline=None)
-def test_pieces_are_never_smaller_than_min_piece_bytes_nor_fewer_than_the_partition_size_asks(count, servers,
+def test_pieces_are_never_smaller_than_network_piece_bytes_nor_fewer_than_the_partition_size_asks(count, servers,
                                                                                             partition):
     chunks = PartitionMap(servers, partition).add({"w": ((count,), np.dtype(np.float32))})
     nbytes, parts = 4 * count, len(chunks)
     by_partition = -(-count // (partition // 4))
     assert parts >= by_partition and max(c.nbytes for c in chunks) <= max(partition, 4)
     if parts > by_partition:  # cut further for the network: pieces stay large, PIPELINE_PIECES per shard at most
-        assert min(c.nbytes for c in chunks) >= MIN_PIECE_BYTES
+        assert min(c.nbytes for c in chunks) >= NETWORK_PIECE_BYTES
         assert parts <= max(-(-by_partition // servers) * servers, PIPELINE_PIECES * servers)
-        if nbytes // MIN_PIECE_BYTES >= servers:
+        if nbytes // NETWORK_PIECE_BYTES >= servers:
             assert parts % servers == 0 and len({c.shard for c in chunks}) == servers
     assert all(c.pieces == parts for c in chunks)
 
@@ -426,7 +438,7 @@ def test_a_sockets_messages_carry_one_piece_each_and_a_lanes_group_them():
     socket, lane = pmap.messages(chunks), pmap.messages(chunks, pipelined=False)
     for shard in (0, 1):
         pieces = [m for m in socket[shard] if m[0].name == "w"]
-        assert len(pieces) == 8 and all(len(m) == 1 for m in pieces)
+        assert len(pieces) == PIPELINE_PIECES and all(len(m) == 1 for m in pieces)
         assert sum(len(m) for m in lane[shard]) == sum(len(m) for m in socket[shard])
     assert len(lane[0]) + len(lane[1]) == 2, "a lane's: one message per shard, the biases with the pieces"
     pmap.add({f"c{i}": ((100,), np.dtype(np.float32)) for i in range(6)})
@@ -434,6 +446,24 @@ def test_a_sockets_messages_carry_one_piece_each_and_a_lanes_group_them():
     assert sorted(len(socket[shard]) for shard in socket) == [1, 1], "a shard's small tensors share one message"
 
 
+
+
+def test_calls_that_are_not_paced_send_a_tensors_pieces_two_to_a_message():
+    """paired: successive pieces of one tensor share a message where the two fit in partition_bytes; a small
+    tensor's message, a lone last piece and pieces of different tensors stay as they were."""
+    pmap = PartitionMap(1, 4 << 20)
+    pmap.add({"a": ((1_000_000,), np.dtype(np.float32)), "b": ((75_000,), np.dtype(np.float32)),
+              "c": ((10,), np.dtype(np.float32))})
+    msgs = pmap.messages(pmap.chunks_of(["a", "b", "c"]))[0]
+    assert [len(m) for m in msgs] == [1] * 18 + [1], "16 pieces of a, 2 of b, then c alone"
+    two = paired(msgs, 4 << 20)
+    assert [[(c.name, c.part) for c in m] for m in two] == (
+        [[("a", 2 * i), ("a", 2 * i + 1)] for i in range(8)] + [[("b", 0), ("b", 1)]] + [[("c", 0)]])
+    assert paired(msgs, 290_000) == msgs, "two pieces of 250 KB (or 150 KB) do not fit in 290 KB: each alone"
+    odd = PartitionMap(2, 4 << 20)
+    odd.add({"w": ((1_000_000,), np.dtype(np.float32))})  # 15 pieces a shard: 7 pairs and one alone
+    for shard_msgs in odd.messages(odd.chunks_of(["w"])).values():
+        assert [len(m) for m in paired(shard_msgs, 4 << 20)] == [2] * 7 + [1]
 
 
 # ---------------------------------------------------------------------------------------------- the job's cut

@@ -125,19 +125,20 @@ def test_a_shard_on_this_host_is_told_from_its_endpoint(endpoint, local):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("pipeline, messages_per_step", [("auto", 1), ("off", 1), ("on", PIPELINE_PIECES)])
-def test_the_pipeline_setting_decides_the_cut_whatever_the_endpoints(shards, pipeline, messages_per_step):
+@pytest.mark.parametrize("pipeline, pieces, messages_per_step", [("auto", 1, 1), ("off", 1, 1),
+                                                                 ("on", PIPELINE_PIECES, PIPELINE_PIECES // 2)])
+def test_the_pipeline_setting_decides_the_cut_whatever_the_endpoints(shards, pipeline, pieces, messages_per_step):
     """On loopback ``auto`` and ``off`` keep a tensor whole (one message a step) and ``on`` cuts it for a network
-    anyway, a piece a message over the socket; sync rounds stay exact either way (two workers, the mean of 1 and
-    3, SGD lr=1), and the shard counts each piece's push of each worker."""
-    size, steps = 1_000_000, 3  # 4 MB on one shard: whole, or PIPELINE_PIECES pieces of 500 KB
+    anyway, two pieces a message over the socket for a call that is not paced; sync rounds stay exact either way
+    (two workers, the mean of 1 and 3, SGD lr=1), and the shard counts each message of each worker."""
+    size, steps = 1_000_000, 3  # 4 MB on one shard: whole, or PIPELINE_PIECES pieces of 250 KB
     group = shards(1, workers=2)
     config = ClientConfig(timeout=30, shm=False, pipeline=pipeline)
     clients = [psrt.Client(group.endpoints, rank=r, num_workers=2, config=config) for r in range(2)]
     try:
         for c in clients:
             c.init({"w": np.zeros(size, np.float32)}, optimizer=psrt.SGD(lr=1.0))
-        assert len(clients[0]._map.chunks["w"]) == messages_per_step
+        assert len(clients[0]._map.chunks["w"]) == pieces
         for step in range(1, steps + 1):
             handles = [c.push_pull_async({"w": np.full(size, 2 * r + 1, np.float32)}) for r, c in enumerate(clients)]
             for h in handles:

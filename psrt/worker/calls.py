@@ -296,7 +296,9 @@ class ShardCalls:
         return ch.connections > 0
 
     def _forget(self, handle: Handle) -> None:
-        """Stop waiting for ``handle``'s replies: any that still come are dropped as late."""
+        """Stop waiting for ``handle``'s replies: any that still come are dropped as late, and what it held back
+        is never sent."""
+        handle._deferred = None
         for rid in handle._outstanding:
             request = self._pending.pop(rid, None)
             if request is not None:
@@ -458,6 +460,21 @@ class ShardCalls:
             self._take(ch, reply, pending)
         finally:
             pending.release()
+        if pending.handle._deferred:
+            self._send_next(pending.handle, shard)
+
+    @staticmethod
+    def _send_next(handle: Handle, shard: int) -> None:
+        """``shard`` answered one of ``handle``'s requests: send the next one the call holds back for it (a paced
+        push's next piece)."""
+        queue = handle._deferred.get(shard) if handle._deferred else None
+        if not queue:
+            return
+        try:
+            queue.popleft()()
+        except PsrtError as exc:  # (not sent: nothing awaits it, and nothing more goes)
+            queue.clear()
+            handle._fail(exc)
 
     def _early(self, ch: transport.DealerChannel, reply: wire.ParamsReply, pending: Request) -> None:
         """A params reply sent before the shard's replicas held its round: its parameters are taken into the call's
@@ -472,6 +489,8 @@ class ShardCalls:
             pending.handle._outstanding.discard(reply.id)
             pending.release()
             pending.handle._fail(ProtocolError(f"shard {self.servers[pending.shard]}: {exc}"))
+        if pending.handle._deferred:  # the round closed: the next piece may go
+            self._send_next(pending.handle, pending.shard)
 
     def _held(self, shard: int, ids: list[int]) -> None:
         """A ``held`` notice: the early replies ``ids`` of ``shard`` are held by its replicas: their calls end."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import time
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -34,6 +35,7 @@ from psrt.worker.calls import ShardCalls
 from psrt.worker.compress import Compressor
 from psrt.worker.embedding_client import EmbeddingClient, RowsHandle
 from psrt.worker.handles import Handle
+from psrt.worker.pacing import Pacing
 from psrt.worker.plans import Plans, cuts_for_network
 from psrt.worker.sender import ShardSender
 
@@ -149,6 +151,9 @@ class Client:
         self._map = PartitionMap(len(self.servers), self.config.partition_bytes, self.config.limits.max_header_bytes,
                                  network=network)
         self._plans = Plans(self._map, rank, self._session, prefixes=compress is None)
+        #: Whether blocking calls' pieces are paced, timed per set of tensors: made once init says the shards
+        #: run sync rounds across a network (:mod:`psrt.worker.pacing`); None: every call sends all at once.
+        self._pacing: Optional[Pacing] = None
         self._receive = ReceivePool()
         if table_backup:  # the scheduler's table says it (a shard's answer to init says it too)
             for sender in self._senders:
@@ -254,6 +259,10 @@ class Client:
         result = handle.wait(timeout)
         for shard, job in handle._answers.items():
             self._senders[shard].backup_workers = job.backup_workers
+            self._senders[shard].sync = job.mode == "sync"
+        if self._pacing is None and self.config.in_flight and self._map.network and any(
+                s.sync and not s._grouped() for s in self._senders):
+            self._pacing = Pacing()
             if not self._elastic and job.num_workers != self._num_workers:
                 raise ConfigError(f"shard {self.servers[shard]} runs with --workers {job.num_workers} "
                                   f"but this client has num_workers={self._num_workers}")
@@ -272,7 +281,7 @@ class Client:
         timeout : float, optional
             Seconds to wait.
         """
-        self.push_async(grads).wait(timeout)
+        self._blocking(grads, "push", timeout, None)
 
     def pull(self, names: Optional[Iterable[str]] = None, timeout: Optional[float] = None,
              out: Optional[Mapping[str, np.ndarray]] = None) -> dict[str, np.ndarray]:
@@ -300,7 +309,7 @@ class Client:
 
         ``out`` is as for :meth:`pull`.
         """
-        return self.push_pull_async(grads, out=out).wait(timeout)  # type: ignore[return-value]
+        return self._blocking(grads, "push_pull", timeout, out)  # type: ignore[return-value]
 
     def push_async(self, grads: Mapping[str, Any]) -> Handle:
         """Start a push; returns a :class:`Handle`. Do not modify ``grads`` until the handle is done."""
@@ -555,7 +564,22 @@ class Client:
         """Destination arrays: the caller's ``out`` where given (checked), else reused or fresh ones."""
         return self._receive.outputs(names, self._map.tensors, out)
 
-    def _push(self, grads: Mapping[str, Any], op: str, out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:
+    def _blocking(self, grads: Mapping[str, Any], op: str, timeout: Optional[float],
+                  out: Optional[Mapping[str, np.ndarray]]) -> Optional[dict[str, np.ndarray]]:
+        """A push or push_pull waited for at once: across a network to sync shards its pieces may be paced (the
+        wait sends the rest as the shards answer), as :class:`~psrt.worker.pacing.Pacing` finds faster."""
+        pacing = self._pacing
+        if pacing is None:
+            return self._push(grads, op, out).wait(timeout)
+        key = (op, tuple(grads))
+        paced = pacing.paced(key)
+        start = time.perf_counter()
+        result = self._push(grads, op, out, paced).wait(timeout)
+        pacing.took(key, paced, time.perf_counter() - start)
+        return result
+
+    def _push(self, grads: Mapping[str, Any], op: str, out: Optional[Mapping[str, np.ndarray]] = None,
+              paced: bool = False) -> Handle:
         if self._closed:
             self._check_open()
         # typing.Mapping's isinstance check is slow; a plain dict, the usual argument, skips it.
@@ -580,5 +604,5 @@ class Client:
         self._clock += 1  # ssp: this worker's count of pushes, this one included
         pull, clock, senders = op == "push_pull", self._clock, self._senders
         for part in self._plans.push(tuple(arrays), pull):
-            senders[part.shard].push(handle, part, arrays, pull, clock)
+            senders[part.shard].push(handle, part, arrays, pull, clock, paced)
         return handle

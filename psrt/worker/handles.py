@@ -6,7 +6,8 @@ as :class:`psrt.worker.calls.ShardCalls` routes them to it; :meth:`Handle.wait` 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections import deque
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -29,6 +30,9 @@ class Handle:
         #: made for every push, and most ask nothing): ``init``, the job (a :class:`psrt.wire.JobInfo`);
         #: ``stats``/``table_stats``, its counters; ``checkpoint``, its file; a lane set-up, its reply record.
         self._answers: dict[int, Any] = {}
+        #: Per shard, requests still to send, one each time the shard answers one of this call's (a paced push:
+        #: :meth:`psrt.worker.sender.ShardSender._paced`); None for the calls that send everything at once.
+        self._deferred: Optional[dict[int, deque[Callable[[], None]]]] = None
 
     def done(self) -> bool:
         """True when every reply has arrived (takes in any replies already queued, never blocks)."""
@@ -64,6 +68,12 @@ class Handle:
         if self._error is not None:
             raise self._error
         return self._outputs
+
+    def _queue(self, shard: int) -> deque[Callable[[], None]]:
+        """The requests to ``shard`` this call sends as the shard answers its earlier ones."""
+        if self._deferred is None:
+            self._deferred = {}
+        return self._deferred.setdefault(shard, deque())
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None:

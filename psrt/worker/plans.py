@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from psrt import transport, wire
-from psrt.partition import MAX_CACHED_PLANS, Chunk, PartitionMap
+from psrt.partition import MAX_CACHED_PLANS, Chunk, PartitionMap, paired
 from psrt.shm.lanes import call_bytes
 
 __all__ = ["Plans", "ShardPlan", "cuts_for_network"]
@@ -53,6 +53,11 @@ class ShardPlan:
     grouped: list[list[Chunk]]
     #: Per grouped message, a push's packed header prefix (as ``prefixes``).
     grouped_prefixes: list[Optional[bytes]]
+    #: The messages over a network with a split tensor's pieces two to a message (:func:`psrt.partition.paired`):
+    #: what calls that are not paced send, as many messages as pieces of twice the size would make.
+    paired: list[list[Chunk]]
+    #: Per paired message, a push's packed header prefix (as ``prefixes``).
+    paired_prefixes: list[Optional[bytes]]
 
 
 class Plans:
@@ -91,11 +96,14 @@ class Plans:
             for shard, msgs in self._messages(names).items():
                 prefixes = self._prefixes_of(msgs, pull)
                 together = grouped[shard]
-                if together == msgs:  # no piece of a split tensor in the call: one list serves both
-                    plan.append(ShardPlan(shard, msgs, call_bytes(msgs, True, pull), prefixes, msgs, prefixes))
-                else:
-                    plan.append(ShardPlan(shard, msgs, call_bytes(together, True, pull), prefixes, together,
-                                          self._prefixes_of(together, pull)))
+                if together == msgs:  # no piece of a split tensor in the call: one list serves them all
+                    plan.append(ShardPlan(shard, msgs, call_bytes(msgs, True, pull), prefixes, msgs, prefixes,
+                                          msgs, prefixes))
+                    continue
+                two = paired(msgs, self._map.partition_bytes)
+                plan.append(ShardPlan(shard, msgs, call_bytes(together, True, pull), prefixes, together,
+                                      self._prefixes_of(together, pull), two,
+                                      prefixes if two == msgs else self._prefixes_of(two, pull)))
             self._keep(cache, names, plan)
         return plan
 
@@ -104,9 +112,11 @@ class Plans:
         plan = self._pulls.get(names)
         if plan is None:
             grouped = self._messages(names, pipelined=False)
-            plan = [ShardPlan(shard, msgs, call_bytes(grouped[shard], False, True), [None] * len(msgs),
-                              grouped[shard], [None] * len(grouped[shard]))
-                    for shard, msgs in self._messages(names).items()]
+            plan = []
+            for shard, msgs in self._messages(names).items():
+                two = paired(msgs, self._map.partition_bytes)
+                plan.append(ShardPlan(shard, msgs, call_bytes(grouped[shard], False, True), [None] * len(msgs),
+                                      grouped[shard], [None] * len(grouped[shard]), two, [None] * len(two)))
             self._keep(self._pulls, names, plan)
         return plan
 

@@ -89,6 +89,10 @@ class ShardSender:
         self.seq = 0
         #: Whether embedding rows may take the shard's lane (False once a shard too old for it refused one).
         self.rows_lane = True
+        #: Whether the shard runs sync rounds (its answer to ``init`` says): a blocking call's pieces are paced.
+        self.sync = False
+        #: :attr:`psrt.config.ClientConfig.in_flight`.
+        self.in_flight = calls.config.in_flight
 
     # ------------------------------------------------------------------ sending
     def send(self, handle: Handle, encode: Encode, resend: Optional[Encode] = None,
@@ -140,7 +144,7 @@ class ShardSender:
         """Send the pull requests of ``plan``: each asks for the versions this client's pushes target."""
         rank, known = self._rank, self._known
         lane = self._lanes.lane_for(self.shard, plan.lane_bytes, self.ask)
-        for msg in (plan.grouped if lane is not None or self._grouped() else plan.messages):
+        for msg in (plan.grouped if lane is not None or self._grouped() else plan.paired):
             keys = [[c.name, c.part, known.get(c.key, 0)] for c in msg]
             any_version = [[c.name, c.part, 0] for c in msg]
             plain = lambda rid, k=keys: wire.encode_pull(rid, rank, k, clock)  # noqa: E731
@@ -152,9 +156,15 @@ class ShardSender:
             self._send(Request(handle, self, msg, None, resend, use, plain),
                        lambda rid, k=keys, u=use: wire.encode_pull(rid, rank, k, clock, u.ref))
 
-    def push(self, handle: Handle, plan: ShardPlan, arrays: dict[str, np.ndarray], pull: bool, clock: int) -> None:
-        """Send the push (``pull``: push_pull) requests of ``plan``, the gradients ``arrays`` checked by the caller."""
-        rank, session = self._rank, self._session
+    def push(self, handle: Handle, plan: ShardPlan, arrays: dict[str, np.ndarray], pull: bool, clock: int,
+             paced: bool = False) -> None:
+        """Send the push (``pull``: push_pull) requests of ``plan``, the gradients ``arrays`` checked by the caller.
+
+        Over a network a split tensor's pieces go two to a message (:attr:`ShardPlan.paired`), all at once;
+        ``paced`` (a blocking call to a sync shard, whose caller waits for it at once, and
+        :class:`psrt.worker.pacing.Pacing` found it faster so): a piece a message, at most :attr:`in_flight`
+        ahead of the shard's answers to them (:meth:`_paced`).
+        """
         # (A call moving less than a lane's threshold never takes one: the usual small push asks nothing more.)
         lane = None if plan.lane_bytes < ZERO_COPY_BYTES else self._lanes.lane_for(self.shard, plan.lane_bytes,
                                                                                      self.ask)
@@ -162,36 +172,76 @@ class ShardSender:
             messages, prefixes = plan.grouped, [None] * len(plan.grouped)
         elif self._grouped():  # no link to keep busy both ways (or pipelining is off): the same
             messages, prefixes = plan.grouped, plan.grouped_prefixes
-        else:  # over a network: a piece a message, so the shard answers each while the next arrives
-            messages, prefixes = plan.messages, plan.prefixes
+        elif paced and self.sync and 0 < self.in_flight < len(plan.messages):
+            self._paced(handle, plan.messages, plan.prefixes, arrays, pull, clock)
+            return
+        else:  # over a network: small pieces, so the shard answers each while the next arrives
+            messages, prefixes = plan.paired, plan.paired_prefixes
+        backup = self.backup_workers
         for msg, prefix in zip(messages, prefixes):
-            seq = self.seq
-            self.seq = seq + 1
-            base = self._base(msg) if self.backup_workers else None
-            if lane is None and prefix is not None and base is None:  # the usual small push: socket, uncompressed
-                payload = []
-                for c in msg:
-                    a = arrays[c.name]
-                    # A whole tensor's bytes are its own (encoding takes any C-contiguous shape): no flat view.
-                    payload.append(a if c.pieces == 1 else c.of(a))
-                encode = lambda rid, h=prefix, q=seq, p=payload: wire.encode_push_after(  # noqa: E731
-                    h, rid, q, clock, p)
-                self._send(Request(handle, self, msg, None, encode), encode)
+            self._push_one(handle, msg, prefix, lane, arrays, pull, clock, self._base(msg) if backup else None)
+
+    def _paced(self, handle: Handle, messages: list[list[Chunk]], prefixes: list[Optional[bytes]],
+               arrays: dict[str, np.ndarray], pull: bool, clock: int) -> None:
+        """Send a sync call's pieces of split tensors :attr:`in_flight` at a time: the first ones now, each of the
+        rest once the shard answers one (:meth:`psrt.worker.calls.ShardCalls` sends it from ``handle``'s
+        queue); every other message goes now.
+
+        A round closes when every worker's piece is in, so pieces sent all at once race each other over the
+        shard's link, and rounds close late and in bursts. Held in step, the workers' pieces arrive side by side
+        and each round's answers flow out while the next pieces arrive. The pieces go in the order of their keys,
+        the same for every worker whatever order its call named the tensors in: a worker holds back a piece only
+        behind pieces before it, whose rounds can close, so no two workers ever wait on each other.
+        """
+        backup = self.backup_workers
+        pieces = []
+        for msg, prefix in zip(messages, prefixes):
+            if len(msg) == 1 and msg[0].pieces > 1:
+                pieces.append((msg[0].key, msg, prefix))
+            else:  # small tensors sharing a message: their grouping is the call's, not every worker's
+                self._push_one(handle, msg, prefix, None, arrays, pull, clock, self._base(msg) if backup else None)
+        pieces.sort(key=lambda p: p[0])
+        queue = None
+        for i, (_, msg, prefix) in enumerate(pieces):
+            # A piece's base is the version its gradient came from: read now, not when it goes.
+            base = self._base(msg) if backup else None
+            if i < self.in_flight:
+                self._push_one(handle, msg, prefix, None, arrays, pull, clock, base)
                 continue
-            # Over a lane the gradients are copied into the segment; the socket form stays at hand.
-            use = None if lane is None else WorkerLanes.carry(lane, msg, arrays, pull)
-            entries, payload = payload_of(msg, arrays, use)
-            refused = None
-            if self._compressor is not None:
-                refused = self._compressor.compress(self.shard, msg, entries, payload)
-            plain = lambda rid, q=seq, e=entries, p=payload, b=base: wire.encode_push(  # noqa: E731
-                rid, rank, session, q, e, p, pull, clock, None, b)
-            if use is None:
-                self._send(Request(handle, self, msg, None, plain, None, None, refused), plain)
-                continue
-            self._send(Request(handle, self, msg, None, plain, use, plain, refused),
-                       lambda rid, q=seq, e=entries, u=use, b=base: wire.encode_push(
-                           rid, rank, session, q, e, [], pull, clock, u.ref, b))
+            if queue is None:
+                queue = handle._queue(self.shard)
+            queue.append(lambda m=msg, h=prefix, b=base: self._push_one(handle, m, h, None, arrays, pull, clock, b))
+
+    def _push_one(self, handle: Handle, msg: list[Chunk], prefix: Optional[bytes], lane: Any,
+                  arrays: dict[str, np.ndarray], pull: bool, clock: int, base: Any) -> None:
+        """Send the push request of one message (its sequence number taken now)."""
+        rank, session = self._rank, self._session
+        seq = self.seq
+        self.seq = seq + 1
+        if lane is None and prefix is not None and base is None:  # the usual small push: socket, uncompressed
+            payload = []
+            for c in msg:
+                a = arrays[c.name]
+                # A whole tensor's bytes are its own (encoding takes any C-contiguous shape): no flat view.
+                payload.append(a if c.pieces == 1 else c.of(a))
+            encode = lambda rid, h=prefix, q=seq, p=payload: wire.encode_push_after(  # noqa: E731
+                h, rid, q, clock, p)
+            self._send(Request(handle, self, msg, None, encode), encode)
+            return
+        # Over a lane the gradients are copied into the segment; the socket form stays at hand.
+        use = None if lane is None else WorkerLanes.carry(lane, msg, arrays, pull)
+        entries, payload = payload_of(msg, arrays, use)
+        refused = None
+        if self._compressor is not None:
+            refused = self._compressor.compress(self.shard, msg, entries, payload)
+        plain = lambda rid, q=seq, e=entries, p=payload, b=base: wire.encode_push(  # noqa: E731
+            rid, rank, session, q, e, p, pull, clock, None, b)
+        if use is None:
+            self._send(Request(handle, self, msg, None, plain, None, None, refused), plain)
+            return
+        self._send(Request(handle, self, msg, None, plain, use, plain, refused),
+                   lambda rid, q=seq, e=entries, u=use, b=base: wire.encode_push(
+                       rid, rank, session, q, e, [], pull, clock, u.ref, b))
 
     def pull_rows(self, handle: Handle, rank: int, table: str, version: int, ids: np.ndarray, clock: int,
                   row_bytes: int) -> None:
