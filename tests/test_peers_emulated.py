@@ -23,6 +23,7 @@ sys.path.insert(0, str(BENCH))
 import peers  # noqa: E402  (bench/ is not a package: its scripts import each other by path)
 
 from psrt.emulation.perfmodel import TCP_OVERHEAD  # noqa: E402
+from psrt.worker.pacing import Pacing  # noqa: E402
 
 needs_namespaces = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None or shutil.which("unshare") is None,
@@ -68,8 +69,9 @@ def pids_in(namespace: str) -> list[str]:
 @pytest.mark.integration
 @needs_namespaces
 def test_emulated_psrt_and_torch_cross_the_links_and_train_correctly(tmp_path):
-    """psrt (cut for the network: 1 MiB in 4 pieces, 2 on each shard, a message each), psrt-whole
-    (``PSRT_PIPELINE=off``: a piece per shard) and torch RPC, each over the shaped links, each exact."""
+    """psrt (cut for the network: 1 MiB in 8 pieces, 4 on each shard, a message each in a paced call, two a
+    message in one sent at once, as the client's pacing schedule has it), psrt-whole (``PSRT_PIPELINE=off``: a
+    piece per shard) and torch RPC, each over the shaped links, each exact."""
     pytest.importorskip("torch")
     out = tmp_path / "emulated.json"
     proc = subprocess.Popen([sys.executable, str(BENCH / "peers.py"), "--emulated", "--link", "1gbit",
@@ -87,9 +89,14 @@ def test_emulated_psrt_and_torch_cross_the_links_and_train_correctly(tmp_path):
     floor = peers.link_floor(elements, 2, 2, 1e9)
     assert workload["floor"] == pytest.approx(floor)
     assert list(workload["systems"]) == ["psrt", "psrt-whole", "torch"]
-    for name, pieces in (("psrt", 2), ("psrt-whole", 1)):  # each shard's messages: per piece, worker and step
+    schedule, paced = Pacing(), 0
+    for _ in range(steps + 1):  # the warm-up call and the timed ones, as the client's schedule has them
+        way = schedule.paced("k")
+        schedule.took("k", way, 1.0)
+        paced += 4 if way else 2
+    for name, per_worker in (("psrt", paced), ("psrt-whole", steps + 1)):  # each shard's messages, per worker
         served = re.findall(r"pushes=(\d+)", workload["systems"][name]["detail"])
-        assert served == [str(pieces * 2 * (steps + 1))] * 2, (name, workload["systems"][name]["detail"])
+        assert served == [str(2 * per_worker)] * 2, (name, workload["systems"][name]["detail"])
     for name, row in workload["systems"].items():
         assert row["status"] == "ok", row["message"]
         assert row["check_ok"] is True and row["max_err"] <= row["tol"]
