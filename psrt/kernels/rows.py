@@ -198,7 +198,7 @@ def index_find(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, out: np.ndar
 def index_gather(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, table: np.ndarray, out: np.ndarray,
                  slots: np.ndarray) -> int:
     """Look ids up in an id index (:func:`index_find`'s cells, inserting nothing) and gather the rows of those
-    found, in one pass: ``slots[i]`` is the slot of ``ids[i]`` (-1: missing), and ``out[i] = table[slots[i]]``
+    found, in one call: ``slots[i]`` is the slot of ``ids[i]`` (-1: missing), and ``out[i] = table[slots[i]]``
     for each id found (a missing id's row of ``out`` is left as it is). Returns how many ids were missing.
 
     Parameters

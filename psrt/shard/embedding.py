@@ -217,7 +217,7 @@ class RowTable:
         come and go, :attr:`TableSpec.managed`) the initial value of an id without a row, making nothing."""
         if out is None:
             out = np.empty((len(ids), self.spec.dim), self.spec.dtype)
-        # The usual pull: every id holds a row, and one pass looks them up and copies their rows.
+        # The usual pull: every id holds a row, and one kernel call looks them up and copies their rows.
         slots = np.empty(len(ids), np.int64)
         if not rowkernels.index_gather(self._keys, self._vals, ids, self.param, out, slots):
             return out
