@@ -636,6 +636,56 @@ def index_find(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, int
     return used
 
 
+def first_outside(const int64_t[::1] slots, int64_t rows):
+    """The index of the first slot outside ``[0, rows)``, or -1 when every one lies inside: one pass, where a
+    check by ``slots.min()`` and ``slots.max()`` makes two."""
+    cdef Py_ssize_t n = slots.shape[0], i
+    cdef Py_ssize_t found = -1
+    with nogil:
+        for i in range(n):
+            if slots[i] < 0 or slots[i] >= rows:
+                found = i
+                break
+    return found
+
+
+def index_gather(const int64_t[::1] keys, const int64_t[::1] vals, const int64_t[::1] ids,
+                 const real[:, ::1] table, real[:, ::1] out, int64_t[::1] slots):
+    """:func:`index_find` without inserts, then :func:`gather_rows`, in one call: ``slots[i]`` gets the slot of
+    ``ids[i]`` (-1: missing) and ``out[i] = table[slots[i]]`` for each id found (a missing id's row is left as it
+    is). Returns how many ids were missing."""
+    cdef Py_ssize_t n = _min2(_min2(ids.shape[0], out.shape[0]), slots.shape[0])
+    cdef Py_ssize_t cap = _min2(keys.shape[0], vals.shape[0])
+    cdef Py_ssize_t dim = _min2(table.shape[1], out.shape[1]), rows = table.shape[0], i, s, t
+    cdef Py_ssize_t missing = 0
+    cdef uint64_t mask = <uint64_t>cap - 1, j
+    cdef int64_t key
+    if cap == 0 or (cap & (cap - 1)) != 0:
+        return n
+    with nogil:
+        for i in range(n):
+            if i + PSRT_AHEAD < n:  # the cell the id PSRT_AHEAD on starts probing at (see PSRT_AHEAD)
+                j = psrt_mix64(<uint64_t>ids[i + PSRT_AHEAD]) & mask
+                psrt_prefetch_r(&keys[j], sizeof(int64_t))
+                psrt_prefetch_r(&vals[j], sizeof(int64_t))
+            key = ids[i]
+            j = psrt_mix64(<uint64_t>key) & mask
+            while vals[j] >= 0 and keys[j] != key:
+                j = (j + 1) & mask
+            slots[i] = vals[j] if vals[j] >= 0 else -1
+        for i in range(n):
+            if i + PSRT_AHEAD < n:
+                t = slots[i + PSRT_AHEAD]
+                if 0 <= t < rows:
+                    psrt_prefetch_r(&table[t, 0], dim * sizeof(real))
+            s = slots[i]
+            if s < 0:
+                missing += 1
+            elif s < rows and dim:
+                memcpy(&out[i, 0], &table[s, 0], dim * sizeof(real))
+    return missing
+
+
 def index_remove(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, int64_t[::1] out):
     """Remove ids from the open-addressing table of :func:`index_find`; ``out[i]`` gets the slot ``ids[i]`` had
     (-1: absent, or removed by an earlier repeat).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from psrt import _core as psrt_core
 from psrt.errors import KernelArgumentError, KernelTypeError
 from psrt.kernels import reference
 from psrt.kernels import rows as rowkernels
@@ -205,6 +206,52 @@ def test_shard_order_is_a_stable_sort_by_shard(num_shards):
         rowkernels.shard_order(np.arange(3, dtype=np.int64), 0)
     with pytest.raises(KernelTypeError):
         rowkernels.shard_order(np.arange(3, dtype=np.int32), num_shards)
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 40, 2000])
+def test_index_gather_is_index_find_then_gather_rows(dtype, n):
+    rng = np.random.default_rng(n)
+    held = rng.choice(1 << 40, 500, replace=False).astype(np.int64)
+    keys, vals = np.zeros(2048, np.int64), np.full(2048, -1, np.int64)
+    row_ids = np.zeros(500, np.int64)
+    rowkernels.index_find(keys, vals, held, np.empty(500, np.int64), row_ids, 0, True)
+    table = rng.standard_normal((500, 5)).astype(dtype)
+    ids = np.where(rng.random(n) < 0.7, rng.choice(held, n), rng.integers(0, 1 << 40, n)).astype(np.int64)
+    out, slots = np.full((n, 5), 7, dtype), np.empty(n, np.int64)
+    missing = rowkernels.index_gather(keys, vals, ids, table, out, slots)
+    ref_out = np.full((n, 5), 7, dtype)
+    ref_slots, ref_missing = reference.index_gather(keys, vals, ids, table, ref_out)
+    assert missing == ref_missing
+    np.testing.assert_array_equal(slots, ref_slots)
+    np.testing.assert_array_equal(out, ref_out)  # rows of missing ids left as they were
+    found = np.empty(n, np.int64)
+    rowkernels.index_find(keys, vals, ids, found, row_ids, 500, False)
+    np.testing.assert_array_equal(slots, found)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_first_outside_is_its_twin(seed):
+    rng = np.random.default_rng(seed)
+    slots = rng.integers(-3, 60, rng.integers(0, 40)).astype(np.int64)
+    for rows in (0, 1, 30, 60, 100):
+        assert psrt_core.first_outside(slots, rows) == reference.first_outside(slots, rows)
+
+
+def test_index_gather_checks_its_arguments():
+    keys, vals, table = np.zeros(8, np.int64), np.full(8, -1, np.int64), np.zeros((4, 3), np.float32)
+    ids = np.array([1, 2], np.int64)
+    with pytest.raises(KernelArgumentError, match="power-of-two"):
+        rowkernels.index_gather(keys[:6], vals[:6], ids, table, np.empty((2, 3), np.float32), np.empty(2, np.int64))
+    with pytest.raises(KernelArgumentError, match="for 2 ids"):
+        rowkernels.index_gather(keys, vals, ids, table, np.empty((3, 3), np.float32), np.empty(2, np.int64))
+    with pytest.raises(KernelTypeError):
+        rowkernels.index_gather(keys, vals, ids, table, np.empty((2, 3), np.float64), np.empty(2, np.int64))
+    with pytest.raises(KernelArgumentError):
+        rowkernels.index_gather(keys, vals, ids, table, np.empty((2, 2), np.float32), np.empty(2, np.int64))
+    with pytest.raises(KernelTypeError):
+        rowkernels.index_gather(keys, vals, ids.astype(np.int32), table, np.empty((2, 3), np.float32),
+                                np.empty(2, np.int64))
+
 
 def test_wrappers_refuse_what_the_kernels_cannot_check():
     table = np.zeros((4, 3), np.float32)

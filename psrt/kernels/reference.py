@@ -10,7 +10,7 @@ import numpy as np
 
 __all__ = ["accumulate", "sgd_step", "momentum_step", "adam_step", "adagrad_step", "all_finite", "mix64", "shard_of",
            "shard_order", "init_rows", "gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows",
-           "adam_rows", "unique_first"]
+           "adam_rows", "unique_first", "index_gather", "first_outside"]
 
 
 def accumulate(dst: np.ndarray, src: np.ndarray) -> None:
@@ -124,6 +124,24 @@ def unique_first(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rank = np.empty(len(order), np.int64)
     rank[order] = np.arange(len(order))
     return uniq[order].astype(np.int64), rank[inverse.reshape(-1)]
+
+
+def index_gather(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, table: np.ndarray,
+                 out: np.ndarray) -> tuple[np.ndarray, int]:
+    """The slot of each id in the index's cells (-1: missing), the rows of those found written into ``out``, and
+    how many were missing."""
+    held = vals >= 0
+    where = dict(zip(keys[held].tolist(), vals[held].tolist()))
+    slots = np.array([where.get(i, -1) for i in ids.tolist()], np.int64)
+    found = slots >= 0
+    out[found] = table[slots[found]]
+    return slots, int((~found).sum())
+
+
+def first_outside(slots: np.ndarray, rows: int) -> int:
+    """The index of the first slot outside ``[0, rows)``, or -1."""
+    bad = np.flatnonzero((slots < 0) | (slots >= rows))
+    return int(bad[0]) if len(bad) else -1
 
 
 def gather_rows(table: np.ndarray, slots: np.ndarray) -> np.ndarray:

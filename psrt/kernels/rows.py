@@ -17,8 +17,8 @@ from psrt import _core, dtypes
 from psrt.errors import KernelArgumentError, KernelTypeError
 
 __all__ = ["gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows", "adam_rows",
-           "index_find", "index_remove", "index_set", "unique_first", "shard_of", "shard_order", "init_rows",
-           "INIT_KINDS", "INITIALIZERS"]
+           "index_find", "index_gather", "index_remove", "index_set", "unique_first", "shard_of", "shard_order",
+           "init_rows", "INIT_KINDS", "INITIALIZERS"]
 
 #: Initializer names and their kernel codes (see :func:`init_rows`).
 #: The row initializers and the parameters each takes; the kernel knows each by its position here.
@@ -52,7 +52,7 @@ def _slots(slots: object, rows: int, n: int) -> np.ndarray:
     s = _ids("slots", slots)
     if len(s) != n:
         raise KernelArgumentError(f"slots has {len(s)} entries but there are {n} rows of values")
-    if len(s) and (int(s.min()) < 0 or int(s.max()) >= rows):
+    if len(s) and _core.first_outside(s, rows) >= 0:  # (one pass: min() and max() make two)
         raise KernelArgumentError(f"slots must lie in [0, {rows}): the table has {rows} rows")
     return s
 
@@ -195,6 +195,34 @@ def index_find(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, out: np.ndar
     return int(_core.index_find(k, v, i, o, r, int(used), bool(insert)))
 
 
+def index_gather(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, table: np.ndarray, out: np.ndarray,
+                 slots: np.ndarray) -> int:
+    """Look ids up in an id index (:func:`index_find`'s cells, inserting nothing) and gather the rows of those
+    found, in one call: ``slots[i]`` is the slot of ``ids[i]`` (-1: missing), and ``out[i] = table[slots[i]]``
+    for each id found (a missing id's row of ``out`` is left as it is). Returns how many ids were missing.
+
+    Parameters
+    ----------
+    keys, vals : numpy.ndarray
+        The index's cells; every slot they hold must lie in ``[0, len(table))``.
+    ids : numpy.ndarray
+        int64 ids.
+    table : numpy.ndarray
+        ``(rows, dim)`` rows (may be read-only).
+    out : numpy.ndarray
+        Writable ``(len(ids), dim)`` array of the table's dtype.
+    slots : numpy.ndarray
+        Writable int64, ``len(ids)`` entries.
+    """
+    k, v = _cells(keys, vals)
+    i, s = _ids("ids", ids), _ids("slots", slots, writable=True)
+    t, o = _table("table", table, writable=False), _table("out", out)
+    _same(t, ("out", o), rows=False)
+    if len(o) != len(i) or len(s) != len(i):
+        raise KernelArgumentError(f"out has {len(o)} rows and slots {len(s)} entries for {len(i)} ids")
+    return int(_core.index_gather(k, v, i, t, o, s))
+
+
 def unique_first(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct ids in the order they first appear, and where each id went: ``distinct[inverse] == ids``.
 
@@ -204,7 +232,8 @@ def unique_first(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     i = _ids("ids", ids)
     n = len(i)
     cells = 1 << max(4, (2 * n - 1).bit_length())  # load at most 1/2, as a table's index
-    keys, vals = np.zeros(cells, _I64), np.full(cells, -1, _I64)
+    keys, vals = np.zeros(cells, _I64), np.empty(cells, _I64)
+    vals.fill(-1)  # (np.full costs a few calls more)
     distinct, inverse = np.empty(n, _I64), np.empty(n, _I64)
     used = int(_core.index_find(keys, vals, i, inverse, distinct, 0, True))
     return distinct[:used], inverse

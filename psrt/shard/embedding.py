@@ -172,6 +172,15 @@ class RowTable:
 
         The caller checked :meth:`room_for` with the number of new ids (an upper bound: ``len(ids)``).
         """
+        n = len(ids)
+        if n and self.used + n <= self.capacity and 2 * (self.used + n) <= len(self._keys):
+            # Room for every id to be new, so nothing would grow: one pass finds the ids and gives the new ones the
+            # next slots, in the order they first appear, as the general way below does.
+            out, old = np.empty(n, np.int64), self.used
+            self.used = rowkernels.index_find(self._keys, self._vals, ids, out, self.row_ids, old, True)
+            if self.used > old:
+                self._init_new(old, self.used)
+            return out
         out = self.find(ids)
         missing = out < 0
         if not missing.any():
@@ -208,25 +217,28 @@ class RowTable:
         come and go, :attr:`TableSpec.managed`) the initial value of an id without a row, making nothing."""
         if out is None:
             out = np.empty((len(ids), self.spec.dim), self.spec.dtype)
-        if not self.spec.managed:
+        # The usual pull: every id holds a row, and one kernel call looks them up and copies their rows.
+        slots = np.empty(len(ids), np.int64)
+        if not rowkernels.index_gather(self._keys, self._vals, ids, self.param, out, slots):
+            return out
+        if not self.spec.managed:  # rows to make first (in the order the ids first appear), then every row again
             rowkernels.gather_rows(self.param, self.slots_of(ids), out)
             return out
-        slots = self.find(ids)
-        held = slots >= 0
-        if held.all():
-            rowkernels.gather_rows(self.param, slots, out)
-            return out
-        out[held] = self.param[slots[held]]
+        held = slots >= 0  # (their rows are in out already)
         spec, missing = self.spec, np.ascontiguousarray(ids[~held])
         fresh = np.empty((len(missing), spec.dim), spec.dtype)
         rowkernels.init_rows(fresh, 0, missing, spec.seed, spec.init, spec.a, spec.b)
         out[~held] = fresh
         return out
 
-    def apply(self, slots: np.ndarray, grad: np.ndarray, scale: float) -> None:
-        """One optimizer step on the rows ``slots`` (distinct) with ``scale * grad``; bumps the version."""
+    def apply(self, slots: np.ndarray, grad: np.ndarray, scale: float, marked: bool = False) -> None:
+        """One optimizer step on the rows ``slots`` (distinct) with ``scale * grad``; bumps the version.
+
+        ``marked``: the rows are marked changed already (the :meth:`push` that just gave these slots did).
+        """
         self.spec.optimizer.step_rows(self.param, self.slots, slots, grad, scale, self.version + 1)
-        self.dirty[slots] = True
+        if not marked:
+            self.dirty[slots] = True
         self.version += 1
 
     def push(self, ids: np.ndarray, grads: np.ndarray, now: float = 0.0) -> tuple[np.ndarray, np.ndarray]:

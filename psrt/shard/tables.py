@@ -196,7 +196,7 @@ class TableService:
         replay.record(self.logs, (req.table, req.worker), req.session, req.seq)
         self.pushes += 1
         if not self.store.rounds:
-            table.apply(slots, grads, 1.0)
+            table.apply(slots, grads, 1.0, marked=True)  # (push marked its rows changed)
             table.evict_due(now)
             if self.store.mode == "ssp":
                 clocks = self._clocks.setdefault(req.table, {})

@@ -42,6 +42,7 @@ import numpy as np
 
 from psrt import shm, wire
 from psrt.errors import PsrtError, RequestRefused
+from psrt.kernels import rows as rowkernels
 from psrt.shm.arena import Arena, ArenaReader
 from psrt.transport import ZERO_COPY_BYTES
 
@@ -223,6 +224,8 @@ class WorkerLanes:
             view = segment.array(offset, a.dtype, count).reshape(shape)
             if select is None:
                 np.copyto(view, a)
+            elif a.ndim == 2:  # rows: the row kernel (np.take copies a short row with a call of its own)
+                rowkernels.gather_rows(a, select, view)
             else:  # (mode="clip": "raise" would gather into a buffer first; the indices are the caller's own)
                 np.take(a, select, axis=0, out=view, mode="clip")
             inputs.append(view)

@@ -5,8 +5,8 @@ by a stable hash of the id, ``shard = mix64(id) % S`` (splitmix64's finaliser, :
 so rows spread evenly whatever the id pattern (contiguous, strided, or hot ids alike) and every worker computes
 the same map. A call sorts its ids by shard once (a counting sort, :func:`psrt.kernels.rows.shard_order`),
 sends one message per shard with that shard's ids as a contiguous int64 frame, receives each shard's rows
-straight into one buffer, and puts them back in the caller's order with one fancy-index assignment: no Python
-loop over rows. With S = 1 there is no
+straight into one buffer, and puts them back in the caller's order with one gather
+(:func:`psrt.kernels.rows.gather_rows`): no Python loop over rows. With S = 1 there is no
 reordering at all and the rows land in the output directly. A pull sends each distinct id once
 (:func:`psrt.kernels.rows.unique_first`: no sort) and gathers the rows of repeated ids back from the one copy
 received. To a shard of this host, a call of at least 64 KiB carries its ids and rows in the shard's
@@ -55,8 +55,8 @@ class RowsHandle(Handle):
     def wait(self, timeout: Optional[float] = None) -> np.ndarray:  # type: ignore[override]
         """Wait for every shard's rows and return them (see :meth:`psrt.Handle.wait` for the errors)."""
         super().wait(timeout)
-        if self._gather is not None:
-            np.take(self._buf, self._gather, axis=0, out=self._out)
+        if self._gather is not None:  # (the row kernel: np.take copies a short row with a call of its own)
+            rowkernels.gather_rows(self._buf, self._gather, self._out)
             self._gather = None
         elif self._order is not None:
             self._out[self._order] = self._buf
@@ -195,7 +195,7 @@ class EmbeddingClient:
             if where is not None:  # where each distinct id's row lands in the shard-sorted buffer
                 gather = where[gather]
         else:
-            order, offsets = self._split(a)
+            order, offsets, gather = self._split_where(a)  # (out[i] = buf[where[i]]: a gather, as above)
         sorted_ids = a if order is None else a[order]
         buf = out if order is None and gather is None else np.empty((len(a), table.dim), table.dtype)
         handle = RowsHandle(self._calls, name, out, buf, offsets, None if gather is not None else order, gather)
