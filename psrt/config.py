@@ -567,7 +567,7 @@ class ClientConfig:
         ``compression``). Default: ``PSRT_SHM`` (on).
     pipeline : str
         Whether large tensors are cut for a network (:mod:`psrt.partition`: ``PIPELINE_PIECES`` pieces per shard,
-        each its own message over a socket, so that a shard answers one piece while the next arrives). ``"auto"``
+        a message each or two, so that a shard answers one piece while the next arrives). ``"auto"``
         (default, ``PSRT_PIPELINE``): when some shard's endpoint is off this host. ``"on"``: always (shared-memory
         lanes still carry a call's pieces together). ``"off"``: never; a link so fast that the shards' CPUs are
         the bottleneck can be better served by fewer, larger messages. The cut names the keys a shard holds, so

@@ -3,12 +3,14 @@
 Tensors larger than ``partition_bytes`` are split into the fewest contiguous chunks of at most that size, of
 near-equal length (BytePS found ~4 MB partitions spread over servers balance load and let transfers pipeline).
 A tensor of at least two :data:`MIN_PIECE_BYTES` pieces is also cut, where its pieces stay that large, into a
-multiple of the shard count, so one tensor keeps every shard busy (as ps-lite splits each key over all servers):
-when the shards are reached over a network, into :data:`PIPELINE_PIECES` pieces per shard. A shard answers a sync
-round piece by piece, so the replies of one piece flow out while the next piece still arrives, and a step costs
-a link's traffic one way plus a small tail, not both ways in turn (docs/perfmodel.md, "The pull tail"). A 4 MiB
-tensor on 2 shards is then 16 pieces of 256 KiB, 8 on each, and a 40 MB one on 3 shards 24 pieces; with every
-shard on the workers' host (``network=False``) 2 and 12.
+multiple of the shard count, so one tensor keeps every shard busy (as ps-lite splits each key over all servers);
+when the shards are reached over a network, pieces of at least :data:`NETWORK_PIECE_BYTES`, into
+:data:`PIPELINE_PIECES` pieces per shard. A shard answers a sync round piece by piece, so the replies of one
+piece flow out while the next piece still arrives, and a step costs a link's traffic one way plus a small tail,
+not both ways in turn (docs/perfmodel.md, "The pull tail"). A 4 MiB tensor on 2 shards is then 32 pieces of
+128 KiB, 16 on each, and a 40 MB one on 3 shards 48 pieces; with every shard on the workers' host
+(``network=False``) 2 and 12. How the pieces travel (a piece a message and paced, or two a message at once:
+:func:`paired`) is each client's choice (:mod:`psrt.worker.pacing`); the keys are the map's.
 Chunks and whole small tensors are then assigned to shards largest first, each to the shard holding the fewest
 bytes so far (ties to the lowest shard index). The result depends only on the tensors' names, shapes and dtypes,
 the number of shards and the partition size — never on dict order — so every worker computes the same map.
@@ -39,9 +41,8 @@ HEADER_BYTES_PER_CHUNK = 64
 #: Most sets of tensor names a client keeps the messages of (a training loop repeats a few sets; one that pushes
 #: each tensor of a model apart repeats that many).
 MAX_CACHED_PLANS = 4096
-#: The smallest piece a tensor is cut into to spread it over the shards and pipeline its rounds (smaller ones
-#: cost more per message than they gain in parallel: ~0.1 ms of a shard's time per message against 2 ms of a
-#: 1 Gbit/s link's for 256 KiB).
+#: The smallest piece a tensor is cut into to spread it over the shards of the workers' host (smaller ones cost
+#: more per message than they gain in parallel).
 MIN_PIECE_BYTES = 256 << 10
 #: Pieces per shard a large tensor is cut into for a network, so that a shard's replies to a sync round's first
 #: pieces flow out while its later pieces arrive: the replies still to send when a round's last push is in are then

@@ -260,12 +260,12 @@ class Client:
         for shard, job in handle._answers.items():
             self._senders[shard].backup_workers = job.backup_workers
             self._senders[shard].sync = job.mode == "sync"
-        if self._pacing is None and self.config.in_flight and self._map.network and any(
-                s.sync and not s._grouped() for s in self._senders):
-            self._pacing = Pacing()
             if not self._elastic and job.num_workers != self._num_workers:
                 raise ConfigError(f"shard {self.servers[shard]} runs with --workers {job.num_workers} "
                                   f"but this client has num_workers={self._num_workers}")
+        if self._pacing is None and self.config.in_flight and self._map.network and any(
+                s.sync and not s._grouped() for s in self._senders):
+            self._pacing = Pacing()
         if handle._conflicts:
             raise ConfigError(f"tensors {sorted(set(handle._conflicts))} were initialized by another worker with "
                               "a different optimizer; every worker must pass the same optimizer")
