@@ -9,8 +9,8 @@ when the shards are reached over a network, pieces of at least :data:`NETWORK_PI
 piece flow out while the next piece still arrives, and a step costs a link's traffic one way plus a small tail,
 not both ways in turn (docs/perfmodel.md, "The pull tail"). A 4 MiB tensor on 2 shards is then 32 pieces of
 128 KiB, 16 on each, and a 40 MB one on 3 shards 48 pieces; with every shard on the workers' host
-(``network=False``) 2 and 12. How the pieces travel (a piece a message and paced, or two a message at once:
-:func:`paired`) is each client's choice (:mod:`psrt.worker.pacing`); the keys are the map's.
+(``network=False``) 2 and 12. How the pieces travel (a piece a message and paced, or joined and at once:
+:func:`joined`) is each client's choice (:mod:`psrt.worker.pacing`); the keys are the map's.
 Chunks and whole small tensors are then assigned to shards largest first, each to the shard holding the fewest
 bytes so far (ties to the lowest shard index). The result depends only on the tensors' names, shapes and dtypes,
 the number of shards and the partition size — never on dict order — so every worker computes the same map.
@@ -30,7 +30,7 @@ import numpy as np
 from psrt.errors import ConfigError
 
 __all__ = ["Chunk", "PartitionMap", "busiest_shard", "check_replicas", "replica_ring", "range_holders",
-           "backed_ranges", "paired"]
+           "backed_ranges", "joined"]
 
 #: Most chunks sent in one message (keeps headers far below the decode limits).
 MAX_CHUNKS_PER_MESSAGE = 4096
@@ -194,28 +194,43 @@ class PartitionMap:
         return out
 
 
-def paired(messages: list[list[Chunk]], most_bytes: int) -> list[list[Chunk]]:
-    """``messages`` (a split tensor's pieces each alone) with each two successive pieces of one tensor in one
-    message, where the two fit in ``most_bytes``.
+def joined(messages: list[list[Chunk]], most_bytes: int) -> list[list[Chunk]]:
+    """``messages`` (a split tensor's pieces each alone) with successive pieces of one tensor joined into messages
+    of at least :data:`MIN_PIECE_BYTES` (a piece left smaller at the end joins the message before it), each within
+    ``most_bytes``.
 
     The map cuts tensors fine for a network so that a paced call's rounds close one by one
-    (:attr:`psrt.config.ClientConfig.in_flight`); a call that sends everything at once gains nothing from that
-    and pays each message's cost, so it sends them two by two. A shard answers such a message once both its
-    rounds closed; its keys are the same.
+    (:attr:`psrt.config.ClientConfig.in_flight`); a call that sends everything at once gains nothing from pieces
+    that small and pays each message's cost, so it sends them joined: as many messages as the map's pieces were
+    before they were made finer for pacing. A shard answers such a message once all its rounds closed; its keys
+    are the same.
     """
     out: list[list[Chunk]] = []
-    i = 0
-    while i < len(messages):
-        msg = messages[i]
-        if i + 1 < len(messages) and len(msg) == 1 and msg[0].pieces > 1:
-            following = messages[i + 1]
-            if (len(following) == 1 and following[0].name == msg[0].name
-                    and msg[0].nbytes + following[0].nbytes <= most_bytes):
-                out.append([msg[0], following[0]])
-                i += 2
-                continue
-        out.append(msg)
-        i += 1
+    run: list[Chunk] = []  # the message being joined: pieces of one tensor
+    size = 0
+
+    def close() -> None:
+        nonlocal run, size
+        if run:
+            last = out[-1] if out else None
+            if (size < MIN_PIECE_BYTES and last is not None and last[0].name == run[0].name and len(last) > 1
+                    and sum(c.nbytes for c in last) + size <= most_bytes):
+                last.extend(run)  # a short end joins the message before it
+            else:
+                out.append(run)
+        run, size = [], 0
+
+    for msg in messages:
+        if len(msg) != 1 or msg[0].pieces == 1:  # small tensors sharing a message, or a whole one: as it is
+            close()
+            out.append(msg)
+            continue
+        piece = msg[0]
+        if run and (run[0].name != piece.name or size >= MIN_PIECE_BYTES or size + piece.nbytes > most_bytes):
+            close()
+        run.append(piece)
+        size += piece.nbytes
+    close()
     return out
 
 

@@ -18,7 +18,7 @@ from _helpers import worker_command
 from psrt.control.process import SERVER_READY, parse_results, psrt_command
 from psrt.emulation.netns import VirtualCluster
 from psrt.errors import ConfigError
-from psrt.partition import PIPELINE_PIECES, PartitionMap, paired
+from psrt.partition import PIPELINE_PIECES, PartitionMap, joined
 from psrt.worker.pacing import Pacing
 
 pytestmark = [pytest.mark.integration,
@@ -57,13 +57,13 @@ def test_job_across_namespaces():
 
 
 def test_a_tensor_crossing_a_network_travels_in_pieces_and_on_one_host_in_one_message():
-    """Over a network a split tensor's pieces travel apart, two to a message for a call that is not paced (an
-    async shard's; the shard answers each message as it lands); from the shard's own host, over loopback, they
-    share one; the parameters are exact either way."""
+    """Over a network a split tensor's pieces travel apart, joined two or three to a message for a call that is
+    not paced (an async shard's; the shard answers each message as it lands); from the shard's own host, over
+    loopback, they share one; the parameters are exact either way."""
     size = 1_000_000  # 4 MB: PIPELINE_PIECES pieces of 250 KB on one shard, two to a message
     pmap = PartitionMap(1, 4 << 20)
     assert len(pmap.add({"w": ((size,), np.dtype(np.float32))})) == PIPELINE_PIECES
-    pieces = len(paired(pmap.messages(pmap.chunks_of(["w"]))[0], 4 << 20))
+    pieces = len(joined(pmap.messages(pmap.chunks_of(["w"]))[0], 4 << 20))
     assert pieces == PIPELINE_PIECES // 2
     with VirtualCluster(["srv", "wrk"]) as vc:
         for where, endpoint in (("wrk", f"tcp://{vc.address('srv')}:5710"), ("srv", "tcp://127.0.0.1:5711")):
@@ -101,7 +101,7 @@ def test_pipeline_off_sends_a_tensor_crossing_a_network_in_one_message():
 def test_sync_rounds_of_tensors_cut_for_the_network_are_exact(calls, compression):
     """Two shards and two workers, each on its own host: a tensor cut into pieces (and a small tensor beside
     it), with and without fp16 gradients, by push_pull or by push then pull, the blocking calls paced (a piece a
-    message) or not (two a message) as the client's pacing schedule says. Every read after round k is exactly
+    message) or not (joined) as the client's pacing schedule says. Every read after round k is exactly
     -1.5 k everywhere (the mean of the gradients 1 and 2, SGD lr=1), and each shard counts each message of each
     worker and round."""
     size, steps = 600_000, 4  # 2.4 MB: 18 pieces of 133 KB, 9 on each shard
@@ -110,14 +110,14 @@ def test_sync_rounds_of_tensors_cut_for_the_network_are_exact(calls, compression
     messages = pmap.messages(pmap.chunks_of(["big", "small"]))
     paced_messages = sum(map(len, messages.values()))
     assert paced_messages == 19 and len(pmap.chunks["big"]) == 18
-    two_by_two = sum(len(paired(m, 4 << 20)) for m in messages.values())
-    assert two_by_two == 11, "on each shard 4 pairs and a piece alone, and the small tensor"
+    two_by_two = sum(len(joined(m, 4 << 20)) for m in messages.values())
+    assert two_by_two == 9, "on each shard 3 pairs and a triple, and the small tensor"
     schedule, key = Pacing(), "a set of tensors"
     ways = []
     for _ in range(steps):
         ways.append(schedule.paced(key))
         schedule.took(key, ways[-1], 1.0)
-    assert ways == [True, True, True, False], "warm-up calls paced, then a trial alternates"
+    assert ways == [False, False, True, False], "warm-up calls at once, then a trial alternates"
     env = {"PSRT_COMPRESSION": "" if compression == "none" else compression}
     with VirtualCluster(["s0", "s1", "w0", "w1"]) as vc:
         endpoints = [f"tcp://{vc.address(h)}:5720" for h in ("s0", "s1")]

@@ -19,7 +19,7 @@ from psrt.partition import (
     Chunk,
     PartitionMap,
     busiest_shard,
-    paired,
+    joined,
 )
 
 MiB = 1 << 20
@@ -448,22 +448,28 @@ def test_a_sockets_messages_carry_one_piece_each_and_a_lanes_group_them():
 
 
 
-def test_calls_that_are_not_paced_send_a_tensors_pieces_two_to_a_message():
-    """paired: successive pieces of one tensor share a message where the two fit in partition_bytes; a small
-    tensor's message, a lone last piece and pieces of different tensors stay as they were."""
+def test_calls_that_are_not_paced_send_a_tensors_pieces_joined():
+    """joined: successive pieces of one tensor share a message until it holds MIN_PIECE_BYTES, within
+    partition_bytes, a short end joining the message before it; a small tensor's message and pieces of different
+    tensors stay apart."""
     pmap = PartitionMap(1, 4 << 20)
     pmap.add({"a": ((1_000_000,), np.dtype(np.float32)), "b": ((75_000,), np.dtype(np.float32)),
               "c": ((10,), np.dtype(np.float32))})
     msgs = pmap.messages(pmap.chunks_of(["a", "b", "c"]))[0]
-    assert [len(m) for m in msgs] == [1] * 18 + [1], "16 pieces of a, 2 of b, then c alone"
-    two = paired(msgs, 4 << 20)
-    assert [[(c.name, c.part) for c in m] for m in two] == (
+    assert [len(m) for m in msgs] == [1] * 18 + [1], "16 pieces of a (250 KB), 2 of b (150 KB), then c alone"
+    together = joined(msgs, 4 << 20)
+    assert [[(c.name, c.part) for c in m] for m in together] == (
         [[("a", 2 * i), ("a", 2 * i + 1)] for i in range(8)] + [[("b", 0), ("b", 1)]] + [[("c", 0)]])
-    assert paired(msgs, 290_000) == msgs, "two pieces of 250 KB (or 150 KB) do not fit in 290 KB: each alone"
+    assert joined(msgs, 290_000) == msgs, "two pieces of 250 KB (or 150 KB) do not fit in 290 KB: each alone"
     odd = PartitionMap(2, 4 << 20)
-    odd.add({"w": ((1_000_000,), np.dtype(np.float32))})  # 15 pieces a shard: 7 pairs and one alone
+    odd.add({"w": ((1_000_000,), np.dtype(np.float32))})  # 15 pieces of 133 KB a shard: 6 pairs and a triple
     for shard_msgs in odd.messages(odd.chunks_of(["w"])).values():
-        assert [len(m) for m in paired(shard_msgs, 4 << 20)] == [2] * 7 + [1]
+        sizes = [sum(c.nbytes for c in m) for m in joined(shard_msgs, 4 << 20)]
+        assert [len(m) for m in joined(shard_msgs, 4 << 20)] == [2] * 6 + [3]
+        assert min(sizes) >= MIN_PIECE_BYTES and sum(sizes) == 2_000_000
+    # Every piece once, in order, whatever the sizes.
+    for shard_msgs in odd.messages(odd.chunks_of(["w"])).values():
+        assert [c for m in joined(shard_msgs, 300_000) for c in m] == [m[0] for m in shard_msgs]
 
 
 # ---------------------------------------------------------------------------------------------- the job's cut

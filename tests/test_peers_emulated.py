@@ -69,8 +69,8 @@ def pids_in(namespace: str) -> list[str]:
 @pytest.mark.integration
 @needs_namespaces
 def test_emulated_psrt_and_torch_cross_the_links_and_train_correctly(tmp_path):
-    """psrt (cut for the network: 1 MiB in 8 pieces, 4 on each shard, a message each in a paced call, two a
-    message in one sent at once, as the client's pacing schedule has it), psrt-whole (``PSRT_PIPELINE=off``: a
+    """psrt (cut for the network: 1 MiB in 8 pieces, 4 on each shard, a message each in a paced call, joined two
+    to a message in one sent at once, as the client's pacing schedule has it), psrt-whole (``PSRT_PIPELINE=off``: a
     piece per shard) and torch RPC, each over the shaped links, each exact."""
     pytest.importorskip("torch")
     out = tmp_path / "emulated.json"

@@ -129,8 +129,9 @@ def test_a_shard_on_this_host_is_told_from_its_endpoint(endpoint, local):
                                                                  ("on", PIPELINE_PIECES, PIPELINE_PIECES // 2)])
 def test_the_pipeline_setting_decides_the_cut_whatever_the_endpoints(shards, pipeline, pieces, messages_per_step):
     """On loopback ``auto`` and ``off`` keep a tensor whole (one message a step) and ``on`` cuts it for a network
-    anyway, two pieces a message over the socket for a call that is not paced; sync rounds stay exact either way
-    (two workers, the mean of 1 and 3, SGD lr=1), and the shard counts each message of each worker."""
+    anyway, its pieces joined two to a message over the socket for a call that is not paced; sync rounds stay
+    exact either way (two workers, the mean of 1 and 3, SGD lr=1), and the shard counts each message of each
+    worker."""
     size, steps = 1_000_000, 3  # 4 MB on one shard: whole, or PIPELINE_PIECES pieces of 250 KB
     group = shards(1, workers=2)
     config = ClientConfig(timeout=30, shm=False, pipeline=pipeline)

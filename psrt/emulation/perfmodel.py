@@ -26,7 +26,7 @@ import numpy as np
 
 from psrt.emulation import models
 from psrt.errors import ConfigError
-from psrt.partition import PartitionMap, busiest_shard, paired
+from psrt.partition import PartitionMap, busiest_shard, joined
 
 __all__ = ["Calibration", "Scenario", "Prediction", "predict", "saturation_point", "calibrate", "shard_split",
            "tail_from_run", "efficiency_from_run", "scenario_for", "tensor_layout", "TCP_OVERHEAD", "Plan",
@@ -167,8 +167,8 @@ def shard_split(tensors: Sequence[tuple[str, tuple[int, ...]]], servers: int, pa
     chunks = busiest_shard({name: (shape, np.dtype(f"f{itemsize}")) for name, shape in tensors}, servers,
                            partition_bytes)
     msgs = PartitionMap(servers, partition_bytes).messages(chunks)
-    # (A call that is not paced sends a split tensor's pieces two to a message: psrt.partition.paired.)
-    return sum(c.nbytes for c in chunks), max(1, sum(len(paired(m, partition_bytes)) for m in msgs.values()))
+    # (A call that is not paced sends a split tensor's pieces joined: psrt.partition.joined.)
+    return sum(c.nbytes for c in chunks), max(1, sum(len(joined(m, partition_bytes)) for m in msgs.values()))
 
 
 def _xfer(nbytes: float, link: float, sc: Scenario) -> float:
@@ -418,7 +418,7 @@ def tensor_layout(tensors: Sequence[tuple[str, tuple[int, ...]]], servers: int, 
     for name, _ in tensors:
         msgs = pmap.messages(pmap.chunks_of([name]))
         layout.append(tuple((shard, sum(c.nbytes for c in msg)) for shard in sorted(msgs)
-                            for msg in paired(msgs[shard], partition_bytes)))
+                            for msg in joined(msgs[shard], partition_bytes)))
     return tuple(layout)
 
 

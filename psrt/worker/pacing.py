@@ -1,4 +1,4 @@
-"""How a blocking sync call's pieces cross a network: paced a piece a message, or sent two to a message at once.
+"""How a blocking sync call's pieces cross a network: paced a piece a message, or joined and sent at once.
 
 A tensor cut for a network (:data:`psrt.partition.PIPELINE_PIECES` pieces per shard) can go two ways:
 
@@ -7,9 +7,9 @@ A tensor cut for a network (:data:`psrt.partition.PIPELINE_PIECES` pieces per sh
   step, the workers' pieces land side by side, each round closes as its last piece lands, and the answers flow
   out while the next pieces flow in. This is what a link-bound job wants: measured on 1 Gbit/s emulated links
   (W=4, S=2, 4 MB) it reaches 0.86x of the full-duplex floor where sending everything at once reaches 0.7x.
-- **at once**: two pieces a message (:attr:`psrt.worker.plans.ShardPlan.paired`), everything queued at once.
-  This is what a CPU-bound job wants (a link so fast that the processes' cost per message decides): half the
-  messages, and no wait on a round trip before the next piece goes.
+- **at once**: pieces joined into messages of at least 256 KiB (:func:`psrt.partition.joined`), everything
+  queued at once. This is what a CPU-bound job wants (a link so fast that the processes' cost per message
+  decides): half the messages or fewer, and no wait on a round trip before the next piece goes.
 
 Which one a job is, the client cannot know beforehand (the link's rate, the CPUs, W), so :class:`Pacing` times
 both on the calls themselves: after a set of tensors' first calls, alternate calls each way until each has
@@ -28,14 +28,15 @@ from typing import Hashable, Optional
 
 __all__ = ["Pacing", "FIRST_SAMPLES", "SAMPLES", "EXPLORE_EVERY", "WARM_UP_CALLS"]
 
-#: A set of tensors' first calls, not timed (the shards make their tensors and the sockets their buffers).
+#: A set of tensors' first calls, sent at once and not timed (the shards make their tensors and the sockets their
+#: buffers).
 WARM_UP_CALLS = 2
 #: Times of each way before the first choice (the calls alternate).
 FIRST_SAMPLES = 4
 #: Times kept of each way: the newest.
 SAMPLES = 8
 #: Then one call in this many goes the way not chosen (at a cost of its difference, once in so many calls).
-EXPLORE_EVERY = 16
+EXPLORE_EVERY = 64
 #: Sets of tensors timed apart (a training loop repeats a few; one that pushes each tensor apart, that many).
 MAX_SETS = 4096
 
@@ -70,7 +71,7 @@ class Pacing:
             state = self._sets[key] = _Set()
         n = state.calls
         if n < WARM_UP_CALLS:
-            return True
+            return False
         best = state.best()
         if best is None:
             return (n - WARM_UP_CALLS) % 2 == 0  # paced, at once, paced, ...

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from psrt import transport, wire
-from psrt.partition import MAX_CACHED_PLANS, Chunk, PartitionMap, paired
+from psrt.partition import MAX_CACHED_PLANS, Chunk, PartitionMap, joined
 from psrt.shm.lanes import call_bytes
 
 __all__ = ["Plans", "ShardPlan", "cuts_for_network"]
@@ -53,11 +53,11 @@ class ShardPlan:
     grouped: list[list[Chunk]]
     #: Per grouped message, a push's packed header prefix (as ``prefixes``).
     grouped_prefixes: list[Optional[bytes]]
-    #: The messages over a network with a split tensor's pieces two to a message (:func:`psrt.partition.paired`):
-    #: what calls that are not paced send, as many messages as pieces of twice the size would make.
-    paired: list[list[Chunk]]
-    #: Per paired message, a push's packed header prefix (as ``prefixes``).
-    paired_prefixes: list[Optional[bytes]]
+    #: The messages over a network with a split tensor's pieces joined (:func:`psrt.partition.joined`): what calls
+    #: that are not paced send.
+    joined: list[list[Chunk]]
+    #: Per joined message, a push's packed header prefix (as ``prefixes``).
+    joined_prefixes: list[Optional[bytes]]
 
 
 class Plans:
@@ -100,7 +100,7 @@ class Plans:
                     plan.append(ShardPlan(shard, msgs, call_bytes(msgs, True, pull), prefixes, msgs, prefixes,
                                           msgs, prefixes))
                     continue
-                two = paired(msgs, self._map.partition_bytes)
+                two = joined(msgs, self._map.partition_bytes)
                 plan.append(ShardPlan(shard, msgs, call_bytes(together, True, pull), prefixes, together,
                                       self._prefixes_of(together, pull), two,
                                       prefixes if two == msgs else self._prefixes_of(two, pull)))
@@ -114,7 +114,7 @@ class Plans:
             grouped = self._messages(names, pipelined=False)
             plan = []
             for shard, msgs in self._messages(names).items():
-                two = paired(msgs, self._map.partition_bytes)
+                two = joined(msgs, self._map.partition_bytes)
                 plan.append(ShardPlan(shard, msgs, call_bytes(grouped[shard], False, True), [None] * len(msgs),
                                       grouped[shard], [None] * len(grouped[shard]), two, [None] * len(two)))
             self._keep(self._pulls, names, plan)

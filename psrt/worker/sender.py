@@ -144,7 +144,7 @@ class ShardSender:
         """Send the pull requests of ``plan``: each asks for the versions this client's pushes target."""
         rank, known = self._rank, self._known
         lane = self._lanes.lane_for(self.shard, plan.lane_bytes, self.ask)
-        for msg in (plan.grouped if lane is not None or self._grouped() else plan.paired):
+        for msg in (plan.grouped if lane is not None or self._grouped() else plan.joined):
             keys = [[c.name, c.part, known.get(c.key, 0)] for c in msg]
             any_version = [[c.name, c.part, 0] for c in msg]
             plain = lambda rid, k=keys: wire.encode_pull(rid, rank, k, clock)  # noqa: E731
@@ -160,7 +160,7 @@ class ShardSender:
              paced: bool = False) -> None:
         """Send the push (``pull``: push_pull) requests of ``plan``, the gradients ``arrays`` checked by the caller.
 
-        Over a network a split tensor's pieces go two to a message (:attr:`ShardPlan.paired`), all at once;
+        Over a network a split tensor's pieces go joined (:attr:`ShardPlan.joined`), all at once;
         ``paced`` (a blocking call to a sync shard, whose caller waits for it at once, and
         :class:`psrt.worker.pacing.Pacing` found it faster so): a piece a message, at most :attr:`in_flight`
         ahead of the shard's answers to them (:meth:`_paced`).
@@ -176,7 +176,7 @@ class ShardSender:
             self._paced(handle, plan.messages, plan.prefixes, arrays, pull, clock)
             return
         else:  # over a network: small pieces, so the shard answers each while the next arrives
-            messages, prefixes = plan.paired, plan.paired_prefixes
+            messages, prefixes = plan.joined, plan.joined_prefixes
         backup = self.backup_workers
         for msg, prefix in zip(messages, prefixes):
             self._push_one(handle, msg, prefix, lane, arrays, pull, clock, self._base(msg) if backup else None)
