@@ -19,7 +19,7 @@ from psrt.control.process import SERVER_READY, parse_results, psrt_command
 from psrt.emulation.netns import VirtualCluster
 from psrt.errors import ConfigError
 from psrt.partition import PIPELINE_PIECES, PartitionMap, joined
-from psrt.worker.pacing import Pacing
+from psrt.worker.pacing import JOINED, PACED, Pacing
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None,
@@ -115,9 +115,9 @@ def test_sync_rounds_of_tensors_cut_for_the_network_are_exact(calls, compression
     schedule, key = Pacing(), "a set of tensors"
     ways = []
     for _ in range(steps):
-        ways.append(schedule.paced(key))
+        ways.append(schedule.way(key))
         schedule.took(key, ways[-1], 1.0)
-    assert ways == [False, False, True, False], "warm-up calls at once, then a trial alternates"
+    assert ways == [JOINED, JOINED, PACED, JOINED], "warm-up calls joined, then a trial alternates"
     env = {"PSRT_COMPRESSION": "" if compression == "none" else compression}
     with VirtualCluster(["s0", "s1", "w0", "w1"]) as vc:
         endpoints = [f"tcp://{vc.address(h)}:5720" for h in ("s0", "s1")]
@@ -133,7 +133,7 @@ def test_sync_rounds_of_tensors_cut_for_the_network_are_exact(calls, compression
             (res,) = parse_results(out)
             assert res["reads"] == [{n: [-1.5 * k, -1.5 * k, True] for n in ("big", "small")}
                                     for k in range(1, steps + 1)]
-            assert res["pushes"] == 2 * sum(paced_messages if w else two_by_two for w in ways), \
+            assert res["pushes"] == 2 * sum(paced_messages if w == PACED else two_by_two for w in ways), \
                 "a message per piece (paced) or per two (not), per worker and round"
         for server in servers:
             assert "Traceback" not in server.output

@@ -16,45 +16,69 @@ import psrt
 from psrt.config import ClientConfig, ServerConfig
 from psrt.errors import ConfigError
 from psrt.partition import PIPELINE_PIECES
-from psrt.worker.pacing import EXPLORE_EVERY, FIRST_SAMPLES, SAMPLES, WARM_UP_CALLS, Pacing
+from psrt.worker.pacing import (
+    EXPLORE_EVERY,
+    FIRST_SAMPLES,
+    GROUPED,
+    JOINED,
+    MARGIN,
+    PACED,
+    SAMPLES,
+    WARM_UP_CALLS,
+    Pacing,
+)
 
 
-def schedule(pacing: Pacing, calls: int, paced_s: float, at_once_s: float, key: str = "k") -> list[bool]:
+def schedule(pacing: Pacing, calls: int, times: tuple[float, float, float], key: str = "k") -> list[int]:
+    """The ways of ``calls`` calls on ``key``, each taking ``times[way]``."""
     ways = []
     for _ in range(calls):
-        way = pacing.paced(key)
+        way = pacing.way(key)
         ways.append(way)
-        pacing.took(key, way, paced_s if way else at_once_s)
+        pacing.took(key, way, times[way])
     return ways
 
 
-def test_warm_up_calls_go_at_once_then_a_trial_alternates_then_the_faster_way_is_kept():
+TRIAL = 2 * FIRST_SAMPLES  # calls of one trial: two ways, alternating
+
+
+def test_a_link_bound_job_is_paced_after_one_trial():
     p = Pacing()
-    ways = schedule(p, WARM_UP_CALLS + 2 * FIRST_SAMPLES, paced_s=1.0, at_once_s=2.0)
-    assert ways == [False] * WARM_UP_CALLS + [True, False] * FIRST_SAMPLES
-    assert p.chosen("k") is True
-    later = schedule(p, 3 * EXPLORE_EVERY, paced_s=1.0, at_once_s=2.0)
-    assert later.count(False) == 3, "one call in EXPLORE_EVERY goes the other way"
+    ways = schedule(p, WARM_UP_CALLS + TRIAL, (1.0, 2.0, 3.0))
+    assert ways == [JOINED] * WARM_UP_CALLS + [PACED, JOINED] * FIRST_SAMPLES
+    assert p.chosen("k") == PACED
+    later = schedule(p, 3 * EXPLORE_EVERY, (1.0, 2.0, 3.0))
+    assert later.count(JOINED) == 3 and GROUPED not in later, "one call in EXPLORE_EVERY tries the way next to it"
+
+
+def test_a_cpu_bound_job_climbs_to_grouped_messages():
+    """Joined beat paced, so joined and grouped are tried next, and grouped kept; its neighbour is explored."""
+    p = Pacing()
+    ways = schedule(p, WARM_UP_CALLS + 2 * TRIAL, (2.0, 1.0, 0.5))
+    # (joined has its times from the first trial: the second ends with grouped's last)
+    assert ways[WARM_UP_CALLS + TRIAL:] == [GROUPED, JOINED] * (FIRST_SAMPLES - 1) + [GROUPED, GROUPED]
+    assert p.chosen("k") == GROUPED
+    assert schedule(p, EXPLORE_EVERY, (2.0, 1.0, 0.5)).count(JOINED) == 1
     q = Pacing()
-    schedule(q, WARM_UP_CALLS + 2 * FIRST_SAMPLES, paced_s=2.0, at_once_s=1.0)
-    assert q.chosen("k") is False
-    assert schedule(q, EXPLORE_EVERY, paced_s=2.0, at_once_s=1.0).count(True) == 1
+    schedule(q, WARM_UP_CALLS + 2 * TRIAL, (2.0, 1.0, 1.5))
+    assert q.chosen("k") == JOINED, "grouped slower than joined: joined kept"
 
 
-def test_the_choice_follows_a_change_of_load():
-    """The newest SAMPLES times of each way decide: once pacing gets slower, the next explored calls find it so."""
+def test_the_choice_follows_a_clear_change_of_load_and_not_noise():
+    """The newest SAMPLES times of each way decide, and a way is left only for one MARGIN faster."""
     p = Pacing()
-    schedule(p, WARM_UP_CALLS + 2 * FIRST_SAMPLES, paced_s=1.0, at_once_s=2.0)
-    assert p.chosen("k") is True
-    schedule(p, EXPLORE_EVERY * SAMPLES, paced_s=3.0, at_once_s=2.0)
-    assert p.chosen("k") is False
+    schedule(p, WARM_UP_CALLS + TRIAL, (1.0, 2.0, 3.0))
+    schedule(p, EXPLORE_EVERY * SAMPLES, (1.0, 1.0 - MARGIN / 2, 3.0))
+    assert p.chosen("k") == PACED, "joined only a little faster: paced kept"
+    schedule(p, EXPLORE_EVERY * SAMPLES, (3.0, 2.0, 4.0))
+    assert p.chosen("k") == JOINED, "paced got slower: the explored joined calls found it so"
 
 
 def test_sets_of_tensors_are_timed_apart():
     p = Pacing()
-    schedule(p, WARM_UP_CALLS + 2 * FIRST_SAMPLES, paced_s=1.0, at_once_s=2.0, key="a")
-    schedule(p, WARM_UP_CALLS + 2 * FIRST_SAMPLES, paced_s=2.0, at_once_s=1.0, key="b")
-    assert (p.chosen("a"), p.chosen("b"), p.chosen("c")) == (True, False, None)
+    schedule(p, WARM_UP_CALLS + TRIAL, (1.0, 2.0, 3.0), key="a")
+    schedule(p, WARM_UP_CALLS + 2 * TRIAL, (2.0, 1.0, 0.5), key="b")
+    assert (p.chosen("a"), p.chosen("b"), p.chosen("c")) == (PACED, GROUPED, None)
 
 
 def test_in_flight_must_be_a_whole_number_of_zero_or_more(monkeypatch):
@@ -88,7 +112,7 @@ def test_workers_naming_tensors_in_other_orders_stay_exact_paced_or_not(second):
     two tensors in opposite orders: no round waits on the other worker's held-back pieces (a paced worker holds a
     piece back only behind pieces before it, in the order of their keys), and every round is exact: -2 k after
     round k (the mean of 1 and 3, SGD lr=1). The shard counts worker 0's pieces a message each in its trial's
-    paced calls."""
+    paced calls, joined two to a message in the others."""
     size, steps = 1 << 19, 2 * 6  # 2 MiB a tensor: PIPELINE_PIECES pieces of 128 KiB on one shard, two a message
     out: dict = {}
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync")) as server:
@@ -107,9 +131,9 @@ def test_workers_naming_tensors_in_other_orders_stay_exact_paced_or_not(second):
         assert paced is (rank == 0 or second > 0), "in_flight=0: never paced"
     if second:
         return
-    paced_call, at_once_call = 2 * PIPELINE_PIECES, PIPELINE_PIECES  # a call's messages: a piece or two each
-    worker_1 = steps * at_once_call
+    paced_call, joined_call = 2 * PIPELINE_PIECES, PIPELINE_PIECES  # a call's messages: a piece, or two, each
+    worker_1 = steps * joined_call  # never paced: joined
     worker_0 = pushes - worker_1
-    extra = paced_call - at_once_call
-    assert worker_0 >= steps * at_once_call + FIRST_SAMPLES * extra, "its trial paced calls"
-    assert worker_0 <= steps * paced_call - (WARM_UP_CALLS + FIRST_SAMPLES) * extra, "some calls went at once"
+    assert worker_0 >= FIRST_SAMPLES * paced_call + (steps - FIRST_SAMPLES), "its trial paced calls"
+    assert worker_0 <= steps * paced_call - (WARM_UP_CALLS + FIRST_SAMPLES) * (paced_call - joined_call), \
+        "its warm-up and its trial sent calls joined"

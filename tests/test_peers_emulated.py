@@ -23,7 +23,7 @@ sys.path.insert(0, str(BENCH))
 import peers  # noqa: E402  (bench/ is not a package: its scripts import each other by path)
 
 from psrt.emulation.perfmodel import TCP_OVERHEAD  # noqa: E402
-from psrt.worker.pacing import Pacing  # noqa: E402
+from psrt.worker.pacing import JOINED, PACED, Pacing  # noqa: E402
 
 needs_namespaces = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None or shutil.which("unshare") is None,
@@ -91,9 +91,9 @@ def test_emulated_psrt_and_torch_cross_the_links_and_train_correctly(tmp_path):
     assert list(workload["systems"]) == ["psrt", "psrt-whole", "torch"]
     schedule, paced = Pacing(), 0
     for _ in range(steps + 1):  # the warm-up call and the timed ones, as the client's schedule has them
-        way = schedule.paced("k")
+        way = schedule.way("k")
         schedule.took("k", way, 1.0)
-        paced += 4 if way else 2
+        paced += {PACED: 4, JOINED: 2}[way]
     for name, per_worker in (("psrt", paced), ("psrt-whole", steps + 1)):  # each shard's messages, per worker
         served = re.findall(r"pushes=(\d+)", workload["systems"][name]["detail"])
         assert served == [str(2 * per_worker)] * 2, (name, workload["systems"][name]["detail"])

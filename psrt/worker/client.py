@@ -572,14 +572,14 @@ class Client:
         if pacing is None:
             return self._push(grads, op, out).wait(timeout)
         key = (op, tuple(grads))
-        paced = pacing.paced(key)
+        way = pacing.way(key)
         start = time.perf_counter()
-        result = self._push(grads, op, out, paced).wait(timeout)
-        pacing.took(key, paced, time.perf_counter() - start)
+        result = self._push(grads, op, out, way).wait(timeout)
+        pacing.took(key, way, time.perf_counter() - start)
         return result
 
     def _push(self, grads: Mapping[str, Any], op: str, out: Optional[Mapping[str, np.ndarray]] = None,
-              paced: bool = False) -> Handle:
+              way: Optional[int] = None) -> Handle:
         if self._closed:
             self._check_open()
         # typing.Mapping's isinstance check is slow; a plain dict, the usual argument, skips it.
@@ -604,5 +604,5 @@ class Client:
         self._clock += 1  # ssp: this worker's count of pushes, this one included
         pull, clock, senders = op == "push_pull", self._clock, self._senders
         for part in self._plans.push(tuple(arrays), pull):
-            senders[part.shard].push(handle, part, arrays, pull, clock, paced)
+            senders[part.shard].push(handle, part, arrays, pull, clock, way)
         return handle

@@ -1,23 +1,29 @@
 """How a blocking sync call's pieces cross a network: paced a piece a message, or joined and sent at once.
 
-A tensor cut for a network (:data:`psrt.partition.PIPELINE_PIECES` pieces per shard) can go two ways:
+A tensor cut for a network (:data:`psrt.partition.PIPELINE_PIECES` pieces per shard) can go three ways, from the
+finest to the coarsest:
 
 - **paced**: a piece a message, at most :attr:`psrt.config.ClientConfig.in_flight` ahead of the shard's answers
   (:meth:`psrt.worker.sender.ShardSender._paced`). A sync round closes when every worker's piece is in; held in
   step, the workers' pieces land side by side, each round closes as its last piece lands, and the answers flow
   out while the next pieces flow in. This is what a link-bound job wants: measured on 1 Gbit/s emulated links
   (W=4, S=2, 4 MB) it reaches 0.86x of the full-duplex floor where sending everything at once reaches 0.7x.
-- **at once**: pieces joined into messages of at least 256 KiB (:func:`psrt.partition.joined`), everything
-  queued at once. This is what a CPU-bound job wants (a link so fast that the processes' cost per message
-  decides): half the messages or fewer, and no wait on a round trip before the next piece goes.
+- **joined**: pieces joined into messages of at least 256 KiB (:func:`psrt.partition.joined`), everything
+  queued at once: half the messages or fewer, and no wait on a round trip before the next piece goes, while a
+  shard still answers a message's pieces as the next message arrives.
+- **grouped**: a shard's pieces share messages up to ``partition_bytes`` (as over a shared-memory lane), all at
+  once: the fewest messages, no pipelining. This is what a CPU-bound job wants (a link so fast that the
+  processes' cost per message decides).
 
 Which one a job is, the client cannot know beforehand (the link's rate, the CPUs, W), so :class:`Pacing` times
-both on the calls themselves: after a set of tensors' first calls, alternate calls each way until each has
-:data:`FIRST_SAMPLES` times, then the way whose recent calls took less (median of the last :data:`SAMPLES`),
-with one call in :data:`EXPLORE_EVERY` the other way, so that a change of the job's load is noticed. Every
-worker of a sync job makes its calls in step, so a worker's call of either way is the others' too; whatever each
-chooses, no two workers can wait on each other (a paced worker holds a piece back only behind pieces before it,
-in an order all workers share, whose rounds can close).
+them on the calls themselves, climbing from one way to the next coarser one while that is faster: after a set of
+tensors' first calls, alternate calls paced and joined until each has :data:`FIRST_SAMPLES` times; if joined
+was faster (median), alternate joined and grouped likewise; then the faster, with one call in
+:data:`EXPLORE_EVERY` a way next to it, so that a change of the job's load is noticed: the calls move to a way
+whose recent calls (median of the last :data:`SAMPLES`) took :data:`MARGIN` less. Every worker of a sync job
+makes its calls in step, so a worker's call of one way is the others' too; whatever each chooses, no two
+workers can wait on each other (a paced worker holds a piece back only behind pieces before it, in an order all
+workers share, whose rounds can close; the others hold nothing back).
 """
 
 from __future__ import annotations
@@ -26,67 +32,94 @@ import statistics
 from collections import deque
 from typing import Hashable, Optional
 
-__all__ = ["Pacing", "FIRST_SAMPLES", "SAMPLES", "EXPLORE_EVERY", "WARM_UP_CALLS"]
+__all__ = ["Pacing", "PACED", "JOINED", "GROUPED", "FIRST_SAMPLES", "SAMPLES", "EXPLORE_EVERY", "WARM_UP_CALLS",
+           "MARGIN"]
 
-#: A set of tensors' first calls, sent at once and not timed (the shards make their tensors and the sockets their
+#: The ways, finest first (:meth:`psrt.worker.sender.ShardSender.push`).
+PACED, JOINED, GROUPED = 0, 1, 2
+WAYS = 3
+#: A set of tensors' first calls, joined and not timed (the shards make their tensors and the sockets their
 #: buffers).
 WARM_UP_CALLS = 2
-#: Times of each way before the first choice (the calls alternate).
+#: Times of a way before it is compared (the calls alternate).
 FIRST_SAMPLES = 4
 #: Times kept of each way: the newest.
 SAMPLES = 8
-#: Then one call in this many goes the way not chosen (at a cost of its difference, once in so many calls).
+#: Then one call in this many goes a way next to the chosen one (at a cost of its difference, once in so many).
 EXPLORE_EVERY = 64
+#: How much faster (a fraction of the chosen way's median) an explored way must be for the calls to move to it.
+MARGIN = 0.1
 #: Sets of tensors timed apart (a training loop repeats a few; one that pushes each tensor apart, that many).
 MAX_SETS = 4096
 
 
 class _Set:
-    __slots__ = ("calls", "times")
+    __slots__ = ("calls", "times", "current", "climbing")
 
     def __init__(self) -> None:
         self.calls = 0
-        # (at once, paced): the newest times of each way
-        self.times: tuple[deque[float], deque[float]] = (deque(maxlen=SAMPLES), deque(maxlen=SAMPLES))
+        self.times: tuple[deque[float], ...] = tuple(deque(maxlen=SAMPLES) for _ in range(WAYS))
+        self.current: Optional[int] = None  # the chosen way; None until the first trial ends
+        self.climbing = False  # joined beat paced: grouped is tried next
 
-    def best(self) -> Optional[bool]:
-        at_once, paced = self.times
-        if len(at_once) < FIRST_SAMPLES or len(paced) < FIRST_SAMPLES:
-            return None
-        return statistics.median(paced) <= statistics.median(at_once)
+    def timed(self, way: int) -> bool:
+        return len(self.times[way]) >= FIRST_SAMPLES
+
+    def median(self, way: int) -> float:
+        return statistics.median(self.times[way])
 
 
 class Pacing:
-    """Chooses, per set of tensors, whether a blocking sync call's pieces are paced (see the module)."""
+    """Chooses, per set of tensors, how a blocking sync call's pieces go (see the module)."""
 
     def __init__(self) -> None:
         self._sets: dict[Hashable, _Set] = {}
 
-    def paced(self, key: Hashable) -> bool:
-        """Whether the next call on the set ``key`` is paced; :meth:`took` follows with its time."""
+    def way(self, key: Hashable) -> int:
+        """The way of the next call on the set ``key`` (:data:`PACED`, :data:`JOINED` or :data:`GROUPED`);
+        :meth:`took` follows with its time."""
         state = self._sets.get(key)
         if state is None:
             if len(self._sets) >= MAX_SETS:
-                return False
+                return JOINED
             state = self._sets[key] = _Set()
         n = state.calls
         if n < WARM_UP_CALLS:
-            return False
-        best = state.best()
-        if best is None:
-            return (n - WARM_UP_CALLS) % 2 == 0  # paced, at once, paced, ...
-        return best if n % EXPLORE_EVERY else not best
+            return JOINED
+        turn = (n - WARM_UP_CALLS) % 2 == 0
+        current = state.current
+        if current is None:
+            return PACED if turn else JOINED
+        if state.climbing:
+            return GROUPED if turn else JOINED
+        if n % EXPLORE_EVERY:
+            return current
+        near = [w for w in (current - 1, current + 1) if 0 <= w < WAYS]
+        return near[(n // EXPLORE_EVERY) % len(near)]
 
-    def took(self, key: Hashable, paced: bool, seconds: float) -> None:
-        """The call on ``key`` just made (``paced`` as :meth:`paced` said) took ``seconds``."""
+    def took(self, key: Hashable, way: int, seconds: float) -> None:
+        """The call on ``key`` just made (``way`` as :meth:`way` said) took ``seconds``."""
         state = self._sets.get(key)
         if state is None:
             return
         state.calls += 1
-        if state.calls > WARM_UP_CALLS:
-            state.times[paced].append(seconds)
+        if state.calls <= WARM_UP_CALLS:
+            return
+        state.times[way].append(seconds)
+        if state.current is None:
+            if state.timed(PACED) and state.timed(JOINED):
+                state.current = PACED if state.median(PACED) <= state.median(JOINED) else JOINED
+                state.climbing = state.current == JOINED
+        elif state.climbing:
+            if state.timed(GROUPED):
+                state.climbing = False
+                if state.median(GROUPED) < state.median(JOINED):
+                    state.current = GROUPED
+        elif way != state.current and state.timed(way) and \
+                state.median(way) < (1 - MARGIN) * state.median(state.current):
+            state.current = way  # (a way is left only for one clearly faster: noise must not flip it)
 
-    def chosen(self, key: Hashable) -> Optional[bool]:
-        """The way the recent calls on ``key`` found faster: True paced (None: not timed enough yet)."""
+    def chosen(self, key: Hashable) -> Optional[int]:
+        """The way chosen for ``key`` (None: its first trial is not over)."""
         state = self._sets.get(key)
-        return None if state is None else state.best()
+        return None if state is None else state.current

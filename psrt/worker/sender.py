@@ -35,6 +35,7 @@ from psrt.transport import ZERO_COPY_BYTES
 from psrt.worker.calls import Encode, Request, ShardCalls
 from psrt.worker.compress import Compressor
 from psrt.worker.handles import Handle
+from psrt.worker.pacing import GROUPED, PACED
 from psrt.worker.plans import ShardPlan
 
 __all__ = ["ShardSender", "payload_of"]
@@ -157,22 +158,22 @@ class ShardSender:
                        lambda rid, k=keys, u=use: wire.encode_pull(rid, rank, k, clock, u.ref))
 
     def push(self, handle: Handle, plan: ShardPlan, arrays: dict[str, np.ndarray], pull: bool, clock: int,
-             paced: bool = False) -> None:
+             way: Optional[int] = None) -> None:
         """Send the push (``pull``: push_pull) requests of ``plan``, the gradients ``arrays`` checked by the caller.
 
-        Over a network a split tensor's pieces go joined (:attr:`ShardPlan.joined`), all at once;
-        ``paced`` (a blocking call to a sync shard, whose caller waits for it at once, and
-        :class:`psrt.worker.pacing.Pacing` found it faster so): a piece a message, at most :attr:`in_flight`
-        ahead of the shard's answers to them (:meth:`_paced`).
+        Over a network a split tensor's pieces go joined (:attr:`ShardPlan.joined`), all at once, unless ``way``
+        (a blocking call to a sync shard, whose caller waits for it at once: :mod:`psrt.worker.pacing`) says
+        :data:`~psrt.worker.pacing.PACED` (a piece a message, at most :attr:`in_flight` ahead of the shard's
+        answers: :meth:`_paced`) or :data:`~psrt.worker.pacing.GROUPED` (as few messages as can be).
         """
         # (A call moving less than a lane's threshold never takes one: the usual small push asks nothing more.)
         lane = None if plan.lane_bytes < ZERO_COPY_BYTES else self._lanes.lane_for(self.shard, plan.lane_bytes,
                                                                                      self.ask)
         if lane is not None:  # the bytes are all there at once: as few messages as can be
             messages, prefixes = plan.grouped, [None] * len(plan.grouped)
-        elif self._grouped():  # no link to keep busy both ways (or pipelining is off): the same
+        elif self._grouped() or way == GROUPED:  # no link to keep busy both ways (or pipelining is off): the same
             messages, prefixes = plan.grouped, plan.grouped_prefixes
-        elif paced and self.sync and 0 < self.in_flight < len(plan.messages):
+        elif way == PACED and self.sync and 0 < self.in_flight < len(plan.messages):
             self._paced(handle, plan.messages, plan.prefixes, arrays, pull, clock)
             return
         else:  # over a network: small pieces, so the shard answers each while the next arrives
