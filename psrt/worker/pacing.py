@@ -6,8 +6,9 @@ finest to the coarsest:
 - **paced**: a piece a message, at most :attr:`psrt.config.ClientConfig.in_flight` ahead of the shard's answers
   (:meth:`psrt.worker.sender.ShardSender._paced`). A sync round closes when every worker's piece is in; held in
   step, the workers' pieces land side by side, each round closes as its last piece lands, and the answers flow
-  out while the next pieces flow in. This is what a link-bound job wants: measured on 1 Gbit/s emulated links
-  (W=4, S=2, 4 MB) it reaches 0.86x of the full-duplex floor where sending everything at once reaches 0.7x.
+  out while the next pieces flow in. This is what a link-bound job wants: on 1 Gbit/s emulated links (W=4, S=2,
+  4 MB, README "Across hosts") psrt reaches 0.81x of the full-duplex floor (median of four runs) where it
+  reached 0.73x sending everything at once.
 - **joined**: pieces joined into messages of at least 256 KiB (:func:`psrt.partition.joined`), everything
   queued at once: half the messages or fewer, and no wait on a round trip before the next piece goes, while a
   shard still answers a message's pieces as the next message arrives.
