@@ -465,6 +465,26 @@ cdef extern from *:
 cdef uint64_t _GOLDEN = 0x9E3779B97F4A7C15ULL
 
 
+cdef inline uint64_t _cell(const int64_t *keys, const int64_t *vals, uint64_t mask, int64_t key) noexcept nogil:
+    """The cell of an id index holding ``key``, or the empty cell its linear probe from its home cell ends on."""
+    cdef uint64_t j = psrt_mix64(<uint64_t>key) & mask
+    while vals[j] >= 0 and keys[j] != key:
+        j = (j + 1) & mask
+    return j
+
+
+cdef inline void _ahead(const int64_t *keys, const int64_t *vals, uint64_t mask, int64_t key,
+                        bint write) noexcept nogil:
+    """Prefetch the home cell of ``key``, whose probe starts there PSRT_AHEAD ids on (see PSRT_AHEAD)."""
+    cdef uint64_t j = psrt_mix64(<uint64_t>key) & mask
+    if write:
+        psrt_prefetch_w(&keys[j], sizeof(int64_t))
+        psrt_prefetch_w(&vals[j], sizeof(int64_t))
+    else:
+        psrt_prefetch_r(&keys[j], sizeof(int64_t))
+        psrt_prefetch_r(&vals[j], sizeof(int64_t))
+
+
 def gather_rows(const real[:, ::1] table, const int64_t[::1] slots, real[:, ::1] out):
     """``out[i] = table[slots[i]]`` for every i (rows whose slot is out of range are left as they are)."""
     cdef Py_ssize_t n = _min2(slots.shape[0], out.shape[0]), i, s, t
@@ -615,14 +635,10 @@ def index_find(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, int
         return used
     with nogil:
         for i in range(n):
-            if i + PSRT_AHEAD < n:  # the cell the id PSRT_AHEAD on starts probing at (see PSRT_AHEAD)
-                j = psrt_mix64(<uint64_t>ids[i + PSRT_AHEAD]) & mask
-                psrt_prefetch_w(&keys[j], sizeof(int64_t))
-                psrt_prefetch_w(&vals[j], sizeof(int64_t))
+            if i + PSRT_AHEAD < n:
+                _ahead(&keys[0], &vals[0], mask, ids[i + PSRT_AHEAD], True)
             key = ids[i]
-            j = psrt_mix64(<uint64_t>key) & mask
-            while vals[j] >= 0 and keys[j] != key:
-                j = (j + 1) & mask
+            j = _cell(&keys[0], &vals[0], mask, key)
             if vals[j] >= 0:
                 out[i] = vals[j]
             elif insert and used < room:
@@ -664,14 +680,10 @@ def index_gather(const int64_t[::1] keys, const int64_t[::1] vals, const int64_t
         return n
     with nogil:
         for i in range(n):
-            if i + PSRT_AHEAD < n:  # the cell the id PSRT_AHEAD on starts probing at (see PSRT_AHEAD)
-                j = psrt_mix64(<uint64_t>ids[i + PSRT_AHEAD]) & mask
-                psrt_prefetch_r(&keys[j], sizeof(int64_t))
-                psrt_prefetch_r(&vals[j], sizeof(int64_t))
+            if i + PSRT_AHEAD < n:
+                _ahead(&keys[0], &vals[0], mask, ids[i + PSRT_AHEAD], False)
             key = ids[i]
-            j = psrt_mix64(<uint64_t>key) & mask
-            while vals[j] >= 0 and keys[j] != key:
-                j = (j + 1) & mask
+            j = _cell(&keys[0], &vals[0], mask, key)
             slots[i] = vals[j] if vals[j] >= 0 else -1
         for i in range(n):
             if i + PSRT_AHEAD < n:
@@ -702,14 +714,10 @@ def index_remove(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, i
         return
     with nogil:
         for i in range(n):
-            if i + PSRT_AHEAD < n:  # the cell the id PSRT_AHEAD on starts probing at (see PSRT_AHEAD)
-                j = psrt_mix64(<uint64_t>ids[i + PSRT_AHEAD]) & mask
-                psrt_prefetch_w(&keys[j], sizeof(int64_t))
-                psrt_prefetch_w(&vals[j], sizeof(int64_t))
+            if i + PSRT_AHEAD < n:
+                _ahead(&keys[0], &vals[0], mask, ids[i + PSRT_AHEAD], True)
             key = ids[i]
-            j = psrt_mix64(<uint64_t>key) & mask
-            while vals[j] >= 0 and keys[j] != key:
-                j = (j + 1) & mask
+            j = _cell(&keys[0], &vals[0], mask, key)
             if vals[j] < 0:
                 out[i] = -1
                 continue
@@ -738,14 +746,10 @@ def index_set(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, cons
         return 0
     with nogil:
         for i in range(n):
-            if i + PSRT_AHEAD < n:  # the cell the id PSRT_AHEAD on starts probing at (see PSRT_AHEAD)
-                j = psrt_mix64(<uint64_t>ids[i + PSRT_AHEAD]) & mask
-                psrt_prefetch_w(&keys[j], sizeof(int64_t))
-                psrt_prefetch_w(&vals[j], sizeof(int64_t))
+            if i + PSRT_AHEAD < n:
+                _ahead(&keys[0], &vals[0], mask, ids[i + PSRT_AHEAD], True)
             key = ids[i]
-            j = psrt_mix64(<uint64_t>key) & mask
-            while vals[j] >= 0 and keys[j] != key:
-                j = (j + 1) & mask
+            j = _cell(&keys[0], &vals[0], mask, key)
             if vals[j] >= 0:
                 vals[j] = slots[i]
                 found += 1
