@@ -514,7 +514,7 @@ def test_i4_i5_a_primary_dying_between_its_early_parameters_and_their_notice_lea
             time.sleep(0.01)
         replica._replication.on_ranges(wire.Ranges(0, ((1,), (1,))))  # the scheduler's word: shard 1 serves
         for client in clients:
-            client._calls._moves = {0: announced[1][1]}  # as the scheduler's moved notice fills it
+            client._calls._moves = {0: (announced[1][1], True)}  # as the scheduler's moved notice fills it
         deadline = time.monotonic() + 30
         while not all(h.done() for h in handles) and time.monotonic() < deadline:  # (each client sends again)
             time.sleep(0.01)
@@ -887,7 +887,7 @@ def _irregular_rounds(fail: bool) -> dict:
             threads[0].join(10)
             replica._replication.on_ranges(wire.Ranges(0, ((1,), (1,))))  # the scheduler's word: shard 1 serves
             for c in clients:
-                c._calls._moves = {0: announced[1][1]}  # as the scheduler's moved notice fills it
+                c._calls._moves = {0: (announced[1][1], True)}  # as the scheduler's moved notice fills it
             # Worker 0 (a process of its own in a job) waits for its push_pull meanwhile: it follows the move and
             # sends the push again, which joins b's round on the range's new server.
             deadline = time.monotonic() + 10
@@ -1152,7 +1152,7 @@ def _pushes_around_a_move(fail: bool) -> dict:
             primary.stop()
             threads[0].join(10)
             replica._replication.on_ranges(wire.Ranges(0, ((1,), (1,))))  # the scheduler's word: shard 1 serves
-            client._calls._moves = {0: announced[1][1]}  # as the scheduler's moved notice fills it
+            client._calls._moves = {0: (announced[1][1], True)}  # as the scheduler's moved notice fills it
         first = client.push_async({"a": np.full(5, 2, np.float32)})  # (fail: to the dead primary)
         first.done()  # takes the move in: the channel points at the range's new server now
         second = client.push_async({"b": np.full(5, 3, np.float32)})  # (fail: sent there, after the move)

@@ -316,9 +316,10 @@ class HeartbeatThread:
         self.endpoint, self.rank = endpoint, rank
         self.interval, self.timeout = interval, timeout
         self.failure: Optional[PeerFailedError] = None
-        #: Shards that came back on another endpoint (``moved`` notices): shard index -> endpoint, taken (popped)
-        #: by the client's waits. Plain dict operations, atomic under the GIL.
-        self.moves: dict[int, str] = {}
+        #: Shards that came back on another endpoint (``moved`` notices): shard index -> (endpoint, whether a
+        #: replica took its range over), taken (popped) by the client's waits. Plain dict operations, atomic under
+        #: the GIL.
+        self.moves: dict[int, tuple[str, bool]] = {}
         self._beater = _Beater.join(self, endpoint, interval, timeout, job_keys)
 
     def check(self) -> None:
@@ -455,7 +456,7 @@ class _Beater:
                             with self._lock:
                                 handles = list(self._members.values())
                             for h in handles:
-                                h.moves[notice.shard] = notice.endpoint
+                                h.moves[notice.shard] = (notice.endpoint, notice.replica)
                         elif isinstance(notice, wire.NotMembers):
                             self._fail(PeerFailedError(notice.message), notice.workers)
                         elif isinstance(notice, wire.ControlError):

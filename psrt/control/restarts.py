@@ -133,4 +133,4 @@ class Restarts:
         if old != req.endpoint:  # the workers' clients re-point their socket to this shard
             # Once per socket: the workers of one process share their heartbeat's (and hear it for all of them).
             for ident in {m.identity: None for (role, _), m in self._members.items() if role == "worker"}:
-                self._send(ident, wire.encode_moved(index, req.endpoint))
+                self._send(ident, wire.encode_moved(index, req.endpoint, replica=False))

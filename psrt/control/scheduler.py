@@ -643,7 +643,7 @@ class Scheduler(Restarts):
         self._tell_servers(wire.encode_ranges(placement.holders, placement.endpoints))
         for ident in {m.identity: None for (role, _), m in self._members.items() if role == "worker"}:
             for rng, endpoint in moves:
-                self._send(ident, wire.encode_moved(rng, endpoint))
+                self._send(ident, wire.encode_moved(rng, endpoint, replica=True))
         return True
 
     def _abort(self, message: str) -> None:

@@ -92,7 +92,7 @@ _REPLY_FIELDS: dict[str, frozenset[str]] = {
     "shutdown": frozenset({"v", "op", "id"}),
     "abort": frozenset({"v", "op", "id", "code", "message"}),
     "members": frozenset({"v", "op", "id", "epoch", "workers"}),
-    "moved": frozenset({"v", "op", "id", "shard", "endpoint"}),
+    "moved": frozenset({"v", "op", "id", "shard", "endpoint", "replica"}),
     "finished": frozenset({"v", "op", "id", "workers"}),
     "forming": frozenset({"v", "op", "id", "servers", "num_servers", "workers", "num_workers"}),
     "not_members": frozenset({"v", "op", "id", "workers", "message"}),
@@ -465,12 +465,15 @@ class Members:
 
 @dataclass(frozen=True)
 class Moved:
-    """``moved``: sent unprompted to the workers when shard ``shard`` came back on another endpoint (restarted
-    from its checkpoint): their requests to it go to ``endpoint`` from now on."""
+    """``moved``: sent unprompted to the workers when shard ``shard`` came back on another endpoint: their requests
+    to it go to ``endpoint`` from now on. ``replica``: its range was taken over by a replica, which holds all that
+    the shard answered (a replicated job's failover); else the shard itself restarted, maybe from a checkpoint
+    behind what it answered."""
 
     id: int
     shard: int
     endpoint: str
+    replica: bool
     op: ClassVar[str] = "moved"
 
 
@@ -572,7 +575,9 @@ def decode_control_reply(frames: Sequence[Any], limits: WireLimits = CONTROL_LIM
         endpoint = string(h, "endpoint", _MAX_ENDPOINT)
         if "://" not in endpoint:
             raise ProtocolError(f"moved: 'endpoint' must be an endpoint like tcp://HOST:PORT, got {endpoint!r}")
-        return Moved(rid, uint(h, "shard", 1 << 31), endpoint)
+        if type(h["replica"]) is not bool:
+            raise ProtocolError("moved: 'replica' must be true or false")
+        return Moved(rid, uint(h, "shard", 1 << 31), endpoint, h["replica"])
     if op == "forming":
         return Forming(rid, uint(h, "servers"), uint(h, "num_servers"), uint(h, "workers"), uint(h, "num_workers"))
     if op == "not_members":
@@ -633,9 +638,9 @@ def encode_members(epoch: int, workers: list[int]) -> list[Any]:
     return encode({"op": "members", "id": 0, "epoch": epoch, "workers": workers})
 
 
-def encode_moved(shard: int, endpoint: str) -> list[Any]:
+def encode_moved(shard: int, endpoint: str, replica: bool) -> list[Any]:
     """Frames of the ``moved`` notice (id 0)."""
-    return encode({"op": "moved", "id": 0, "shard": shard, "endpoint": endpoint})
+    return encode({"op": "moved", "id": 0, "shard": shard, "endpoint": endpoint, "replica": replica})
 
 
 def encode_finished(workers: list[int]) -> list[Any]:

@@ -169,16 +169,16 @@ class ShardCalls:
         Called while waiting; raises to end every wait at once (the job failed:
         :meth:`psrt.control.link.HeartbeatThread.check`).
     moves : dict, optional
-        Shards that restarted on another endpoint, filled by another thread
-        (:attr:`psrt.control.link.HeartbeatThread.moves`):
-        every wait takes them in, re-points the shard's socket and sends again what it never answered.
+        Shards that restarted on another endpoint, or whose range a replica took over, filled by another thread
+        (:attr:`psrt.control.link.HeartbeatThread.moves`): every wait takes them in, re-points the shard's socket
+        and sends again what it never answered.
     restarted : callable, optional
         Called with a shard that came back (maybe from a checkpoint, behind what it was) before what it never
         answered goes again (top-k compression: the residuals owed to its earlier life are dropped).
     """
 
     def __init__(self, context: Any, servers: Sequence[str], config: ClientConfig, lanes: WorkerLanes,
-                 check: Optional[Callable[[], None]] = None, moves: Optional[dict[int, str]] = None,
+                 check: Optional[Callable[[], None]] = None, moves: Optional[dict[int, tuple[str, bool]]] = None,
                  restarted: Optional[Callable[[int], None]] = None) -> None:
         self._check = check
         self._moves = moves
@@ -388,7 +388,7 @@ class ShardCalls:
         through no more (which would also forget the versions its first answers taught, read in the same poll).
         """
         while self._moves:
-            shard, endpoint = self._moves.popitem()
+            shard, (endpoint, replica) = self._moves.popitem()
             if shard >= len(self.channels) or endpoint == self.servers[shard]:
                 continue
             log.warning("shard %d moved from %s to %s (restarted, or its range taken over by a replica): "
@@ -396,13 +396,15 @@ class ShardCalls:
             self.channels[shard].repoint(endpoint)
             self.servers[shard] = endpoint
             self._repointed[shard] = True
-            self._ride_through(shard)
+            self._ride_through(shard, behind=not replica)
 
-    def _ride_through(self, shard: int) -> None:
+    def _ride_through(self, shard: int, behind: bool = True) -> None:
         """A shard came back (restarted, maybe from a checkpoint): its senders send again what it never answered.
 
-        What it restored may be behind what it was, so the versions learned from it are forgotten; pushes it
-        already applied carry their sequence numbers and are not applied twice.
+        The versions learned from it are forgotten (what it restored may be behind what it was). So is what top-k's
+        residuals owed it when it may be behind (``behind``); a replica that took over its range holds all that
+        the shard answered, so what the residuals owe is still owed there, and kept. Pushes it already applied
+        carry their sequence numbers and are not applied twice.
         """
         unanswered = [(rid, p) for rid, p in self._pending.items() if p.shard == shard]
         self._unanswered[shard] += 1
@@ -421,7 +423,7 @@ class ShardCalls:
                     self.servers[shard], len(unanswered))
         self.versions.forget(shard)
         self._lanes.reset(shard)  # its lanes died with it; what was sent over one goes again over the socket
-        if self._restarted is not None:
+        if self._restarted is not None and behind:
             self._restarted(shard)
         for rid, p in unanswered:
             p.early = None  # parameters an early reply brought are not held: the new answer replaces them
