@@ -31,6 +31,8 @@ variable                   also read                      meaning               
                                                           ``on`` or ``off`` (every worker alike)
 ``PSRT_IN_FLIGHT``                                        a blocking sync call's pieces in flight     2
                                                           per shard over a network; 0: all at once
+``PSRT_PACING``                                           how those pieces go: ``auto`` (timed),      ``auto``
+                                                          ``paced``, ``joined`` or ``grouped``
 ``PSRT_KEYS``                                             the job's key directory (``psrt keygen``):  off
                                                           CURVE on every socket; empty: off
 ``PSRT_SHM``                                              ``0``: no shared memory between a worker     ``1``
@@ -61,7 +63,7 @@ from psrt.dtypes import check_compression
 from psrt.errors import ConfigError
 
 __all__ = ["WireLimits", "RowLimits", "ServerConfig", "ClientConfig", "ClusterConfig", "Flag", "flags",
-           "field_default", "MODES", "NONFINITE", "PIPELINE", "CUTS", "PROCESS_ROLES", "JOB_SETTINGS",
+           "field_default", "MODES", "NONFINITE", "PIPELINE", "PACING", "CUTS", "PROCESS_ROLES", "JOB_SETTINGS",
            "START_TIMEOUT", "CHECKPOINT_SETTINGS", "HEARTBEAT_INTERVAL", "HEARTBEAT_TIMEOUT", "RESTART_GRACE",
            "WARN_AFTER", "parse_whole", "parse_count", "parse_seconds", "parse_interval", "parse_endpoint",
            "parse_bind"]
@@ -72,6 +74,8 @@ MODES = ("sync", "async", "ssp")
 NONFINITE = ("reject", "allow")
 #: ``ClientConfig.pipeline``'s values.
 PIPELINE = ("auto", "on", "off")
+#: ``ClientConfig.pacing``'s values: timed, or one way always (:mod:`psrt.worker.pacing`, finest first).
+PACING = ("auto", "paced", "joined", "grouped")
 #: How a job's workers cut tensors into chunks (a scheduler's table says which, :attr:`psrt.wire.Table.cut`):
 #: for shards on the workers' host, or for shards across a network (pieces that pipeline).
 CUTS = ("host", "network")
@@ -582,6 +586,12 @@ class ClientConfig:
         lands, and the answers stream out while the next pieces stream in (docs/perfmodel.md, "The pull
         tail"). Non-blocking calls send everything at once: nothing would send the rest while the caller
         computes.
+    pacing : str
+        How a blocking call's pieces go there (:mod:`psrt.worker.pacing`): ``"auto"`` (default, ``PSRT_PACING``):
+        the way the client's own calls time fastest; ``"paced"`` (at most ``in_flight`` ahead of the answers),
+        ``"joined"`` (joined into messages of 256 KiB or more, all at once) or ``"grouped"`` (as few messages as
+        ``partition_bytes`` allows, all at once): that way always, for a job whose bottleneck is known (a link:
+        paced; the processes' CPUs: grouped). Ignored with ``in_flight=0``.
     """
 
     timeout: float = _env_fed(60.0, "PSRT_TIMEOUT", read=_Environment.seconds)
@@ -594,6 +604,7 @@ class ClientConfig:
     shm: bool = _env_fed(True, "PSRT_SHM", read=_Environment.switch)
     pipeline: str = _env_fed("auto", "PSRT_PIPELINE")
     in_flight: int = _env_fed(2, "PSRT_IN_FLIGHT", read=_Environment.whole)
+    pacing: str = _env_fed("auto", "PSRT_PACING")
 
     def __post_init__(self) -> None:
         _check_keys(self.keys)
@@ -603,6 +614,9 @@ class ClientConfig:
         if self.pipeline not in PIPELINE:
             where = " (PSRT_PIPELINE)" if os.environ.get("PSRT_PIPELINE") == self.pipeline else ""
             raise ConfigError(f"pipeline must be 'auto', 'on' or 'off', got {self.pipeline!r}{where}")
+        if self.pacing not in PACING:
+            where = " (PSRT_PACING)" if os.environ.get("PSRT_PACING") == self.pacing else ""
+            raise ConfigError(f"pacing must be 'auto', 'paced', 'joined' or 'grouped', got {self.pacing!r}{where}")
         _positive("timeout", self.timeout, float, "PSRT_TIMEOUT")
         _positive("warn_after", self.warn_after, float, "PSRT_WARN_AFTER")
         try:

@@ -107,11 +107,14 @@ class Oracle:
         The workers' compression (``PSRT_COMPRESSION``).
     leaves : bool
         Whether worker 1 leaves the job after :data:`LEAVE_AFTER` steps.
-    restart : (int, str, int), optional
-        A shard restarts: its index, the workers' call pattern, and the steps done before its death. The workers'
-        first push to it afterwards waits for its return, during which they learn of it (and reset the top-k
-        residuals of its chunks): after that push was made, so before any later push of the same step (only
-        ``one_by_one`` makes one), and before the next step's.
+    restart : (int, str, int, int or None), optional
+        A shard restarts: its index, the workers' call pattern, the steps done before its death, and how many of a
+        split tensor's pieces for it a paced call sends before it waits (None: the call is not paced, every
+        piece goes at once). The workers' first push to it afterwards waits for its return, during which they
+        learn of it (and reset the top-k residuals of its chunks): after that push was made, so before any later
+        push of the same step (only ``one_by_one`` makes one), and before the next step's. A paced call makes
+        (encodes) a held-back piece only as it sends it, once the shard answered the ones before: after the
+        reset.
     network : bool
         Whether the clients cut tensors for a network (``PSRT_PIPELINE=on``): top-k picks per chunk.
     """
@@ -123,11 +126,22 @@ class Oracle:
         kind = cw.grad_kind(compression)
         resets: dict[int, tuple[Optional[float], ...]] = {}
         if restart is not None:
-            victim, calls, done = restart
+            victim, calls, done, ahead = restart
             on_it = [t for t in range(len(cw.SIZES)) if any(p.shard == victim for p in pieces(t, network))]
             for i, t in enumerate(on_it):  # one_by_one pushes t0, t1, ... one call each; others all at once
-                when = done - 0.5 if calls == "one_by_one" and i > 0 else done + 0.5
-                resets[t] = tuple(when if p.shard == victim else None for p in pieces(t, network))
+                if calls == "one_by_one" and i > 0:
+                    resets[t] = tuple(done - 0.5 if p.shard == victim else None for p in pieces(t, network))
+                    continue
+                whens: list[Optional[float]] = []
+                sent_at_once = 0  # a paced call sends the first ``ahead`` pieces of a split tensor, in key order
+                for p in pieces(t, network):
+                    if p.shard != victim:
+                        whens.append(None)
+                        continue
+                    held = ahead is not None and len(pieces(t, network)) > 1 and sent_at_once >= ahead
+                    sent_at_once += 1
+                    whens.append(done - 0.5 if held else done + 0.5)
+                resets[t] = tuple(whens)
         self.sent = {(w, t): sent(kind, ratio, w, t, network, resets.get(t)) for w in range(WORKERS)
                      for t in range(len(cw.SIZES))}
         #: Pushes per worker (each step pushes every tensor once, and the table once).

@@ -30,10 +30,13 @@ What each case checks, from the documented semantics (README, docs/architecture.
 - compression: fp16 carries these small integers exactly; top-k's choice is simulated with its documented rule
   (per chunk, the ``ceil(RATIO * count)`` largest magnitudes of gradient + residual; a restarted shard's
   residuals start from zero once the client learns of the restart), so its results are exact too;
-- the cut: one tensor (1.25 MiB) is cut into a piece per shard on this host, or with ``PSRT_PIPELINE=on`` into 4
-  pieces as for shards across a network, each its own message over a socket (lanes still carry them together);
-  in async and ssp each piece is applied apart, so each holds its own prefix of the pushes (every piece a network
-  cut makes begins with the workers' counters);
+- the cut: one tensor (1.25 MiB) is cut into a piece per shard on this host, or with ``PSRT_PIPELINE=on`` into
+  10 pieces of 128 KiB as for shards across a network (lanes still carry them together); in async and ssp each
+  piece is applied apart, so each holds its own prefix of the pushes (every piece a network cut makes begins with
+  the workers' counters). Over sockets a blocking sync call's pieces go the way the client times fastest
+  (``pipeline=on``: paced, joined or grouped, ``psrt.worker.pacing``), or (``pipeline=paced``) always paced, one
+  piece in flight per shard (``PSRT_PACING=paced``, ``PSRT_IN_FLIGHT=1``): every call holds pieces back and the
+  waits send them, across restarts and failovers too;
 - the data path (shared memory exactly where lanes can be used), CURVE really on with keys, the workers in one
   process or two as the case says, no internal error in any shard, and every process exiting in time with code 0
   but the one whose worker's script raised;
@@ -87,6 +90,7 @@ import psrt  # noqa: E402
 from psrt.config import ClientConfig, ClusterConfig  # noqa: E402
 from psrt.control.metrics import per_worker  # noqa: E402
 from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command, stop_children  # noqa: E402
+from psrt.worker import pacing  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -110,7 +114,7 @@ FACTORS: dict[str, list[str]] = {
     "event": ["none", "leave", "crash", "restore"],
     "security": ["off", "keys"],
     "processes": ["separate", "shared"],
-    "pipeline": ["auto", "on"],
+    "pipeline": ["auto", "on", "paced"],
     "replicas": ["0", "1"],
 }
 
@@ -193,7 +197,15 @@ def _pairwise() -> list[list[str]]:
     return [[row[f] for f in FACTORS] for row in rows]
 
 
-CASES = [Case(*row) for row in _complete(_pairwise())]
+#: Triples no pair can stand for: pacing acts only on blocking calls (push_pull, one_by_one) to sync shards over
+#: sockets, so these hold back pieces across a restore, a failover and backup workers' dropped pushes.
+PACED: list[list[str]] = [
+    ["sync", "sockets", "push_pull", "topk", "dense", "restore", "keys", "separate", "paced", "0"],
+    ["sync", "sockets", "one_by_one", "none", "table", "restore", "off", "shared", "paced", "1"],
+    ["sync_b1", "sockets", "push_pull", "fp16", "evicting", "none", "off", "separate", "paced", "0"],
+]
+
+CASES = [Case(*row) for row in _complete(_pairwise()) + PACED]
 
 
 def test_the_cases_cover_every_valid_pair_of_values():
@@ -247,7 +259,9 @@ class Job:
         case, keys = self.case, self.keys
         self.env = {"PSRT_TIMEOUT": "30", "PSRT_SHM": "1" if case.path == "shm" else "0",
                     "PSRT_KEYS": keys if case.security == "keys" else "", "PSRT_RESTART_GRACE": "15",
-                    "PSRT_PIPELINE": case.pipeline}
+                    "PSRT_PIPELINE": "on" if case.pipeline == "paced" else case.pipeline}
+        if case.pipeline == "paced":
+            self.env.update(PSRT_PACING="paced", PSRT_IN_FLIGHT="1")
         mode = ["--mode", case.mode, *(["--staleness", str(STALENESS)] if case.mode == "ssp" else [])]
         if case.mode == BACKUP:
             mode = ["--mode", "sync", "--backup-workers", "1"]
@@ -388,11 +402,31 @@ class Job:
         return "\n".join(f"--- {c.label}\n{c.tail(3000)}" for c in self.children)
 
 
+def _ahead(case: Case, step: int) -> Optional[int]:
+    """How many of a split tensor's pieces per shard a worker's call at ``step`` (0-based) sends before it waits,
+    when it is paced (None: it is not, every piece goes at once). Pacing takes blocking calls to sync shards
+    over sockets (compressed gradients never take a lane): always with ``pipeline=paced``; with ``pipeline=on``
+    as :mod:`psrt.worker.pacing` schedules a set of tensors' calls (each step makes one call per set): joined
+    for the first :data:`~psrt.worker.pacing.WARM_UP_CALLS`, then paced and joined in turn while the first trial
+    lasts (this suite's steps end within it)."""
+    if case.mode not in ("sync", BACKUP) or case.calls not in ("push_pull", "one_by_one") or case.compression == \
+            "none" and case.path == "shm" or case.pipeline == "auto":
+        return None
+    if case.pipeline == "paced":
+        return 1
+    assert step < pacing.WARM_UP_CALLS + 2 * pacing.FIRST_SAMPLES, "the step is past pacing's first trial"
+    paced = step >= pacing.WARM_UP_CALLS and (step - pacing.WARM_UP_CALLS) % 2 == 0
+    return ClientConfig().in_flight if paced else None
+
+
 def _check(case: Case, tmp: Path, results: list[dict[str, Any]], victim: int) -> None:
     # A shard restored from its checkpoint may be behind what it answered: top-k's residuals owed to it start from
     # zero. A replica that takes a range over holds all its primary answered: what they owe is still owed there.
-    restart = (victim, case.calls, PAUSE_AFTER) if case.event == "restore" and case.replicas == "0" else None
-    oracle = Oracle(case.mode, _compression(case), case.event in LEAVING, restart, network=case.pipeline == "on")
+    restart = None
+    if case.event == "restore" and case.replicas == "0":
+        restart = (victim, case.calls, PAUSE_AFTER, _ahead(case, PAUSE_AFTER))
+    oracle = Oracle(case.mode, _compression(case), case.event in LEAVING, restart,
+                    network=case.pipeline != "auto")
     for res in results:
         w = res["rank"]
         data = np.load(tmp / f"worker-{w}.npz")

@@ -94,6 +94,21 @@ def test_in_flight_must_be_a_whole_number_of_zero_or_more(monkeypatch):
     assert ClientConfig().in_flight == 4
 
 
+def test_a_fixed_pacing_is_every_calls_way_and_times_nothing(monkeypatch):
+    assert ClientConfig().pacing == "auto" and Pacing.named("auto").fixed is None
+    for name, way in (("paced", PACED), ("joined", JOINED), ("grouped", GROUPED)):
+        p = Pacing.named(ClientConfig(pacing=name).pacing)
+        assert schedule(p, WARM_UP_CALLS + 3 * TRIAL, (3.0, 2.0, 1.0)) == [way] * (WARM_UP_CALLS + 3 * TRIAL)
+        assert p.chosen("k") is None, "nothing timed, nothing chosen"
+    with pytest.raises(ConfigError, match="pacing must be 'auto', 'paced', 'joined' or 'grouped', got 'fast'"):
+        ClientConfig(pacing="fast")
+    monkeypatch.setenv("PSRT_PACING", "slow")
+    with pytest.raises(ConfigError, match=r"got 'slow' \(PSRT_PACING\)"):
+        ClientConfig()
+    monkeypatch.setenv("PSRT_PACING", "grouped")
+    assert ClientConfig().pacing == "grouped"
+
+
 def _train(endpoint: str, rank: int, names: list[str], steps: int, in_flight: int, size: int,
            out: dict) -> None:
     config = ClientConfig(timeout=15, shm=False, pipeline="on", in_flight=in_flight)

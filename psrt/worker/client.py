@@ -265,7 +265,7 @@ class Client:
                                   f"but this client has num_workers={self._num_workers}")
         if self._pacing is None and self.config.in_flight and self._map.network and any(
                 s.sync and not s._grouped() for s in self._senders):
-            self._pacing = Pacing()
+            self._pacing = Pacing.named(self.config.pacing)
         if handle._conflicts:
             raise ConfigError(f"tensors {sorted(set(handle._conflicts))} were initialized by another worker with "
                               "a different optimizer; every worker must pass the same optimizer")

@@ -24,7 +24,8 @@ was faster (median), alternate joined and grouped likewise; then the faster, wit
 whose recent calls (median of the last :data:`SAMPLES`) took :data:`MARGIN` less. Every worker of a sync job
 makes its calls in step, so a worker's call of one way is the others' too; whatever each chooses, no two
 workers can wait on each other (a paced worker holds a piece back only behind pieces before it, in an order all
-workers share, whose rounds can close; the others hold nothing back).
+workers share, whose rounds can close; the others hold nothing back). ``ClientConfig.pacing`` (``PSRT_PACING``)
+can fix one way instead, timing nothing.
 """
 
 from __future__ import annotations
@@ -71,14 +72,28 @@ class _Set:
 
 
 class Pacing:
-    """Chooses, per set of tensors, how a blocking sync call's pieces go (see the module)."""
+    """Chooses, per set of tensors, how a blocking sync call's pieces go (see the module).
 
-    def __init__(self) -> None:
+    Parameters
+    ----------
+    fixed : int, optional
+        One way for every call (:attr:`psrt.config.ClientConfig.pacing` other than ``"auto"``): nothing is timed.
+    """
+
+    def __init__(self, fixed: Optional[int] = None) -> None:
         self._sets: dict[Hashable, _Set] = {}
+        self.fixed = fixed
+
+    @classmethod
+    def named(cls, pacing: str) -> Pacing:
+        """The chooser :attr:`psrt.config.ClientConfig.pacing` names (its values are :data:`psrt.config.PACING`)."""
+        return cls(None if pacing == "auto" else ("paced", "joined", "grouped").index(pacing))
 
     def way(self, key: Hashable) -> int:
         """The way of the next call on the set ``key`` (:data:`PACED`, :data:`JOINED` or :data:`GROUPED`);
         :meth:`took` follows with its time."""
+        if self.fixed is not None:
+            return self.fixed
         state = self._sets.get(key)
         if state is None:
             if len(self._sets) >= MAX_SETS:
