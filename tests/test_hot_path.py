@@ -480,6 +480,49 @@ def test_a_reply_held_back_to_a_departed_peer_is_reported_at_release():
         ctx.term()
 
 
+def test_a_shard_answers_requests_that_take_long_each_as_it_is_done_not_at_the_end_of_its_batch():
+    """Replies to queued requests are held back to go out together, but not behind requests that take long (a
+    large tensor's pieces): each request after the first waits here until the worker has the previous one's
+    answer, which a shard holding the answers until its batch ends would never send."""
+    from psrt.shard.server import Server
+
+    server = Server(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async"))
+    answered = [threading.Event() for _ in range(5)]
+    waited_in_vain: list[int] = []
+    handle, calls = server.handle, [0]
+
+    def slow_handle(identity: bytes, frames: list[Any]) -> None:
+        n = calls[0]
+        calls[0] += 1
+        time.sleep(0.001)  # the work of a large piece (milliseconds), far beyond what holding a reply saves
+        if n >= 2 and not answered[n - 1].wait(10.0):  # request n is rid n + 1: the previous reply is rid n
+            waited_in_vain.append(n)
+        handle(identity, frames)
+
+    server.handle = slow_handle  # type: ignore[method-assign]
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    ctx = transport.new_context()
+    dealer = transport.DealerChannel(ctx, server.endpoint, 1000)
+    try:
+        for rid in range(1, 5):  # queued together: one wake-up of the shard takes them all
+            dealer.send(data.encode_stats_request(rid), 5.0)
+        got = []
+        while len(got) < 4:
+            assert _ready(dealer), f"answers {got} only"
+            reply = wire.decode_reply(dealer.recv_frame(), LIMITS)
+            dealer.discard_rest()
+            got.append(reply.id)
+            answered[reply.id].set()
+        assert got == [1, 2, 3, 4] and not waited_in_vain, (got, waited_in_vain)
+    finally:
+        dealer.close()
+        server.stop()
+        thread.join(10)
+        server.close()
+        ctx.term()
+
+
 def test_a_shard_counts_a_held_reply_it_could_not_send():
     from psrt.config import ServerConfig
     from psrt.shard.server import Server

@@ -376,6 +376,10 @@ class RouterChannel:
         self._held = []
         self._hold_most = max(1, most)
 
+    def flush(self) -> None:
+        """Send the replies held now, and go on holding."""
+        self._flush()
+
     def release(self) -> list[tuple[int, str]]:
         """Send the replies held, stop holding; returns ``(bytes, why)`` of each that could not be sent (the peer
         departed, or its queue stayed full past the send timeout), since :meth:`hold`."""
