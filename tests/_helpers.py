@@ -37,7 +37,7 @@ from _common import Relay, serving  # noqa: E402
 __all__ = ["packed", "frames_of", "push_header", "RawPeer", "Relay", "serving", "scheduling", "RTOL", "assert_close",
            "WORKERS", "worker_command", "start_worker", "finish_worker", "stop_workers", "run_workers",
            "launched_results", "LIVENESS", "NEWS_HELD_S", "NAMED_AFTER_S", "LOADED", "bound",
-           "NAMED_WITHIN_S"]
+           "NAMED_WITHIN_S", "check_named_setting"]
 
 
 # ---------------------------------------------------------------------------------------------- headers by hand
@@ -228,3 +228,19 @@ def needs_shm(megabytes: int) -> Any:
         room = 0
     return pytest.mark.skipif(not shm.available() or room < megabytes << 20,
                               reason=f"needs a writable /dev/shm with {megabytes} MB free")
+
+
+def check_named_setting(monkeypatch: pytest.MonkeyPatch, field: str, variable: str, choices: str,
+                        bad: tuple[str, str], good: str) -> None:
+    """A ``ClientConfig`` setting that takes one of some names: ``bad[0]`` given and ``bad[1]`` from ``variable``
+    are refused, saying ``choices`` and naming the variable only for the second; ``good`` from it is taken."""
+    from psrt.config import ClientConfig
+    from psrt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"{field} must be {choices}, got '{bad[0]}'$"):
+        ClientConfig(**{field: bad[0]})
+    monkeypatch.setenv(variable, bad[1])
+    with pytest.raises(ConfigError, match=rf"got '{bad[1]}' \({variable}\)"):
+        ClientConfig()
+    monkeypatch.setenv(variable, good)
+    assert getattr(ClientConfig(), field) == good

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _helpers import check_named_setting
 
 import psrt
 from psrt.config import ClientConfig
-from psrt.errors import ConfigError
 from psrt.partition import PIPELINE_PIECES, Chunk
 from psrt.transport import on_this_host
 
@@ -151,10 +151,4 @@ def test_the_pipeline_setting_decides_the_cut_whatever_the_endpoints(shards, pip
 
 
 def test_a_pipeline_setting_other_than_auto_on_or_off_is_refused(monkeypatch):
-    with pytest.raises(ConfigError, match="pipeline must be 'auto', 'on' or 'off', got 'yes'"):
-        ClientConfig(pipeline="yes")
-    monkeypatch.setenv("PSRT_PIPELINE", "always")
-    with pytest.raises(ConfigError, match=r"got 'always' \(PSRT_PIPELINE\)"):
-        ClientConfig()
-    monkeypatch.setenv("PSRT_PIPELINE", "off")
-    assert ClientConfig().pipeline == "off"
+    check_named_setting(monkeypatch, "pipeline", "PSRT_PIPELINE", "'auto', 'on' or 'off'", ("yes", "always"), "off")
