@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 from _helpers import finish_worker, run_workers, start_worker, stop_workers
 
 import psrt
-from psrt import wire
+from psrt import transport, wire
 from psrt.config import ClientConfig, ServerConfig
 from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command
 from psrt.partition import PartitionMap
@@ -271,3 +273,51 @@ def test_a_finished_job_restarted_from_its_final_checkpoints_resumes_exactly(tmp
     second = _job(tmp_path, 2, restore=True)
     for name in ("a", "b"):
         assert second[name] == [expected[name][2], expected[name][4], True]
+
+
+def test_a_standalone_shard_that_hangs_past_zeromqs_heartbeat_timeout_is_ridden_through(caplog):
+    """A shard without a scheduler stopped (SIGSTOP: swapped out, a debugger, a frozen VM) while both workers of a
+    sync round wait on it, for longer than ZeroMQ's own heartbeat timeout: each worker's socket drops the
+    connection and connects anew, and the shard, once it runs again, answers what it had been sent over the
+    connection that is gone into a pipe that is gone too. The workers' clients see the reconnection and send
+    again what the shard never answered: every round is exact (-k after round k, the mean of two pushes of 1 with
+    SGD lr=1) and every push applied once, counted by the shard."""
+    shard = Child(psrt_command("server", "--bind", "tcp://127.0.0.1:*", "--workers", "2", "--mode", "sync"),
+                  label="shard", ready=SERVER_READY)
+    steps, waiting = 6, threading.Event()
+    reads: dict[int, list[float]] = {}
+
+    def train(rank: int) -> None:
+        with psrt.Client([endpoint], rank=rank, num_workers=2, config=ClientConfig(timeout=60)) as c:
+            c.init({"w": np.zeros(1 << 18, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+            got = []
+            for step in range(steps):
+                if step == 3:
+                    if rank == 0:
+                        waiting.set()  # its push of round 4 goes out, and waits for worker 1's
+                    else:
+                        hung.wait(30)  # worker 1 pushes round 4 while the shard is stopped
+                got.append(float(c.push_pull({"w": np.ones(1 << 18, np.float32)})["w"][0]))
+            reads[rank] = got
+
+    try:
+        endpoint = shard.wait_ready(30).group(1)
+        hung = threading.Event()
+        threads = [threading.Thread(target=train, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        assert waiting.wait(30)
+        time.sleep(0.2)
+        shard.signal(signal.SIGSTOP)
+        hung.set()
+        time.sleep(transport._HEARTBEAT_TIMEOUT_MS / 1000 + 3)  # past the timeout: the connections drop
+        shard.signal(signal.SIGCONT)
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a worker still waits on the shard"
+        assert reads == {r: [-float(k) for k in range(1, steps + 1)] for r in (0, 1)}, reads
+        assert sum("sending again" in rec.getMessage() for rec in caplog.records) >= 2, caplog.text
+    finally:
+        shard.signal(signal.SIGCONT)
+        shard.stop()
+    assert re.search(r"pushes=12 pulls=\d+ rounds=6 errors=0", shard.output), shard.output
