@@ -275,6 +275,7 @@ def test_a_finished_job_restarted_from_its_final_checkpoints_resumes_exactly(tmp
         assert second[name] == [expected[name][2], expected[name][4], True]
 
 
+@pytest.mark.integration
 def test_a_standalone_shard_that_hangs_past_zeromqs_heartbeat_timeout_is_ridden_through(caplog):
     """A shard without a scheduler stopped (SIGSTOP: swapped out, a debugger, a frozen VM) while both workers of a
     sync round wait on it, for longer than ZeroMQ's own heartbeat timeout: each worker's socket drops the
