@@ -34,6 +34,8 @@ import statistics
 from collections import deque
 from typing import Hashable, Optional
 
+from psrt.config import PACING
+
 __all__ = ["Pacing", "PACED", "JOINED", "GROUPED", "FIRST_SAMPLES", "SAMPLES", "EXPLORE_EVERY", "WARM_UP_CALLS",
            "MARGIN"]
 
@@ -51,6 +53,8 @@ SAMPLES = 8
 EXPLORE_EVERY = 64
 #: How much faster (a fraction of the chosen way's median) an explored way must be for the calls to move to it.
 MARGIN = 0.1
+#: The ways :attr:`psrt.config.ClientConfig.pacing` names (its other value, ``auto``, times them).
+_NAMED = dict(zip(PACING[1:], (PACED, JOINED, GROUPED)))
 #: Sets of tensors timed apart (a training loop repeats a few; one that pushes each tensor apart, that many).
 MAX_SETS = 4096
 
@@ -87,7 +91,7 @@ class Pacing:
     @classmethod
     def named(cls, pacing: str) -> Pacing:
         """The chooser :attr:`psrt.config.ClientConfig.pacing` names (its values are :data:`psrt.config.PACING`)."""
-        return cls(None if pacing == "auto" else ("paced", "joined", "grouped").index(pacing))
+        return cls(None if pacing == "auto" else _NAMED[pacing])
 
     def way(self, key: Hashable) -> int:
         """The way of the next call on the set ``key`` (:data:`PACED`, :data:`JOINED` or :data:`GROUPED`);
