@@ -282,6 +282,17 @@ def lane_probe(servers: list[str], size: int = 300_000, steps: int = 1, value: f
             "pushes": s["pushes"]}
 
 
+def slow_link(servers: list[str], size: int) -> dict:
+    """Initialize a tensor of ``size`` float32 values, one message each way (run it with ``PSRT_PIPELINE=off``:
+    the shard answers ``init`` with the parameters it holds); how long it took, and whether they came back exact."""
+    w = np.arange(size, dtype=np.float32)
+    with psrt.Client(servers, config=ClientConfig(timeout=120)) as c:
+        t0 = time.monotonic()
+        got = c.init({"w": w}, optimizer=psrt.SGD(lr=1.0))["w"]
+        took = time.monotonic() - t0
+    return {"exact": bool(np.array_equal(got, w)), "init_s": took}
+
+
 # ---------------------------------------------------------------------------------------------- bounded staleness
 def ssp(servers: list[str], rank: int, workers: int, steps: int, step_s: float, pattern: str = "dense") -> dict:
     """``steps`` steps, each pushing the gradient rank+1 and pulling, sleeping ``step_s`` after each, in one of
@@ -606,9 +617,9 @@ def backup_rounds(rounds: int, step_s: float, slow_s: float) -> dict:
 
 
 ROLES: dict[str, Callable[..., dict]] = {f.__name__: f for f in (
-    async_pusher, sync_slice, ride, scheduled, liveness, crash, secure, momentum, split_steps, lane_probe, ssp,
-    torch_cnn, embedding_clicks, virtual_crash, virtual_vanish, replicated, replicated_rows, ride_rows,
-    backup_rounds)}
+    async_pusher, sync_slice, ride, scheduled, liveness, crash, secure, momentum, split_steps, lane_probe,
+    slow_link, ssp, torch_cnn, embedding_clicks, virtual_crash, virtual_vanish, replicated, replicated_rows,
+    ride_rows, backup_rounds)}
 
 
 def main(argv: list[str]) -> int:

@@ -96,6 +96,30 @@ def test_pipeline_off_sends_a_tensor_crossing_a_network_in_one_message():
         assert server.stop() in (0, -15)
 
 
+def test_a_message_slower_to_cross_its_link_than_a_heartbeat_timeout_is_not_taken_for_a_dead_connection():
+    """A slow or congested link: a tensor kept whole (``PSRT_PIPELINE=off``) takes ~15 s each way over the shard
+    host's 1 Mbit/s link (``init`` and its answer, the parameters). Its bytes keep flowing and the peer's kernel
+    acknowledges them, so the connection lives: it is neither dropped nor sent again, and the values are exact.
+    (ZeroMQ's heartbeat timeout dropped it 10 s after a ping whose answer queued behind the message; sent again,
+    the message never got through, and after four tries the client gave up with ConnectionLostError.)"""
+    size = 500_000  # 2 MB: ~15 s each way at 1 Mbit/s, longer than a heartbeat interval and timeout (12 s)
+    with VirtualCluster(["srv", "wrk"], links={"srv": "1mbit", "wrk": None}, queueing="fifo") as vc:
+        endpoint = f"tcp://{vc.address('srv')}:5713"
+        server = vc.spawn("srv", [*PSRT, "server", "--bind", endpoint, "--workers", "1", "--mode", "async"],
+                          ready=SERVER_READY)
+        server.wait_ready(30)
+        worker = vc.spawn("wrk", worker_command("slow_link", servers=[endpoint], size=size),
+                          env={"PSRT_PIPELINE": "off"})
+        out = worker.communicate(timeout=240)
+        assert worker.returncode == 0, out
+        [res] = parse_results(out)
+        assert res["exact"], res
+        assert res["init_s"] > 2 * 12.0, res  # the premise: each way outlasted a heartbeat interval and timeout
+        assert "reconnected" not in out, out
+        assert server.stop() in (0, -15)
+        assert "errors=0" in server.output, server.output
+
+
 @pytest.mark.parametrize("compression", ["none", "fp16"])
 @pytest.mark.parametrize("calls", ["push_pull", "push_then_pull"])
 def test_sync_rounds_of_tensors_cut_for_the_network_are_exact(calls, compression):

@@ -16,7 +16,7 @@ import pytest
 from _helpers import finish_worker, run_workers, start_worker, stop_workers
 
 import psrt
-from psrt import transport, wire
+from psrt import wire
 from psrt.config import ClientConfig, ServerConfig
 from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command
 from psrt.partition import PartitionMap
@@ -276,13 +276,13 @@ def test_a_finished_job_restarted_from_its_final_checkpoints_resumes_exactly(tmp
 
 
 @pytest.mark.integration
-def test_a_standalone_shard_that_hangs_past_zeromqs_heartbeat_timeout_is_ridden_through(caplog):
+def test_a_standalone_shard_that_hangs_keeps_its_connections_and_is_waited_for(caplog):
     """A shard without a scheduler stopped (SIGSTOP: swapped out, a debugger, a frozen VM) while both workers of a
-    sync round wait on it, for longer than ZeroMQ's own heartbeat timeout: each worker's socket drops the
-    connection and connects anew, and the shard, once it runs again, answers what it had been sent over the
-    connection that is gone into a pipe that is gone too. The workers' clients see the reconnection and send
-    again what the shard never answered: every round is exact (-k after round k, the mean of two pushes of 1 with
-    SGD lr=1) and every push applied once, counted by the shard."""
+    sync round wait on it, for longer than a ZMTP heartbeat timeout would have allowed (10 s, past which ZeroMQ
+    dropped the connections and the clients sent everything again). Its kernel still acknowledges what the workers
+    send, so their connections live (psrt's liveness is the kernel's acknowledgement, not a pong the stopped
+    process cannot send); once it runs again it answers them: every round is exact (-k after round k, the mean of
+    two pushes of 1 with SGD lr=1), every push applied once, counted by the shard, and nothing was sent again."""
     shard = Child(psrt_command("server", "--bind", "tcp://127.0.0.1:*", "--workers", "2", "--mode", "sync"),
                   label="shard", ready=SERVER_READY)
     steps, waiting = 6, threading.Event()
@@ -311,13 +311,13 @@ def test_a_standalone_shard_that_hangs_past_zeromqs_heartbeat_timeout_is_ridden_
         time.sleep(0.2)
         shard.signal(signal.SIGSTOP)
         hung.set()
-        time.sleep(transport._HEARTBEAT_TIMEOUT_MS / 1000 + 3)  # past the timeout: the connections drop
+        time.sleep(13.0)  # past the 10 s a ZMTP heartbeat timeout allowed
         shard.signal(signal.SIGCONT)
         for t in threads:
             t.join(60)
         assert not any(t.is_alive() for t in threads), "a worker still waits on the shard"
         assert reads == {r: [-float(k) for k in range(1, steps + 1)] for r in (0, 1)}, reads
-        assert sum("sending again" in rec.getMessage() for rec in caplog.records) >= 2, caplog.text
+        assert not any("sending again" in rec.getMessage() for rec in caplog.records), caplog.text
     finally:
         shard.signal(signal.SIGCONT)
         shard.stop()

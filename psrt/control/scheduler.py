@@ -557,8 +557,8 @@ class Scheduler(Restarts):
             for identity in gone:
                 self._conn.pop(identity, None)
             hurried = [(peer, m) for peer, m in self._members.items() if m.identity in gone
-                       # One silent for long before its connection closed (ZeroMQ's own heartbeat dropped a stopped
-                       # process) is not hurried: its silence is judged by the heartbeat timeout alone.
+                       # One silent for long before its connection closed (the transport dropped a connection its
+                       # host left unacknowledged) is not hurried: its silence is judged by the heartbeat timeout alone.
                        and m.closed_at is None and now - m.last_seen <= self._confirm(m)] if gone else []
             for _, m in hurried:
                 m.closed_at = now

@@ -137,8 +137,8 @@ class VirtualCluster:
         The most bytes a TCP peer may have in flight to any host (the window every host advertises, ``ip route
         ... window``). The shaped links' queues are deep so that nothing is lost, and with W peers sending to one
         host its link's queue then holds at most W windows, not all their data: each peer's waiting bytes stay in
-        its own socket, and no message waits there behind seconds of other peers' data (ZeroMQ takes a peer that
-        answers no heartbeat within 10 s for dead). By default TCP's own autotuned windows.
+        its own socket, and no message waits there behind seconds of other peers' data (as a data centre's
+        switch buffers hold milliseconds, not seconds). By default TCP's own autotuned windows.
     lossless : bool
         A network that loses and reorders nothing, as one with the deep queues of ``fifo`` links does:
         each veth end steers a flow's packets to one CPU (RPS; without it a flow whose sender moves between CPUs
