@@ -10,11 +10,13 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 from _helpers import worker_command
 
+from psrt import transport
 from psrt.control.process import SERVER_READY, parse_results, psrt_command
 from psrt.emulation.netns import VirtualCluster
 from psrt.errors import ConfigError
@@ -118,6 +120,39 @@ def test_a_message_slower_to_cross_its_link_than_a_heartbeat_timeout_is_not_take
         assert "reconnected" not in out, out
         assert server.stop() in (0, -15)
         assert "errors=0" in server.output, server.output
+
+
+def test_a_link_cut_for_longer_than_the_transport_waits_is_ridden_through_once_it_is_back():
+    """A worker's link cut (its veth down) for longer than :data:`psrt.transport.DEAD_AFTER_S` while it trains
+    against a standalone shard: their bytes stay unacknowledged, so both ends drop the connection; once the link is
+    back ZeroMQ connects anew and the client sends again what the shard had not answered (a push keeps its sequence
+    number, so one the shard applied before its answer was lost is not applied twice). Every push is applied once:
+    each step's push moves its own element of the tensor by exactly -1."""
+    steps = 30
+    with VirtualCluster(["srv", "wrk"]) as vc:
+        endpoint = f"tcp://{vc.address('srv')}:5714"
+        server = vc.spawn("srv", [*PSRT, "server", "--bind", endpoint, "--workers", "1", "--mode", "sync"],
+                          ready=SERVER_READY)
+        server.wait_ready(30)
+        worker = vc.spawn("wrk", worker_command("ride", servers=[endpoint], rank=0, workers=1, steps=steps,
+                                                step_s=0.1))
+        deadline = time.monotonic() + 60
+        while "training" not in worker.output and worker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "training" in worker.output, worker.output
+        subprocess.run(["ip", "link", "set", vc.veth("wrk"), "down"], check=True, timeout=10)
+        try:
+            time.sleep(transport.DEAD_AFTER_S + 4)
+        finally:
+            subprocess.run(["ip", "link", "set", vc.veth("wrk"), "up"], check=True, timeout=10)
+        out = worker.communicate(timeout=120)
+        assert worker.returncode == 0, out
+        [res] = parse_results(out)
+        assert res["counts"] == {"-1.0": steps}, res  # every push applied once, none lost
+        assert res["max_gap"] > transport.DEAD_AFTER_S, res  # the premise: one step waited out the cut
+        assert "sending again" in out, out
+        assert server.stop() in (0, -15)
+        assert f"pushes={steps} " in server.output, server.output
 
 
 @pytest.mark.parametrize("compression", ["none", "fp16"])
