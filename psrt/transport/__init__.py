@@ -8,11 +8,13 @@ known ZeroMQ pitfalls of a parameter server:
 - explicit high-water marks and ``SNDTIMEO``: a full queue is an error after a deadline, not a silent drop
   or a hang.
 - ``ROUTER_HANDOVER``: a worker that reconnects with the same identity takes over its old connection.
-- Dead TCP peers are detected by what their kernel acknowledges, never by how long a message takes: a ZMTP ping
-  every ``HEARTBEAT_IVL`` keeps bytes in flight on an idle connection, and ``TCP_MAXRT`` (``TCP_USER_TIMEOUT``)
-  drops a connection whose bytes stay unacknowledged for :data:`DEAD_AFTER_S`. There is no ZMTP heartbeat
-  timeout: its pong queues behind the data the peer sends first, so on a slow or congested link (a message that
-  takes longer to cross than the timeout) a live connection was dropped, again at every try of the message.
+- Dead TCP peers are detected by what their kernel acknowledges, never by how long a message takes:
+  ``TCP_MAXRT`` (``TCP_USER_TIMEOUT``) drops a connection whose bytes stay unacknowledged for
+  :data:`DEAD_AFTER_S`, and TCP keepalives (``TCP_KEEPALIVE*``) probe an idle one, answered by the peer's kernel
+  without waking its process. No ZMTP heartbeats: their pong queues behind the data the peer sends first, so on a
+  slow or congested link (a message that takes longer to cross than the timeout) a live connection was dropped,
+  again at every try of the message; and their pings woke both processes' I/O threads every interval on every
+  connection (thousands a second with a thousand workers).
 - The scheduler's ROUTER watches its connections (``watch_connections``, a socket monitor and each message's
   ``SRCFD``): a killed peer's kernel closes them at once, which names it sooner than its silence would.
 - ``LINGER=0``: closing never blocks on unsent messages.
@@ -55,21 +57,22 @@ from psrt.errors import (
 from psrt.transport import curve
 from psrt.transport.curve import ZAP_DOMAIN, JobKeys, create_certificates, read_certificate
 
-__all__ = ["ZERO_COPY_BYTES", "ZAP_DOMAIN", "new_context", "acquire_context", "release_context", "RouterChannel",
-           "DealerChannel", "Poller", "monitor_event", "SendDropped", "peer_address", "create_certificates",
-           "read_certificate", "on_this_host", "wait_readable"]
+__all__ = ["ZERO_COPY_BYTES", "DEAD_AFTER_S", "ZAP_DOMAIN", "new_context", "acquire_context", "release_context",
+           "RouterChannel", "DealerChannel", "Poller", "monitor_event", "SendDropped", "peer_address",
+           "create_certificates", "read_certificate", "on_this_host", "wait_readable"]
 
 #: Below this many bytes a copy costs less than avoiding it: smaller frames are copied into ZeroMQ's messages
 #: (pyzmq copies them anyway), and a call moving fewer bytes to a shard stays on the sockets instead of taking a
 #: shared-memory lane (:mod:`psrt.shm.lanes`).
 ZERO_COPY_BYTES = 1 << 16
 
-_HEARTBEAT_IVL_MS = 2000
 #: Seconds a connection's bytes may stay unacknowledged by the peer's kernel before the connection is dropped (a
 #: host that is gone, or unreachable): ZeroMQ then connects again, and a client sends again what was not answered.
 #: A live peer's kernel acknowledges within a round trip however much data queues ahead of the application, and
 #: TCP's own retransmissions give up only after many minutes.
 DEAD_AFTER_S = 20.0
+#: Seconds of silence before a connection's first keepalive probe, and between probes.
+_KEEPALIVE_IDLE_S, _KEEPALIVE_INTVL_S = 5, 2
 
 #: Slack over the largest valid frame for MAXMSGSIZE: under CURVE the limit applies to the encrypted frame, which
 #: carries a command name, a nonce and a MAC besides the payload (well under this).
@@ -202,12 +205,14 @@ def _common(sock: zmq.Socket, hwm: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
-    # Pings keep bytes in flight; no heartbeat timeout or TTL (0: none), since a pong waits behind the data
-    # queued before it: liveness is the kernel's acknowledgement of those bytes (TCP_MAXRT).
-    sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 0)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, 0)
+    # Liveness is the peer kernel's acknowledgement: of the bytes sent (TCP_MAXRT), or on an idle connection of
+    # keepalive probes (sent after _KEEPALIVE_IDLE_S of silence, every _KEEPALIVE_INTVL_S; TCP_MAXRT also bounds
+    # how long they may go unanswered).
     sock.setsockopt(zmq.TCP_MAXRT, int(DEAD_AFTER_S * 1000))
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, _KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, _KEEPALIVE_INTVL_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, -(-int(DEAD_AFTER_S - _KEEPALIVE_IDLE_S) // _KEEPALIVE_INTVL_S))
 
 
 #: pyzmq's compiled ``Socket.send``, called on a socket directly: the ``zmq.Socket`` subclass wraps it in a Python
