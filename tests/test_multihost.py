@@ -11,13 +11,14 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 import pytest
 from _helpers import worker_command
 
 from psrt import transport
-from psrt.control.process import SERVER_READY, parse_results, psrt_command
+from psrt.control.process import SERVER_READY, Child, parse_results, psrt_command
 from psrt.emulation.netns import VirtualCluster
 from psrt.errors import ConfigError
 from psrt.partition import PIPELINE_PIECES, PartitionMap, joined
@@ -32,6 +33,14 @@ PSRT = psrt_command()
 
 def namespaces() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+
+
+def standalone_shard(vc: VirtualCluster, endpoint: str, mode: str = "async", env: Optional[dict] = None) -> Child:
+    """``psrt server --bind ENDPOINT --workers 1`` on host ``srv`` of ``vc`` (no scheduler), once it is ready."""
+    server = vc.spawn("srv", [*PSRT, "server", "--bind", endpoint, "--workers", "1", "--mode", mode],
+                      ready=SERVER_READY, env=env)
+    server.wait_ready(30)
+    return server
 
 
 def test_job_across_namespaces():
@@ -69,9 +78,7 @@ def test_a_tensor_crossing_a_network_travels_in_pieces_and_on_one_host_in_one_me
     assert pieces == PIPELINE_PIECES // 2
     with VirtualCluster(["srv", "wrk"]) as vc:
         for where, endpoint in (("wrk", f"tcp://{vc.address('srv')}:5710"), ("srv", "tcp://127.0.0.1:5711")):
-            server = vc.spawn("srv", [*PSRT, "server", "--bind", endpoint, "--workers", "1", "--mode", "async"],
-                              ready=SERVER_READY, env={"PSRT_SHM": "0"})  # sockets, even beside the shard
-            server.wait_ready(30)
+            server = standalone_shard(vc, endpoint, env={"PSRT_SHM": "0"})  # sockets, even beside the shard
             probe = vc.spawn(where, worker_command("lane_probe", servers=[endpoint], size=size, steps=3,
                                                    value=2.0), env={"PSRT_SHM": "0"})
             out = probe.communicate(timeout=120)
@@ -87,9 +94,7 @@ def test_pipeline_off_sends_a_tensor_crossing_a_network_in_one_message():
     size = 1_000_000
     with VirtualCluster(["srv", "wrk"]) as vc:
         endpoint = f"tcp://{vc.address('srv')}:5712"
-        server = vc.spawn("srv", [*PSRT, "server", "--bind", endpoint, "--workers", "1", "--mode", "async"],
-                          ready=SERVER_READY)
-        server.wait_ready(30)
+        server = standalone_shard(vc, endpoint)
         probe = vc.spawn("wrk", worker_command("lane_probe", servers=[endpoint], size=size, steps=3, value=2.0),
                          env={"PSRT_PIPELINE": "off"})
         out = probe.communicate(timeout=120)
@@ -107,9 +112,7 @@ def test_a_message_slower_to_cross_its_link_than_a_heartbeat_timeout_is_not_take
     size = 500_000  # 2 MB: ~15 s each way at 1 Mbit/s, longer than a heartbeat interval and timeout (12 s)
     with VirtualCluster(["srv", "wrk"], links={"srv": "1mbit", "wrk": None}, queueing="fifo") as vc:
         endpoint = f"tcp://{vc.address('srv')}:5713"
-        server = vc.spawn("srv", [*PSRT, "server", "--bind", endpoint, "--workers", "1", "--mode", "async"],
-                          ready=SERVER_READY)
-        server.wait_ready(30)
+        server = standalone_shard(vc, endpoint)
         worker = vc.spawn("wrk", worker_command("slow_link", servers=[endpoint], size=size),
                           env={"PSRT_PIPELINE": "off"})
         out = worker.communicate(timeout=240)
@@ -131,9 +134,7 @@ def test_a_link_cut_for_longer_than_the_transport_waits_is_ridden_through_once_i
     steps = 30
     with VirtualCluster(["srv", "wrk"]) as vc:
         endpoint = f"tcp://{vc.address('srv')}:5714"
-        server = vc.spawn("srv", [*PSRT, "server", "--bind", endpoint, "--workers", "1", "--mode", "sync"],
-                          ready=SERVER_READY)
-        server.wait_ready(30)
+        server = standalone_shard(vc, endpoint, "sync")
         worker = vc.spawn("wrk", worker_command("ride", servers=[endpoint], rank=0, workers=1, steps=steps,
                                                 step_s=0.1))
         deadline = time.monotonic() + 60
