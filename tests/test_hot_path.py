@@ -44,6 +44,25 @@ def _pair() -> tuple[zmq.Context, transport.RouterChannel, transport.DealerChann
     return ctx, router, dealer
 
 
+def test_both_ends_judge_a_connection_by_the_peers_kernel_not_by_zeromq_heartbeats():
+    """No ZMTP heartbeat (its pong queues behind slow data: tests/test_multihost.py shows what that did); a
+    connection's unacknowledged bytes drop it after DEAD_AFTER_S, and keepalives probe it when idle, giving up
+    no sooner."""
+    ctx, router, dealer = _pair()
+    try:
+        for sock in (router.sock, dealer.sock):
+            assert sock.getsockopt(zmq.HEARTBEAT_IVL) == 0
+            assert sock.getsockopt(zmq.TCP_MAXRT) == int(transport.DEAD_AFTER_S * 1000)
+            assert sock.getsockopt(zmq.TCP_KEEPALIVE) == 1
+            idle, every, count = (sock.getsockopt(o) for o in (zmq.TCP_KEEPALIVE_IDLE, zmq.TCP_KEEPALIVE_INTVL,
+                                                                zmq.TCP_KEEPALIVE_CNT))
+            assert 0 < idle < transport.DEAD_AFTER_S and idle + every * count >= transport.DEAD_AFTER_S
+    finally:
+        dealer.close()
+        router.close()
+        ctx.term()
+
+
 def test_router_reads_whole_messages_back_to_back_and_says_when_one_waits():
     ctx, router, dealer = _pair()
     try:
