@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import math
 import os
 import resource
 import struct
@@ -71,8 +72,10 @@ ZERO_COPY_BYTES = 1 << 16
 #: A live peer's kernel acknowledges within a round trip however much data queues ahead of the application, and
 #: TCP's own retransmissions give up only after many minutes.
 DEAD_AFTER_S = 20.0
-#: Seconds of silence before a connection's first keepalive probe, and between probes.
+#: Seconds of silence before a connection's first keepalive probe, and between probes; probes enough to span
+#: DEAD_AFTER_S, so that keepalives never give up sooner than unacknowledged data does.
 _KEEPALIVE_IDLE_S, _KEEPALIVE_INTVL_S = 5, 2
+_KEEPALIVE_CNT = math.ceil((DEAD_AFTER_S - _KEEPALIVE_IDLE_S) / _KEEPALIVE_INTVL_S)
 
 #: Slack over the largest valid frame for MAXMSGSIZE: under CURVE the limit applies to the encrypted frame, which
 #: carries a command name, a nonce and a MAC besides the payload (well under this).
@@ -212,7 +215,7 @@ def _common(sock: zmq.Socket, hwm: int) -> None:
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, _KEEPALIVE_IDLE_S)
     sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, _KEEPALIVE_INTVL_S)
-    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, -(-int(DEAD_AFTER_S - _KEEPALIVE_IDLE_S) // _KEEPALIVE_INTVL_S))
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, _KEEPALIVE_CNT)
 
 
 #: pyzmq's compiled ``Socket.send``, called on a socket directly: the ``zmq.Socket`` subclass wraps it in a Python
