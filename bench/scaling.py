@@ -626,7 +626,7 @@ def paper_main(args: argparse.Namespace) -> int:
             r = records[-1]
             tqdm.write(f"S={servers:>2} W={workers:>3}: {measured:7.2f} steps/s (model {pred.steps_per_s:7.2f}, "
                        f"{r['error_percent']:+5.1f}%), {steps}+{warmup} steps, CPU {r['cpu_percent']:3.0f}% "
-                       f"(the job's {r['job_cpu_percent']:3.0f}%), {drops} drops, {resent} resent, "
+                       f"(the job's {r['job_cpu_percent']:3.0f}%), {drops} drops, {resent} TCP retransmits, "
                        f"{r['seconds']:.0f} s")
     finally:
         sampler.stop()
