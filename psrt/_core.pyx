@@ -18,7 +18,7 @@ both variants give bit-identical results.
 
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.math cimport cos, log, pow, sin, sqrt
-from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 import sys
 
@@ -650,6 +650,58 @@ def index_find(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, int
             else:
                 out[i] = -1
     return used
+
+
+def coalesce_rows(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, const real[:, ::1] rows,
+                  int64_t[::1] distinct, real[:, ::1] summed):
+    """Sum the rows of repeated ids in one pass: ``distinct[k]`` is the k-th distinct id in the order they first
+    appear and ``summed[k]`` the sum of its rows, in the order they come (the first copied, the next added).
+
+    ``keys``/``vals`` are a fresh id index's cells (every ``vals[j] < 0``; a power of two above ``len(ids)``),
+    used as scratch. Returns the number of distinct ids. What :func:`index_find` into fresh cells followed by
+    :func:`scatter_add_rows` into zeroed rows gives, without zeroing the rows or a second pass over the ids.
+    """
+    cdef Py_ssize_t n = _min2(_min2(ids.shape[0], rows.shape[0]), _min2(distinct.shape[0], summed.shape[0]))
+    cdef Py_ssize_t cap = _min2(keys.shape[0], vals.shape[0]), i, used = 0
+    cdef Py_ssize_t dim = _min2(rows.shape[1], summed.shape[1])
+    cdef uint64_t mask = <uint64_t>cap - 1, j
+    cdef int64_t key, k
+    if cap == 0 or (cap & (cap - 1)) != 0 or n >= cap:
+        return 0
+    with nogil:
+        for i in range(n):
+            key = ids[i]
+            j = _cell(&keys[0], &vals[0], mask, key)
+            k = vals[j]
+            if k >= 0:
+                if dim:
+                    if real is float:
+                        psrt_accumulate_f32(&summed[k, 0], &rows[i, 0], dim)
+                    else:
+                        psrt_accumulate_f64(&summed[k, 0], &rows[i, 0], dim)
+            else:
+                keys[j] = key
+                vals[j] = used
+                distinct[used] = key
+                if dim:
+                    memcpy(&summed[used, 0], &rows[i, 0], dim * sizeof(real))
+                used += 1
+    return used
+
+
+def touch_rows(int64_t[::1] last, double[::1] when, uint8_t[::1] dirty, const int64_t[::1] slots, int64_t tick,
+               double now):
+    """``last[s], when[s], dirty[s] = tick, now, 1`` for every slot ``s`` in ``slots`` (slots outside the arrays
+    are skipped): a push's marks on its rows, in one pass where three fancy assignments make three."""
+    cdef Py_ssize_t n = slots.shape[0], i, s
+    cdef Py_ssize_t rows = _min2(_min2(last.shape[0], when.shape[0]), dirty.shape[0])
+    with nogil:
+        for i in range(n):
+            s = slots[i]
+            if 0 <= s < rows:
+                last[s] = tick
+                when[s] = now
+                dirty[s] = 1
 
 
 def first_outside(const int64_t[::1] slots, int64_t rows):

@@ -253,6 +253,47 @@ def test_index_gather_checks_its_arguments():
                                 np.empty(2, np.int64))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(4))
+def test_coalesce_rows_is_its_twin_exactly(dtype, seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 3000))
+    ids = ((rng.zipf(1.1, n) - 1) * (1 if seed % 2 else -(2**40))).astype(np.int64)
+    rows = rng.standard_normal((n, 5)).astype(dtype)
+    distinct, summed = rowkernels.coalesce_rows(ids, rows)
+    want, want_summed = reference.coalesce_rows(ids, rows)
+    assert distinct.tolist() == want.tolist() and summed.dtype == rows.dtype
+    # Each id's rows summed in the order they come, as np.add.at sums them: the same floats, bit for bit.
+    assert np.array_equal(summed, want_summed)
+    empty, none = rowkernels.coalesce_rows(np.empty(0, np.int64), np.empty((0, 5), dtype))
+    assert empty.shape == (0,) and none.shape == (0, 5)
+    with pytest.raises(KernelArgumentError, match="rows for"):
+        rowkernels.coalesce_rows(ids[:-1] if n else np.zeros(1, np.int64), rows)
+    with pytest.raises(KernelTypeError):
+        rowkernels.coalesce_rows(ids.astype(np.int32), rows)
+
+
+def test_touch_rows_is_its_twin_and_checks_its_arguments():
+    rng = np.random.default_rng(3)
+    last, when, dirty = np.zeros(100, np.int64), np.zeros(100), np.zeros(100, bool)
+    ref = (last.copy(), when.copy(), dirty.copy())
+    for tick in range(1, 4):
+        slots = rng.choice(100, 30, replace=False).astype(np.int64)
+        rowkernels.touch_rows(last, when, dirty, slots, tick, 1.5 * tick)
+        reference.touch_rows(*ref, slots, tick, 1.5 * tick)
+    assert np.array_equal(last, ref[0]) and np.array_equal(when, ref[1]) and np.array_equal(dirty, ref[2])
+    with pytest.raises(KernelArgumentError, match=r"\[0, 100\)"):
+        rowkernels.touch_rows(last, when, dirty, np.array([100], np.int64), 1, 0.0)
+    with pytest.raises(KernelTypeError):
+        rowkernels.touch_rows(last, when.astype(np.float32), dirty, np.array([0], np.int64), 1, 0.0)
+    with pytest.raises(KernelTypeError):
+        rowkernels.touch_rows(last, when, dirty.astype(np.uint8), np.array([0], np.int64), 1, 0.0)
+    with pytest.raises(KernelArgumentError, match="one length"):
+        rowkernels.touch_rows(last, when[:50], dirty, np.array([0], np.int64), 1, 0.0)
+    with pytest.raises(KernelArgumentError):
+        rowkernels.touch_rows(last, when, dirty, np.array([0], np.int64), 1, float("inf"))
+
+
 def test_wrappers_refuse_what_the_kernels_cannot_check():
     table = np.zeros((4, 3), np.float32)
     with pytest.raises(KernelArgumentError, match=r"\[0, 4\)"):

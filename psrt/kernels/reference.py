@@ -10,7 +10,7 @@ import numpy as np
 
 __all__ = ["accumulate", "sgd_step", "momentum_step", "adam_step", "adagrad_step", "all_finite", "mix64", "shard_of",
            "shard_order", "init_rows", "gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows",
-           "adam_rows", "unique_first", "index_gather", "first_outside"]
+           "adam_rows", "unique_first", "coalesce_rows", "touch_rows", "index_gather", "first_outside"]
 
 
 def accumulate(dst: np.ndarray, src: np.ndarray) -> None:
@@ -124,6 +124,20 @@ def unique_first(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rank = np.empty(len(order), np.int64)
     rank[order] = np.arange(len(order))
     return uniq[order].astype(np.int64), rank[inverse.reshape(-1)]
+
+
+def coalesce_rows(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ids in the order they first appear, and each one's rows summed in the order they come."""
+    distinct, inverse = unique_first(ids)
+    summed = np.zeros((len(distinct), rows.shape[1]), rows.dtype)
+    np.add.at(summed, inverse, rows)
+    return distinct, summed
+
+
+def touch_rows(last: np.ndarray, when: np.ndarray, dirty: np.ndarray, slots: np.ndarray, tick: int,
+               now: float) -> None:
+    """``last[slots], when[slots], dirty[slots] = tick, now, True``."""
+    last[slots], when[slots], dirty[slots] = tick, now, True
 
 
 def index_gather(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, table: np.ndarray,

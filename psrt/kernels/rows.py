@@ -17,8 +17,8 @@ from psrt import _core, dtypes
 from psrt.errors import KernelArgumentError, KernelTypeError
 
 __all__ = ["gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows", "adam_rows",
-           "index_find", "index_gather", "index_remove", "index_set", "unique_first", "shard_of", "shard_order",
-           "init_rows", "INIT_KINDS", "INITIALIZERS"]
+           "index_find", "index_gather", "index_remove", "index_set", "unique_first", "coalesce_rows", "touch_rows",
+           "shard_of", "shard_order", "init_rows", "INIT_KINDS", "INITIALIZERS"]
 
 #: Initializer names and their kernel codes (see :func:`init_rows`).
 #: The row initializers and the parameters each takes; the kernel knows each by its position here.
@@ -237,6 +237,70 @@ def unique_first(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     distinct, inverse = np.empty(n, _I64), np.empty(n, _I64)
     used = int(_core.index_find(keys, vals, i, inverse, distinct, 0, True))
     return distinct[:used], inverse
+
+
+def coalesce_rows(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sum the rows of repeated ids: ``(distinct, summed)``, the distinct ids in the order they first appear and
+    each one's rows summed in the order they come (``summed[k]`` is the sum of ``rows[i]`` over ``ids[i] ==
+    distinct[k]``).
+
+    What :func:`unique_first` then :func:`scatter_add_rows` into zeroed rows give, in one pass over the ids: a
+    sparse gradient coalesced, as torch's ``coalesce()`` does, without the sort.
+
+    Parameters
+    ----------
+    ids : numpy.ndarray
+        1-D int64 ids.
+    rows : numpy.ndarray
+        ``(len(ids), dim)`` C-contiguous rows (may be read-only).
+    """
+    i, r = _ids("ids", ids), _table("rows", rows, writable=False)
+    n = len(i)
+    if r.shape[0] != n:
+        raise KernelArgumentError(f"rows has {r.shape[0]} rows for {n} ids")
+    cells = 1 << max(4, (2 * n - 1).bit_length())  # load at most 1/2, as a table's index
+    keys, vals = np.empty(cells, _I64), np.empty(cells, _I64)  # (a key is read only where its val is set)
+    vals.fill(-1)
+    distinct, summed = np.empty(n, _I64), np.empty((n, r.shape[1]), r.dtype)
+    used = int(_core.coalesce_rows(keys, vals, i, r, distinct, summed))
+    return distinct[:used], summed[:used]
+
+
+def touch_rows(last: np.ndarray, when: np.ndarray, dirty: np.ndarray, slots: np.ndarray, tick: int,
+               now: float) -> None:
+    """Mark the rows ``slots`` pushed: ``last[slots] = tick``, ``when[slots] = now``, ``dirty[slots] = True``.
+
+    Parameters
+    ----------
+    last : numpy.ndarray
+        1-D int64, per row: the push clock of its last push.
+    when : numpy.ndarray
+        1-D float64, per row: the time of its last push.
+    dirty : numpy.ndarray
+        1-D bool, per row: changed since the last checkpoint.
+    slots : numpy.ndarray
+        int64 slots, each in ``[0, len(last))``.
+    tick : int
+        The push clock.
+    now : float
+        The time.
+    """
+    lst = _ids("last", last, writable=True)
+    if not isinstance(when, np.ndarray) or when.dtype != np.float64 or when.ndim != 1 \
+            or not when.flags.c_contiguous or not when.flags.writeable:
+        raise KernelTypeError("when must be a writable 1-D C-contiguous float64 array")
+    if not isinstance(dirty, np.ndarray) or dirty.dtype != np.bool_ or dirty.ndim != 1 \
+            or not dirty.flags.c_contiguous or not dirty.flags.writeable:
+        raise KernelTypeError("dirty must be a writable 1-D C-contiguous bool array")
+    rows = len(lst)
+    if len(when) != rows or len(dirty) != rows:
+        raise KernelArgumentError(f"last, when and dirty must have one length, got {rows}, {len(when)}, {len(dirty)}")
+    s = _ids("slots", slots)
+    if len(s) and _core.first_outside(s, rows) >= 0:
+        raise KernelArgumentError(f"slots must lie in [0, {rows}): there are {rows} rows")
+    if type(tick) is not int and not isinstance(tick, np.integer):
+        raise KernelArgumentError(f"tick must be an integer, got {tick!r}")
+    _core.touch_rows(lst, when, dirty.view(np.uint8), s, int(tick), _num("now", now))
 
 
 def _cells(keys: object, vals: object) -> tuple[np.ndarray, np.ndarray]:

@@ -145,8 +145,10 @@ class RowTable:
                 a.resize((cap, self.spec.dim), refcheck=False)  # realloc: no copy of pages Linux can remap
             for b in (self.row_ids, self.last, self.when, self.dirty):
                 b.resize(cap, refcheck=False)
-            for a in (self.param, *self.slots.values()):
-                advise_huge_pages(a)  # rows are touched at random: one TLB entry per 2 MiB, not per 4 KiB
+            # Rows are touched at random: one TLB entry per 2 MiB, not per 4 KiB. So are the per-row marks a push
+            # writes (its clock, time and checkpoint flag), one random write each per row pushed.
+            for a in (self.param, *self.slots.values(), self.last, self.when, self.dirty):
+                advise_huge_pages(a)
         if 2 * need > len(self._keys):
             cells = len(self._keys)
             while 2 * need > cells:
@@ -246,35 +248,38 @@ class RowTable:
 
         An id without a row gets one now (initialized from ``(seed, id)``, fresh optimizer slots), unless the
         table admits ids after k pushes and this is not its k-th: then the push is counted, and its gradient
-        dropped. Every row pushed gets the push clock ``tick`` and the time ``now`` as its last push.
+        dropped. Every row pushed is marked changed (for the next incremental checkpoint) and, in a table whose
+        rows come and go (:attr:`TableSpec.managed`, whose eviction reads them), gets the push clock ``tick``
+        and the time ``now`` as its last push.
         """
         if not self.spec.managed:
-            # The distinct ids first (by hashing, no sort), then their slots: new rows are made in the order the
-            # ids first appear, as slots_of(ids) makes them, and each id's rows are summed in the order they come.
-            uniq, inverse = rowkernels.unique_first(np.ascontiguousarray(ids, np.int64))
-            summed = np.zeros((len(uniq), grads.shape[1]), grads.dtype)
-            rowkernels.scatter_add_rows(summed, inverse, np.ascontiguousarray(grads))
+            # The distinct ids and their summed rows first (one hashing pass, no sort), then their slots: new rows
+            # are made in the order the ids first appear, as slots_of(ids) makes them.
+            uniq, summed = rowkernels.coalesce_rows(np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(grads))
             slots = self.slots_of(uniq)
-        else:
-            uniq, inverse = np.unique(ids, return_inverse=True)
-            summed = np.zeros((len(uniq), grads.shape[1]), grads.dtype)
-            rowkernels.scatter_add_rows(summed, inverse.reshape(-1).astype(np.int64, copy=False), grads)
-            uniq = uniq.astype(np.int64, copy=False)
-            slots = self.find(uniq)
+            # Only the checkpoint flag: no eviction reads a last push here, and each mark is a random write per row.
+            self.dirty[slots] = True
+            self.tick += 1
+            return slots, summed
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        summed = np.zeros((len(uniq), grads.shape[1]), grads.dtype)
+        rowkernels.scatter_add_rows(summed, inverse.reshape(-1).astype(np.int64, copy=False), grads)
+        uniq = uniq.astype(np.int64, copy=False)
+        slots = self.find(uniq)
+        missing = slots < 0
+        if self.pending is not None and missing.any():
+            keep = ~missing
+            keep[missing] = self.pending.count(uniq[missing], self.tick, now)
+            uniq, summed, slots = uniq[keep], summed[keep], slots[keep]
             missing = slots < 0
-            if self.pending is not None and missing.any():
-                keep = ~missing
-                keep[missing] = self.pending.count(uniq[missing], self.tick, now)
-                uniq, summed, slots = uniq[keep], summed[keep], slots[keep]
-                missing = slots < 0
-            if missing.any():
-                new_ids = np.ascontiguousarray(uniq[missing])
-                self._reserve(len(new_ids))
-                old, got = self.used, np.empty(len(new_ids), np.int64)
-                self.used = rowkernels.index_find(self._keys, self._vals, new_ids, got, self.row_ids, old, True)
-                self._init_new(old, self.used, now)
-                slots[missing] = got
-        self.last[slots], self.when[slots], self.dirty[slots] = self.tick, now, True
+        if missing.any():
+            new_ids = np.ascontiguousarray(uniq[missing])
+            self._reserve(len(new_ids))
+            old, got = self.used, np.empty(len(new_ids), np.int64)
+            self.used = rowkernels.index_find(self._keys, self._vals, new_ids, got, self.row_ids, old, True)
+            self._init_new(old, self.used, now)
+            slots[missing] = got
+        rowkernels.touch_rows(self.last, self.when, self.dirty, slots, self.tick, now)
         self.tick += 1
         return slots, summed
 
