@@ -652,27 +652,67 @@ def index_find(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, int
     return used
 
 
-def coalesce_rows(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, const real[:, ::1] rows,
-                  int64_t[::1] distinct, real[:, ::1] summed):
-    """Sum the rows of repeated ids in one pass: ``distinct[k]`` is the k-th distinct id in the order they first
-    appear and ``summed[k]`` the sum of its rows, in the order they come (the first copied, the next added).
+cdef inline uint64_t _pair(const int64_t *cells, uint64_t mask, int64_t key) noexcept nogil:
+    """The pair of a scratch id index (``cells[2j]`` a key, ``cells[2j + 1]`` its value, < 0: empty) holding
+    ``key``, or the empty pair its linear probe from its home pair ends on. A key and its value share a cache
+    line, and a scratch index of one batch stays in cache: no prefetch (the table index's, :func:`index_find`,
+    is large and cold, and keeps its keys and values apart for :func:`index_remove`'s shifts)."""
+    cdef uint64_t j = psrt_mix64(<uint64_t>key) & mask
+    while cells[2 * j + 1] >= 0 and cells[2 * j] != key:
+        j = (j + 1) & mask
+    return j
 
-    ``keys``/``vals`` are a fresh id index's cells (every ``vals[j] < 0``; a power of two above ``len(ids)``),
-    used as scratch. Returns the number of distinct ids. What :func:`index_find` into fresh cells followed by
-    :func:`scatter_add_rows` into zeroed rows gives, without zeroing the rows or a second pass over the ids.
-    """
-    cdef Py_ssize_t n = _min2(_min2(ids.shape[0], rows.shape[0]), _min2(distinct.shape[0], summed.shape[0]))
-    cdef Py_ssize_t cap = _min2(keys.shape[0], vals.shape[0]), i, used = 0
-    cdef Py_ssize_t dim = _min2(rows.shape[1], summed.shape[1])
+
+def unique_ids(int64_t[:, ::1] cells, const int64_t[::1] ids, int64_t[::1] inverse, int64_t[::1] distinct):
+    """The distinct ids in the order they first appear (``distinct[:k]``) and each id's index among them
+    (``inverse``); returns k. ``cells`` is a fresh ``(cap, 2)`` scratch index (every ``cells[j, 1] < 0``; cap a
+    power of two above ``len(ids)``)."""
+    cdef Py_ssize_t n = _min2(_min2(ids.shape[0], inverse.shape[0]), distinct.shape[0])
+    cdef Py_ssize_t cap = cells.shape[0], i, used = 0
     cdef uint64_t mask = <uint64_t>cap - 1, j
     cdef int64_t key, k
-    if cap == 0 or (cap & (cap - 1)) != 0 or n >= cap:
+    cdef int64_t *c
+    if cap == 0 or (cap & (cap - 1)) != 0 or n >= cap or cells.shape[1] != 2:
         return 0
+    c = &cells[0, 0]
     with nogil:
         for i in range(n):
             key = ids[i]
-            j = _cell(&keys[0], &vals[0], mask, key)
-            k = vals[j]
+            j = _pair(c, mask, key)
+            k = c[2 * j + 1]
+            if k < 0:
+                c[2 * j] = key
+                c[2 * j + 1] = used
+                distinct[used] = key
+                k = used
+                used += 1
+            inverse[i] = k
+    return used
+
+
+def coalesce_rows(int64_t[:, ::1] cells, const int64_t[::1] ids, const real[:, ::1] rows, int64_t[::1] distinct,
+                  real[:, ::1] summed):
+    """Sum the rows of repeated ids in one pass: ``distinct[k]`` is the k-th distinct id in the order they first
+    appear and ``summed[k]`` the sum of its rows, in the order they come (the first copied, the next added).
+
+    ``cells`` is a fresh scratch index, as :func:`unique_ids` takes. Returns the number of distinct ids. What
+    :func:`unique_ids` followed by :func:`scatter_add_rows` into zeroed rows gives, without zeroing the rows or a
+    second pass over the ids.
+    """
+    cdef Py_ssize_t n = _min2(_min2(ids.shape[0], rows.shape[0]), _min2(distinct.shape[0], summed.shape[0]))
+    cdef Py_ssize_t cap = cells.shape[0], i, used = 0
+    cdef Py_ssize_t dim = _min2(rows.shape[1], summed.shape[1])
+    cdef uint64_t mask = <uint64_t>cap - 1, j
+    cdef int64_t key, k
+    cdef int64_t *c
+    if cap == 0 or (cap & (cap - 1)) != 0 or n >= cap or cells.shape[1] != 2:
+        return 0
+    c = &cells[0, 0]
+    with nogil:
+        for i in range(n):
+            key = ids[i]
+            j = _pair(c, mask, key)
+            k = c[2 * j + 1]
             if k >= 0:
                 if dim:
                     if real is float:
@@ -680,8 +720,8 @@ def coalesce_rows(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, 
                     else:
                         psrt_accumulate_f64(&summed[k, 0], &rows[i, 0], dim)
             else:
-                keys[j] = key
-                vals[j] = used
+                c[2 * j] = key
+                c[2 * j + 1] = used
                 distinct[used] = key
                 if dim:
                     memcpy(&summed[used, 0], &rows[i, 0], dim * sizeof(real))

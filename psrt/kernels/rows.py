@@ -227,16 +227,21 @@ def unique_first(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct ids in the order they first appear, and where each id went: ``distinct[inverse] == ids``.
 
     What ``np.unique(ids, return_inverse=True)`` gives, up to the order of the distinct ids, without a sort: the
-    ids are inserted into a fresh :func:`index_find` index (a few ns an id; a sort of 8,192 ids costs ~0.3 ms).
+    ids are inserted into a fresh scratch index (:func:`psrt._core.unique_ids`, a few ns an id; a sort of 8,192
+    ids costs ~0.3 ms).
     """
     i = _ids("ids", ids)
     n = len(i)
-    cells = 1 << max(4, (2 * n - 1).bit_length())  # load at most 1/2, as a table's index
-    keys, vals = np.zeros(cells, _I64), np.empty(cells, _I64)
-    vals.fill(-1)  # (np.full costs a few calls more)
     distinct, inverse = np.empty(n, _I64), np.empty(n, _I64)
-    used = int(_core.index_find(keys, vals, i, inverse, distinct, 0, True))
+    used = int(_core.unique_ids(_scratch(n), i, inverse, distinct))
     return distinct[:used], inverse
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A fresh scratch id index for ``n`` ids (:func:`psrt._core.unique_ids`): ``(cells, 2)`` int64, all empty."""
+    cells = np.empty((1 << max(4, (2 * n - 1).bit_length()), 2), _I64)  # load at most 1/2, as a table's index
+    cells.fill(-1)  # (np.full costs a few calls more)
+    return cells
 
 
 def coalesce_rows(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -258,11 +263,8 @@ def coalesce_rows(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.nda
     n = len(i)
     if r.shape[0] != n:
         raise KernelArgumentError(f"rows has {r.shape[0]} rows for {n} ids")
-    cells = 1 << max(4, (2 * n - 1).bit_length())  # load at most 1/2, as a table's index
-    keys, vals = np.empty(cells, _I64), np.empty(cells, _I64)  # (a key is read only where its val is set)
-    vals.fill(-1)
     distinct, summed = np.empty(n, _I64), np.empty((n, r.shape[1]), r.dtype)
-    used = int(_core.coalesce_rows(keys, vals, i, r, distinct, summed))
+    used = int(_core.coalesce_rows(_scratch(n), i, r, distinct, summed))
     return distinct[:used], summed[:used]
 
 

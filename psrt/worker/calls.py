@@ -347,7 +347,9 @@ class ShardCalls:
         if request is None:
             return False
         shard = request.shard
-        head = self.channels[shard].try_recv_frame()
+        # (A call waiting on several requests, fanned out over shards or chunks, waits on its slowest: its first
+        # reply is less often there, and a look at the socket's flags costs less than a receive that fails.)
+        head = self.channels[shard].try_recv_frame(look=len(handle._outstanding) > 1)
         if head is None:
             return False
         self._receive(shard, head)
@@ -361,7 +363,8 @@ class ShardCalls:
         has all of its own: what is left is taken in by a later call."""
         ch = self.channels[shard]
         while handle._outstanding:
-            head = ch.try_recv_frame()
+            # (A handle that waits on several requests mostly waits on other shards: this socket is likely empty.)
+            head = ch.try_recv_frame(look=len(handle._outstanding) > 1)
             if head is None:
                 return
             self._receive(shard, head)
