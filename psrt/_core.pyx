@@ -663,30 +663,40 @@ cdef inline uint64_t _pair(const int64_t *cells, uint64_t mask, int64_t key) noe
     return j
 
 
+cdef inline bint _scratch_fits(int64_t[:, ::1] cells, Py_ssize_t n) noexcept nogil:
+    """Whether ``cells`` is a scratch index that can take ``n`` ids (a power of two of pairs, above ``n``)."""
+    cdef Py_ssize_t cap = cells.shape[0]
+    return cap > 0 and (cap & (cap - 1)) == 0 and n < cap and cells.shape[1] == 2
+
+
+cdef inline int64_t _first_index(int64_t *cells, uint64_t mask, int64_t key, int64_t *distinct, Py_ssize_t *used,
+                                 bint *new) noexcept nogil:
+    """``key``'s index among the distinct ids of a scratch index, in the order they first appear: a key not seen
+    before is added (``distinct[used]``, ``used`` counted on, ``new`` set)."""
+    cdef uint64_t j = _pair(cells, mask, key)
+    cdef int64_t k = cells[2 * j + 1]
+    new[0] = k < 0
+    if k < 0:
+        k = used[0]
+        cells[2 * j] = key
+        cells[2 * j + 1] = k
+        distinct[k] = key
+        used[0] = k + 1
+    return k
+
+
 def unique_ids(int64_t[:, ::1] cells, const int64_t[::1] ids, int64_t[::1] inverse, int64_t[::1] distinct):
     """The distinct ids in the order they first appear (``distinct[:k]``) and each id's index among them
     (``inverse``); returns k. ``cells`` is a fresh ``(cap, 2)`` scratch index (every ``cells[j, 1] < 0``; cap a
     power of two above ``len(ids)``)."""
-    cdef Py_ssize_t n = _min2(_min2(ids.shape[0], inverse.shape[0]), distinct.shape[0])
-    cdef Py_ssize_t cap = cells.shape[0], i, used = 0
-    cdef uint64_t mask = <uint64_t>cap - 1, j
-    cdef int64_t key, k
-    cdef int64_t *c
-    if cap == 0 or (cap & (cap - 1)) != 0 or n >= cap or cells.shape[1] != 2:
+    cdef Py_ssize_t n = _min2(_min2(ids.shape[0], inverse.shape[0]), distinct.shape[0]), i, used = 0
+    cdef bint new
+    if not _scratch_fits(cells, n):
         return 0
-    c = &cells[0, 0]
+    cdef uint64_t mask = <uint64_t>cells.shape[0] - 1
     with nogil:
         for i in range(n):
-            key = ids[i]
-            j = _pair(c, mask, key)
-            k = c[2 * j + 1]
-            if k < 0:
-                c[2 * j] = key
-                c[2 * j + 1] = used
-                distinct[used] = key
-                k = used
-                used += 1
-            inverse[i] = k
+            inverse[i] = _first_index(&cells[0, 0], mask, ids[i], &distinct[0], &used, &new)
     return used
 
 
@@ -700,32 +710,26 @@ def coalesce_rows(int64_t[:, ::1] cells, const int64_t[::1] ids, const real[:, :
     second pass over the ids.
     """
     cdef Py_ssize_t n = _min2(_min2(ids.shape[0], rows.shape[0]), _min2(distinct.shape[0], summed.shape[0]))
-    cdef Py_ssize_t cap = cells.shape[0], i, used = 0
-    cdef Py_ssize_t dim = _min2(rows.shape[1], summed.shape[1])
-    cdef uint64_t mask = <uint64_t>cap - 1, j
-    cdef int64_t key, k
-    cdef int64_t *c
-    if cap == 0 or (cap & (cap - 1)) != 0 or n >= cap or cells.shape[1] != 2:
+    cdef Py_ssize_t dim = _min2(rows.shape[1], summed.shape[1]), i, used = 0
+    cdef int64_t k
+    cdef bint new
+    if not _scratch_fits(cells, n):
         return 0
-    c = &cells[0, 0]
+    cdef uint64_t mask = <uint64_t>cells.shape[0] - 1
+    if dim == 0:
+        with nogil:
+            for i in range(n):
+                _first_index(&cells[0, 0], mask, ids[i], &distinct[0], &used, &new)
+        return used
     with nogil:
         for i in range(n):
-            key = ids[i]
-            j = _pair(c, mask, key)
-            k = c[2 * j + 1]
-            if k >= 0:
-                if dim:
-                    if real is float:
-                        psrt_accumulate_f32(&summed[k, 0], &rows[i, 0], dim)
-                    else:
-                        psrt_accumulate_f64(&summed[k, 0], &rows[i, 0], dim)
+            k = _first_index(&cells[0, 0], mask, ids[i], &distinct[0], &used, &new)
+            if new:
+                memcpy(&summed[k, 0], &rows[i, 0], dim * sizeof(real))
+            elif real is float:
+                psrt_accumulate_f32(&summed[k, 0], &rows[i, 0], dim)
             else:
-                c[2 * j] = key
-                c[2 * j + 1] = used
-                distinct[used] = key
-                if dim:
-                    memcpy(&summed[used, 0], &rows[i, 0], dim * sizeof(real))
-                used += 1
+                psrt_accumulate_f64(&summed[k, 0], &rows[i, 0], dim)
     return used
 
 
