@@ -655,8 +655,8 @@ def index_find(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, int
 cdef inline uint64_t _pair(const int64_t *cells, uint64_t mask, int64_t key) noexcept nogil:
     """The pair of a scratch id index (``cells[2j]`` a key, ``cells[2j + 1]`` its value, < 0: empty) holding
     ``key``, or the empty pair its linear probe from its home pair ends on. A key and its value share a cache
-    line, and a scratch index of one batch stays in cache: no prefetch (the table index's, :func:`index_find`,
-    is large and cold, and keeps its keys and values apart for :func:`index_remove`'s shifts)."""
+    line, and a scratch index of one batch stays in cache: no prefetch (a table's index, :func:`index_find`, is
+    large and cold: it prefetches, and keeps keys and values in two arrays, as every kernel on it takes them)."""
     cdef uint64_t j = psrt_mix64(<uint64_t>key) & mask
     while cells[2 * j + 1] >= 0 and cells[2 * j] != key:
         j = (j + 1) & mask
