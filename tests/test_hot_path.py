@@ -140,6 +140,42 @@ def test_a_dealer_tries_a_receive_and_copies_what_fits():
         ctx.term()
 
 
+def test_a_busy_poller_reads_its_monitors_every_interval_and_a_blocking_wait_at_once():
+    """The handshake monitors are left out of polls while they were read a moment ago (half of zmq_poll's items),
+    yet a handshake is heard within MONITOR_INTERVAL by polls that never wait, and at once by a wait."""
+    ctx = transport.new_context()
+    routers = [transport.RouterChannel(ctx, "tcp://127.0.0.1:*", 1000, 5.0) for _ in range(2)]
+    dealers = [transport.DealerChannel(ctx, r.endpoint, 1000) for r in routers]
+    poller = transport.Poller(dealers)
+    try:
+        # A wait that blocks reads the monitors: both handshakes are heard, neither channel has a reply.
+        deadline = time.monotonic() + 5.0
+        while sum(d.connections for d in dealers) < 2 and time.monotonic() < deadline:
+            assert poller.wait(0.2) == []
+        assert [d.connections for d in dealers] == [1, 1] and poller.heard
+        poller.heard = False
+        # Replies arrive on channel 1; polls without a wait find them without reading the monitors ...
+        dealers[1].send([b"hello"], 5.0)
+        assert routers[1].poll(5.0)
+        identity, _ = routers[1].recv()
+        routers[1].send(identity, [b"reply"])
+        deadline = time.monotonic() + 5.0
+        while poller.wait(0.0) != [1]:
+            assert time.monotonic() < deadline
+        # ... while a new connection's handshake waits for the interval (polls without a wait hear it then).
+        dealers[0].repoint(routers[0].endpoint)  # a reconnection: the same shard, a new handshake
+        start = time.monotonic()
+        while dealers[0].connections < 2:
+            assert poller.wait(0.0) == [1]  # the reply stays queued: the sockets are still polled every time
+            assert time.monotonic() - start < 5.0
+        assert poller.heard
+        assert time.monotonic() - start <= transport.MONITOR_INTERVAL + 1.0
+    finally:
+        for ch in (*dealers, *routers):
+            ch.close()
+        ctx.term()
+
+
 def test_pipelined_calls_each_get_their_own_answer_in_any_order_of_waiting():
     """Many calls in flight: a wait takes the replies already queued without a poll (its reply is most likely
     there), whichever call each answers; waiting out of order, or asking done(), changes nothing."""

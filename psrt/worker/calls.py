@@ -289,6 +289,7 @@ class ShardCalls:
         """Whether ``shard``'s socket completed a handshake (a ZeroMQ peer took the connection), as far as its
         monitor says now."""
         ch = self.channels[shard]
+        self._poller.heard = True  # what the monitor says now, the next progress compares with what it knew
         try:
             ch.check_handshake()
         except AuthenticationError:
@@ -320,6 +321,9 @@ class ShardCalls:
                 self._take_queued(handle, index)
         if self._again:
             self._pull_again()
+        if not self._poller.heard:
+            return  # no monitor spoke: no connection count moved
+        self._poller.heard = False
         for shard, ch in enumerate(self.channels):
             if ch.connections != self._connections[shard]:
                 seen = ch.connections - self._connections[shard]
