@@ -176,6 +176,27 @@ def test_a_busy_poller_reads_its_monitors_every_interval_and_a_blocking_wait_at_
         ctx.term()
 
 
+def test_a_handshake_taken_in_by_a_send_is_heard_by_the_poller():
+    """A channel's first send reads its monitor (a channel never connected): the handshake it takes in moves the
+    connection count, and the poller says so, as it does for a handshake its own wait reads."""
+    ctx = transport.new_context()
+    router = transport.RouterChannel(ctx, "tcp://127.0.0.1:*", 1000, 5.0)
+    dealer = transport.DealerChannel(ctx, router.endpoint, 1000)
+    poller = transport.Poller([dealer])
+    try:
+        deadline = time.monotonic() + 5.0
+        while not dealer.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # the handshake done, not yet read
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert dealer.connections == 0 and not poller.heard
+        dealer.send([b"hello"], 5.0)
+        assert dealer.connections == 1 and poller.heard
+    finally:
+        dealer.close()
+        router.close()
+        ctx.term()
+
+
 def test_pipelined_calls_each_get_their_own_answer_in_any_order_of_waiting():
     """Many calls in flight: a wait takes the replies already queued without a poll (its reply is most likely
     there), whichever call each answers; waiting out of order, or asking done(), changes nothing."""

@@ -535,6 +535,9 @@ class DealerChannel:
         self._unfinished = 0  # keyless: handshakes in a row that ended without detail
         #: Handshakes that succeeded: more than one means the peer went away and came back (a restarted shard).
         self.connections = 0
+        #: The Poller that waits on this channel: told whenever a monitor report is taken in, by whichever call
+        #: reads it (a send, a receive, a wait), so that its owner compares connection counts then and only then.
+        self.watcher: Optional[Poller] = None
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self.monitor, zmq.POLLIN)
@@ -555,6 +558,8 @@ class DealerChannel:
                 event, value = monitor_event(self.monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 break
+            if self.watcher is not None:
+                self.watcher.heard = True
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._failure = None
                 self._unfinished = 0
@@ -711,8 +716,13 @@ class Poller:
     The monitors are read at most every :data:`MONITOR_INTERVAL` seconds, and by every wait that blocks longer:
     a handshake happens once per connection, while a worker that keeps many calls in flight polls its sockets
     several times per reply, and with a socket and a monitor per shard the monitors were half of every poll's
-    cost (zmq_poll's work grows with its items: 9 us for 16, 21 us for 32 here). A refused handshake or a shard
-    that came back is therefore heard within that interval, and at once by a wait that has nothing else to do.
+    cost (a poll without a wait over 16 channels: 25 us with the monitors, 13-15 us without, here). A refused
+    handshake or a shard that came back is therefore heard within that interval, and at once by a wait that has
+    nothing else to do.
+
+    :attr:`heard` is set whenever any call takes in a monitor's report of one of these channels (a send that finds
+    the first handshake, a wait): a count that moved unseen would make a shard's return look like its first
+    connection, and what it never answered would never be sent again.
     """
 
     def __init__(self, channels: Sequence[DealerChannel]) -> None:
@@ -727,10 +737,11 @@ class Poller:
             self._by_sock[ch.sock] = index
             self._items.append((ch.monitor, _POLLIN))
             self._monitors[ch.monitor] = ch
+            ch.watcher = self
         self._channels = list(channels)
         self._watch_at = 0.0  # when the monitors are next read (time.monotonic)
-        #: Set when a wait read a monitor's report (a handshake came or failed): the caller's connection counts
-        #: may have moved. The caller clears it.
+        #: Set when a monitor's report was taken in (a handshake came or failed), by a wait or by any other call on
+        #: a channel: the caller's connection counts may have moved. The caller clears it.
         self.heard = False
 
     def wait(self, timeout: float) -> list[int]:
@@ -759,8 +770,7 @@ class Poller:
         for s, _ in zmq.zmq_poll(self._items, ms):
             ch = self._monitors.get(s)
             if ch is not None:
-                self.heard = True
-                ch.check_handshake()
+                ch.check_handshake()  # (which sets heard)
             else:
                 ready.append(self._by_sock[s])
         self._watch_at = time.monotonic() + MONITOR_INTERVAL

@@ -289,7 +289,6 @@ class ShardCalls:
         """Whether ``shard``'s socket completed a handshake (a ZeroMQ peer took the connection), as far as its
         monitor says now."""
         ch = self.channels[shard]
-        self._poller.heard = True  # what the monitor says now, the next progress compares with what it knew
         try:
             ch.check_handshake()
         except AuthenticationError:
