@@ -500,7 +500,7 @@ class Scheduler(Restarts):
             self.servers = [(identity if ident == member.identity else ident, ep) for ident, ep in self.servers]
             member.identity = identity
         self._seen(member, time.monotonic())
-        self._send(identity, wire.encode_ok(req.id))
+        self._send(identity, wire.encode_ok(req.id), beat=True)
         if req.role == "server" and req.lateness is not None and self._slow.add(req.rank, req.lateness):
             self._log_slow()
         if req.role == "server" and self._joins:
@@ -534,7 +534,7 @@ class Scheduler(Restarts):
                 member.identity = identity
                 member.name = f"worker {rank} ({address}, pid {req.pid})"
             self._seen(member, now)
-        self._send(identity, wire.encode_ok(req.id))
+        self._send(identity, wire.encode_ok(req.id), beat=True)
         if strangers:
             self._send(identity, wire.encode_not_members(req.id, strangers, (
                 f"worker{'s' if len(strangers) > 1 else ''} {_ranges(strangers)} "
@@ -702,11 +702,16 @@ class Scheduler(Restarts):
             self._leave([join.rank], "could not join")
 
     # ------------------------------------------------------------------ sending
-    def _send(self, identity: bytes, frames: list[Any]) -> None:
+    def _send(self, identity: bytes, frames: list[Any], beat: bool = False) -> None:
         try:
             self._chan.send(identity, frames)
         except transport.SendDropped as exc:
-            log.warning("control message to a departed peer dropped: %s", exc)
+            if beat:
+                # The answer to a heartbeat whose connection closed as it came in (the member's socket connects
+                # anew and beats again over the new one): nothing is lost, and a warning would cry wolf.
+                log.debug("heartbeat answer to a closed connection dropped: %s", exc)
+            else:
+                log.warning("control message to a departed peer dropped: %s", exc)
 
     def _error(self, identity: bytes, rid: int, code: str, message: str) -> None:
         self._send(identity, wire.encode_control_error(rid, code, message))
