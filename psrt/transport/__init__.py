@@ -553,13 +553,13 @@ class DealerChannel:
         AuthenticationError
             Naming the endpoint, the cause ZeroMQ gives, and what to set.
         """
+        took = False
         while True:
             try:
                 event, value = monitor_event(self.monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 break
-            if self.watcher is not None:
-                self.watcher.heard = True
+            took = True
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._failure = None
                 self._unfinished = 0
@@ -572,6 +572,8 @@ class DealerChannel:
                 continue
             else:
                 self._failure = curve.handshake_advice(event, value, self.endpoint, self._keys_dir)
+        if took and self.watcher is not None:
+            self.watcher.heard = True  # (after the counts moved: whoever reads the flag reads them as they are)
         if self._failure is not None:
             raise AuthenticationError(self._failure, endpoint=self.endpoint)
 
