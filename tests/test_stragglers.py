@@ -293,6 +293,29 @@ def test_lateness_is_measured_from_the_first_push_of_the_round_a_push_was_comput
     assert sorted(late.samples[2]) == [1.0, 4.0]
 
 
+def test_medians_are_taken_again_only_for_workers_sampled_since_and_match_numpy():
+    from psrt.shard import stragglers
+
+    rng = np.random.default_rng(7)
+    late, oracle = Lateness(), {}
+    for rnd in range(3):
+        for w in range(6) if rnd == 0 else (1, 4):  # later rounds: two workers only
+            for v in rng.exponential(0.01, size=stragglers.SAMPLES // 2 + 3):
+                late._sample(w, float(v))
+                oracle.setdefault(w, []).append(float(v))
+        got = late.medians()
+        assert got == {w: float(np.median(vs[-stragglers.SAMPLES:])) for w, vs in oracle.items()}
+        assert not late._stale
+    # A worker not sampled since keeps the median computed before (none is recomputed for it) ...
+    before = dict(late.medians())
+    late.samples[0].append(99.0)  # (behind the cache's back: not seen)
+    assert late.medians()[0] == before[0]
+    # ... and one sampled again is taken again, slow() seeing it at once.
+    for _ in range(stragglers.SAMPLES):
+        late._sample(5, 2.0)
+    assert late.medians()[5] == 2.0 and late._slow()[2] == [5]
+
+
 def test_psrt_stats_and_prometheus_show_who_is_slow():
     from prometheus_client.core import CollectorRegistry
     from prometheus_client.exposition import generate_latest
