@@ -163,3 +163,17 @@ def test_the_model_uses_the_load_generators_own_constants():
     sc = perfmodel.scenario_for(1, 1, model_tensors("64KB"), 1e9, 0.1)
     assert sc.window == DEFAULT_WINDOW
     assert loadgen.FORWARD_SHARE == pytest.approx(1 / 3)
+
+
+def test_the_window_is_shared_out_per_shard_so_a_shard_with_credit_is_not_kept_idle():
+    # Two tensors on two shards, queued at once (no compute), a window of one tensor: each shard's credit is
+    # half of it, at least one push each, so both pushes leave together, and the step takes one tensor's
+    # transfer, not two one after the other (what one window over both shards did).
+    m, workers = 10_000, 4
+    two = pipesim.simulate([[(0, m)], [(1, m)]], 2, workers, 0.0, B, math.inf, window=m, steps=1)
+    alone = pipesim.simulate([[(0, m)]], 1, workers, 0.0, B, math.inf, window=m, steps=1)
+    assert two.seconds == pytest.approx(alone.seconds)
+    # On one shard the same window sends them one after the other, as before: the second push after the first's
+    # ack, beside the first's pull (three transfers where a tensor alone takes two).
+    one = pipesim.simulate([[(0, m)], [(0, m)]], 1, workers, 0.0, B, math.inf, window=m, steps=1)
+    assert one.seconds == pytest.approx(1.5 * alone.seconds)

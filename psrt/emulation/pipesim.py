@@ -109,7 +109,8 @@ def simulate(layout: Sequence[Sequence[tuple[int, int]]], servers: int, workers:
     hosted : int
         Workers on one worker host, sharing its link.
     window : int
-        Gradient bytes a worker keeps in flight (at least one tensor), as :class:`psrt.worker.overlap.Pipeline`.
+        Gradient bytes a worker keeps in flight, shared out over the shards by their bytes (at least one tensor
+        to each), as :class:`psrt.worker.overlap.Pipeline`.
     steps : int
         Timed steps, from a start with nothing in flight to the last step's parameters all in (what the load
         generator measures); 0: the steady state's period.
@@ -161,6 +162,15 @@ class _Sim:
         self.forward = compute_s * forward_share
         self.backward = compute_s - self.forward
         self.window = window
+        # The window shared out over the shards by their bytes, as Pipeline does (psrt.worker.overlap).
+        self.shard_bytes = [{} for _ in self.layout]  # per tensor: shard -> its payload bytes there
+        per_shard: dict[int, int] = {}
+        for i, msgs in enumerate(self.layout):
+            for shard, nbytes in msgs:
+                self.shard_bytes[i][shard] = self.shard_bytes[i].get(shard, 0) + nbytes
+                per_shard[shard] = per_shard.get(shard, 0) + nbytes
+        self.credit = {shard: window * b / total for shard, b in per_shard.items()}
+        self.load = dict.fromkeys(per_shard, 0)
         self.half = latency_s / 2
         self.o = msg_overhead_s
         self.agg = agg_bytes_per_s
@@ -179,7 +189,7 @@ class _Sim:
         self.pulls_left = [0] * n
         self.pulled_at = [0.0] * n  # when its new values are all in (0: in from the start)
         self.round_done: dict[tuple[int, int], float] = {}
-        self.queue: list[int] = []  # tensors queued, first layers first
+        self.queue: list[int] = []  # tensors queued (sent first layers first)
         self.sending: list[int] = []  # pushes in flight, in send order
         self.inflight = 0
         self.step_starts: list[float] = []
@@ -208,12 +218,21 @@ class _Sim:
         for i in [i for i in self.sending if self.acked_at[i] <= t]:
             self.sending.remove(i)
             self.inflight -= self.sizes[i]
+            for shard, nbytes in self.shard_bytes[i].items():
+                self.load[shard] -= nbytes
             self.request_pulls(t, i)
-        while self.queue and (not self.sending or self.inflight < self.window):
-            i = heapq.heappop(self.queue)
+        kept: set[int] = set()
+        for i in sorted(self.queue):
+            shards = self.shard_bytes[i]
+            if any(sh in kept or (self.load[sh] and self.load[sh] >= self.credit[sh]) for sh in shards):
+                kept.update(shards)
+                continue
+            self.queue.remove(i)
             self.state[i] = _PUSHING
             self.sending.append(i)
             self.inflight += self.sizes[i]
+            for shard, nbytes in shards.items():
+                self.load[shard] += nbytes
             self.push(t, i)
 
     def push(self, t: float, i: int) -> None:
@@ -304,7 +323,7 @@ class _Sim:
                 due = self.compute(due, self.backward * self.shares[i])
                 t = due
                 self.state[i] = _QUEUED
-                heapq.heappush(self.queue, i)
+                self.queue.append(i)
                 self.pump(t)
         for i in range(n):
             t = self.wait_for(t, i)

@@ -4,8 +4,13 @@ Backward produces the gradients last layer first; the next forward needs the par
 :class:`Pipeline` carries one step's traffic between the two, tensor by tensor:
 
 - a gradient handed to it (:meth:`Pipeline.enqueue`) waits in a priority queue in forward order, and at most
-  ``window`` bytes of pushes are handed to the sockets at a time (at least one tensor): when several gradients
-  are queued, the first layers' leave first, as they are the first needed;
+  ``window`` bytes of pushes are handed to the sockets at a time: when several gradients are queued, the first
+  layers' leave first, as they are the first needed. The window is shared out per shard, each shard's link
+  getting the part of it that its share of the model's bytes is (at least one push in flight to each): a tensor
+  leaves when every shard it lies on has credit left, and one that waits keeps its shards for itself, so a later
+  layer never overtakes it there. With the model on one shard, or every tensor spread over all shards alike,
+  that is one window of ``window`` bytes; with tensors on different shards (S = 16 and layers cut in 4 chunks),
+  a shard whose layers are not the ones in flight no longer stands idle while another's wait;
 - as soon as a shard acknowledges a push, the pull of that tensor is asked for, received straight into the
   tensor's own array (the ack told the client the version the push joins: in sync mode the pull waits for that
   round, in async it is answered at once, in ssp when the staleness bound allows);
@@ -21,7 +26,7 @@ leaves the thread free).
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import time
 from typing import Any, Optional, Sequence
 
@@ -58,7 +63,7 @@ class Slot:
         The C-contiguous, writable array its pulls are received into (a model's own parameter storage).
     """
 
-    __slots__ = ("name", "index", "array", "nbytes", "state", "epoch", "grad", "push", "pull")
+    __slots__ = ("name", "index", "array", "nbytes", "state", "epoch", "grad", "push", "pull", "shards")
 
     def __init__(self, name: str, index: int, array: np.ndarray) -> None:
         self.name = name
@@ -70,6 +75,7 @@ class Slot:
         self.grad: Optional[np.ndarray] = None
         self.push: Optional[Handle] = None
         self.pull: Optional[Handle] = None
+        self.shards: tuple[tuple[int, int], ...] = ()  # (shard, bytes) of its push, as the pipeline counts them
 
 
 class Pipeline:
@@ -82,7 +88,8 @@ class Pipeline:
     slots : sequence of Slot
         Every tensor, in forward order: ``slots[i].index == i``.
     window : int
-        At most this many gradient bytes handed to the sockets at a time (at least one tensor).
+        At most this many gradient bytes handed to the sockets at a time, shared out over the shards by their
+        shares of the slots' bytes (at least one tensor in flight to each shard).
     timeout : float, optional
         Seconds to wait for any one reply (the client's timeout by default).
     """
@@ -99,9 +106,21 @@ class Pipeline:
         self.timeout = timeout
         self.busy = 0  # slots not idle
         self.epoch = 0  # steps ended
-        self._queue: list[tuple[int, int]] = []  # (forward index, slot index): first layers first
+        self._queue: list[int] = []  # slot indices queued, first layers first (sorted)
         self._sending: list[Slot] = []  # pushes in flight, in send order
         self._inflight = 0  # their bytes
+        # Each slot's bytes per shard, from the partition map; each shard's credit, its share of the window.
+        total: dict[int, int] = {}
+        for s in self.slots:
+            share: dict[int, int] = {}
+            for chunk in client.partition.chunks_of([s.name]):
+                share[chunk.shard] = share.get(chunk.shard, 0) + chunk.nbytes
+            s.shards = tuple(sorted(share.items()))
+            for shard, nbytes in s.shards:
+                total[shard] = total.get(shard, 0) + nbytes
+        model = max(1, sum(total.values()))
+        self._credit = {shard: window * nbytes / model for shard, nbytes in total.items()}
+        self._load = dict.fromkeys(total, 0)  # bytes of the pushes in flight, per shard
 
     def enqueue(self, s: Slot, grad: np.ndarray) -> None:
         """Queue ``s``'s gradient for this step (sent by the next :meth:`pump`); do not modify ``grad`` until
@@ -110,7 +129,7 @@ class Pipeline:
         s.state = QUEUED
         s.epoch = self.epoch
         self.busy += 1
-        heapq.heappush(self._queue, (s.index, s.index))
+        bisect.insort(self._queue, s.index)
 
     def end_step(self) -> None:
         """This step's gradients are all queued: the next ones belong to the next step."""
@@ -124,12 +143,25 @@ class Pipeline:
         for s in done:
             self._sending.remove(s)
             self._pushed(s)
-        while self._queue and (not self._sending or self._inflight < self.window):
-            s = self.slots[heapq.heappop(self._queue)[1]]
+        if not self._queue:
+            return
+        # First layers first; a tensor that must wait keeps its shards from the ones behind it.
+        kept: set[int] = set()
+        load, credit = self._load, self._credit
+        for index in list(self._queue):
+            s = self.slots[index]
+            if any(shard in kept or (load[shard] and load[shard] >= credit[shard]) for shard, _ in s.shards):
+                kept.update(shard for shard, _ in s.shards)
+                if len(kept) == len(load):
+                    break
+                continue
+            self._queue.remove(index)
             s.push = self.client.push_async({s.name: s.grad})
             s.state = PUSHING
             self._sending.append(s)
             self._inflight += s.nbytes
+            for shard, nbytes in s.shards:
+                load[shard] += nbytes
 
     def idle(self, deadline: float) -> None:
         """Keep the transfers moving until ``deadline`` (a :func:`time.perf_counter` value): pump as each reply
@@ -204,6 +236,8 @@ class Pipeline:
     def _pushed(self, s: Slot) -> None:
         s.push.wait(0.0)  # type: ignore[union-attr]  # finished: raises the shard's error, if any
         self._inflight -= s.nbytes
+        for shard, nbytes in s.shards:
+            self._load[shard] -= nbytes
         s.grad = None
         s.push = None
         # The ack told the client the version this push joins; the pull asks for it (sync: this round).
