@@ -252,19 +252,16 @@ class RowTable:
         rows come and go (:attr:`TableSpec.managed`, whose eviction reads them), gets the push clock ``tick``
         and the time ``now`` as its last push.
         """
+        # The distinct ids and their summed rows first (one hashing pass, no sort); new rows are made in the order
+        # the ids first appear. Where a row lies never decides what is admitted or evicted (psrt.shard.rowpolicy
+        # breaks every tie by id), so the order of the distinct ids is free.
+        uniq, summed = rowkernels.coalesce_rows(np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(grads))
         if not self.spec.managed:
-            # The distinct ids and their summed rows first (one hashing pass, no sort), then their slots: new rows
-            # are made in the order the ids first appear, as slots_of(ids) makes them.
-            uniq, summed = rowkernels.coalesce_rows(np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(grads))
             slots = self.slots_of(uniq)
             # Only the checkpoint flag: no eviction reads a last push here, and each mark is a random write per row.
             self.dirty[slots] = True
             self.tick += 1
             return slots, summed
-        uniq, inverse = np.unique(ids, return_inverse=True)
-        summed = np.zeros((len(uniq), grads.shape[1]), grads.dtype)
-        rowkernels.scatter_add_rows(summed, inverse.reshape(-1).astype(np.int64, copy=False), grads)
-        uniq = uniq.astype(np.int64, copy=False)
         slots = self.find(uniq)
         missing = slots < 0
         if self.pending is not None and missing.any():
