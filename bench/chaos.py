@@ -675,8 +675,10 @@ def _failover_async(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 #: Reads every shard's stats through the scheduler's table, from a host of the emulated cluster: one JSON line.
+#: Its waits are those of the stats call (10 s), not job_table's default 5 s: a scheduler busy with a job on two
+#: loaded cores has been seen to take longer than that to answer, and a probe is no liveness check.
 _STATS_PROBE = ("import json, sys; from psrt.cluster.stats import job_table; from psrt.config import ClientConfig; "
-                "from psrt.worker.client import Client; t = job_table(sys.argv[1], ClientConfig()); "
+                "from psrt.worker.client import Client; t = job_table(sys.argv[1], ClientConfig(), timeout=10); "
                 "c = Client(t.servers, rank=0, num_workers=max(1, t.num_workers)); "
                 "print(json.dumps(c.stats(timeout=10), default=str)); c.close()")
 
