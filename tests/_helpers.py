@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
@@ -35,8 +36,8 @@ sys.path.insert(0, str(BENCH))
 from _common import Relay, serving  # noqa: E402
 
 __all__ = ["packed", "frames_of", "push_header", "RawPeer", "Relay", "serving", "scheduling", "RTOL", "assert_close",
-           "WORKERS", "worker_command", "start_worker", "finish_worker", "stop_workers", "run_workers",
-           "launched_results", "LIVENESS", "NEWS_HELD_S", "NAMED_AFTER_S", "LOADED", "bound",
+           "WORKERS", "worker_command", "start_worker", "finish_worker", "finish_workers", "stop_workers",
+           "run_workers", "launched_results", "LIVENESS", "NEWS_HELD_S", "NAMED_AFTER_S", "LOADED", "bound",
            "NAMED_WITHIN_S", "check_named_setting"]
 
 
@@ -165,6 +166,28 @@ def finish_worker(proc: subprocess.Popen, timeout: float = 120) -> tuple[dict, s
     return results[-1], err
 
 
+def finish_workers(procs: Sequence[subprocess.Popen], timeout: float = 120) -> list[dict]:
+    """Wait for every worker (``timeout`` seconds for them all); each must exit 0. Their results, in order.
+
+    Every worker is waited for before anything is judged, so a failure shows what each of them printed: in a sync
+    job one worker's error is often another's doing (a round that never completed for want of its push).
+    """
+    deadline = time.monotonic() + timeout
+    done: list[tuple[Optional[int], str, str]] = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            err += f"\n(still running after {timeout:g} s: killed)"
+        done.append((p.returncode, out, err))
+    bad = [i for i, (code, out, _) in enumerate(done) if code != 0 or not parse_results(out)]
+    assert not bad, "\n".join(f"worker {i} exited {code}:\n{out[-2000:]}{err[-4000:]}"
+                               for i, (code, out, err) in enumerate(done) if i in bad)
+    return [parse_results(out)[-1] for _, out, _ in done]
+
+
 def stop_workers(procs: Sequence[subprocess.Popen]) -> None:
     """Kill the workers still running (a test that failed halfway leaves no process behind)."""
     for p in procs:
@@ -178,7 +201,7 @@ def run_workers(role: str, argsets: Sequence[Mapping[str, Any]], timeout: float 
     """Run one worker per argument set, all at once; their results, in order."""
     procs = [start_worker(role, env, **args) for args in argsets]
     try:
-        return [finish_worker(p, timeout)[0] for p in procs]
+        return finish_workers(procs, timeout)
     finally:
         stop_workers(procs)
 

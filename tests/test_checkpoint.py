@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _helpers import LIVENESS, NAMED_AFTER_S, finish_worker, start_worker, stop_workers, worker_command
+from _helpers import LIVENESS, NAMED_AFTER_S, finish_workers, start_worker, stop_workers, worker_command
 
 import psrt
 from psrt.config import ServerConfig
@@ -228,7 +228,7 @@ def test_a_killed_shard_restarted_with_restore_is_ridden_through_with_no_push_ap
         restarted = Child(psrt_command(*serve, "--bind", endpoint, "--restore"), label="shard",
                           ready=SERVER_READY)
         restarted.wait_ready(30)
-        results = [finish_worker(p)[0] for p in procs]
+        results = finish_workers(procs)
     finally:
         stop_workers(procs)
         for c in (shard, restarted):
@@ -280,7 +280,7 @@ def test_under_a_scheduler_a_restarted_server_takes_its_slot_back(tmp_path):
         time.sleep(NAMED_AFTER_S + LIVENESS.heartbeat_interval)
         restarted = Child(psrt_command(*serve, "--restore"), label="shard", ready=SERVER_READY)
         assert "rank=0" in restarted.wait_ready(30).string
-        results = [finish_worker(p)[0] for p in procs]
+        results = finish_workers(procs)
         assert sched.wait(30) == 0, sched.output
     finally:
         stop_workers(procs)

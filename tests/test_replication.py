@@ -824,7 +824,7 @@ def test_i4_i5_async_a_sigkilled_shard_loses_no_acknowledged_push_and_applies_no
     mid-run, every index moved exactly once."""
     import signal
 
-    from _helpers import finish_worker, start_worker, stop_workers
+    from _helpers import finish_workers, start_worker, stop_workers
 
     from psrt.config import ClientConfig
     from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command
@@ -851,7 +851,7 @@ def test_i4_i5_async_a_sigkilled_shard_loses_no_acknowledged_push_and_applies_no
             assert p.stdout.readline().strip() == "training"
         time.sleep(0.4)
         children[victim].signal(signal.SIGKILL)
-        results = [finish_worker(p, 120)[0] for p in procs]
+        results = finish_workers(procs, 120)
         assert sched.wait(30) == 0, sched.output
     finally:
         stop_workers(procs)

@@ -247,7 +247,7 @@ def test_i4_i5_async_a_sigkilled_shard_loses_no_acknowledged_row_push_and_applie
     (its own id's row moves by exactly -1): after a SIGKILL of a shard mid-run, every row moved exactly once."""
     import signal
 
-    from _helpers import finish_worker, start_worker, stop_workers
+    from _helpers import finish_workers, start_worker, stop_workers
 
     from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, psrt_command
 
@@ -269,7 +269,7 @@ def test_i4_i5_async_a_sigkilled_shard_loses_no_acknowledged_row_push_and_applie
         time.sleep(0.4)
         victim = next(i for i, m in enumerate(ready) if " rank=0" in m.string) + 1
         children[victim].signal(signal.SIGKILL)
-        results = [finish_worker(p, 120)[0] for p in procs]
+        results = finish_workers(procs, 120)
         assert sched.wait(30) == 0, sched.output
     finally:
         stop_workers(procs)
