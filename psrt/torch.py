@@ -186,7 +186,7 @@ class DistributedOptimizer:
         self._trainable = [s for s in self._slots if s.param.requires_grad]
         self._by_param = {id(s.param): s for s in self._trainable}
         # Its epoch counts the steps taken; only trainable slots are ever queued.
-        self._pipe = Pipeline(self.client, self._slots, window, timeout)
+        self._pipe = Pipeline(self.client, self._slots, window, timeout, pushed=self._trainable)
         self._closed = False
         for s in self._trainable:
             self._hooks.append(s.param.register_post_accumulate_grad_hook(

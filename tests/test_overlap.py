@@ -193,3 +193,40 @@ def test_the_overlap_bench_measures_the_load_generator_on_loopback(tmp_path):
     assert {"comm_ms", "serial_ms", "overlap_ms", "overlap_vs_max", "overlap_vs_sum", "pass"} <= set(record)
     assert record["layers"] == 4 and record["link"] == "loopback"
     assert "overlapped step (--overlap)" in proc.stdout and "max(compute, comm)" in proc.stdout
+
+
+def test_only_the_pushed_slots_share_the_window_out():
+    """A frozen tensor (never pushed) holds no credit: the window is shared out over the pushed tensors' shards by
+    their bytes alone, and a slot not declared pushed cannot be queued."""
+    from psrt.errors import ConfigError
+    from psrt.worker.overlap import Pipeline, Slot
+
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async")) as a, \
+            serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async")) as b, \
+            psrt.Client([a.endpoint, b.endpoint]) as client:
+        arrays = {"frozen": np.zeros(1 << 16, np.float32), "head": np.zeros(1024, np.float32),
+                  "bias": np.zeros(16, np.float32)}
+        stored = client.init(arrays, optimizer=psrt.SGD(lr=0.1))
+        slots = [Slot(name, i, stored[name]) for i, name in enumerate(arrays)]
+        window = 8192
+        pipe = Pipeline(client, slots, window, pushed=slots[1:])
+        pushed_bytes: dict[int, int] = {}
+        for name in ("head", "bias"):
+            for chunk in client.partition.chunks_of([name]):
+                pushed_bytes[chunk.shard] = pushed_bytes.get(chunk.shard, 0) + chunk.nbytes
+        total = sum(pushed_bytes.values())
+        assert pipe._credit == pytest.approx({shard: window * n / total for shard, n in pushed_bytes.items()})
+        everything = Pipeline(client, slots, window)  # (all pushed: the frozen tensor's shard takes most of it)
+        assert sum(everything._credit.values()) == pytest.approx(window)
+        assert everything._credit != pipe._credit
+        with pytest.raises(ConfigError, match="'frozen' was not given as a pushed slot"):
+            pipe.enqueue(slots[0], np.zeros(1 << 16, np.float32))
+        with pytest.raises(ConfigError, match="every pushed slot must be one of the pipeline's slots"):
+            Pipeline(client, slots, window, pushed=[Slot("head", 1, stored["head"])])
+        # The pushed slots still go through it: one step, every pull landing in its array.
+        pipe.enqueue(slots[1], np.full(1024, 1.0, np.float32))
+        pipe.enqueue(slots[2], np.full(16, 1.0, np.float32))
+        pipe.end_step()
+        pipe.synchronize()
+        np.testing.assert_array_equal(stored["head"], np.full(1024, -0.1, np.float32))
+        np.testing.assert_array_equal(stored["frozen"], np.zeros(1 << 16, np.float32))

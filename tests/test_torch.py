@@ -227,6 +227,9 @@ def test_frozen_parameters_start_identical_and_are_never_pushed(shards, overlap_
             for r, m in enumerate(models)]
     frozen = models[0][0].weight.detach().clone()
     assert torch.equal(models[1][0].weight, frozen)  # the first worker's init won, frozen or not
+    # The frozen parameters hold no part of the push window (tests/test_overlap.py checks the share-out).
+    assert opts[0]._pipe._queueable == {s.index for s in opts[0]._slots if s.param.requires_grad}
+    assert len(opts[0]._pipe._queueable) == len(opts[0]._slots) - 2
     names = []
     push_async = opts[0].client.push_async
     opts[0].client.push_async = lambda grads: names.extend(grads) or push_async(grads)

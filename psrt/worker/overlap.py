@@ -6,11 +6,12 @@ Backward produces the gradients last layer first; the next forward needs the par
 - a gradient handed to it (:meth:`Pipeline.enqueue`) waits in a priority queue in forward order, and at most
   ``window`` bytes of pushes are handed to the sockets at a time: when several gradients are queued, the first
   layers' leave first, as they are the first needed. The window is shared out per shard, each shard's link
-  getting the part of it that its share of the model's bytes is (at least one push in flight to each): a tensor
-  leaves when every shard it lies on has credit left, and one that waits keeps its shards for itself, so a later
-  layer never overtakes it there. With the model on one shard, or every tensor spread over all shards alike,
-  that is one window of ``window`` bytes; with tensors on different shards (S = 16 and layers cut in 4 chunks),
-  a shard whose layers are not the ones in flight no longer stands idle while another's wait;
+  getting the part of it that its share of the pushed bytes is (at least one push in flight to each; a frozen
+  tensor, never pushed, counts for nothing): a tensor leaves when every shard it lies on has credit left, and one
+  that waits keeps its shards for itself, so a later layer never overtakes it there. With the model on one
+  shard, or every tensor spread over all shards alike, that is one window of ``window`` bytes; with tensors on
+  different shards (S = 16 and layers cut in 4 chunks), a shard whose layers are not the ones in flight no longer
+  stands idle while another's wait;
 - as soon as a shard acknowledges a push, the pull of that tensor is asked for, received straight into the
   tensor's own array (the ack told the client the version the push joins: in sync mode the pull waits for that
   round, in async it is answered at once, in ssp when the staleness bound allows);
@@ -92,10 +93,14 @@ class Pipeline:
         shares of the slots' bytes (at least one tensor in flight to each shard).
     timeout : float, optional
         Seconds to wait for any one reply (the client's timeout by default).
+    pushed : sequence of Slot, optional
+        The slots whose gradients will be queued (all by default): only their bytes share the window out. A
+        frozen parameter that is never pushed must not hold credit on its shards, which would leave the shards
+        of the trainable ones a smaller part of the window than their traffic is.
     """
 
     def __init__(self, client: Any, slots: Sequence[Slot], window: int = DEFAULT_WINDOW,
-                 timeout: Optional[float] = None) -> None:
+                 timeout: Optional[float] = None, pushed: Optional[Sequence[Slot]] = None) -> None:
         if type(window) is not int or window < 1:
             raise ConfigError(f"window must be a positive number of bytes, got {window!r}")
         if any(s.index != i for i, s in enumerate(slots)):
@@ -109,9 +114,13 @@ class Pipeline:
         self._queue: list[int] = []  # slot indices queued, first layers first (sorted)
         self._sending: list[Slot] = []  # pushes in flight, in send order
         self._inflight = 0  # their bytes
-        # Each slot's bytes per shard, from the partition map; each shard's credit, its share of the window.
+        # Each pushed slot's bytes per shard, from the partition map; each shard's credit, its share of the window.
         total: dict[int, int] = {}
-        for s in self.slots:
+        pushed = self.slots if pushed is None else list(pushed)
+        if any(not 0 <= s.index < len(self.slots) or self.slots[s.index] is not s for s in pushed):
+            raise ConfigError("every pushed slot must be one of the pipeline's slots")
+        self._queueable = {s.index for s in pushed}
+        for s in pushed:
             share: dict[int, int] = {}
             for chunk in client.partition.chunks_of([s.name]):
                 share[chunk.shard] = share.get(chunk.shard, 0) + chunk.nbytes
@@ -125,6 +134,8 @@ class Pipeline:
     def enqueue(self, s: Slot, grad: np.ndarray) -> None:
         """Queue ``s``'s gradient for this step (sent by the next :meth:`pump`); do not modify ``grad`` until
         ``s``'s push is acknowledged."""
+        if s.index not in self._queueable:
+            raise ConfigError(f"{s.name!r} was not given as a pushed slot when the pipeline was made")
         s.grad = grad
         s.state = QUEUED
         s.epoch = self.epoch
