@@ -58,10 +58,11 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
 from psrt.control.process import Child, parse_results, psrt_command, stop_children
-from psrt.emulation import models, perfmodel
+from psrt.emulation import models, perfmodel, trace
 from psrt.emulation.models import model_tensors
 from psrt.emulation.netns import VirtualCluster, burst_for, check_available, parse_rate
 
@@ -446,9 +447,11 @@ class JobCpu:
 
 
 def run_paper_point(vc: VirtualCluster, port: int, setup: PaperSetup, servers: int, workers: int, steps: int,
-                    warmup: int, job_cpu: JobCpu, timeout: float = 900.0) -> list[dict]:
+                    warmup: int, job_cpu: JobCpu, timeout: float = 900.0,
+                    trace_dir: Optional[Path] = None) -> list[dict]:
     """One --paper job: the scheduler, S shards on the shaped hosts, ``ceil(W / per_host)`` worker processes of
-    virtual workers on the worker hosts; returns the workers' result records."""
+    virtual workers on the worker hosts; returns the workers' result records. ``trace_dir``: a folder where each
+    worker process writes its pipeline's events (``psrt worker --trace``), ``S{S}-W{W}-h{i}.json``."""
     # A loaded 2-core machine running ~35 processes: heartbeats get a longer grace than a real cluster's.
     env = {"PSRT_PARTITION_BYTES": str(setup.partition_bytes), "PSRT_START_TIMEOUT": "120",
            "PSRT_HEARTBEAT_TIMEOUT": "30", "PSRT_TIMEOUT": "600"}
@@ -468,7 +471,10 @@ def run_paper_point(vc: VirtualCluster, port: int, setup: PaperSetup, servers: i
         wprocs = [spawn(f"h{i}", psrt_command("worker", "--clients", str(n), "--model", setup.model, "--layers",
                                               str(setup.layers), "--overlap", "--window", str(setup.window),
                                               "--compute-ms", str(setup.compute_ms), "--steps", str(steps),
-                                              "--warmup", str(warmup)), {"PSRT_SCHEDULER": endpoint})
+                                              "--warmup", str(warmup),
+                                              *(() if trace_dir is None else
+                                                ("--trace", str(trace_dir / f"S{servers}-W{workers}-h{i}.json")))),
+                        {"PSRT_SCHEDULER": endpoint})
                   for i, n in enumerate(worker_groups(workers, setup.per_host))]
         results = job_results(wprocs, procs[:servers + 1], timeout, grace=60.0)
         if len(results) != workers:
@@ -576,6 +582,9 @@ def paper_main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     vc = VirtualCluster(hosts, links=links, queueing="fifo", lossless=True, tcp_window=PAPER_TCP_WINDOW)
+    trace_dir = None if args.trace is None else Path(args.trace)
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
     sampler, job_cpu = CpuSampler(), JobCpu()
     records: list[dict] = []
     started = time.monotonic()
@@ -600,7 +609,8 @@ def paper_main(args: argparse.Namespace) -> int:
             t0 = time.monotonic()
             drops0 = sum(vc.dropped(f"s{i}") for i in range(servers))
             resent0 = sum(vc.retransmitted(h) for h in hosts)
-            results = run_paper_point(vc, 5800 + index, setup, servers, workers, steps, warmup, job_cpu)
+            results = run_paper_point(vc, 5800 + index, setup, servers, workers, steps, warmup, job_cpu,
+                                      trace_dir=trace_dir)
             drops = sum(vc.dropped(f"s{i}") for i in range(servers)) - drops0
             resent = sum(vc.retransmitted(h) for h in hosts) - resent0
             window = (max(r["started_at"] for r in results), min(r["ended_at"] for r in results))
@@ -628,6 +638,12 @@ def paper_main(args: argparse.Namespace) -> int:
                        f"{r['error_percent']:+5.1f}%), {steps}+{warmup} steps, CPU {r['cpu_percent']:3.0f}% "
                        f"(the job's {r['job_cpu_percent']:3.0f}%), {drops} drops, {resent} TCP retransmits, "
                        f"{r['seconds']:.0f} s")
+            if trace_dir is not None:  # what the timed steps' forwards waited for, and the drain after them
+                files = trace_dir.glob(f"S{servers}-W{workers}-h*.json")
+                summary = trace.summarize(*trace.load(str(f) for f in files))
+                r["forward_wait_s"] = [w for w, _ in summary.forward_wait]
+                r["drain_s"] = summary.drain_s[0]
+                tqdm.write("  " + trace.render(summary).replace("\n", "\n  "))
     finally:
         sampler.stop()
         job_cpu.stop()
@@ -702,6 +718,9 @@ def main() -> int:
     parser.add_argument("--ideal-pipelining", action="store_true",
                         help="skip the calibration job (the reply tail; overlapped or --paper: the links' efficiency "
                              "with many workers) and predict with the ideal")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="with --paper: each worker process writes its pipeline's events here (psrt worker "
+                             "--trace), and each point prints what its forwards waited for and its drain")
     parser.add_argument("--json", default=None, help="write one record per run to this file")
     parser.add_argument("--csv", default=None, help="write the same records as CSV")
     parser.add_argument("--plot", default=None, help="write a PNG plot of throughput vs W")

@@ -98,7 +98,7 @@ def _worker(args: argparse.Namespace) -> int:
     clients = args.clients if args.clients is not None else ClusterConfig.from_env().clients
     run_worker(args.model, args.compute_ms, args.steps, warmup=args.warmup, compute=args.compute, servers=servers,
                rank=args.rank, num_workers=args.workers, lr=args.lr, clients=clients, overlap=args.overlap,
-               layers=args.layers, window=args.window)
+               layers=args.layers, window=args.window, trace=args.trace)
     return 0
 
 
@@ -422,6 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --overlap: gradient bytes in flight at a time, e.g. 64KB (at least one tensor; "
                          "default 4MiB); a window smaller than the model lets the first layers' gradients, needed "
                          "first, overtake the queued later ones")
+    wk.add_argument("--trace", default=None, metavar="FILE",
+                    help="with --overlap: write each worker's pipeline events (each tensor queued, sent, acknowledged, "
+                         "awaited and in; each step's start) to this JSON file at the end (python -m "
+                         "psrt.emulation.trace FILE... summarizes them)")
     wk.set_defaults(func=_worker)
 
     mo = sub.add_parser("model", help="predict step time and throughput with the performance model", description=(

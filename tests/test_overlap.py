@@ -230,3 +230,52 @@ def test_only_the_pushed_slots_share_the_window_out():
         pipe.synchronize()
         np.testing.assert_array_equal(stored["head"], np.full(1024, -0.1, np.float32))
         np.testing.assert_array_equal(stored["frozen"], np.zeros(1 << 16, np.float32))
+
+
+def test_a_traced_overlapped_run_notes_each_tensors_events_in_order(tmp_path):
+    from psrt.emulation import trace
+
+    path = tmp_path / "trace.json"
+    steps, warmup = 3, 1
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync")) as server:
+        loadgen.run_worker("64KB", 20, steps, warmup=warmup, servers=[server.endpoint], num_workers=2, lr=LR,
+                           clients=2, overlap=True, layers=LAYERS, window=16_000, trace=str(path))
+    doc = json.loads(path.read_text())
+    names = [f"t{i}" for i in range(LAYERS)]
+    assert doc["tensors"] == names and [w["rank"] for w in doc["workers"]] == [0, 1]
+    for w in doc["workers"]:
+        events = [(kind, name) for _, kind, name in w["events"]]
+        times = [t for t, _, _ in w["events"]]
+        assert times == sorted(times)
+        assert [k for k, _ in events if k in ("step", "timed", "end")] == \
+            ["step"] * warmup + ["timed"] + ["step"] * steps + ["end"]
+        for name in names:  # every step, each tensor: queued, then sent, then acknowledged
+            mine = [k for k, n in events if n == name and k in ("queued", "sent", "acked")]
+            assert mine == ["queued", "sent", "acked"] * (steps + warmup)
+            waits = [k for k, n in events if n == name and k in ("waiting", "ready")]
+            assert waits == ["waiting", "ready"] * (len(waits) // 2) and len(waits) >= 2 * (steps + warmup)
+    summary = trace.summarize(*trace.load([str(path)]))
+    assert summary.workers == 2 and len(summary.forward_wait) == steps and len(summary.step_s) == steps
+    assert summary.drain_s[0] >= 0 and set(summary.tensors) == set(names)
+
+
+def test_the_trace_summary_adds_up_a_known_timeline():
+    from psrt.emulation import trace
+
+    events = [(0.0, "step", ""), (1.0, "queued", "a"), (1.0, "sent", "a"), (1.5, "timed", ""),
+              (2.0, "step", ""), (2.0, "waiting", "a"), (2.4, "ready", "a"), (3.0, "queued", "a"),
+              (3.25, "sent", "a"), (3.75, "acked", "a"),
+              (4.0, "step", ""), (4.0, "waiting", "a"), (5.0, "ready", "a"), (6.0, "queued", "a"),
+              (6.0, "sent", "a"), (6.5, "acked", "a"), (6.0, "waiting", "a"), (7.5, "ready", "a"), (7.5, "end", "")]
+    events.sort(key=lambda e: e[0])
+    s = trace.summarize(["a"], [events])
+    assert s.workers == 1
+    assert [w for w, _ in s.forward_wait] == pytest.approx([0.4, 1.0])  # the forwards' waits, step by step
+    assert [d for d, _ in s.step_s] == pytest.approx([2.0, 2.0])  # step start to the next, the last to its queue
+    assert s.drain_s[0] == pytest.approx(1.5)  # the last gradient queued (6.0) to the end (7.5)
+    assert s.tensors["a"]["window_s"] == pytest.approx(0.125) and s.tensors["a"]["ack_s"] == pytest.approx(0.5)
+
+
+def test_the_trace_needs_overlap(capsys):
+    assert cli.main(["worker", "--model", "64KB", "--trace", "t.json", "--servers", "tcp://127.0.0.1:1"]) == 2
+    assert "--trace notes the events of --overlap's pipeline" in capsys.readouterr().err

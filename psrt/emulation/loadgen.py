@@ -38,6 +38,7 @@ still pushed once a step, so a sync job takes the same rounds, to the same param
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import threading
@@ -74,7 +75,8 @@ def _cpu_seconds() -> float:
 def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compute: str = "sleep",
                servers: Optional[Sequence[str]] = None, rank: Optional[int] = None,
                num_workers: Optional[int] = None, lr: float = 1e-3, clients: int = 1, overlap: bool = False,
-               layers: Optional[int] = None, window: Optional[int] = None) -> list[dict[str, Any]]:
+               layers: Optional[int] = None, window: Optional[int] = None,
+               trace: Optional[str] = None) -> list[dict[str, Any]]:
     """Run the load-test loop of ``clients`` workers; returns (and prints) each worker's result.
 
     Parameters
@@ -105,6 +107,9 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
         :data:`~psrt.worker.overlap.DEFAULT_WINDOW`). A window smaller than the model keeps the later gradients
         queued, so the first layers' (needed first by the next forward) overtake them, as a framework's priority
         scheduling of its communication does.
+    trace : str, optional
+        With ``overlap``: write every worker's pipeline events (:attr:`psrt.worker.overlap.Pipeline.trace`, and
+        each step's start) to this JSON file at the end, for :mod:`psrt.emulation.trace` to read.
 
     Raises
     ------
@@ -131,16 +136,24 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
     if window is not None and not overlap:
         raise ConfigError("--window sets the bytes --overlap keeps in flight: give --overlap too, or leave --window "
                           "out")
+    if trace is not None and not overlap:
+        raise ConfigError("--trace notes the events of --overlap's pipeline: give --overlap too, or leave --trace out")
     shapes = model_tensors(model, layers=layers)
     params = {name: np.zeros(shape, np.float32) for name, shape in shapes}
     grads = {name: np.full(shape, 1e-3, np.float32) for name, shape in shapes}  # shared: read, never written
     loop = _Loop(model, shapes, params, grads, compute_ms, steps, warmup, compute, lr, barriers=servers is None,
-                 overlap=overlap, window=window)
+                 overlap=overlap, window=window, traced=trace is not None)
     ranks = [None if rank is None else rank + i for i in range(clients)]
     if clients == 1:
-        return [loop.run(servers, ranks[0], num_workers)]
-    _allow_open_files()
-    return _run_together([lambda r=r: loop.run(servers, r, num_workers) for r in ranks])
+        results = [loop.run(servers, ranks[0], num_workers)]
+    else:
+        _allow_open_files()
+        results = _run_together([lambda r=r: loop.run(servers, r, num_workers) for r in ranks])
+    if trace is not None:
+        with open(trace, "w") as f:
+            json.dump({"pid": os.getpid(), "model": model, "compute_ms": compute_ms, "tensors": loop.names,
+                       "workers": sorted(loop.traces, key=lambda w: w["rank"])}, f)
+    return results
 
 
 def _allow_open_files() -> None:
@@ -160,7 +173,7 @@ class _Loop:
 
     def __init__(self, model: str, shapes: list[tuple[str, tuple[int, ...]]], params: dict[str, np.ndarray],
                  grads: dict[str, np.ndarray], compute_ms: float, steps: int, warmup: int, compute: str, lr: float,
-                 barriers: bool, overlap: bool = False, window: Optional[int] = None) -> None:
+                 barriers: bool, overlap: bool = False, window: Optional[int] = None, traced: bool = False) -> None:
         self.model, self.params, self.grads = model, params, grads
         self.names = [name for name, _ in shapes]  # forward order
         self.first = shapes[0][0]
@@ -173,6 +186,8 @@ class _Loop:
         # With explicit shards there is no scheduler to meet at; sync rounds keep step.
         self.barriers = barriers
         self.print_lock = threading.Lock()
+        self.traced = traced
+        self.traces: list[dict[str, Any]] = []  # with traced: each worker's rank and pipeline events
 
     def _step(self, client: psrt.Client, scratch: np.ndarray) -> dict[str, np.ndarray]:
         if self.compute == "sleep":
@@ -184,6 +199,8 @@ class _Loop:
     def _overlapped_step(self, pipe: Pipeline, scratch: np.ndarray) -> None:
         """A forward that waits for each tensor's parameters just before its share, then a backward that hands
         each tensor's gradient to the pipeline once its share is computed, last layer first."""
+        if pipe.trace is not None:
+            pipe.trace.append((time.time(), "step", ""))
         compute_s = self.compute_ms / 1000.0
         forward = compute_s * FORWARD_SHARE
         backward = compute_s - forward
@@ -227,6 +244,8 @@ class _Loop:
             # Overlapped, each worker's pulls land in its own arrays (init's, fresh for this client).
             pipe = Pipeline(client, [Slot(n, i, stored[n]) for i, n in enumerate(self.names)],
                             window=self.window) if self.overlap else None
+            if pipe is not None and self.traced:
+                pipe.trace = []
             if self.barriers:
                 client.barrier()
             for _ in range(self.warmup):
@@ -235,12 +254,18 @@ class _Loop:
                 pipe.synchronize()  # the timed steps start with nothing in flight
             if self.barriers:
                 client.barrier()
+            if pipe is not None and pipe.trace is not None:
+                pipe.trace.append((time.time(), "timed", ""))
             cpu0, t0, started_at = _cpu_seconds(), time.perf_counter(), time.time()
             for _ in range(self.steps):
                 latest = self._run_step(client, pipe, scratch)
             if pipe is not None:
                 pipe.synchronize()  # the last step ends when its parameters are in
                 latest = stored
+                if pipe.trace is not None:
+                    pipe.trace.append((time.time(), "end", ""))
+                    with self.print_lock:
+                        self.traces.append({"rank": client.rank, "events": pipe.trace})
             elapsed = time.perf_counter() - t0
             cpu = _cpu_seconds() - cpu0
             result = {

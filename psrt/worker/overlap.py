@@ -130,6 +130,11 @@ class Pipeline:
         model = max(1, sum(total.values()))
         self._credit = {shard: window * nbytes / model for shard, nbytes in total.items()}
         self._load = dict.fromkeys(total, 0)  # bytes of the pushes in flight, per shard
+        #: A list to note the step's events in, or None (the default: nothing noted). Each is ``(time.time(),
+        #: event, tensor)``, the events being ``queued`` (:meth:`enqueue`), ``sent`` (its push handed to the
+        #: sockets), ``acked`` (every shard acknowledged it), ``waiting`` and ``ready`` (:meth:`wait_for` began and
+        #: found its new values in): :mod:`psrt.emulation.trace` reads them.
+        self.trace: Optional[list[tuple[float, str, str]]] = None
 
     def enqueue(self, s: Slot, grad: np.ndarray) -> None:
         """Queue ``s``'s gradient for this step (sent by the next :meth:`pump`); do not modify ``grad`` until
@@ -141,6 +146,8 @@ class Pipeline:
         s.epoch = self.epoch
         self.busy += 1
         bisect.insort(self._queue, s.index)
+        if self.trace is not None:
+            self.trace.append((time.time(), "queued", s.name))
 
     def end_step(self) -> None:
         """This step's gradients are all queued: the next ones belong to the next step."""
@@ -168,6 +175,8 @@ class Pipeline:
                 continue
             self._queue.remove(index)
             s.push = self.client.push_async({s.name: s.grad})
+            if self.trace is not None:
+                self.trace.append((time.time(), "sent", s.name))
             s.state = PUSHING
             self._sending.append(s)
             self._inflight += s.nbytes
@@ -199,6 +208,8 @@ class Pipeline:
 
     def wait_for(self, s: Slot) -> None:
         """Block until ``s``'s new value is in its array, sending queued pushes as credit frees."""
+        if self.trace is not None:
+            self.trace.append((time.time(), "waiting", s.name))
         while s.state != IDLE:
             self.pump()
             if s.state == PULLING:
@@ -208,6 +219,8 @@ class Pipeline:
                 self.busy -= 1
             elif s.state in (QUEUED, PUSHING):
                 self._sending[0].push.wait(self.timeout)  # type: ignore[union-attr]
+        if self.trace is not None:
+            self.trace.append((time.time(), "ready", s.name))
 
     def synchronize(self) -> None:
         """Wait until every push and pull in flight is done: every slot's array holds its new value."""
@@ -246,6 +259,8 @@ class Pipeline:
 
     def _pushed(self, s: Slot) -> None:
         s.push.wait(0.0)  # type: ignore[union-attr]  # finished: raises the shard's error, if any
+        if self.trace is not None:
+            self.trace.append((time.time(), "acked", s.name))
         self._inflight -= s.nbytes
         for shard, nbytes in s.shards:
             self._load[shard] -= nbytes
