@@ -23,7 +23,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["Summary", "load", "summarize", "main"]
+__all__ = ["Summary", "load", "summarize", "render", "main"]
 
 
 @dataclass
@@ -75,8 +75,9 @@ def summarize(tensors: Sequence[str], workers: Sequence[Sequence[tuple[float, st
     waits: dict[int, list[float]] = {}
     steps: dict[int, list[float]] = {}
     drains: list[float] = []
-    per: dict[str, dict[str, list[float]]] = {n: {"window_s": [], "ack_s": [], "forward_wait_s": []}
-                                              for n in tensors}
+    per: dict[str, dict[str, list[float]]] = {}
+    for name in tensors:
+        per[name] = {"window_s": [], "ack_s": [], "forward_wait_s": []}
     for events in workers:
         timed = next((t for t, kind, _ in events if kind == "timed"), None)
         if timed is None:
@@ -89,6 +90,8 @@ def summarize(tensors: Sequence[str], workers: Sequence[Sequence[tuple[float, st
         step = -1
         last_queued: Optional[float] = None
         for t, kind, name in timed_events:
+            if name and name not in per:  # a tensor the first file did not name (files of different models)
+                per[name] = {"window_s": [], "ack_s": [], "forward_wait_s": []}
             if kind == "step":
                 step += 1
                 waits.setdefault(step, []).append(0.0)
