@@ -424,8 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "first, overtake the queued later ones")
     wk.add_argument("--trace", default=None, metavar="FILE",
                     help="with --overlap: write each worker's pipeline events (each tensor queued, sent, acknowledged, "
-                         "awaited and in; each step's start) to this JSON file at the end (python -m "
-                         "psrt.emulation.trace FILE... summarizes them)")
+                         "awaited and in; each step's start) to this JSON file at the end, or to trace-PID.json in "
+                         "it if it is a folder (python -m psrt.emulation.trace FILE... summarizes them)")
     wk.set_defaults(func=_worker)
 
     mo = sub.add_parser("model", help="predict step time and throughput with the performance model", description=(

@@ -5,6 +5,7 @@ first, each one's parameters awaited in the next forward, first layer first, thr
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -279,3 +280,14 @@ def test_the_trace_summary_adds_up_a_known_timeline():
 def test_the_trace_needs_overlap(capsys):
     assert cli.main(["worker", "--model", "64KB", "--trace", "t.json", "--servers", "tcp://127.0.0.1:1"]) == 2
     assert "--trace notes the events of --overlap's pipeline" in capsys.readouterr().err
+
+
+def test_a_trace_folder_gets_a_file_per_process(tmp_path):
+    from psrt.emulation import trace
+
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async")) as server:
+        loadgen.run_worker("64KB", 0, 2, warmup=0, servers=[server.endpoint], num_workers=1, lr=LR,
+                           overlap=True, layers=LAYERS, trace=str(tmp_path))
+    (path,) = tmp_path.glob("trace-*.json")
+    assert path.name == f"trace-{os.getpid()}.json"
+    assert trace.summarize(*trace.load([str(path)])).workers == 1

@@ -109,7 +109,8 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
         scheduling of its communication does.
     trace : str, optional
         With ``overlap``: write every worker's pipeline events (:attr:`psrt.worker.overlap.Pipeline.trace`, and
-        each step's start) to this JSON file at the end, for :mod:`psrt.emulation.trace` to read.
+        each step's start) to this JSON file at the end, for :mod:`psrt.emulation.trace` to read; to
+        ``trace-PID.json`` in it when it is a folder (the copies ``psrt launch`` starts share their arguments).
 
     Raises
     ------
@@ -150,6 +151,8 @@ def run_worker(model: str, compute_ms: float, steps: int, warmup: int = 2, compu
         _allow_open_files()
         results = _run_together([lambda r=r: loop.run(servers, r, num_workers) for r in ranks])
     if trace is not None:
+        if os.path.isdir(trace):  # several processes (psrt launch's copies) given one folder: a file each
+            trace = os.path.join(trace, f"trace-{os.getpid()}.json")
         with open(trace, "w") as f:
             json.dump({"pid": os.getpid(), "model": model, "compute_ms": compute_ms, "tensors": loop.names,
                        "workers": sorted(loop.traces, key=lambda w: w["rank"])}, f)
