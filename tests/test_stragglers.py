@@ -752,9 +752,9 @@ def _replicated_job(name: str, backup: str, kill_at: int = 0, rounds: int = 60, 
         for p in procs:
             try:
                 result, err = finish_worker(p, 90)  # exit 0: no worker saw an error
-            except subprocess.TimeoutExpired as exc:  # a hang: say where everyone was
+            except (subprocess.TimeoutExpired, AssertionError) as exc:  # a hang or a failure: say where all were
                 stop_workers(procs)
-                raise AssertionError("\n".join(f"[{c.label}] {c.output}" for c in children)) from exc
+                raise AssertionError("\n".join([str(exc), *(f"[{c.label}] {c.output}" for c in children)])) from exc
             assert "Traceback" not in err, err
             results.append(result)
         assert sched.wait(30) == 0, sched.output
