@@ -211,3 +211,56 @@ def test_a_client_given_the_schedulers_address_as_a_shard_is_told_at_once(pause:
             with pytest.raises(psrt.ConnectionLostError, match="not a psrt shard"):
                 client.init({"big": np.zeros(1 << 20, np.float32)})
             assert time.monotonic() - start < 20.0
+
+
+def test_notices_a_servers_dropped_connection_missed_come_after_its_next_heartbeat():
+    """A server whose connection dropped as the scheduler told it news (its socket connecting anew) gets the news
+    after its next heartbeat, over the new connection: a membership change mid-job, and the shutdown at the job's
+    end, for which the scheduler serves on until it is delivered."""
+    with scheduling(1, 2, elastic=True, heartbeat_interval=5.0, heartbeat_timeout=30.0) as sched:
+        ctx = psrt.transport.new_context()
+        links = [SchedulerLink(ctx, sched.endpoint) for _ in range(3)]
+        again: list[SchedulerLink] = []
+        try:
+            roles = [("server", "tcp://127.0.0.1:1"), ("worker", ""), ("worker", "")]
+            threads = [threading.Thread(target=link.register, args=(role, ep)) for link, (role, ep) in
+                       zip(links, roles)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+            server, leaving, staying = links
+
+            def reconnected() -> SchedulerLink:
+                """The server's process, its connection gone: a new socket, beating as server 0."""
+                link = SchedulerLink(ctx, sched.endpoint, heartbeat_interval=5.0, heartbeat_timeout=30.0)
+                link.role, link.rank = "server", server.rank
+                again.append(link)
+                return link
+
+            server.close()
+            time.sleep(0.5)  # the scheduler's socket has seen the connection go
+            leaving.done()  # an elastic job's members change: the notice finds no connection to the server
+            link = reconnected()
+            members: list[list[int]] = []
+            deadline = time.monotonic() + 10
+            while not members and time.monotonic() < deadline:
+                link.tick(on_members=members.append)
+                time.sleep(0.05)
+            assert members == [[staying.rank]]
+
+            link.close()
+            time.sleep(0.5)
+            staying.done()  # the last worker: the job ends, and the shutdown finds no connection either
+            link = reconnected()
+            ended = False
+            deadline = time.monotonic() + 10
+            while not ended and time.monotonic() < deadline:
+                ended = link.tick()
+                time.sleep(0.05)
+            assert ended, "the server never heard the job end"
+        finally:
+            for link in [*links, *again]:
+                link.close()
+            ctx.term()
+    assert sched.exit_code == 0

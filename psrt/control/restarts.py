@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from psrt import wire
@@ -41,6 +41,9 @@ class Member:
     closed_at: Optional[float] = None
     #: Seconds between its last two heartbeats: a process beating late is given longer to prove itself alive.
     gap: float = 0.0
+    #: Notices its connection could not take when they were sent (it closed as they went, the socket connecting
+    #: anew): sent again, in order, after its next heartbeat, which comes over the new connection.
+    undelivered: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,9 @@ once silent for two heartbeat intervals (or twice its latest gap between beats, 
 longer than ``heartbeat_timeout``) unless it heartbeats again, over the connection its socket makes anew. A
 process that is alive but slow, or stopped, keeps its connections open and is judged by ``heartbeat_timeout``
 alone; a live one whose connection dropped connects anew and heartbeats at once (:mod:`psrt.control.link`), and
-is not touched.
+is not touched. A notice its old connection could not take (``members``, ``finished``, ``ranges``, ``moved``,
+``shutdown``) is kept and sent after that heartbeat, in order; at the end of a job that succeeded, the scheduler
+serves on (at most ``heartbeat_timeout``) until every server that missed its shutdown has it.
 
 Elastic jobs (``elastic=True``): a worker that dies or says ``done`` leaves the job instead, and a worker may
 register after the job formed (a free rank, or the rank of one that left). Every change is sent to the servers
@@ -239,6 +241,7 @@ class Scheduler(Restarts):
         self._on_conn: dict[int, set[bytes]] = {}
         self._next_watch = 0.0
         self.exit_code: Optional[int] = None
+        self._drain_until: Optional[float] = None  # at the job's end, while notices wait for heartbeats
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return."""
@@ -248,7 +251,7 @@ class Scheduler(Restarts):
         """Run until the job ends; returns 0 when every worker finished, 1 when the job failed to form."""
         deadline = time.monotonic() + self.start_timeout
         try:
-            while not self._stop.is_set() and self.exit_code is None:
+            while not self._stop.is_set() and (self.exit_code is None or self._delivering()):
                 caught_up = True
                 closed: list[int] = []
                 if self._chan.poll(0.1):
@@ -437,10 +440,44 @@ class Scheduler(Restarts):
 
     def _tell_servers(self, frames: list[Any]) -> None:
         # Once each: a shard may serve several ranges, and one that rejoined a replicated job serves none.
+        members = {m.identity: m for (role, _), m in self._members.items() if role == "server"}
         idents = {ident: None for ident, _ in self.servers}
-        idents.update((m.identity, None) for (role, _), m in self._members.items() if role == "server")
+        idents.update(dict.fromkeys(members))
         for ident in idents:
-            self._send(ident, frames)
+            member = members.get(ident)
+            if member is not None:
+                self._notify(member, frames)
+            else:
+                self._send(ident, frames)
+
+    def _notify(self, member: _Member, frames: list[Any]) -> None:
+        """Send a notice to a member; one its connection cannot take now (it closed as the notice went, its socket
+        connecting anew) is kept and sent after the member's next heartbeat (:meth:`_deliver`), which comes over
+        the new connection. A shard that missed the news of a dead replica, or of the job's end, would otherwise
+        wait for ever."""
+        try:
+            self._chan.send(member.identity, frames)
+        except transport.SendDropped as exc:
+            member.undelivered.append(frames)
+            log.info("a notice to %s waits for its next heartbeat (%s)", member.name, exc)
+
+    def _deliver(self, member: _Member) -> None:
+        """Send a member the notices it missed, in order (after the answer to its heartbeat)."""
+        held, member.undelivered = member.undelivered, []
+        for frames in held:
+            self._notify(member, frames)
+
+    def _delivering(self) -> bool:
+        """At the job's end: whether to serve on for a while, because notices (a shutdown) wait for members'
+        heartbeats; at most one heartbeat timeout."""
+        if self.exit_code != 0 or not any(m.undelivered for m in self._members.values()):
+            return False  # (a failed job ends at once: its processes learn it from the scheduler's silence too)
+        now = time.monotonic()
+        if self._drain_until is None:
+            self._drain_until = now + self.heartbeat_timeout
+            log.info("the job has ended; serving on up to %gs for the members that missed a notice",
+                     self.heartbeat_timeout)
+        return now < self._drain_until
 
     def _rejoin_replica(self, identity: bytes, req: wire.Register) -> None:
         """A replicated job: a server started after a shard died takes that rank's place as a replica of the ranges
@@ -501,6 +538,8 @@ class Scheduler(Restarts):
             member.identity = identity
         self._seen(member, time.monotonic())
         self._send(identity, wire.encode_ok(req.id), beat=True)
+        if member.undelivered:
+            self._deliver(member)
         if req.role == "server" and req.lateness is not None and self._slow.add(req.rank, req.lateness):
             self._log_slow()
         if req.role == "server" and self._joins:
@@ -535,6 +574,10 @@ class Scheduler(Restarts):
                 member.name = f"worker {rank} ({address}, pid {req.pid})"
             self._seen(member, now)
         self._send(identity, wire.encode_ok(req.id), beat=True)
+        for rank in req.ranks:
+            member = self._members.get(("worker", rank))
+            if member is not None and member.undelivered:
+                self._deliver(member)
         if strangers:
             self._send(identity, wire.encode_not_members(req.id, strangers, (
                 f"worker{'s' if len(strangers) > 1 else ''} {_ranges(strangers)} "
@@ -641,9 +684,11 @@ class Scheduler(Restarts):
                 self.servers[rng] = (holder.identity, endpoint)
                 moves.append((rng, endpoint))
         self._tell_servers(wire.encode_ranges(placement.holders, placement.endpoints))
-        for ident in {m.identity: None for (role, _), m in self._members.items() if role == "worker"}:
+        # Once per socket (a process's virtual workers share one), held for that member when it cannot take it.
+        sockets = {m.identity: m for (role, _), m in self._members.items() if role == "worker"}
+        for member in sockets.values():
             for rng, endpoint in moves:
-                self._send(ident, wire.encode_moved(rng, endpoint, replica=True))
+                self._notify(member, wire.encode_moved(rng, endpoint, replica=True))
         return True
 
     def _abort(self, message: str) -> None:
@@ -684,8 +729,7 @@ class Scheduler(Restarts):
     def _broadcast_members(self, why: str) -> None:
         self._epoch += 1
         log.info("members, epoch %d (%s): workers %s", self._epoch, why, sorted(self.workers))
-        for ident, _ in self.servers:
-            self._send(ident, wire.encode_members(self._epoch, sorted(self.workers)))
+        self._tell_servers(wire.encode_members(self._epoch, sorted(self.workers)))
 
     def _admit_joins(self) -> None:
         confirmed = min((self._server_epochs.get(i, 0) for i in range(len(self.servers))), default=0)
