@@ -171,18 +171,22 @@ def test_a_registration_is_taken_at_once_and_the_wait_says_the_job_is_forming(ca
     assert "is a psrt scheduler running there" not in caplog.text  # it is, and it answered
 
 
+def _form(links: list[SchedulerLink]) -> None:
+    """Register ``links`` at once, as a server and then workers, so that the job forms."""
+    roles = [("server", "tcp://127.0.0.1:1")] + [("worker", "")] * (len(links) - 1)
+    threads = [threading.Thread(target=link.register, args=(role, ep)) for link, (role, ep) in zip(links, roles)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+
+
 def test_the_last_heartbeat_of_a_worker_that_said_done_gets_no_answer():
     with scheduling(1, 2) as sched:
         ctx = psrt.transport.new_context()
         links = [SchedulerLink(ctx, sched.endpoint) for _ in range(3)]
         try:
-            roles = [("server", "tcp://127.0.0.1:1"), ("worker", ""), ("worker", "")]
-            threads = [threading.Thread(target=link.register, args=(role, ep)) for link, (role, ep) in
-                       zip(links, roles)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(10)
+            _form(links)
             worker = links[1]
             worker.done()
             # As a closing client's heartbeat thread may still send one: nobody listens there any more.
@@ -222,13 +226,7 @@ def test_notices_a_servers_dropped_connection_missed_come_after_its_next_heartbe
         links = [SchedulerLink(ctx, sched.endpoint) for _ in range(3)]
         again: list[SchedulerLink] = []
         try:
-            roles = [("server", "tcp://127.0.0.1:1"), ("worker", ""), ("worker", "")]
-            threads = [threading.Thread(target=link.register, args=(role, ep)) for link, (role, ep) in
-                       zip(links, roles)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(10)
+            _form(links)
             server, leaving, staying = links
 
             def reconnected() -> SchedulerLink:
