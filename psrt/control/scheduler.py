@@ -242,6 +242,7 @@ class Scheduler(Restarts):
         self._next_watch = 0.0
         self.exit_code: Optional[int] = None
         self._drain_until: Optional[float] = None  # at the job's end, while notices wait for heartbeats
+        self._holding = False  # some member may hold a notice it missed (a hint: a heartbeat then looks)
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return."""
@@ -459,6 +460,7 @@ class Scheduler(Restarts):
             self._chan.send(member.identity, frames)
         except transport.SendDropped as exc:
             member.undelivered.append(frames)
+            self._holding = True
             log.info("a notice to %s waits for its next heartbeat (%s)", member.name, exc)
 
     def _deliver(self, member: _Member) -> None:
@@ -574,10 +576,12 @@ class Scheduler(Restarts):
                 member.name = f"worker {rank} ({address}, pid {req.pid})"
             self._seen(member, now)
         self._send(identity, wire.encode_ok(req.id), beat=True)
-        for rank in req.ranks:
-            member = self._members.get(("worker", rank))
-            if member is not None and member.undelivered:
-                self._deliver(member)
+        if self._holding:  # (rare: a beat naming a thousand workers is not looked through for nothing)
+            for rank in req.ranks:
+                member = self._members.get(("worker", rank))
+                if member is not None and member.undelivered:
+                    self._deliver(member)
+            self._holding = any(m.undelivered for m in self._members.values())
         if strangers:
             self._send(identity, wire.encode_not_members(req.id, strangers, (
                 f"worker{'s' if len(strangers) > 1 else ''} {_ranges(strangers)} "

@@ -70,14 +70,16 @@ def _stats(values: Sequence[float]) -> tuple[float, float]:
     return float(np.median(values)), float(np.percentile(values, 90))
 
 
+def _columns() -> dict[str, list[float]]:
+    return {"window_s": [], "ack_s": [], "forward_wait_s": []}
+
+
 def summarize(tensors: Sequence[str], workers: Sequence[Sequence[tuple[float, str, str]]]) -> Summary:
     """Summarize the timed steps of ``workers``' events (see :class:`Summary`)."""
     waits: dict[int, list[float]] = {}
     steps: dict[int, list[float]] = {}
     drains: list[float] = []
-    per: dict[str, dict[str, list[float]]] = {}
-    for name in tensors:
-        per[name] = {"window_s": [], "ack_s": [], "forward_wait_s": []}
+    per: dict[str, dict[str, list[float]]] = {name: _columns() for name in tensors}
     for events in workers:
         timed = next((t for t, kind, _ in events if kind == "timed"), None)
         if timed is None:
@@ -91,7 +93,7 @@ def summarize(tensors: Sequence[str], workers: Sequence[Sequence[tuple[float, st
         last_queued: Optional[float] = None
         for t, kind, name in timed_events:
             if name and name not in per:  # a tensor the first file did not name (files of different models)
-                per[name] = {"window_s": [], "ack_s": [], "forward_wait_s": []}
+                per[name] = _columns()
             if kind == "step":
                 step += 1
                 waits.setdefault(step, []).append(0.0)

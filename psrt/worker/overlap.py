@@ -90,7 +90,7 @@ class Pipeline:
         Every tensor, in forward order: ``slots[i].index == i``.
     window : int
         At most this many gradient bytes handed to the sockets at a time, shared out over the shards by their
-        shares of the slots' bytes (at least one tensor in flight to each shard).
+        shares of the pushed slots' bytes (at least one tensor in flight to each shard).
     timeout : float, optional
         Seconds to wait for any one reply (the client's timeout by default).
     pushed : sequence of Slot, optional
