@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -262,3 +263,82 @@ def test_notices_a_servers_dropped_connection_missed_come_after_its_next_heartbe
                 link.close()
             ctx.term()
     assert sched.exit_code == 0
+
+
+def _replicated_pair(sched, ranks: int) -> tuple[list[SchedulerLink], list[SchedulerLink], Any]:
+    """Form a job of two servers (R = 1: each announces a replication and a standby endpoint) and ``ranks``
+    workers, each registered on a link of its own; server 1 heartbeats from a thread, server 0 never again."""
+    ctx = psrt.transport.new_context()
+    servers = [SchedulerLink(ctx, sched.endpoint, heartbeat_interval=0.5, heartbeat_timeout=30.0) for _ in range(2)]
+    workers = [SchedulerLink(ctx, sched.endpoint) for _ in range(ranks)]
+    calls = [(s.register, ("server", f"tcp://127.0.0.1:{1 + k}", "", -1, 130.0, False, False,
+                           (f"tcp://127.0.0.1:{10 + k}", f"tcp://127.0.0.1:{20 + k}"))) for k, s in enumerate(servers)]
+    calls += [(w.register, ("worker",)) for w in workers]
+    threads = [threading.Thread(target=fn, args=args) for fn, args in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return servers, workers, ctx
+
+
+def _beating(link: SchedulerLink, stop: threading.Event) -> threading.Thread:
+    def run() -> None:
+        while not stop.is_set():
+            link.tick()
+            time.sleep(0.1)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("holder_leaves", [False, True], ids=["reconnects", "holder-said-done"])
+def test_a_moved_notice_a_workers_process_missed_comes_after_its_next_heartbeat(holder_leaves: bool):
+    """The workers of a process whose heartbeat connection was down when a dead shard's range moved to its replica
+    hear where it went after their next heartbeat, over the new connection: also when the worker the notice was
+    kept for said done meanwhile (the notice goes once per process, kept for one of its workers)."""
+    from psrt.control.link import HeartbeatThread
+
+    # A worker beating every 2.5 s may be silent 2 x 2.5 s (capped at the 4 s timeout) once its connection closed:
+    # past the failover of server 0, silent since it registered.
+    with scheduling(2, 2, replicas=1, heartbeat_interval=0.5, heartbeat_timeout=4.0) as sched:
+        stop = threading.Event()
+        servers, workers, ctx = _replicated_pair(sched, 2)
+        beats: list[HeartbeatThread] = []
+        try:
+            _beating(servers[1], stop)
+            formed = time.monotonic()
+            process = [HeartbeatThread(ctx, sched.endpoint, w.rank, interval=2.5, timeout=30.0) for w in workers]
+            beats += process
+            # Its connection goes after a beat that came well after server 0's last word.
+            deadline = time.monotonic() + 10
+            while min(sched._members[("worker", w.rank)].last_seen for w in workers) < formed + 1.0:
+                assert time.monotonic() < deadline, "the workers' heartbeat never came"
+                time.sleep(0.05)
+            for beat in process:
+                beat.stop()
+            standby = "tcp://127.0.0.1:21"  # server 1's standby endpoint for range 0
+            deadline = time.monotonic() + 10
+            while sched.servers[0][1] != standby:
+                assert time.monotonic() < deadline and sched.exit_code is None, "server 0's range never moved"
+                time.sleep(0.02)
+            assert all(not beat.moves for beat in process)
+            staying = workers
+            if holder_leaves:
+                holder = next(rank for (role, rank), m in sched._members.items() if role == "worker" and m.undelivered)
+                next(w for w in workers if w.rank == holder).done()
+                staying = [w for w in workers if w.rank != holder]
+            again = [HeartbeatThread(ctx, sched.endpoint, w.rank, interval=2.5, timeout=30.0) for w in staying]
+            beats += again
+            deadline = time.monotonic() + 5
+            while not all(beat.moves for beat in again) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert [beat.moves for beat in again] == [{0: (standby, True)}] * len(again)
+            assert sched.exit_code is None
+        finally:
+            stop.set()
+            for beat in beats:
+                beat.stop()
+            for link in [*servers, *workers]:
+                link.close()
+            ctx.term()

@@ -25,7 +25,9 @@ process that is alive but slow, or stopped, keeps its connections open and is ju
 alone; a live one whose connection dropped connects anew and heartbeats at once (:mod:`psrt.control.link`), and
 is not touched. A notice its old connection could not take (``members``, ``finished``, ``ranges``, ``moved``,
 ``shutdown``) is kept and sent after that heartbeat, in order; at the end of a job that succeeded, the scheduler
-serves on (at most ``heartbeat_timeout``) until every server that missed its shutdown has it.
+serves on (at most ``heartbeat_timeout``) until every server that missed its shutdown has it. A ``moved`` notice
+goes once per worker process (its workers share one heartbeat socket) and is kept for one of them; if that one
+is done or gone first, it waits with another worker of the same socket.
 
 Elastic jobs (``elastic=True``): a worker that dies or says ``done`` leaves the job instead, and a worker may
 register after the job formed (a free rank, or the rank of one that left). Every change is sent to the servers
@@ -423,7 +425,7 @@ class Scheduler(Restarts):
 
     def _finish(self, identity: bytes, req: wire.Done) -> None:
         self._done.add(req.rank)
-        member = self._members.pop(("worker", req.rank), None)  # a worker that is done may stop heartbeating
+        member = self._forget(("worker", req.rank))  # a worker that is done may stop heartbeating
         if member is not None:
             self._slow.names[req.rank] = member.name
         self._send(identity, wire.encode_ok(req.id))
@@ -469,6 +471,18 @@ class Scheduler(Restarts):
         for frames in held:
             self._notify(member, frames)
 
+    def _forget(self, peer: Peer) -> Optional[_Member]:
+        """Take a member out of the job. The notices kept for it wait on with another member of its socket, if
+        any: a notice for every worker of a process is kept for one of them (:meth:`_fail_over`), and the others
+        still need it once that one is done or gone."""
+        member = self._members.pop(peer, None)
+        if member is not None and member.undelivered:
+            heir = next((m for m in self._members.values() if m.identity == member.identity), None)
+            if heir is not None:
+                heir.undelivered += member.undelivered
+            member.undelivered = []
+        return member
+
     def _delivering(self) -> bool:
         """At the job's end: whether to serve on for a while, because notices (a shutdown) wait for members'
         heartbeats; at most one heartbeat timeout."""
@@ -510,7 +524,7 @@ class Scheduler(Restarts):
     def _failed(self, identity: bytes, req: wire.Failed) -> None:
         """A worker's program raised: the job fails at once, naming it (an elastic job goes on without it)."""
         self._send(identity, wire.encode_ok(req.id))
-        member = self._members.pop(("worker", req.rank), None)
+        member = self._forget(("worker", req.rank))
         if member is None or self.exit_code is not None:
             return  # not a member (any more): nothing waits on it
         if not self.elastic:
@@ -636,7 +650,7 @@ class Scheduler(Restarts):
         for (role, index), m in [d for d in dead if d[1].restorable]:
             log.warning("%s %s; waiting up to %gs for it to restart from its checkpoint",
                         m.name, _silence(m, now), self.restart_grace)
-            del self._members[(role, index)]
+            self._forget((role, index))
             self._restarting[index] = (now + self.restart_grace, m.name)
         dead = [d for d in dead if not d[1].restorable]
         late = [name for deadline, name in self._restarting.values() if now > deadline]
@@ -647,7 +661,7 @@ class Scheduler(Restarts):
         if self.elastic and dead and all(role == "worker" for (role, _), _ in dead):
             for (_, rank), m in dead:
                 log.warning("%s %s; it leaves the job", m.name, _silence(m, now))
-                del self._members[("worker", rank)]
+                self._forget(("worker", rank))
             self._leave([rank for (_, rank), _ in dead], "stopped heartbeating")
             if not self.workers:
                 self._emptied_at = now
@@ -746,7 +760,7 @@ class Scheduler(Restarts):
             self._joins.remove(join)
             self._error(join.identity, join.rid, "join_timeout", "the servers did not confirm this worker's joining "
                                                                  "within 10s")
-            self._members.pop(("worker", join.rank), None)
+            self._forget(("worker", join.rank))
             self._leave([join.rank], "could not join")
 
     # ------------------------------------------------------------------ sending
