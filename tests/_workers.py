@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 import psrt
+from psrt.cluster.launch import THREAD_VARIABLES
 from psrt.config import ClientConfig
 from psrt.control.process import result_line
 
@@ -132,7 +133,8 @@ def scheduled(steps: int = 3, exit_code: int = 0) -> dict:
             params = client.push_pull(grads)
         client.barrier()
     return {"rank": client.rank, "num_workers": client.num_workers, "servers": client.servers,
-            "w0": float(params["w"][0]), "b0": float(params["b"][0])}
+            "w0": float(params["w"][0]), "b0": float(params["b"][0]),
+            "threads": {name: os.environ.get(name) for name in THREAD_VARIABLES}}
 
 
 def liveness(steps: int, step_s: float, die_at: str = "") -> dict:

@@ -14,6 +14,7 @@ import pytest
 from _helpers import launched_results, worker_command
 
 import psrt
+from psrt.cluster.launch import THREAD_VARIABLES, compute_threads
 from psrt.config import ClusterConfig
 from psrt.control.process import SCHEDULER_READY, SERVER_READY, Child, parse_results, psrt_command, stop_children
 
@@ -51,10 +52,27 @@ def test_launch_runs_a_job_and_leaves_nothing_behind():
     # Sync mode, SGD lr=1, 4 rounds of the averaged gradient (1+2+3)/3 = 2 on w and 1 on b.
     assert all(r["w0"] == -8.0 and r["b0"] == -4.0 and r["num_workers"] == 3 for r in res)
     assert all(r["servers"] == res[0]["servers"] and len(r["servers"]) == 2 for r in res)
+    # Three worker processes share this machine's cores: each sizes its thread pools to its share (unless the
+    # environment already says how).
+    threads = {**{name: os.environ.get(name) for name in THREAD_VARIABLES}, **compute_threads(3, os.environ)}
+    assert all(r["threads"] == threads for r in res), (threads, res)
     for label in ("[scheduler]", "[server 0]", "[server 1]", "[worker 2]"):
         assert label in proc.stdout
     assert "psrt-scheduler stopped code=0" in proc.stdout
     assert processes_with_marker(marker) == []
+
+
+def test_launched_workers_share_the_cores_out_among_their_thread_pools_unless_told(monkeypatch):
+    from psrt.cluster import launch as launcher
+
+    for cores, processes, each in [(2, 2, "1"), (2, 5, "1"), (16, 3, "5"), (8, 2, "4")]:
+        monkeypatch.setattr(launcher, "_cores", lambda cores=cores: cores)
+        assert compute_threads(processes, {}) == dict.fromkeys(THREAD_VARIABLES, each)
+    assert compute_threads(1, {}) == {}  # one process has every core anyway
+    for name in THREAD_VARIABLES:  # any of them set: the user's choice stands, and none is added beside it
+        assert compute_threads(2, {name: "3"}) == {}
+    monkeypatch.setattr(launcher, "_cores", lambda: 8)
+    assert compute_threads(2, {"OMP_NUM_THREADS": ""}) == dict.fromkeys(THREAD_VARIABLES, "4")  # (set empty: unset)
 
 
 @pytest.mark.integration
