@@ -265,21 +265,24 @@ def test_notices_a_servers_dropped_connection_missed_come_after_its_next_heartbe
     assert sched.exit_code == 0
 
 
-def _replicated_pair(sched, ranks: int) -> tuple[list[SchedulerLink], list[SchedulerLink], Any]:
+def _replicated_pair(sched, ranks: int) -> tuple[list[SchedulerLink], list[tuple[str, str]], list[SchedulerLink], Any]:
     """Form a job of two servers (R = 1: each announces a replication and a standby endpoint) and ``ranks``
-    workers, each registered on a link of its own; server 1 heartbeats from a thread, server 0 never again."""
+    workers, each registered on a link of its own; returns the server links and what each announced in rank order
+    (the scheduler ranks servers as they register), the worker links and the context."""
     ctx = psrt.transport.new_context()
     servers = [SchedulerLink(ctx, sched.endpoint, heartbeat_interval=0.5, heartbeat_timeout=30.0) for _ in range(2)]
+    announced = [(f"tcp://127.0.0.1:{10 + k}", f"tcp://127.0.0.1:{20 + k}") for k in range(2)]
     workers = [SchedulerLink(ctx, sched.endpoint) for _ in range(ranks)]
-    calls = [(s.register, ("server", f"tcp://127.0.0.1:{1 + k}", "", -1, 130.0, False, False,
-                           (f"tcp://127.0.0.1:{10 + k}", f"tcp://127.0.0.1:{20 + k}"))) for k, s in enumerate(servers)]
+    calls = [(s.register, ("server", f"tcp://127.0.0.1:{1 + k}", "", -1, 130.0, False, False, announced[k]))
+             for k, s in enumerate(servers)]
     calls += [(w.register, ("worker",)) for w in workers]
     threads = [threading.Thread(target=fn, args=args) for fn, args in calls]
     for t in threads:
         t.start()
     for t in threads:
         t.join(10)
-    return servers, workers, ctx
+    order = sorted(range(2), key=lambda k: servers[k].rank)
+    return [servers[k] for k in order], [announced[k] for k in order], workers, ctx
 
 
 def _beating(link: SchedulerLink, stop: threading.Event) -> threading.Thread:
@@ -303,10 +306,10 @@ def test_a_moved_notice_a_workers_process_missed_comes_after_its_next_heartbeat(
     # past the failover of server 0, silent since it registered.
     with scheduling(2, 2, replicas=1, heartbeat_interval=0.5, heartbeat_timeout=4.0) as sched:
         stop = threading.Event()
-        servers, workers, ctx = _replicated_pair(sched, 2)
+        servers, announced, workers, ctx = _replicated_pair(sched, 2)
         beats: list[HeartbeatThread] = []
         try:
-            _beating(servers[1], stop)
+            _beating(servers[1], stop)  # server 1 heartbeats; server 0 never again
             formed = time.monotonic()
             process = [HeartbeatThread(ctx, sched.endpoint, w.rank, interval=2.5, timeout=30.0) for w in workers]
             beats += process
@@ -317,15 +320,21 @@ def test_a_moved_notice_a_workers_process_missed_comes_after_its_next_heartbeat(
                 time.sleep(0.05)
             for beat in process:
                 beat.stop()
-            standby = "tcp://127.0.0.1:21"  # server 1's standby endpoint for range 0
+            standby = announced[1][1]  # server 1's standby endpoint for range 0
+
+            def holders() -> list[int]:
+                """The workers a notice is kept for (read from this thread: a copy of the scheduler's table)."""
+                return [rank for (role, rank), m in list(sched._members.items()) if role == "worker" and m.undelivered]
+
             deadline = time.monotonic() + 10
-            while sched.servers[0][1] != standby:
-                assert time.monotonic() < deadline and sched.exit_code is None, "server 0's range never moved"
+            while not holders():  # server 0's range moved, and the notice found the process's connection gone
+                assert time.monotonic() < deadline and sched.exit_code is None, "no moved notice was kept"
                 time.sleep(0.02)
+            assert sched.servers[0][1] == standby and len(holders()) == 1  # once per process
             assert all(not beat.moves for beat in process)
             staying = workers
             if holder_leaves:
-                holder = next(rank for (role, rank), m in sched._members.items() if role == "worker" and m.undelivered)
+                holder, = holders()
                 next(w for w in workers if w.rank == holder).done()
                 staying = [w for w in workers if w.rank != holder]
             again = [HeartbeatThread(ctx, sched.endpoint, w.rank, interval=2.5, timeout=30.0) for w in staying]
