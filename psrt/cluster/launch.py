@@ -243,8 +243,9 @@ def compute_threads(processes: int, environ: Mapping[str, str]) -> dict[str, str
     """
     if any(environ.get(name) for name in THREAD_VARIABLES):
         return {}
-    each = max(1, _cores() // max(1, processes))
-    if each >= _cores():
+    cores = _cores()
+    each = max(1, cores // max(1, processes))
+    if each >= cores:
         return {}
     return dict.fromkeys(THREAD_VARIABLES, str(each))
 
