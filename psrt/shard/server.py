@@ -697,9 +697,7 @@ class Server(Recovery):
     def _send_params(self, identity: bytes, request_id: int, keys: list[Key], entries: list[Entry],
                      job: Optional[wire.JobInfo] = None, codec: Optional[str] = None,
                      lane: Optional[ShardLane] = None) -> None:
-        # (Whether pushes gather into rounds matters only to an answer through a lane.)
-        self.replies.params(identity, request_id, keys, entries, lane is not None and self.store.rounds, job, codec,
-                            lane)
+        self.replies.params(identity, request_id, keys, entries, self.store.rounds, job, codec, lane)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

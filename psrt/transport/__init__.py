@@ -699,6 +699,13 @@ class DealerChannel:
             view[:fits] = frame.buffer[:fits]
         return size
 
+    def recv_buffer(self) -> memoryview:
+        """Receive the next frame of the current message, zero-copy: its bytes as a memoryview of ZeroMQ's message
+        (to read, not to write; it keeps the message alive while it is held)."""
+        frame = self.sock.recv(_NOBLOCK, copy=False)
+        self._more = frame.more
+        return frame.buffer
+
     def discard_rest(self) -> None:
         """Drop the remaining frames of the current message."""
         while self.more():

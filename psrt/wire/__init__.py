@@ -3,8 +3,10 @@
 A message is a multipart ZeroMQ message ``[header, buf_0, ..., buf_{n-1}]``. The header is a msgpack map;
 tensor bytes never pass through msgpack, so large buffers travel zero-copy. Each tensor in a message is
 described by one entry ``[name, part, dtype, shape]`` in the header's ``tensors`` list, and its bytes are the
-buffer frame at the same position. ``part`` numbers the contiguous chunks of a tensor split by
-:mod:`psrt.partition` (0 for a whole tensor); ``dtype`` is a name from :mod:`psrt.dtypes` (``<f4``, ``<f8``).
+buffer frame at the same position; a ``params`` reply may instead carry all its tensors in one frame, back to back
+in their order (a shard sends a sync round's answer so: :mod:`psrt.shard.answers`). ``part`` numbers the
+contiguous chunks of a tensor split by :mod:`psrt.partition` (0 for a whole tensor); ``dtype`` is a name from
+:mod:`psrt.dtypes` (``<f4``, ``<f8``).
 Every header carries ``v`` (the protocol version, :data:`PROTOCOL_VERSION`), ``op``, and ``id`` (the request
 id, echoed in the reply). Untrusted bytes are decoded with explicit limits and an exact field set per op
 (:mod:`psrt.wire.codec`); any violation is a :class:`~psrt.errors.ProtocolError`.

@@ -603,19 +603,29 @@ class ShardCalls:
             if again:
                 self._again.append((pending, again))
             return
-        for meta, chunk, version in zip(reply.tensors, chunks, reply.versions):
-            if not ch.more():
-                raise ProtocolError("reply has fewer buffer frames than tensors")
+        # A frame per tensor, or (a shard's sync round of several tensors) one frame with them all back to back.
+        first: Optional[memoryview] = None
+        joined: Optional[memoryview] = None
+        at = 0  # where the next tensor's bytes start in ``joined``
+        if len(chunks) > 1 and ch.more():
+            first = ch.recv_buffer()
+            if not ch.more() and first.nbytes == sum(m.nbytes for m in reply.tensors):
+                joined = first
+        for i, (meta, chunk, version) in enumerate(zip(reply.tensors, chunks, reply.versions)):
             dest = outputs[chunk.name]
             if chunk.pieces != 1:  # (a whole tensor is received into as it is: its shape was checked)
                 dest = chunk.of(dest)
-            if meta.encoding is None:
+            if joined is not None:
+                got = _take_bytes(joined[at:at + meta.nbytes], meta, dest)
+                at += meta.nbytes
+            elif i == 0 and first is not None:
+                got = _take_bytes(first, meta, dest)
+            elif not ch.more():
+                raise ProtocolError("reply has fewer buffer frames than tensors")
+            elif meta.encoding is None:
                 got = ch.recv_into(memoryview(dest).cast("B") if dest.size else bytearray())
-            else:  # 16-bit parameters (this worker pushes 16-bit gradients): widen into the destination
-                packed = bytearray(meta.nbytes)
-                got = ch.recv_into(packed) if meta.nbytes else 0
-                if got == meta.nbytes:
-                    dest.reshape(-1)[:] = compression.decode(meta.encoding, packed)
+            else:
+                got = _take_bytes(ch.recv_buffer(), meta, dest)
             if got != meta.nbytes:
                 raise ProtocolError(f"tensor {meta.name!r} part {meta.part}: frame has {got} bytes, "
                                     f"expected {meta.nbytes}")
@@ -628,3 +638,15 @@ class ShardCalls:
         if ch.more():
             raise ProtocolError("reply has more buffer frames than tensors")
         return versions if early else None
+
+
+def _take_bytes(data: memoryview, meta: wire.TensorMeta, dest: np.ndarray) -> int:
+    """Copy a received tensor's bytes ``data`` into ``dest`` (widening 16-bit parameters, which a worker pushing
+    16-bit gradients gets back) when they are as many as ``meta`` says; returns how many there were."""
+    got = data.nbytes
+    if got == meta.nbytes and got:
+        if meta.encoding is None:
+            memoryview(dest).cast("B")[:] = data
+        else:
+            dest.reshape(-1)[:] = compression.decode(meta.encoding, data)
+    return got
