@@ -407,15 +407,15 @@ def _ahead(case: Case, step: int) -> Optional[int]:
     when it is paced (None: it is not, every piece goes at once). Pacing takes blocking calls to sync shards
     over sockets (compressed gradients never take a lane): always with ``pipeline=paced``; with ``pipeline=on``
     as :mod:`psrt.worker.pacing` schedules a set of tensors' calls (each step makes one call per set): joined
-    for the first :data:`~psrt.worker.pacing.WARM_UP_CALLS`, then paced and joined in turn while the first trial
-    lasts (this suite's steps end within it)."""
+    for the first :data:`~psrt.worker.pacing.WARM_UP_CALLS`, then paced and joined in turn, a block of
+    :data:`~psrt.worker.pacing.BLOCK` calls each, while the first trial lasts (this suite's steps end within it)."""
     if case.mode not in ("sync", BACKUP) or case.calls not in ("push_pull", "one_by_one") or case.compression == \
             "none" and case.path == "shm" or case.pipeline == "auto":
         return None
     if case.pipeline == "paced":
         return 1
-    assert step < pacing.WARM_UP_CALLS + 2 * pacing.FIRST_SAMPLES, "the step is past pacing's first trial"
-    paced = step >= pacing.WARM_UP_CALLS and (step - pacing.WARM_UP_CALLS) % 2 == 0
+    assert step < pacing.WARM_UP_CALLS + 2 * pacing.FIRST_SAMPLES * pacing.BLOCK, "the step is past the first trial"
+    paced = step >= pacing.WARM_UP_CALLS and (step - pacing.WARM_UP_CALLS) // pacing.BLOCK % 2 == 0
     return ClientConfig().in_flight if paced else None
 
 

@@ -24,11 +24,12 @@ def test_two_sync_workers_match_torch_sparse_adagrad(shards, tmp_path):
     # The reference: one process, the whole batch, nn.Embedding(sparse=True) and torch.optim.Adagrad.
     w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
     opt = torch.optim.Adagrad([emb.weight, w, b], lr=lr)
-    for step in range(steps):
-        ids, labels = batch(step, size, bag, vocab)
-        opt.zero_grad()
-        loss_of(emb(torch.from_numpy(ids.reshape(-1))), w, b, torch.from_numpy(labels), bag).backward()
-        opt.step()
+    with torch.sparse.check_sparse_tensor_invariants():  # (opted into: torch warns when nobody chose)
+        for step in range(steps):
+            ids, labels = batch(step, size, bag, vocab)
+            opt.zero_grad()
+            loss_of(emb(torch.from_numpy(ids.reshape(-1))), w, b, torch.from_numpy(labels), bag).backward()
+            opt.step()
 
     group = shards(2, workers=2, mode="sync")
     out = tmp_path / "final.npz"

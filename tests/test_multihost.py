@@ -174,10 +174,10 @@ def test_sync_rounds_of_tensors_cut_for_the_network_are_exact(calls, compression
     assert two_by_two == 9, "on each shard 3 pairs and a triple, and the small tensor"
     schedule, key = Pacing(), "a set of tensors"
     ways = []
-    for _ in range(steps):
+    for step in range(steps):
         ways.append(schedule.way(key))
-        schedule.took(key, ways[-1], 1.0)
-    assert ways == [JOINED, JOINED, PACED, JOINED], "warm-up calls joined, then a trial alternates"
+        schedule.ended(key, ways[-1], float(step))
+    assert ways == [JOINED, JOINED, PACED, PACED], "warm-up calls joined, then a trial's first block paced"
     env = {"PSRT_COMPRESSION": "" if compression == "none" else compression}
     with VirtualCluster(["s0", "s1", "w0", "w1"]) as vc:
         endpoints = [f"tcp://{vc.address(h)}:5720" for h in ("s0", "s1")]

@@ -6,7 +6,9 @@ with the tensors cut for a network over loopback (``pipeline="on"``) and the sha
 
 from __future__ import annotations
 
+import random
 import threading
+from typing import Callable, Optional
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from psrt.config import ClientConfig, ServerConfig
 from psrt.errors import ConfigError
 from psrt.partition import PIPELINE_PIECES
 from psrt.worker.pacing import (
+    BLOCK,
     EXPLORE_EVERY,
     FIRST_SAMPLES,
     GROUPED,
@@ -29,26 +32,36 @@ from psrt.worker.pacing import (
 )
 
 
-def schedule(pacing: Pacing, calls: int, times: tuple[float, float, float], key: str = "k") -> list[int]:
-    """The ways of ``calls`` calls on ``key``, each taking ``times[way]``."""
+def schedule(pacing: Pacing, calls: int, times: tuple[float, float, float], key: str = "k",
+             jitter: Optional[Callable[[], float]] = None) -> list[int]:
+    """The ways of ``calls`` calls on ``key``, each ending ``times[way]`` after the one before (on a clock of the
+    pacing's own, kept from call to call), give or take ``jitter()`` on when this worker sees it end."""
     ways = []
     for _ in range(calls):
         way = pacing.way(key)
         ways.append(way)
-        pacing.took(key, way, times[way])
+        step = _STEPS[id(pacing)] = _STEPS.get(id(pacing), 0.0) + times[way]
+        pacing.ended(key, way, step + (jitter() if jitter is not None else 0.0))
     return ways
 
 
-TRIAL = 2 * FIRST_SAMPLES  # calls of one trial: two ways, alternating
+_STEPS: dict[int, float] = {}  # each pacing's clock: when its job's last step ended
+TRIAL = 2 * FIRST_SAMPLES * BLOCK  # calls of one trial: blocks of two ways, alternating
+
+
+def blocks(*ways: int) -> list[int]:
+    """The calls of blocks of these ways."""
+    return [w for way in ways for w in [way] * BLOCK]
 
 
 def test_a_link_bound_job_is_paced_after_one_trial():
     p = Pacing()
     ways = schedule(p, WARM_UP_CALLS + TRIAL, (1.0, 2.0, 3.0))
-    assert ways == [JOINED] * WARM_UP_CALLS + [PACED, JOINED] * FIRST_SAMPLES
+    assert ways == [JOINED] * WARM_UP_CALLS + blocks(PACED, JOINED) * FIRST_SAMPLES
     assert p.chosen("k") == PACED
-    later = schedule(p, 3 * EXPLORE_EVERY, (1.0, 2.0, 3.0))
-    assert later.count(JOINED) == 3 and GROUPED not in later, "one call in EXPLORE_EVERY tries the way next to it"
+    later = schedule(p, 3 * EXPLORE_EVERY * BLOCK, (1.0, 2.0, 3.0))
+    assert later.count(JOINED) == 3 * BLOCK and GROUPED not in later, \
+        "one block in EXPLORE_EVERY tries the way next to it"
 
 
 def test_a_cpu_bound_job_climbs_to_grouped_messages():
@@ -56,9 +69,9 @@ def test_a_cpu_bound_job_climbs_to_grouped_messages():
     p = Pacing()
     ways = schedule(p, WARM_UP_CALLS + 2 * TRIAL, (2.0, 1.0, 0.5))
     # (joined has its times from the first trial: the second ends with grouped's last)
-    assert ways[WARM_UP_CALLS + TRIAL:] == [GROUPED, JOINED] * (FIRST_SAMPLES - 1) + [GROUPED, GROUPED]
+    assert ways[WARM_UP_CALLS + TRIAL:] == blocks(GROUPED, JOINED) * (FIRST_SAMPLES - 1) + blocks(GROUPED, GROUPED)
     assert p.chosen("k") == GROUPED
-    assert schedule(p, EXPLORE_EVERY, (2.0, 1.0, 0.5)).count(JOINED) == 1
+    assert schedule(p, EXPLORE_EVERY * BLOCK, (2.0, 1.0, 0.5)).count(JOINED) == BLOCK
     q = Pacing()
     schedule(q, WARM_UP_CALLS + 2 * TRIAL, (2.0, 1.0, 1.5))
     assert q.chosen("k") == JOINED, "grouped slower than joined: joined kept"
@@ -68,9 +81,9 @@ def test_the_choice_follows_a_clear_change_of_load_and_not_noise():
     """The newest SAMPLES times of each way decide, and a way is left only for one MARGIN faster."""
     p = Pacing()
     schedule(p, WARM_UP_CALLS + TRIAL, (1.0, 2.0, 3.0))
-    schedule(p, EXPLORE_EVERY * SAMPLES, (1.0, 1.0 - MARGIN / 2, 3.0))
+    schedule(p, EXPLORE_EVERY * SAMPLES * BLOCK, (1.0, 1.0 - MARGIN / 2, 3.0))
     assert p.chosen("k") == PACED, "joined only a little faster: paced kept"
-    schedule(p, EXPLORE_EVERY * SAMPLES, (3.0, 2.0, 4.0))
+    schedule(p, EXPLORE_EVERY * SAMPLES * BLOCK, (3.0, 2.0, 4.0))
     assert p.chosen("k") == JOINED, "paced got slower: the explored joined calls found it so"
 
 
@@ -79,6 +92,19 @@ def test_sets_of_tensors_are_timed_apart():
     schedule(p, WARM_UP_CALLS + TRIAL, (1.0, 2.0, 3.0), key="a")
     schedule(p, WARM_UP_CALLS + 2 * TRIAL, (2.0, 1.0, 0.5), key="b")
     assert (p.chosen("a"), p.chosen("b"), p.chosen("c")) == (PACED, GROUPED, None)
+
+
+def test_the_workers_of_a_job_choose_alike_though_each_sees_the_steps_end_a_little_apart():
+    """The job's steps take 10 grouped and 12 joined (paced 20), but each worker sees a step end up to 3 earlier
+    or later than the others do (the shards answer the W workers one after another, in an order that changes from
+    round to round): blocks of BLOCK calls timed from end to end see that jitter a quarter as much, and every
+    worker of 16 jobs chooses grouped."""
+    rng = random.Random(7)
+    for _ in range(16):
+        workers = [Pacing() for _ in range(4)]
+        for p in workers:
+            schedule(p, WARM_UP_CALLS + 2 * TRIAL, (20.0, 12.0, 10.0), jitter=lambda: rng.uniform(-3.0, 3.0))
+        assert [p.chosen("k") for p in workers] == [GROUPED] * 4
 
 
 def test_in_flight_must_be_a_whole_number_of_zero_or_more(monkeypatch):

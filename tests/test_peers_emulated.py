@@ -90,9 +90,9 @@ def test_emulated_psrt_and_torch_cross_the_links_and_train_correctly(tmp_path):
     assert workload["floor"] == pytest.approx(floor)
     assert list(workload["systems"]) == ["psrt", "psrt-whole", "torch"]
     schedule, paced = Pacing(), 0
-    for _ in range(steps + 1):  # the warm-up call and the timed ones, as the client's schedule has them
+    for step in range(steps + 1):  # the warm-up call and the timed ones, as the client's schedule has them
         way = schedule.way("k")
-        schedule.took("k", way, 1.0)
+        schedule.ended("k", way, float(step))
         paced += {PACED: 4, JOINED: 2}[way]
     for name, per_worker in (("psrt", paced), ("psrt-whole", steps + 1)):  # each shard's messages, per worker
         served = re.findall(r"pushes=(\d+)", workload["systems"][name]["detail"])

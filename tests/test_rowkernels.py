@@ -79,7 +79,8 @@ def test_adagrad_rows_is_torch_sparse_adagrad():
     for _ in range(3):
         opt.zero_grad()
         emb(torch.from_numpy(ids)).backward(torch.from_numpy(grads))
-        opt.step()
+        with torch.sparse.check_sparse_tensor_invariants():  # (opted into: torch warns when nobody chose)
+            opt.step()
         uniq, inv = np.unique(ids, return_inverse=True)
         coalesced = np.zeros((len(uniq), 5), np.float32)
         rowkernels.scatter_add_rows(coalesced, inv.astype(np.int64), grads)

@@ -573,9 +573,8 @@ class Client:
             return self._push(grads, op, out).wait(timeout)
         key = (op, tuple(grads))
         way = pacing.way(key)
-        start = time.perf_counter()
         result = self._push(grads, op, out, way).wait(timeout)
-        pacing.took(key, way, time.perf_counter() - start)
+        pacing.ended(key, way, time.perf_counter())
         return result
 
     def _push(self, grads: Mapping[str, Any], op: str, out: Optional[Mapping[str, np.ndarray]] = None,

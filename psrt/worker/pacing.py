@@ -17,15 +17,20 @@ finest to the coarsest:
   processes' cost per message decides).
 
 Which one a job is, the client cannot know beforehand (the link's rate, the CPUs, W), so :class:`Pacing` times
-them on the calls themselves, climbing from one way to the next coarser one while that is faster: after a set of
-tensors' first calls, alternate calls paced and joined until each has :data:`FIRST_SAMPLES` times; if joined
-was faster (median), alternate joined and grouped likewise; then the faster, with one call in
-:data:`EXPLORE_EVERY` a way next to it, so that a change of the job's load is noticed: the calls move to a way
-whose recent calls (median of the last :data:`SAMPLES`) took :data:`MARGIN` less. Every worker of a sync job
-makes its calls in step, so a worker's call of one way is the others' too; whatever each chooses, no two
-workers can wait on each other (a paced worker holds a piece back only behind pieces before it, in an order all
-workers share, whose rounds can close; the others hold nothing back). ``ClientConfig.pacing`` (``PSRT_PACING``)
-can fix one way instead, timing nothing.
+them on the calls themselves, climbing from one way to the next coarser one while that is faster. The calls go in
+blocks of :data:`BLOCK` of one way, and a block is timed from the end of the call before it to the end of its last
+(:meth:`Pacing.ended`): steps of the job, the same for every worker, whose calls end together as their rounds
+close, give or take the order in which the shards' answers reach them. A call's own duration is not the same for
+every worker: it counts from when this worker came to the rounds, first (and waited for the others) or last.
+Timed call by call, and by that, the workers of one job chose different ways (on 10 Gbit/s emulated links three
+grouped, one joined, and the job ran at the joined one's pace). After a set of tensors' first calls, alternate
+blocks paced and joined until each has :data:`FIRST_SAMPLES` times; if joined was faster (median), alternate
+joined and grouped likewise; then the faster, with one block in :data:`EXPLORE_EVERY` a way next to it, so that a
+change of the job's load is noticed: the calls move to a way whose recent blocks (median of the last
+:data:`SAMPLES`) took :data:`MARGIN` less. Every worker of a sync job makes its calls in step, so a worker's block
+of one way is the others' too; whatever each chooses, no two workers can wait on each other (a paced worker
+holds a piece back only behind pieces before it, in an order all workers share, whose rounds can close; the
+others hold nothing back). ``ClientConfig.pacing`` (``PSRT_PACING``) can fix one way instead, timing nothing.
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ from typing import Hashable, Optional
 
 from psrt.config import PACING
 
-__all__ = ["Pacing", "PACED", "JOINED", "GROUPED", "FIRST_SAMPLES", "SAMPLES", "EXPLORE_EVERY", "WARM_UP_CALLS",
-           "MARGIN"]
+__all__ = ["Pacing", "PACED", "JOINED", "GROUPED", "BLOCK", "FIRST_SAMPLES", "SAMPLES", "EXPLORE_EVERY",
+           "WARM_UP_CALLS", "MARGIN"]
 
 #: The ways, finest first (:meth:`psrt.worker.sender.ShardSender.push`).
 PACED, JOINED, GROUPED = 0, 1, 2
@@ -45,12 +50,18 @@ WAYS = 3
 #: A set of tensors' first calls, joined and not timed (the shards make their tensors and the sockets their
 #: buffers).
 WARM_UP_CALLS = 2
-#: Times of a way before it is compared (the calls alternate).
+#: Consecutive calls of one way timed together, as one sample of it: from the end of the call before them to the
+#: end of their last, over BLOCK. The calls of a job's workers end as the shards' answers reach each of them, one
+#: after another in an order that changes from round to round (at 10 Gbit/s, W=4, some 6 ms from the first to the
+#: last of a 20 ms step): timed one by one the ways of one job differ by less than that jitter, timed four by four
+#: the jitter is a quarter, and only at the block's two ends.
+BLOCK = 4
+#: Samples (blocks) of a way before it is compared (the blocks of two ways alternate).
 FIRST_SAMPLES = 4
-#: Times kept of each way: the newest.
+#: Samples kept of each way: the newest.
 SAMPLES = 8
-#: Then one call in this many goes a way next to the chosen one (at a cost of its difference, once in so many).
-EXPLORE_EVERY = 64
+#: Then one block in this many goes a way next to the chosen one (at a cost of its difference, once in so many).
+EXPLORE_EVERY = 32
 #: How much faster (a fraction of the chosen way's median) an explored way must be for the calls to move to it.
 MARGIN = 0.1
 #: The ways :attr:`psrt.config.ClientConfig.pacing` names (its other value, ``auto``, times them).
@@ -60,10 +71,12 @@ MAX_SETS = 4096
 
 
 class _Set:
-    __slots__ = ("calls", "times", "current", "climbing")
+    __slots__ = ("calls", "times", "current", "climbing", "last_end", "block_start")
 
     def __init__(self) -> None:
         self.calls = 0
+        self.last_end: Optional[float] = None  # when the set's last call ended (Pacing.ended)
+        self.block_start = 0.0  # when the call before the block under way ended
         self.times: tuple[deque[float], ...] = tuple(deque(maxlen=SAMPLES) for _ in range(WAYS))
         self.current: Optional[int] = None  # the chosen way; None until the first trial ends
         self.climbing = False  # joined beat paced: grouped is tried next
@@ -95,7 +108,7 @@ class Pacing:
 
     def way(self, key: Hashable) -> int:
         """The way of the next call on the set ``key`` (:data:`PACED`, :data:`JOINED` or :data:`GROUPED`);
-        :meth:`took` follows with its time."""
+        :meth:`ended` follows when it ends."""
         if self.fixed is not None:
             return self.fixed
         state = self._sets.get(key)
@@ -106,25 +119,38 @@ class Pacing:
         n = state.calls
         if n < WARM_UP_CALLS:
             return JOINED
-        turn = (n - WARM_UP_CALLS) % 2 == 0
+        block = (n - WARM_UP_CALLS) // BLOCK  # (the ways change only from one block to the next)
+        turn = block % 2 == 0
         current = state.current
         if current is None:
             return PACED if turn else JOINED
         if state.climbing:
             return GROUPED if turn else JOINED
-        if n % EXPLORE_EVERY:
+        if block % EXPLORE_EVERY:
             return current
         near = [w for w in (current - 1, current + 1) if 0 <= w < WAYS]
-        return near[(n // EXPLORE_EVERY) % len(near)]
+        return near[(block // EXPLORE_EVERY) % len(near)]
 
-    def took(self, key: Hashable, way: int, seconds: float) -> None:
-        """The call on ``key`` just made (``way`` as :meth:`way` said) took ``seconds``."""
+    def ended(self, key: Hashable, way: int, now: float) -> None:
+        """The call on ``key`` (``way`` as :meth:`way` said) ended at ``now`` (:func:`time.perf_counter`); the last
+        call of a block makes a sample of its way (:data:`BLOCK`)."""
         state = self._sets.get(key)
         if state is None:
             return
+        last, state.last_end = state.last_end, now
+        n = state.calls
         state.calls += 1
-        if state.calls <= WARM_UP_CALLS:
+        if n < WARM_UP_CALLS or last is None:
             return
+        k = (n - WARM_UP_CALLS) % BLOCK
+        if k == 0:
+            state.block_start = last
+        if k == BLOCK - 1:
+            self._sample(state, way, (now - state.block_start) / BLOCK)
+
+    @staticmethod
+    def _sample(state: _Set, way: int, seconds: float) -> None:
+        """A block of ``way`` took ``seconds`` a call: the choice moves as the module says."""
         state.times[way].append(seconds)
         if state.current is None:
             if state.timed(PACED) and state.timed(JOINED):
