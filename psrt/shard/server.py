@@ -353,6 +353,7 @@ class Server(Recovery):
 
     def handle(self, identity: bytes, frames: list[Any]) -> None:
         """Handle one message from ``identity``; never raises."""
+        self.replies.forget_joined()
         self.counters.bytes_in += sum(map(len, frames))
         try:
             req = wire.decode_request(frames, self.config.limits)
