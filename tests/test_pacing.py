@@ -20,6 +20,7 @@ from psrt.errors import ConfigError
 from psrt.partition import PIPELINE_PIECES
 from psrt.worker.pacing import (
     BLOCK,
+    CLEAR_SAMPLES,
     EXPLORE_EVERY,
     FIRST_SAMPLES,
     GROUPED,
@@ -55,21 +56,39 @@ def blocks(*ways: int) -> list[int]:
 
 
 def test_a_link_bound_job_is_paced_after_one_trial():
+    """Paced blocks take half what joined ones do, every one of them: the trial ends after CLEAR_SAMPLES of each."""
     p = Pacing()
-    ways = schedule(p, WARM_UP_CALLS + TRIAL, (1.0, 2.0, 3.0))
-    assert ways == [JOINED] * WARM_UP_CALLS + blocks(PACED, JOINED) * FIRST_SAMPLES
+    ways = schedule(p, WARM_UP_CALLS + 2 * CLEAR_SAMPLES * BLOCK, (1.0, 2.0, 3.0))
+    assert ways == [JOINED] * WARM_UP_CALLS + blocks(PACED, JOINED) * CLEAR_SAMPLES
     assert p.chosen("k") == PACED
     later = schedule(p, 3 * EXPLORE_EVERY * BLOCK, (1.0, 2.0, 3.0))
     assert later.count(JOINED) == 3 * BLOCK and GROUPED not in later, \
         "one block in EXPLORE_EVERY tries the way next to it"
 
 
+def test_a_trial_whose_times_overlap_runs_to_its_end_and_the_medians_decide():
+    """Paced calls take 1.0 or 1.3 a call, by turns, and joined ones 1.2: no way is MARGIN below the other in every
+    sample, so the trial runs until each has FIRST_SAMPLES, and the medians (1.15 against 1.2) choose paced."""
+    p = Pacing()
+    turns = iter([1.0, 1.3] * 64)
+    ways = []
+    for _ in range(WARM_UP_CALLS + TRIAL):
+        way = p.way("k")
+        ways.append(way)
+        step = _STEPS[id(p)] = _STEPS.get(id(p), 0.0) + (next(turns) if way == PACED else 1.2)
+        p.ended("k", way, step)
+        if len(ways) == WARM_UP_CALLS + 2 * CLEAR_SAMPLES * BLOCK:
+            assert p.chosen("k") is None, "a trial whose times overlap does not end early"
+    assert ways == [JOINED] * WARM_UP_CALLS + blocks(PACED, JOINED) * FIRST_SAMPLES
+    assert p.chosen("k") == PACED
+
+
 def test_a_cpu_bound_job_climbs_to_grouped_messages():
     """Joined beat paced, so joined and grouped are tried next, and grouped kept; its neighbour is explored."""
     p = Pacing()
-    ways = schedule(p, WARM_UP_CALLS + 2 * TRIAL, (2.0, 1.0, 0.5))
-    # (joined has its times from the first trial: the second ends with grouped's last)
-    assert ways[WARM_UP_CALLS + TRIAL:] == blocks(GROUPED, JOINED) * (FIRST_SAMPLES - 1) + blocks(GROUPED, GROUPED)
+    ways = schedule(p, WARM_UP_CALLS + 4 * CLEAR_SAMPLES * BLOCK, (2.0, 1.0, 0.5))
+    first = WARM_UP_CALLS + 2 * CLEAR_SAMPLES * BLOCK  # (joined has its times from the first trial)
+    assert ways[first:] == blocks(GROUPED, JOINED) * (CLEAR_SAMPLES - 1) + blocks(GROUPED, GROUPED)
     assert p.chosen("k") == GROUPED
     assert schedule(p, EXPLORE_EVERY * BLOCK, (2.0, 1.0, 0.5)).count(JOINED) == BLOCK
     q = Pacing()

@@ -24,8 +24,9 @@ close, give or take the order in which the shards' answers reach them. A call's 
 every worker: it counts from when this worker came to the rounds, first (and waited for the others) or last.
 Timed call by call, and by that, the workers of one job chose different ways (on 10 Gbit/s emulated links three
 grouped, one joined, and the job ran at the joined one's pace). After a set of tensors' first calls, alternate
-blocks paced and joined until each has :data:`FIRST_SAMPLES` times; if joined was faster (median), alternate
-joined and grouped likewise; then the faster, with one block in :data:`EXPLORE_EVERY` a way next to it, so that a
+blocks paced and joined until each has :data:`FIRST_SAMPLES` times (or :data:`CLEAR_SAMPLES`, when every one of
+one way's is :data:`MARGIN` below every one of the other's); if joined was faster (median), alternate joined and
+grouped likewise; then the faster, with one block in :data:`EXPLORE_EVERY` a way next to it, so that a
 change of the job's load is noticed: the calls move to a way whose recent blocks (median of the last
 :data:`SAMPLES`) took :data:`MARGIN` less. Every worker of a sync job makes its calls in step, so a worker's block
 of one way is the others' too; whatever each chooses, no two workers can wait on each other (a paced worker
@@ -41,8 +42,8 @@ from typing import Hashable, Optional
 
 from psrt.config import PACING
 
-__all__ = ["Pacing", "PACED", "JOINED", "GROUPED", "BLOCK", "FIRST_SAMPLES", "SAMPLES", "EXPLORE_EVERY",
-           "WARM_UP_CALLS", "MARGIN"]
+__all__ = ["Pacing", "PACED", "JOINED", "GROUPED", "BLOCK", "FIRST_SAMPLES", "CLEAR_SAMPLES", "SAMPLES",
+           "EXPLORE_EVERY", "WARM_UP_CALLS", "MARGIN"]
 
 #: The ways, finest first (:meth:`psrt.worker.sender.ShardSender.push`).
 PACED, JOINED, GROUPED = 0, 1, 2
@@ -58,6 +59,10 @@ WARM_UP_CALLS = 2
 BLOCK = 4
 #: Samples (blocks) of a way before it is compared (the blocks of two ways alternate).
 FIRST_SAMPLES = 4
+#: Samples of each of two ways after which their trial ends early, when every one of the one way's took MARGIN less
+#: than every one of the other's: a difference that plain (paced against joined, either way round, at 1 and at
+#: 10 Gbit/s) needs no more calls in the slower way.
+CLEAR_SAMPLES = 2
 #: Samples kept of each way: the newest.
 SAMPLES = 8
 #: Then one block in this many goes a way next to the chosen one (at a cost of its difference, once in so many).
@@ -86,6 +91,20 @@ class _Set:
 
     def median(self, way: int) -> float:
         return statistics.median(self.times[way])
+
+    def faster(self, a: int, b: int, tie: int) -> Optional[int]:
+        """The faster of the ways ``a`` and ``b`` when their trial is over, else None; ``tie``: the one of the two
+        that equal medians choose."""
+        ta, tb = self.times[a], self.times[b]
+        if len(ta) >= CLEAR_SAMPLES and len(tb) >= CLEAR_SAMPLES:
+            if max(ta) < (1 - MARGIN) * min(tb):
+                return a
+            if max(tb) < (1 - MARGIN) * min(ta):
+                return b
+        if not (self.timed(a) and self.timed(b)):
+            return None
+        ma, mb = self.median(a), self.median(b)
+        return a if ma < mb or (ma == mb and a == tie) else b
 
 
 class Pacing:
@@ -153,14 +172,13 @@ class Pacing:
         """A block of ``way`` took ``seconds`` a call: the choice moves as the module says."""
         state.times[way].append(seconds)
         if state.current is None:
-            if state.timed(PACED) and state.timed(JOINED):
-                state.current = PACED if state.median(PACED) <= state.median(JOINED) else JOINED
-                state.climbing = state.current == JOINED
+            faster = state.faster(PACED, JOINED, PACED)
+            if faster is not None:
+                state.current, state.climbing = faster, faster == JOINED
         elif state.climbing:
-            if state.timed(GROUPED):
-                state.climbing = False
-                if state.median(GROUPED) < state.median(JOINED):
-                    state.current = GROUPED
+            faster = state.faster(GROUPED, JOINED, JOINED)
+            if faster is not None:
+                state.current, state.climbing = faster, False
         elif way != state.current and state.timed(way) and \
                 state.median(way) < (1 - MARGIN) * state.median(state.current):
             state.current = way  # (a way is left only for one clearly faster: noise must not flip it)
