@@ -139,14 +139,14 @@ class ShardReplies:
                           wire.encode_params(request_id, tensors, [e.version for e in entries], payload, job))
 
     def forget_joined(self) -> None:
-        """Drop the joined parameters kept for a round's answers (:meth:`_joined_params`): the shard handles another
-        message, which may change them."""
+        """Drop the joined parameters kept for a round's answers (:meth:`_joined_params`): the shard takes another
+        push or pull, whose answers are made anew (the async path, which joins nothing, never calls this)."""
         self._joined = None
 
     def _joined_params(self, entries: list[Entry], versions: list[int]) -> np.ndarray:
         """The parameters of ``entries`` at ``versions`` back to back, as one reply frame carries them: copied once
         for the W answers of their round, which go one after another as the message that closes it is handled
-        (only the last one made is kept, and only until the next message: a shard holds at most one message's
+        (only the last one made is kept, and only until the next push or pull: a shard holds at most one message's
         parameters twice)."""
         last = self._joined
         if last is not None and last[1] == versions and len(last[0]) == len(entries) \

@@ -353,7 +353,6 @@ class Server(Recovery):
 
     def handle(self, identity: bytes, frames: list[Any]) -> None:
         """Handle one message from ``identity``; never raises."""
-        self.replies.forget_joined()
         self.counters.bytes_in += sum(map(len, frames))
         try:
             req = wire.decode_request(frames, self.config.limits)
@@ -488,6 +487,7 @@ class Server(Recovery):
         return True
 
     def _push(self, identity: bytes, req: wire.PushRequest) -> None:
+        self.replies.forget_joined()  # (what it closes is answered anew; a push taken at once closes no round)
         # A push older than the replay window cannot be told applied or not: refused, neither applied nor acked.
         self.store.check_window(req.worker, req.session, req.seq)
         # Over a lane: the gradients are read where the worker wrote them.
@@ -640,6 +640,7 @@ class Server(Recovery):
             self._draining = False
 
     def _pull(self, identity: bytes, req: wire.PullRequest) -> None:
+        self.replies.forget_joined()
         want: dict[Key, int] = {}
         keys: list[Key] = []
         deferred = self._deferred.get(req.worker, ())
