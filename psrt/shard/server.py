@@ -64,6 +64,8 @@ _HOLD = 16
 #: behind requests that take longer (a large tensor's pieces, milliseconds each) would only keep its worker
 #: waiting, and keep it from taking that piece in while the shard works on the next.
 _HOLD_S = 50e-6
+#: Peers that opened a lane remembered at most (each may then ask for a local connection).
+_LANED = 4096
 
 
 class Server(Recovery):
@@ -106,6 +108,8 @@ class Server(Recovery):
             raise
         self.endpoint: str = self._chan.endpoint
         self.lanes = ShardLanes(self.endpoint, config.shm)  # shared memory for workers on this host
+        #: The peers (ZeroMQ identities) that opened a lane here, most recent last: they may connect locally.
+        self._laned: dict[bytes, None] = {}
         self.store = Store(config.mode, config.num_workers, config.backup_workers)
         self.store.use_shared_memory(self.lanes.arena)  # workers of this host copy each round's result themselves
         self.counters = Counters()
@@ -380,15 +384,21 @@ class Server(Recovery):
                 self._reply(identity, self.lanes.probe(req))
             elif isinstance(req, wire.LaneOpenRequest):
                 self._reply(identity, self.lanes.open(req))
+                self._laned[identity] = None  # (shares this host: may connect locally)
+                while len(self._laned) > _LANED:
+                    del self._laned[next(iter(self._laned))]
             elif isinstance(req, wire.LaneCloseRequest):
                 self._reply(identity, self.lanes.close_lane(req))
+            elif isinstance(req, wire.LocalOpenRequest):
+                self._reply(identity, self._local_open(identity, req))
             elif isinstance(req, wire.CheckpointRequest):
                 self._reply(identity, wire.encode_saved(req.id, str(self.checkpoint())))
             else:
                 self._reply(identity, wire.encode_stats(req.id, self.stats()))
         except RequestRefused as exc:  # an operator's refused checkpoint, a lane not offered: no error of the traffic
             self._error(identity, req.id, exc.code, str(exc),
-                        counted=not isinstance(req, (wire.CheckpointRequest, wire.LaneOpenRequest)))
+                        counted=not isinstance(req, (wire.CheckpointRequest, wire.LaneOpenRequest,
+                                                     wire.LocalOpenRequest)))
         except ConfigError as exc:
             self._error(identity, req.id, "config", str(exc))
         except checkpoint.CheckpointError as exc:
@@ -398,6 +408,23 @@ class Server(Recovery):
             self._error(identity, req.id, "internal", f"{type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ ops
+    def _local_open(self, identity: bytes, req: Any) -> list[Any]:
+        """The ``local`` reply: a local connection for a worker that has a lane here (so shares this host).
+
+        Raises
+        ------
+        RequestRefused
+            ``local_off``: this shard serves no shared memory, or this worker has no lane here, or the platform has
+            no abstract sockets.
+        """
+        if identity not in self._laned:
+            raise RequestRefused("local_off", "local connections are for workers with a shared-memory lane here")
+        try:
+            name, secret = self._chan.grant_local(identity)
+        except OSError as exc:
+            raise RequestRefused("local_off", f"no local connections here: {exc}") from None
+        return wire.encode_local(req.id, name, secret)
+
     def _bind_rows(self, req: Any) -> None:
         """Bind a ``push_rows`` or ``pull_rows`` that came over a shared-memory lane to its segment (every area
         checked first: a refusal changes nothing, and the worker sends it again over the socket)."""
@@ -709,6 +736,7 @@ class Server(Recovery):
                       backup_auto=int(self.store.auto is not None),
                       **self.lateness.stats(), queued_pulls=len(self._pulls) + len(self._stale_pulls),
                       deferred_pushes=sum(len(q) for q in self._deferred.values()), lanes=self.lanes.count,
+                      local_peers=self._chan.local_peers, local_messages=self._chan.local_messages,
                       **self.tables.stats(), **(self._replication.stats() if self._replication is not None else {}))
 
 

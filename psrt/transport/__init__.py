@@ -18,6 +18,9 @@ known ZeroMQ pitfalls of a parameter server:
 - The scheduler's ROUTER watches its connections (``watch_connections``, a socket monitor and each message's
   ``SRCFD``): a killed peer's kernel closes them at once, which names it sooner than its silence would.
 - ``LINGER=0``: closing never blocks on unsent messages.
+- Between a worker and a shard of one host (a shared-memory lane proves it), requests and replies leave ZeroMQ
+  for a Unix socket of their own once the worker asked for one (:mod:`psrt.transport.local`): the
+  :class:`DealerChannel` and :class:`RouterChannel` of the pair carry them there, and nothing above them changes.
 - Frames of at least :data:`ZERO_COPY_BYTES` are sent with ``copy=False`` (smaller ones are cheaper to copy);
   the caller must not mutate such a buffer until the send is done, which it can learn from the returned
   ``zmq.MessageTracker``.
@@ -40,9 +43,11 @@ import ipaddress
 import math
 import os
 import resource
+import secrets
 import struct
 import threading
 import time
+from collections import deque
 from typing import Any, Optional, Sequence
 
 import zmq
@@ -56,7 +61,7 @@ from psrt.errors import (
     ResourceLimitError,
     ShardTimeoutError,
 )
-from psrt.transport import curve
+from psrt.transport import curve, local
 from psrt.transport.curve import ZAP_DOMAIN, JobKeys, create_certificates, read_certificate
 
 __all__ = ["ZERO_COPY_BYTES", "DEAD_AFTER_S", "ZAP_DOMAIN", "new_context", "acquire_context", "release_context",
@@ -86,6 +91,7 @@ _MAX_INT64 = (1 << 63) - 1
 # pyzmq's constants are enum flags: ``int & zmq.POLLIN`` builds a new enum member (about a microsecond each), and a
 # small message's round trip tests them several times. Plain integers keep the hot paths to the system's work.
 _POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
 _EVENTS = int(zmq.EVENTS)
 _RCVMORE = int(zmq.RCVMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -94,6 +100,14 @@ _NO_DETAIL = int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 #: A received message's property: the file descriptor of the connection it came in on (zmq_msg_get(3)).
 _SRCFD = int(zmq.SRCFD)
+
+#: A shard's local connections (:mod:`psrt.transport.local`) at most, and secrets granted and not yet used.
+_MAX_LOCAL = 4096
+_MAX_GRANTS = 4096
+#: Bytes of replies a local connection keeps back before a reply waits (up to the send timeout) for the peer.
+_LOCAL_BACKLOG = 64 << 20
+#: Seconds a local connection may stay without its greeting (it is closed at the next connection after that).
+_GREET_S = 10.0
 
 #: Handshakes in a row that a keyless socket sees end without detail before it takes them for a refusal: a secured
 #: peer drops a keyless one at every attempt (ZeroMQ retries every 0.1 s or so), a busy one misses one greeting.
@@ -330,10 +344,24 @@ class RouterChannel:
         self._held: Optional[list[tuple[bytes, list[bytes]]]] = None
         self._hold_most = 0
         self._dropped: list[tuple[int, str]] = []
+        self._max_frame = max_frame
+        self._send_timeout = send_timeout
+        # Local connections (psrt.transport.local): the listener, made at the first grant; the secrets granted
+        # (secret -> identity); every connection accepted, by descriptor; those a worker has sent a request over,
+        # by identity (its replies go there); and the messages read from them, in arrival order.
+        self._listener: Optional[local.LocalListener] = None
+        self._grants: dict[bytes, bytes] = {}
+        self._conns: dict[int, local.LocalConn] = {}
+        self._by_identity: dict[bytes, local.LocalConn] = {}
+        self._arrived: deque[tuple[bytes, list[Any]]] = deque()
+        #: Messages received over local connections (greetings aside).
+        self.local_messages = 0
 
     def poll(self, timeout: float, also: Sequence[zmq.Socket] = ()) -> bool:
         """Wait up to ``timeout`` seconds for an incoming message (or, when watched, a connection's close); ``also``:
         sockets whose message ends the wait too (True only when this channel has one)."""
+        if self._listener is not None:
+            return self._poll_local(timeout, also)
         if not also:
             return bool(zmq.zmq_poll(self._wait_items, _ms(timeout)))
         got = zmq.zmq_poll([*self._wait_items, *((s, _POLLIN) for s in also)], _ms(timeout))
@@ -369,6 +397,8 @@ class RouterChannel:
         Frames are received zero-copy and are read-only; the first, a header, comes as ``bytes`` when it is under
         :data:`ZERO_COPY_BYTES`.
         """
+        if self._arrived:
+            return self._arrived.popleft()
         recv = self.sock.recv
         try:
             identity = recv(_NOBLOCK)  # a few bytes: a copy costs less than a zmq.Frame
@@ -441,6 +471,10 @@ class RouterChannel:
             When the peer is unknown or departed, or its queue stayed full past the send timeout (a reply held
             back is reported by :meth:`release` instead).
         """
+        if self._by_identity:
+            conn = self._by_identity.get(identity)
+            if conn is not None and self._send_local(conn, frames):
+                return [None] * len(frames)
         held = self._held
         if held is not None:
             for frame in frames:
@@ -475,6 +509,135 @@ class RouterChannel:
             self.sock.disable_monitor()
             self._closes.close(linger=0)
         self.sock.close(linger=_ms(linger))
+        for conn in list(self._conns.values()):
+            conn.close()
+        self._conns.clear()
+        self._by_identity.clear()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    # ------------------------------------------------------------------ local connections
+    def grant_local(self, identity: bytes) -> tuple[str, str]:
+        """Let the peer ``identity`` (a worker of this host: it has a lane) connect locally; returns the
+        listener's name and the secret it is to present (:mod:`psrt.transport.local`).
+
+        Raises
+        ------
+        OSError
+            When this platform has no abstract sockets or the listener cannot be made.
+        """
+        if self._listener is None:
+            self._listener = local.LocalListener()
+        for secret, who in list(self._grants.items()):
+            if who == identity:
+                del self._grants[secret]  # (one at a time per peer)
+        while len(self._grants) >= _MAX_GRANTS:
+            del self._grants[next(iter(self._grants))]
+        secret = secrets.token_hex(16)
+        self._grants[secret.encode()] = identity
+        return self._listener.name, secret
+
+    @property
+    def local_peers(self) -> int:
+        """Peers whose requests come over a local connection."""
+        return len(self._by_identity)
+
+    def _poll_local(self, timeout: float, also: Sequence[zmq.Socket]) -> bool:
+        if self._arrived:
+            timeout = 0.0
+        listener = self._listener
+        assert listener is not None
+        items: list[Any] = [*self._wait_items, (listener.fd, _POLLIN)]
+        for fd, conn in self._conns.items():
+            items.append((fd, _POLLIN | _POLLOUT) if conn.pending else (fd, _POLLIN))
+        items.extend((s, _POLLIN) for s in also)
+        mine = False
+        for s, events in zmq.zmq_poll(items, _ms(timeout)):
+            if type(s) is not int:
+                mine = mine or s is self.sock or s is self._closes
+            elif s == listener.fd:
+                accepted = listener.accept()
+                now = time.monotonic()
+                for fd, conn in list(self._conns.items()):
+                    if conn.identity is None and now - conn.since > _GREET_S:
+                        conn.close()  # (never greeted: a stranger holding a descriptor)
+                        del self._conns[fd]
+                for sock in accepted:
+                    conn = local.LocalConn(sock, self._max_frame)
+                    if len(self._conns) >= _MAX_LOCAL:
+                        conn.close()
+                    else:
+                        self._conns[conn.fd] = conn
+            else:
+                conn = self._conns.get(s)
+                if conn is None:
+                    continue
+                if events & _POLLOUT:
+                    try:
+                        conn.flush()
+                    except ConnectionError:
+                        pass
+                if events & _POLLIN or not conn.open:
+                    conn.fill()
+                    self._take_local(conn)
+                if not conn.open:
+                    self._forget_local(conn)
+        return mine or bool(self._arrived)
+
+    def _take_local(self, conn: local.LocalConn) -> None:
+        """Move what ``conn`` received to the messages :meth:`recv` returns; its first message is the greeting."""
+        messages = conn.messages
+        while messages:
+            frames = messages.popleft()
+            if conn.identity is None:
+                identity = self._grants.pop(bytes(frames[1]), None) if len(frames) == 2 and frames[0] == local.AUTH \
+                    else None
+                if identity is None:
+                    conn.close()  # (no secret of ours: a stranger, or a worker whose grant was replaced)
+                    return
+                conn.identity = identity
+                try:
+                    conn.send([local.AUTH, b"ok"])
+                except ConnectionError:
+                    return
+                continue
+            if self._by_identity.get(conn.identity) is not conn:
+                # The worker's first request over it: its replies go this way from now on (it sends nothing more
+                # over ZeroMQ, and has no reply to come from there).
+                old = self._by_identity.get(conn.identity)
+                if old is not None:
+                    old.close()
+                self._by_identity[conn.identity] = conn
+            self._arrived.append((conn.identity, frames))
+            self.local_messages += 1
+
+    def _forget_local(self, conn: local.LocalConn) -> None:
+        self._conns.pop(conn.fd, None)
+        if conn.identity is not None and self._by_identity.get(conn.identity) is conn:
+            del self._by_identity[conn.identity]  # (its replies go over ZeroMQ again)
+
+    def _send_local(self, conn: local.LocalConn, frames: Sequence[Any]) -> bool:
+        """Send a reply over ``conn``; False when it broke (the reply then goes over ZeroMQ).
+
+        Raises
+        ------
+        SendDropped
+            When the peer has taken nothing for the send timeout while more than :data:`_LOCAL_BACKLOG` bytes wait.
+        """
+        try:
+            conn.send(frames)
+            if conn.pending > _LOCAL_BACKLOG:
+                deadline = time.monotonic() + self._send_timeout
+                while not conn.flush():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise SendDropped(f"a local peer took no reply for {self._send_timeout:g}s")
+                    zmq.zmq_poll([(conn.fd, _POLLOUT)], _ms(min(left, 0.1), 1))
+        except ConnectionError:
+            self._forget_local(conn)
+            return False
+        return True
 
 
 def _out_of_sockets(exc: zmq.ZMQError, endpoint: str) -> Exception:
@@ -541,6 +704,17 @@ class DealerChannel:
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self.monitor, zmq.POLLIN)
+        self._max_frame = max_frame
+        # A local connection (psrt.transport.local): attached and waiting for no request to be outstanding
+        # (_ready), then in use (_conn); the message being read from it and its next frame.
+        self._ready: Optional[local.LocalConn] = None
+        self._conn: Optional[local.LocalConn] = None
+        self._cur: Optional[list[Any]] = None
+        self._cur_i = 0
+        #: Requests sent and not yet answered (every request has one reply).
+        self._outstanding = 0
+        #: Whether a local connection was asked for since the peer was last (re)started; see :meth:`attach_local`.
+        self.local_tried = False
         # Socket buffers are left to the kernel's autotuning: setting SO_SNDBUF/SO_RCVBUF turns autotuning off and
         # is capped by net.core.[rw]mem_max (often 208 KiB), which would starve a high bandwidth-delay link.
         self.sock.connect(endpoint)
@@ -599,6 +773,11 @@ class DealerChannel:
         # monitor (Poller), so only a channel that never connected pays for reading its event flags per send.
         if self._failure is not None or (not self.connections and self.monitor.getsockopt(_EVENTS) & _POLLIN):
             self.check_handshake()
+        if self._ready is not None and not self._outstanding:
+            self._switch()
+        if self._conn is not None and self._send_local(frames, timeout):
+            self._outstanding += 1
+            return
         if timeout != self._send_timeout:  # (a client sends with the same timeout every time)
             timeout_ms = _ms(timeout, 1)
             if timeout_ms != self._sndtimeo:
@@ -611,6 +790,7 @@ class DealerChannel:
                 _SEND(self.sock, frames[1], 0, True, False)
             else:
                 _send_frames(self.sock, frames, track=False)
+            self._outstanding += 1
         except zmq.Again:
             self.check_handshake()  # the handshake may have failed while the send waited
             raise ShardTimeoutError(
@@ -629,6 +809,7 @@ class DealerChannel:
             pass  # never connected there, or already gone
         self.endpoint, self._failure = endpoint, None
         self.local = on_this_host(endpoint)
+        self.reset_local()
         try:
             self.sock.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -644,6 +825,8 @@ class DealerChannel:
         """
         if self._failure is not None:
             self.check_handshake()
+        if self._conn is not None and self._local_waiting():
+            return True
         events = dict(self._poller.poll(_ms(timeout)))
         if self.monitor in events:
             self.check_handshake()
@@ -651,12 +834,18 @@ class DealerChannel:
 
     def readable(self) -> bool:
         """True when a message is waiting (no system call beyond reading the socket's event flags)."""
+        if self._conn is not None and self._local_waiting():
+            return True
         return bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
 
     def recv_frame(self) -> bytes:
         """Receive the next frame (the header of a reply); a message must be ready (see :class:`Poller`)."""
+        if self._conn is not None and self._local_waiting():
+            return self._local_head()
         frame = self.sock.recv(_NOBLOCK, copy=False)
         self._more = frame.more  # a received zmq.Frame knows; asking the socket costs a getsockopt
+        self._cur = None
+        self._outstanding -= 1
         return frame.bytes
 
     def try_recv_frame(self, look: bool = False) -> Optional[bytes]:
@@ -666,6 +855,8 @@ class DealerChannel:
         costs three times a read of the socket's event flags: its message is looked up and built). ``look``: read
         the flags first, for a caller that expects to find nothing more often than something.
         """
+        if self._conn is not None and self._local_waiting():
+            return self._local_head()
         if look and not _GET(self.sock, _EVENTS) & _POLLIN:
             return None
         try:
@@ -673,10 +864,14 @@ class DealerChannel:
         except zmq.Again:
             return None
         self._more = frame.more
+        self._cur = None
+        self._outstanding -= 1
         return frame.bytes
 
     def more(self) -> bool:
         """True when the current message has further frames."""
+        if self._cur is not None:
+            return self._cur_i < len(self._cur)
         more = self._more
         if more is None:
             more = self._more = bool(self.sock.getsockopt(_RCVMORE))
@@ -688,31 +883,144 @@ class DealerChannel:
         # As a zmq.Frame, copied once into the buffer: the frame says whether more follow, which pyzmq's own
         # recv_into does not, and asking the socket (RCVMORE) costs more than the frame (pyzmq looks every option
         # up in an enum). The frame is ZeroMQ's message itself, so the bytes are copied once either way.
-        frame = self.sock.recv(_NOBLOCK, copy=False)
-        self._more = frame.more
-        size = len(frame)
+        if self._cur is not None:
+            data = self._cur[self._cur_i]
+            self._cur_i += 1
+            data = data if type(data) is memoryview else memoryview(data)
+        else:
+            frame = self.sock.recv(_NOBLOCK, copy=False)
+            self._more = frame.more
+            data = frame.buffer
+        size = len(data)
         view = buffer if type(buffer) is memoryview and buffer.format == "B" else memoryview(buffer).cast("B")
         if size == view.nbytes:
-            view[:] = frame.buffer
+            view[:] = data
         else:
             fits = min(size, view.nbytes)
-            view[:fits] = frame.buffer[:fits]
+            view[:fits] = data[:fits]
         return size
 
     def recv_buffer(self) -> memoryview:
         """Receive the next frame of the current message, zero-copy: its bytes as a memoryview of ZeroMQ's message
         (to read, not to write; it keeps the message alive while it is held)."""
+        if self._cur is not None:
+            data = self._cur[self._cur_i]
+            self._cur_i += 1
+            return data if type(data) is memoryview else memoryview(data)
         frame = self.sock.recv(_NOBLOCK, copy=False)
         self._more = frame.more
         return frame.buffer
 
     def discard_rest(self) -> None:
         """Drop the remaining frames of the current message."""
+        if self._cur is not None:
+            self._cur_i = len(self._cur)
+            return
         while self.more():
             self._more = self.sock.recv(_NOBLOCK, copy=False).more
 
+    # ------------------------------------------------------------------ local connection
+    def attach_local(self, name: str, secret: str, timeout: float) -> None:
+        """Connect to the shard's local listener ``name`` with ``secret`` (its ``local`` answer); the requests
+        sent from the first moment none is outstanding then take that connection (:mod:`psrt.transport.local`).
+
+        Raises
+        ------
+        OSError
+            When the listener cannot be reached or refuses (the requests stay on ZeroMQ).
+        """
+        self.local_tried = True
+        conn = local.connect(name, secret, timeout, self._max_frame)
+        if self._ready is not None:
+            self._ready.close()
+        self._ready = conn
+
+    @property
+    def local_connected(self) -> bool:
+        """Whether requests now take a local connection."""
+        return self._conn is not None
+
+    def reset_local(self) -> None:
+        """Stop using the local connection (the peer restarted or moved): requests go over ZeroMQ, and a new one
+        may be asked for (:attr:`local_tried` is False again)."""
+        for conn in (self._ready, self._conn):
+            if conn is not None:
+                conn.close()
+        had = self._conn is not None
+        self._ready = self._conn = self._cur = None
+        self.local_tried = False
+        self._outstanding = 0  # (what was unanswered is sent again, and counted again)
+        if had and self.watcher is not None:
+            self.watcher.relocal()
+
+    def _switch(self) -> None:
+        # Nothing outstanding: every reply to what went over ZeroMQ is in, so nothing can cross.
+        self._conn, self._ready = self._ready, None
+        if self.watcher is not None:
+            self.watcher.relocal()
+
+    def _lost_local(self) -> None:
+        """The local connection broke: from now on requests go over ZeroMQ again (those in flight on it are
+        answered only if the shard restarts and they are sent again, as after any restart)."""
+        conn, self._conn, self._cur = self._conn, None, None
+        if conn is not None:
+            conn.close()
+            if self.watcher is not None:
+                self.watcher.relocal()
+
+    def _local_waiting(self) -> bool:
+        """Whether a whole message from the local connection waits (reading what arrived if none does)."""
+        conn = self._conn
+        assert conn is not None
+        if conn.messages:
+            return True
+        if not conn.fill():
+            self._lost_local()
+            return False
+        return bool(conn.messages)
+
+    def _local_head(self) -> bytes:
+        conn = self._conn
+        assert conn is not None
+        self._cur = conn.messages.popleft()
+        self._cur_i = 1
+        self._outstanding -= 1
+        return self._cur[0]
+
+    def _send_local(self, frames: Sequence[Any], timeout: float) -> bool:
+        """Send a request over the local connection; False when it broke (the request then goes over ZeroMQ).
+
+        Raises
+        ------
+        ShardTimeoutError
+            When more than :data:`_LOCAL_BACKLOG` bytes stayed unsent for ``timeout`` seconds.
+        """
+        conn = self._conn
+        assert conn is not None
+        try:
+            conn.send(frames)
+            if conn.pending > _LOCAL_BACKLOG:
+                # Wait for the shard to take them, reading its replies meanwhile (it may be waiting for room to
+                # send them).
+                deadline = time.monotonic() + timeout
+                while not conn.flush():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ShardTimeoutError(f"shard {self.endpoint} did not accept a request within "
+                                                f"{timeout:.1f}s (local connection full)", shard=self.endpoint)
+                    zmq.zmq_poll([(conn.fd, _POLLIN | _POLLOUT)], _ms(min(left, 0.1), 1))
+                    if not conn.fill():
+                        raise ConnectionError("closed")
+        except ConnectionError:
+            self._lost_local()
+            return False
+        return True
+
     def close(self) -> None:
         """Close the socket (and its monitor) without lingering."""
+        for conn in (self._ready, self._conn):
+            if conn is not None:
+                conn.close()
         if not self.sock.closed:
             self.sock.disable_monitor()
             self.monitor.close(linger=0)
@@ -752,6 +1060,14 @@ class Poller:
         #: Set when a monitor's report was taken in (a handshake came or failed), by a wait or by any other call on
         #: a channel: the caller's connection counts may have moved. The caller clears it.
         self.heard = False
+        #: The channels whose requests take a local connection: ``(index, channel)``, and their descriptors.
+        self._locals: list[tuple[int, DealerChannel]] = []
+        self._by_fd: dict[int, int] = {}
+
+    def relocal(self) -> None:
+        """A channel started or stopped using a local connection: wait on its descriptor, or no longer."""
+        self._locals = [(i, ch) for i, ch in enumerate(self._channels) if ch._conn is not None]
+        self._by_fd = {ch._conn.fd: i for i, ch in self._locals}  # type: ignore[union-attr]
 
     def wait(self, timeout: float) -> list[int]:
         """Indices of the channels with a reply ready, after waiting at most ``timeout`` seconds.
@@ -764,6 +1080,8 @@ class Poller:
         for ch in self._channels:
             if ch._failure is not None:
                 ch.check_handshake()
+        if self._locals:
+            return self._wait_local(timeout)
         now = time.monotonic()
         if now < self._watch_at:
             # The monitors were read a moment ago: the sockets alone, until they are due again.
@@ -784,3 +1102,47 @@ class Poller:
                 ready.append(self._by_sock[s])
         self._watch_at = time.monotonic() + MONITOR_INTERVAL
         return ready
+
+    def _wait_local(self, timeout: float) -> list[int]:
+        """:meth:`wait` with local connections: their whole messages count, a partial one waits for its rest."""
+        ready = [i for i, ch in self._locals if ch._conn is not None and ch._conn.messages]
+        if ready:
+            return ready
+        deadline = time.monotonic() + timeout
+        while True:
+            items: list[Any] = list(self._items)
+            for _, ch in self._locals:
+                conn = ch._conn
+                if conn is not None:
+                    items.append((conn.fd, _POLLIN | _POLLOUT) if conn.pending else (conn.fd, _POLLIN))
+            left = deadline - time.monotonic()
+            lost = []
+            for s, events in zmq.zmq_poll(items, _ms(max(0.0, left))):
+                if type(s) is int:
+                    index = self._by_fd.get(s)
+                    if index is None:
+                        continue
+                    ch = self._channels[index]
+                    conn = ch._conn
+                    if conn is None:
+                        continue
+                    try:
+                        if events & _POLLOUT:
+                            conn.flush()
+                    except ConnectionError:
+                        pass
+                    if not conn.fill() and not conn.messages:
+                        lost.append(ch)
+                    elif conn.messages:
+                        ready.append(index)
+                    continue
+                ch = self._monitors.get(s)
+                if ch is not None:
+                    ch.check_handshake()  # (which sets heard)
+                else:
+                    ready.append(self._by_sock[s])
+            for ch in lost:
+                ch._lost_local()
+            if ready or lost or time.monotonic() >= deadline:
+                self._watch_at = time.monotonic() + MONITOR_INTERVAL
+                return ready

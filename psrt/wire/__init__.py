@@ -34,7 +34,8 @@ one frame of the table's dtype.
 
 Shared-memory lanes (:mod:`psrt.wire.lanes`, its docstring has their table): ``lane_probe`` (answered by
 ``beacon``) and ``lane_open`` (answered by ``lane``) set up a segment between a worker and a shard of one host,
-``lane_close`` (answered by ``closed``) gives it back;
+``lane_close`` (answered by ``closed``) gives it back; ``local_open`` (answered by ``local``) lets a worker with a
+lane send its requests over a local connection instead of ZeroMQ (:mod:`psrt.transport.local`);
 ``push``, ``push_pull``, ``pull``, ``push_rows`` and ``pull_rows`` then carry a ``lane`` field instead of buffer
 frames, and the ``params`` and ``rows`` replies a ``lane`` field (the segment's generation) instead of theirs.
 
@@ -157,12 +158,16 @@ from psrt.wire.lanes import (
     LaneProbeRequest,
     LaneRef,
     LaneReply,
+    LocalOpenRequest,
+    LocalReply,
     encode_beacon,
     encode_closed,
     encode_lane,
     encode_lane_close,
     encode_lane_open,
     encode_lane_probe,
+    encode_local,
+    encode_local_open,
 )
 from psrt.wire.replies import (
     AckReply,
@@ -215,7 +220,7 @@ __all__ = [
     "encode_push_rows", "encode_pull_rows", "encode_rows", "TableStatsRequest", "encode_table_stats",
     "LaneRef", "LaneProbeRequest", "LaneOpenRequest", "BeaconReply", "LaneReply", "encode_lane_probe",
     "encode_lane_open", "encode_beacon", "encode_lane", "LaneCloseRequest", "ClosedReply", "encode_lane_close",
-    "encode_closed",
+    "encode_closed", "LocalOpenRequest", "LocalReply", "encode_local_open", "encode_local",
     "encode_control_error", "encode_shutdown", "encode_abort", "encode_heartbeat", "encode_members",
     "Moved", "encode_moved", "Beats", "MAX_BEAT_RANKS", "encode_beats", "NotMembers", "encode_not_members",
     "Ranges", "Replication", "encode_ranges", "SlowReport", "MAX_SLOW_ROWS",

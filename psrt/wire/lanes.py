@@ -10,7 +10,14 @@ request         fields (besides ``v, op, id``)                              repl
 ``lane_open``   ``worker, session, token, size``: the token read from the   ``lane {name, generation, size}``:
                 beacon, the segment's size                                  a new segment for this worker
 ``lane_close``  ``generation``: the worker is done with that segment        ``closed {}``
+``local_open``  (none)                                                      ``local {name, secret}``: the
+                                                                            shard's local listener and a
+                                                                            secret for this worker
 ==============  ==========================================================  ===================================
+
+A worker that has a lane to a shard asks for a local connection (``local_open``, :mod:`psrt.transport.local`):
+it connects to the listener ``name`` (an abstract Unix socket) and presents ``secret``, and from its next request
+on, its requests and their replies take that connection instead of ZeroMQ, the frames unchanged.
 
 A ``push``, ``push_pull`` or ``pull`` sent over a lane has no buffer frames and one more field, ``lane``:
 ``[generation, inputs, outputs]``: the segment's generation, the offset of each tensor's bytes (``push`` and
@@ -35,7 +42,7 @@ from psrt.wire.codec import MAX_U63, MAX_WORKER, check_fields, encode, string, u
 __all__ = ["places", "LaneRef", "LaneProbeRequest", "LaneOpenRequest", "LaneCloseRequest", "BeaconReply",
            "LaneReply", "ClosedReply", "REQUEST_FIELDS", "REPLY_FIELDS", "decode_lane_request", "decode_lane_reply",
            "lane_ref", "encode_lane_probe", "encode_lane_open", "encode_lane_close", "encode_beacon", "encode_closed",
-           "encode_lane"]
+           "encode_lane", "LocalOpenRequest", "LocalReply", "encode_local_open", "encode_local"]
 
 _MAX_NAME = 64
 
@@ -43,11 +50,13 @@ REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "lane_probe": frozenset({"v", "op", "id"}),
     "lane_open": frozenset({"v", "op", "id", "worker", "session", "token", "size"}),
     "lane_close": frozenset({"v", "op", "id", "generation"}),
+    "local_open": frozenset({"v", "op", "id"}),
 }
 REPLY_FIELDS: dict[str, frozenset[str]] = {
     "beacon": frozenset({"v", "op", "id", "name"}),
     "lane": frozenset({"v", "op", "id", "name", "generation", "size"}),
     "closed": frozenset({"v", "op", "id"}),
+    "local": frozenset({"v", "op", "id", "name", "secret"}),
 }
 
 
@@ -142,6 +151,24 @@ class BeaconReply:
     op: ClassVar[str] = "beacon"
 
 
+@dataclass(frozen=True)
+class LocalOpenRequest:
+    """``local_open``: a worker with a lane asks for a local connection."""
+
+    id: int
+    op: ClassVar[str] = "local_open"
+
+
+@dataclass(frozen=True)
+class LocalReply:
+    """``local``: the shard's local listener (an abstract socket's name) and the secret to present there."""
+
+    id: int
+    name: str
+    secret: str
+    op: ClassVar[str] = "local"
+
+
 @dataclass
 class LaneReply:
     """``lane``: the segment a ``lane_open`` got: its name in /dev/shm, generation and size."""
@@ -164,6 +191,8 @@ def decode_lane_request(h: dict[str, Any], buffers: list[Any]) -> Any:
         return LaneProbeRequest(rid)
     if op == "lane_close":
         return LaneCloseRequest(rid, uint(h, "generation"))
+    if op == "local_open":
+        return LocalOpenRequest(rid)
     return LaneOpenRequest(rid, uint(h, "worker", MAX_WORKER), uint(h, "session"), string(h, "token", 64),
                            uint(h, "size", lo=1))
 
@@ -177,6 +206,8 @@ def decode_lane_reply(h: dict[str, Any]) -> Any:
         return BeaconReply(rid, string(h, "name", _MAX_NAME))
     if op == "closed":
         return ClosedReply(rid)
+    if op == "local":
+        return LocalReply(rid, string(h, "name", _MAX_NAME), string(h, "secret", _MAX_NAME))
     return LaneReply(rid, string(h, "name", _MAX_NAME), uint(h, "generation"), uint(h, "size", lo=1))
 
 
@@ -209,3 +240,13 @@ def encode_beacon(rid: int, name: str) -> list[Any]:
 def encode_lane(rid: int, name: str, generation: int, size: int) -> list[Any]:
     """Frames of a ``lane`` reply."""
     return encode({"op": "lane", "id": rid, "name": name, "generation": generation, "size": size})
+
+
+def encode_local_open(rid: int) -> list[Any]:
+    """Frames of a ``local_open`` request."""
+    return encode({"op": "local_open", "id": rid})
+
+
+def encode_local(rid: int, name: str, secret: str) -> list[Any]:
+    """Frames of a ``local`` reply."""
+    return encode({"op": "local", "id": rid, "name": name, "secret": secret})

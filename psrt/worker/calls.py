@@ -429,6 +429,7 @@ class ShardCalls:
                     self.servers[shard], len(unanswered))
         self.versions.forget(shard)
         self._lanes.reset(shard)  # its lanes died with it; what was sent over one goes again over the socket
+        self.channels[shard].reset_local()  # (and its local connection)
         if self._restarted is not None and behind:
             self._restarted(shard)
         for rid, p in unanswered:
@@ -565,7 +566,7 @@ class ShardCalls:
                 known[chunk.key] = max(known.get(chunk.key, 0), version)
         elif isinstance(reply, wire.SavedReply):
             handle._answers[shard] = reply.path
-        elif isinstance(reply, (wire.BeaconReply, wire.LaneReply, wire.ClosedReply)):
+        elif isinstance(reply, (wire.BeaconReply, wire.LaneReply, wire.ClosedReply, wire.LocalReply)):
             handle._answers[shard] = reply
         else:
             handle._answers[shard] = reply.stats

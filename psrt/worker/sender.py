@@ -42,6 +42,9 @@ __all__ = ["ShardSender", "payload_of"]
 
 log = logging.getLogger("psrt.client")
 
+#: Seconds a client waits for a shard's local listener to take its connection and greeting.
+LOCAL_CONNECT_S = 10.0
+
 
 def payload_of(chunks: Sequence[Chunk], arrays: Mapping[str, np.ndarray],
                lane: Optional[LaneUse] = None) -> tuple[list[list[Any]], list[np.ndarray]]:
@@ -144,7 +147,7 @@ class ShardSender:
     def pull(self, handle: Handle, plan: ShardPlan, clock: int) -> None:
         """Send the pull requests of ``plan``: each asks for the versions this client's pushes target."""
         rank, known = self._rank, self._known
-        lane = self._lanes.lane_for(self.shard, plan.lane_bytes, self.ask)
+        lane = self._lane_for(plan.lane_bytes)
         for msg in (plan.grouped if lane is not None or self._grouped() else plan.joined):
             keys = [[c.name, c.part, known.get(c.key, 0)] for c in msg]
             any_version = [[c.name, c.part, 0] for c in msg]
@@ -167,8 +170,7 @@ class ShardSender:
         answers: :meth:`_paced`) or :data:`~psrt.worker.pacing.GROUPED` (as few messages as can be).
         """
         # (A call moving less than a lane's threshold never takes one: the usual small push asks nothing more.)
-        lane = None if plan.lane_bytes < ZERO_COPY_BYTES else self._lanes.lane_for(self.shard, plan.lane_bytes,
-                                                                                     self.ask)
+        lane = None if plan.lane_bytes < ZERO_COPY_BYTES else self._lane_for(plan.lane_bytes)
         if lane is not None:  # the bytes are all there at once: as few messages as can be
             messages, prefixes = plan.grouped, [None] * len(plan.grouped)
         elif self._grouped() or way == GROUPED:  # no link to keep busy both ways (or pipelining is off): the same
@@ -287,7 +289,27 @@ class ShardSender:
         """The lane an embedding request moving ``nbytes`` (aligned areas) takes, or None: sockets."""
         if nbytes < ZERO_COPY_BYTES or not self.rows_lane:
             return None
-        return self._lanes.lane_for(self.shard, nbytes, self.ask)
+        return self._lane_for(nbytes)
+
+    def _lane_for(self, nbytes: int) -> Any:
+        """The lane a call moving ``nbytes`` (aligned areas) takes, or None: sockets. A first lane to the shard
+        proves it shares this host: the client then asks for a local connection too (:meth:`_try_local`)."""
+        lane = self._lanes.lane_for(self.shard, nbytes, self.ask)
+        if lane is not None and not self._channel.local_tried:
+            self._try_local()
+        return lane
+
+    def _try_local(self) -> None:
+        """Ask the shard for a local connection and connect (:mod:`psrt.transport.local`); once per shard start.
+        Anything that fails leaves the requests on the socket."""
+        channel = self._channel
+        channel.local_tried = True
+        try:
+            reply = self.ask(wire.encode_local_open)
+            channel.attach_local(reply.name, reply.secret, min(self._timeout, LOCAL_CONNECT_S))
+        except (PsrtError, OSError) as exc:
+            log.info("shard %s: no local connection (%s); its requests stay on the socket",
+                     self._calls.servers[self.shard], exc)
 
     def _base(self, msg: Sequence[Chunk]) -> Any:
         """The version(s) of the parameters a push of ``msg``'s gradients was computed from: those last received

@@ -1,0 +1,197 @@
+"""Local connections: a worker and a shard of one host exchange messages over a Unix socket of their own
+(psrt.transport.local). The framing both ways, hostile bytes, the greeting's secret, and real clients and shards
+that switch to it and end exact."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+from _helpers import needs_shm, serving
+
+import psrt
+from psrt import wire
+from psrt.config import ClientConfig, ServerConfig
+from psrt.transport import local
+
+pytestmark = pytest.mark.skipif(not local.available(), reason="local connections need Linux")
+
+BIG = 300_000  # float32 values: 1.2 MB, over the lane threshold (a lane proves a shared host)
+
+
+def pair(max_frame=None) -> tuple[local.LocalConn, local.LocalConn]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return local.LocalConn(a, max_frame), local.LocalConn(b, max_frame)
+
+
+def drain(sender: local.LocalConn, receiver: local.LocalConn, count: int) -> list[list[bytes]]:
+    """Move bytes until ``receiver`` holds ``count`` messages; their frames as bytes."""
+    for _ in range(100_000):
+        sender.flush()
+        assert receiver.fill()
+        if len(receiver.messages) >= count:
+            break
+    got = [[bytes(f) for f in receiver.messages.popleft()] for _ in range(count)]
+    assert not receiver.messages
+    return got
+
+
+# ---------------------------------------------------------------------------------------------- framing
+def test_messages_of_any_shape_arrive_whole_and_in_order():
+    a, b = pair()
+    rng = np.random.default_rng(0)
+    sent = [[b"head"], [b"h", b""], [b"h", rng.bytes(70_000)], [b"h", *[rng.bytes(n) for n in (1, 5, 4096)]],
+            [b"x" * 10, rng.bytes(3 << 20)],  # longer than a read: read into its own buffer
+            [b"h", *[bytes([i % 256]) * (i % 7) for i in range(2000)]]]  # more frames than one sendmsg takes
+    for msg in sent:
+        a.send(msg)
+    assert drain(a, b, len(sent)) == sent
+    # The first frame is bytes (a header), the others read-only views.
+    a.send([b"h", b"body"])
+    drain_one = None
+    for _ in range(1000):
+        b.fill()
+        if b.messages:
+            drain_one = b.messages.popleft()
+            break
+    assert type(drain_one[0]) is bytes and drain_one[1].readonly
+
+
+def test_a_send_the_kernel_cannot_take_is_kept_copied_and_sent_later():
+    a, b = pair()
+    buf = bytearray(b"y" * (8 << 20))  # far more than a socket buffer holds
+    a.send([b"h", buf])
+    assert a.pending > 0, "the kernel took only part of it"
+    buf[:] = b"z" * len(buf)  # the caller may reuse its buffer once send returns
+    assert drain(a, b, 1) == [[b"h", b"y" * (8 << 20)]]
+    assert a.pending == 0
+
+
+def test_numpy_frames_are_sent_by_their_bytes():
+    a, b = pair()
+    arr = np.arange(12, dtype=np.float64).reshape(3, 4)
+    a.send([b"h", arr])
+    (msg,) = drain(a, b, 1)
+    np.testing.assert_array_equal(np.frombuffer(msg[1], np.float64), arr.ravel())
+
+
+@pytest.mark.parametrize("head", [struct.pack("<I", 0), struct.pack("<I", local.MAX_FRAMES + 1),
+                                  struct.pack("<IQ", 1, 1 << 20)])
+def test_what_no_message_is_closes_the_connection(head):
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = local.LocalConn(b, max_frame=4096)
+    a.sendall(head + b"\0" * 64)
+    assert conn.fill() is False and not conn.open and not conn.messages
+
+
+def test_a_peer_that_closes_ends_the_connection_and_whole_messages_stay():
+    a, b = pair()
+    a.send([b"last"])
+    a.close()
+    b.fill()  # (the message; a read that comes up short stops before the close is seen)
+    assert b.fill() is False and not b.open
+    assert [bytes(f) for f in b.messages.popleft()] == [b"last"]
+    with pytest.raises(ConnectionError):
+        a.send([b"x"])
+
+
+# ---------------------------------------------------------------------------------------------- the greeting
+def test_only_the_secret_granted_to_a_peer_connects_and_only_once():
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
+        chan = server._chan
+        name, secret = chan.grant_local(b"\x00peer")
+        with pytest.raises(OSError):
+            local.connect(name, "0" * 32, timeout=5)  # no secret of the shard's
+        conn = local.connect(name, secret, timeout=5)
+        conn.close()
+        with pytest.raises(OSError):
+            local.connect(name, secret, timeout=5)  # a secret is good for one connection
+        with pytest.raises(OSError):
+            local.connect("psrt-" + "0" * 24, secret, timeout=5)  # no such listener (another host)
+
+
+def test_a_worker_without_a_lane_is_refused_a_local_connection():
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
+        with psrt.Client([server.endpoint], config=ClientConfig(timeout=20)) as c:
+            c.init({"w": np.zeros(4, np.float32)})
+            sender = c._senders[0]
+            with pytest.raises(psrt.ServerError, match="local connections are for workers with"):
+                sender.ask(wire.encode_local_open)
+            assert server.counters.errors == 0  # an answer, not a fault of the traffic
+
+
+# ---------------------------------------------------------------------------------------------- real calls
+@needs_shm(64)
+def test_a_worker_with_a_lane_switches_to_a_local_connection_and_ends_exact():
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
+        with psrt.Client([server.endpoint], config=ClientConfig(timeout=20)) as c:
+            c.init({"w": np.zeros(BIG, np.float32), "s": np.zeros(3, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+            channel = c._calls.channels[0]
+            handles = []
+            for step in range(20):
+                grads = {"w": np.full(BIG, 1.0, np.float32), "s": np.full(3, 2.0, np.float32)}
+                if step % 4 == 3:  # several in flight: the switch waits for none to be outstanding
+                    handles += [c.push_pull_async(grads), c.push_async({"s": grads["s"]})]
+                    for h in handles:
+                        h.wait()
+                    handles = []
+                else:
+                    c.push_pull(grads)
+            out = c.pull()
+            assert channel.local_connected and server._chan.local_peers == 1
+            stats = c.stats()[0]
+            assert stats["local_peers"] == 1 and stats["local_messages"] >= 20
+            c.init_embedding("e", dim=8, optimizer=psrt.SGD(lr=1.0), init="zeros")
+            ids = np.arange(5000) % 3000
+            c.push_rows("e", ids, np.ones((5000, 8), np.float32))
+            rows = c.pull_rows("e", np.array([0, 2999, 1]))
+        assert server.counters.errors == 0
+    steps_w, steps_s = 20, 25  # every push_pull and push applied once
+    assert np.all(out["w"] == -steps_w) and np.all(out["s"] == -2.0 * steps_s)
+    # Rows 0..1999 were pushed twice (the ids repeat), 2000..2999 once, from zeros with SGD at lr 1.
+    np.testing.assert_array_equal(rows, np.array([[-2.0] * 8, [-1.0] * 8, [-2.0] * 8], np.float32))
+
+
+@needs_shm(64)
+def test_sockets_only_keeps_a_worker_off_local_connections():
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
+        with psrt.Client([server.endpoint], config=ClientConfig(timeout=20, shm=False)) as c:
+            c.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+            for _ in range(3):
+                out = c.push_pull({"w": np.ones(BIG, np.float32)})
+            assert not c._calls.channels[0].local_connected and c.stats()[0]["local_messages"] == 0
+    assert np.all(out["w"] == -3.0)
+
+
+@needs_shm(64)
+def test_a_broken_local_connection_sends_the_next_requests_over_zeromq():
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
+        with psrt.Client([server.endpoint], config=ClientConfig(timeout=20)) as c:
+            c.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+            c.push_pull({"w": np.ones(BIG, np.float32)})
+            c.push_pull({"w": np.ones(BIG, np.float32)})
+            channel = c._calls.channels[0]
+            assert channel.local_connected
+            channel._conn.sock.shutdown(socket.SHUT_RDWR)  # broken under it, nothing in flight
+            for _ in range(3):
+                out = c.push_pull({"w": np.ones(BIG, np.float32)})
+            assert not channel.local_connected
+    assert np.all(out["w"] == -5.0)
+
+
+def test_a_connection_that_never_greets_is_closed(monkeypatch):
+    from psrt import transport
+
+    monkeypatch.setattr(transport, "_GREET_S", 0.0)
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
+        name, secret = server._chan.grant_local(b"\x00peer")
+        stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stranger.connect("\0" + name)
+        time.sleep(0.5)  # the shard's loop takes it in (its listener is polled from the next wait on)
+        local.connect(name, secret, timeout=5).close()  # the next connection: the silent one is closed
+        stranger.settimeout(5)
+        assert stranger.recv(1) == b""
+        stranger.close()
