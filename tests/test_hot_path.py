@@ -21,6 +21,7 @@ from psrt.config import ClientConfig, ServerConfig, WireLimits
 from psrt.errors import ProtocolError
 from psrt.shard.pulls import PullQueue, Waiter
 from psrt.wire import data, replies
+from psrt.wire import rows as rows_wire
 from psrt.wire.codec import pack_header
 
 LIMITS = WireLimits()
@@ -720,3 +721,74 @@ def test_a_push_applied_at_once_is_answered_and_applied_as_by_the_general_path(m
         assert fast[3] < 12
     if mode == "async" and members is None and finished is None and nonfinite == "reject":
         assert fast[2]["pushes"] == 18 and fast[2]["duplicates"] == 2 and fast[2]["errors"] == 5
+
+
+# Embedding rows over a lane: every call sends a request to every shard, decoded by a short path
+# (psrt.wire.rows._lane_rows, _lane_rows_reply) that must agree with the general one on any header.
+def _norm(record: Any) -> Any:
+    """A decoded record as plain values (its arrays by dtype, shape and values), or the error as it was."""
+    if isinstance(record, tuple):
+        return record
+    out = {"type": type(record).__name__}
+    for key, value in vars(record).items():
+        out[key] = (str(value.dtype), value.shape, value.tolist()) if isinstance(value, np.ndarray) else value
+    return out
+
+
+def _general_rows(decode: Any, *args: Any) -> Any:
+    with mock.patch.object(rows_wire, "_lane_rows", lambda *a: None), \
+            mock.patch.object(rows_wire, "_lane_rows_reply", lambda *a: None):
+        return decode(*args)
+
+
+_ODD = (st.integers(-2, 3) | st.integers(2**63 - 2, 2**64 - 1) | st.booleans() | st.none() | st.text(max_size=3)
+        | st.floats(allow_nan=False) | st.lists(st.integers(-1, 2**64 - 1), max_size=3)
+        | st.tuples(st.integers(-1, 2**64 - 1), st.lists(st.integers(-1, 2**64 - 1), max_size=3),
+                    st.lists(st.integers(-1, 2**64 - 1), max_size=3)).map(list))
+_ROW_REQUESTS = {
+    "pull_rows": {"v": wire.PROTOCOL_VERSION, "op": "pull_rows", "id": 7, "worker": 1, "table": "emb",
+                  "min_version": 3, "clock": 2, "count": 1120, "lane": [4, [4096], [20480]]},
+    "push_rows": {"v": wire.PROTOCOL_VERSION, "op": "push_rows", "id": 7, "worker": 1, "session": 9, "seq": 5,
+                  "clock": 2, "table": "emb", "dim": 16, "dtype": "<f4", "count": 1120,
+                  "lane": [4, [4096, 20480], []]},
+}
+
+
+@_HSETTINGS
+@given(op=st.sampled_from(sorted(_ROW_REQUESTS)), data=st.data(), drop=st.booleans(), extra=st.booleans(),
+       frame=st.booleans(), limits=st.sampled_from([LIMITS, WireLimits(max_name_len=2),
+                                                    WireLimits(max_tensor_bytes=4096)]))
+def test_a_row_request_over_a_lane_decodes_by_the_short_path_as_by_the_general_one(op, data, drop, extra, frame,
+                                                                                   limits):
+    header = dict(_ROW_REQUESTS[op])
+    field = data.draw(st.sampled_from(sorted(header)))
+    if drop:
+        del header[field]
+    else:
+        header[field] = data.draw(_ODD | st.sampled_from(["pull_rows", "push_rows", "<f2", "int8", "bf16"]))
+    if extra:
+        header[data.draw(st.sampled_from(["base", "session", "extra"]))] = data.draw(_ODD)
+    frames = [msgpack.packb(header), *([b"\0" * 8] if frame else [])]
+    assert _norm(_outcome(wire.decode_request, frames, limits)) == \
+        _norm(_outcome(_general_rows, wire.decode_request, frames, limits))
+    valid = [msgpack.packb(_ROW_REQUESTS[op])]
+    assert _norm(_outcome(wire.decode_request, valid, limits)) == \
+        _norm(_outcome(_general_rows, wire.decode_request, valid, limits))
+    if limits is LIMITS:
+        assert wire.decode_request(valid, limits).lane is not None
+
+
+@_HSETTINGS
+@given(data=st.data(), drop=st.booleans(), limits=st.sampled_from([LIMITS, WireLimits(max_name_len=2),
+                                                                  WireLimits(max_tensor_bytes=4096)]))
+def test_a_rows_reply_over_a_lane_decodes_by_the_short_path_as_by_the_general_one(data, drop, limits):
+    header = {"v": wire.PROTOCOL_VERSION, "op": "rows", "id": 7, "table": "emb", "dim": 16, "dtype": "<f4",
+              "count": 1120, "version": 3, "lane": 4}
+    field = data.draw(st.sampled_from(sorted(header)))
+    if drop:
+        del header[field]
+    else:
+        header[field] = data.draw(_ODD | st.sampled_from(["rows", "<f8", "int8"]))
+    packed = msgpack.packb(header)
+    assert _norm(_outcome(wire.decode_reply, packed, limits)) == \
+        _norm(_outcome(_general_rows, wire.decode_reply, packed, limits))

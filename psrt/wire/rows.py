@@ -69,6 +69,9 @@ _ROWS = frozenset({"v", "op", "id", "table", "dim", "dtype", "count", "version"}
 _ROWS_LANE = _ROWS | {"lane"}
 #: The ops that may travel over a shared-memory lane, with their ``(inputs, outputs)`` areas.
 _LANE_AREAS = {"push_rows": (2, 0), "pull_rows": (1, 1)}
+#: The fields of the usual row requests over a lane (no ``base``), which :func:`_lane_rows` decodes inline.
+_PULL_ROWS_LANE = REQUEST_FIELDS["pull_rows"] | {"lane"}
+_PUSH_ROWS_LANE = REQUEST_FIELDS["push_rows"] | {"lane"}
 
 
 @dataclass
@@ -209,6 +212,8 @@ def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLi
         When a field is missing, extra or out of range, or a frame's size does not match the header.
     """
     op = h["op"]
+    if "lane" in h and op in _LANE_AREAS and (req := _lane_rows(h, buffers, limits)) is not None:  # every call's
+        return req
     base = uint(h, "base") if op == "push_rows" and "base" in h else None  # (optional: backup workers)
     if base is not None:
         del h["base"]
@@ -251,6 +256,72 @@ def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLi
                             _real(h, "a"), _real(h, "b"), uint(h, "seed"), num_rows, rows, _policy(h))
 
 
+def _lane_ok(lane: Any, inputs: int, outputs: int) -> bool:
+    """Whether ``lane`` is ``[generation, inputs, outputs]`` as :func:`psrt.wire.lanes.lane_ref` accepts it."""
+    if type(lane) is not list or len(lane) != 3:
+        return False
+    generation, ins, outs = lane
+    if type(generation) is not int or not 0 <= generation <= MAX_U63 or type(ins) is not list \
+            or type(outs) is not list or len(ins) != inputs or len(outs) != outputs:
+        return False
+    for offset in ins + outs:
+        if type(offset) is not int or not 0 <= offset <= MAX_U63:
+            return False
+    return True
+
+
+def _lane_rows(h: dict[str, Any], buffers: Sequence[Any], limits: WireLimits) -> Any:
+    """A ``pull_rows`` or ``push_rows`` over a lane (without ``base``), every field checked as the general path
+    checks it, with less Python per field (a row call sends a message to every shard); None when anything is
+    unusual, and the general path then says what."""
+    op = h["op"]
+    keys = h.keys()
+    if buffers or not (keys == _PULL_ROWS_LANE or keys == _PUSH_ROWS_LANE):
+        return None
+    rid, worker, clock, count, table = h["id"], h["worker"], h["clock"], h["count"], h["table"]
+    if not (type(rid) is int and type(worker) is int and type(clock) is int and type(count) is int
+            and type(table) is str and 0 <= rid <= MAX_U63 and 0 <= worker <= MAX_WORKER and 0 <= clock <= MAX_U63
+            and 0 <= count <= limits.max_tensor_bytes // IDS_DTYPE.itemsize
+            and 0 < len(table) <= limits.max_name_len):
+        return None
+    lane = h["lane"]
+    if op == "pull_rows" and keys == _PULL_ROWS_LANE:
+        version = h["min_version"]
+        if type(version) is not int or not 0 <= version <= MAX_U63 or not _lane_ok(lane, 1, 1):
+            return None
+        return PullRowsRequest(table, 0, IDS_DTYPE, _NO_IDS, rid, worker, version, clock,
+                               LaneRef(lane[0], lane[1], lane[2]), count)
+    if op != "push_rows" or keys != _PUSH_ROWS_LANE:
+        return None
+    session, seq, dim = h["session"], h["seq"], h["dim"]
+    dtype = dtypes.from_wire_name(h["dtype"])
+    if not (type(session) is int and type(seq) is int and type(dim) is int and 0 <= session <= MAX_U63
+            and 0 <= seq <= MAX_U63 and 1 <= dim <= MAX_ROW_DIM and dtype is not None
+            and count * dim * dtype.itemsize <= limits.max_tensor_bytes and _lane_ok(lane, 2, 0)):
+        return None
+    return PushRowsRequest(table, dim, dtype, _NO_IDS, rid, worker, session, seq, np.empty((0, dim), dtype), clock,
+                           None, LaneRef(lane[0], lane[1], lane[2]), count)
+
+
+def _lane_rows_reply(h: dict[str, Any], limits: WireLimits) -> Optional[RowsReply]:
+    """A ``rows`` reply over a lane, every field checked as :func:`decode_rows_reply` checks it, inline; None when
+    anything is unusual (the general path then says what)."""
+    rid, table, dim, count, version, lane = h["id"], h["table"], h["dim"], h["count"], h["version"], h["lane"]
+    dtype = dtypes.from_wire_name(h["dtype"])
+    if (type(rid) is int and type(table) is str and type(dim) is int and type(count) is int and type(version) is int
+            and type(lane) is int and dtype is not None and 0 <= rid <= MAX_U63
+            and 0 < len(table) <= limits.max_name_len and 1 <= dim <= MAX_ROW_DIM
+            and 0 <= count <= limits.max_tensor_bytes // IDS_DTYPE.itemsize
+            and count * dim * dtype.itemsize <= limits.max_tensor_bytes and 0 <= version <= MAX_U63
+            and 0 <= lane <= MAX_U63):
+        return RowsReply(rid, table, dim, dtype, count, version, lane)
+    return None
+
+
+#: The (empty) ids of a request over a lane until the shard binds them.
+_NO_IDS = np.empty(0, IDS_DTYPE)
+_NO_IDS.flags.writeable = False
+
 _POLICY = frozenset({"admit_after", "capacity", "ttl", "max_pending"})
 
 
@@ -271,6 +342,8 @@ def _policy(h: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 def decode_rows_reply(h: dict[str, Any], limits: WireLimits) -> RowsReply:
     """Check a ``rows`` reply's header (its frame is received by the caller, straight into place)."""
+    if h.keys() == _ROWS_LANE and (reply := _lane_rows_reply(h, limits)) is not None:  # every call's: short path
+        return reply
     check_fields("rows", h, _ROWS_LANE if "lane" in h else _ROWS)
     table, dim, dtype, count = _shape(h, limits)
     return RowsReply(uint(h, "id"), table, dim, dtype, count, uint(h, "version"),
