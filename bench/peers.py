@@ -99,6 +99,12 @@ torch.distributed.rpc
     so TensorPipe would move tensors between them through shared memory and cross-memory attach; every rank
     therefore uses ``TensorPipeRpcBackendOptions(_transports=["uv"], _channels=["basic"])`` and has
     ``TP_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` set to its host's interface.
+zmq
+    Not a parameter server: the transport alone, as a ceiling. On each shard host a bare pyzmq ROUTER sends every
+    message straight back (zero-copy), and on each worker host one process sends each shard its even part of the
+    gradient (zero-copy, a DEALER per shard) and copies each echo into an array of its own, every step: the bytes
+    a step moves over each link, with no sum, no round, no optimizer and no waiting for the other workers. Both
+    run ``psrt.tune_allocator()``. Its row says what ZeroMQ itself carries over these links on this machine.
 Ray
     A Ray cluster over the hosts: ``ray start --head --node-ip-address=<ip> --num-cpus=0`` on an extra host
     ``head``, which also runs the driver, and ``ray start --address=... --num-cpus=1 --resources='{"host_NAME":
@@ -181,7 +187,7 @@ TARGET = 1.5
 STOPPED = re.compile(r"psrt-server stopped .*")
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: ``--emulated``: its systems, its default workloads (elements, W, S, timed steps) and its default link.
-EMULATED_SYSTEMS = ("psrt", "psrt-whole", "torch", "ray")
+EMULATED_SYSTEMS = ("psrt", "psrt-whole", "torch", "ray", "zmq")
 EMULATED_WORKLOADS = ((1_000_000, 4, 2, 50), (10_000_000, 4, 2, 20))
 EMULATED_LINK = "1gbit"
 #: The port every emulated host's shard, rendezvous or Ray head listens on (each system gets fresh hosts).
@@ -189,6 +195,7 @@ PORT = 29500
 #: The name VirtualCluster gives each host's end of its veth pair, inside the host's namespace.
 IFNAME = "eth0"
 RAY_STARTED = re.compile(r"Ray runtime started")
+ECHO_READY = re.compile(r"zmq-echo ready at (\S+)")
 
 
 @dataclass
@@ -444,6 +451,15 @@ def run_role(role: str, fields: dict[str, Any]) -> int:
 
         _torch_ps.run_rank(fields["rank"], workload, fields["port"], True, _Printer(), host=fields["host"])
         return 0
+    if role == "zmq-echo":
+        _zmq_echo(fields["bind"])
+        return 0
+    if role == "zmq-worker":
+        try:
+            _Printer.put(_zmq_worker(workload, fields["endpoints"], fields["rank"], fields["start_at"]))
+        except BaseException:
+            _Printer.put({"rank": fields["rank"], "error": traceback.format_exc()})
+        return 0
     if role == "ray-driver":
         try:
             _Printer.put(_ray_driver(workload, fields["address"], fields["nodes"]))
@@ -451,6 +467,63 @@ def run_role(role: str, fields: dict[str, Any]) -> int:
             _Printer.put({"rank": "driver", "error": traceback.format_exc()})
         return 0
     raise BenchError(f"unknown role {role!r}")
+
+
+def _zmq_echo(bind: str) -> None:
+    """The transport alone, a shard host's side: a bare ROUTER sending every message straight back, zero-copy,
+    until its parent stops it."""
+    import zmq
+
+    from psrt import tune_allocator
+
+    tune_allocator()
+    sock = zmq.Context().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(bind)
+    print(f"zmq-echo ready at {bind}", flush=True)
+    while True:
+        if sock.poll(1000):
+            sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+
+
+def _zmq_worker(workload: Workload, endpoints: list[str], rank: int, start_at: float) -> dict[str, Any]:
+    """The transport alone, a worker host's side: each step, each shard's even part of the gradient out
+    (zero-copy) and its echo copied into an array of this process's, as a client's push_pull moves them; the
+    timed steps start at ``start_at`` (wall clock) on every worker at once. The check: every echo is what was
+    sent."""
+    import zmq
+
+    from psrt import tune_allocator
+
+    tune_allocator()
+    context = zmq.Context()
+    socks = []
+    for endpoint in endpoints:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        socks.append(sock)
+    parts = np.array_split(workload.gradient(rank), len(endpoints))
+    echoes = [np.empty_like(p) for p in parts]
+    wait_ms = int(workload.timeout * 1000)
+
+    def step() -> None:
+        for sock, part in zip(socks, parts):
+            sock.send(part, copy=False)
+        for sock, echo in zip(socks, echoes):
+            if not sock.poll(wait_ms):
+                raise BenchError(f"no echo within {workload.timeout:g}s")
+            echo[:] = np.frombuffer(sock.recv(copy=False), echo.dtype)
+
+    step()  # warm-up (and every connection made)
+    time.sleep(max(0.0, start_at - time.time()))
+    t0 = time.monotonic()
+    for _ in range(workload.steps):
+        step()
+    t1 = time.monotonic()
+    ok = all(np.array_equal(e, p) for e, p in zip(echoes, parts))
+    context.destroy(linger=0)
+    return {"rank": rank, "t0": t0, "t1": t1, "ok": ok, "max_err": 0.0, "tol": 0.0}
 
 
 def _ray_driver(workload: Workload, address: str, nodes: int) -> dict[str, Any]:
@@ -577,6 +650,35 @@ def run_torch_hosts(vc: Any, workload: Workload) -> Outcome:
     return outcome
 
 
+def run_zmq_hosts(vc: Any, workload: Workload) -> Outcome:
+    """The transport alone (not a parameter server): a bare pyzmq echo on each shard host, and on each worker
+    host a process sending each shard its part of the gradient and copying the echoes in, every step."""
+    deadline = time.monotonic() + workload.timeout
+    outcome = Outcome("zmq")
+    echoes: list[Child] = []
+    workers: list[Child] = []
+    try:
+        for k in range(workload.servers):
+            bind = f"tcp://{vc.address(f's{k}')}:{PORT}"
+            echoes.append(vc.spawn(f"s{k}", _role_command("zmq-echo", workload=asdict(workload), bind=bind),
+                                   ready=ECHO_READY, label=f"zmq echo {k}"))
+        for echo in echoes:
+            _ready(echo, deadline, "zmq")
+        endpoints = [e.endpoint for e in echoes]
+        start_at = time.time() + 5.0  # every worker process started and connected by then
+        workers += [vc.spawn(f"w{r}", _role_command("zmq-worker", workload=asdict(workload), endpoints=endpoints,
+                                                      rank=r, start_at=start_at), label=f"zmq worker {r}")
+                    for r in range(workload.workers)]
+        got = _gather(workers, workload.workers, deadline, "zmq")
+    finally:
+        stop_children(workers, grace=10.0)
+        stop_children(echoes, grace=2.0)
+    outcome.rate, outcome.timed_s = _rate(workload, got)
+    _merge_checks(outcome, got)
+    outcome.detail = "the transport alone: echoes, no sum, no round, no optimizer"
+    return outcome
+
+
 def run_ray_hosts(vc: Any, workload: Workload) -> Outcome:
     """Ray, one node per host: ``ray start --head`` and the driver on host ``head``, a node on every shard and
     worker host, each offering a custom resource ``host_NAME`` that places one actor there."""
@@ -629,7 +731,7 @@ def run_ray_hosts(vc: Any, workload: Workload) -> Outcome:
 
 EMULATED_RUNNERS: dict[str, Callable[[Any, Workload], Outcome]] = {
     "psrt": run_psrt_hosts, "psrt-whole": lambda vc, workload: run_psrt_hosts(vc, workload, "psrt-whole"),
-    "torch": run_torch_hosts, "ray": run_ray_hosts}
+    "torch": run_torch_hosts, "ray": run_ray_hosts, "zmq": run_zmq_hosts}
 
 
 def _mb(n: float) -> str:
@@ -692,6 +794,9 @@ def _run_emulated_workload(workload: Workload, systems: list[str], link: str) ->
     _print_emulated_table(outcomes, floor, traffic, payload)
     if ratio is not None:
         print(f"plain psrt / the faster peer ({best.system}): {ratio:.2f}x")
+    echo = outcomes.get("zmq")
+    if psrt is not None and psrt.status == "ok" and echo is not None and echo.status == "ok" and echo.rate > 0:
+        print(f"plain psrt / the transport alone (zmq): {psrt.rate / echo.rate:.2f}x")
     return {"workload": asdict(workload), "link": link, "link_bits": link_bits, "floor": floor,
             "payload_bytes_per_shard_link": payload,
             "systems": {n: {**asdict(o), "to_floor": o.rate / floor["rate"] if o.status == "ok" else None,
@@ -807,7 +912,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link", metavar="RATE",
                    help=f"with --emulated: every host's link, each way, e.g. 1gbit or 500mbit "
                         f"(default {EMULATED_LINK})")
-    p.add_argument("--role", choices=("psrt-worker", "torch-rank", "ray-driver"), help=argparse.SUPPRESS)
+    p.add_argument("--role", choices=("psrt-worker", "torch-rank", "ray-driver", "zmq-echo", "zmq-worker"),
+                   help=argparse.SUPPRESS)
     p.add_argument("--role-args", default="{}", help=argparse.SUPPRESS)
     return p
 

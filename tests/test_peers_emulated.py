@@ -47,7 +47,7 @@ def test_link_floor_is_the_shard_links_payload_at_the_link_rate():
 @pytest.mark.parametrize("args, message", [
     (["--link", "1gbit"], "--link applies only with --emulated"),
     (["--emulated", "--link", "fast"], "is not a rate such as 1gbit"),
-    (["--emulated", "--systems", "psrt-tuned"], "subset of psrt,psrt-whole,torch,ray with --emulated"),
+    (["--emulated", "--systems", "psrt-tuned"], "subset of psrt,psrt-whole,torch,ray,zmq with --emulated"),
     (["--emulated", "--torch-transport", "tcp"], "--emulated always limits TensorPipe to TCP"),
 ])
 def test_emulated_options_are_checked(args, message):
@@ -112,6 +112,27 @@ def test_emulated_psrt_and_torch_cross_the_links_and_train_correctly(tmp_path):
     assert workload["psrt_to_best_peer"] == pytest.approx(workload["systems"]["psrt"]["rate"]
                                                           / workload["systems"]["torch"]["rate"])
     assert "plain psrt / the faster peer (torch)" in output
+
+
+@pytest.mark.integration
+@needs_namespaces
+def test_the_transport_alone_echoes_every_byte_across_the_links(tmp_path):
+    """The ``zmq`` row (the transport's ceiling, not a peer): every echo is what was sent, the bytes crossed the
+    shard hosts' shaped links both ways, and it is never taken for the faster peer."""
+    out = tmp_path / "emulated.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "peers.py"), "--emulated", "--link", "1gbit",
+                           "--elements", "256K", "--workers", "2", "--servers", "2", "--steps", "3",
+                           "--systems", "psrt,zmq", "--timeout", "120", "--json", str(out)],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    (workload,) = json.loads(out.read_text())["workloads"]
+    row = workload["systems"]["zmq"]
+    assert row["status"] == "ok" and row["check_ok"] is True and row["rate"] > 0, row
+    tensor_bytes = (3 + 1) * 2 * 4 * (256 << 10)  # warm-up and timed steps, both workers, the whole tensor
+    for way in ("in", "out"):
+        assert sum(c[way] for c in row["shard_link_bytes"].values()) >= tensor_bytes, row["shard_link_bytes"]
+    assert workload["psrt_to_best_peer"] is None and workload["best_peer"] is None
+    assert "plain psrt / the transport alone (zmq)" in proc.stdout
 
 
 @pytest.mark.integration

@@ -354,6 +354,12 @@ class RouterChannel:
         self._conns: dict[int, local.LocalConn] = {}
         self._by_identity: dict[bytes, local.LocalConn] = {}
         self._arrived: deque[tuple[bytes, list[Any]]] = deque()
+        # What a wait polls once a listener exists (rebuilt as connections come and go), the connections with
+        # replies kept back (polled for room too), and whether the last wait found the ZeroMQ socket readable
+        # (else a receive does not try it: a receive that finds nothing costs pyzmq an exception).
+        self._local_items: Optional[list[Any]] = None
+        self._pending: set[local.LocalConn] = set()
+        self._zmq_waiting = True
         #: Messages received over local connections (greetings aside).
         self.local_messages = 0
 
@@ -397,12 +403,16 @@ class RouterChannel:
         Frames are received zero-copy and are read-only; the first, a header, comes as ``bytes`` when it is under
         :data:`ZERO_COPY_BYTES`.
         """
-        if self._arrived:
-            return self._arrived.popleft()
+        if self._listener is not None:
+            if self._arrived:
+                return self._arrived.popleft()
+            if not self._zmq_waiting:
+                return None
         recv = self.sock.recv
         try:
             identity = recv(_NOBLOCK)  # a few bytes: a copy costs less than a zmq.Frame
         except zmq.Again:
+            self._zmq_waiting = False
             return None
         # A ROUTER puts the peer's identity before every message, which has at least one frame. Each zmq.Frame
         # knows whether more follow: cheaper than recv_multipart's RCVMORE query per frame.
@@ -548,15 +558,18 @@ class RouterChannel:
             timeout = 0.0
         listener = self._listener
         assert listener is not None
-        items: list[Any] = [*self._wait_items, (listener.fd, _POLLIN)]
-        for fd, conn in self._conns.items():
-            items.append((fd, _POLLIN | _POLLOUT) if conn.pending else (fd, _POLLIN))
-        items.extend((s, _POLLIN) for s in also)
+        items = self._local_items
+        if items is None:
+            items = self._local_items = [*self._wait_items, (listener.fd, _POLLIN),
+                                         *((fd, _POLLIN) for fd in self._conns)]
+        if self._pending or also:
+            items = [*items, *((c.fd, _POLLOUT) for c in self._pending), *((s, _POLLIN) for s in also)]
         mine = False
         for s, events in zmq.zmq_poll(items, _ms(timeout)):
             if type(s) is not int:
                 mine = mine or s is self.sock or s is self._closes
             elif s == listener.fd:
+                self._local_items = None
                 accepted = listener.accept()
                 now = time.monotonic()
                 for fd, conn in list(self._conns.items()):
@@ -575,7 +588,8 @@ class RouterChannel:
                     continue
                 if events & _POLLOUT:
                     try:
-                        conn.flush()
+                        if conn.flush():
+                            self._pending.discard(conn)
                     except ConnectionError:
                         pass
                 if events & _POLLIN or not conn.open:
@@ -583,6 +597,7 @@ class RouterChannel:
                     self._take_local(conn)
                 if not conn.open:
                     self._forget_local(conn)
+        self._zmq_waiting = mine
         return mine or bool(self._arrived)
 
     def _take_local(self, conn: local.LocalConn) -> None:
@@ -614,6 +629,8 @@ class RouterChannel:
 
     def _forget_local(self, conn: local.LocalConn) -> None:
         self._conns.pop(conn.fd, None)
+        self._pending.discard(conn)
+        self._local_items = None
         if conn.identity is not None and self._by_identity.get(conn.identity) is conn:
             del self._by_identity[conn.identity]  # (its replies go over ZeroMQ again)
 
@@ -634,6 +651,8 @@ class RouterChannel:
                     if left <= 0:
                         raise SendDropped(f"a local peer took no reply for {self._send_timeout:g}s")
                     zmq.zmq_poll([(conn.fd, _POLLOUT)], _ms(min(left, 0.1), 1))
+            if conn.pending:
+                self._pending.add(conn)  # (the next waits poll for room and send the rest)
         except ConnectionError:
             self._forget_local(conn)
             return False
@@ -711,8 +730,6 @@ class DealerChannel:
         self._conn: Optional[local.LocalConn] = None
         self._cur: Optional[list[Any]] = None
         self._cur_i = 0
-        #: Requests sent and not yet answered (every request has one reply).
-        self._outstanding = 0
         #: Whether a local connection was asked for since the peer was last (re)started; see :meth:`attach_local`.
         self.local_tried = False
         # Socket buffers are left to the kernel's autotuning: setting SO_SNDBUF/SO_RCVBUF turns autotuning off and
@@ -773,10 +790,7 @@ class DealerChannel:
         # monitor (Poller), so only a channel that never connected pays for reading its event flags per send.
         if self._failure is not None or (not self.connections and self.monitor.getsockopt(_EVENTS) & _POLLIN):
             self.check_handshake()
-        if self._ready is not None and not self._outstanding:
-            self._switch()
         if self._conn is not None and self._send_local(frames, timeout):
-            self._outstanding += 1
             return
         if timeout != self._send_timeout:  # (a client sends with the same timeout every time)
             timeout_ms = _ms(timeout, 1)
@@ -790,7 +804,6 @@ class DealerChannel:
                 _SEND(self.sock, frames[1], 0, True, False)
             else:
                 _send_frames(self.sock, frames, track=False)
-            self._outstanding += 1
         except zmq.Again:
             self.check_handshake()  # the handshake may have failed while the send waited
             raise ShardTimeoutError(
@@ -845,7 +858,6 @@ class DealerChannel:
         frame = self.sock.recv(_NOBLOCK, copy=False)
         self._more = frame.more  # a received zmq.Frame knows; asking the socket costs a getsockopt
         self._cur = None
-        self._outstanding -= 1
         return frame.bytes
 
     def try_recv_frame(self, look: bool = False) -> Optional[bytes]:
@@ -865,7 +877,6 @@ class DealerChannel:
             return None
         self._more = frame.more
         self._cur = None
-        self._outstanding -= 1
         return frame.bytes
 
     def more(self) -> bool:
@@ -921,8 +932,9 @@ class DealerChannel:
 
     # ------------------------------------------------------------------ local connection
     def attach_local(self, name: str, secret: str, timeout: float) -> None:
-        """Connect to the shard's local listener ``name`` with ``secret`` (its ``local`` answer); the requests
-        sent from the first moment none is outstanding then take that connection (:mod:`psrt.transport.local`).
+        """Connect to the shard's local listener ``name`` with ``secret`` (its ``local`` answer); requests take
+        that connection once the caller, with none outstanding, says :meth:`switch_local`
+        (:mod:`psrt.transport.local`).
 
         Raises
         ------
@@ -940,6 +952,20 @@ class DealerChannel:
         """Whether requests now take a local connection."""
         return self._conn is not None
 
+    @property
+    def local_ready(self) -> bool:
+        """Whether a local connection is attached and waits for :meth:`switch_local`."""
+        return self._ready is not None
+
+    def switch_local(self) -> None:
+        """Send the requests from now on over the attached local connection. The caller has no request to the
+        peer outstanding, so every reply to what went over ZeroMQ is in and nothing sent over the two can cross
+        (a late reply to an abandoned call may still come over ZeroMQ: a wait reads both)."""
+        if self._ready is not None:
+            self._conn, self._ready = self._ready, None
+            if self.watcher is not None:
+                self.watcher.relocal()
+
     def reset_local(self) -> None:
         """Stop using the local connection (the peer restarted or moved): requests go over ZeroMQ, and a new one
         may be asked for (:attr:`local_tried` is False again)."""
@@ -949,14 +975,7 @@ class DealerChannel:
         had = self._conn is not None
         self._ready = self._conn = self._cur = None
         self.local_tried = False
-        self._outstanding = 0  # (what was unanswered is sent again, and counted again)
         if had and self.watcher is not None:
-            self.watcher.relocal()
-
-    def _switch(self) -> None:
-        # Nothing outstanding: every reply to what went over ZeroMQ is in, so nothing can cross.
-        self._conn, self._ready = self._ready, None
-        if self.watcher is not None:
             self.watcher.relocal()
 
     def _lost_local(self) -> None:
@@ -984,7 +1003,6 @@ class DealerChannel:
         assert conn is not None
         self._cur = conn.messages.popleft()
         self._cur_i = 1
-        self._outstanding -= 1
         return self._cur[0]
 
     def _send_local(self, frames: Sequence[Any], timeout: float) -> bool:

@@ -305,6 +305,10 @@ class ShardCalls:
                 request.abandon()
         handle._outstanding.clear()
 
+    def outstanding(self, shard: int) -> bool:
+        """Whether a request to ``shard`` waits for its answer (a replicated job's early answer included)."""
+        return any(p.shard == shard for p in self._pending.values())
+
     def progress(self, handle: Handle, timeout: float, eager: bool = True) -> None:
         """Take in the replies that arrive within ``timeout`` seconds, whichever handle each answers (those queued
         behind the last one ``handle`` waits for stay queued for the next call); ``eager``: first try to receive

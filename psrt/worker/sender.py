@@ -110,6 +110,8 @@ class ShardSender:
         self._send(Request(handle, self, chunks, table, encode if resend is None else resend), encode)
 
     def _send(self, request: Request, encode: Encode) -> None:
+        if self._channel.local_ready and not self._calls.outstanding(self.shard):
+            self._channel.switch_local()  # (nothing of this client's to the shard in flight: nothing can cross)
         rid = self._calls.track(request)
         try:
             self._channel.send(encode(rid), self._timeout)
