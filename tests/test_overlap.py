@@ -114,11 +114,11 @@ def test_the_window_bounds_the_pushes_in_flight(monkeypatch, window):
         assert server.counters.pushes == 2 * (steps + warmup) * LAYERS
     assert [r["param0"] for r in results] == [sgd(steps + warmup)] * 2  # the same rounds, whatever the window
     assert {r["window"] for r in results} == {window or loadgen.DEFAULT_WINDOW}
-    for client in clients:
-        if window is not None:  # one tensor's bytes: a push leaves only once the one before it is answered
-            assert max(client.unanswered) == 0
-        else:  # 4 MiB: the whole model at once
-            assert max(client.unanswered) == LAYERS - 1
+    if window is not None:  # one tensor's bytes: a push leaves only once the one before it is answered
+        assert all(max(client.unanswered) == 0 for client in clients)
+    else:  # 4 MiB: the whole model at once. A client whose partner pushed first finds each round closing as it
+        # pushes (its answers may be in before its next push); the one that pushed first had them all in flight.
+        assert max(max(client.unanswered) for client in clients) == LAYERS - 1
 
 
 def test_the_window_needs_overlap_and_a_positive_size(capsys):

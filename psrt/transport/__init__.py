@@ -867,8 +867,9 @@ class DealerChannel:
         costs three times a read of the socket's event flags: its message is looked up and built). ``look``: read
         the flags first, for a caller that expects to find nothing more often than something.
         """
-        if self._conn is not None and self._local_waiting():
-            return self._local_head()
+        conn = self._conn
+        if conn is not None and (conn.messages or (not look and self._local_waiting())):
+            return self._local_head()  # (``look``: what has arrived and not been read waits for the next poll)
         if look and not _GET(self.sock, _EVENTS) & _POLLIN:
             return None
         try:
