@@ -1082,11 +1082,13 @@ class Poller:
         #: The channels whose requests take a local connection: ``(index, channel)``, and their descriptors.
         self._locals: list[tuple[int, DealerChannel]] = []
         self._by_fd: dict[int, int] = {}
+        self._local_items: list[Any] = []  # what _wait_local polls (each connection with requests kept back: +POLLOUT)
 
     def relocal(self) -> None:
         """A channel started or stopped using a local connection: wait on its descriptor, or no longer."""
         self._locals = [(i, ch) for i, ch in enumerate(self._channels) if ch._conn is not None]
         self._by_fd = {ch._conn.fd: i for i, ch in self._locals}  # type: ignore[union-attr]
+        self._local_items = [*self._items, *((fd, _POLLIN) for fd in self._by_fd)]
 
     def wait(self, timeout: float) -> list[int]:
         """Indices of the channels with a reply ready, after waiting at most ``timeout`` seconds.
@@ -1129,11 +1131,10 @@ class Poller:
             return ready
         deadline = time.monotonic() + timeout
         while True:
-            items: list[Any] = list(self._items)
-            for _, ch in self._locals:
-                conn = ch._conn
-                if conn is not None:
-                    items.append((conn.fd, _POLLIN | _POLLOUT) if conn.pending else (conn.fd, _POLLIN))
+            items = self._local_items
+            if any(ch._conn is not None and ch._conn.pending for _, ch in self._locals):
+                items = [*self._items, *((ch._conn.fd, _POLLIN | (_POLLOUT if ch._conn.pending else 0))
+                                         for _, ch in self._locals if ch._conn is not None)]
             left = deadline - time.monotonic()
             lost = []
             for s, events in zmq.zmq_poll(items, _ms(max(0.0, left))):
