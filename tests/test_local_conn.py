@@ -113,14 +113,26 @@ def test_only_the_secret_granted_to_a_peer_connects_and_only_once():
             local.connect("psrt-" + "0" * 24, secret, timeout=5)  # no such listener (another host)
 
 
-def test_a_worker_without_a_lane_is_refused_a_local_connection():
+def test_a_worker_without_the_beacon_token_is_refused_a_local_connection():
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
-        with psrt.Client([server.endpoint], config=ClientConfig(timeout=20)) as c:
+        with psrt.Client([server.endpoint], config=ClientConfig(timeout=20, shm=False)) as c:
             c.init({"w": np.zeros(4, np.float32)})
             sender = c._senders[0]
-            with pytest.raises(psrt.ServerError, match="local connections are for workers with"):
-                sender.ask(wire.encode_local_open)
+            with pytest.raises(psrt.ServerError, match="local connections are for workers of this host"):
+                sender.ask(lambda rid: wire.encode_local_open(rid, "0" * 32))  # (what a worker elsewhere shows)
+            assert not server._chan.local_peers
             assert server.counters.errors == 0  # an answer, not a fault of the traffic
+
+
+def test_a_shard_without_shared_memory_grants_no_local_connection():
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=False)) as server:
+        with psrt.Client([server.endpoint], config=ClientConfig(timeout=20)) as c:
+            c.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+            for _ in range(5):
+                out = c.push_pull({"w": np.ones(4, np.float32)})
+            assert c.stats()[0]["local_messages"] == 0 and not c._calls.channels[0].local_connected
+        assert server.counters.errors == 0
+    assert np.all(out["w"] == -5.0)
 
 
 # ---------------------------------------------------------------------------------------------- real calls
@@ -153,6 +165,26 @@ def test_a_worker_with_a_lane_switches_to_a_local_connection_and_ends_exact():
     assert np.all(out["w"] == -steps_w) and np.all(out["s"] == -2.0 * steps_s)
     # Rows 0..1999 were pushed twice (the ids repeat), 2000..2999 once, from zeros with SGD at lr 1.
     np.testing.assert_array_equal(rows, np.array([[-2.0] * 8, [-1.0] * 8, [-2.0] * 8], np.float32))
+
+
+@needs_shm(1)
+def test_small_calls_on_one_host_take_a_local_connection_without_a_lane():
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
+        with psrt.Client([server.endpoint], config=ClientConfig(timeout=20)) as c:
+            c.init({"w": np.zeros(1024, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+            for _ in range(10):
+                out = c.push_pull({"w": np.ones(1024, np.float32)})
+            c.push({"w": np.ones(1024, np.float32)})
+            c.init_embedding("e", dim=4, optimizer=psrt.SGD(lr=1.0), init="zeros")
+            c.push_rows("e", np.array([3, 3, 7]), np.ones((3, 4), np.float32))
+            rows = c.pull_rows("e", np.array([7, 3]))
+            last = c.pull()
+            stats = c.stats()[0]
+            assert c._calls.channels[0].local_connected and server._chan.local_peers == 1
+            assert stats["local_messages"] >= 14 and stats["shm_bytes_in"] == 0  # no lane: every byte local
+        assert server.counters.errors == 0
+    assert np.all(out["w"] == -10.0) and np.all(last["w"] == -11.0)
+    np.testing.assert_array_equal(rows, np.array([[-1.0] * 4, [-2.0] * 4], np.float32))
 
 
 @needs_shm(64)

@@ -64,8 +64,6 @@ _HOLD = 16
 #: behind requests that take longer (a large tensor's pieces, milliseconds each) would only keep its worker
 #: waiting, and keep it from taking that piece in while the shard works on the next.
 _HOLD_S = 50e-6
-#: Peers that opened a lane remembered at most (each may then ask for a local connection).
-_LANED = 4096
 
 
 class Server(Recovery):
@@ -108,8 +106,6 @@ class Server(Recovery):
             raise
         self.endpoint: str = self._chan.endpoint
         self.lanes = ShardLanes(self.endpoint, config.shm)  # shared memory for workers on this host
-        #: The peers (ZeroMQ identities) that opened a lane here, most recent last: they may connect locally.
-        self._laned: dict[bytes, None] = {}
         self.store = Store(config.mode, config.num_workers, config.backup_workers)
         self.store.use_shared_memory(self.lanes.arena)  # workers of this host copy each round's result themselves
         self.counters = Counters()
@@ -384,9 +380,6 @@ class Server(Recovery):
                 self._reply(identity, self.lanes.probe(req))
             elif isinstance(req, wire.LaneOpenRequest):
                 self._reply(identity, self.lanes.open(req))
-                self._laned[identity] = None  # (shares this host: may connect locally)
-                while len(self._laned) > _LANED:
-                    del self._laned[next(iter(self._laned))]
             elif isinstance(req, wire.LaneCloseRequest):
                 self._reply(identity, self.lanes.close_lane(req))
             elif isinstance(req, wire.LocalOpenRequest):
@@ -409,16 +402,18 @@ class Server(Recovery):
 
     # ------------------------------------------------------------------ ops
     def _local_open(self, identity: bytes, req: Any) -> list[Any]:
-        """The ``local`` reply: a local connection for a worker that has a lane here (so shares this host).
+        """The ``local`` reply: a local connection for a worker that read this shard's beacon (so shares this
+        host, and its kernel and network namespace reach the listener's abstract name).
 
         Raises
         ------
         RequestRefused
-            ``local_off``: this shard serves no shared memory, or this worker has no lane here, or the platform has
-            no abstract sockets.
+            ``local_off``: this shard serves no shared memory, or the token is not its beacon's, or the platform
+            has no abstract sockets.
         """
-        if identity not in self._laned:
-            raise RequestRefused("local_off", "local connections are for workers with a shared-memory lane here")
+        if not self.lanes.proves(req.token):
+            raise RequestRefused("local_off", "local connections are for workers of this host (the beacon's "
+                                              "token), with shared memory on")
         try:
             name, secret = self._chan.grant_local(identity)
         except OSError as exc:

@@ -180,21 +180,56 @@ class WorkerLanes:
         # A restarted shard numbers its segments afresh: nothing mapped from its predecessor may be reused.
         self._arenas[shard].forget()
 
+    def token(self, shard: int, ask: Ask) -> Optional[str]:
+        """The token of ``shard``'s beacon, read from its file on this host (asked for with ``lane_probe`` the
+        first time): proof that the shard shares this host. None when lanes are off, or the shard is elsewhere or
+        serves no shared memory.
+
+        Raises
+        ------
+        PsrtError, OSError
+            From ``ask`` (an older shard that does not know the op) or reading the file.
+        """
+        if not self._enabled:
+            return None
+        token = self._token[shard]
+        return token if token is not None else self.take_beacon(shard, ask(wire.encode_lane_probe))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether calls may take lanes (``ClientConfig.shm``)."""
+        return self._enabled
+
+    def known_token(self, shard: int) -> Optional[str]:
+        """The token of ``shard``'s beacon if it was read (:meth:`token`) and the shard has not restarted since."""
+        return self._token[shard]
+
+    def take_beacon(self, shard: int, beacon: Any) -> Optional[str]:
+        """Read the token of the beacon ``shard`` named (its ``beacon`` reply to ``lane_probe``) and keep it; None
+        when this host has no such file (the shard is elsewhere) or the shard serves no shared memory.
+
+        Raises
+        ------
+        OSError
+            When the file exists and cannot be read.
+        """
+        token = shm.Beacon.read(beacon.name) if beacon.name else None
+        if token is None:
+            log.debug("shard %d: no shared memory with this host (beacon %r)", shard, beacon.name)
+            return None
+        self._token[shard] = token
+        self._arenas[shard].beacon = shm.SegmentName.parse(beacon.name)
+        return token
+
     def _open(self, shard: int, nbytes: int, ask: Ask) -> Optional[Lane]:
         old = self._lanes[shard]
         if isinstance(old, Lane):
             old.retired = True
         self._lanes[shard] = False  # until this succeeds
         try:
-            token = self._token[shard]
+            token = self.token(shard, ask)
             if token is None:
-                beacon = ask(wire.encode_lane_probe)
-                token = shm.Beacon.read(beacon.name) if beacon.name else None
-                if token is None:
-                    log.debug("shard %d: no shared memory with this host (beacon %r)", shard, beacon.name)
-                    return None
-                self._token[shard] = token
-                self._arenas[shard].beacon = shm.SegmentName.parse(beacon.name)
+                return None
             size = shm.HEADER_BYTES + max(shm.aligned(nbytes), 1 << 20)
             reply = ask(lambda rid: wire.encode_lane_open(rid, self._worker, self._session, token, size))
             segment = shm.Segment.attach(reply.name, reply.generation, reply.size)
@@ -317,6 +352,10 @@ class ShardLanes:
         """The ``beacon`` reply."""
         return wire.encode_beacon(req.id, self._beacon.name if self._beacon is not None else "")
 
+    def proves(self, token: str) -> bool:
+        """Whether ``token`` is this shard's beacon token (a worker that read it shares this host)."""
+        return self._beacon is not None and secrets.compare_digest(token, self._beacon.token)
+
     def open(self, req: wire.LaneOpenRequest) -> list[Any]:
         """Create a segment for the worker that proved it reads the beacon; returns the ``lane`` reply.
 
@@ -328,7 +367,7 @@ class ShardLanes:
         """
         if self._beacon is None:
             raise RequestRefused("lane_off", "this shard serves no shared memory (PSRT_SHM=0 or no /dev/shm)")
-        if not secrets.compare_digest(req.token, self._beacon.token):
+        if not self.proves(req.token):
             raise RequestRefused("lane_token", "the token is not this shard's: the worker runs on another host")
         if not shm.HEADER_BYTES < req.size <= MAX_LANE_BYTES:
             raise RequestRefused("lane_size", f"a segment holds more than {shm.HEADER_BYTES} and at most "

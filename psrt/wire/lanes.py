@@ -10,14 +10,15 @@ request         fields (besides ``v, op, id``)                              repl
 ``lane_open``   ``worker, session, token, size``: the token read from the   ``lane {name, generation, size}``:
                 beacon, the segment's size                                  a new segment for this worker
 ``lane_close``  ``generation``: the worker is done with that segment        ``closed {}``
-``local_open``  (none)                                                      ``local {name, secret}``: the
+``local_open``  ``token``: the token read from the beacon                   ``local {name, secret}``: the
                                                                             shard's local listener and a
                                                                             secret for this worker
 ==============  ==========================================================  ===================================
 
-A worker that has a lane to a shard asks for a local connection (``local_open``, :mod:`psrt.transport.local`):
-it connects to the listener ``name`` (an abstract Unix socket) and presents ``secret``, and from its next request
-on, its requests and their replies take that connection instead of ZeroMQ, the frames unchanged.
+A worker that reads a shard's beacon (it shares the host) asks for a local connection (``local_open``,
+:mod:`psrt.transport.local`): it connects to the listener ``name`` (an abstract Unix socket) and presents
+``secret``, and from its next request on, its requests and their replies take that connection instead of
+ZeroMQ, the frames unchanged.
 
 A ``push``, ``push_pull`` or ``pull`` sent over a lane has no buffer frames and one more field, ``lane``:
 ``[generation, inputs, outputs]``: the segment's generation, the offset of each tensor's bytes (``push`` and
@@ -50,7 +51,7 @@ REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "lane_probe": frozenset({"v", "op", "id"}),
     "lane_open": frozenset({"v", "op", "id", "worker", "session", "token", "size"}),
     "lane_close": frozenset({"v", "op", "id", "generation"}),
-    "local_open": frozenset({"v", "op", "id"}),
+    "local_open": frozenset({"v", "op", "id", "token"}),
 }
 REPLY_FIELDS: dict[str, frozenset[str]] = {
     "beacon": frozenset({"v", "op", "id", "name"}),
@@ -153,9 +154,10 @@ class BeaconReply:
 
 @dataclass(frozen=True)
 class LocalOpenRequest:
-    """``local_open``: a worker with a lane asks for a local connection."""
+    """``local_open``: a worker that read the shard's beacon (``token``) asks for a local connection."""
 
     id: int
+    token: str
     op: ClassVar[str] = "local_open"
 
 
@@ -192,7 +194,7 @@ def decode_lane_request(h: dict[str, Any], buffers: list[Any]) -> Any:
     if op == "lane_close":
         return LaneCloseRequest(rid, uint(h, "generation"))
     if op == "local_open":
-        return LocalOpenRequest(rid)
+        return LocalOpenRequest(rid, string(h, "token", 64))
     return LaneOpenRequest(rid, uint(h, "worker", MAX_WORKER), uint(h, "session"), string(h, "token", 64),
                            uint(h, "size", lo=1))
 
@@ -242,9 +244,9 @@ def encode_lane(rid: int, name: str, generation: int, size: int) -> list[Any]:
     return encode({"op": "lane", "id": rid, "name": name, "generation": generation, "size": size})
 
 
-def encode_local_open(rid: int) -> list[Any]:
+def encode_local_open(rid: int, token: str) -> list[Any]:
     """Frames of a ``local_open`` request."""
-    return encode({"op": "local_open", "id": rid})
+    return encode({"op": "local_open", "id": rid, "token": token})
 
 
 def encode_local(rid: int, name: str, secret: str) -> list[Any]:

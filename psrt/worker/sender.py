@@ -91,6 +91,8 @@ class ShardSender:
         self.backup_workers = 0
         #: The sequence number of this client's next push to the shard (the shard applies each once).
         self.seq = 0
+        #: The request of :meth:`_local_first` in flight: ``("probe" | "open", its handle)``.
+        self._opening: Optional[tuple[str, Handle]] = None
         #: Whether embedding rows may take the shard's lane (False once a shard too old for it refused one).
         self.rows_lane = True
         #: Whether the shard runs sync rounds (its answer to ``init`` says): a blocking call's pieces are paced.
@@ -135,6 +137,8 @@ class ShardSender:
     def init(self, handle: Handle, messages: list[list[Chunk]], arrays: Mapping[str, np.ndarray],
              optimizer: dict[str, Any]) -> None:
         """Send the ``init`` requests of ``messages`` (chunks of ``arrays``), with the optimizer's wire spec."""
+        if not self._channel.local_tried:
+            self._local_first()
         rank, session = self._rank, self._session
         for msg in messages:
             entries, payload = payload_of(msg, arrays)
@@ -148,6 +152,8 @@ class ShardSender:
 
     def pull(self, handle: Handle, plan: ShardPlan, clock: int) -> None:
         """Send the pull requests of ``plan``: each asks for the versions this client's pushes target."""
+        if not self._channel.local_tried:
+            self._local_first()
         rank, known = self._rank, self._known
         lane = self._lane_for(plan.lane_bytes)
         for msg in (plan.grouped if lane is not None or self._grouped() else plan.joined):
@@ -171,6 +177,8 @@ class ShardSender:
         :data:`~psrt.worker.pacing.PACED` (a piece a message, at most :attr:`in_flight` ahead of the shard's
         answers: :meth:`_paced`) or :data:`~psrt.worker.pacing.GROUPED` (as few messages as can be).
         """
+        if not self._channel.local_tried:
+            self._local_first()
         # (A call moving less than a lane's threshold never takes one: the usual small push asks nothing more.)
         lane = None if plan.lane_bytes < ZERO_COPY_BYTES else self._lane_for(plan.lane_bytes)
         if lane is not None:  # the bytes are all there at once: as few messages as can be
@@ -252,6 +260,8 @@ class ShardSender:
                   row_bytes: int) -> None:
         """Send one ``pull_rows`` of ``ids`` (int64, C-contiguous; its answer takes ``row_bytes``): through the
         shard's lane when it moves enough bytes and the shard has one, else over the socket."""
+        if not self._channel.local_tried:
+            self._local_first()
         plain = lambda rid: wire.encode_pull_rows(rid, rank, table, version, ids, clock)  # noqa: E731
         resend = lambda rid: wire.encode_pull_rows(rid, rank, table, 0, ids, clock)  # noqa: E731
         lane = self._rows_lane(rows_bytes(ids.nbytes, row_bytes))
@@ -267,6 +277,8 @@ class ShardSender:
         """Send one ``push_rows`` of ``ids`` and their gradient rows (C-contiguous; with ``select``, of
         ``ids[select]`` and ``grads[select]``, gathered once, straight into the lane when it takes one): through
         the shard's lane when it moves enough bytes and the shard has one, else over the socket."""
+        if not self._channel.local_tried:
+            self._local_first()
         rank, session = self._rank, self._session
         count = len(ids) if select is None else len(select)
         lane = self._rows_lane(rows_bytes(count * ids.itemsize, count * grads.shape[1] * grads.itemsize))
@@ -301,13 +313,63 @@ class ShardSender:
             self._try_local()
         return lane
 
+    def _local_first(self) -> None:
+        """Ask, without waiting, for a local connection to a shard reached without a network (``ipc://`` or
+        loopback: only there can it share this host), so that small calls, which never take a lane, leave ZeroMQ
+        too; a shard elsewhere is asked when a lane to it first opens (:meth:`_lane_for`).
+
+        Each call's start takes the next step once the last one is answered (its answer comes in while a call
+        waits): ``lane_probe`` (unless a lane read the beacon already), the beacon's token read on this host,
+        ``local_open`` with it, then the connection. Nothing waits on these answers, so a call never waits
+        longer for them (a shard that answers nothing costs its caller one timeout, as before), and the requests
+        go over the connection from the first send at which no request to the shard is outstanding.
+        """
+        channel = self._channel
+        if not channel.local or not self._lanes.enabled:  # (``local``: the shard's endpoint is on this host)
+            channel.local_tried, self._opening = True, None
+            return
+        token = self._lanes.known_token(self.shard)
+        if self._opening is not None:
+            step, handle = self._opening
+            if handle._outstanding:
+                return
+            self._opening = None
+            reply = handle._answers.get(self.shard)
+            try:
+                if handle._error is not None:
+                    raise handle._error
+                if step == "open":
+                    channel.local_tried = True
+                    channel.attach_local(reply.name, reply.secret, min(self._timeout, LOCAL_CONNECT_S))
+                    return
+                token = self._lanes.take_beacon(self.shard, reply)
+            except (PsrtError, OSError) as exc:
+                channel.local_tried = True
+                log.info("shard %s: no local connection (%s); its requests stay on the socket", channel.endpoint,
+                         exc)
+                return
+            if token is None:  # (another host after all, or no shared memory there)
+                channel.local_tried = True
+                return
+        handle = Handle(self._calls, "local set-up", None)
+        if token is None:
+            self.send(handle, wire.encode_lane_probe)
+            self._opening = ("probe", handle)
+        else:
+            self.send(handle, lambda rid, t=token: wire.encode_local_open(rid, t))
+            self._opening = ("open", handle)
+
     def _try_local(self) -> None:
         """Ask the shard for a local connection and connect (:mod:`psrt.transport.local`); once per shard start.
-        Anything that fails leaves the requests on the socket."""
+        The worker shows the token of the shard's beacon (asked for first, if no lane has yet): proof that it shares
+        the host. Anything that fails leaves the requests on the socket."""
         channel = self._channel
         channel.local_tried = True
         try:
-            reply = self.ask(wire.encode_local_open)
+            token = self._lanes.token(self.shard, self.ask)
+            if token is None:  # (shared memory off here, or the shard elsewhere: nothing to connect to)
+                return
+            reply = self.ask(lambda rid: wire.encode_local_open(rid, token))
             channel.attach_local(reply.name, reply.secret, min(self._timeout, LOCAL_CONNECT_S))
         except (PsrtError, OSError) as exc:
             log.info("shard %s: no local connection (%s); its requests stay on the socket",
