@@ -11,8 +11,12 @@ psrt
     (default 8) ``push_pull_async`` calls of the tensor's 4 KiB gradient in flight: the workers take turns, each
     waits for its oldest call, counts it and starts the next one, so W x F requests are always in flight. A reply
     is the updated parameters (4 KiB). Each client is what ``psrt.Client`` makes (its own ZeroMQ context, so its
-    own I/O thread; plain ``client.push_pull_async(grads)`` without ``out=``). Below 64 KiB a call goes over the
-    socket, never through shared memory, as between hosts.
+    own I/O thread; plain ``client.push_pull_async(grads)`` without ``out=``). Worker and shard share this host,
+    so each client's requests and replies take a local connection of its own to the shard after its first calls
+    (a Unix socket, :mod:`psrt.transport.local`), as by default; below 64 KiB no byte goes through shared memory.
+psrt sockets (PSRT_SHM=0)
+    The same with W more clients made with ``ClientConfig(shm=False)`` (ranks 0..W-1 again, sessions of their
+    own): every request and reply over the ZeroMQ socket, as between hosts. Reported, not a target.
 psrt shard
     The same shard driven as the bare loop is (below): W plain DEALER sockets on one context, socket i being
     worker i with a session of its own, each keeping F ``push_pull`` requests in flight, packed as
@@ -35,8 +39,8 @@ is what the pair sustains, and the table shows each process's CPU time per reque
 child's from ``/proc``, this process's from ``os.times``) to tell where it goes.
 
 Latency: W = 1, one call at a time: a ``client.push_pull`` of the 4 KiB tensor by worker 0 against the raw
-DEALER/ROUTER echo of a 4 KiB message (``bench/transport.py``'s 4 KiB row, on these servers), blocks
-alternating; p50 and p99 of the single round trips.
+DEALER/ROUTER echo of a 4 KiB message (``bench/transport.py``'s 4 KiB row, on these servers), and by the first
+``shm=False`` client, blocks alternating; p50 and p99 of the single round trips.
 
 Targets:
 
@@ -197,8 +201,8 @@ class PsrtSide(Side):
     """W :class:`psrt.Client` workers, each keeping F ``push_pull_async`` calls in flight."""
 
     def __init__(self, clients: list[psrt.Client], grads: list[dict[str, np.ndarray]], in_flight: int,
-                 server_pid: int) -> None:
-        super().__init__("psrt", server_pid)
+                 server_pid: int, name: str = "psrt") -> None:
+        super().__init__(name, server_pid)
         self.clients, self.grads, self.in_flight = clients, grads, in_flight
         self.queues: list[collections.deque] = [collections.deque() for _ in clients]
 
@@ -357,12 +361,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                            stdin=subprocess.PIPE)
         children.append(echo)
         n = args.size // 4
-        config = ClientConfig(timeout=args.timeout)
-        clients = [psrt.Client([server.endpoint], rank=r, num_workers=args.workers, config=config)
-                   for r in range(args.workers)]
+        # W workers as psrt.Client makes them (on this host: over local connections), and W more over ZeroMQ alone
+        # (shm=False), as between hosts, each with a session of its own.
+        for shm in (True, False):
+            config = ClientConfig(timeout=args.timeout, shm=shm)
+            clients += [psrt.Client([server.endpoint], rank=r, num_workers=args.workers, config=config)
+                        for r in range(args.workers)]
         for c in clients:  # the first init creates the tensor; the others join it
             c.init({NAME: np.zeros(n, np.float32)}, optimizer=psrt.SGD(lr=LR))
-        grads = [{NAME: np.full(n, GRAD, np.float32)} for _ in clients]
+        plain, over_sockets = clients[:args.workers], clients[args.workers:]
+        grads = [{NAME: np.full(n, GRAD, np.float32)} for _ in plain]
         shard_requests = PushPullRequests(args.workers, n, grads[0][NAME])
         # The raw requests have a psrt request's frames: its header's length, then the gradient's bytes.
         frames = [b"h" * len(shard_requests(0)[0]), grads[0][NAME].tobytes()]
@@ -374,9 +382,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         raw_socks = dealers(shared, echo.endpoint)
         socks += shard_socks + raw_socks
         sides: list[Side] = [
-            PsrtSide(clients, grads, args.in_flight, server.pid),
+            PsrtSide(plain, grads, args.in_flight, server.pid),
             BareSide("psrt shard", shard_socks, shard_requests, args.in_flight, args.timeout, server.pid),
             BareSide("raw", raw_socks, echo_requests, args.in_flight, args.timeout, echo.pid),
+            PsrtSide(over_sockets, grads, args.in_flight, server.pid, "psrt sockets (PSRT_SHM=0)"),
         ]
         if args.context_per_worker:  # what a ZeroMQ context (and its I/O thread) per worker costs the bare loop
             own = [zmq.Context() for _ in range(args.workers)]
@@ -400,12 +409,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         payload = memoryview(grads[0][NAME]).cast("B")
         calls = [0]
 
-        def one_push_pull() -> None:
-            clients[0].push_pull(grads[0])
-            calls[0] += 1
+        def one_push_pull(client: psrt.Client) -> Callable[[], None]:
+            def op() -> None:
+                client.push_pull(grads[0])
+                calls[0] += 1
+            return op
 
-        lat = [RoundTrips("psrt", one_push_pull),
-               RoundTrips("raw one message", echo_once(dealer, payload, args.timeout))]
+        lat = [RoundTrips("psrt", one_push_pull(plain[0])),
+               RoundTrips("raw one message", echo_once(dealer, payload, args.timeout)),
+               RoundTrips("psrt sockets", one_push_pull(over_sockets[0]))]
         for s in lat:
             s.run(50)
             s.samples.clear()
@@ -413,7 +425,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         alternate(lat, args.rounds, lambda s: s.run(block))
 
         # Checks, after timing: every push applied once (the warm-up's included), the echo's bytes.
-        pushes = sides[0].answered + sides[1].answered + calls[0]
+        pushes = sides[0].answered + sides[1].answered + sides[3].answered + calls[0]
         params = clients[0].pull([NAME])[NAME]
         want = np.float32(-pushes * LR * GRAD)
         if not np.all(params == want):
@@ -422,6 +434,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if counted["pushes"] != pushes or counted["errors"]:
             raise RuntimeError(f"the shard counted {counted['pushes']} pushes and {counted['errors']} errors; the "
                                f"workers made {pushes} pushes")
+        # Which way the requests went: the shard's peers over local connections (the W default clients; the shm=False
+        # ones stay on ZeroMQ) and the requests it took over them.
+        shard_stats = plain[0].stats()[0]
         echo_requests.check(sides[2])
         dealer.send(payload)
         if dealer.poll(int(args.timeout * 1000)) == 0 or dealer.recv() != payload.tobytes():
@@ -432,11 +447,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for x, side in zip(summaries, sides):
             x["ratio"] = x["rate_median"] / raw["rate_median"]
             x["ratio_per_round"] = [a / b for a, b in zip(side.rates, sides[2].rates)]
-        lp, lr = lat[0].summary(), lat[1].summary()
+        lp, lr, ls = lat[0].summary(), lat[1].summary(), lat[2].summary()
         return {
             "sides": summaries, "rate_ratio": summaries[0]["ratio"], "shard_rate_ratio": summaries[1]["ratio"],
-            "latency_psrt": lp, "latency_raw": lr, "p50_ratio": lp["p50_s"] / lr["p50_s"],
+            "sockets_rate_ratio": summaries[3]["ratio"], "latency_psrt": lp, "latency_raw": lr,
+            "latency_psrt_sockets": ls, "p50_ratio": lp["p50_s"] / lr["p50_s"],
+            "sockets_p50_ratio": ls["p50_s"] / lr["p50_s"],
             "p99_ratio": lp["p99_s"] / lr["p99_s"], "pushes_checked": pushes,
+            "local_peers": shard_stats["local_peers"], "local_messages": shard_stats["local_messages"],
             "request_frames": [len(f) for f in frames],
         }
     finally:
@@ -462,14 +480,17 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]
             cpu = f"  server {x['server_cpu_us_per_msg']:6.1f} us, clients {x['client_cpu_us_per_msg']:6.1f} us"
         print(f"  {x['name']:<26} {x['rate_median']:>8,.0f}/s ({x['rate_min']:>6,.0f}-{x['rate_max']:<6,.0f}) "
               f"{x['ratio']:5.2f}x{cpu}")
-    for x in sides[:2]:
+    for x in (sides[0], sides[1], sides[3]):
         print(f"  {x['name']} / raw per round: {', '.join(f'{r:.2f}' for r in x['ratio_per_round'])}")
-    lp, lr = res["latency_psrt"], res["latency_raw"]
+    lp, lr, ls = res["latency_psrt"], res["latency_raw"], res["latency_psrt_sockets"]
     print(f"\n{human_bytes(args.size)} round trip, one call at a time ({lp['count']} per side):")
     print(f"  psrt push_pull  p50 {1e6 * lp['p50_s']:7.1f} us  p99 {1e6 * lp['p99_s']:7.1f} us")
     print(f"  raw echo        p50 {1e6 * lr['p50_s']:7.1f} us  p99 {1e6 * lr['p99_s']:7.1f} us")
-    print(f"  p50 {res['p50_ratio']:.2f}x  p99 {res['p99_ratio']:.2f}x")
-    p, shard, raw = sides[0], sides[1], sides[2]
+    print(f"  psrt sockets    p50 {1e6 * ls['p50_s']:7.1f} us  p99 {1e6 * ls['p99_s']:7.1f} us "
+          f"(PSRT_SHM=0: ZeroMQ alone, as between hosts)")
+    print(f"  p50 {res['p50_ratio']:.2f}x  p99 {res['p99_ratio']:.2f}x; over sockets p50 "
+          f"{res['sockets_p50_ratio']:.2f}x")
+    p, shard, raw, sockets = sides[0], sides[1], sides[2], sides[3]
     ok_rate = res["rate_ratio"] >= RATE_TARGET
     ok_shard = res["shard_rate_ratio"] >= RATE_TARGET
     ok_p50 = res["p50_ratio"] <= P50_TARGET
@@ -481,6 +502,8 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]
     print(f"{'PASS' if ok_p50 else 'MISS'}  {human_bytes(args.size)} push_pull round trip p50 "
           f"{1e6 * lp['p50_s']:.1f} us = {res['p50_ratio']:.2f}x the raw echo's {1e6 * lr['p50_s']:.1f} us, "
           f"target <= {P50_TARGET:g}x")
+    print(f"info  over ZeroMQ alone (PSRT_SHM=0, as between hosts): {sockets['rate_median']:,.0f} requests/s = "
+          f"{res['sockets_rate_ratio']:.2f}x the bare loop's, p50 {res['sockets_p50_ratio']:.2f}x the raw echo's")
     print(f"exact: parameters after {res['pushes_checked']} pushes as every push applied once, no error; the raw "
           "echo returned its bytes")
     return [{"target": f"rate ratio >= {RATE_TARGET:g}", "ratio": res["rate_ratio"], "pass": ok_rate},

@@ -160,10 +160,14 @@ def test_msgrate_times_every_side_and_checks_every_push(tmp_path):
     report = run_bench("msgrate.py", ["--workers", "2", "--in-flight", "2", "--rounds", "1", "--seconds", "0.2",
                                       "--latency-count", "20", "--context-per-worker", "--timeout", "60"], tmp_path)
     res = report["results"]
-    assert [s["name"] for s in res["sides"]] == ["psrt", "psrt shard", "raw", "raw, a context per worker"]
+    assert [s["name"] for s in res["sides"]] == ["psrt", "psrt shard", "raw", "psrt sockets (PSRT_SHM=0)",
+                                                 "raw, a context per worker"]
     assert all(s["rate_median"] > 0 and s["blocks"] == 1 for s in res["sides"])
     assert res["sides"][2]["ratio"] == 1.0 and res["rate_ratio"] == res["sides"][0]["ratio"]
+    assert res["sockets_rate_ratio"] == res["sides"][3]["ratio"] and res["sockets_p50_ratio"] > 0
     assert res["pushes_checked"] > 0 and res["latency_psrt"]["count"] == 20 and res["p50_ratio"] > 0
+    # The 2 default clients took their local connections; the 2 shm=False ones never did.
+    assert res["local_peers"] == 2 and res["local_messages"] > 0
     assert [t["target"] for t in report["targets"]] == ["rate ratio >= 0.6", "shard rate ratio >= 0.6",
                                                         "p50 ratio <= 1.5"]
 

@@ -10,14 +10,17 @@ ROUTER (``ipc://`` or loopback TCP alike) and 56-62 us over a bare Unix socket, 
 lane (:mod:`psrt.shm.lanes`) and the socket carries only headers, so those wake-ups are the whole cost of a
 call.
 
-So once a worker has a lane to a shard (which proves they share a host) it asks the shard for a *local
-connection*: the shard answers, over the authenticated ZeroMQ socket, with the name of its listening socket in
-Linux's abstract namespace (which exists only within one kernel and network namespace: a worker elsewhere
-cannot reach it) and a secret for this worker; the worker connects and presents the secret; the shard ties the
-connection to the worker's ZeroMQ identity. From the first request the worker sends over it (which it does only
-with no request outstanding, so nothing sent over the two paths can cross), everything between the two goes
-that way, and the replies return on it. A connection that breaks ends its use: the worker's next requests go
-over ZeroMQ again (:class:`psrt.transport.DealerChannel`).
+So a worker that shares a host with a shard asks it for a *local connection*, proving where it runs with the
+token of the shard's beacon (a file in /dev/shm, :mod:`psrt.shm.lanes`): at its first calls when it reaches the
+shard at an ``ipc://`` or loopback address, else once a lane to the shard opens. The shard answers, over the
+authenticated ZeroMQ socket, with the name of its listening socket in Linux's abstract namespace (which exists
+only within one kernel and network namespace: a worker elsewhere cannot reach it) and a secret for this worker;
+small calls, whose bytes take no lane, then leave ZeroMQ as well. The worker connects and presents the secret;
+the shard ties the connection to the worker's ZeroMQ identity. From the first request the worker sends over it
+(which it does only with no request outstanding, so nothing sent over the two paths can cross), everything
+between the two goes that way, and the replies return on it. The shard waits on all its local connections
+through one epoll set, so a wait costs the same with a thousand of them as with one. A connection that breaks
+ends its use: the worker's next requests go over ZeroMQ again (:class:`psrt.transport.DealerChannel`).
 
 A message is framed as ``u32 frame count, u64 length of each frame, the frames``; a reader refuses more than
 :data:`MAX_FRAMES` frames or a frame longer than its limit by closing the connection, as ZeroMQ's

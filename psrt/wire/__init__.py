@@ -34,8 +34,8 @@ one frame of the table's dtype.
 
 Shared-memory lanes (:mod:`psrt.wire.lanes`, its docstring has their table): ``lane_probe`` (answered by
 ``beacon``) and ``lane_open`` (answered by ``lane``) set up a segment between a worker and a shard of one host,
-``lane_close`` (answered by ``closed``) gives it back; ``local_open`` (answered by ``local``) lets a worker with a
-lane send its requests over a local connection instead of ZeroMQ (:mod:`psrt.transport.local`);
+``lane_close`` (answered by ``closed``) gives it back; ``local_open`` (answered by ``local``) lets a worker that read
+the shard's beacon send its requests over a local connection instead of ZeroMQ (:mod:`psrt.transport.local`);
 ``push``, ``push_pull``, ``pull``, ``push_rows`` and ``pull_rows`` then carry a ``lane`` field instead of buffer
 frames, and the ``params`` and ``rows`` replies a ``lane`` field (the segment's generation) instead of theirs.
 
