@@ -460,12 +460,13 @@ def _check(case: Case, tmp: Path, results: list[dict[str, Any]], victim: int) ->
         assert shm == 0, f"PSRT_SHM=0, yet {shm} bytes went through shared memory"
     elif case.compression == "none":
         assert shm > 0, "one host, calls above 64 KiB, no compression: the tensors should go through shared memory"
-    # A worker with a lane sends its requests over a local connection (psrt.transport.local), sockets only none.
+    # A worker of the shards' host sends its requests over a local connection (psrt.transport.local), compressed
+    # or not, lane or none; sockets only, none.
     local = sum(s.get("local_messages", 0) for s in stats)
     if case.path == "sockets":
         assert local == 0, f"PSRT_SHM=0, yet {local} messages came over local connections"
-    elif case.compression == "none":
-        assert local > 0, "workers with lanes should have sent their requests over local connections"
+    else:
+        assert local > 0, "workers of the shards' host should have sent their requests over local connections"
 
 
 def _check_evictions(oracle: Oracle, stats: list[dict[str, Any]]) -> None:

@@ -113,6 +113,34 @@ def test_only_the_secret_granted_to_a_peer_connects_and_only_once():
             local.connect("psrt-" + "0" * 24, secret, timeout=5)  # no such listener (another host)
 
 
+def test_a_greeting_waits_for_nothing_and_its_answer_is_read_when_it_comes():
+    listener = local.LocalListener()
+    try:
+        started = time.monotonic()
+        conn = local.begin(listener.name, "s3cret")  # the listener takes nothing yet: a stopped shard
+        assert not local.greeted(conn) and time.monotonic() - started < 0.5
+        (sock,) = listener.accept()
+        shard_end = local.LocalConn(sock)
+        assert drain(conn, shard_end, 1) == [[local.AUTH, b"s3cret"]]
+        shard_end.send([local.AUTH, b"ok"])
+        for _ in range(1000):
+            if local.greeted(conn):
+                break
+            time.sleep(0.001)
+        else:
+            raise AssertionError("the answer to the greeting was never read")
+        refused = local.begin(listener.name, "other")
+        (sock,) = listener.accept()
+        sock.close()  # (what a shard does with a secret it never granted)
+        with pytest.raises(OSError, match="refused"):
+            for _ in range(1000):
+                local.greeted(refused)
+                time.sleep(0.001)
+        assert not refused.open
+    finally:
+        listener.close()
+
+
 def test_a_worker_without_the_beacon_token_is_refused_a_local_connection():
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
         with psrt.Client([server.endpoint], config=ClientConfig(timeout=20, shm=False)) as c:
@@ -203,15 +231,17 @@ def test_a_broken_local_connection_sends_the_next_requests_over_zeromq():
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
         with psrt.Client([server.endpoint], config=ClientConfig(timeout=20)) as c:
             c.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
-            c.push_pull({"w": np.ones(BIG, np.float32)})
-            c.push_pull({"w": np.ones(BIG, np.float32)})
             channel = c._calls.channels[0]
+            calls = 0
+            while not channel.local_connected and calls < 20:  # (set up by the first calls, none waiting on it)
+                c.push_pull({"w": np.ones(BIG, np.float32)})
+                calls += 1
             assert channel.local_connected
             channel._conn.sock.shutdown(socket.SHUT_RDWR)  # broken under it, nothing in flight
             for _ in range(3):
                 out = c.push_pull({"w": np.ones(BIG, np.float32)})
             assert not channel.local_connected
-    assert np.all(out["w"] == -5.0)
+    assert np.all(out["w"] == -(calls + 3.0))
 
 
 def test_a_connection_that_never_greets_is_closed(monkeypatch):

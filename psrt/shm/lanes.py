@@ -122,12 +122,17 @@ class WorkerLanes:
         Who asks (the shard keeps one segment per worker session).
     enabled : bool
         False: every call goes over sockets.
+    local : bool, optional
+        Whether the beacons may be read for local connections (:meth:`token`) even where lanes are off (a
+        client of compressed gradients); default ``enabled``.
     """
 
-    def __init__(self, num_shards: int, worker: int, session: int, enabled: bool) -> None:
+    def __init__(self, num_shards: int, worker: int, session: int, enabled: bool,
+                 local: Optional[bool] = None) -> None:
         self._worker = worker
         self._session = session
         self._enabled = enabled
+        self._local = enabled if local is None else local
         #: Per shard: None until tried, False where a lane is not possible, else the current Lane.
         self._lanes: list[Any] = [None] * num_shards
         self._token: list[Optional[str]] = [None] * num_shards
@@ -182,23 +187,23 @@ class WorkerLanes:
 
     def token(self, shard: int, ask: Ask) -> Optional[str]:
         """The token of ``shard``'s beacon, read from its file on this host (asked for with ``lane_probe`` the
-        first time): proof that the shard shares this host. None when lanes are off, or the shard is elsewhere or
-        serves no shared memory.
+        first time): proof that the shard shares this host. None when shared memory is off here (``local``), or
+        the shard is elsewhere or serves none.
 
         Raises
         ------
         PsrtError, OSError
             From ``ask`` (an older shard that does not know the op) or reading the file.
         """
-        if not self._enabled:
+        if not self._local:
             return None
         token = self._token[shard]
         return token if token is not None else self.take_beacon(shard, ask(wire.encode_lane_probe))
 
     @property
-    def enabled(self) -> bool:
-        """Whether calls may take lanes (``ClientConfig.shm``)."""
-        return self._enabled
+    def local(self) -> bool:
+        """Whether the client may connect locally to shards of its host (``ClientConfig.shm``)."""
+        return self._local
 
     def known_token(self, shard: int) -> Optional[str]:
         """The token of ``shard``'s beacon if it was read (:meth:`token`) and the shard has not restarted since."""

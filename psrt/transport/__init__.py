@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import logging
 import math
 import os
 import resource
@@ -64,6 +65,8 @@ from psrt.errors import (
 )
 from psrt.transport import curve, local
 from psrt.transport.curve import ZAP_DOMAIN, JobKeys, create_certificates, read_certificate
+
+log = logging.getLogger("psrt.transport")
 
 __all__ = ["ZERO_COPY_BYTES", "DEAD_AFTER_S", "ZAP_DOMAIN", "new_context", "acquire_context", "release_context",
            "RouterChannel", "DealerChannel", "Poller", "monitor_event", "SendDropped", "peer_address",
@@ -758,6 +761,8 @@ class DealerChannel:
         # A local connection (psrt.transport.local): attached and waiting for no request to be outstanding
         # (_ready), then in use (_conn); the message being read from it and its next frame.
         self._ready: Optional[local.LocalConn] = None
+        #: A local connection greeted and not yet answered, with the time it is given up at.
+        self._greeting: Optional[tuple[local.LocalConn, float]] = None
         self._conn: Optional[local.LocalConn] = None
         self._cur: Optional[list[Any]] = None
         self._cur_i = 0
@@ -964,20 +969,22 @@ class DealerChannel:
 
     # ------------------------------------------------------------------ local connection
     def attach_local(self, name: str, secret: str, timeout: float) -> None:
-        """Connect to the shard's local listener ``name`` with ``secret`` (its ``local`` answer); requests take
-        that connection once the caller, with none outstanding, says :meth:`switch_local`
-        (:mod:`psrt.transport.local`).
+        """Connect to the shard's local listener ``name`` and greet it with ``secret`` (its ``local`` answer),
+        without waiting for its answer: once it accepts (:attr:`local_ready`, within ``timeout`` seconds, else the
+        connection is given up), requests take that connection from the moment the caller, with none outstanding,
+        says :meth:`switch_local` (:mod:`psrt.transport.local`).
 
         Raises
         ------
         OSError
-            When the listener cannot be reached or refuses (the requests stay on ZeroMQ).
+            When the listener cannot be reached (the requests stay on ZeroMQ).
         """
         self.local_tried = True
-        conn = local.connect(name, secret, timeout, self._max_frame)
-        if self._ready is not None:
-            self._ready.close()
-        self._ready = conn
+        conn = local.begin(name, secret, self._max_frame, connect_s=min(timeout, 1.0))
+        for old in (self._ready, self._greeting[0] if self._greeting is not None else None):
+            if old is not None:
+                old.close()
+        self._ready, self._greeting = None, (conn, time.monotonic() + timeout)
 
     @property
     def local_connected(self) -> bool:
@@ -986,7 +993,19 @@ class DealerChannel:
 
     @property
     def local_ready(self) -> bool:
-        """Whether a local connection is attached and waits for :meth:`switch_local`."""
+        """Whether a local connection is attached, accepted, and waits for :meth:`switch_local` (reads the
+        shard's answer to the greeting if it was not in yet; never waits)."""
+        if self._ready is None and self._greeting is not None:
+            conn, deadline = self._greeting
+            try:
+                if local.greeted(conn):
+                    self._ready, self._greeting = conn, None
+                elif time.monotonic() > deadline:
+                    raise OSError("no answer to the greeting")
+            except OSError as exc:
+                conn.close()
+                self._greeting = None
+                log.info("%s: no local connection (%s); requests stay on ZeroMQ", self.endpoint, exc)
         return self._ready is not None
 
     def switch_local(self) -> None:
@@ -1001,11 +1020,11 @@ class DealerChannel:
     def reset_local(self) -> None:
         """Stop using the local connection (the peer restarted or moved): requests go over ZeroMQ, and a new one
         may be asked for (:attr:`local_tried` is False again)."""
-        for conn in (self._ready, self._conn):
+        for conn in (self._ready, self._conn, self._greeting[0] if self._greeting is not None else None):
             if conn is not None:
                 conn.close()
         had = self._conn is not None
-        self._ready = self._conn = self._cur = None
+        self._ready = self._conn = self._cur = self._greeting = None
         self.local_tried = False
         if had and self.watcher is not None:
             self.watcher.relocal()
@@ -1068,7 +1087,7 @@ class DealerChannel:
 
     def close(self) -> None:
         """Close the socket (and its monitor) without lingering."""
-        for conn in (self._ready, self._conn):
+        for conn in (self._ready, self._conn, self._greeting[0] if self._greeting is not None else None):
             if conn is not None:
                 conn.close()
         if not self.sock.closed:

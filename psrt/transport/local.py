@@ -11,16 +11,16 @@ lane (:mod:`psrt.shm.lanes`) and the socket carries only headers, so those wake-
 call.
 
 So a worker that shares a host with a shard asks it for a *local connection*, proving where it runs with the
-token of the shard's beacon (a file in /dev/shm, :mod:`psrt.shm.lanes`): at its first calls when it reaches the
-shard at an ``ipc://`` or loopback address, else once a lane to the shard opens. The shard answers, over the
-authenticated ZeroMQ socket, with the name of its listening socket in Linux's abstract namespace (which exists
-only within one kernel and network namespace: a worker elsewhere cannot reach it) and a secret for this worker;
-small calls, whose bytes take no lane, then leave ZeroMQ as well. The worker connects and presents the secret;
-the shard ties the connection to the worker's ZeroMQ identity. From the first request the worker sends over it
-(which it does only with no request outstanding, so nothing sent over the two paths can cross), everything
-between the two goes that way, and the replies return on it. The shard waits on all its local connections
-through one epoll set, so a wait costs the same with a thousand of them as with one. A connection that breaks
-ends its use: the worker's next requests go over ZeroMQ again (:class:`psrt.transport.DealerChannel`).
+token of the shard's beacon (a file in /dev/shm, :mod:`psrt.shm.lanes`), at its first calls to the shard. The
+shard answers, over the authenticated ZeroMQ socket, with the name of its listening socket in Linux's abstract
+namespace (which exists only within one kernel and network namespace: a worker elsewhere cannot reach it) and a
+secret for this worker; small calls, whose bytes take no lane, then leave ZeroMQ as well. The worker connects
+and presents the secret; the shard ties the connection to the worker's ZeroMQ identity. From the first request
+the worker sends over it (which it does only with no request outstanding, so nothing sent over the two paths
+can cross), everything between the two goes that way, and the replies return on it. The shard waits on all its
+local connections through one epoll set, so a wait costs the same with a thousand of them as with one. A
+connection that breaks ends its use: the worker's next requests go over ZeroMQ again
+(:class:`psrt.transport.DealerChannel`).
 
 A message is framed as ``u32 frame count, u64 length of each frame, the frames``; a reader refuses more than
 :data:`MAX_FRAMES` frames or a frame longer than its limit by closing the connection, as ZeroMQ's
@@ -41,7 +41,7 @@ import time
 from collections import deque
 from typing import Any, Optional, Sequence
 
-__all__ = ["MAX_FRAMES", "AUTH", "LocalConn", "LocalListener", "connect", "available"]
+__all__ = ["MAX_FRAMES", "AUTH", "LocalConn", "LocalListener", "begin", "greeted", "connect", "available"]
 
 #: The most frames a message may have (a push of many tensors over a socket has a frame per tensor).
 MAX_FRAMES = 1 << 16
@@ -310,20 +310,22 @@ class LocalListener:
         self.sock.close()
 
 
-def connect(name: str, secret: str, timeout: float, max_frame: Optional[int] = None) -> LocalConn:
-    """Connect to a shard's listener ``name`` and present ``secret``; the connection once the shard accepted it.
+def begin(name: str, secret: str, max_frame: Optional[int] = None, connect_s: float = 1.0) -> LocalConn:
+    """Connect to a shard's listener ``name`` and send the greeting with ``secret``; the shard's answer is then
+    read by :func:`greeted` (a worker's call never waits for it: a shard stopped since it granted the secret would
+    hold the call).
 
     Raises
     ------
     OSError
-        When the listener cannot be reached (another host or network namespace), the shard refused the secret, or
-        it did not answer within ``timeout`` seconds.
+        When the listener cannot be reached within ``connect_s`` seconds (another host or network namespace, or a
+        backlog of connections the shard does not take) or the greeting cannot be sent.
     """
     if not available():
         raise OSError("local connections need Linux's abstract Unix sockets")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.settimeout(timeout)
+        sock.settimeout(connect_s)
         sock.connect("\0" + name)
     except OSError:
         sock.close()
@@ -331,21 +333,59 @@ def connect(name: str, secret: str, timeout: float, max_frame: Optional[int] = N
     conn = LocalConn(sock, max_frame)
     try:
         conn.send([AUTH, secret.encode()])
-        deadline = time.monotonic() + timeout
-        poller = select.poll()
-        while not conn.messages:
-            if conn.pending:
-                conn.flush()
-            poller.register(conn.fd, select.POLLIN | (select.POLLOUT if conn.pending else 0))
-            left = deadline - time.monotonic()
-            if left <= 0 or not poller.poll(max(1, int(left * 1000))) and time.monotonic() >= deadline:
-                raise OSError(f"the shard's local listener {name} did not answer within {timeout:.1f}s")
-            if not conn.fill() and not conn.messages:
-                raise OSError(f"the shard closed the local connection {name} (refused)")
-        answer = conn.messages.popleft()
-        if len(answer) != 2 or answer[0] != AUTH or bytes(answer[1]) != b"ok":
-            raise OSError(f"the shard's local listener {name} answered what no greeting does")
-    except (OSError, ConnectionError) as exc:
+    except ConnectionError as exc:
         conn.close()
         raise OSError(str(exc)) from None
+    return conn
+
+
+def greeted(conn: LocalConn) -> bool:
+    """Whether the shard accepted the greeting :func:`begin` sent over ``conn`` (never waits; False: no answer
+    yet).
+
+    Raises
+    ------
+    OSError
+        When the shard refused (it closed the connection) or answered what no greeting does; ``conn`` is closed.
+    """
+    try:
+        if conn.pending:
+            conn.flush()
+        if not conn.fill() and not conn.messages:
+            raise OSError("the shard closed the local connection (refused)")
+    except ConnectionError as exc:
+        conn.close()
+        raise OSError(str(exc)) from None
+    except OSError:
+        conn.close()
+        raise
+    if not conn.messages:
+        return False
+    answer = conn.messages.popleft()
+    if len(answer) != 2 or answer[0] != AUTH or bytes(answer[1]) != b"ok":
+        conn.close()
+        raise OSError("the shard's local listener answered what no greeting does")
+    return True
+
+
+def connect(name: str, secret: str, timeout: float, max_frame: Optional[int] = None) -> LocalConn:
+    """Connect to a shard's listener ``name`` and present ``secret``; the connection once the shard accepted it
+    (:func:`begin`, then a wait of up to ``timeout`` seconds for :func:`greeted`).
+
+    Raises
+    ------
+    OSError
+        When the listener cannot be reached (another host or network namespace), the shard refused the secret, or
+        it did not answer within ``timeout`` seconds.
+    """
+    conn = begin(name, secret, max_frame, connect_s=timeout)
+    deadline = time.monotonic() + timeout
+    poller = select.poll()
+    poller.register(conn.fd, select.POLLIN)
+    while not greeted(conn):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            conn.close()
+            raise OSError(f"the shard's local listener {name} did not answer within {timeout:.1f}s")
+        poller.poll(max(1, int(left * 1000)))
     return conn

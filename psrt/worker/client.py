@@ -138,7 +138,9 @@ class Client:
         compress = self.config.compression
         self._compressor = None if compress is None else Compressor(compress, self.config.limits.max_tensor_bytes)
         # Shared memory with shards on this host (not for compressed gradients, which are small already).
-        self._lanes = WorkerLanes(len(servers), rank, self._session, self.config.shm and compress is None)
+        # (Local connections carry compressed gradients too: they need only the beacon.)
+        self._lanes = WorkerLanes(len(servers), rank, self._session, self.config.shm and compress is None,
+                                  local=self.config.shm)
         hb = self._heartbeat
         self._calls = ShardCalls(self._ctx, servers, self.config, self._lanes,
                                  check=hb.check if hb is not None else None, moves=hb.moves if hb is not None else None,

@@ -306,26 +306,23 @@ class ShardSender:
         return self._lane_for(nbytes)
 
     def _lane_for(self, nbytes: int) -> Any:
-        """The lane a call moving ``nbytes`` (aligned areas) takes, or None: sockets. A first lane to the shard
-        proves it shares this host: the client then asks for a local connection too (:meth:`_try_local`)."""
-        lane = self._lanes.lane_for(self.shard, nbytes, self.ask)
-        if lane is not None and not self._channel.local_tried:
-            self._try_local()
-        return lane
+        """The lane a call moving ``nbytes`` (aligned areas) takes, or None: sockets."""
+        return self._lanes.lane_for(self.shard, nbytes, self.ask)
 
     def _local_first(self) -> None:
-        """Ask, without waiting, for a local connection to a shard reached without a network (``ipc://`` or
-        loopback: only there can it share this host), so that small calls, which never take a lane, leave ZeroMQ
-        too; a shard elsewhere is asked when a lane to it first opens (:meth:`_lane_for`).
+        """Ask, without waiting, for a local connection to the shard, so that small calls, which never take a
+        lane, leave ZeroMQ too when the shard shares this host (whatever address it is reached at: the beacon
+        proves it, or that it runs elsewhere).
 
         Each call's start takes the next step once the last one is answered (its answer comes in while a call
         waits): ``lane_probe`` (unless a lane read the beacon already), the beacon's token read on this host,
         ``local_open`` with it, then the connection. Nothing waits on these answers, so a call never waits
-        longer for them (a shard that answers nothing costs its caller one timeout, as before), and the requests
-        go over the connection from the first send at which no request to the shard is outstanding.
+        longer for them (a shard that answers nothing costs its caller one timeout, as before; a shard elsewhere,
+        one small request), and the requests go over the connection from the first send at which no request to
+        the shard is outstanding.
         """
         channel = self._channel
-        if not channel.local or not self._lanes.enabled:  # (``local``: the shard's endpoint is on this host)
+        if not self._lanes.local:
             channel.local_tried, self._opening = True, None
             return
         token = self._lanes.known_token(self.shard)
@@ -358,22 +355,6 @@ class ShardSender:
         else:
             self.send(handle, lambda rid, t=token: wire.encode_local_open(rid, t))
             self._opening = ("open", handle)
-
-    def _try_local(self) -> None:
-        """Ask the shard for a local connection and connect (:mod:`psrt.transport.local`); once per shard start.
-        The worker shows the token of the shard's beacon (asked for first, if no lane has yet): proof that it shares
-        the host. Anything that fails leaves the requests on the socket."""
-        channel = self._channel
-        channel.local_tried = True
-        try:
-            token = self._lanes.token(self.shard, self.ask)
-            if token is None:  # (shared memory off here, or the shard elsewhere: nothing to connect to)
-                return
-            reply = self.ask(lambda rid: wire.encode_local_open(rid, token))
-            channel.attach_local(reply.name, reply.secret, min(self._timeout, LOCAL_CONNECT_S))
-        except (PsrtError, OSError) as exc:
-            log.info("shard %s: no local connection (%s); its requests stay on the socket",
-                     self._calls.servers[self.shard], exc)
 
     def _base(self, msg: Sequence[Chunk]) -> Any:
         """The version(s) of the parameters a push of ``msg``'s gradients was computed from: those last received
