@@ -141,6 +141,67 @@ def test_a_greeting_waits_for_nothing_and_its_answer_is_read_when_it_comes():
         listener.close()
 
 
+def test_a_shard_serves_hundreds_of_local_peers_and_forgets_each_that_leaves():
+    import zmq
+
+    from psrt.transport import RouterChannel
+
+    PEERS = 200  # (two descriptors each in this process: well inside a common limit of 1,024)
+    ctx = zmq.Context()
+    chan = RouterChannel(ctx, "tcp://127.0.0.1:*", 1000, 5.0)
+    peers = []
+    try:
+        for i in range(PEERS):
+            name, secret = chan.grant_local(b"\x00peer%d" % i)
+            peers.append(local.begin(name, secret))
+            chan.poll(0.0)  # (the shard's loop takes the connections and greetings in as they come)
+        waiting, deadline = set(range(PEERS)), time.monotonic() + 10
+        while waiting and time.monotonic() < deadline:
+            chan.poll(0.05)
+            waiting = {i for i in waiting if not local.greeted(peers[i])}
+        assert not waiting, f"{len(waiting)} greetings unanswered"
+        for i, conn in enumerate(peers):
+            conn.send([b"hello %d" % i])
+
+        def take(count: int) -> dict[bytes, bytes]:
+            got: dict[bytes, bytes] = {}
+            deadline = time.monotonic() + 10
+            while len(got) < count and time.monotonic() < deadline:
+                chan.poll(0.1)
+                while (msg := chan.recv()) is not None:
+                    got[msg[0]] = bytes(msg[1][0])
+            return got
+
+        got = take(PEERS)
+        assert got == {b"\x00peer%d" % i: b"hello %d" % i for i in range(PEERS)} and chan.local_peers == PEERS
+        for conn in peers[::2]:  # half of them leave: each is forgotten, its replies go over ZeroMQ again
+            conn.close()
+        for conn in peers[1::2]:
+            conn.send([b"again"])
+        got = take(PEERS // 2)
+        assert set(got) == {b"\x00peer%d" % i for i in range(1, PEERS, 2)} and set(got.values()) == {b"again"}
+        deadline = time.monotonic() + 5
+        while chan.local_peers > PEERS // 2 and time.monotonic() < deadline:
+            chan.poll(0.05)
+        assert chan.local_peers == PEERS // 2 and len(chan._conns) == PEERS // 2
+        chan.send(b"\x00peer1", [b"reply"])  # a staying peer's reply goes over its connection
+        assert drain_one(peers[1]) == [b"reply"]
+    finally:
+        for conn in peers:
+            conn.close()
+        chan.close()
+        ctx.term()
+
+
+def drain_one(conn: local.LocalConn) -> list[bytes]:
+    for _ in range(10_000):
+        conn.fill()
+        if conn.messages:
+            return [bytes(f) for f in conn.messages.popleft()]
+        time.sleep(0.001)
+    raise AssertionError("no message came")
+
+
 def test_a_worker_without_the_beacon_token_is_refused_a_local_connection():
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
         with psrt.Client([server.endpoint], config=ClientConfig(timeout=20, shm=False)) as c:
