@@ -3,9 +3,10 @@
 A client has one sender per shard, and every request it makes of that shard goes through it: ``init``, pushes,
 pulls, embedding rows, counters, checkpoints, lane set-up. A call moving enough bytes to a shard on this host goes
 through the shard's shared-memory lane (:mod:`psrt.shm.lanes`: the tensor bytes in a segment, the socket carrying
-the header), anything else over the shard's DEALER socket. Each request is tracked by
-:class:`~psrt.worker.calls.ShardCalls`, which routes its reply, with the forms it may have to go again in; the
-routing gives a request back to its sender when it must:
+the header), anything else over the shard's DEALER socket; and to a shard on this host, every message takes a
+local connection once one is set up (:meth:`ShardSender._local_first`, :mod:`psrt.transport.local`). Each
+request is tracked by :class:`~psrt.worker.calls.ShardCalls`, which routes its reply, with the forms it may have
+to go again in; the routing gives a request back to its sender when it must:
 
 - :meth:`ShardSender.without_lane`: the shard refused the lane (it restarted, or dropped the segment), so the
   request goes again over the socket, under the same id;
