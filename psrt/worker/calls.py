@@ -417,6 +417,14 @@ class ShardCalls:
         carry their sequence numbers and are not applied twice.
         """
         unanswered = [(rid, p) for rid, p in self._pending.items() if p.shard == shard]
+        # A local connection's set-up goes no further with this connection: its sender asks again from the start
+        # (answered again and again, it would also hide a peer that drops everything else).
+        for rid, p in [(rid, p) for rid, p in unanswered if p.handle.setup]:
+            del self._pending[rid]
+            p.handle._outstanding.discard(rid)
+            p.abandon()
+            p.handle._fail(ConnectionLostError(f"{self.servers[shard]} reconnected before answering"))
+        unanswered = [(rid, p) for rid, p in unanswered if not p.handle.setup]
         self._unanswered[shard] += 1
         if self._unanswered[shard] > 3:  # it drops what is sent: resending would loop until the timeout
             error = ConnectionLostError(

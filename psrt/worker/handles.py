@@ -19,6 +19,10 @@ __all__ = ["Handle"]
 class Handle:
     """A call in flight. :meth:`wait` returns its result: parameters for pulls, None for pushes."""
 
+    #: Whether it is a local connection's set-up (:meth:`psrt.worker.sender.ShardSender._local_first`), which
+    #: nobody waits for: not sent again when its shard reconnects.
+    setup = False
+
     def __init__(self, calls: Any, op: str, outputs: Optional[dict[str, np.ndarray]]) -> None:
         self._calls = calls
         self.op = op

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from psrt import wire
-from psrt.errors import PsrtError
+from psrt.errors import ConnectionLostError, PsrtError
 from psrt.partition import Chunk
 from psrt.shm.lanes import LaneUse, WorkerLanes, rows_bytes
 from psrt.transport import ZERO_COPY_BYTES
@@ -342,14 +342,21 @@ class ShardSender:
                     return
                 token = self._lanes.take_beacon(self.shard, reply)
             except (PsrtError, OSError) as exc:
-                channel.local_tried = True
-                log.info("shard %s: no local connection (%s); its requests stay on the socket", channel.endpoint,
-                         exc)
-                return
-            if token is None:  # (another host after all, or no shared memory there)
-                channel.local_tried = True
-                return
+                # The shard reconnected or restarted since (the restart forgot the token, and a new shard's beacon
+                # holds another): read its beacon again. Else it stays on the socket.
+                if not isinstance(exc, ConnectionLostError) and not (
+                        step == "open" and token is None and isinstance(exc, PsrtError)):
+                    channel.local_tried = True
+                    log.info("shard %s: no local connection (%s); its requests stay on the socket",
+                             channel.endpoint, exc)
+                    return
+                token = None
+            else:
+                if token is None:  # (another host after all, or no shared memory there)
+                    channel.local_tried = True
+                    return
         handle = Handle(self._calls, "local set-up", None)
+        handle.setup = True
         if token is None:
             self.send(handle, wire.encode_lane_probe)
             self._opening = ("probe", handle)
