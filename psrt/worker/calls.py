@@ -333,8 +333,8 @@ class ShardCalls:
                 if self._repointed[shard]:  # the new endpoint's first handshake: _follow_moves rode it through
                     self._repointed[shard] = False
                     again = seen > 1  # (and the shard went away and came back since)
-                else:  # (two handshakes seen at once, the first among them: it connected, dropped, came back)
-                    again = self._connections[shard] > 0 or seen > 1
+                else:
+                    again = self._connections[shard] > 0
                 if again:
                     self._ride_through(shard)
                 self._connections[shard] = ch.connections

@@ -138,8 +138,6 @@ class ShardSender:
     def init(self, handle: Handle, messages: list[list[Chunk]], arrays: Mapping[str, np.ndarray],
              optimizer: dict[str, Any]) -> None:
         """Send the ``init`` requests of ``messages`` (chunks of ``arrays``), with the optimizer's wire spec."""
-        if not self._channel.local_tried:
-            self._local_first()
         rank, session = self._rank, self._session
         for msg in messages:
             entries, payload = payload_of(msg, arrays)
