@@ -4,6 +4,7 @@ that switch to it and end exact."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 import time
@@ -258,15 +259,18 @@ def test_a_worker_with_a_lane_switches_to_a_local_connection_and_ends_exact():
 
 
 @needs_shm(1)
-def test_small_calls_on_one_host_take_a_local_connection_without_a_lane():
+def test_small_calls_on_one_host_take_a_local_connection_without_a_lane(caplog):
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
-        with psrt.Client([server.endpoint], config=ClientConfig(timeout=20)) as c:
+        with psrt.Client([server.endpoint], config=ClientConfig(timeout=20)) as c, caplog.at_level(logging.INFO):
             c.init({"w": np.zeros(1024, np.float32)}, optimizer=psrt.SGD(lr=1.0))
             c.init_embedding("e", dim=4, optimizer=psrt.SGD(lr=1.0), init="zeros")
             steps = 0
-            while not c._calls.channels[0].local_connected and steps < 20:  # (set up by the first calls)
+            channel = c._calls.channels[0]
+            while not channel.local_connected and steps < 200:  # (set up by the first few calls, 3-7 here)
                 out = c.push_pull({"w": np.ones(1024, np.float32)})
                 steps += 1
+            assert channel.local_connected, (steps, channel.local_tried, c._senders[0]._opening,
+                                             [r.getMessage() for r in caplog.records])
             before = c.stats()[0]["local_messages"]  # (this request included)
             out = c.push_pull({"w": np.ones(1024, np.float32)})
             c.push({"w": np.ones(1024, np.float32)})
