@@ -408,6 +408,14 @@ class ShardCalls:
             self._repointed[shard] = True
             self._ride_through(shard, behind=not replica)
 
+    def _fail_requests(self, requests: list[tuple[int, Request]], error: BaseException) -> None:
+        """Stop waiting for ``requests`` (``(id, request)`` pairs): each one's handle fails with ``error``."""
+        for rid, p in requests:
+            del self._pending[rid]
+            p.handle._outstanding.discard(rid)
+            p.abandon()
+            p.handle._fail(error)
+
     def _ride_through(self, shard: int, behind: bool = True) -> None:
         """A shard came back (restarted, maybe from a checkpoint): its senders send again what it never answered.
 
@@ -419,23 +427,15 @@ class ShardCalls:
         unanswered = [(rid, p) for rid, p in self._pending.items() if p.shard == shard]
         # A local connection's set-up goes no further with this connection: its sender asks again from the start
         # (answered again and again, it would also hide a peer that drops everything else).
-        for rid, p in [(rid, p) for rid, p in unanswered if p.handle.setup]:
-            del self._pending[rid]
-            p.handle._outstanding.discard(rid)
-            p.abandon()
-            p.handle._fail(ConnectionLostError(f"{self.servers[shard]} reconnected before answering"))
+        self._fail_requests([(rid, p) for rid, p in unanswered if p.handle.setup],
+                            ConnectionLostError(f"{self.servers[shard]} reconnected before answering"))
         unanswered = [(rid, p) for rid, p in unanswered if not p.handle.setup]
         self._unanswered[shard] += 1
         if self._unanswered[shard] > 3:  # it drops what is sent: resending would loop until the timeout
-            error = ConnectionLostError(
+            self._fail_requests(unanswered, ConnectionLostError(
                 f"{self.servers[shard]} dropped the connection {self._unanswered[shard]} times without answering "
                 "anything: it is not a psrt shard (a psrt scheduler drops messages over 64 KiB), or it refuses "
-                "this client's messages (larger than its limits allow, e.g. a tensor over its max_tensor_bytes)")
-            for rid, p in unanswered:
-                del self._pending[rid]
-                p.handle._outstanding.discard(rid)
-                p.abandon()
-                p.handle._fail(error)
+                "this client's messages (larger than its limits allow, e.g. a tensor over its max_tensor_bytes)"))
             return
         log.warning("shard %s reconnected or moved (restarted?): sending again the %d requests it has not answered",
                     self.servers[shard], len(unanswered))
