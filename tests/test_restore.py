@@ -197,6 +197,45 @@ def test_a_shard_restarted_on_another_endpoint_takes_back_its_rank_and_the_worke
 
 
 @pytest.mark.integration
+def test_a_checkpoint_of_tensors_cut_for_a_network_is_restored_by_workers_on_the_shards_host(tmp_path, caplog):
+    """Workers across hosts cut a tensor for a network (psrt.partition); its checkpoint, restored where the shards
+    are on the workers' host, holds those parts. A client left at PSRT_PIPELINE=auto cuts its first tensors as the
+    restored shard holds them (and every worker would, meeting the same shard); one whose cut is set is refused
+    with the reason, and nothing changes."""
+    serve = ("server", "--workers", "1", "--checkpoint-dir", str(tmp_path))
+    x = np.arange(1 << 20, dtype=np.float32)  # 4 MB: 16 parts for a network, one for one host
+    shard = Child(psrt_command(*serve, "--bind", "tcp://127.0.0.1:*"), label="shard", ready=SERVER_READY)
+    restored = None
+    try:
+        endpoint = shard.wait_ready(30).group(1)
+        with psrt.Client([endpoint], config=ClientConfig(pipeline="on")) as c:  # as across hosts
+            c.init({"w": x}, optimizer=psrt.SGD(lr=1.0))
+            assert len(c.partition.chunks_of(["w"])) == 16
+            before = c.push_pull({"w": np.ones_like(x)})["w"].copy()
+            c.checkpoint()
+        shard.stop()
+        restored = Child(psrt_command(*serve, "--bind", endpoint, "--restore"), label="restored",
+                         ready=SERVER_READY)
+        restored.wait_ready(30)
+        with psrt.Client([endpoint], config=ClientConfig(pipeline="off")) as c:
+            with pytest.raises(psrt.ServerError, match="checkpoint this shard restored") as refused:
+                c.init({"w": x}, optimizer=psrt.SGD(lr=1.0))
+            assert refused.value.code == "mismatch" and not c.partition.tensors
+        with caplog.at_level(logging.WARNING, logger="psrt.client"), psrt.Client([endpoint]) as c:
+            assert not c.partition.network  # loopback endpoints: cut for one host ...
+            got = c.init({"w": x}, optimizer=psrt.SGD(lr=1.0))["w"]
+            assert c.partition.network and len(c.partition.chunks_of(["w"])) == 16  # ... as the shard holds it
+            np.testing.assert_array_equal(got, before)
+            np.testing.assert_array_equal(c.push_pull({"w": np.ones_like(x)})["w"], before - 1)
+            np.testing.assert_array_equal(c.pull(["w"])["w"], before - 1)
+        assert "cut for a network (restored from a checkpoint" in caplog.text, caplog.text
+    finally:
+        for child in (shard, restored):
+            if child is not None:
+                child.stop()
+
+
+@pytest.mark.integration
 def test_a_restarted_server_cannot_take_the_slot_of_a_live_one(tmp_path):
     sched = Child(psrt_command("scheduler", "--bind", "tcp://127.0.0.1:*", "--servers", "1", "--workers", "1"),
                   label="scheduler", ready=SCHEDULER_READY)

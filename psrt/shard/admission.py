@@ -27,9 +27,10 @@ def check_shape(entry: Entry, meta: wire.TensorMeta) -> None:
         # Clients check a push's shapes before sending: a part of another length comes from an init of another
         # shape, or from a worker that cut the tensor into other pieces.
         hint = ("" if param.size == meta.count else
-                ": another worker initialized it with another shape, or cut it into other pieces (every worker must "
-                "list the shards alike, all by loopback or ipc:// endpoints, which cut for one host, or none, and "
-                "set PSRT_PIPELINE alike)")
+                ": another worker initialized it with another shape, or cut it into other pieces, or the job whose "
+                "checkpoint this shard restored did (every worker must list the shards alike, all by loopback or "
+                "ipc:// endpoints, which cut for one host, or none, and set PSRT_PIPELINE alike; a client that "
+                "leaves PSRT_PIPELINE at auto cuts its first tensors as restored shards hold them)")
         raise RequestRefused(
             "mismatch",
             f"tensor {meta.name!r} part {meta.part} holds {param.size} x {param.dtype} but the "

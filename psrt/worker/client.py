@@ -14,6 +14,7 @@ thread-safe: use it from the thread that created it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 import time
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -25,7 +26,7 @@ from psrt.checks import check_endpoint
 from psrt.config import ClientConfig, ClusterConfig
 from psrt.control import security
 from psrt.control.link import HeartbeatThread, SchedulerLink, join_as_worker
-from psrt.errors import ConfigError, ConnectionLostError, PsrtError, PsrtTypeError
+from psrt.errors import ConfigError, ConnectionLostError, PsrtError, PsrtTypeError, ServerError
 from psrt.optim import SGD, Optimizer
 from psrt.partition import Chunk, PartitionMap
 from psrt.shm.lanes import WorkerLanes
@@ -38,6 +39,8 @@ from psrt.worker.handles import Handle
 from psrt.worker.pacing import Pacing
 from psrt.worker.plans import Plans, cuts_for_network
 from psrt.worker.sender import ShardSender
+
+log = logging.getLogger("psrt.client")
 
 __all__ = ["Client", "Handle"]
 
@@ -198,7 +201,9 @@ class Client:
         """Register tensors with their initial values and the optimizer the shards apply to them.
 
         The first initialization of a key wins: workers that initialize it later get the stored value back,
-        so all workers start from identical parameters.
+        so all workers start from identical parameters. Shards restored from checkpoints hold their tensors cut as
+        the job that wrote them cut them (for one host, or for a network: :mod:`psrt.partition`); with
+        ``pipeline="auto"`` a client's first ``init`` cuts its tensors alike when its own cut is refused.
 
         Parameters
         ----------
@@ -219,6 +224,8 @@ class Client:
         ------
         ConfigError
             When a tensor exists with another optimizer, or the shards run with another W.
+        ServerError
+            ``mismatch``: a tensor exists with another size, or cut into other parts.
         """
         self._check_open()
         optimizer = SGD() if optimizer is None else optimizer
@@ -236,9 +243,43 @@ class Client:
                 raise PsrtTypeError(f"tensor {name!r} has dtype {a.dtype}; psrt holds {dtypes.describe()} "
                                     f"(use .astype(np.float32))")
             arrays[name] = a
-        chunks = self._map.add({n: (a.shape, a.dtype) for n, a in arrays.items()})
         if self._compressor is not None:
             self._compressor.forget(arrays)  # top-k: no residual of an earlier life of these names carries over
+        first = not self._map.tensors
+        try:
+            return self._init_cut(arrays, optimizer, timeout)
+        except ServerError as exc:
+            # Restored shards hold their tensors as the job that wrote the checkpoints cut them: for one host, or
+            # for a network (psrt.partition). A job restored where its shards are now elsewhere (or here, after
+            # running across hosts) cuts them the other way, and each shard refuses the parts (``mismatch``).
+            # Unless the cut was set (PSRT_PIPELINE), a client's first init then cuts as the shards hold them:
+            # every worker of the job meets the same shards and decides alike.
+            if exc.code != "mismatch" or not first or self.config.pipeline != "auto" or not self._cut_differs(arrays):
+                raise
+            self._map.network = not self._map.network
+            try:
+                result = self._init_cut(arrays, optimizer, timeout)
+            except PsrtError:
+                self._map.network = not self._map.network
+                raise exc from None
+            log.warning("the shards hold %s cut for %s (restored from a checkpoint of a job whose shards were %s?): "
+                        "this client cuts its tensors alike", sorted(arrays),
+                        "a network" if self._map.network else "one host",
+                        "across hosts" if self._map.network else "on its workers' host")
+            return result
+
+    def _cut_differs(self, arrays: Mapping[str, np.ndarray]) -> bool:
+        """Whether the other cut (for a network instead of one host, or the reverse) cuts ``arrays`` otherwise."""
+        specs = {n: (a.shape, a.dtype) for n, a in arrays.items()}
+        mine, other = (PartitionMap(len(self.servers), self._map.partition_bytes, network=net).add(specs)
+                       for net in (self._map.network, not self._map.network))
+        return [(c.name, c.part, c.shard, c.nbytes) for c in mine] != [(c.name, c.part, c.shard, c.nbytes)
+                                                                        for c in other]
+
+    def _init_cut(self, arrays: dict[str, np.ndarray], optimizer: Optimizer,
+                  timeout: Optional[float]) -> dict[str, np.ndarray]:
+        """Add ``arrays`` to the map, cut as it cuts now, and initialize their chunks on the shards."""
+        chunks = self._map.add({n: (a.shape, a.dtype) for n, a in arrays.items()})
         # The tensors count as initialized only once every shard has accepted them: whatever goes wrong below,
         # the client forgets them again, so a corrected retry starts from the state before this call.
         try:
