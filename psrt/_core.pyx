@@ -456,11 +456,28 @@ cdef extern from *:
     #endif
     static inline void psrt_prefetch_r(const void *p, Py_ssize_t nbytes) { PSRT_PREFETCH_LINES(p, nbytes, 0); }
     static inline void psrt_prefetch_w(const void *p, Py_ssize_t nbytes) { PSRT_PREFETCH_LINES(p, nbytes, 1); }
+    /* One row's bytes. A copy of a size known when compiled is a few moves; one whose size is a variable is a
+       call into libc, which for a 64-byte row (an embedding of 16 float32) costs more than the copy: the usual
+       sizes get their own. */
+    static inline void psrt_copy_row(void *dst, const void *src, Py_ssize_t nbytes) {
+        switch (nbytes) {
+        case 32: memcpy(dst, src, 32); break;
+        case 64: memcpy(dst, src, 64); break;
+        case 128: memcpy(dst, src, 128); break;
+        case 256: memcpy(dst, src, 256); break;
+        case 512: memcpy(dst, src, 512); break;
+        default: memcpy(dst, src, (size_t)nbytes);
+        }
+    }
+    /* A table smaller than this is most likely in cache (a buffer just written): no row of it is asked for ahead. */
+    enum { PSRT_PREFETCH_MIN_BYTES = 1 << 20 };
     """
     uint64_t psrt_mix64(uint64_t z) noexcept nogil
     enum: PSRT_AHEAD
     void psrt_prefetch_r(const void *p, Py_ssize_t nbytes) noexcept nogil
     void psrt_prefetch_w(const void *p, Py_ssize_t nbytes) noexcept nogil
+    void psrt_copy_row(void *dst, const void *src, Py_ssize_t nbytes) noexcept nogil
+    enum: PSRT_PREFETCH_MIN_BYTES
 
 cdef uint64_t _GOLDEN = 0x9E3779B97F4A7C15ULL
 
@@ -489,17 +506,19 @@ def gather_rows(const real[:, ::1] table, const int64_t[::1] slots, real[:, ::1]
     """``out[i] = table[slots[i]]`` for every i (rows whose slot is out of range are left as they are)."""
     cdef Py_ssize_t n = _min2(slots.shape[0], out.shape[0]), i, s, t
     cdef Py_ssize_t dim = _min2(table.shape[1], out.shape[1]), rows = table.shape[0]
+    cdef Py_ssize_t nbytes = dim * sizeof(real)
     if n == 0 or dim == 0:
         return
+    cdef bint ahead = rows * table.shape[1] * sizeof(real) >= PSRT_PREFETCH_MIN_BYTES
     with nogil:
         for i in range(n):
-            if i + PSRT_AHEAD < n:
+            if ahead and i + PSRT_AHEAD < n:
                 t = slots[i + PSRT_AHEAD]
                 if 0 <= t < rows:
-                    psrt_prefetch_r(&table[t, 0], dim * sizeof(real))
+                    psrt_prefetch_r(&table[t, 0], nbytes)
             s = slots[i]
             if 0 <= s < rows:
-                memcpy(&out[i, 0], &table[s, 0], dim * sizeof(real))
+                psrt_copy_row(&out[i, 0], &table[s, 0], nbytes)
 
 
 def scatter_add_rows(real[:, ::1] dst, const int64_t[::1] slots, const real[:, ::1] src):
@@ -725,7 +744,7 @@ def coalesce_rows(int64_t[:, ::1] cells, const int64_t[::1] ids, const real[:, :
         for i in range(n):
             k = _first_index(&cells[0, 0], mask, ids[i], &distinct[0], &used, &new)
             if new:
-                memcpy(&summed[k, 0], &rows[i, 0], dim * sizeof(real))
+                psrt_copy_row(&summed[k, 0], &rows[i, 0], dim * sizeof(real))
             elif real is float:
                 psrt_accumulate_f32(&summed[k, 0], &rows[i, 0], dim)
             else:
@@ -790,7 +809,7 @@ def index_gather(const int64_t[::1] keys, const int64_t[::1] vals, const int64_t
             if s < 0:
                 missing += 1
             elif s < rows and dim:
-                memcpy(&out[i, 0], &table[s, 0], dim * sizeof(real))
+                psrt_copy_row(&out[i, 0], &table[s, 0], dim * sizeof(real))
     return missing
 
 
