@@ -42,6 +42,33 @@ def test_gather_and_scatter_add_with_duplicates(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [1, 3, 4, 8, 16, 32, 64, 128, 33])
+@pytest.mark.parametrize("rows", [40, 20_000])
+def test_row_copies_of_every_size_are_their_twins(dtype, dim, rows):
+    """Rows of 32 to 512 bytes are copied by a copy of known size (psrt._core's psrt_copy_row), others by memcpy,
+    and gather_rows asks for rows ahead only from tables of 1 MiB or more: every size, either side of that, exact."""
+    rng = np.random.default_rng(dim)
+    table = rng.standard_normal((rows, dim)).astype(dtype)
+    slots = rng.integers(0, rows, 300).astype(np.int64)
+    out = np.full((300, dim), 7, dtype)
+    rowkernels.gather_rows(table, slots, out)
+    np.testing.assert_array_equal(out, reference.gather_rows(table, slots))
+    ids = rng.choice(1 << 40, rows, replace=False).astype(np.int64)
+    cap = 1 << (2 * rows - 1).bit_length()
+    keys, vals = np.zeros(cap, np.int64), np.full(cap, -1, np.int64)
+    rowkernels.index_find(keys, vals, ids, np.empty(rows, np.int64), np.zeros(rows, np.int64), 0, True)
+    asked = np.concatenate([ids[slots], rng.integers(0, 1 << 40, 20)]).astype(np.int64)
+    out, ref_out = np.full((len(asked), dim), 7, dtype), np.full((len(asked), dim), 7, dtype)
+    missing = rowkernels.index_gather(keys, vals, asked, table, out, np.empty(len(asked), np.int64))
+    assert (missing, out.tobytes()) == (reference.index_gather(keys, vals, asked, table, ref_out)[1], ref_out.tobytes())
+    repeated = rng.integers(0, 50, 300).astype(np.int64)
+    grads = rng.standard_normal((300, dim)).astype(dtype)
+    distinct, summed = rowkernels.coalesce_rows(repeated, grads)
+    want, want_summed = reference.coalesce_rows(repeated, grads)
+    assert distinct.tolist() == want.tolist() and np.array_equal(summed, want_summed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [1, 7, 64])
 def test_row_optimizers_match_their_twins_and_touch_only_their_rows(dtype, dim):
     rng, table, slots, grad = setup(dtype, dim=dim)
