@@ -272,16 +272,18 @@ def split_steps(servers: list[str], rank: int, workers: int, size: int, steps: i
 
 
 # ---------------------------------------------------------------------------------------------- shared memory
-def lane_probe(servers: list[str], size: int = 300_000, steps: int = 1, value: float = 1.0) -> dict:
+def lane_probe(servers: list[str], size: int = 300_000, steps: int = 1, value: float = 1.0,
+               keys: bool = False) -> dict:
     """``steps`` push_pulls of ``value`` (SGD lr=1) on a tensor above the lane threshold: the first and last
-    parameter, and the shard's count of bytes that came through shared memory and of pushes."""
+    parameter, and the shard's count of bytes that came through shared memory and of pushes (``keys``: and of the
+    keys it holds)."""
     with psrt.Client(servers, config=ClientConfig(timeout=30)) as c:
         c.init({"w": np.zeros(size, np.float32)}, optimizer=psrt.SGD(lr=1.0))
         for _ in range(steps):
             p = c.push_pull({"w": np.full(size, value, np.float32)})
         s = c.stats()[0]
     return {"first": float(p["w"][0]), "last": float(p["w"][-1]), "shm_bytes_in": s["shm_bytes_in"],
-            "pushes": s["pushes"]}
+            "pushes": s["pushes"], **({"keys": s["keys"]} if keys else {})}
 
 
 def slow_link(servers: list[str], size: int) -> dict:

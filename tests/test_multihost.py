@@ -104,29 +104,33 @@ def test_pipeline_off_sends_a_tensor_crossing_a_network_in_one_message():
 
 
 def test_a_checkpoint_written_on_the_shards_host_is_restored_across_a_network(tmp_path):
-    """A job whose worker shared the shard's host kept its tensor whole (the cut for one host); its checkpoint,
-    restored by a shard that workers now reach across a network, holds that part. A worker left at
-    PSRT_PIPELINE=auto cuts the tensor as the shard holds it, says so, and goes on from the restored values."""
-    size = 1_000_000
+    """A job whose worker shared the shard's host cut its 40 MB tensor for one host (10 parts of 4 MB); its
+    checkpoint, restored by a shard that workers now reach across a network, holds those parts. A worker left at
+    PSRT_PIPELINE=auto asks the shard first, cuts the tensor as the shard holds it, says so, and goes on from the
+    restored values; the cut for a network (16 parts of 2.5 MB) leaves no part on the shard (sent and refused
+    message by message, its last 6 parts, new keys there, would have been taken)."""
+    size = 10_000_000
     serve = ["server", "--workers", "1", "--mode", "sync", "--checkpoint-dir", str(tmp_path),
              "--checkpoint-every", "1"]
     with VirtualCluster(["srv", "wrk"]) as vc:
         local = "tcp://127.0.0.1:5715"
         server = vc.spawn("srv", [*PSRT, *serve, "--bind", local], ready=SERVER_READY)
         server.wait_ready(30)
-        probe = vc.spawn("srv", worker_command("lane_probe", servers=[local], size=size, steps=3, value=2.0))
+        probe = vc.spawn("srv", worker_command("lane_probe", servers=[local], size=size, steps=3, value=2.0,
+                                               keys=True))
         out = probe.communicate(timeout=120)
         assert probe.returncode == 0, out
-        assert parse_results(out)[0]["last"] == -6.0
+        assert [(r["last"], r["keys"]) for r in parse_results(out)] == [(-6.0, 10)]
         assert server.stop() in (0, -15)
         endpoint = f"tcp://{vc.address('srv')}:5716"
         restored = vc.spawn("srv", [*PSRT, *serve, "--bind", endpoint, "--restore"], ready=SERVER_READY)
         restored.wait_ready(30)
-        probe = vc.spawn("wrk", worker_command("lane_probe", servers=[endpoint], size=size, steps=3, value=2.0))
-        out = probe.communicate(timeout=120)
+        probe = vc.spawn("wrk", worker_command("lane_probe", servers=[endpoint], size=size, steps=3, value=2.0,
+                                               keys=True))
+        out = probe.communicate(timeout=180)
         assert probe.returncode == 0, out
-        # Three more rounds from the restored -6, one message each: the tensor kept whole, as the shard holds it.
-        assert parse_results(out) == [{"first": -12.0, "last": -12.0, "shm_bytes_in": 0, "pushes": 3}]
+        # Three more rounds from the restored -6, in the shard's 10 parts and no others.
+        assert parse_results(out) == [{"first": -12.0, "last": -12.0, "shm_bytes_in": 0, "pushes": 30, "keys": 10}]
         assert "cut for one host (restored from a checkpoint" in out, out
         assert restored.stop() in (0, -15)
 

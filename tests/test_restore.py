@@ -199,9 +199,10 @@ def test_a_shard_restarted_on_another_endpoint_takes_back_its_rank_and_the_worke
 @pytest.mark.integration
 def test_a_checkpoint_of_tensors_cut_for_a_network_is_restored_by_workers_on_the_shards_host(tmp_path, caplog):
     """Workers across hosts cut a tensor for a network (psrt.partition); its checkpoint, restored where the shards
-    are on the workers' host, holds those parts. A client left at PSRT_PIPELINE=auto cuts its first tensors as the
-    restored shard holds them (and every worker would, meeting the same shard); one whose cut is set is refused
-    with the reason, and nothing changes."""
+    are on the workers' host, holds those parts. A client left at PSRT_PIPELINE=auto asks the shard first (an init
+    check, which makes nothing) and cuts its first tensors as the restored shard holds them (and every worker would,
+    meeting the same shard); one whose cut is set, or whose tensor fits neither cut, is refused with the reason,
+    and nothing changes."""
     serve = ("server", "--workers", "1", "--checkpoint-dir", str(tmp_path))
     x = np.arange(1 << 20, dtype=np.float32)  # 4 MB: 16 parts for a network, one for one host
     shard = Child(psrt_command(*serve, "--bind", "tcp://127.0.0.1:*"), label="shard", ready=SERVER_READY)
@@ -221,6 +222,12 @@ def test_a_checkpoint_of_tensors_cut_for_a_network_is_restored_by_workers_on_the
             with pytest.raises(psrt.ServerError, match="checkpoint this shard restored") as refused:
                 c.init({"w": x}, optimizer=psrt.SGD(lr=1.0))
             assert refused.value.code == "mismatch" and not c.partition.tensors
+            assert c.stats()[0]["keys"] == 16
+        with psrt.Client([endpoint]) as c:  # another size: neither cut is taken, and the client's own is refused
+            with pytest.raises(psrt.ServerError, match="holds 65536 x float32 but the message has 1048576") as other:
+                c.init({"w": np.zeros(2 << 20, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+            assert other.value.code == "mismatch" and not c.partition.network and not c.partition.tensors
+            assert c.stats()[0]["keys"] == 16  # (the init checks made nothing)
         with caplog.at_level(logging.WARNING, logger="psrt.client"), psrt.Client([endpoint]) as c:
             assert not c.partition.network  # loopback endpoints: cut for one host ...
             got = c.init({"w": x}, optimizer=psrt.SGD(lr=1.0))["w"]
@@ -228,6 +235,7 @@ def test_a_checkpoint_of_tensors_cut_for_a_network_is_restored_by_workers_on_the
             np.testing.assert_array_equal(got, before)
             np.testing.assert_array_equal(c.push_pull({"w": np.ones_like(x)})["w"], before - 1)
             np.testing.assert_array_equal(c.pull(["w"])["w"], before - 1)
+            assert c.stats()[0]["keys"] == 16
         assert "cut for a network (restored from a checkpoint" in caplog.text, caplog.text
     finally:
         for child in (shard, restored):

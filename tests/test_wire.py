@@ -372,6 +372,26 @@ def test_init_optimizer_must_be_a_map(value):
     reject(frames_of(header, arrays), match="'optimizer' must be a map", request_id=42)
 
 
+def test_an_init_check_carries_names_and_sizes_and_no_bytes():
+    """``init`` with ``check``: the parts a client would send, no bytes; anything else about it is refused."""
+    header, arrays = header_for("init")
+    req = wire.decode_request(frames_of({**header, "check": True}), LIMITS)
+    assert isinstance(req, wire.InitRequest) and req.check and req.buffers == []
+    assert [(m.key, m.count) for m in req.tensors] == [(m.key, m.count) for m in
+                                                       wire.decode_request(frames_of(header, arrays), LIMITS).tensors]
+    assert not wire.decode_request(frames_of(header, arrays), LIMITS).check
+    entries = [wire.tensor_entry("w", 0, np.dtype(np.float32), (4,))]
+    frames = wire.encode_init(3, 0, 1, psrt.SGD().to_wire(), entries, [], check=True)
+    assert wire.decode_request(frames, LIMITS).check
+    with pytest.raises(ValueError, match="no tensor bytes"):
+        wire.encode_init(3, 0, 1, psrt.SGD().to_wire(), entries, [np.zeros(4, np.float32)], check=True)
+    reject(frames_of({**header, "check": True}, arrays), match="check takes no buffer frames", request_id=42)
+    for value in (False, 1, "yes", None):
+        reject(frames_of({**header, "check": value}), match="'check' must be true", request_id=42)
+    push = push_header(id=5, check=True)
+    reject(frames_of(push, [np.zeros(4, np.float32)]), match="unexpected fields", request_id=5)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Tensor entries
 # ---------------------------------------------------------------------------------------------------------------

@@ -436,6 +436,13 @@ class Server(Recovery):
             self.counters.shm_bytes_out += out
 
     def _init(self, identity: bytes, req: wire.InitRequest) -> None:
+        if req.check:  # would an init of these parts be taken? The same shape checks, nothing made
+            for meta in req.tensors:
+                entry = self.store.get(meta.key)
+                if entry is not None:
+                    admission.check_shape(entry, meta)
+            self._reply(identity, wire.encode_ack(req.id, [0] * len(req.tensors), False))
+            return
         opt = optim.from_wire(req.optimizer)
         for i, meta in enumerate(req.tensors):
             entry = self.store.get(meta.key)

@@ -18,6 +18,8 @@ request         fields (besides ``v, op, id``)                           reply
 ==============  =======================================================  =====================================
 ``init``        ``worker, session, optimizer, tensors`` + buffers         ``params`` + ``mode, num_workers,
                 (set values unless the key exists)                         conflicts``
+                + ``check: true``: no buffers, nothing set: would the     ``ack``, or the ``error`` the init
+                init be taken?                                            would get
 ``push``        ``worker, session, seq, clock, tensors`` + buffers        ``ack``
                 (+ ``base`` to a shard with backup workers)
 ``push_pull``   as ``push``                                               ``params`` once the push's round

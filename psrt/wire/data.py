@@ -114,12 +114,18 @@ class _WithTensors:
 
 @dataclass
 class InitRequest(_WithTensors):
-    """``init``: register tensors with initial values and the optimizer (by name) that updates them."""
+    """``init``: register tensors with initial values and the optimizer (by name) that updates them.
+
+    ``check``: a question, not a change: would an ``init`` of these parts be taken (no existing key of another size)?
+    It carries the parts' names and sizes and no bytes, and the shard answers an ``ack`` or the refusal the
+    ``init`` would get, creating nothing (a client choosing how to cut its tensors asks it first).
+    """
 
     id: int
     worker: int
     session: int
     optimizer: dict[str, Any]
+    check: bool = False
     op: ClassVar[str] = "init"
 
 
@@ -246,6 +252,11 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         if type(h.get("op")) is str and h["op"] in lanes.REQUEST_FIELDS:  # shared-memory lanes: psrt.wire.lanes
             return lanes.decode_lane_request(h, list(frames[1:]))
         lane = h.pop("lane", None) if "lane" in h else _NO_LANE
+        check = False
+        if "check" in h and h.get("op") == "init":
+            check = h.pop("check")
+            if check is not True:
+                raise ProtocolError(f"field 'check' must be true when given, got {check!r:.40}")
         base = _base(h.pop("base")) if "base" in h and h.get("op") in ("push", "push_pull") else None
         op = op_of(h, _REQUEST_FIELDS, "request")
         if lane is not _NO_LANE and op not in ("push", "push_pull", "pull"):
@@ -268,13 +279,14 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
             raise ProtocolError("field 'optimizer' must be a map")
         metas = tensor_metas(h["tensors"], limits, compressed=op != "init" and lane is _NO_LANE)
         ref = None if lane is _NO_LANE else lanes.lane_ref(lane, len(metas), len(metas) if op == "push_pull" else 0)
-        if ref is not None and buffers:
-            raise ProtocolError(f"a {op!r} over a shared-memory lane takes no buffer frames, got {len(buffers)}")
-        if ref is None:
+        if (ref is not None or check) and buffers:
+            raise ProtocolError(f"a {op!r} {'check' if check else 'over a shared-memory lane'} takes no buffer "
+                                f"frames, got {len(buffers)}")
+        if ref is None and not check:
             check_buffers(metas, buffers)
         _check_distinct(metas)
         if op == "init":
-            return InitRequest(metas, buffers, rid, worker, session, h["optimizer"])
+            return InitRequest(metas, buffers, rid, worker, session, h["optimizer"], check)
         if type(base) is list and len(base) != len(metas):
             raise ProtocolError(f"field 'base' lists {len(base)} versions for {len(metas)} tensors")
         return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull", clock, ref, base)
@@ -384,10 +396,16 @@ def _pull_keys(keys: Any, limits: WireLimits) -> list[PullKey]:
 
 
 def encode_init(rid: int, worker: int, session: int, optimizer: dict[str, Any], entries: list[list[Any]],
-                payload: Sequence[np.ndarray]) -> list[Any]:
-    """Frames of an ``init`` request; ``entries`` are :func:`~psrt.wire.codec.tensor_entry` lists."""
-    return encode({"op": "init", "id": rid, "worker": worker, "session": session, "optimizer": optimizer,
-                   "tensors": entries}, payload)
+                payload: Sequence[np.ndarray], check: bool = False) -> list[Any]:
+    """Frames of an ``init`` request; ``entries`` are :func:`~psrt.wire.codec.tensor_entry` lists. ``check``: only
+    ask whether it would be taken (:class:`InitRequest`), with no ``payload``."""
+    header = {"op": "init", "id": rid, "worker": worker, "session": session, "optimizer": optimizer,
+              "tensors": entries}
+    if check:
+        if payload:
+            raise ValueError("an init check carries no tensor bytes")
+        header["check"] = True
+    return encode(header, payload)
 
 
 def encode_push(rid: int, worker: int, session: int, seq: int, entries: list[list[Any]],

@@ -203,7 +203,8 @@ class Client:
         The first initialization of a key wins: workers that initialize it later get the stored value back,
         so all workers start from identical parameters. Shards restored from checkpoints hold their tensors cut as
         the job that wrote them cut them (for one host, or for a network: :mod:`psrt.partition`); with
-        ``pipeline="auto"`` a client's first ``init`` cuts its tensors alike when its own cut is refused.
+        ``pipeline="auto"`` a client's first ``init`` asks the shards first (an init check, which makes nothing)
+        and cuts its tensors as they hold them.
 
         Parameters
         ----------
@@ -245,28 +246,54 @@ class Client:
             arrays[name] = a
         if self._compressor is not None:
             self._compressor.forget(arrays)  # top-k: no residual of an earlier life of these names carries over
-        first = not self._map.tensors
+        # Restored shards hold their tensors as the job that wrote the checkpoints cut them: for one host, or for a
+        # network (psrt.partition). A job restored where its shards are now elsewhere (or here, after running
+        # across hosts) cuts them the other way, and each shard would refuse the parts (``mismatch``). Unless the
+        # cut was set (PSRT_PIPELINE), a client's first init where the other cut differs first asks the shards
+        # whether they would take its parts (an init check: names and sizes, no bytes, nothing made), and cuts the
+        # other way if they would take those instead: every worker meets the same shards and decides alike, and
+        # no part of a refused cut is left on any shard.
+        flipped = False
+        if (not self._map.tensors and self.config.pipeline == "auto" and self._cut_differs(arrays)
+                and not self._cut_taken(arrays, optimizer, timeout)):
+            self._map.network, flipped = not self._map.network, True
+            if not self._cut_taken(arrays, optimizer, timeout):
+                self._map.network, flipped = not self._map.network, False  # neither: init says what is wrong
         try:
-            return self._init_cut(arrays, optimizer, timeout)
-        except ServerError as exc:
-            # Restored shards hold their tensors as the job that wrote the checkpoints cut them: for one host, or
-            # for a network (psrt.partition). A job restored where its shards are now elsewhere (or here, after
-            # running across hosts) cuts them the other way, and each shard refuses the parts (``mismatch``).
-            # Unless the cut was set (PSRT_PIPELINE), a client's first init then cuts as the shards hold them:
-            # every worker of the job meets the same shards and decides alike.
-            if exc.code != "mismatch" or not first or self.config.pipeline != "auto" or not self._cut_differs(arrays):
-                raise
-            self._map.network = not self._map.network
-            try:
-                result = self._init_cut(arrays, optimizer, timeout)
-            except PsrtError:
+            result = self._init_cut(arrays, optimizer, timeout)
+        except BaseException:
+            if flipped:
                 self._map.network = not self._map.network
-                raise exc from None
+            raise
+        if flipped:
             log.warning("the shards hold %s cut for %s (restored from a checkpoint of a job whose shards were %s?): "
                         "this client cuts its tensors alike", sorted(arrays),
                         "a network" if self._map.network else "one host",
                         "across hosts" if self._map.network else "on its workers' host")
-            return result
+        return result
+
+    def _cut_taken(self, arrays: dict[str, np.ndarray], optimizer: Optimizer, timeout: Optional[float]) -> bool:
+        """Whether the shards would take ``arrays`` cut as the map cuts now (an init check, changing nothing);
+        True as well when a shard cannot say (one that does not know the check refuses it as a protocol error)."""
+        chunks = self._map.add({n: (a.shape, a.dtype) for n, a in arrays.items()})
+        try:
+            handle = Handle(self._calls, "init", None)
+            spec = optimizer.to_wire()
+            for shard, messages in self._map.messages(sorted(chunks, key=lambda c: (c.name, c.part)),
+                                                      pipelined=False).items():
+                self._senders[shard].init(handle, messages, arrays, spec, check=True)
+            handle.wait(timeout)
+            return True
+        except ServerError as exc:
+            if exc.code == "mismatch":
+                return False
+            if exc.code == "protocol":
+                return True
+            raise
+        finally:
+            self._map.remove(arrays)
+            self._calls.versions.drop(chunks)
+            self._plans.clear()
 
     def _cut_differs(self, arrays: Mapping[str, np.ndarray]) -> bool:
         """Whether the other cut (for a network instead of one host, or the reverse) cuts ``arrays`` otherwise."""

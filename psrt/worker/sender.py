@@ -136,13 +136,16 @@ class ShardSender:
         return handle._answers[self.shard]
 
     def init(self, handle: Handle, messages: list[list[Chunk]], arrays: Mapping[str, np.ndarray],
-             optimizer: dict[str, Any]) -> None:
-        """Send the ``init`` requests of ``messages`` (chunks of ``arrays``), with the optimizer's wire spec."""
+             optimizer: dict[str, Any], check: bool = False) -> None:
+        """Send the ``init`` requests of ``messages`` (chunks of ``arrays``), with the optimizer's wire spec;
+        ``check``: only ask whether they would be taken (no bytes; answered by an ``ack`` or the refusal)."""
         rank, session = self._rank, self._session
         for msg in messages:
             entries, payload = payload_of(msg, arrays)
-            self.send(handle, lambda rid, e=entries, p=payload: wire.encode_init(rid, rank, session, optimizer, e, p),
-                      chunks=msg)
+            if check:
+                payload = []
+            self.send(handle, lambda rid, e=entries, p=payload: wire.encode_init(rid, rank, session, optimizer, e, p,
+                                                                                 check), chunks=msg)
 
     def _grouped(self) -> bool:
         """Whether a call's pieces share messages over this shard's socket (else each piece is one)."""
