@@ -981,10 +981,15 @@ class DealerChannel:
         """
         self.local_tried = True
         conn = local.begin(name, secret, self._max_frame, connect_s=min(timeout, 1.0))
-        for old in (self._ready, self._greeting[0] if self._greeting is not None else None):
-            if old is not None:
+        for old in self._local_conns():
+            if old is not self._conn:  # (the one in use stays until the switch)
                 old.close()
         self._ready, self._greeting = None, (conn, time.monotonic() + timeout)
+
+    def _local_conns(self) -> list[local.LocalConn]:
+        """The local connections this channel holds: attached, greeted and not yet answered, in use."""
+        greeting = self._greeting[0] if self._greeting is not None else None
+        return [c for c in (self._ready, greeting, self._conn) if c is not None]
 
     @property
     def local_connected(self) -> bool:
@@ -1020,9 +1025,8 @@ class DealerChannel:
     def reset_local(self) -> None:
         """Stop using the local connection (the peer restarted or moved): requests go over ZeroMQ, and a new one
         may be asked for (:attr:`local_tried` is False again)."""
-        for conn in (self._ready, self._conn, self._greeting[0] if self._greeting is not None else None):
-            if conn is not None:
-                conn.close()
+        for conn in self._local_conns():
+            conn.close()
         had = self._conn is not None
         self._ready = self._conn = self._cur = self._greeting = None
         self.local_tried = False
@@ -1087,9 +1091,8 @@ class DealerChannel:
 
     def close(self) -> None:
         """Close the socket (and its monitor) without lingering."""
-        for conn in (self._ready, self._conn, self._greeting[0] if self._greeting is not None else None):
-            if conn is not None:
-                conn.close()
+        for conn in self._local_conns():
+            conn.close()
         if not self.sock.closed:
             self.sock.disable_monitor()
             self.monitor.close(linger=0)

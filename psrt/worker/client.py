@@ -278,10 +278,7 @@ class Client:
         chunks = self._map.add({n: (a.shape, a.dtype) for n, a in arrays.items()})
         try:
             handle = Handle(self._calls, "init", None)
-            spec = optimizer.to_wire()
-            for shard, messages in self._map.messages(sorted(chunks, key=lambda c: (c.name, c.part)),
-                                                      pipelined=False).items():
-                self._senders[shard].init(handle, messages, arrays, spec, check=True)
+            self._send_init(handle, chunks, arrays, optimizer, check=True)
             handle.wait(timeout)
             return True
         except ServerError as exc:
@@ -291,9 +288,7 @@ class Client:
                 return True
             raise
         finally:
-            self._map.remove(arrays)
-            self._calls.versions.drop(chunks)
-            self._plans.clear()
+            self._forget(arrays, chunks)
 
     def _cut_differs(self, arrays: Mapping[str, np.ndarray]) -> bool:
         """Whether the other cut (for a network instead of one host, or the reverse) cuts ``arrays`` otherwise."""
@@ -312,20 +307,29 @@ class Client:
         try:
             return self._init_chunks(chunks, arrays, optimizer, timeout)
         except BaseException:
-            self._map.remove(arrays)
-            self._calls.versions.drop(chunks)
-            self._plans.clear()
+            self._forget(arrays, chunks)
             raise
+
+    def _forget(self, arrays: Mapping[str, np.ndarray], chunks: list[Chunk]) -> None:
+        """Take ``arrays`` out of the map again, with the versions learnt of their ``chunks``."""
+        self._map.remove(arrays)
+        self._calls.versions.drop(chunks)
+        self._plans.clear()
+
+    def _send_init(self, handle: Handle, chunks: list[Chunk], arrays: Mapping[str, np.ndarray],
+                   optimizer: Optimizer, check: bool = False) -> None:
+        """Send the ``init`` requests of ``chunks`` (with ``check``: the init checks, no bytes)."""
+        spec = optimizer.to_wire()
+        # Init is no round to pipeline: its pieces share messages, as few as before they were cut for the network.
+        for shard, messages in self._map.messages(sorted(chunks, key=lambda c: (c.name, c.part)),
+                                                  pipelined=False).items():
+            self._senders[shard].init(handle, messages, arrays, spec, check)
 
     def _init_chunks(self, chunks: list[Chunk], arrays: dict[str, np.ndarray], optimizer: Optimizer,
                      timeout: Optional[float]) -> dict[str, np.ndarray]:
-        chunks = sorted(chunks, key=lambda c: (c.name, c.part))
         outputs = {n: np.empty(a.shape, a.dtype) for n, a in arrays.items()}
         handle = Handle(self._calls, "init", outputs)
-        spec = optimizer.to_wire()
-        # Init is no round to pipeline: its pieces share messages, as few as before they were cut for the network.
-        for shard, messages in self._map.messages(chunks, pipelined=False).items():
-            self._senders[shard].init(handle, messages, arrays, spec)
+        self._send_init(handle, chunks, arrays, optimizer)
         result = handle.wait(timeout)
         for shard, job in handle._answers.items():
             self._senders[shard].backup_workers = job.backup_workers
