@@ -235,6 +235,28 @@ def test_shard_order_is_a_stable_sort_by_shard(num_shards):
     with pytest.raises(KernelTypeError):
         rowkernels.shard_order(np.arange(3, dtype=np.int32), num_shards)
 
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 7, 64])
+def test_unique_by_shard_is_its_twin(num_shards):
+    """The pull's one kernel call: the distinct ids, shard by shard in the order they first appear, and where
+    each id is among them; what unique_first, then shard_order of the distinct ids, give."""
+    rng = np.random.default_rng(num_shards)
+    for ids in (np.empty(0, np.int64), np.array([5], np.int64), np.array([9, 9, 9], np.int64),
+                rng.integers(-2**63, 2**63 - 1, 5000), (rng.zipf(1.1, 8192) - 1) % 1000,
+                (rng.zipf(1.1, 8192) - 1) * -(2**40)):
+        ids = ids.astype(np.int64)
+        distinct, offsets, gather = rowkernels.unique_by_shard(ids, num_shards)
+        for got, expected in zip((distinct, offsets, gather), reference.unique_by_shard(ids, num_shards)):
+            assert got.dtype == np.int64 and np.array_equal(got, expected)
+        assert np.array_equal(distinct[gather], ids) and len(np.unique(distinct)) == len(distinct)
+        shards = rowkernels.shard_of(distinct, num_shards)
+        for s in range(num_shards):
+            assert (shards[offsets[s]:offsets[s + 1]] == s).all()
+    with pytest.raises(KernelArgumentError):
+        rowkernels.unique_by_shard(np.arange(3, dtype=np.int64), 0)
+    with pytest.raises(KernelTypeError):
+        rowkernels.unique_by_shard(np.arange(3, dtype=np.int32), num_shards)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 40, 2000])
 def test_index_gather_is_index_find_then_gather_rows(dtype, n):

@@ -96,6 +96,14 @@ def shard_order(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarra
     return order, offsets, where
 
 
+def unique_by_shard(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct ids (in the order they first appear) sorted stably by shard, each shard's range, and each
+    id's position among them: ``(distinct, offsets, gather)``."""
+    firsts, inverse = unique_first(ids)
+    order, offsets, where = shard_order(firsts, num_shards)
+    return firsts[order], offsets, where[inverse]
+
+
 def init_rows(ids: np.ndarray, dim: int, dtype, seed: int, kind: int, a: float, b: float) -> np.ndarray:
     """The initial rows of ``ids`` (see :func:`psrt._core.init_rows` for the definition)."""
     ids = np.asarray(ids, dtype=np.int64)

@@ -6,11 +6,11 @@ so rows spread evenly whatever the id pattern (contiguous, strided, or hot ids a
 the same map. A call sorts its ids by shard once (a counting sort, :func:`psrt.kernels.rows.shard_order`),
 sends one message per shard with that shard's ids as a contiguous int64 frame, receives each shard's rows
 straight into one buffer, and puts them back in the caller's order with one gather
-(:func:`psrt.kernels.rows.gather_rows`): no Python loop over rows. With S = 1 there is no
-reordering at all and the rows land in the output directly. A pull sends each distinct id once
-(:func:`psrt.kernels.rows.unique_first`: no sort) and gathers the rows of repeated ids back from the one copy
-received. To a shard of this host, a call of at least 64 KiB carries its ids and rows in the shard's
-shared-memory lane (:meth:`psrt.worker.sender.ShardSender.pull_rows`, ``push_rows``).
+(:func:`psrt.kernels.rows.gather_rows`): no Python loop over rows. A pull sends each distinct id once and
+gathers the rows of repeated ids back from the one copy received; its distinct ids, their shards and the gather
+come from one kernel call (:func:`psrt.kernels.rows.unique_by_shard`: hashing, no sort). With S = 1 and every id
+once, the rows land in the output directly. To a shard of this host, a call of at least 64 KiB carries its ids
+and rows in the shard's shared-memory lane (:meth:`psrt.worker.sender.ShardSender.pull_rows`, ``push_rows``).
 
 A push goes to every shard, even one with no ids this time (an empty message), so that in sync mode every
 shard's round counts every worker.
@@ -42,15 +42,14 @@ class RowsHandle(Handle):
     """A ``pull_rows`` in flight; :meth:`wait` returns the ``(len(ids), dim)`` rows in the caller's order.
 
     ``buf`` receives the shards' rows, shard s's in ``buf[offsets[s]:offsets[s + 1]]``; the caller's row i is
-    ``buf[gather[i]]`` (ids repeated or reordered) or, with ``order``, ``out[order] = buf`` (distinct ids sorted by
-    shard); with neither, ``buf`` is ``out``.
+    ``buf[gather[i]]``; without ``gather``, ``buf`` is ``out``.
     """
 
     def __init__(self, calls: Any, name: str, out: np.ndarray, buf: np.ndarray, offsets: np.ndarray,
-                 order: Optional[np.ndarray], gather: Optional[np.ndarray] = None) -> None:
+                 gather: Optional[np.ndarray]) -> None:
         super().__init__(calls, "pull_rows", None)
         self._name, self._out, self._buf, self._offsets = name, out, buf, offsets
-        self._order, self._gather = order, gather
+        self._gather = gather
 
     def wait(self, timeout: Optional[float] = None) -> np.ndarray:  # type: ignore[override]
         """Wait for every shard's rows and return them (see :meth:`psrt.Handle.wait` for the errors)."""
@@ -58,9 +57,6 @@ class RowsHandle(Handle):
         if self._gather is not None:  # (the row kernel: np.take copies a short row with a call of its own)
             rowkernels.gather_rows(self._buf, self._gather, self._out)
             self._gather = None
-        elif self._order is not None:
-            self._out[self._order] = self._buf
-            self._order = None
         return self._out
 
     def _take_rows(self, ch: Any, reply: wire.RowsReply, shard: int, lane: Optional[LaneUse] = None) -> None:
@@ -152,15 +148,11 @@ class EmbeddingClient:
 
     def _split(self, ids: np.ndarray) -> tuple[Optional[np.ndarray], np.ndarray]:
         """``(order, offsets)``: ids sorted by shard (None: already in order, S = 1) and each shard's range."""
-        order, offsets, _ = self._split_where(ids)
-        return order, offsets
-
-    def _split_where(self, ids: np.ndarray) -> tuple[Optional[np.ndarray], np.ndarray, Optional[np.ndarray]]:
-        """:meth:`_split`, and each id's position in the sorted order (``order``'s inverse; None for S = 1)."""
         s = len(self._senders)
         if s == 1:
-            return None, np.array([0, len(ids)]), None
-        return rowkernels.shard_order(ids, s)  # (a counting sort: a stable argsort costs several times more)
+            return None, np.array([0, len(ids)])
+        order, offsets, _ = rowkernels.shard_order(ids, s)  # (a counting sort: a stable argsort costs more)
+        return order, offsets
 
     def _ids(self, name: str, ids: Any) -> tuple[_Table, np.ndarray]:
         table = self._tables.get(name)
@@ -186,19 +178,12 @@ class EmbeddingClient:
         elif (not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != table.dtype
               or not out.flags.c_contiguous or not out.flags.writeable):
             raise ConfigError(f"out must be a writable C-contiguous array of shape {shape} and dtype {table.dtype}")
-        # A repeated id travels once: the shards send one row per distinct id, scattered back in the caller's order.
-        unique, inverse = rowkernels.unique_first(a)  # (no sort: the order of the distinct ids does not matter)
-        gather = None
-        if len(unique) < len(a):
-            a, (order, offsets, where) = unique, self._split_where(unique)
-            gather = inverse.reshape(-1)
-            if where is not None:  # where each distinct id's row lands in the shard-sorted buffer
-                gather = where[gather]
-        else:
-            order, offsets, gather = self._split_where(a)  # (out[i] = buf[where[i]]: a gather, as above)
-        sorted_ids = a if order is None else a[order]
-        buf = out if order is None and gather is None else np.empty((len(a), table.dim), table.dtype)
-        handle = RowsHandle(self._calls, name, out, buf, offsets, None if gather is not None else order, gather)
+        # A repeated id travels once: the shards send one row per distinct id, gathered back in the caller's order.
+        sorted_ids, offsets, gather = rowkernels.unique_by_shard(a, len(self._senders))
+        if len(self._senders) == 1 and len(sorted_ids) == len(a):
+            gather = None  # every id once, in the caller's order: the rows land in out as they come
+        buf = out if gather is None else np.empty((len(sorted_ids), table.dim), table.dtype)
+        handle = RowsHandle(self._calls, name, out, buf, offsets, gather)
         versions = self._calls.versions.tables
         clock = self._clock.get(name, 0)
         row_bytes = table.dim * table.dtype.itemsize
