@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import threading
 import time
 
 import numpy as np
@@ -284,6 +285,45 @@ def test_small_calls_on_one_host_take_a_local_connection_without_a_lane(caplog):
         assert server.counters.errors == 0
     assert np.all(out["w"] == -(steps + 1.0)) and np.all(last["w"] == -(steps + 2.0))
     np.testing.assert_array_equal(rows, np.array([[-1.0] * 4, [-2.0] * 4], np.float32))
+
+
+@needs_shm(1)
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_client_that_always_keeps_a_call_in_flight_moves_to_the_local_connection(mode):
+    """A pipelined loop sends its next push_pull before waiting for the last, from its first call on: no moment
+    has nothing in flight. One of its requests waits once for those in flight, and the rest go locally (before,
+    every one went over ZeroMQ, at half the calls a second). Sync: two such workers, every round exact."""
+    workers, steps = (2, 150) if mode == "sync" else (1, 300)
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=workers, mode=mode, shm=True)) as server:
+        results: list = [None] * workers
+
+        def work(rank: int) -> None:
+            with psrt.Client([server.endpoint], rank=rank, num_workers=workers,
+                             config=ClientConfig(timeout=20)) as c:
+                c.init({"w": np.zeros(1024, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+                grads = {"w": np.ones(1024, np.float32)}
+                last = c.push_pull_async(grads)
+                for _ in range(steps - 1):
+                    nxt = c.push_pull_async(grads)
+                    last.wait()
+                    last = nxt
+                out = last.wait()["w"].copy()
+                results[rank] = (out, c._calls.channels[0].local_connected, c._senders[0]._settled)
+
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        local_messages = server._chan.local_messages
+        assert server.counters.errors == 0
+    for rank, got in enumerate(results):
+        assert got is not None, f"worker {rank} did not finish"
+        out, connected, settled = got
+        assert connected and settled, rank
+        assert np.all(out == -float(steps)), (rank, out[:3])  # every push_pull applied once (sync: their mean)
+    # (the set-up takes the first few calls; every request after the one wait went locally)
+    assert local_messages >= workers * (steps - 20), local_messages
 
 
 @needs_shm(64)

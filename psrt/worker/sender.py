@@ -24,6 +24,7 @@ gradients, whose header entries depend on the values, and calls over a lane take
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -45,6 +46,9 @@ log = logging.getLogger("psrt.client")
 
 #: Seconds a client waits for a shard's local listener to take its connection and greeting.
 LOCAL_CONNECT_S = 10.0
+#: The modes in which a request waits for those in flight to take the local connection (:meth:`ShardSender._settle`),
+#: and at most how long, once.
+SETTLE_MODES, SETTLE_S = ("async", "sync"), 5.0
 
 
 def payload_of(chunks: Sequence[Chunk], arrays: Mapping[str, np.ndarray],
@@ -98,6 +102,11 @@ class ShardSender:
         self.rows_lane = True
         #: Whether the shard runs sync rounds (its answer to ``init`` says): a blocking call's pieces are paced.
         self.sync = False
+        #: The shard's mode as its answer to ``init`` said (None: no ``init`` answered yet).
+        self.mode: Optional[str] = None
+        #: Whether requests in flight were waited for once, to move onto the attached local connection
+        #: (:meth:`_settle`); False again with each new local connection.
+        self._settled = False
         #: :attr:`psrt.config.ClientConfig.in_flight`.
         self.in_flight = calls.config.in_flight
 
@@ -113,14 +122,44 @@ class ShardSender:
         self._send(Request(handle, self, chunks, table, encode if resend is None else resend), encode)
 
     def _send(self, request: Request, encode: Encode) -> None:
-        if self._channel.local_ready and not self._calls.outstanding(self.shard):
-            self._channel.switch_local()  # (nothing of this client's to the shard in flight: nothing can cross)
+        channel = self._channel
+        if channel.local_ready:
+            outstanding = self._calls.outstanding(self.shard)
+            if outstanding and not self._settled and self.mode in SETTLE_MODES:
+                outstanding = self._settle()
+            if not outstanding:
+                channel.switch_local()  # (nothing of this client's to the shard in flight: nothing can cross)
         rid = self._calls.track(request)
         try:
             self._channel.send(encode(rid), self._timeout)
         except PsrtError:
             self._calls.untrack(rid)
             raise
+
+    def _settle(self) -> bool:
+        """Wait, once, for this client's requests to the shard in flight (at most :data:`SETTLE_S`), so that what
+        follows takes the local connection; returns whether some are still in flight.
+
+        A request goes over the local connection only when none sent over ZeroMQ is unanswered (the two could
+        cross, and a shard takes a worker's requests in the order they come). A client that always keeps one in
+        flight, a pipelined training loop, would never find that moment and stay on ZeroMQ, at half the calls a
+        second. Its next request waits instead, one round trip, once. Only where no request in flight can wait
+        for a later one of the same client: async (every request is answered as it comes) and sync (a round
+        waits for the other workers' pushes, and a pull for versions pushes already sent target); not ssp,
+        where a pull waits for other workers' clocks, which may wait for this client's next push.
+        """
+        calls, shard = self._calls, self.shard
+        if calls.taking:  # sent while replies are taken in (a paced piece): the next request waits instead
+            return True
+        self._settled = True
+        handle = Handle(calls, "local switch", None)  # (none of its own: each wait takes what arrives)
+        deadline = time.monotonic() + min(self._timeout, SETTLE_S)
+        while calls.outstanding(shard):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return True
+            calls.progress(handle, left)
+        return False
 
     def ask(self, encode: Encode) -> Any:
         """One request no tensor rides on (a lane set-up), waited for: the reply record.
@@ -340,6 +379,7 @@ class ShardSender:
                 if step == "open":
                     channel.local_tried = True
                     channel.attach_local(reply.name, reply.secret, min(self._timeout, LOCAL_CONNECT_S))
+                    self._settled = False
                     return
                 token = self._lanes.take_beacon(self.shard, reply)
             except (PsrtError, OSError) as exc:
