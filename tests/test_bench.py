@@ -161,7 +161,8 @@ def test_msgrate_times_every_side_and_checks_every_push(tmp_path):
                                       "--latency-count", "20", "--context-per-worker", "--timeout", "60"], tmp_path)
     res = report["results"]
     assert [s["name"] for s in res["sides"]] == ["psrt", "psrt shard", "raw", "psrt sockets (PSRT_SHM=0)",
-                                                 "raw, a context per worker"]
+                                                 "psrt, pipelined from the start", "raw, a context per worker"]
+    assert res["fresh_rate_ratio"] == res["sides"][4]["ratio"] and res["fresh_vs_psrt"] > 0
     assert all(s["rate_median"] > 0 and s["blocks"] == 1 for s in res["sides"])
     assert res["sides"][2]["ratio"] == 1.0 and res["rate_ratio"] == res["sides"][0]["ratio"]
     assert res["sockets_rate_ratio"] == res["sides"][3]["ratio"] and res["sockets_p50_ratio"] > 0
