@@ -327,6 +327,31 @@ def test_a_client_that_always_keeps_a_call_in_flight_moves_to_the_local_connecti
 
 
 @needs_shm(64)
+def test_a_client_closing_with_calls_in_flight_waits_for_none_of_them(monkeypatch):
+    """Its local connection ready and calls in flight that will never be answered (a sync round whose other
+    worker never comes): what close sends (lane_close) does not wait for them to move onto the connection."""
+    from psrt.worker.sender import ShardSender
+
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync", shm=True)) as server:
+        c = psrt.Client([server.endpoint], rank=0, num_workers=2, config=ClientConfig(timeout=20))
+        try:
+            c.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+            channel = c._calls.channels[0]
+            handles = []
+            while not channel.local_ready and len(handles) < 20:  # (set up over the first calls: the stats
+                handles.append(c.push_pull_async({"w": np.ones(BIG, np.float32)}))  # call's wait takes answers in)
+                c.stats()
+            assert channel.local_ready and c._calls.outstanding(0)
+            c._senders[0]._settled = False  # (as if the next call were the first since it got ready)
+            waited: list[int] = []
+            monkeypatch.setattr(ShardSender, "_settle", lambda self: waited.append(self.shard))
+            start = time.monotonic()
+        finally:
+            c.close()
+        assert not waited and time.monotonic() - start < 5.0
+
+
+@needs_shm(64)
 def test_sockets_only_keeps_a_worker_off_local_connections():
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
         with psrt.Client([server.endpoint], config=ClientConfig(timeout=20, shm=False)) as c:

@@ -46,9 +46,9 @@ log = logging.getLogger("psrt.client")
 
 #: Seconds a client waits for a shard's local listener to take its connection and greeting.
 LOCAL_CONNECT_S = 10.0
-#: The modes in which a request waits for those in flight to take the local connection (:meth:`ShardSender._settle`),
-#: and at most how long, once.
-SETTLE_MODES, SETTLE_S = ("async", "sync"), 5.0
+#: The modes in which a call waits for the requests in flight to take the local connection
+#: (:meth:`ShardSender._settle`), and at most how long, once.
+SETTLE_MODES, SETTLE_S = ("async", "sync"), 1.0
 
 
 def payload_of(chunks: Sequence[Chunk], arrays: Mapping[str, np.ndarray],
@@ -122,13 +122,8 @@ class ShardSender:
         self._send(Request(handle, self, chunks, table, encode if resend is None else resend), encode)
 
     def _send(self, request: Request, encode: Encode) -> None:
-        channel = self._channel
-        if channel.local_ready:
-            outstanding = self._calls.outstanding(self.shard)
-            if outstanding and not self._settled and self.mode in SETTLE_MODES:
-                outstanding = self._settle()
-            if not outstanding:
-                channel.switch_local()  # (nothing of this client's to the shard in flight: nothing can cross)
+        if self._channel.local_ready and not self._calls.outstanding(self.shard):
+            self._channel.switch_local()  # (nothing of this client's to the shard in flight: nothing can cross)
         rid = self._calls.track(request)
         try:
             self._channel.send(encode(rid), self._timeout)
@@ -136,30 +131,40 @@ class ShardSender:
             self._calls.untrack(rid)
             raise
 
-    def _settle(self) -> bool:
-        """Wait, once, for this client's requests to the shard in flight (at most :data:`SETTLE_S`), so that what
-        follows takes the local connection; returns whether some are still in flight.
+    def _begin(self) -> None:
+        """A call's start (``push``/``push_pull``, ``pull``, ``pull_rows``, ``push_rows``): the next step of the local
+        connection's set-up (:meth:`_local_first`), or, the connection ready, its requests moved onto it
+        (:meth:`_settle`)."""
+        channel = self._channel
+        if not channel.local_tried:
+            self._local_first()
+        elif (not self._settled and self.mode in SETTLE_MODES and channel.local_ready
+              and self._calls.outstanding(self.shard)):
+            self._settle()
+
+    def _settle(self) -> None:
+        """Wait, once, for this client's requests to the shard in flight (at most :data:`SETTLE_S`), so that the
+        call's requests take the local connection (:meth:`_send` switches when none is in flight).
 
         A request goes over the local connection only when none sent over ZeroMQ is unanswered (the two could
         cross, and a shard takes a worker's requests in the order they come). A client that always keeps one in
-        flight, a pipelined training loop, would never find that moment and stay on ZeroMQ, at half the calls a
-        second. Its next request waits instead, one round trip, once. Only where no request in flight can wait
+        flight, a pipelined training loop, would never find that moment and stay on ZeroMQ, at under half the
+        calls a second. Its next call waits instead, a round trip, once. Only where no request in flight can wait
         for a later one of the same client: async (every request is answered as it comes) and sync (a round
         waits for the other workers' pushes, and a pull for versions pushes already sent target); not ssp,
         where a pull waits for other workers' clocks, which may wait for this client's next push.
         """
         calls, shard = self._calls, self.shard
-        if calls.taking:  # sent while replies are taken in (a paced piece): the next request waits instead
-            return True
+        if calls.taking:  # (a call started while replies are taken in: the next call waits instead)
+            return
         self._settled = True
         handle = Handle(calls, "local switch", None)  # (none of its own: each wait takes what arrives)
         deadline = time.monotonic() + min(self._timeout, SETTLE_S)
         while calls.outstanding(shard):
             left = deadline - time.monotonic()
             if left <= 0:
-                return True
+                return
             calls.progress(handle, left)
-        return False
 
     def ask(self, encode: Encode) -> Any:
         """One request no tensor rides on (a lane set-up), waited for: the reply record.
@@ -193,8 +198,7 @@ class ShardSender:
 
     def pull(self, handle: Handle, plan: ShardPlan, clock: int) -> None:
         """Send the pull requests of ``plan``: each asks for the versions this client's pushes target."""
-        if not self._channel.local_tried:
-            self._local_first()
+        self._begin()
         rank, known = self._rank, self._known
         lane = self._lane_for(plan.lane_bytes)
         for msg in (plan.grouped if lane is not None or self._grouped() else plan.joined):
@@ -218,8 +222,7 @@ class ShardSender:
         :data:`~psrt.worker.pacing.PACED` (a piece a message, at most :attr:`in_flight` ahead of the shard's
         answers: :meth:`_paced`) or :data:`~psrt.worker.pacing.GROUPED` (as few messages as can be).
         """
-        if not self._channel.local_tried:
-            self._local_first()
+        self._begin()
         # (A call moving less than a lane's threshold never takes one: the usual small push asks nothing more.)
         lane = None if plan.lane_bytes < ZERO_COPY_BYTES else self._lane_for(plan.lane_bytes)
         if lane is not None:  # the bytes are all there at once: as few messages as can be
@@ -301,8 +304,7 @@ class ShardSender:
                   row_bytes: int) -> None:
         """Send one ``pull_rows`` of ``ids`` (int64, C-contiguous; its answer takes ``row_bytes``): through the
         shard's lane when it moves enough bytes and the shard has one, else over the socket."""
-        if not self._channel.local_tried:
-            self._local_first()
+        self._begin()
         plain = lambda rid: wire.encode_pull_rows(rid, rank, table, version, ids, clock)  # noqa: E731
         resend = lambda rid: wire.encode_pull_rows(rid, rank, table, 0, ids, clock)  # noqa: E731
         lane = self._rows_lane(rows_bytes(ids.nbytes, row_bytes))
@@ -318,8 +320,7 @@ class ShardSender:
         """Send one ``push_rows`` of ``ids`` and their gradient rows (C-contiguous; with ``select``, of
         ``ids[select]`` and ``grads[select]``, gathered once, straight into the lane when it takes one): through
         the shard's lane when it moves enough bytes and the shard has one, else over the socket."""
-        if not self._channel.local_tried:
-            self._local_first()
+        self._begin()
         rank, session = self._rank, self._session
         count = len(ids) if select is None else len(select)
         lane = self._rows_lane(rows_bytes(count * ids.itemsize, count * grads.shape[1] * grads.itemsize))
