@@ -326,6 +326,26 @@ def test_a_client_that_always_keeps_a_call_in_flight_moves_to_the_local_connecti
     assert local_messages >= workers * (steps - 20), local_messages
 
 
+@needs_shm(1)
+def test_a_pipelined_client_of_embedding_tables_alone_moves_to_the_local_connection():
+    """No init answered it the shard's mode: it asks the shard's stats once, then moves as above."""
+    steps = 200
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
+        with psrt.Client([server.endpoint], config=ClientConfig(timeout=20)) as c:
+            c.init_embedding("e", dim=8, optimizer=psrt.SGD(lr=1.0), init="zeros")
+            ids, grads = np.arange(50), np.ones((50, 8), np.float32)
+            last = c.push_rows_async("e", ids, grads)
+            for _ in range(steps - 1):
+                nxt = c.push_rows_async("e", ids, grads)
+                last.wait()
+                last = nxt
+            last.wait()
+            rows = c.pull_rows("e", np.array([0, 49]))
+            assert c._senders[0].mode == "async" and c._calls.channels[0].local_connected
+        assert server.counters.errors == 0 and server._chan.local_messages >= steps - 20
+    np.testing.assert_array_equal(rows, np.full((2, 8), -float(steps), np.float32))
+
+
 @needs_shm(64)
 def test_a_client_closing_with_calls_in_flight_waits_for_none_of_them(monkeypatch):
     """Its local connection ready and calls in flight that will never be answered (a sync round whose other

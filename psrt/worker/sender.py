@@ -138,9 +138,11 @@ class ShardSender:
         channel = self._channel
         if not channel.local_tried:
             self._local_first()
-        elif (not self._settled and self.mode in SETTLE_MODES and channel.local_ready
-              and self._calls.outstanding(self.shard)):
-            self._settle()
+        elif not self._settled and channel.local_ready and self._calls.outstanding(self.shard):
+            if self.mode is None:  # (no init answered yet: a client of embedding tables alone asks)
+                self.mode = self._ask_mode()
+            if self.mode in SETTLE_MODES:
+                self._settle()
 
     def _settle(self) -> None:
         """Wait, once, for this client's requests to the shard in flight (at most :data:`SETTLE_S`), so that the
@@ -165,6 +167,15 @@ class ShardSender:
             if left <= 0:
                 return
             calls.progress(handle, left)
+
+    def _ask_mode(self) -> Optional[str]:
+        """The shard's mode, from its ``stats`` (one request, waited for; None if it does not say)."""
+        try:
+            stats = self.ask(wire.encode_stats_request)
+        except PsrtError:
+            return None
+        mode = stats.get("mode") if isinstance(stats, dict) else None
+        return mode if isinstance(mode, str) else None
 
     def ask(self, encode: Encode) -> Any:
         """One request no tensor rides on (a lane set-up), waited for: the reply record.
