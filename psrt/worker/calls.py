@@ -202,9 +202,6 @@ class ShardCalls:
         self._answered = [False] * len(self.channels)  # whether the shard ever answered this client
         #: Chunks to pull again (their shared parameters changed while being copied), once replies are taken in.
         self._again: list[tuple[Request, list[tuple[Chunk, int]]]] = []
-        #: Whether :meth:`progress` is taking replies in (a request sent from there, a paced push's next piece,
-        #: must not wait for replies itself).
-        self.taking = False
         self.closed = False
 
     def close(self) -> None:
@@ -316,13 +313,6 @@ class ShardCalls:
         """Take in the replies that arrive within ``timeout`` seconds, whichever handle each answers (those queued
         behind the last one ``handle`` waits for stay queued for the next call); ``eager``: first try to receive
         one without a poll (:meth:`_take_arrived`)."""
-        self.taking = True
-        try:
-            self._progress(handle, timeout, eager)
-        finally:
-            self.taking = False
-
-    def _progress(self, handle: Handle, timeout: float, eager: bool) -> None:
         if self._moves:
             self._follow_moves()
         # (Replies taken without a poll, and the handle still waits: every one queued on that socket is in, so the

@@ -154,11 +154,10 @@ class ShardSender:
         calls a second. Its next call waits instead, a round trip, once. Only where no request in flight can wait
         for a later one of the same client: async (every request is answered as it comes) and sync (a round
         waits for the other workers' pushes, and a pull for versions pushes already sent target); not ssp,
-        where a pull waits for other workers' clocks, which may wait for this client's next push.
+        where a pull waits for other workers' clocks, which may wait for this client's next push. (A sync worker
+        whose peers wait for this call before pushing what its requests in flight wait for loses the second.)
         """
         calls, shard = self._calls, self.shard
-        if calls.taking:  # (a call started while replies are taken in: the next call waits instead)
-            return
         self._settled = True
         handle = Handle(calls, "local switch", None)  # (none of its own: each wait takes what arrives)
         deadline = time.monotonic() + min(self._timeout, SETTLE_S)
