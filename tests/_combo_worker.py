@@ -7,6 +7,10 @@ embedding table, for ``steps`` steps with one call pattern:
 - ``push_pull``: one ``push_pull`` of every tensor per step;
 - ``one_by_one``: one ``push`` per tensor, then a ``pull`` of all;
 - ``overlapped``: one ``push_pull_async`` per tensor, all in flight together with the table's calls, then waited;
+- ``pipelined``: one ``push_pull_async`` of every tensor per step, the next step's sent before this one's is
+  waited for (a pipelined loop: from its first call on, no moment has nothing in flight), the table's calls
+  between; it waits at once where the step must leave nothing in flight (a pause, a lead or lockstep's turn, the
+  last step, ssp: see :func:`_keeps_in_flight`);
 - ``torch``: :class:`psrt.torch.DistributedOptimizer` on a model whose loss is ``sum(param * G)``, so that each
   parameter's gradient is exactly the designed ``G``.
 
@@ -288,6 +292,19 @@ def _train_client(args: dict[str, Any], rec: _Recorder) -> None:
         _client_steps(client, args, rec)
 
 
+def _keeps_in_flight(args: dict[str, Any], rank: int, step: int, last: int) -> bool:
+    """``pipelined``: whether step ``step`` (0-based) may leave its call in flight into the next step: not the last
+    step, nor one after which the worker pauses (a shard is killed then: a push answered after its checkpoint
+    would be lost) or the first after a pause (the worker learns of the shard's return before its next push, as
+    the oracle's top-k residuals have it), nor one that hands the lead over or takes turns (``lockstep``); nor in
+    ssp, where a read held back by the bound may include the worker's own next push, which the oracle's bound
+    check does not model."""
+    lead, pauses = args.get("lead"), _pauses(args)
+    handing = lead is not None and ((rank == 0 and step + 1 == 1 + lead["steps"]) or (rank == 1 and step == 0))
+    return (step + 1 < last and step + 1 not in pauses and step not in pauses and not handing
+            and args.get("lockstep") is None and args.get("mode") != "ssp")
+
+
 def _client_steps(client: Any, args: dict[str, Any], rec: _Recorder) -> None:
     import psrt
 
@@ -301,6 +318,7 @@ def _client_steps(client: Any, args: dict[str, Any], rec: _Recorder) -> None:
         init_table(client, args.get("evicting", False), args)
     _ready(args, rank)
     last = steps if leave is None else leave
+    in_flight = None  # pipelined: the (handle, rows) of the last step, its call still in flight
     for step in range(last):
         _lockstep(args, rank, step)
         grads = {n: dense_grad(kind, rank, step, t) for t, n in enumerate(names)}
@@ -323,12 +341,26 @@ def _client_steps(client: Any, args: dict[str, Any], rec: _Recorder) -> None:
                 params.update(h.wait())
             if args["table"]:
                 rows = pending_rows.wait()
+        elif calls == "pipelined":
+            handle = client.push_pull_async(grads)
+            if args["table"]:
+                client.push_rows(TABLE, ids, row_grads)
+                rows = client.pull_rows(TABLE, ids_all)
+            if in_flight is not None:  # the last step's read, in step order
+                params_before = in_flight[0].wait()
+                rec.add([params_before[n] for n in names], in_flight[1])
+                in_flight = None
+            if _keeps_in_flight(args, rank, step, last):
+                in_flight = (handle, rows)
+            else:
+                params = handle.wait()
         else:
             raise ValueError(f"unknown call pattern {calls!r}")
-        if args["table"] and calls != "overlapped":
+        if args["table"] and calls not in ("overlapped", "pipelined"):
             client.push_rows(TABLE, ids, row_grads)
             rows = client.pull_rows(TABLE, ids_all)
-        rec.add([params[n] for n in names], rows)
+        if in_flight is None:
+            rec.add([params[n] for n in names], rows)
         _lockstep(args, rank, step, done=True)
         if step == 0:
             say(f"training {rank}")

@@ -37,6 +37,9 @@ What each case checks, from the documented semantics (README, docs/architecture.
   (``pipeline=on``: paced, joined or grouped, ``psrt.worker.pacing``), or (``pipeline=paced``) always paced, one
   piece in flight per shard (``PSRT_PACING=paced``, ``PSRT_IN_FLIGHT=1``): every call holds pieces back and the
   waits send them, across restarts and failovers too;
+- ``calls=pipelined``: a worker that sends each step's call before waiting for the last one's (never a moment with
+  nothing in flight, so on one host it moves onto its local connection by waiting once) reads exactly what a
+  ``push_pull`` each step reads (it waits at once where the case needs nothing in flight: ``_combo_worker.py``);
 - the data path (shared memory exactly where lanes can be used), CURVE really on with keys, the workers in one
   process or two as the case says, no internal error in any shard, and every process exiting in time with code 0
   but the one whose worker's script raised;
@@ -108,7 +111,7 @@ LEAVING = ("leave", "crash")
 FACTORS: dict[str, list[str]] = {
     "mode": ["sync", "async", "ssp", "sync_b1"],
     "path": ["sockets", "shm"],
-    "calls": ["push_pull", "one_by_one", "overlapped", "torch"],
+    "calls": ["push_pull", "one_by_one", "overlapped", "torch", "pipelined"],
     "compression": ["none", "fp16", "topk"],
     "tensors": ["dense", "table", "evicting"],
     "event": ["none", "leave", "crash", "restore"],
@@ -294,7 +297,7 @@ class Job:
         return psrt_command("server", "--scheduler", self.endpoint, *checkpoints)
 
     def worker_args(self, rank: int) -> dict[str, Any]:
-        args: dict[str, Any] = {"calls": self.case.calls, "table": self.case.tensors != "dense",
+        args: dict[str, Any] = {"calls": self.case.calls, "mode": self.case.mode, "table": self.case.tensors != "dense",
                                 "evicting": self.case.tensors == "evicting", "steps": STEPS,
                                 "out": str(self.tmp / f"worker-{rank}.npz"), "sleep": 0.03 * rank}
         if self.case.event in LEAVING and rank == 1:
