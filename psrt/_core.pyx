@@ -889,6 +889,23 @@ def shard_of(const int64_t[::1] ids, int64_t[::1] out, int64_t num_shards):
             out[i] = _shard(psrt_mix64(<uint64_t>ids[i]), <uint64_t>num_shards)
 
 
+cdef inline void _places(int64_t *offsets, Py_ssize_t num_shards, int64_t *place, Py_ssize_t count) noexcept nogil:
+    """A counting sort's placing: ``offsets[s + 1]`` holds shard s's count and ``place[k]`` item k's shard; then
+    ``offsets[s]`` is where shard s starts and ``place[k]`` item k's position, a shard's items in their order."""
+    cdef Py_ssize_t s, k
+    cdef int64_t pos
+    for s in range(num_shards):  # offsets[s]: where shard s starts
+        offsets[s + 1] += offsets[s]
+    for k in range(count):  # offsets[s] serves as shard s's cursor: it ends where shard s + 1 starts
+        s = place[k]
+        pos = offsets[s]
+        place[k] = pos
+        offsets[s] = pos + 1
+    for s in range(num_shards, 0, -1):  # back to the starts
+        offsets[s] = offsets[s - 1]
+    offsets[0] = 0
+
+
 def unique_by_shard(int64_t[:, ::1] cells, const int64_t[::1] ids, int64_t num_shards, int64_t[::1] firsts,
                     int64_t[::1] place, int64_t[::1] distinct, int64_t[::1] offsets, int64_t[::1] gather):
     """The distinct ids sorted by shard, and where each id's row comes back: :func:`unique_ids`, then
@@ -902,7 +919,7 @@ def unique_by_shard(int64_t[:, ::1] cells, const int64_t[::1] ids, int64_t num_s
     """
     cdef Py_ssize_t n = ids.shape[0], i, s, used = 0
     cdef uint64_t h, j, mask, shards = <uint64_t>num_shards
-    cdef int64_t key, k, pos
+    cdef int64_t key, k
     cdef int64_t *c
     if (num_shards <= 0 or offsets.shape[0] != num_shards + 1 or firsts.shape[0] != n or place.shape[0] != n
             or distinct.shape[0] != n or gather.shape[0] != n or not _scratch_fits(cells, n)):
@@ -927,19 +944,12 @@ def unique_by_shard(int64_t[:, ::1] cells, const int64_t[::1] ids, int64_t num_s
                 offsets[s + 1] += 1
                 used += 1
             gather[i] = k
-        for s in range(num_shards):  # offsets[s]: where shard s starts
-            offsets[s + 1] += offsets[s]
-        for k in range(used):  # offsets[s] serves as shard s's cursor: it ends where shard s + 1 starts
-            s = place[k]
-            pos = offsets[s]
-            distinct[pos] = firsts[k]
-            place[k] = pos
-            offsets[s] = pos + 1
-        for s in range(num_shards, 0, -1):  # back to the starts
-            offsets[s] = offsets[s - 1]
-        offsets[0] = 0
-        for i in range(n):
-            gather[i] = place[gather[i]]
+        if n:
+            _places(&offsets[0], num_shards, &place[0], used)
+            for k in range(used):
+                distinct[place[k]] = firsts[k]
+            for i in range(n):
+                gather[i] = place[gather[i]]
     return used
 
 
@@ -953,7 +963,6 @@ def shard_order(const int64_t[::1] ids, int64_t num_shards, int64_t[::1] order, 
     shards until then). Does nothing unless every array has its size.
     """
     cdef Py_ssize_t n = ids.shape[0], i, s
-    cdef int64_t pos
     if num_shards <= 0 or order.shape[0] != n or where.shape[0] != n or offsets.shape[0] != num_shards + 1:
         return
     with nogil:
@@ -963,17 +972,10 @@ def shard_order(const int64_t[::1] ids, int64_t num_shards, int64_t[::1] order, 
             s = _shard(psrt_mix64(<uint64_t>ids[i]), <uint64_t>num_shards)
             where[i] = s
             offsets[s + 1] += 1
-        for s in range(num_shards):  # offsets[s]: where shard s starts
-            offsets[s + 1] += offsets[s]
-        for i in range(n):  # offsets[s] serves as shard s's cursor: it ends where shard s + 1 starts
-            s = where[i]
-            pos = offsets[s]
-            order[pos] = i
-            where[i] = pos
-            offsets[s] = pos + 1
-        for s in range(num_shards, 0, -1):  # back to the starts
-            offsets[s] = offsets[s - 1]
-        offsets[0] = 0
+        if n:
+            _places(&offsets[0], num_shards, &where[0], n)
+            for i in range(n):
+                order[where[i]] = i
 
 
 def init_rows(real[:, ::1] table, Py_ssize_t start, const int64_t[::1] ids, uint64_t seed, int kind, double a,
