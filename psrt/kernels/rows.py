@@ -400,18 +400,18 @@ def unique_by_shard(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.nd
     Parameters
     ----------
     ids : numpy.ndarray
-        1-D int64 ids.
+        1-D int64 ids, repeats allowed.
     num_shards : int
-        S, positive.
+        S, positive (the shards of :func:`shard_of`).
 
     Returns
     -------
     distinct : numpy.ndarray
-        int64, the distinct ids, shard by shard.
+        The distinct ids (int64), shard s's in ``distinct[offsets[s]:offsets[s + 1]]``.
     offsets : numpy.ndarray
-        int64, ``num_shards + 1`` entries: each shard's range of ``distinct``.
+        The S + 1 shard boundaries (int64).
     gather : numpy.ndarray
-        int64, ``len(ids)`` entries: each id's position in ``distinct``.
+        Each id's position in ``distinct`` (int64, one per id).
     """
     i = _ids("ids", ids)
     _check_shards(num_shards)
