@@ -143,6 +143,8 @@ class ShardSender:
                 self.mode = self._ask_mode()
             if self.mode in SETTLE_MODES:
                 self._settle()
+            else:
+                self._settled = True  # (ssp, or no answer in time: no wait, and no second question)
 
     def _settle(self) -> None:
         """Wait, once, for this client's requests to the shard in flight (at most :data:`SETTLE_S`), so that the
@@ -168,11 +170,15 @@ class ShardSender:
             calls.progress(handle, left)
 
     def _ask_mode(self) -> Optional[str]:
-        """The shard's mode, from its ``stats`` (one request, waited for; None if it does not say)."""
+        """The shard's mode, from its ``stats`` (one request, waited for at most :data:`SETTLE_S`; None when it
+        does not say so in time)."""
+        handle = Handle(self._calls, "stats", None)
         try:
-            stats = self.ask(wire.encode_stats_request)
+            self.send(handle, wire.encode_stats_request)
+            handle.wait(min(self._timeout, SETTLE_S))
         except PsrtError:
             return None
+        stats = handle._answers.get(self.shard)
         mode = stats.get("mode") if isinstance(stats, dict) else None
         return mode if isinstance(mode, str) else None
 
