@@ -288,13 +288,16 @@ def test_small_calls_on_one_host_take_a_local_connection_without_a_lane(caplog):
 
 
 @needs_shm(1)
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("mode", ["async", "sync", "ssp"])
 def test_a_client_that_always_keeps_a_call_in_flight_moves_to_the_local_connection(mode):
     """A pipelined loop sends its next push_pull before waiting for the last, from its first call on: no moment
-    has nothing in flight. One of its requests waits once for those in flight, and the rest go locally (before,
-    every one went over ZeroMQ, at half the calls a second). Sync: two such workers, every round exact."""
-    workers, steps = (2, 150) if mode == "sync" else (1, 300)
-    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=workers, mode=mode, shm=True)) as server:
+    has nothing in flight. One of its calls waits once for those in flight, and the rest go locally (before,
+    every one went over ZeroMQ, at under half the calls a second). Sync and ssp: two such workers, every round
+    exact, every push applied once."""
+    workers, steps = (1, 300) if mode == "async" else (2, 150)
+    config = ServerConfig(bind="tcp://127.0.0.1:*", num_workers=workers, mode=mode, shm=True,
+                          **({"staleness": 1} if mode == "ssp" else {}))
+    with serving(config) as server:
         results: list = [None] * workers
 
         def work(rank: int) -> None:
@@ -316,19 +319,25 @@ def test_a_client_that_always_keeps_a_call_in_flight_moves_to_the_local_connecti
         for t in threads:
             t.join(60)
         local_messages = server._chan.local_messages
+        with psrt.Client([server.endpoint], rank=0, num_workers=workers, config=ClientConfig(timeout=20)) as c:
+            final = c.init({"w": np.zeros(1024, np.float32)}, optimizer=psrt.SGD(lr=1.0))["w"]  # (joins: as stored)
         assert server.counters.errors == 0
     for rank, got in enumerate(results):
         assert got is not None, f"worker {rank} did not finish"
         out, connected, settled = got
         assert connected and settled, rank
-        assert np.all(out == -float(steps)), (rank, out[:3])  # every push_pull applied once (sync: their mean)
+        if mode == "sync":  # each read is the mean of the round's pushes
+            assert np.all(out == -float(steps)), (rank, out[:3])
+        else:  # applied on arrival: its own pushes, and a prefix of the other's
+            assert -float(workers * steps) <= out[0] <= -float(steps) and np.all(out == out[0]), (rank, out[:3])
+    assert np.all(final == -float(steps if mode == "sync" else workers * steps)), final[:3]
     # (the set-up takes the first few calls; every request after the one wait went locally)
     assert local_messages >= workers * (steps - 20), local_messages
 
 
 @needs_shm(1)
 def test_a_pipelined_client_of_embedding_tables_alone_moves_to_the_local_connection():
-    """No init answered it the shard's mode: it asks the shard's stats once, then moves as above."""
+    """Its calls are row pushes (push_rows), which move as the dense calls above do."""
     steps = 200
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
         with psrt.Client([server.endpoint], config=ClientConfig(timeout=20)) as c:
@@ -341,7 +350,7 @@ def test_a_pipelined_client_of_embedding_tables_alone_moves_to_the_local_connect
                 last = nxt
             last.wait()
             rows = c.pull_rows("e", np.array([0, 49]))
-            assert c._senders[0].mode == "async" and c._calls.channels[0].local_connected
+            assert c._calls.channels[0].local_connected and c._senders[0]._settled
         assert server.counters.errors == 0 and server._chan.local_messages >= steps - 20
     np.testing.assert_array_equal(rows, np.full((2, 8), -float(steps), np.float32))
 

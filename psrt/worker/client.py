@@ -334,7 +334,6 @@ class Client:
         for shard, job in handle._answers.items():
             self._senders[shard].backup_workers = job.backup_workers
             self._senders[shard].sync = job.mode == "sync"
-            self._senders[shard].mode = job.mode
             if not self._elastic and job.num_workers != self._num_workers:
                 raise ConfigError(f"shard {self.servers[shard]} runs with --workers {job.num_workers} "
                                   f"but this client has num_workers={self._num_workers}")

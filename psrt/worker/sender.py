@@ -46,9 +46,9 @@ log = logging.getLogger("psrt.client")
 
 #: Seconds a client waits for a shard's local listener to take its connection and greeting.
 LOCAL_CONNECT_S = 10.0
-#: The modes in which a call waits for the requests in flight to take the local connection
-#: (:meth:`ShardSender._settle`), and at most how long, once.
-SETTLE_MODES, SETTLE_S = ("async", "sync"), 1.0
+#: At most how long a call waits, once, for the requests in flight to take the local connection
+#: (:meth:`ShardSender._settle`).
+SETTLE_S = 1.0
 
 
 def payload_of(chunks: Sequence[Chunk], arrays: Mapping[str, np.ndarray],
@@ -102,8 +102,6 @@ class ShardSender:
         self.rows_lane = True
         #: Whether the shard runs sync rounds (its answer to ``init`` says): a blocking call's pieces are paced.
         self.sync = False
-        #: The shard's mode as its answer to ``init`` said (None: no ``init`` answered yet).
-        self.mode: Optional[str] = None
         #: Whether requests in flight were waited for once, to move onto the attached local connection
         #: (:meth:`_settle`); False again with each new local connection.
         self._settled = False
@@ -139,12 +137,7 @@ class ShardSender:
         if not channel.local_tried:
             self._local_first()
         elif not self._settled and channel.local_ready and self._calls.outstanding(self.shard):
-            if self.mode is None:  # (no init answered yet: a client of embedding tables alone asks)
-                self.mode = self._ask_mode()
-            if self.mode in SETTLE_MODES:
-                self._settle()
-            else:
-                self._settled = True  # (ssp, or no answer in time: no wait, and no second question)
+            self._settle()
 
     def _settle(self) -> None:
         """Wait, once, for this client's requests to the shard in flight (at most :data:`SETTLE_S`), so that the
@@ -153,11 +146,12 @@ class ShardSender:
         A request goes over the local connection only when none sent over ZeroMQ is unanswered (the two could
         cross, and a shard takes a worker's requests in the order they come). A client that always keeps one in
         flight, a pipelined training loop, would never find that moment and stay on ZeroMQ, at under half the
-        calls a second. Its next call waits instead, a round trip, once. Only where no request in flight can wait
-        for a later one of the same client: async (every request is answered as it comes) and sync (a round
-        waits for the other workers' pushes, and a pull for versions pushes already sent target); not ssp,
-        where a pull waits for other workers' clocks, which may wait for this client's next push. (A sync worker
-        whose peers wait for this call before pushing what its requests in flight wait for loses the second.)
+        calls a second. Its next call waits instead, a round trip, once. What it has in flight is answered
+        without anything more from it in an async job, and in a sync one as soon as the other workers push the
+        round; but in ssp a pull's answer may wait for another worker's clock, which may wait for this client's
+        next push, and a sync worker's peers may wait for this very call before pushing what its requests wait
+        for: there the wait ends at the bound, and the requests stay on ZeroMQ until a moment with nothing in
+        flight.
         """
         calls, shard = self._calls, self.shard
         self._settled = True
@@ -168,19 +162,6 @@ class ShardSender:
             if left <= 0:
                 return
             calls.progress(handle, left)
-
-    def _ask_mode(self) -> Optional[str]:
-        """The shard's mode, from its ``stats`` (one request, waited for at most :data:`SETTLE_S`; None when it
-        does not say so in time)."""
-        handle = Handle(self._calls, "stats", None)
-        try:
-            self.send(handle, wire.encode_stats_request)
-            handle.wait(min(self._timeout, SETTLE_S))
-        except PsrtError:
-            return None
-        stats = handle._answers.get(self.shard)
-        mode = stats.get("mode") if isinstance(stats, dict) else None
-        return mode if isinstance(mode, str) else None
 
     def ask(self, encode: Encode) -> Any:
         """One request no tensor rides on (a lane set-up), waited for: the reply record.
