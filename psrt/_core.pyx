@@ -909,8 +909,9 @@ cdef inline void _places(int64_t *offsets, Py_ssize_t num_shards, int64_t *place
 def unique_by_shard(int64_t[:, ::1] cells, const int64_t[::1] ids, int64_t num_shards, int64_t[::1] firsts,
                     int64_t[::1] place, int64_t[::1] distinct, int64_t[::1] offsets, int64_t[::1] gather):
     """The distinct ids sorted by shard, and where each id's row comes back: :func:`unique_ids`, then
-    :func:`shard_order` of the distinct ids, then each id's position, in one pass over the ids and one over the
-    distinct ones (each id hashed once: its scratch cell and its shard come from the same ``mix64``).
+    :func:`shard_order` of the distinct ids, then each id's position, in a pass over the ids, one over the
+    distinct ones and one more over the ids (each id hashed once: its scratch cell and its shard come from the
+    same ``mix64``).
 
     ``distinct[:k]`` gets the k distinct ids, shard s's in ``distinct[offsets[s]:offsets[s + 1]]`` in the order
     they first appear in ``ids``; ``gather[i]`` the position of ``ids[i]`` in ``distinct``. ``cells`` is a fresh
