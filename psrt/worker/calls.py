@@ -309,6 +309,18 @@ class ShardCalls:
         """Whether a request to ``shard`` waits for its answer (a replicated job's early answer included)."""
         return any(p.shard == shard for p in self._pending.values())
 
+    def settle(self, shard: int, timeout: float) -> bool:
+        """Take in replies, whichever calls they answer, until no request to ``shard`` is outstanding or ``timeout``
+        seconds pass; returns whether none is."""
+        handle = Handle(self, "settle", None)  # (none of its own: each step takes what arrives)
+        deadline = time.monotonic() + timeout
+        while self.outstanding(shard):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.progress(handle, left)
+        return True
+
     def progress(self, handle: Handle, timeout: float, eager: bool = True) -> None:
         """Take in the replies that arrive within ``timeout`` seconds, whichever handle each answers (those queued
         behind the last one ``handle`` waits for stay queued for the next call); ``eager``: first try to receive

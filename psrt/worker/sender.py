@@ -24,7 +24,6 @@ gradients, whose header entries depend on the values, and calls over a lane take
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -153,15 +152,8 @@ class ShardSender:
         for: there the wait ends at the bound, and the requests stay on ZeroMQ until a moment with nothing in
         flight.
         """
-        calls, shard = self._calls, self.shard
         self._settled = True
-        handle = Handle(calls, "local switch", None)  # (none of its own: each wait takes what arrives)
-        deadline = time.monotonic() + min(self._timeout, SETTLE_S)
-        while calls.outstanding(shard):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            calls.progress(handle, left)
+        self._calls.settle(self.shard, min(self._timeout, SETTLE_S))
 
     def ask(self, encode: Encode) -> Any:
         """One request no tensor rides on (a lane set-up), waited for: the reply record.
