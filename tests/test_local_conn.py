@@ -381,6 +381,38 @@ def test_a_client_closing_with_calls_in_flight_waits_for_none_of_them(monkeypatc
 
 
 @needs_shm(64)
+def test_news_of_a_dead_peer_ends_the_wait_for_calls_in_flight_promptly():
+    """The one wait a pipelined client's call makes before it moves onto the local connection (at most a second)
+    reads the job's news as every other wait does: a peer's death raises from it within a quarter of a second."""
+    from psrt.errors import PeerFailedError
+
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync", shm=True)) as server:
+        c = psrt.Client([server.endpoint], rank=0, num_workers=2, config=ClientConfig(timeout=20))
+        try:
+            c.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+            channel = c._calls.channels[0]
+            handles = []
+            while not channel.local_ready and len(handles) < 20:  # (as above: set up over the first calls)
+                handles.append(c.push_pull_async({"w": np.ones(BIG, np.float32)}))
+                c.stats()
+            assert channel.local_ready and c._calls.outstanding(0)  # (the round waits for worker 1: never)
+            died = time.monotonic() + 0.3
+
+            def check() -> None:
+                if time.monotonic() >= died:
+                    raise PeerFailedError("worker 1 died", peer="worker 1")
+
+            c._calls._check = check
+            start = time.monotonic()
+            with pytest.raises(PeerFailedError, match="worker 1 died"):
+                c._calls.settle(0, 1.0)
+            assert time.monotonic() - start < 0.3 + 0.25 + 0.2
+        finally:
+            c._calls._check = None
+            c.close()
+
+
+@needs_shm(64)
 def test_sockets_only_keeps_a_worker_off_local_connections():
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async", shm=True)) as server:
         with psrt.Client([server.endpoint], config=ClientConfig(timeout=20, shm=False)) as c:

@@ -311,14 +311,17 @@ class ShardCalls:
 
     def settle(self, shard: int, timeout: float) -> bool:
         """Take in replies, whichever calls they answer, until no request to ``shard`` is outstanding or ``timeout``
-        seconds pass; returns whether none is."""
+        seconds pass; returns whether none is. With a job to watch, news of a dead peer raises here as in
+        :meth:`wait`, within the same quarter of a second."""
         handle = Handle(self, "settle", None)  # (none of its own: each step takes what arrives)
         deadline = time.monotonic() + timeout
         while self.outstanding(shard):
+            if self._check is not None:
+                self._check()
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            self.progress(handle, left)
+            self.progress(handle, left if self._check is None else min(left, 0.25))
         return True
 
     def progress(self, handle: Handle, timeout: float, eager: bool = True) -> None:
