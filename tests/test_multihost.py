@@ -67,6 +67,42 @@ def test_job_across_namespaces():
     assert vc.bridge not in links
 
 
+#: Each host connects to every other's closed port and prints whether each refused it (it was reached).
+_REACH_ALL = """
+import socket, sys
+reached = 0
+for address in sys.argv[1:]:
+    s = socket.socket()
+    s.settimeout(5)
+    try:
+        s.connect((address, 9))
+    except ConnectionRefusedError:
+        reached += 1
+    except OSError:
+        pass
+    finally:
+        s.close()
+print(reached)
+"""
+
+
+def test_every_host_of_a_cluster_larger_than_the_kernels_neighbour_table_reaches_every_other():
+    """The kernel's neighbour table is one for all namespaces (``gc_thresh3`` entries, 1,024 by default): hosts
+    learning each other's addresses by ARP filled it at 33 hosts all talking, and the later ones reached no one
+    (a 49-host job never formed). Each host knows every other's address from the start instead."""
+    with open("/proc/sys/net/ipv4/neigh/default/gc_thresh3") as f:
+        limit = int(f.read())
+    count = next((n for n in range(2, 255) if n * (n - 1) > limit + 16), None)
+    if count is None:
+        pytest.skip(f"the neighbour table holds {limit} entries: more than 254 hosts fill")
+    hosts = [f"h{i}" for i in range(count)]
+    with VirtualCluster(hosts) as vc:
+        probes = [vc.popen(h, [sys.executable, "-c", _REACH_ALL, *(vc.address(o) for o in hosts if o != h)],
+                           stdout=subprocess.PIPE, text=True) for h in hosts]
+        reached = [int(p.communicate(timeout=120)[0]) for p in probes]
+    assert reached == [count - 1] * count
+
+
 def test_a_tensor_crossing_a_network_travels_in_pieces_and_on_one_host_in_one_message():
     """Over a network a split tensor's pieces travel apart, joined two or three to a message for a call that is
     not paced (an async shard's; the shard answers each message as it lands); from the shard's own host, over

@@ -212,6 +212,20 @@ class VirtualCluster:
         """The IPv4 address of ``host``."""
         return f"10.213.{self.subnet}.{self.hosts.index(host) + 1}"
 
+    def mac(self, host: str) -> str:
+        """The hardware address of ``host``'s interface (locally administered, unique in this cluster)."""
+        index = self.hosts.index(host) + 1
+        return f"02:13:{self.subnet:02x}:00:{index >> 8:02x}:{index & 0xff:02x}"
+
+    def _ip_batch(self, ns: str, commands: list[list[str]]) -> None:
+        """Run ``ip`` commands inside ``ns``, all in one ``ip -batch``."""
+        if not commands:
+            return
+        proc = subprocess.run(["ip", "-n", ns, "-batch", "-"], input="\n".join(" ".join(c) for c in commands) + "\n",
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode:
+            raise PsrtError(f"`ip -n {ns} -batch` failed: {proc.stderr.strip()}")
+
     def burst_of(self, host: str) -> int:
         """The token-bucket burst of ``host``'s link in bytes (0 when it is unshaped)."""
         return burst_for(self.rates[host])
@@ -234,7 +248,7 @@ class VirtualCluster:
             outer, inner = self.veth(host), f"pn{self.pid}{self._tag}{i}"
             _ip("netns", "add", ns)
             self._created_ns.append(ns)
-            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            _ip("link", "add", outer, "type", "veth", "peer", "name", inner, "address", self.mac(host))
             _ip("link", "set", inner, "netns", ns)
             _ip("-n", ns, "link", "set", inner, "name", "eth0")
             _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
@@ -264,6 +278,15 @@ class VirtualCluster:
                 # The outer end sends into the host, eth0 out of it.
                 for dev, prefix in ((outer, []), ("eth0", ["ip", "netns", "exec", ns])):
                     self._tc(prefix, self._shaping(dev, rate))
+        # Every host knows every other's hardware address: the kernel's neighbour table is one for all namespaces,
+        # 1,024 entries by default (gc_thresh3), and a cluster of N hosts learning each other's by ARP needs up to
+        # N x (N - 1); past the limit new entries are refused, and a host that came late reaches no one (49 hosts
+        # did: ARP failed for minutes, and the job never formed). Permanent entries are exempt from that limit, and
+        # no ARP request then waits behind seconds of data in a shaped link's queue.
+        for host in self.hosts:
+            self._ip_batch(self.namespace(host), [
+                ["neigh", "replace", self.address(other), "lladdr", self.mac(other), "dev", "eth0", "nud", "permanent"]
+                for other in self.hosts if other != host])
 
     def dropped(self, host: str) -> int:
         """Packets ``host``'s shaped link has dropped so far, both directions (0 when it is unshaped)."""
