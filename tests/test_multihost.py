@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -101,6 +102,35 @@ def test_every_host_of_a_cluster_larger_than_the_kernels_neighbour_table_reaches
                            stdout=subprocess.PIPE, text=True) for h in hosts]
         reached = [int(p.communicate(timeout=120)[0]) for p in probes]
     assert reached == [count - 1] * count
+
+
+_TERMINATED = """
+import signal, sys, time
+from psrt.emulation.netns import VirtualCluster
+with VirtualCluster(["a", "b"]) as vc:
+    vc.popen("a", ["sleep", "60"])
+    print(" ".join(vc.namespace(h) for h in vc.hosts), vc.bridge, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_process_terminated_with_its_cluster_alive_removes_the_namespaces():
+    """SIGTERM (a timeout, a job cancelled) unwinds a bench as Ctrl-C does: its hosts' processes, namespaces and
+    bridge are gone when it has exited, not left for the next run to remove; the handler is put back at close."""
+    proc = subprocess.Popen([sys.executable, "-c", _TERMINATED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    *names, bridge = proc.stdout.readline().split()
+    assert names and all(n in namespaces() for n in names)
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    assert not any(n in namespaces() for n in names)
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10).stdout
+    assert bridge not in links
+    before = signal.getsignal(signal.SIGTERM)  # (a test runner may have its own handler: left alone)
+    with VirtualCluster(["a"]):
+        assert (signal.getsignal(signal.SIGTERM) is not before) == (before is signal.SIG_DFL)
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_a_tensor_crossing_a_network_travels_in_pieces_and_on_one_host_in_one_message():

@@ -23,6 +23,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 from typing import Any, Mapping, Optional, Sequence
 
 from psrt.control.process import Child, pid_alive, popen, stop_children, stop_processes
@@ -38,6 +39,36 @@ SHM_ROOT = "/dev/shm"
 #: Clusters made by this process so far: each one's link names differ, since the kernel removes a deleted
 #: namespace's veth pair only after ``ip netns del`` returns, and a new cluster must not collide with it.
 _made = 0
+#: Clusters alive in this process that took SIGTERM over (:func:`_take_sigterm`), and the handler before them.
+_sigterm_takers = 0
+_sigterm_before: Any = None
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _take_sigterm() -> bool:
+    """While clusters live, SIGTERM unwinds the main thread as Ctrl-C does, so that their ``close`` runs (the
+    children die with this process anyway, but namespaces, bridge and /dev/shm directories would stay until the
+    next cluster removed them). Only where SIGTERM has its default action and from the main thread: a program's
+    own handler is left alone. Returns whether this cluster counts among the takers."""
+    global _sigterm_takers, _sigterm_before
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if _sigterm_takers == 0:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return False
+        _sigterm_before = signal.signal(signal.SIGTERM, _interrupted)
+    _sigterm_takers += 1
+    return True
+
+
+def _give_sigterm_back() -> None:
+    global _sigterm_takers
+    _sigterm_takers -= 1
+    if _sigterm_takers == 0 and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _sigterm_before)
 #: The data queue of a link shaped with ``queueing="fifo"``, in bytes: deep, so that many peers sending into one
 #: host at once queue rather than lose packets.
 QUEUE_BYTES = 64 << 20
@@ -149,6 +180,9 @@ class VirtualCluster:
         kernel's 200 ms timeout and its probes then resend, spuriously, data still in the queue, and the copies
         take link time.
 
+    While a cluster lives, SIGTERM to its process (from the main thread's view, where SIGTERM had its default
+    action) raises KeyboardInterrupt, as Ctrl-C does, so that ``with`` blocks remove the namespaces on the way out.
+
     Examples
     --------
     >>> with VirtualCluster(["a", "b"], link="1gbit") as vc:   # doctest: +SKIP
@@ -194,6 +228,7 @@ class VirtualCluster:
         self._shm: dict[str, str] = {}  # host -> the directory that is its /dev/shm
         self._bridge_made = False
         remove_leftovers()
+        self._took_sigterm = _take_sigterm()
         try:
             self._create()
         except BaseException:
@@ -396,6 +431,9 @@ class VirtualCluster:
         for directory in self._shm.values():
             shutil.rmtree(directory, ignore_errors=True)
         self._shm.clear()
+        if self._took_sigterm:
+            self._took_sigterm = False
+            _give_sigterm_back()
 
     def __enter__(self) -> VirtualCluster:
         return self
