@@ -42,6 +42,12 @@ _made = 0
 #: Clusters alive in this process that took SIGTERM over (:func:`_take_sigterm`), and the handler before them.
 _sigterm_takers = 0
 _sigterm_before: Any = None
+#: The data queue of a link shaped with ``queueing="fifo"``, in bytes: deep, so that many peers sending into one
+#: host at once queue rather than lose packets.
+QUEUE_BYTES = 64 << 20
+#: TCP's least retransmission timeout on the hosts of a ``lossless`` cluster (seconds).
+LOSSLESS_RTO_MIN = 15
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
 def _interrupted(signum: int, frame: Any) -> None:
@@ -69,12 +75,6 @@ def _give_sigterm_back() -> None:
     _sigterm_takers -= 1
     if _sigterm_takers == 0 and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _sigterm_before)
-#: The data queue of a link shaped with ``queueing="fifo"``, in bytes: deep, so that many peers sending into one
-#: host at once queue rather than lose packets.
-QUEUE_BYTES = 64 << 20
-#: TCP's least retransmission timeout on the hosts of a ``lossless`` cluster (seconds).
-LOSSLESS_RTO_MIN = 15
-_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
 def burst_for(rate_bits: Optional[int]) -> int:
