@@ -355,6 +355,24 @@ def test_a_pipelined_client_of_embedding_tables_alone_moves_to_the_local_connect
     np.testing.assert_array_equal(rows, np.full((2, 8), -float(steps), np.float32))
 
 
+def _client_with_calls_never_answered(endpoint: str) -> psrt.Client:
+    """Worker 0 of a sync job of 2 whose worker 1 never comes: its local connection to the shard ready, and calls
+    in flight that no round will answer."""
+    c = psrt.Client([endpoint], rank=0, num_workers=2, config=ClientConfig(timeout=20))
+    try:
+        c.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        channel, sent = c._calls.channels[0], 0
+        while not channel.local_ready and sent < 20:  # (set up over the first calls: the stats call's wait takes
+            c.push_pull_async({"w": np.ones(BIG, np.float32)})  # the answers in)
+            c.stats()
+            sent += 1
+        assert channel.local_ready and c._calls.outstanding(0)
+    except BaseException:
+        c.close()
+        raise
+    return c
+
+
 @needs_shm(64)
 def test_a_client_closing_with_calls_in_flight_waits_for_none_of_them(monkeypatch):
     """Its local connection ready and calls in flight that will never be answered (a sync round whose other
@@ -362,15 +380,8 @@ def test_a_client_closing_with_calls_in_flight_waits_for_none_of_them(monkeypatc
     from psrt.worker.sender import ShardSender
 
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync", shm=True)) as server:
-        c = psrt.Client([server.endpoint], rank=0, num_workers=2, config=ClientConfig(timeout=20))
+        c = _client_with_calls_never_answered(server.endpoint)
         try:
-            c.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
-            channel = c._calls.channels[0]
-            handles = []
-            while not channel.local_ready and len(handles) < 20:  # (set up over the first calls: the stats
-                handles.append(c.push_pull_async({"w": np.ones(BIG, np.float32)}))  # call's wait takes answers in)
-                c.stats()
-            assert channel.local_ready and c._calls.outstanding(0)
             c._senders[0]._settled = False  # (as if the next call were the first since it got ready)
             waited: list[int] = []
             monkeypatch.setattr(ShardSender, "_settle", lambda self: waited.append(self.shard))
@@ -387,15 +398,8 @@ def test_news_of_a_dead_peer_ends_the_wait_for_calls_in_flight_promptly():
     from psrt.errors import PeerFailedError
 
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync", shm=True)) as server:
-        c = psrt.Client([server.endpoint], rank=0, num_workers=2, config=ClientConfig(timeout=20))
+        c = _client_with_calls_never_answered(server.endpoint)
         try:
-            c.init({"w": np.zeros(BIG, np.float32)}, optimizer=psrt.SGD(lr=1.0))
-            channel = c._calls.channels[0]
-            handles = []
-            while not channel.local_ready and len(handles) < 20:  # (as above: set up over the first calls)
-                handles.append(c.push_pull_async({"w": np.ones(BIG, np.float32)}))
-                c.stats()
-            assert channel.local_ready and c._calls.outstanding(0)  # (the round waits for worker 1: never)
             died = time.monotonic() + 0.3
 
             def check() -> None:
