@@ -676,7 +676,12 @@ cdef inline uint64_t _pair(const int64_t *cells, uint64_t mask, int64_t key) noe
     ``key``, or the empty pair its linear probe from its home pair ends on. A key and its value share a cache
     line, and a scratch index of one batch stays in cache: no prefetch (a table's index, :func:`index_find`, is
     large and cold: it prefetches, and keeps keys and values in two arrays, as every kernel on it takes them)."""
-    cdef uint64_t j = psrt_mix64(<uint64_t>key) & mask
+    return _pair_at(cells, mask, key, psrt_mix64(<uint64_t>key))
+
+
+cdef inline uint64_t _pair_at(const int64_t *cells, uint64_t mask, int64_t key, uint64_t h) noexcept nogil:
+    """:func:`_pair`, for a caller that has ``key``'s hash ``h`` already (and uses it again)."""
+    cdef uint64_t j = h & mask
     while cells[2 * j + 1] >= 0 and cells[2 * j] != key:
         j = (j + 1) & mask
     return j
@@ -692,7 +697,13 @@ cdef inline int64_t _first_index(int64_t *cells, uint64_t mask, int64_t key, int
                                  bint *new) noexcept nogil:
     """``key``'s index among the distinct ids of a scratch index, in the order they first appear: a key not seen
     before is added (``distinct[used]``, ``used`` counted on, ``new`` set)."""
-    cdef uint64_t j = _pair(cells, mask, key)
+    return _first_index_at(cells, mask, key, psrt_mix64(<uint64_t>key), distinct, used, new)
+
+
+cdef inline int64_t _first_index_at(int64_t *cells, uint64_t mask, int64_t key, uint64_t h, int64_t *distinct,
+                                    Py_ssize_t *used, bint *new) noexcept nogil:
+    """:func:`_first_index`, for a caller that has ``key``'s hash ``h`` already (and uses it again)."""
+    cdef uint64_t j = _pair_at(cells, mask, key, h)
     cdef int64_t k = cells[2 * j + 1]
     new[0] = k < 0
     if k < 0:
@@ -919,31 +930,23 @@ def unique_by_shard(int64_t[:, ::1] cells, const int64_t[::1] ids, int64_t num_s
     Returns k (0, and nothing written, unless every array has its size).
     """
     cdef Py_ssize_t n = ids.shape[0], i, s, used = 0
-    cdef uint64_t h, j, mask, shards = <uint64_t>num_shards
-    cdef int64_t key, k
-    cdef int64_t *c
+    cdef uint64_t h, mask, shards = <uint64_t>num_shards
+    cdef int64_t k
+    cdef bint new
     if (num_shards <= 0 or offsets.shape[0] != num_shards + 1 or firsts.shape[0] != n or place.shape[0] != n
             or distinct.shape[0] != n or gather.shape[0] != n or not _scratch_fits(cells, n)):
         return 0
-    c, mask = &cells[0, 0], <uint64_t>cells.shape[0] - 1
+    mask = <uint64_t>cells.shape[0] - 1
     with nogil:
         for s in range(num_shards + 1):
             offsets[s] = 0
         for i in range(n):  # each id's index among the distinct ones; each new one's shard, counted one entry on
-            key = ids[i]
-            h = psrt_mix64(<uint64_t>key)
-            j = h & mask
-            while c[2 * j + 1] >= 0 and c[2 * j] != key:
-                j = (j + 1) & mask
-            k = c[2 * j + 1]
-            if k < 0:
-                k = used
-                c[2 * j], c[2 * j + 1] = key, k
-                firsts[k] = key
+            h = psrt_mix64(<uint64_t>ids[i])
+            k = _first_index_at(&cells[0, 0], mask, ids[i], h, &firsts[0], &used, &new)
+            if new:
                 s = _shard(h, shards)
                 place[k] = s
                 offsets[s + 1] += 1
-                used += 1
             gather[i] = k
         if n:
             _places(&offsets[0], num_shards, &place[0], used)
