@@ -195,6 +195,58 @@ def test_a_shard_serves_hundreds_of_local_peers_and_forgets_each_that_leaves():
         ctx.term()
 
 
+def test_a_shard_waiting_on_local_peers_still_wakes_for_zeromq_at_once():
+    """With local connections a shard waits on its epoll set alone, ZeroMQ's descriptor in it: a message over
+    ZeroMQ ends the wait, and so does one left queued after a use of the socket, which ZeroMQ does not signal
+    again (a wait that missed either would sleep its whole 30 s and say nothing came)."""
+    import zmq
+
+    from psrt.transport import RouterChannel
+
+    ctx = zmq.Context()
+    chan = RouterChannel(ctx, "tcp://127.0.0.1:*", 1000, 5.0)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"remote")
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(chan.endpoint)
+    conn = None
+    try:
+        name, secret = chan.grant_local(b"\x00peer")
+        conn = local.begin(name, secret)
+        deadline = time.monotonic() + 10
+        while not local.greeted(conn) and time.monotonic() < deadline:
+            chan.poll(0.05)
+        for round_ in range(3):  # local traffic: the shard's waits read nothing of ZeroMQ's socket
+            conn.send([b"local %d" % round_])
+            assert chan.poll(30.0)
+            assert chan.recv() == (b"\x00peer", [b"local %d" % round_])
+            chan.send(b"\x00peer", [b"ok"])
+            assert drain_one(conn) == [b"ok"]
+        assert chan.recv() is None
+        dealer.send(b"over zeromq")
+        assert chan.poll(30.0)  # the descriptor's signal ends the wait
+        identity, frames = chan.recv()
+        assert (identity, [bytes(f) for f in frames]) == (b"remote", [b"over zeromq"])
+        dealer.send(b"first")
+        dealer.send(b"second")
+        assert chan.poll(30.0)
+        assert chan.recv()[0] == b"remote"  # "first"; "second" stays queued
+        chan.send(b"remote", [b"reply"])  # a use of the socket: "second" is not signalled again
+        assert dealer.poll(10_000) and dealer.recv() == b"reply"
+        assert chan.poll(30.0)
+        identity, frames = chan.recv()
+        assert [bytes(f) for f in frames] == [b"second"]
+        assert chan.recv() is None
+        conn.send([b"local again"])  # and local peers are still heard, ZeroMQ's queue empty
+        assert chan.poll(30.0) and chan.recv() == (b"\x00peer", [b"local again"])
+    finally:
+        if conn is not None:
+            conn.close()
+        dealer.close()
+        chan.close()
+        ctx.term()
+
+
 def drain_one(conn: local.LocalConn) -> list[bytes]:
     for _ in range(10_000):
         conn.fill()

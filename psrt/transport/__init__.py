@@ -367,6 +367,11 @@ class RouterChannel:
         self._epoll_fd = -1
         self._pending: set[local.LocalConn] = set()
         self._zmq_waiting = True
+        # With local connections a shard waits on its epoll set alone, the ZeroMQ socket's descriptor in it (see
+        # _poll_local): that descriptor, and whether the socket was used since its events were last read (a use
+        # may take in the notice of a message that then waits unsignalled, so the next wait reads them first).
+        self._zmq_fd = -1
+        self._zmq_used = True
         #: Messages received over local connections (greetings aside).
         self.local_messages = 0
 
@@ -384,6 +389,7 @@ class RouterChannel:
         """True when a message is waiting (never waits)."""
         # A poll without timeout reads the socket's event flags as getsockopt(EVENTS) does, without the enum member
         # pyzmq makes of getsockopt's answer.
+        self._zmq_used = True
         return bool(zmq.zmq_poll(self._poll_items, 0))
 
     def closed(self) -> list[int]:
@@ -419,8 +425,10 @@ class RouterChannel:
         try:
             identity = recv(_NOBLOCK)  # a few bytes: a copy costs less than a zmq.Frame
         except zmq.Again:
-            self._zmq_waiting = False
+            # (Nothing queued, and ZeroMQ now signals the descriptor at the next message: no events to read.)
+            self._zmq_waiting = self._zmq_used = False
             return None
+        self._zmq_used = True
         # A ROUTER puts the peer's identity before every message, which has at least one frame. Each zmq.Frame
         # knows whether more follow: cheaper than recv_multipart's RCVMORE query per frame.
         frame = recv(_NOBLOCK, False)
@@ -466,6 +474,7 @@ class RouterChannel:
             return
         self._held = []
         sock = self.sock
+        self._zmq_used = True
         for identity, frames in held:
             try:
                 _SEND(sock, identity, _SNDMORE, True, False)
@@ -508,6 +517,7 @@ class RouterChannel:
                     self._flush()
                 return [None] * len(frames)
         sock = self.sock
+        self._zmq_used = True
         try:
             _SEND(sock, identity, _SNDMORE, True, False)
             if len(frames) == 2 and len(frames[1]) < ZERO_COPY_BYTES:  # a small reply (a header and one buffer)
@@ -556,6 +566,9 @@ class RouterChannel:
                 raise
             self._epoll.register(listener.fd, select.EPOLLIN)
             self._epoll_fd = self._epoll.fileno()
+            if self._closes is None:  # (a socket with a monitor to read, a scheduler's, keeps zmq_poll)
+                self._zmq_fd = self.sock.getsockopt(zmq.FD)
+                self._epoll.register(self._zmq_fd, select.EPOLLIN)
             self._listener = listener
             self._local_items = [*self._wait_items, (self._epoll.fileno(), _POLLIN)]
         for secret, who in list(self._grants.items()):
@@ -579,6 +592,8 @@ class RouterChannel:
             timeout = 0.0
         listener, epoll = self._listener, self._epoll
         assert listener is not None and epoll is not None
+        if self._zmq_fd >= 0 and not self._pending and not also:
+            return self._poll_epoll(timeout, listener, epoll)
         items = self._local_items
         if self._pending or also:
             items = [*items, *((c.fd, _POLLOUT) for c in self._pending), *((s, _POLLIN) for s in also)]
@@ -609,6 +624,40 @@ class RouterChannel:
                 self._take_local(conn)
                 if not conn.open:
                     self._forget_local(conn)
+        self._zmq_used = True  # (zmq_poll read its events, and the wait may end with messages left unsignalled)
+        self._zmq_waiting = mine
+        return mine or bool(self._arrived)
+
+    def _poll_epoll(self, timeout: float, listener: local.LocalListener, epoll: select.epoll) -> bool:
+        """:meth:`_poll_local` as one epoll wait, the ZeroMQ socket's descriptor in the set: a request over a local
+        connection then costs the shard one system call to wait and none for ZeroMQ's socket (zmq_poll: four,
+        its event flags read before and after the wait).
+
+        ZeroMQ signals that descriptor when the socket has news (a message after its queue ran empty, among
+        others), which reading its event flags takes in; a message may therefore wait unsignalled after the
+        socket was used (:attr:`_zmq_used`), and the flags are read first then.
+        """
+        mine = False
+        if self._zmq_used:
+            mine = bool(_GET(self.sock, _EVENTS) & _POLLIN)
+            self._zmq_used = False
+            if mine:
+                timeout = 0.0
+        zmq_fd, conns = self._zmq_fd, self._conns
+        for fd, _ in epoll.poll(-1 if timeout * 1000 >= _MAX_MS else timeout, _MAX_LOCAL):
+            if fd == zmq_fd:
+                mine = mine or bool(_GET(self.sock, _EVENTS) & _POLLIN)  # (which takes the signal in)
+                continue
+            if fd == listener.fd:
+                self._accept_local(listener)
+                continue
+            conn = conns.get(fd)
+            if conn is None:
+                continue
+            conn.fill()  # (a closed connection reads as such)
+            self._take_local(conn)
+            if not conn.open:
+                self._forget_local(conn)
         self._zmq_waiting = mine
         return mine or bool(self._arrived)
 
@@ -904,8 +953,14 @@ class DealerChannel:
         the flags first, for a caller that expects to find nothing more often than something.
         """
         conn = self._conn
-        if conn is not None and (conn.messages or (not look and self._local_waiting())):
-            return self._local_head()  # (``look``: what has arrived and not been read waits for the next poll)
+        if conn is not None:
+            if conn.messages or (not look and self._local_waiting()):
+                return self._local_head()  # (``look``: what has arrived and not been read waits for the next poll)
+            if self._conn is not None:
+                # Its replies come over the local connection; the ZeroMQ socket can bring only a late reply to an
+                # abandoned call, which the Poller's next read of the sockets takes in (a look at it costs two
+                # system calls).
+                return None
         if look and not _GET(self.sock, _EVENTS) & _POLLIN:
             return None
         try:
@@ -1136,12 +1191,17 @@ class Poller:
         self._locals: list[tuple[int, DealerChannel]] = []
         self._by_fd: dict[int, int] = {}
         self._local_items: list[Any] = []  # what _wait_local polls (each connection with requests kept back: +POLLOUT)
+        # What it polls between two reads of the monitors: the sockets of the channels still on ZeroMQ, and the
+        # local connections (whose channels' ZeroMQ sockets can bring only a late reply to an abandoned call).
+        self._quiet_items: list[Any] = []
 
     def relocal(self) -> None:
         """A channel started or stopped using a local connection: wait on its descriptor, or no longer."""
         self._locals = [(i, ch) for i, ch in enumerate(self._channels) if ch._conn is not None]
         self._by_fd = {ch._conn.fd: i for i, ch in self._locals}  # type: ignore[union-attr]
-        self._local_items = [*self._items, *((fd, _POLLIN) for fd in self._by_fd)]
+        fds = [(fd, _POLLIN) for fd in self._by_fd]
+        self._local_items = [*self._items, *fds]
+        self._quiet_items = [*((ch.sock, _POLLIN) for ch in self._channels if ch._conn is None), *fds]
 
     def wait(self, timeout: float) -> list[int]:
         """Indices of the channels with a reply ready, after waiting at most ``timeout`` seconds.
@@ -1184,11 +1244,24 @@ class Poller:
             return ready
         deadline = time.monotonic() + timeout
         while True:
-            items = self._local_items
+            now = time.monotonic()
+            # Once a channel's requests take its local connection, its replies come that way: its ZeroMQ socket
+            # and every monitor are read every MONITOR_INTERVAL only (what a poll of them costs: a getpid and a
+            # poll per ZeroMQ socket after every wake-up, 16 system calls with 4 shards; with a wait per reply,
+            # most of what a call to 4 shards costs its caller in system calls).
+            quiet = now < self._watch_at
             if any(ch._conn is not None and ch._conn.pending for _, ch in self._locals):
-                items = [*self._items, *((ch._conn.fd, _POLLIN | (_POLLOUT if ch._conn.pending else 0))
-                                         for _, ch in self._locals if ch._conn is not None)]
-            left = deadline - time.monotonic()
+                fds = [(ch._conn.fd, _POLLIN | (_POLLOUT if ch._conn.pending else 0))
+                       for _, ch in self._locals if ch._conn is not None]
+                items = [*((ch.sock, _POLLIN) for ch in self._channels if ch._conn is None), *fds] if quiet \
+                    else [*self._items, *fds]
+            else:
+                items = self._quiet_items if quiet else self._local_items
+            left = deadline - now
+            if quiet:
+                left = min(left, self._watch_at - now)  # (then the full poll)
+            else:
+                self._watch_at = now + MONITOR_INTERVAL
             lost = []
             for s, events in zmq.zmq_poll(items, _ms(max(0.0, left))):
                 if type(s) is int:
@@ -1217,5 +1290,4 @@ class Poller:
             for ch in lost:
                 ch._lost_local()
             if ready or lost or time.monotonic() >= deadline:
-                self._watch_at = time.monotonic() + MONITOR_INTERVAL
                 return ready
