@@ -361,3 +361,27 @@ def test_wrappers_refuse_what_the_kernels_cannot_check():
     with pytest.raises(KernelArgumentError):
         rowkernels.adagrad_rows(table, table.copy(), np.array([0], np.int64), np.zeros((1, 3), np.float32),
                                 float("nan"), 1e-10)
+
+
+def test_gather_rows_of_slots_a_kernel_checked_skips_the_scan_and_still_reads_nothing_outside():
+    """``checked=True`` (slots from unique_by_shard or shard_order) gives the same rows without the scan for a slot
+    outside the table; one that is outside anyway leaves its row as it is, as the kernel always does."""
+    rng = np.random.default_rng(11)
+    table = rng.standard_normal((30, 5)).astype(np.float32)
+    ids = rng.integers(0, 1 << 40, 400).astype(np.int64)
+    distinct, offsets, gather = rowkernels.unique_by_shard(ids, 3)
+    rows = rng.standard_normal((len(distinct), 5)).astype(np.float32)
+    out, again = np.empty((400, 5), np.float32), np.empty((400, 5), np.float32)
+    rowkernels.gather_rows(rows, gather, out)
+    rowkernels.gather_rows(rows, gather, again, checked=True)
+    np.testing.assert_array_equal(again, out)
+    np.testing.assert_array_equal(out, reference.gather_rows(rows, gather))
+    outside = np.array([2, 30, -1, 29], np.int64)
+    got = np.full((4, 5), 7, np.float32)
+    rowkernels.gather_rows(table, outside, got, checked=True)
+    np.testing.assert_array_equal(got[[0, 3]], table[[2, 29]])
+    np.testing.assert_array_equal(got[[1, 2]], 7)
+    with pytest.raises(KernelArgumentError):
+        rowkernels.gather_rows(table, outside, got)  # (unchecked: refused, naming the range)
+    with pytest.raises(KernelArgumentError):
+        rowkernels.gather_rows(table, outside[:3], got, checked=True)

@@ -265,7 +265,7 @@ class WorkerLanes:
             if select is None:
                 np.copyto(view, a)
             elif a.ndim == 2:  # rows: the row kernel (np.take copies a short row with a call of its own)
-                rowkernels.gather_rows(a, select, view)
+                rowkernels.gather_rows(a, select, view, checked=True)  # (shard_order's order)
             else:  # (mode="clip": "raise" would gather into a buffer first; the indices are the caller's own)
                 np.take(a, select, axis=0, out=view, mode="clip")
             inputs.append(view)

@@ -55,7 +55,7 @@ class RowsHandle(Handle):
         """Wait for every shard's rows and return them (see :meth:`psrt.Handle.wait` for the errors)."""
         super().wait(timeout)
         if self._gather is not None:  # (the row kernel: np.take copies a short row with a call of its own)
-            rowkernels.gather_rows(self._buf, self._gather, self._out)
+            rowkernels.gather_rows(self._buf, self._gather, self._out, checked=True)  # (unique_by_shard's)
             self._gather = None
         return self._out
 
