@@ -613,17 +613,7 @@ class RouterChannel:
                 except ConnectionError:
                     self._forget_local(conn)
         if ready:
-            for fd, _ in epoll.poll(0, _MAX_LOCAL):
-                if fd == listener.fd:
-                    self._accept_local(listener)
-                    continue
-                conn = self._conns.get(fd)
-                if conn is None:
-                    continue
-                conn.fill()  # (a closed connection reads as such)
-                self._take_local(conn)
-                if not conn.open:
-                    self._forget_local(conn)
+            mine = self._take_ready(epoll.poll(0, _MAX_LOCAL), listener) or mine
         self._zmq_used = True  # (zmq_poll read its events, and the wait may end with messages left unsignalled)
         self._zmq_waiting = mine
         return mine or bool(self._arrived)
@@ -643,23 +633,29 @@ class RouterChannel:
             self._zmq_used = False
             if mine:
                 timeout = 0.0
-        zmq_fd, conns = self._zmq_fd, self._conns
-        for fd, _ in epoll.poll(-1 if timeout * 1000 >= _MAX_MS else timeout, _MAX_LOCAL):
-            if fd == zmq_fd:
-                mine = mine or bool(_GET(self.sock, _EVENTS) & _POLLIN)  # (which takes the signal in)
-                continue
-            if fd == listener.fd:
-                self._accept_local(listener)
-                continue
-            conn = conns.get(fd)
-            if conn is None:
-                continue
-            conn.fill()  # (a closed connection reads as such)
-            self._take_local(conn)
-            if not conn.open:
-                self._forget_local(conn)
+        events = epoll.poll(-1 if timeout * 1000 >= _MAX_MS else timeout, _MAX_LOCAL)
+        mine = self._take_ready(events, listener) or mine
         self._zmq_waiting = mine
         return mine or bool(self._arrived)
+
+    def _take_ready(self, events: list[tuple[int, int]], listener: local.LocalListener) -> bool:
+        """Take in what the epoll set reported (connections to accept, messages to read); True when ZeroMQ's
+        socket has a message (its descriptor among ``events``)."""
+        mine = False
+        for fd, _ in events:
+            if fd == self._zmq_fd:
+                mine = mine or bool(_GET(self.sock, _EVENTS) & _POLLIN)  # (which takes the signal in)
+            elif fd == listener.fd:
+                self._accept_local(listener)
+            else:
+                conn = self._conns.get(fd)
+                if conn is None:
+                    continue
+                conn.fill()  # (a closed connection reads as such)
+                self._take_local(conn)
+                if not conn.open:
+                    self._forget_local(conn)
+        return mine
 
     def _accept_local(self, listener: local.LocalListener) -> None:
         accepted = listener.accept()
