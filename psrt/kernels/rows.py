@@ -87,9 +87,9 @@ def gather_rows(table: np.ndarray, slots: np.ndarray, out: np.ndarray, checked: 
         Writable ``(len(slots), dim)`` array of the table's dtype.
     checked : bool
         The slots come from a kernel of this module that puts them in range (:func:`unique_by_shard`'s gather,
-        :func:`shard_order`'s order): the pass that looks for one outside is skipped (a call's worth of its
-        cost: 10 us of a 4-shard ``pull_rows``'s ~490 us on its worker). The kernel never reads outside the
-        table either way; a slot outside leaves its row as it is.
+        :func:`shard_order`'s order): the pass that looks for one outside is skipped (10 us of the ~490 us a
+        4-shard ``pull_rows`` costs its worker, here). The kernel never reads outside the table either way; a
+        slot outside leaves its row as it is.
     """
     t, o = _table("table", table, writable=False), _table("out", out)
     _same(t, ("out", o), rows=False)
