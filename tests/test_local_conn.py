@@ -239,6 +239,7 @@ def test_a_shard_waiting_on_local_peers_still_wakes_for_zeromq_at_once():
         assert chan.recv() is None
         conn.send([b"local again"])  # and local peers are still heard, ZeroMQ's queue empty
         assert chan.poll(30.0) and chan.recv() == (b"\x00peer", [b"local again"])
+        assert not chan.poll(-1.0)  # a wait past its deadline is none (epoll would read -1 as "for ever")
     finally:
         if conn is not None:
             conn.close()

@@ -633,7 +633,7 @@ class RouterChannel:
             self._zmq_used = False
             if mine:
                 timeout = 0.0
-        events = epoll.poll(-1 if timeout * 1000 >= _MAX_MS else timeout, _MAX_LOCAL)
+        events = epoll.poll(-1 if timeout * 1000 >= _MAX_MS else max(0.0, timeout), _MAX_LOCAL)  # (as _ms: < 0 is 0)
         mine = self._take_ready(events, listener) or mine
         self._zmq_waiting = mine
         return mine or bool(self._arrived)
