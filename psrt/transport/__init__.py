@@ -620,8 +620,8 @@ class RouterChannel:
 
     def _poll_epoll(self, timeout: float, listener: local.LocalListener, epoll: select.epoll) -> bool:
         """:meth:`_poll_local` as one epoll wait, the ZeroMQ socket's descriptor in the set: a request over a local
-        connection then costs the shard one system call to wait and none for ZeroMQ's socket (zmq_poll: four,
-        its event flags read before and after the wait).
+        connection then costs the shard one system call to wait and none for ZeroMQ's socket (through zmq_poll,
+        five more: its first pass, and a ``getpid`` and a ``poll`` of the socket before and after the wait).
 
         ZeroMQ signals that descriptor when the socket has news (a message after its queue ran empty, among
         others), which reading its event flags takes in; a message may therefore wait unsignalled after the
