@@ -931,18 +931,22 @@ def unique_by_shard(int64_t[:, ::1] cells, const int64_t[::1] ids, int64_t num_s
     """
     cdef Py_ssize_t n = ids.shape[0], i, s, used = 0
     cdef uint64_t h, mask, shards = <uint64_t>num_shards
-    cdef int64_t k
+    cdef int64_t k, key
+    cdef int64_t *c
+    cdef int64_t *first
     cdef bint new
     if (num_shards <= 0 or offsets.shape[0] != num_shards + 1 or firsts.shape[0] != n or place.shape[0] != n
             or distinct.shape[0] != n or gather.shape[0] != n or not _scratch_fits(cells, n)):
         return 0
-    mask = <uint64_t>cells.shape[0] - 1
+    c, mask = &cells[0, 0], <uint64_t>cells.shape[0] - 1
+    first = &firsts[0] if n else NULL
     with nogil:
         for s in range(num_shards + 1):
             offsets[s] = 0
         for i in range(n):  # each id's index among the distinct ones; each new one's shard, counted one entry on
-            h = psrt_mix64(<uint64_t>ids[i])
-            k = _first_index_at(&cells[0, 0], mask, ids[i], h, &firsts[0], &used, &new)
+            key = ids[i]
+            h = psrt_mix64(<uint64_t>key)
+            k = _first_index_at(c, mask, key, h, first, &used, &new)
             if new:
                 s = _shard(h, shards)
                 place[k] = s
