@@ -1189,6 +1189,7 @@ class Poller:
         self._local_items: list[Any] = []  # what _wait_local polls (each connection with requests kept back: +POLLOUT)
         # What it polls between two reads of the monitors: the sockets of the channels still on ZeroMQ, and the
         # local connections (whose channels' ZeroMQ sockets can bring only a late reply to an abandoned call).
+        self._quiet_socks: list[Any] = []
         self._quiet_items: list[Any] = []
 
     def relocal(self) -> None:
@@ -1197,7 +1198,8 @@ class Poller:
         self._by_fd = {ch._conn.fd: i for i, ch in self._locals}  # type: ignore[union-attr]
         fds = [(fd, _POLLIN) for fd in self._by_fd]
         self._local_items = [*self._items, *fds]
-        self._quiet_items = [*((ch.sock, _POLLIN) for ch in self._channels if ch._conn is None), *fds]
+        self._quiet_socks = [(ch.sock, _POLLIN) for ch in self._channels if ch._conn is None]
+        self._quiet_items = [*self._quiet_socks, *fds]
 
     def wait(self, timeout: float) -> list[int]:
         """Indices of the channels with a reply ready, after waiting at most ``timeout`` seconds.
@@ -1249,8 +1251,7 @@ class Poller:
             if any(ch._conn is not None and ch._conn.pending for _, ch in self._locals):
                 fds = [(ch._conn.fd, _POLLIN | (_POLLOUT if ch._conn.pending else 0))
                        for _, ch in self._locals if ch._conn is not None]
-                items = [*((ch.sock, _POLLIN) for ch in self._channels if ch._conn is None), *fds] if quiet \
-                    else [*self._items, *fds]
+                items = [*(self._quiet_socks if quiet else self._items), *fds]
             else:
                 items = self._quiet_items if quiet else self._local_items
             left = deadline - now
