@@ -272,17 +272,19 @@ def test_encoded_buffers_hold_each_arrays_bytes_whatever_its_shape_or_layout():
     assert np.shares_memory(np.frombuffer(frames[1], np.float64), arrays[0])  # contiguous: no copy
 
 
+@pytest.mark.parametrize("base", [None, 0, 2**40])
 @pytest.mark.parametrize("pull", [False, True])
 @pytest.mark.parametrize("rid,seq,clock", [(1, 0, 1), (2**63 - 1, 2**40, 0), (300, 70000, 2**32)])
-def test_a_push_from_its_packed_prefix_decodes_as_the_whole_header_does(pull, rid, seq, clock):
+def test_a_push_from_its_packed_prefix_decodes_as_the_whole_header_does(pull, rid, seq, clock, base):
     entries = [["w", 0, "<f4", [3]], ["w", 1, "<f4", [2]], ["b", 0, "<f8", [1]]]
     payload = [np.ones(3, np.float32), np.ones(2, np.float32), np.ones(1)]
     prefix = wire.push_prefix(5, 2**62, entries, pull)
-    got = wire.encode_push_after(prefix, rid, seq, clock, payload)
-    want = wire.encode_push(rid, 5, 2**62, seq, entries, payload, pull, clock)
+    got = wire.encode_push_after(prefix, rid, seq, clock, payload, base)
+    want = wire.encode_push(rid, 5, 2**62, seq, entries, payload, pull, clock, base=base)
     assert msgpack.unpackb(got[0]) == msgpack.unpackb(want[0])
     assert [bytes(f) for f in got[1:]] == [bytes(f) for f in want[1:]]
     assert wire.decode_request(got, LIMITS) == wire.decode_request(want, LIMITS)
+    assert wire.decode_request(got, LIMITS).base == base  # (the second time from the remembered prefix)
 
 
 @pytest.mark.integration
@@ -418,6 +420,28 @@ def test_a_push_seen_before_decodes_from_its_tail_as_the_general_path_does(entri
         assert _outcome(wire.decode_request, frames, LIMITS) == _outcome(_general_request, frames, LIMITS)
         if remembered and max(rid, seq, clock) < 2**63 and not (frames_missing and payload):
             assert wire.decode_request(frames, LIMITS).id == rid
+
+
+def _based_tail(rid: int, seq: int, clock: int, base: int) -> bytes:
+    k = data._BASED_KEYS
+    return data._BASED_TAIL.pack(k[0], rid, k[1], seq, k[2], clock, k[3], base)
+
+
+@_HSETTINGS
+@given(entries=_ENTRIES, worker=st.integers(0, 2**31 + 1), session=_U63, pull=st.booleans(),
+       calls=st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+                                st.integers(0, 2**64 - 1)), min_size=1, max_size=3))
+def test_a_sync_push_seen_before_decodes_from_its_tail_with_its_base_as_the_general_path_does(
+        entries, worker, session, pull, calls):
+    entries = [[name, part, dname, [count]] for name, part, dname, count in entries]
+    payload = [np.zeros(count * _ITEMSIZE[dname], np.uint8) for _, _, dname, (count,) in entries]
+    prefix = data._BASED_HEAD + wire.push_prefix(worker, session, entries, pull)[1:]
+    first = [prefix + _based_tail(1, 1, 1, 1), *payload]
+    assert _outcome(wire.decode_request, first, LIMITS) == _outcome(_general_request, first, LIMITS)
+    assert (prefix in data._SEEN_PUSHES) == (not isinstance(_outcome(_general_request, first, LIMITS), tuple))
+    for rid, seq, clock, base in calls:  # (integers beyond 2**63 - 1 are refused by both, with the same words)
+        frames = [prefix + _based_tail(rid, seq, clock, base), *payload]
+        assert _outcome(wire.decode_request, frames, LIMITS) == _outcome(_general_request, frames, LIMITS)
 
 
 def test_a_remembered_push_prefix_serves_no_other_tail_nor_stricter_limits():

@@ -180,11 +180,12 @@ def test_a_resent_dropped_push_is_a_duplicate_and_a_push_without_base_is_refused
                 c.close()
 
 
-def test_without_backup_workers_pushes_carry_no_base_and_rounds_wait_for_everyone():
+def test_without_backup_workers_rounds_wait_for_everyone():
     with serving(_server(workers=2, backup=0)) as server:
         clients = _clients(server, 2)
         try:
-            assert all(s.backup_workers == 0 for c in clients for s in c._senders)
+            # (Their pushes say their base all the same, as every sync push does: psrt.shard.realign.)
+            assert all(s.backup_workers == 0 and s.sync for c in clients for s in c._senders)
             first = clients[0].push_pull_async({"w": G})
             with pytest.raises(psrt.ShardTimeoutError):
                 first.wait(0.3)  # the round waits for worker 1

@@ -21,7 +21,7 @@ request         fields (besides ``v, op, id``)                           reply
                 + ``check: true``: no buffers, nothing set: would the     ``ack``, or the ``error`` the init
                 init be taken?                                            would get
 ``push``        ``worker, session, seq, clock, tensors`` + buffers        ``ack``
-                (+ ``base`` to a shard with backup workers)
+                (+ ``base`` to a sync shard)
 ``push_pull``   as ``push``                                               ``params`` once the push's round
                                                                           is applied
 ``pull``        ``worker, clock, keys``: ``[[name, part, min_version],    ``params``

@@ -67,6 +67,8 @@ def _push_fixed(worker: int, session: int, entries: list[list[Any]], pull: bool)
 PUSH_FIXED = tuple(_push_fixed(0, 0, [], False))
 PUSH_PER_CALL = ("id", "seq", "clock")
 _PUSH = frozenset(PUSH_FIXED + PUSH_PER_CALL)
+#: A sync push says the version its gradients were computed from (``base``, one int): a fourth per-call field.
+_PUSH_BASED = _PUSH | {"base"}
 
 _REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "init": frozenset({"v", "op", "id", "worker", "session", "optimizer", "tensors"}),
@@ -135,8 +137,9 @@ class PushRequest(_WithTensors):
 
     ``clock`` is the worker's count of pushes including this one (bounded staleness, ``ssp`` mode). ``base``: the
     version of the parameters the gradients were computed from, one for every tensor (an int) or one per tensor (a
-    list); None when the push does not say (an older client, or a shard without backup workers, whose workers do
-    not send it). A shard with backup workers drops a push whose base is older than the round it could join
+    list); None when the push does not say (an older client, or a shard without rounds: async, ssp). A sync
+    shard restored behind what its workers saw keeps their rounds in step by it (:mod:`psrt.shard.realign`); one
+    with backup workers drops a push whose base is older than the round it could join
     (:mod:`psrt.shard.stragglers`).
     """
 
@@ -223,18 +226,31 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
     head = frames[0] if frames else None
     if type(head) is not bytes and head is not None:
         head = _header_bytes(head, limits)
-    seen = _SEEN_PUSHES.get(head[:-_TAIL]) if type(head) is bytes else None
+    seen = based = None
+    if type(head) is bytes:
+        if head[:1] == _BASED_HEAD:  # (a sync push: its base follows the clock)
+            seen = _SEEN_PUSHES.get(head[:-_BASED_TAIL.size])
+            if seen is not None:
+                id_key, rid, seq_key, seq, clock_key, clock, base_key, based = _BASED_TAIL.unpack_from(
+                    head, -_BASED_TAIL.size)
+                if (id_key, seq_key, clock_key, base_key) != _BASED_KEYS or max(rid, seq, clock, based) > MAX_U63:
+                    seen = None
+        else:
+            seen = _SEEN_PUSHES.get(head[:-_TAIL])
+            if seen is not None:
+                id_key, rid, seq_key, seq, clock_key, clock = _PUSH_TAIL.unpack_from(head, -_TAIL)
+                if (id_key, seq_key, clock_key) != _PER_CALL_KEYS or max(rid, seq, clock) > MAX_U63:
+                    seen = None
     if seen is not None and (seen.limits is limits or seen.limits is same_limits(limits)):
-        id_key, rid, seq_key, seq, clock_key, clock = _PUSH_TAIL.unpack_from(head, -_TAIL)
-        if (id_key, seq_key, clock_key) == _PER_CALL_KEYS and max(rid, seq, clock) <= MAX_U63:
-            buffers = list(frames[1:])
-            if seen.sizes is None or tuple(map(len, buffers)) != seen.sizes:
-                try:
-                    check_buffers(seen.tensors, buffers)  # top-k frames (their own rules), or it says what is wrong
-                except ProtocolError as exc:
-                    exc.request_id = rid  # type: ignore[attr-defined]
-                    raise
-            return PushRequest(list(seen.tensors), buffers, rid, seen.worker, seen.session, seq, seen.pull, clock)
+        buffers = list(frames[1:])
+        if seen.sizes is None or tuple(map(len, buffers)) != seen.sizes:
+            try:
+                check_buffers(seen.tensors, buffers)  # top-k frames (their own rules), or it says what is wrong
+            except ProtocolError as exc:
+                exc.request_id = rid  # type: ignore[attr-defined]
+                raise
+        return PushRequest(list(seen.tensors), buffers, rid, seen.worker, seen.session, seq, seen.pull, clock,
+                           None, based)
     request_id = None
     try:
         if len(frames) < 1:
@@ -243,7 +259,7 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         if type(h.get("id")) is int and 0 <= h["id"] <= MAX_U63:
             request_id = h["id"]
         check_version(h)
-        if request_id is not None and h.keys() == _PUSH:  # push(_pull), every step's: short path
+        if request_id is not None and (h.keys() == _PUSH or h.keys() == _PUSH_BASED):  # every step's: short path
             if (req := _plain_push(h, frames, limits, request_id)) is not None:
                 _remember_push(head, req, limits)
                 return req
@@ -318,14 +334,16 @@ def _header_bytes(frame: Any, limits: WireLimits) -> Any:
 def _plain_push(h: dict[str, Any], frames: Sequence[Any], limits: WireLimits, rid: int) -> Optional[PushRequest]:
     """A push(_pull) with in-range integers, in fewer steps (None: the general path says what is wrong)."""
     op, worker, session, seq, clock = h["op"], h["worker"], h["session"], h["seq"], h["clock"]
+    base = h.get("base", 0)
     if not ((op == "push_pull" or op == "push") and type(op) is str and type(worker) is int and type(session) is int
-            and type(seq) is int and type(clock) is int and 0 <= worker <= MAX_WORKER
-            and 0 <= session <= MAX_U63 and 0 <= seq <= MAX_U63 and 0 <= clock <= MAX_U63):
+            and type(seq) is int and type(clock) is int and type(base) is int and 0 <= worker <= MAX_WORKER
+            and 0 <= session <= MAX_U63 and 0 <= seq <= MAX_U63 and 0 <= clock <= MAX_U63
+            and 0 <= base <= MAX_U63):
         return None
     metas, buffers = tensor_metas(h["tensors"], limits, compressed=True), list(frames[1:])  # as the general path
     check_buffers(metas, buffers)
     _check_distinct(metas)
-    return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull", clock)
+    return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull", clock, None, h.get("base"))
 
 
 @dataclass(frozen=True)
@@ -356,12 +374,19 @@ def _remember_push(head: bytes, req: PushRequest, limits: WireLimits) -> None:
     are complete and nothing is left over), any header of those bytes and such a tail is this header with
     other integers, and decodes and checks as it did. A later push with the same bytes then skips msgpack.
     """
-    cut = len(head) - _PUSH_TAIL.size
-    if cut <= 1 or head[0] != _MAP_HEADS[len(PUSH_FIXED)][0]:
-        return
-    id_key, _, seq_key, _, clock_key, _ = _PUSH_TAIL.unpack_from(head, cut)
-    if id_key != _ID or seq_key != _SEQ or clock_key != _CLOCK:
-        return
+    if req.base is None:
+        cut = len(head) - _PUSH_TAIL.size
+        if cut <= 1 or head[0] != _MAP_HEADS[len(PUSH_FIXED)][0]:
+            return
+        id_key, _, seq_key, _, clock_key, _ = _PUSH_TAIL.unpack_from(head, cut)
+        if (id_key, seq_key, clock_key) != _PER_CALL_KEYS:
+            return
+    else:
+        cut = len(head) - _BASED_TAIL.size
+        if cut <= 1 or head[:1] != _BASED_HEAD:
+            return
+        if _BASED_TAIL.unpack_from(head, cut)[::2] != _BASED_KEYS:
+            return
     try:
         fixed = unpack_header(_FIXED_HEAD + head[1:cut], limits)
     except ProtocolError:
@@ -413,18 +438,19 @@ def encode_push(rid: int, worker: int, session: int, seq: int, entries: list[lis
                 base: Union[None, int, Sequence[int]] = None) -> list[Any]:
     """Frames of a ``push`` (or, with ``pull``, a ``push_pull``) request; with ``lane``, no payload.
 
-    Without ``lane`` and ``base``, the bytes of :func:`encode_push_after` from the :func:`push_prefix` of the same
-    fields. ``base`` (for a shard with backup workers): the version the gradients were computed from, one int or
-    one per tensor; it follows the per-call fields.
+    Without ``lane`` (and with ``base`` one int or None), the bytes of :func:`encode_push_after` from the
+    :func:`push_prefix` of the same fields. ``base`` (every sync push's, :mod:`psrt.shard.realign`; backup workers
+    drop a late one): the version the gradients were computed from, one int or one per tensor; it follows the
+    per-call fields.
     """
-    if base is not None:
+    if type(base) is list:
         header = _push_fixed(worker, session, entries, pull)
         del header["v"]  # (encode puts it first)
         if lane is not None:
             header["lane"] = lane.to_wire()
         header.update(id=rid, seq=seq, clock=clock, base=base if type(base) is int else list(base))
         return encode(header, payload)
-    return encode_push_after(_push_prefix(worker, session, entries, pull, lane), rid, seq, clock, payload)
+    return encode_push_after(_push_prefix(worker, session, entries, pull, lane), rid, seq, clock, payload, base)
 
 
 def push_prefix(worker: int, session: int, entries: list[list[Any]], pull: bool) -> bytes:
@@ -445,8 +471,9 @@ def _push_prefix(worker: int, session: int, entries: list[list[Any]], pull: bool
     return _MAP_HEADS[len(fixed)] + pack_header(fixed)[1:]
 
 
-def _push_template() -> tuple[dict[int, bytes], struct.Struct, tuple[bytes, ...]]:
-    """The constant parts of a push header, derived once, at import, from its field tables and msgpack.
+def _push_template(per_call: tuple[str, ...]) -> tuple[dict[int, bytes], struct.Struct, tuple[bytes, ...]]:
+    """The constant parts of a push header whose fields after the fixed ones are ``per_call``, derived once, at
+    import, from its field tables and msgpack.
 
     A map of fewer than 16 entries packs as one head byte that counts them (a fixmap), then each key and value
     in order. So a push header is the whole map's head, the fixed fields packed as a map without its head, and
@@ -455,11 +482,11 @@ def _push_template() -> tuple[dict[int, bytes], struct.Struct, tuple[bytes, ...]
     the constant bytes before each of its integers; checked against msgpack's packing of a whole header.
     """
     big = (1 << 64) - 1  # msgpack packs it as a uint64
-    keys = tuple(msgpack.packb(k) + msgpack.packb(big)[:1] for k in PUSH_PER_CALL)
+    keys = tuple(msgpack.packb(k) + msgpack.packb(big)[:1] for k in per_call)
     tail = struct.Struct(">" + "".join(f"{len(k)}sQ" for k in keys))
     heads = {}
     for fixed in (PUSH_FIXED, (*PUSH_FIXED, "lane")):
-        whole = pack_header({**dict.fromkeys(fixed), **dict.fromkeys(PUSH_PER_CALL, big)})
+        whole = pack_header({**dict.fromkeys(fixed), **dict.fromkeys(per_call, big)})
         heads[len(fixed)] = whole[:1]
         cut = whole[:1] + pack_header(dict.fromkeys(fixed))[1:] + tail.pack(*(x for k in keys for x in (k, big)))
         if cut != whole:
@@ -467,7 +494,13 @@ def _push_template() -> tuple[dict[int, bytes], struct.Struct, tuple[bytes, ...]
     return heads, tail, keys
 
 
-_MAP_HEADS, _PUSH_TAIL, (_ID, _SEQ, _CLOCK) = _push_template()
+_MAP_HEADS, _PUSH_TAIL, (_ID, _SEQ, _CLOCK) = _push_template(PUSH_PER_CALL)
+#: A sync push's header (:func:`encode_push_after` with ``base``): the same fixed fields under the head of a map of
+#: one more field, and a tail of four integers.
+_BASED_HEADS, _BASED_TAIL, _BASED_KEYS = _push_template((*PUSH_PER_CALL, "base"))
+_BASED_HEAD = _BASED_HEADS[len(PUSH_FIXED)]
+#: A prefix's head (with a lane or without) -> the head of the same header with ``base``.
+_WITH_BASE = {head[0]: _BASED_HEADS[n] for n, head in _MAP_HEADS.items()}
 #: The head of a map of the fixed fields alone, and their names (:func:`_remember_push`).
 _FIXED_HEAD = pack_header(dict.fromkeys(PUSH_FIXED))[:1]
 _FIXED_KEYS = frozenset(PUSH_FIXED)
@@ -475,10 +508,16 @@ _TAIL = _PUSH_TAIL.size
 _PER_CALL_KEYS = (_ID, _SEQ, _CLOCK)
 
 
-def encode_push_after(prefix: bytes, rid: int, seq: int, clock: int, payload: Sequence[np.ndarray]) -> list[Any]:
+def encode_push_after(prefix: bytes, rid: int, seq: int, clock: int, payload: Sequence[np.ndarray],
+                      base: Optional[int] = None) -> list[Any]:
     """Frames of a ``push`` (``push_pull``) request from its :func:`push_prefix`: as :func:`encode_push` with the
-    fields the prefix was packed with."""
-    return with_buffers(prefix + _PUSH_TAIL.pack(_ID, rid, _SEQ, seq, _CLOCK, clock), payload)
+    fields the prefix was packed with. ``base`` (a sync push): the version its gradients were computed from, one
+    int for every tensor."""
+    if base is None:
+        return with_buffers(prefix + _PUSH_TAIL.pack(_ID, rid, _SEQ, seq, _CLOCK, clock), payload)
+    k = _BASED_KEYS
+    return with_buffers(_WITH_BASE[prefix[0]] + prefix[1:] + _BASED_TAIL.pack(
+        k[0], rid, k[1], seq, k[2], clock, k[3], base), payload)
 
 
 def encode_pull(rid: int, worker: int, keys: list[list[Any]], clock: int = 0,

@@ -91,7 +91,7 @@ class ShardSender:
         self._known = calls.versions.chunks[shard]  # the versions a pull asks for
         self._held = calls.versions.held[shard]  # the versions of the parameters this client holds
         #: The shard's backup workers (its answer to ``init`` says): > 0, each push says the version it was
-        #: computed from (its ``base``), and takes the general path.
+        #: computed from (its ``base``; so does every push to a sync shard, :mod:`psrt.shard.realign`).
         self.backup_workers = 0
         #: The sequence number of this client's next push to the shard (the shard applies each once).
         self.seq = 0
@@ -223,7 +223,7 @@ class ShardSender:
             return
         else:  # over a network: small pieces, so the shard answers each while the next arrives
             messages, prefixes = plan.joined, plan.joined_prefixes
-        backup = self.backup_workers
+        backup = self.backup_workers or self.sync
         for msg, prefix in zip(messages, prefixes):
             self._push_one(handle, msg, prefix, lane, arrays, pull, clock, self._base(msg) if backup else None)
 
@@ -239,7 +239,7 @@ class ShardSender:
         the same for every worker whatever order its call named the tensors in: a worker holds back a piece only
         behind pieces before it, whose rounds can close, so no two workers ever wait on each other.
         """
-        backup = self.backup_workers
+        backup = self.backup_workers or self.sync
         pieces = []
         for msg, prefix in zip(messages, prefixes):
             if len(msg) == 1 and msg[0].pieces > 1:
@@ -264,14 +264,14 @@ class ShardSender:
         rank, session = self._rank, self._session
         seq = self.seq
         self.seq = seq + 1
-        if lane is None and prefix is not None and base is None:  # the usual small push: socket, uncompressed
+        if lane is None and prefix is not None and type(base) is not list:  # the usual small push: socket, plain
             payload = []
             for c in msg:
                 a = arrays[c.name]
                 # A whole tensor's bytes are its own (encoding takes any C-contiguous shape): no flat view.
                 payload.append(a if c.pieces == 1 else c.of(a))
             encode = lambda rid, h=prefix, q=seq, p=payload: wire.encode_push_after(  # noqa: E731
-                h, rid, q, clock, p)
+                h, rid, q, clock, p, base)
             self._send(Request(handle, self, msg, None, encode), encode)
             return
         # Over a lane the gradients are copied into the segment; the socket form stays at hand.
