@@ -36,7 +36,7 @@ from psrt import kernels, optim, transport, wire
 from psrt.config import ServerConfig
 from psrt.control import security
 from psrt.errors import ConfigError, ProtocolError, PsrtError, RequestRefused
-from psrt.shard import admission, checkpoint, replication, tables
+from psrt.shard import admission, checkpoint, realign, replication, tables
 from psrt.shard.answers import ShardReplies
 from psrt.shard.counters import Counters, report
 from psrt.shard.pulls import PullQueue, Waiter
@@ -522,7 +522,12 @@ class Server(Recovery):
         # Over a lane: the gradients are read where the worker wrote them.
         lane = self.lanes.push_lane(req) if req.lane is not None else None
         entries = admission.validate_push(self.store, req, self.config.nonfinite)
-        late = self._late(req, entries)  # (backup workers: keys whose round closed without this push)
+        if req.base is not None and self.store.rounds and not self.store.is_duplicate(req.worker, req.session,
+                                                                                         req.seq):
+            # (A base beyond a key's version: this shard was restored behind what its workers saw.)
+            for i in realign.jump(entries, req.base):
+                self._wake(req.tensors[i].key)  # a round of a lost version: its pushes are answered
+        late = self._late(req, entries)  # (keys whose round closed without this push: dropped)
         # (A push too late for every key joins no round: it needs no finished worker's push.)
         if self.store.finished and not (late is not None and all(late)) \
                 and not self.store.is_duplicate(req.worker, req.session, req.seq):
@@ -542,6 +547,8 @@ class Server(Recovery):
             self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), True, lane, entries)
             return
         late = self._late(req, entries)
+        if late is not None and not self.store.drops_late:
+            realign.dropped(req.worker, entries, late)
         if late is not None and all(late):  # too late for every key: dropped, answered as a pull would be
             self._drop(identity, req, keys, entries, lane)
             return
@@ -583,9 +590,13 @@ class Server(Recovery):
             self._after_rounds()
 
     def _late(self, req: wire.PushRequest, entries: list[Entry]) -> Optional[list[bool]]:
-        """Backup workers: per key, whether ``req`` is too late for it (:meth:`Store.late`); None when none is."""
-        if not self.store.drops_late or not self.store.rounds:
+        """Per key, whether ``req`` is too late for it: with backup workers, its round closed without it
+        (:meth:`Store.late`); in any sync job, it belongs to a round a restore lost (:func:`realign.behind`). None
+        when it is for none."""
+        if not self.store.rounds:
             return None
+        if not self.store.drops_late:
+            return realign.behind(req.worker, entries, req.base) if req.base is not None else None
         if req.base is None:
             raise RequestRefused("config", f"this shard runs with --backup-workers {self._backup_of_job()}, "
                                  "whose pushes must say which version their gradients were computed from; worker "

@@ -33,7 +33,7 @@ from psrt import kernels
 from psrt.config import MODES
 from psrt.errors import ConfigError
 from psrt.optim import Optimizer
-from psrt.shard import replay, stragglers
+from psrt.shard import realign, replay, stragglers
 from psrt.shard.replay import WorkerLog
 from psrt.shm.arena import Arena, SharedArea
 from psrt.wire import compression
@@ -67,6 +67,10 @@ class Entry:
     opened: float = 0.0
     closed: Any = None
     closed_at: float = 0.0
+    #: Sync mode, after a push's base moved the version up (:func:`psrt.shard.realign.jump`): ``(from, to)``, the
+    #: versions skipped, and the workers whose push of a skipped round was dropped; None once a round completed.
+    skipped: Optional[tuple[int, int]] = None
+    realigned: Optional[set[int]] = None
     #: ``ssp``: each worker's clock (its count of pushes) as far as its pushes to this key have been applied.
     clocks: dict[int, int] = field(default_factory=dict)
     #: Zero-copy sends of ``param`` that may still be reading it.
@@ -245,6 +249,8 @@ class Store:
         entry.apply(entry.acc, 1.0 / len(entry.contributors))  # the mean of the pushes in the round
         entry.contributors.clear()
         entry.acc_filled = False
+        if entry.skipped is not None:
+            realign.settled(entry)
 
     # ------------------------------------------------------------------ the round
     def can_join(self, worker: int, entries: list[Entry], late: Optional[list[bool]] = None) -> bool:

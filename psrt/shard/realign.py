@@ -1,0 +1,85 @@
+"""Sync rounds after a restore: every push says the version it was computed from, so rounds stay in step.
+
+A sync round is the pushes computed from one version of a key. Arrival order makes the rounds as long as every
+shard remembers every round it answered; a shard restored from a checkpoint does not. Its previous life may have
+answered a round to some workers and died before answering the others: those it answered push their next step,
+the others send their unanswered push again, and the restored shard, taking pushes in arrival order, would pair
+one worker's step ``s + 1`` with another's ``s`` for the rest of the job. At its end the last push of the worker
+that was behind waits for a partner that has finished: the job hangs until its timeout.
+
+So a push to a sync shard carries its ``base`` (:attr:`psrt.wire.PushRequest.base`), and on a key:
+
+- a base beyond the key's version (a version only the shard's previous life reached) moves the key's version up to
+  it (:func:`jump`): the rounds in between were lost with that life. A round still open there holds pushes computed
+  from an older version, which the previous life had answered to someone: it is dropped, its pushes answered as
+  lost rounds (each of their workers then pushes from the version it gets);
+- a base inside the versions a jump skipped is a push of a lost round (:func:`behind`): dropped, answered at once
+  with the parameters as they are, once per worker and key (a worker that only pushes, never pulling, keeps an
+  old base: its later pushes join).
+
+Either way every worker loses the same rounds (those since the checkpoint), and the next round is made of pushes
+computed from the same parameters. Without a restore a base never exceeds its key's version, and nothing here
+acts. A shard with backup workers drops a push with an old base anyway (:func:`psrt.shard.stragglers.late`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+__all__ = ["behind", "dropped", "jump", "settled"]
+
+
+def _bases(base: Any, n: int) -> Sequence[int]:
+    return [base] * n if type(base) is int else base
+
+
+def jump(entries: Sequence[Any], base: Any) -> list[int]:
+    """Move each key whose version is below the push's ``base`` up to it (see the module's docstring).
+
+    ``entries``: :class:`~psrt.shard.store.Entry` objects (``version``, ``contributors``, the round's sums);
+    ``base``: an int or one per entry. Returns the indices of the keys whose open round was dropped: the caller
+    answers the pushes waiting on them.
+    """
+    dropped_rounds = []
+    for i, (entry, b) in enumerate(zip(entries, _bases(base, len(entries)))):
+        if b <= entry.version:
+            continue
+        if entry.contributors:  # pushes from an older version, answered by the previous life to someone
+            entry.contributors.clear()
+            entry.held.clear()
+            entry.acc_filled = False
+            dropped_rounds.append(i)
+        if entry.skipped is None:
+            entry.skipped = (entry.version, b)
+            entry.realigned = set()
+        else:
+            entry.skipped = (entry.skipped[0], b)
+        entry.version = b
+    return dropped_rounds
+
+
+def behind(worker: int, entries: Sequence[Any], base: Any) -> Optional[list[bool]]:
+    """Per key, whether ``worker``'s push computed from ``base`` belongs to a round a jump skipped (it is dropped:
+    not applied, answered with the parameters as they are); None when no key's is."""
+    mask = None
+    for i, (entry, b) in enumerate(zip(entries, _bases(base, len(entries)))):
+        skipped = entry.skipped
+        if skipped is None:
+            continue
+        if skipped[0] <= b < skipped[1] and worker not in entry.realigned and worker not in entry.contributors:
+            if mask is None:
+                mask = [False] * len(entries)
+            mask[i] = True
+    return mask
+
+
+def settled(entry: Any) -> None:
+    """A round of ``entry`` completed: every worker is in step again, and nothing is skipped any more."""
+    entry.skipped = entry.realigned = None
+
+
+def dropped(worker: int, entries: Sequence[Any], mask: Sequence[bool]) -> None:
+    """``worker``'s push was dropped on the keys of ``mask`` (:func:`behind`): its next pushes there join."""
+    for entry, x in zip(entries, mask):
+        if x and entry.realigned is not None:
+            entry.realigned.add(worker)

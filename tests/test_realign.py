@@ -1,0 +1,130 @@
+"""Sync rounds after a restore (psrt.shard.realign): a push says the version its gradients were computed from, and
+a shard restored behind what its workers saw keeps their rounds in step.
+
+The scene each test sets: a sync job of two workers checkpointed at version 1; the shard's previous life went on
+to version 4 and died having answered round 3 to worker 0 only. Worker 0 then pushes its next step (computed from
+version 4), worker 1 sends its push of round 3 again (from version 3). Without the bases the restored shard
+paired them in one round, and for the rest of the job each worker's step with the other's previous one: at the
+end, worker 1's last push waited for a worker that had finished.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _helpers import RawPeer, serving
+
+import psrt
+from psrt import wire
+from psrt.config import ClientConfig, ServerConfig
+from psrt.shard import realign
+from psrt.shard.store import Entry, Store
+
+LR = 0.5
+ENTRIES = [["w", 0, "<f4", [4]]]
+CFG = ClientConfig(timeout=20, shm=False)
+
+
+def _server(tmp_path, **kw) -> ServerConfig:
+    return ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, shm=False, checkpoint_dir=str(tmp_path), **kw)
+
+
+def _checkpoint_at_version_1(tmp_path) -> np.ndarray:
+    """A job's first round (each worker pushes its rank + 1), checkpointed; the parameters it made."""
+    with serving(_server(tmp_path)) as server:
+        clients = [psrt.Client([server.endpoint], rank=r, num_workers=2, config=CFG) for r in range(2)]
+        try:
+            for c in clients:
+                c.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=LR))
+            assert all(s.sync for c in clients for s in c._senders)
+            handles = [c.push_pull_async({"w": np.full(4, r + 1.0, np.float32)}) for r, c in enumerate(clients)]
+            got = [h.wait(20)["w"] for h in handles]
+            np.testing.assert_array_equal(got[0], got[1])
+            server.checkpoint()
+            return got[0]
+        finally:
+            for c in clients:
+                c.close()
+
+
+def _push(rid: int, worker: int, seq: int, grad: float, base: int) -> list:
+    # (Fresh sessions: nothing they send is a duplicate of what the checkpoint's logs hold.)
+    return [bytes(f) for f in wire.encode_push(rid, worker, 900 + worker, seq, ENTRIES,
+                                               [np.full(4, grad, np.float32)], True, seq + 1, base=base)]
+
+
+@pytest.mark.parametrize("first", ["behind", "ahead"])
+def test_after_a_restore_a_worker_a_round_behind_is_brought_into_step_and_no_round_pairs_two_steps(tmp_path, first):
+    v1 = _checkpoint_at_version_1(tmp_path)
+    with serving(_server(tmp_path, restore=True)) as server:
+        entry = server.store.entries[("w", 0)]
+        assert entry.version == 1
+        with RawPeer(server.endpoint) as ahead, RawPeer(server.endpoint) as behind:
+            if first == "behind":
+                behind.send(_push(1, 1, 0, 10.0, base=3))  # round 3 again: it joins, and waits
+                assert not behind.answered(0.3)
+                ahead.send(_push(1, 0, 0, 20.0, base=4))  # round 4: round 3 was lost, its push is answered
+            else:
+                ahead.send(_push(1, 0, 0, 20.0, base=4))
+                assert not ahead.answered(0.3)  # round 4 waits for worker 1
+                behind.send(_push(1, 1, 0, 10.0, base=3))  # a push of a lost round: dropped, answered at once
+            head, frames = behind.recv() if behind.answered(5) else pytest.fail("worker 1 was not answered")
+            assert head["op"] == "params", head
+            # The restored parameters, unchanged, labelled with the version worker 0 saw: nothing of round 3.
+            np.testing.assert_array_equal(np.frombuffer(frames[0], np.float32), v1)
+            assert entry.version == 4 and entry.contributors == {0}
+            assert not ahead.answered(0.2)  # round 4 still waits for worker 1's push from version 4
+            behind.send(_push(2, 1, 1, 12.0, base=4))
+            replies = []
+            for peer in (ahead, behind):
+                assert peer.answered(5), "round 4 did not close"
+                head, frames = peer.recv()
+                replies.append(np.frombuffer(frames[0], np.float32))
+            expected = v1 - LR * np.float32((20.0 + 12.0) / 2)  # worker 0's step and worker 1's, together
+            for got in replies:
+                np.testing.assert_allclose(got, expected)
+            assert entry.version == 5 and entry.skipped is None  # in step: the next round is as any
+        stats = server.stats()
+        assert stats["dropped_pushes"] == (1 if first == "ahead" else 0)
+
+
+def test_without_a_restore_an_old_base_joins_the_round_as_ever(tmp_path):
+    """A worker that pushes without pulling keeps an old base: no key was ever skipped, so it is never dropped."""
+    v1 = _checkpoint_at_version_1(tmp_path)
+    with serving(_server(tmp_path, restore=True)) as server:
+        with RawPeer(server.endpoint) as a, RawPeer(server.endpoint) as b:
+            a.send(_push(1, 0, 0, 2.0, base=0))
+            b.send(_push(1, 1, 0, 4.0, base=1))
+            for peer in (a, b):
+                assert peer.answered(5)
+                head, frames = peer.recv()
+                np.testing.assert_allclose(np.frombuffer(frames[0], np.float32), v1 - LR * 3.0)
+        assert server.stats()["dropped_pushes"] == 0
+
+
+def _entry(version: int, contributors: set[int]) -> Entry:
+    param = np.zeros(2, np.float32)
+    e = Entry(param=param, optimizer=psrt.SGD(lr=1.0), slots={}, version=version, contributors=set(contributors))
+    e.acc, e.acc_filled = np.ones(2, np.float32), bool(contributors)
+    return e
+
+
+def test_realign_rules_key_by_key():
+    a, b = _entry(1, set()), _entry(7, {2})
+    # A base beyond one key's version moves it; the other's open round (from an older version) is dropped.
+    assert realign.jump([a, b], [3, 9]) == [1]
+    assert (a.version, a.skipped, b.version, b.skipped) == (3, (1, 3), 9, (7, 9))
+    assert not b.contributors and not b.acc_filled
+    # A base inside the skipped versions is dropped, once per worker; at or past the jump it joins.
+    assert realign.behind(0, [a, b], [2, 9]) == [True, False]
+    realign.dropped(0, [a, b], [True, False])
+    assert realign.behind(0, [a, b], [2, 9]) is None
+    assert realign.behind(1, [a, b], 1) == [True, False]  # 1 is below b's skipped versions (7..8)
+    assert realign.behind(1, [a, b], 8) == [False, True]
+    # A base at or below the version with nothing skipped never moves or drops anything.
+    c = _entry(5, {0})
+    assert realign.jump([c], 5) == [] and realign.behind(1, [c], 2) is None and c.contributors == {0}
+    # Once a round completed after the jump, the key is as any.
+    a.contributors, a.acc_filled = {0, 1}, True
+    Store._step_round(a)
+    assert a.version == 4 and a.skipped is None and realign.behind(2, [a], 1) is None
