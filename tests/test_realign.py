@@ -84,6 +84,7 @@ def test_after_a_restore_a_worker_a_round_behind_is_brought_into_step_and_no_rou
             for got in replies:
                 np.testing.assert_allclose(got, expected)
             assert entry.version == 5 and entry.skipped is None  # in step: the next round is as any
+            assert server.store.realigning == 0
         stats = server.stats()
         assert stats["dropped_pushes"] == (1 if first == "ahead" else 0)
 
@@ -111,8 +112,12 @@ def _entry(version: int, contributors: set[int]) -> Entry:
 
 def test_realign_rules_key_by_key():
     a, b = _entry(1, set()), _entry(7, {2})
+    store = Store("sync", 3)
+    store.entries = {("a", 0): a, ("b", 0): b}
+    realign.restored(store)
+    assert store.realigning == 2 and a.skipped == (1, 1) and realign.behind(0, [a, b], [0, 6]) is None
     # A base beyond one key's version moves it; the other's open round (from an older version) is dropped.
-    assert realign.jump([a, b], [3, 9]) == [1]
+    assert realign.jump(store, [a, b], [3, 9]) == [1]
     assert (a.version, a.skipped, b.version, b.skipped) == (3, (1, 3), 9, (7, 9))
     assert not b.contributors and not b.acc_filled
     # A base inside the skipped versions is dropped, once per worker; at or past the jump it joins.
@@ -123,8 +128,11 @@ def test_realign_rules_key_by_key():
     assert realign.behind(1, [a, b], 8) == [False, True]
     # A base at or below the version with nothing skipped never moves or drops anything.
     c = _entry(5, {0})
-    assert realign.jump([c], 5) == [] and realign.behind(1, [c], 2) is None and c.contributors == {0}
-    # Once a round completed after the jump, the key is as any.
+    assert realign.jump(store, [c], 5) == [] and realign.behind(1, [c], 2) is None and c.contributors == {0}
+    # Once a round completed after the jump, the key is as any; once every key has, the shard looks no more.
     a.contributors, a.acc_filled = {0, 1}, True
-    Store._step_round(a)
-    assert a.version == 4 and a.skipped is None and realign.behind(2, [a], 1) is None
+    store._step_round(a)
+    assert a.version == 4 and a.skipped is None and realign.behind(2, [a], 1) is None and store.realigning == 1
+    b.contributors, b.acc_filled = {0, 1}, True
+    store._step_round(b)
+    assert store.realigning == 0

@@ -44,6 +44,7 @@ import numpy as np
 
 from psrt import dtypes, optim
 from psrt.errors import ConfigError, PsrtError
+from psrt.shard import realign
 from psrt.shard.embedding import RowTable
 from psrt.shard.store import Entry, Store, WorkerLog
 
@@ -336,6 +337,7 @@ def _restore(data: bytes, onto: Optional[dict[str, RowTable]] = None
         tables.append(table)
     if offset != len(data) - _TRAILER.size:
         raise ValueError("arrays do not fill the file")
+    realign.restored(store)  # (its workers may have seen versions its checkpoint does not hold)
     return store, h["meta"], tables, h.get("table_logs", [])
 
 

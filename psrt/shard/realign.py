@@ -18,27 +18,37 @@ So a push to a sync shard carries its ``base`` (:attr:`psrt.wire.PushRequest.bas
   old base: its later pushes join).
 
 Either way every worker loses the same rounds (those since the checkpoint), and the next round is made of pushes
-computed from the same parameters. Without a restore a base never exceeds its key's version, and nothing here
-acts. A shard with backup workers drops a push with an old base anyway (:func:`psrt.shard.stragglers.late`).
+computed from the same parameters. Without a restore a base never exceeds its key's version: the shard looks at
+bases only from a restore until each key has completed a round (:attr:`~psrt.shard.store.Store.realigning`). A
+shard with backup workers drops a push with an old base anyway (:func:`psrt.shard.stragglers.late`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-__all__ = ["behind", "dropped", "jump", "settled"]
+__all__ = ["behind", "dropped", "jump", "restored", "settled"]
 
 
 def _bases(base: Any, n: int) -> Sequence[int]:
     return [base] * n if type(base) is int else base
 
 
-def jump(entries: Sequence[Any], base: Any) -> list[int]:
+def restored(store: Any) -> None:
+    """``store`` was restored from a checkpoint: until each of its keys completes a round, a push's base is
+    compared with its key's version (a shard that never restored is never behind its workers, and skips that)."""
+    for entry in store.entries.values():
+        entry.skipped, entry.realigned = (entry.version, entry.version), set()  # (nothing skipped yet)
+    store.realigning = len(store.entries)
+
+
+def jump(store: Any, entries: Sequence[Any], base: Any) -> list[int]:
     """Move each key whose version is below the push's ``base`` up to it (see the module's docstring).
 
-    ``entries``: :class:`~psrt.shard.store.Entry` objects (``version``, ``contributors``, the round's sums);
-    ``base``: an int or one per entry. Returns the indices of the keys whose open round was dropped: the caller
-    answers the pushes waiting on them.
+    ``store``: the :class:`~psrt.shard.store.Store` (its count of keys still realigning); ``entries``:
+    :class:`~psrt.shard.store.Entry` objects (``version``, ``contributors``, the round's sums); ``base``: an int
+    or one per entry. Returns the indices of the keys whose open round was dropped: the caller answers the pushes
+    waiting on them.
     """
     dropped_rounds = []
     for i, (entry, b) in enumerate(zip(entries, _bases(base, len(entries)))):
@@ -52,6 +62,7 @@ def jump(entries: Sequence[Any], base: Any) -> list[int]:
         if entry.skipped is None:
             entry.skipped = (entry.version, b)
             entry.realigned = set()
+            store.realigning += 1
         else:
             entry.skipped = (entry.skipped[0], b)
         entry.version = b
@@ -73,9 +84,11 @@ def behind(worker: int, entries: Sequence[Any], base: Any) -> Optional[list[bool
     return mask
 
 
-def settled(entry: Any) -> None:
+def settled(store: Any, entry: Any) -> None:
     """A round of ``entry`` completed: every worker is in step again, and nothing is skipped any more."""
-    entry.skipped = entry.realigned = None
+    if entry.skipped is not None:
+        entry.skipped = entry.realigned = None
+        store.realigning -= 1
 
 
 def dropped(worker: int, entries: Sequence[Any], mask: Sequence[bool]) -> None:

@@ -522,10 +522,10 @@ class Server(Recovery):
         # Over a lane: the gradients are read where the worker wrote them.
         lane = self.lanes.push_lane(req) if req.lane is not None else None
         entries = admission.validate_push(self.store, req, self.config.nonfinite)
-        if req.base is not None and self.store.rounds and not self.store.is_duplicate(req.worker, req.session,
-                                                                                         req.seq):
+        if self.store.realigning and req.base is not None and self.store.rounds \
+                and not self.store.is_duplicate(req.worker, req.session, req.seq):
             # (A base beyond a key's version: this shard was restored behind what its workers saw.)
-            for i in realign.jump(entries, req.base):
+            for i in realign.jump(self.store, entries, req.base):
                 self._wake(req.tensors[i].key)  # a round of a lost version: its pushes are answered
         late = self._late(req, entries)  # (keys whose round closed without this push: dropped)
         # (A push too late for every key joins no round: it needs no finished worker's push.)
@@ -596,7 +596,8 @@ class Server(Recovery):
         if not self.store.rounds:
             return None
         if not self.store.drops_late:
-            return realign.behind(req.worker, entries, req.base) if req.base is not None else None
+            return realign.behind(req.worker, entries, req.base) \
+                if self.store.realigning and req.base is not None else None
         if req.base is None:
             raise RequestRefused("config", f"this shard runs with --backup-workers {self._backup_of_job()}, "
                                  "whose pushes must say which version their gradients were computed from; worker "

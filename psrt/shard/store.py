@@ -184,6 +184,9 @@ class Store:
         self.backup_workers = 0
         #: ``--backup-workers auto``: what picks :attr:`backup_workers` (None: a fixed b).
         self.auto: Optional[stragglers.AutoBackup] = None
+        #: Keys restored from a checkpoint (or moved up since) that have not completed a round yet: while any is,
+        #: a push's base is compared with its keys' versions (:mod:`psrt.shard.realign`).
+        self.realigning = 0
         self.set_job(mode, num_workers, backup_workers)
 
     def set_job(self, mode: str, num_workers: int, backup_workers: int = 0) -> None:
@@ -241,8 +244,7 @@ class Store:
         return stragglers.round_done(entry.contributors, self.num_workers, self.members, entry.expected,
                                      self.backup_workers)
 
-    @staticmethod
-    def _step_round(entry: Entry) -> None:
+    def _step_round(self, entry: Entry) -> None:
         stragglers.closing(entry)
         entry.settle()
         assert entry.acc is not None
@@ -250,7 +252,7 @@ class Store:
         entry.contributors.clear()
         entry.acc_filled = False
         if entry.skipped is not None:
-            realign.settled(entry)
+            realign.settled(self, entry)
 
     # ------------------------------------------------------------------ the round
     def can_join(self, worker: int, entries: list[Entry], late: Optional[list[bool]] = None) -> bool:
