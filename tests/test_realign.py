@@ -10,6 +10,8 @@ end, worker 1's last push waited for a worker that had finished.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from _helpers import RawPeer, serving
@@ -72,6 +74,10 @@ def test_after_a_restore_a_worker_a_round_behind_is_brought_into_step_and_no_rou
             assert head["op"] == "params", head
             # The restored parameters, unchanged, labelled with the version worker 0 saw: nothing of round 3.
             np.testing.assert_array_equal(np.frombuffer(frames[0], np.float32), v1)
+            # (The server's thread answers worker 1 before it puts worker 0's push in the round: wait for it.)
+            deadline = time.monotonic() + 5
+            while entry.contributors != {0} and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert entry.version == 4 and entry.contributors == {0}
             assert not ahead.answered(0.2)  # round 4 still waits for worker 1's push from version 4
             behind.send(_push(2, 1, 1, 12.0, base=4))
