@@ -398,10 +398,12 @@ class ShardSender:
     def _base(self, msg: Sequence[Chunk]) -> Any:
         """The version(s) of the parameters a push of ``msg``'s gradients was computed from: those last received
         (one int when the chunks agree, the usual case, else one per chunk)."""
-        held = self._held
-        versions = [held.get(c.key, 0) for c in msg]
-        first = versions[0] if versions else 0
-        return first if all(v == first for v in versions) else versions
+        get = self._held.get  # (every sync push asks: one pass that builds no list while the chunks agree)
+        first = get(msg[0].key, 0) if msg else 0
+        for c in msg:
+            if get(c.key, 0) != first:
+                return [get(c.key, 0) for c in msg]
+        return first
 
     # ------------------------------------------------------------------ sending again
     def resend(self, rid: int, request: Request) -> None:
