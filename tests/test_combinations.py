@@ -491,8 +491,16 @@ def _check_evictions(oracle: Oracle, stats: list[dict[str, Any]]) -> None:
     assert sum(st["evicted"] for st in stats) > 0
 
 
+def _needs_torch() -> None:
+    # psrt.torch's cases run torch in their workers: the README's test command installs no torch (the ``torch``
+    # extra does, and CI installs a CPU build), so without it they are skipped, as test_torch.py is.
+    pytest.importorskip("torch", reason="psrt.torch's combinations need torch: pip install -e '.[torch]'")
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_combination(case: Case, tmp_path: Path, keys: str):
+    if case.calls == "torch":
+        _needs_torch()
     started = time.monotonic()
     job = Job(case, tmp_path, keys)
     try:
@@ -556,6 +564,7 @@ def test_a_sparse_torch_embedding_is_refused_and_the_job_ends_promptly(processes
     """psrt.torch moves dense gradients only: ``nn.Embedding(sparse=True)`` is refused when its first gradient
     arrives, before anything is pushed, saying what to do. The refusing worker's script then fails like any
     script with an uncaught exception, and the job ends promptly instead of waiting for it."""
+    _needs_torch()
     case = Case("sync", "sockets", "torch", "none", "dense", "none", "off", processes)
     job = Job(case, tmp_path, keys, extra=lambda rank: {"calls": "torch_embedding", "sparse": rank == 1})
     try:
