@@ -4,8 +4,8 @@ For each set of tensor names a client pushes or pulls, :class:`Plans` keeps one 
 the messages over a network (:meth:`psrt.partition.PartitionMap.messages`, pipelined: each piece of a split
 tensor on its own) and over a shared-memory lane or to a shard on this host (grouped), the bytes the call takes in
 the lane (:func:`psrt.shm.lanes.call_bytes`), and for an uncompressed push each message's packed header prefix
-(:func:`psrt.wire.push_prefix`), so that a step's push over the socket packs only its ``id, seq, clock``
-(:class:`psrt.worker.sender.ShardSender` sends them).
+(:func:`psrt.wire.push_prefix`), so that a step's push over the socket packs only its ``id, seq, clock`` (to a
+sync shard, ``base`` too; :class:`psrt.worker.sender.ShardSender` sends them).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ to go again in; the routing gives a request back to its sender when it must:
 - :meth:`ShardSender.pull_again`: the shared parameters a reply named were overwritten while being copied.
 
 A push's requests come from a plan cached per set of tensors (:class:`psrt.worker.plans.ShardPlan`): over the
-socket and uncompressed, a step packs only ``id, seq, clock`` after the header prefix packed once. Compressed
-gradients, whose header entries depend on the values, and calls over a lane take the general path
-(:func:`psrt.wire.encode_push`); :class:`psrt.worker.compress.Compressor` encodes the former.
+socket and uncompressed, a step packs only ``id, seq, clock`` (to a sync shard, ``base`` too) after the header
+prefix packed once. Compressed gradients, whose header entries depend on the values, and calls over a lane take
+the general path (:func:`psrt.wire.encode_push`); :class:`psrt.worker.compress.Compressor` encodes the former.
 """
 
 from __future__ import annotations
