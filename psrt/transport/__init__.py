@@ -953,9 +953,10 @@ class DealerChannel:
             if conn.messages or (not look and self._local_waiting()):
                 return self._local_head()  # (``look``: what has arrived and not been read waits for the next poll)
             if self._conn is not None:
-                # Its replies come over the local connection; the ZeroMQ socket can bring only a late reply to an
-                # abandoned call, which the Poller's next read of the sockets takes in (a look at it costs two
-                # system calls).
+                # Its replies come over the local connection. The ZeroMQ socket brings only the reply to a request
+                # sent that way before the connection formed (one sent again after a shard's restart) or a late
+                # one to an abandoned call: rare, and the Poller's full read of the sockets, every
+                # MONITOR_INTERVAL, takes it in (a look at it here would cost every call two system calls).
                 return None
         if look and not _GET(self.sock, _EVENTS) & _POLLIN:
             return None
@@ -1188,7 +1189,8 @@ class Poller:
         self._by_fd: dict[int, int] = {}
         self._local_items: list[Any] = []  # what _wait_local polls (each connection with requests kept back: +POLLOUT)
         # What it polls between two reads of the monitors: the sockets of the channels still on ZeroMQ, and the
-        # local connections (whose channels' ZeroMQ sockets can bring only a late reply to an abandoned call).
+        # local connections (whose channels' ZeroMQ sockets bring only what was asked that way before the
+        # connection formed, or a late reply to an abandoned call: read with the monitors).
         self._quiet_socks: list[Any] = []
         self._quiet_items: list[Any] = []
 

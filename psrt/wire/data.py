@@ -228,7 +228,8 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         head = _header_bytes(head, limits)
     seen = based = None
     if type(head) is bytes:
-        if head[:1] == _BASED_HEAD:  # (a sync push: its base follows the clock)
+        # (A sync push: its base follows the clock. A lane push's head may be the same byte; its lookup misses.)
+        if head[:1] == _BASED_HEAD:
             seen = _SEEN_PUSHES.get(head[:-_BASED_TAIL.size])
             if seen is not None:
                 id_key, rid, seq_key, seq, clock_key, clock, base_key, based = _BASED_TAIL.unpack_from(
@@ -333,17 +334,16 @@ def _header_bytes(frame: Any, limits: WireLimits) -> Any:
 
 def _plain_push(h: dict[str, Any], frames: Sequence[Any], limits: WireLimits, rid: int) -> Optional[PushRequest]:
     """A push(_pull) with in-range integers, in fewer steps (None: the general path says what is wrong)."""
-    op, worker, session, seq, clock = h["op"], h["worker"], h["session"], h["seq"], h["clock"]
-    base = h.get("base", 0)
+    op, worker, session, seq, clock, base = h["op"], h["worker"], h["session"], h["seq"], h["clock"], h.get("base")
     if not ((op == "push_pull" or op == "push") and type(op) is str and type(worker) is int and type(session) is int
-            and type(seq) is int and type(clock) is int and type(base) is int and 0 <= worker <= MAX_WORKER
+            and type(seq) is int and type(clock) is int and 0 <= worker <= MAX_WORKER
             and 0 <= session <= MAX_U63 and 0 <= seq <= MAX_U63 and 0 <= clock <= MAX_U63
-            and 0 <= base <= MAX_U63):
+            and (base is None or (type(base) is int and 0 <= base <= MAX_U63))):
         return None
     metas, buffers = tensor_metas(h["tensors"], limits, compressed=True), list(frames[1:])  # as the general path
     check_buffers(metas, buffers)
     _check_distinct(metas)
-    return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull", clock, None, h.get("base"))
+    return PushRequest(metas, buffers, rid, worker, session, seq, op == "push_pull", clock, None, base)
 
 
 @dataclass(frozen=True)
@@ -443,12 +443,12 @@ def encode_push(rid: int, worker: int, session: int, seq: int, entries: list[lis
     drop a late one): the version the gradients were computed from, one int or one per tensor; it follows the
     per-call fields.
     """
-    if type(base) is list:
+    if base is not None and type(base) is not int:  # one per tensor: the general packing
         header = _push_fixed(worker, session, entries, pull)
         del header["v"]  # (encode puts it first)
         if lane is not None:
             header["lane"] = lane.to_wire()
-        header.update(id=rid, seq=seq, clock=clock, base=base if type(base) is int else list(base))
+        header.update(id=rid, seq=seq, clock=clock, base=list(base))
         return encode(header, payload)
     return encode_push_after(_push_prefix(worker, session, entries, pull, lane), rid, seq, clock, payload, base)
 
