@@ -18,7 +18,7 @@ both variants give bit-identical results.
 
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.math cimport cos, log, pow, sin, sqrt
-from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 import sys
 
@@ -671,71 +671,62 @@ def index_find(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, int
     return used
 
 
-cdef inline uint64_t _pair(const int64_t *cells, uint64_t mask, int64_t key) noexcept nogil:
-    """The pair of a scratch id index (``cells[2j]`` a key, ``cells[2j + 1]`` its value, < 0: empty) holding
-    ``key``, or the empty pair its linear probe from its home pair ends on. A key and its value share a cache
-    line, and a scratch index of one batch stays in cache: no prefetch (a table's index, :func:`index_find`, is
-    large and cold: it prefetches, and keeps keys and values in two arrays, as every kernel on it takes them)."""
-    return _pair_at(cells, mask, key, psrt_mix64(<uint64_t>key))
+cdef inline bint _scratch_fits(int32_t[::1] index, Py_ssize_t n) noexcept nogil:
+    """Whether ``index`` is a scratch index that can take ``n`` ids (a power of two of cells, above ``n``)."""
+    cdef Py_ssize_t cap = index.shape[0]
+    return cap > 0 and (cap & (cap - 1)) == 0 and n < cap and n <= 0x7fffffff
 
 
-cdef inline uint64_t _pair_at(const int64_t *cells, uint64_t mask, int64_t key, uint64_t h) noexcept nogil:
-    """:func:`_pair`, for a caller that has ``key``'s hash ``h`` already (and uses it again)."""
-    cdef uint64_t j = h & mask
-    while cells[2 * j + 1] >= 0 and cells[2 * j] != key:
-        j = (j + 1) & mask
-    return j
-
-
-cdef inline bint _scratch_fits(int64_t[:, ::1] cells, Py_ssize_t n) noexcept nogil:
-    """Whether ``cells`` is a scratch index that can take ``n`` ids (a power of two of pairs, above ``n``)."""
-    cdef Py_ssize_t cap = cells.shape[0]
-    return cap > 0 and (cap & (cap - 1)) == 0 and n < cap and cells.shape[1] == 2
-
-
-cdef inline int64_t _first_index(int64_t *cells, uint64_t mask, int64_t key, int64_t *distinct, Py_ssize_t *used,
+cdef inline int64_t _first_index(int32_t *index, uint64_t mask, int64_t key, int64_t *distinct, Py_ssize_t *used,
                                  bint *new) noexcept nogil:
     """``key``'s index among the distinct ids of a scratch index, in the order they first appear: a key not seen
     before is added (``distinct[used]``, ``used`` counted on, ``new`` set)."""
-    return _first_index_at(cells, mask, key, psrt_mix64(<uint64_t>key), distinct, used, new)
+    return _first_index_at(index, mask, key, psrt_mix64(<uint64_t>key), distinct, used, new)
 
 
-cdef inline int64_t _first_index_at(int64_t *cells, uint64_t mask, int64_t key, uint64_t h, int64_t *distinct,
+cdef inline int64_t _first_index_at(int32_t *index, uint64_t mask, int64_t key, uint64_t h, int64_t *distinct,
                                     Py_ssize_t *used, bint *new) noexcept nogil:
-    """:func:`_first_index`, for a caller that has ``key``'s hash ``h`` already (and uses it again)."""
-    cdef uint64_t j = _pair_at(cells, mask, key, h)
-    cdef int64_t k = cells[2 * j + 1]
+    """:func:`_first_index`, for a caller that has ``key``'s hash ``h`` already (and uses it again).
+
+    A scratch index's cells hold only where a key is among the distinct ones (int32; < 0: empty), and the key
+    is read there: four bytes a cell, not a key and its value's sixteen. A batch's index is fresh memory every
+    call, in a worker whose caches the shards it woke have just filled with their tables: its size, not the
+    probing, is what the call costs (8,192 ids: a 64 KiB index instead of 256 KiB, its fill and its misses)."""
+    cdef uint64_t j = h & mask
+    cdef int64_t k = index[j]
+    while k >= 0 and distinct[k] != key:
+        j = (j + 1) & mask
+        k = index[j]
     new[0] = k < 0
     if k < 0:
         k = used[0]
-        cells[2 * j] = key
-        cells[2 * j + 1] = k
+        index[j] = <int32_t>k
         distinct[k] = key
         used[0] = k + 1
     return k
 
 
-def unique_ids(int64_t[:, ::1] cells, const int64_t[::1] ids, int64_t[::1] inverse, int64_t[::1] distinct):
+def unique_ids(int32_t[::1] index, const int64_t[::1] ids, int64_t[::1] inverse, int64_t[::1] distinct):
     """The distinct ids in the order they first appear (``distinct[:k]``) and each id's index among them
-    (``inverse``); returns k. ``cells`` is a fresh ``(cap, 2)`` scratch index (every ``cells[j, 1] < 0``; cap a
-    power of two above ``len(ids)``)."""
+    (``inverse``); returns k. ``index`` is a fresh scratch index (every cell < 0; its length a power of two
+    above ``len(ids)``, and ``len(ids)`` below 2**31)."""
     cdef Py_ssize_t n = _min2(_min2(ids.shape[0], inverse.shape[0]), distinct.shape[0]), i, used = 0
     cdef bint new
-    if not _scratch_fits(cells, n):
+    if not _scratch_fits(index, n):
         return 0
-    cdef uint64_t mask = <uint64_t>cells.shape[0] - 1
+    cdef uint64_t mask = <uint64_t>index.shape[0] - 1
     with nogil:
         for i in range(n):
-            inverse[i] = _first_index(&cells[0, 0], mask, ids[i], &distinct[0], &used, &new)
+            inverse[i] = _first_index(&index[0], mask, ids[i], &distinct[0], &used, &new)
     return used
 
 
-def coalesce_rows(int64_t[:, ::1] cells, const int64_t[::1] ids, const real[:, ::1] rows, int64_t[::1] distinct,
+def coalesce_rows(int32_t[::1] index, const int64_t[::1] ids, const real[:, ::1] rows, int64_t[::1] distinct,
                   real[:, ::1] summed):
     """Sum the rows of repeated ids in one pass: ``distinct[k]`` is the k-th distinct id in the order they first
     appear and ``summed[k]`` the sum of its rows, in the order they come (the first copied, the next added).
 
-    ``cells`` is a fresh scratch index, as :func:`unique_ids` takes. Returns the number of distinct ids. What
+    ``index`` is a fresh scratch index, as :func:`unique_ids` takes. Returns the number of distinct ids. What
     :func:`unique_ids` followed by :func:`scatter_add_rows` into zeroed rows gives, without zeroing the rows or a
     second pass over the ids.
     """
@@ -743,17 +734,17 @@ def coalesce_rows(int64_t[:, ::1] cells, const int64_t[::1] ids, const real[:, :
     cdef Py_ssize_t dim = _min2(rows.shape[1], summed.shape[1]), i, used = 0
     cdef int64_t k
     cdef bint new
-    if not _scratch_fits(cells, n):
+    if not _scratch_fits(index, n):
         return 0
-    cdef uint64_t mask = <uint64_t>cells.shape[0] - 1
+    cdef uint64_t mask = <uint64_t>index.shape[0] - 1
     if dim == 0:
         with nogil:
             for i in range(n):
-                _first_index(&cells[0, 0], mask, ids[i], &distinct[0], &used, &new)
+                _first_index(&index[0], mask, ids[i], &distinct[0], &used, &new)
         return used
     with nogil:
         for i in range(n):
-            k = _first_index(&cells[0, 0], mask, ids[i], &distinct[0], &used, &new)
+            k = _first_index(&index[0], mask, ids[i], &distinct[0], &used, &new)
             if new:
                 psrt_copy_row(&summed[k, 0], &rows[i, 0], dim * sizeof(real))
             elif real is float:
@@ -917,7 +908,7 @@ cdef inline void _places(int64_t *offsets, Py_ssize_t num_shards, int64_t *place
     offsets[0] = 0
 
 
-def unique_by_shard(int64_t[:, ::1] cells, const int64_t[::1] ids, int64_t num_shards, int64_t[::1] firsts,
+def unique_by_shard(int32_t[::1] index, const int64_t[::1] ids, int64_t num_shards, int64_t[::1] firsts,
                     int64_t[::1] place, int64_t[::1] distinct, int64_t[::1] offsets, int64_t[::1] gather):
     """The distinct ids sorted by shard, and where each id's row comes back: :func:`unique_ids`, then
     :func:`shard_order` of the distinct ids, then each id's position, in a pass over the ids, one over the
@@ -925,20 +916,20 @@ def unique_by_shard(int64_t[:, ::1] cells, const int64_t[::1] ids, int64_t num_s
     same ``mix64``).
 
     ``distinct[:k]`` gets the k distinct ids, shard s's in ``distinct[offsets[s]:offsets[s + 1]]`` in the order
-    they first appear in ``ids``; ``gather[i]`` the position of ``ids[i]`` in ``distinct``. ``cells`` is a fresh
+    they first appear in ``ids``; ``gather[i]`` the position of ``ids[i]`` in ``distinct``. ``index`` is a fresh
     scratch index (as :func:`unique_ids` takes); ``firsts`` and ``place`` are scratch of ``len(ids)`` entries.
     Returns k (0, and nothing written, unless every array has its size).
     """
     cdef Py_ssize_t n = ids.shape[0], i, s, used = 0
     cdef uint64_t h, mask, shards = <uint64_t>num_shards
     cdef int64_t k, key
-    cdef int64_t *c
+    cdef int32_t *c
     cdef int64_t *first
     cdef bint new
     if (num_shards <= 0 or offsets.shape[0] != num_shards + 1 or firsts.shape[0] != n or place.shape[0] != n
-            or distinct.shape[0] != n or gather.shape[0] != n or not _scratch_fits(cells, n)):
+            or distinct.shape[0] != n or gather.shape[0] != n or not _scratch_fits(index, n)):
         return 0
-    c, mask = &cells[0, 0], <uint64_t>cells.shape[0] - 1
+    c, mask = &index[0], <uint64_t>index.shape[0] - 1
     first = &firsts[0] if n else NULL
     with nogil:
         for s in range(num_shards + 1):

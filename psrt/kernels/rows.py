@@ -16,9 +16,9 @@ import numpy as np
 from psrt import _core, dtypes
 from psrt.errors import KernelArgumentError, KernelTypeError
 
-__all__ = ["gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows", "adam_rows",
-           "index_find", "index_gather", "index_remove", "index_set", "unique_first", "coalesce_rows", "touch_rows",
-           "shard_of", "shard_order", "unique_by_shard", "init_rows", "INIT_KINDS", "INITIALIZERS"]
+__all__ = ["gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows",
+           "adam_rows", "index_find", "index_gather", "index_remove", "index_set", "unique_first", "coalesce_rows",
+           "touch_rows", "shard_of", "shard_order", "unique_by_shard", "init_rows", "INIT_KINDS", "INITIALIZERS"]
 
 #: Initializer names and their kernel codes (see :func:`init_rows`).
 #: The row initializers and the parameters each takes; the kernel knows each by its position here.
@@ -249,10 +249,20 @@ def unique_first(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _scratch(n: int) -> np.ndarray:
-    """A fresh scratch id index for ``n`` ids (:func:`psrt._core.unique_ids`): ``(cells, 2)`` int64, all empty."""
-    cells = np.empty((1 << max(4, (2 * n - 1).bit_length()), 2), _I64)  # load at most 1/2, as a table's index
-    cells.fill(-1)  # (np.full costs a few calls more)
-    return cells
+    """A fresh scratch id index for ``n`` ids (:func:`psrt._core.unique_ids`): int32 cells, all empty.
+
+    A cell holds where an id is among the distinct ones, so positions must fit int32: at most 2**31 - 1 ids a
+    call (16 GiB of them; a shard's message limit is far below).
+    """
+    if n > _MAX_SCRATCH_IDS:
+        raise KernelArgumentError(f"{n} ids in one call; at most {_MAX_SCRATCH_IDS} (split the call)")
+    index = np.empty(1 << max(4, (2 * n - 1).bit_length()), np.int32)  # load at most 1/2, as a table's index
+    index.fill(-1)  # (np.full costs a few calls more)
+    return index
+
+
+#: The most ids a scratch index takes (its cells are int32 positions).
+_MAX_SCRATCH_IDS = (1 << 31) - 1
 
 
 def coalesce_rows(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
