@@ -482,24 +482,32 @@ cdef extern from *:
 cdef uint64_t _GOLDEN = 0x9E3779B97F4A7C15ULL
 
 
-cdef inline uint64_t _cell(const int64_t *keys, const int64_t *vals, uint64_t mask, int64_t key) noexcept nogil:
-    """The cell of an id index holding ``key``, or the empty cell its linear probe from its home cell ends on."""
+cdef inline uint64_t _cell(const int64_t *cells, uint64_t mask, int64_t key) noexcept nogil:
+    """The cell of an id index holding ``key``, or the empty cell its linear probe from its home cell ends on.
+
+    A cell is two int64, ``cells[2j]`` an id and ``cells[2j + 1]`` its slot (< 0: empty), side by side: a table's
+    index is large and cold, and a lookup is one cache miss, not one for the id and another for its slot."""
     cdef uint64_t j = psrt_mix64(<uint64_t>key) & mask
-    while vals[j] >= 0 and keys[j] != key:
+    while cells[2 * j + 1] >= 0 and cells[2 * j] != key:
         j = (j + 1) & mask
     return j
 
 
-cdef inline void _ahead(const int64_t *keys, const int64_t *vals, uint64_t mask, int64_t key,
-                        bint write) noexcept nogil:
+cdef inline void _ahead(const int64_t *cells, uint64_t mask, int64_t key, bint write) noexcept nogil:
     """Prefetch the home cell of ``key``, whose probe starts there PSRT_AHEAD ids on (see PSRT_AHEAD)."""
     cdef uint64_t j = psrt_mix64(<uint64_t>key) & mask
     if write:
-        psrt_prefetch_w(&keys[j], sizeof(int64_t))
-        psrt_prefetch_w(&vals[j], sizeof(int64_t))
+        psrt_prefetch_w(&cells[2 * j], 2 * sizeof(int64_t))
     else:
-        psrt_prefetch_r(&keys[j], sizeof(int64_t))
-        psrt_prefetch_r(&vals[j], sizeof(int64_t))
+        psrt_prefetch_r(&cells[2 * j], 2 * sizeof(int64_t))
+
+
+cdef inline Py_ssize_t _index_cap(const int64_t[:, ::1] cells) noexcept nogil:
+    """The cells of an id index (a power of two of them, two int64 each), 0 for an array that is none."""
+    cdef Py_ssize_t cap = cells.shape[0]
+    if cap == 0 or (cap & (cap - 1)) != 0 or cells.shape[1] != 2:
+        return 0
+    return cap
 
 
 def gather_rows(const real[:, ::1] table, const int64_t[::1] slots, real[:, ::1] out):
@@ -637,32 +645,35 @@ def adam_rows(real[:, ::1] param, real[:, ::1] m, real[:, ::1] v, const int64_t[
                                   eps_, sc, one, zero)
 
 
-def index_find(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, int64_t[::1] out,
-               int64_t[::1] row_ids, Py_ssize_t used, bint insert):
-    """Look ids up in an open-addressing table (linear probing; ``vals[j] < 0`` marks an empty cell).
+def index_find(int64_t[:, ::1] cells, const int64_t[::1] ids, int64_t[::1] out, int64_t[::1] row_ids,
+               Py_ssize_t used, bint insert):
+    """Look ids up in an open-addressing table (linear probing; ``cells[j] = (id, slot)``, ``slot < 0`` marks an
+    empty cell).
 
     ``out[i]`` gets the slot of ``ids[i]``; a missing id gets slot ``used`` (then ``used + 1``, ...) when
-    ``insert``, recorded in ``row_ids[slot]``, else -1. The capacity (``len(keys)``, a power of two) must keep
+    ``insert``, recorded in ``row_ids[slot]``, else -1. The capacity (``len(cells)``, a power of two) must keep
     the load under 1 after the inserts, and ``row_ids`` must have room: the wrapper grows both first. Returns
     the new number of slots in use.
     """
-    cdef Py_ssize_t n = _min2(ids.shape[0], out.shape[0]), cap = _min2(keys.shape[0], vals.shape[0]), i
+    cdef Py_ssize_t n = _min2(ids.shape[0], out.shape[0]), cap = _index_cap(cells), i
     cdef uint64_t mask = <uint64_t>cap - 1, j
     cdef int64_t key
+    cdef int64_t *c
     cdef Py_ssize_t room = row_ids.shape[0]
-    if cap == 0 or (cap & (cap - 1)) != 0:
+    if cap == 0:
         return used
+    c = &cells[0, 0]
     with nogil:
         for i in range(n):
             if i + PSRT_AHEAD < n:
-                _ahead(&keys[0], &vals[0], mask, ids[i + PSRT_AHEAD], True)
+                _ahead(c, mask, ids[i + PSRT_AHEAD], True)
             key = ids[i]
-            j = _cell(&keys[0], &vals[0], mask, key)
-            if vals[j] >= 0:
-                out[i] = vals[j]
+            j = _cell(c, mask, key)
+            if c[2 * j + 1] >= 0:
+                out[i] = c[2 * j + 1]
             elif insert and used < room:
-                keys[j] = key
-                vals[j] = used
+                c[2 * j] = key
+                c[2 * j + 1] = used
                 row_ids[used] = key
                 out[i] = used
                 used += 1
@@ -782,26 +793,25 @@ def first_outside(const int64_t[::1] slots, int64_t rows):
     return found
 
 
-def index_gather(const int64_t[::1] keys, const int64_t[::1] vals, const int64_t[::1] ids,
-                 const real[:, ::1] table, real[:, ::1] out, int64_t[::1] slots):
+def index_gather(const int64_t[:, ::1] cells, const int64_t[::1] ids, const real[:, ::1] table, real[:, ::1] out,
+                 int64_t[::1] slots):
     """:func:`index_find` without inserts, then :func:`gather_rows`, in one call: ``slots[i]`` gets the slot of
     ``ids[i]`` (-1: missing) and ``out[i] = table[slots[i]]`` for each id found (a missing id's row is left as it
     is). Returns how many ids were missing."""
-    cdef Py_ssize_t n = _min2(_min2(ids.shape[0], out.shape[0]), slots.shape[0])
-    cdef Py_ssize_t cap = _min2(keys.shape[0], vals.shape[0])
+    cdef Py_ssize_t n = _min2(_min2(ids.shape[0], out.shape[0]), slots.shape[0]), cap = _index_cap(cells)
     cdef Py_ssize_t dim = _min2(table.shape[1], out.shape[1]), rows = table.shape[0], i, s, t
     cdef Py_ssize_t missing = 0
     cdef uint64_t mask = <uint64_t>cap - 1, j
-    cdef int64_t key
-    if cap == 0 or (cap & (cap - 1)) != 0:
+    cdef const int64_t *c
+    if cap == 0:
         return n
+    c = &cells[0, 0]
     with nogil:
         for i in range(n):
             if i + PSRT_AHEAD < n:
-                _ahead(&keys[0], &vals[0], mask, ids[i + PSRT_AHEAD], False)
-            key = ids[i]
-            j = _cell(&keys[0], &vals[0], mask, key)
-            slots[i] = vals[j] if vals[j] >= 0 else -1
+                _ahead(c, mask, ids[i + PSRT_AHEAD], False)
+            j = _cell(c, mask, ids[i])
+            slots[i] = c[2 * j + 1] if c[2 * j + 1] >= 0 else -1
         for i in range(n):
             if i + PSRT_AHEAD < n:
                 t = slots[i + PSRT_AHEAD]
@@ -815,7 +825,7 @@ def index_gather(const int64_t[::1] keys, const int64_t[::1] vals, const int64_t
     return missing
 
 
-def index_remove(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, int64_t[::1] out):
+def index_remove(int64_t[:, ::1] cells, const int64_t[::1] ids, int64_t[::1] out):
     """Remove ids from the open-addressing table of :func:`index_find`; ``out[i]`` gets the slot ``ids[i]`` had
     (-1: absent, or removed by an earlier repeat).
 
@@ -824,51 +834,51 @@ def index_remove(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, i
     remaining key is still found from its home cell. Slots are not renumbered: the caller moves rows and says so
     with :func:`index_set`.
     """
-    cdef Py_ssize_t n = _min2(ids.shape[0], out.shape[0]), cap = _min2(keys.shape[0], vals.shape[0]), i
+    cdef Py_ssize_t n = _min2(ids.shape[0], out.shape[0]), cap = _index_cap(cells), i
     cdef uint64_t mask = <uint64_t>cap - 1, j, hole, home
-    cdef int64_t key
-    if cap == 0 or (cap & (cap - 1)) != 0:
+    cdef int64_t *c
+    if cap == 0:
         return
+    c = &cells[0, 0]
     with nogil:
         for i in range(n):
             if i + PSRT_AHEAD < n:
-                _ahead(&keys[0], &vals[0], mask, ids[i + PSRT_AHEAD], True)
-            key = ids[i]
-            j = _cell(&keys[0], &vals[0], mask, key)
-            if vals[j] < 0:
+                _ahead(c, mask, ids[i + PSRT_AHEAD], True)
+            j = _cell(c, mask, ids[i])
+            if c[2 * j + 1] < 0:
                 out[i] = -1
                 continue
-            out[i] = vals[j]
+            out[i] = c[2 * j + 1]
             hole = j
             while True:
                 j = (j + 1) & mask
-                if vals[j] < 0:
+                if c[2 * j + 1] < 0:
                     break
-                home = psrt_mix64(<uint64_t>keys[j]) & mask
+                home = psrt_mix64(<uint64_t>c[2 * j]) & mask
                 if (hole < j and hole < home and home <= j) or (hole > j and (home > hole or home <= j)):
                     continue  # its home lies between the hole and it: it stays
-                keys[hole] = keys[j]
-                vals[hole] = vals[j]
+                c[2 * hole] = c[2 * j]
+                c[2 * hole + 1] = c[2 * j + 1]
                 hole = j
-            vals[hole] = -1
+            c[2 * hole + 1] = -1
 
 
-def index_set(int64_t[::1] keys, int64_t[::1] vals, const int64_t[::1] ids, const int64_t[::1] slots):
+def index_set(int64_t[:, ::1] cells, const int64_t[::1] ids, const int64_t[::1] slots):
     """Give each of ``ids`` (already in the table) the slot ``slots[i]``; returns how many were found."""
-    cdef Py_ssize_t n = _min2(ids.shape[0], slots.shape[0]), cap = _min2(keys.shape[0], vals.shape[0]), i
+    cdef Py_ssize_t n = _min2(ids.shape[0], slots.shape[0]), cap = _index_cap(cells), i
     cdef Py_ssize_t found = 0
     cdef uint64_t mask = <uint64_t>cap - 1, j
-    cdef int64_t key
-    if cap == 0 or (cap & (cap - 1)) != 0:
+    cdef int64_t *c
+    if cap == 0:
         return 0
+    c = &cells[0, 0]
     with nogil:
         for i in range(n):
             if i + PSRT_AHEAD < n:
-                _ahead(&keys[0], &vals[0], mask, ids[i + PSRT_AHEAD], True)
-            key = ids[i]
-            j = _cell(&keys[0], &vals[0], mask, key)
-            if vals[j] >= 0:
-                vals[j] = slots[i]
+                _ahead(c, mask, ids[i + PSRT_AHEAD], True)
+            j = _cell(c, mask, ids[i])
+            if c[2 * j + 1] >= 0:
+                c[2 * j + 1] = slots[i]
                 found += 1
     return found
 

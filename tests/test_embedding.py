@@ -169,6 +169,6 @@ def test_a_grown_table_lies_in_huge_pages_with_the_same_rows():
     ids = np.arange(300_000, dtype=np.int64)
     rows = t.gather(ids)
     assert _huge_page_bytes(t.param) > 0 and _huge_page_bytes(t.slots["sum"]) > 0
-    assert _huge_page_bytes(t._keys) > 0
+    assert _huge_page_bytes(t._index) > 0
     fresh = table(dim=64, optimizer=AdaGrad(lr=0.1), max_rows=1 << 20)
     np.testing.assert_array_equal(fresh.gather(ids[::-7].copy()), rows[::-7])  # (a pure function of seed and id)

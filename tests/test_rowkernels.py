@@ -55,12 +55,12 @@ def test_row_copies_of_every_size_are_their_twins(dtype, dim, rows):
     np.testing.assert_array_equal(out, reference.gather_rows(table, slots))
     ids = rng.choice(1 << 40, rows, replace=False).astype(np.int64)
     cap = 1 << (2 * rows - 1).bit_length()
-    keys, vals = np.zeros(cap, np.int64), np.full(cap, -1, np.int64)
-    rowkernels.index_find(keys, vals, ids, np.empty(rows, np.int64), np.zeros(rows, np.int64), 0, True)
+    cells = rowkernels.index_cells(cap)
+    rowkernels.index_find(cells, ids, np.empty(rows, np.int64), np.zeros(rows, np.int64), 0, True)
     asked = np.concatenate([ids[slots], rng.integers(0, 1 << 40, 20)]).astype(np.int64)
     out, ref_out = np.full((len(asked), dim), 7, dtype), np.full((len(asked), dim), 7, dtype)
-    missing = rowkernels.index_gather(keys, vals, asked, table, out, np.empty(len(asked), np.int64))
-    assert (missing, out.tobytes()) == (reference.index_gather(keys, vals, asked, table, ref_out)[1], ref_out.tobytes())
+    missing = rowkernels.index_gather(cells, asked, table, out, np.empty(len(asked), np.int64))
+    assert (missing, out.tobytes()) == (reference.index_gather(cells, asked, table, ref_out)[1], ref_out.tobytes())
     repeated = rng.integers(0, 50, 300).astype(np.int64)
     grads = rng.standard_normal((300, dim)).astype(dtype)
     distinct, summed = rowkernels.coalesce_rows(repeated, grads)
@@ -117,18 +117,18 @@ def test_adagrad_rows_is_torch_sparse_adagrad():
 
 def test_index_find_inserts_once_and_finds_again():
     cap = 64
-    keys, vals = np.zeros(cap, np.int64), np.full(cap, -1, np.int64)
+    cells = rowkernels.index_cells(cap)
     row_ids = np.empty(40, np.int64)
     ids = np.array([5, -3, 2**62, 5, 7, -3], np.int64)
     out = np.empty(len(ids), np.int64)
-    used = rowkernels.index_find(keys, vals, ids, out, row_ids, 0, True)
+    used = rowkernels.index_find(cells, ids, out, row_ids, 0, True)
     assert used == 4 and out.tolist() == [0, 1, 2, 0, 3, 1]
     assert row_ids[:4].tolist() == [5, -3, 2**62, 7]
     out2 = np.empty(3, np.int64)
-    assert rowkernels.index_find(keys, vals, np.array([7, 8, 5], np.int64), out2, row_ids, used, False) == used
+    assert rowkernels.index_find(cells, np.array([7, 8, 5], np.int64), out2, row_ids, used, False) == used
     assert out2.tolist() == [3, -1, 0]
     with pytest.raises(KernelArgumentError):
-        rowkernels.index_find(keys, vals, np.arange(70, dtype=np.int64), np.empty(70, np.int64), row_ids, 4, True)
+        rowkernels.index_find(cells, np.arange(70, dtype=np.int64), np.empty(70, np.int64), row_ids, 4, True)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -149,41 +149,60 @@ def test_index_remove_and_set_agree_with_a_dict(seed):
     every batch: every id left is found at its slot, every removed one is gone."""
     rng = np.random.default_rng(seed)
     cap = 64
-    keys, vals = np.zeros(cap, np.int64), np.full(cap, -1, np.int64)
+    cells = rowkernels.index_cells(cap)
     row_ids = np.empty(cap, np.int64)
     oracle: dict[int, int] = {}
     for _ in range(60):
         ids = rng.integers(-40, 40, rng.integers(1, 12)).astype(np.int64)  # small range: long probe clusters
         if rng.random() < 0.5 and len(oracle) + len(ids) < cap // 2:
             out = np.empty(len(ids), np.int64)
-            rowkernels.index_find(keys, vals, ids, out, row_ids, len(oracle), True)  # slots may repeat: no matter
+            rowkernels.index_find(cells, ids, out, row_ids, len(oracle), True)  # slots may repeat: no matter
             for i, o in zip(ids.tolist(), out.tolist()):
                 assert oracle.setdefault(i, o) == o
         elif rng.random() < 0.7:
             out = np.empty(len(ids), np.int64)
-            rowkernels.index_remove(keys, vals, ids, out)
+            rowkernels.index_remove(cells, ids, out)
             for i, o in zip(ids.tolist(), out.tolist()):
                 assert o == oracle.pop(i, -1)
         elif oracle:
             some = np.array(list(oracle)[:3], np.int64)
             new = rng.integers(100, 200, len(some)).astype(np.int64)
-            assert rowkernels.index_set(keys, vals, np.append(some, 999), np.append(new, 5)) == len(some)
+            assert rowkernels.index_set(cells, np.append(some, 999), np.append(new, 5)) == len(some)
             oracle.update(zip(some.tolist(), new.tolist()))
         probe = np.arange(-45, 45, dtype=np.int64)
         got = np.empty(len(probe), np.int64)
-        rowkernels.index_find(keys, vals, probe, got, row_ids, 0, False)
+        rowkernels.index_find(cells, probe, got, row_ids, 0, False)
         assert got.tolist() == [oracle.get(i, -1) for i in probe.tolist()]
-        assert int((vals >= 0).sum()) == len(oracle)
+        assert int((cells[:, 1] >= 0).sum()) == len(oracle)
 
 
 def test_index_remove_and_set_check_their_arguments():
-    keys, vals = np.zeros(8, np.int64), np.full(8, -1, np.int64)
-    with pytest.raises(KernelArgumentError, match="power-of-two"):
-        rowkernels.index_remove(keys[:6], vals[:6], np.zeros(1, np.int64), np.empty(1, np.int64))
+    cells = rowkernels.index_cells(8)
+    with pytest.raises(KernelArgumentError, match="power of two"):
+        rowkernels.index_remove(cells[:6], np.zeros(1, np.int64), np.empty(1, np.int64))
     with pytest.raises(KernelArgumentError, match="entries"):
-        rowkernels.index_remove(keys, vals, np.zeros(2, np.int64), np.empty(1, np.int64))
+        rowkernels.index_remove(cells, np.zeros(2, np.int64), np.empty(1, np.int64))
     with pytest.raises(KernelArgumentError, match=">= 0"):
-        rowkernels.index_set(keys, vals, np.zeros(1, np.int64), np.full(1, -1, np.int64))
+        rowkernels.index_set(cells, np.zeros(1, np.int64), np.full(1, -1, np.int64))
+
+
+def test_an_id_index_is_one_array_of_id_and_slot_cells():
+    """``index_cells`` makes what every index kernel takes; anything else is refused with what to pass."""
+    cells = rowkernels.index_cells(16)
+    assert cells.shape == (16, 2) and cells.dtype == np.int64 and (cells[:, 1] == -1).all()
+    used = rowkernels.index_find(cells, np.array([9, 4], np.int64), np.empty(2, np.int64), np.empty(2, np.int64),
+                                 0, True)
+    assert used == 2 and sorted(map(tuple, cells[cells[:, 1] >= 0].tolist())) == [(4, 1), (9, 0)]
+    for bad in (12, 0, -4, 2.0):
+        with pytest.raises(KernelArgumentError, match="power of two"):
+            rowkernels.index_cells(bad)
+    ids, out = np.zeros(1, np.int64), np.empty(1, np.int64)
+    with pytest.raises(KernelArgumentError, match=r"\(cells, 2\)"):
+        rowkernels.index_remove(np.full(16, -1, np.int64), ids, out)  # the old two-array form's keys alone
+    with pytest.raises(KernelArgumentError, match=r"\(cells, 2\)"):
+        rowkernels.index_remove(np.asfortranarray(rowkernels.index_cells(16)), ids, out)
+    with pytest.raises(KernelTypeError, match="int64"):
+        rowkernels.index_remove(rowkernels.index_cells(16).astype(np.int32), ids, out)
 
 
 @pytest.mark.parametrize("kind,a,b", [("zeros", 0, 0), ("uniform", -0.5, 0.5), ("normal", 0.0, 0.1)])
@@ -262,20 +281,20 @@ def test_unique_by_shard_is_its_twin(num_shards):
 def test_index_gather_is_index_find_then_gather_rows(dtype, n):
     rng = np.random.default_rng(n)
     held = rng.choice(1 << 40, 500, replace=False).astype(np.int64)
-    keys, vals = np.zeros(2048, np.int64), np.full(2048, -1, np.int64)
+    cells = rowkernels.index_cells(2048)
     row_ids = np.zeros(500, np.int64)
-    rowkernels.index_find(keys, vals, held, np.empty(500, np.int64), row_ids, 0, True)
+    rowkernels.index_find(cells, held, np.empty(500, np.int64), row_ids, 0, True)
     table = rng.standard_normal((500, 5)).astype(dtype)
     ids = np.where(rng.random(n) < 0.7, rng.choice(held, n), rng.integers(0, 1 << 40, n)).astype(np.int64)
     out, slots = np.full((n, 5), 7, dtype), np.empty(n, np.int64)
-    missing = rowkernels.index_gather(keys, vals, ids, table, out, slots)
+    missing = rowkernels.index_gather(cells, ids, table, out, slots)
     ref_out = np.full((n, 5), 7, dtype)
-    ref_slots, ref_missing = reference.index_gather(keys, vals, ids, table, ref_out)
+    ref_slots, ref_missing = reference.index_gather(cells, ids, table, ref_out)
     assert missing == ref_missing
     np.testing.assert_array_equal(slots, ref_slots)
     np.testing.assert_array_equal(out, ref_out)  # rows of missing ids left as they were
     found = np.empty(n, np.int64)
-    rowkernels.index_find(keys, vals, ids, found, row_ids, 500, False)
+    rowkernels.index_find(cells, ids, found, row_ids, 500, False)
     np.testing.assert_array_equal(slots, found)
 
 
@@ -288,18 +307,18 @@ def test_first_outside_is_its_twin(seed):
 
 
 def test_index_gather_checks_its_arguments():
-    keys, vals, table = np.zeros(8, np.int64), np.full(8, -1, np.int64), np.zeros((4, 3), np.float32)
+    cells, table = rowkernels.index_cells(8), np.zeros((4, 3), np.float32)
     ids = np.array([1, 2], np.int64)
-    with pytest.raises(KernelArgumentError, match="power-of-two"):
-        rowkernels.index_gather(keys[:6], vals[:6], ids, table, np.empty((2, 3), np.float32), np.empty(2, np.int64))
+    with pytest.raises(KernelArgumentError, match="power of two"):
+        rowkernels.index_gather(cells[:6], ids, table, np.empty((2, 3), np.float32), np.empty(2, np.int64))
     with pytest.raises(KernelArgumentError, match="for 2 ids"):
-        rowkernels.index_gather(keys, vals, ids, table, np.empty((3, 3), np.float32), np.empty(2, np.int64))
+        rowkernels.index_gather(cells, ids, table, np.empty((3, 3), np.float32), np.empty(2, np.int64))
     with pytest.raises(KernelTypeError):
-        rowkernels.index_gather(keys, vals, ids, table, np.empty((2, 3), np.float64), np.empty(2, np.int64))
+        rowkernels.index_gather(cells, ids, table, np.empty((2, 3), np.float64), np.empty(2, np.int64))
     with pytest.raises(KernelArgumentError):
-        rowkernels.index_gather(keys, vals, ids, table, np.empty((2, 2), np.float32), np.empty(2, np.int64))
+        rowkernels.index_gather(cells, ids, table, np.empty((2, 2), np.float32), np.empty(2, np.int64))
     with pytest.raises(KernelTypeError):
-        rowkernels.index_gather(keys, vals, ids.astype(np.int32), table, np.empty((2, 3), np.float32),
+        rowkernels.index_gather(cells, ids.astype(np.int32), table, np.empty((2, 3), np.float32),
                                 np.empty(2, np.int64))
 
 

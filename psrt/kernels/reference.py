@@ -148,12 +148,11 @@ def touch_rows(last: np.ndarray, when: np.ndarray, dirty: np.ndarray, slots: np.
     last[slots], when[slots], dirty[slots] = tick, now, True
 
 
-def index_gather(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, table: np.ndarray,
-                 out: np.ndarray) -> tuple[np.ndarray, int]:
-    """The slot of each id in the index's cells (-1: missing), the rows of those found written into ``out``, and
-    how many were missing."""
-    held = vals >= 0
-    where = dict(zip(keys[held].tolist(), vals[held].tolist()))
+def index_gather(cells: np.ndarray, ids: np.ndarray, table: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, int]:
+    """The slot of each id in the index's ``(id, slot)`` cells (-1: missing), the rows of those found written into
+    ``out``, and how many were missing."""
+    held = cells[:, 1] >= 0
+    where = dict(zip(cells[held, 0].tolist(), cells[held, 1].tolist()))
     slots = np.array([where.get(i, -1) for i in ids.tolist()], np.int64)
     found = slots >= 0
     out[found] = table[slots[found]]

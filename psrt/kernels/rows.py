@@ -16,8 +16,8 @@ import numpy as np
 from psrt import _core, dtypes
 from psrt.errors import KernelArgumentError, KernelTypeError
 
-__all__ = ["gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows",
-           "adam_rows", "index_find", "index_gather", "index_remove", "index_set", "unique_first", "coalesce_rows",
+__all__ = ["gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows", "adam_rows",
+           "index_cells", "index_find", "index_gather", "index_remove", "index_set", "unique_first", "coalesce_rows",
            "touch_rows", "shard_of", "shard_order", "unique_by_shard", "init_rows", "INIT_KINDS", "INITIALIZERS"]
 
 #: Initializer names and their kernel codes (see :func:`init_rows`).
@@ -186,36 +186,44 @@ def adam_rows(param: np.ndarray, m: np.ndarray, v: np.ndarray, slots: np.ndarray
                     _num("scale", scale))
 
 
-def index_find(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, out: np.ndarray, row_ids: np.ndarray,
-               used: int, insert: bool) -> int:
+def index_cells(cells: int) -> np.ndarray:
+    """A fresh, empty id index of ``cells`` cells (a power of two): ``(cells, 2)`` int64, each cell an id and its
+    slot side by side (slot -1: empty), the array :func:`index_find` and the other index kernels take."""
+    if type(cells) is not int or cells < 1 or cells & (cells - 1):
+        raise KernelArgumentError(f"an index has a power of two of cells, got {cells!r}")
+    index = np.empty((cells, 2), _I64)
+    index[:, 1] = -1
+    return index
+
+
+def index_find(cells: np.ndarray, ids: np.ndarray, out: np.ndarray, row_ids: np.ndarray, used: int,
+               insert: bool) -> int:
     """Look ids up in an open-addressing id index; with ``insert``, give missing ids the next slots.
 
-    ``keys``/``vals`` are the index's cells (capacity a power of two, ``vals < 0`` empty), which must keep room
-    for ``len(ids)`` more inserts below full; ``row_ids`` (slot to id) must have room for them. Returns the new
-    number of slots in use; ``out[i]`` is the slot of ``ids[i]`` (-1 for a missing id without ``insert``).
+    ``cells`` is the index (:func:`index_cells`: ``(capacity, 2)`` int64, capacity a power of two, a cell an id
+    and its slot, slot < 0 empty), which must keep room for ``len(ids)`` more inserts below full; ``row_ids``
+    (slot to id) must have room for them. Returns the new number of slots in use; ``out[i]`` is the slot of
+    ``ids[i]`` (-1 for a missing id without ``insert``).
     """
-    k, v = _ids("keys", keys, writable=True), _ids("vals", vals, writable=True)
+    c = _cells(cells)
     i, o, r = _ids("ids", ids), _ids("out", out, writable=True), _ids("row_ids", row_ids, writable=True)
-    cap = len(k)
-    if len(v) != cap or cap & (cap - 1) or cap == 0:
-        raise KernelArgumentError("keys and vals must have the same power-of-two length")
+    cap = len(c)
     if len(o) != len(i):
         raise KernelArgumentError(f"out has {len(o)} entries for {len(i)} ids")
     if insert and (used + len(i) >= cap or used + len(i) > len(r)):
         raise KernelArgumentError("the index or row_ids has no room for the inserts; grow them first")
-    return int(_core.index_find(k, v, i, o, r, int(used), bool(insert)))
+    return int(_core.index_find(c, i, o, r, int(used), bool(insert)))
 
 
-def index_gather(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, table: np.ndarray, out: np.ndarray,
-                 slots: np.ndarray) -> int:
+def index_gather(cells: np.ndarray, ids: np.ndarray, table: np.ndarray, out: np.ndarray, slots: np.ndarray) -> int:
     """Look ids up in an id index (:func:`index_find`'s cells, inserting nothing) and gather the rows of those
     found, in one call: ``slots[i]`` is the slot of ``ids[i]`` (-1: missing), and ``out[i] = table[slots[i]]``
     for each id found (a missing id's row of ``out`` is left as it is). Returns how many ids were missing.
 
     Parameters
     ----------
-    keys, vals : numpy.ndarray
-        The index's cells; every slot they hold must lie in ``[0, len(table))``.
+    cells : numpy.ndarray
+        The index (:func:`index_cells`); every slot it holds must lie in ``[0, len(table))``.
     ids : numpy.ndarray
         int64 ids.
     table : numpy.ndarray
@@ -225,13 +233,13 @@ def index_gather(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, table: np.
     slots : numpy.ndarray
         Writable int64, ``len(ids)`` entries.
     """
-    k, v = _cells(keys, vals)
+    c = _cells(cells)
     i, s = _ids("ids", ids), _ids("slots", slots, writable=True)
     t, o = _table("table", table, writable=False), _table("out", out)
     _same(t, ("out", o), rows=False)
     if len(o) != len(i) or len(s) != len(i):
         raise KernelArgumentError(f"out has {len(o)} rows and slots {len(s)} entries for {len(i)} ids")
-    return int(_core.index_gather(k, v, i, t, o, s))
+    return int(_core.index_gather(c, i, t, o, s))
 
 
 def unique_first(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -248,6 +256,10 @@ def unique_first(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return distinct[:used], inverse
 
 
+#: The most ids a scratch index takes (its cells are int32 positions).
+_MAX_SCRATCH_IDS = (1 << 31) - 1
+
+
 def _scratch(n: int) -> np.ndarray:
     """A fresh scratch id index for ``n`` ids (:func:`psrt._core.unique_ids`): int32 cells, all empty.
 
@@ -259,10 +271,6 @@ def _scratch(n: int) -> np.ndarray:
     index = np.empty(1 << max(4, (2 * n - 1).bit_length()), np.int32)  # load at most 1/2, as a table's index
     index.fill(-1)  # (np.full costs a few calls more)
     return index
-
-
-#: The most ids a scratch index takes (its cells are int32 positions).
-_MAX_SCRATCH_IDS = (1 << 31) - 1
 
 
 def coalesce_rows(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -326,33 +334,37 @@ def touch_rows(last: np.ndarray, when: np.ndarray, dirty: np.ndarray, slots: np.
     _core.touch_rows(lst, when, dirty.view(np.uint8), s, int(tick), _num("now", now))
 
 
-def _cells(keys: object, vals: object) -> tuple[np.ndarray, np.ndarray]:
-    k, v = _ids("keys", keys, writable=True), _ids("vals", vals, writable=True)
-    if len(v) != len(k) or len(k) & (len(k) - 1) or len(k) == 0:
-        raise KernelArgumentError("keys and vals must have the same power-of-two length")
-    return k, v
+def _cells(cells: object) -> np.ndarray:
+    if not isinstance(cells, np.ndarray) or cells.dtype != _I64 or not cells.dtype.isnative:
+        raise KernelTypeError("an id index is an int64 numpy.ndarray (psrt.kernels.rows.index_cells)")
+    if cells.ndim != 2 or cells.shape[1] != 2 or not cells.flags.c_contiguous or not cells.flags.writeable:
+        raise KernelArgumentError(f"an id index is a writable C-contiguous (cells, 2) array, got shape {cells.shape}")
+    cap = cells.shape[0]
+    if cap == 0 or cap & (cap - 1):
+        raise KernelArgumentError(f"an id index has a power of two of cells, got {cap}")
+    return cells
 
 
-def index_remove(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+def index_remove(cells: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
     """Remove ids from an id index (:func:`index_find`'s cells); ``out[i]`` is the slot ``ids[i]`` had, -1 when
     it was not there (or a repeat removed it first). Other ids keep their slots; no tombstones are left."""
-    k, v = _cells(keys, vals)
+    c = _cells(cells)
     i, o = _ids("ids", ids), _ids("out", out, writable=True)
     if len(o) != len(i):
         raise KernelArgumentError(f"out has {len(o)} entries for {len(i)} ids")
-    _core.index_remove(k, v, i, o)
+    _core.index_remove(c, i, o)
 
 
-def index_set(keys: np.ndarray, vals: np.ndarray, ids: np.ndarray, slots: np.ndarray) -> int:
+def index_set(cells: np.ndarray, ids: np.ndarray, slots: np.ndarray) -> int:
     """Give ids already in an id index new slots (``slots[i]`` for ``ids[i]``, each >= 0); returns how many of
     them were found (the rest are left out)."""
-    k, v = _cells(keys, vals)
+    c = _cells(cells)
     i, s = _ids("ids", ids), _ids("slots", slots)
     if len(s) != len(i):
         raise KernelArgumentError(f"slots has {len(s)} entries for {len(i)} ids")
     if len(s) and int(s.min()) < 0:
         raise KernelArgumentError("slots must be >= 0 (a negative value marks an empty cell)")
-    return int(_core.index_set(k, v, i, s))
+    return int(_core.index_set(c, i, s))
 
 
 def shard_of(ids: np.ndarray, num_shards: int) -> np.ndarray:

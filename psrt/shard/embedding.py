@@ -2,7 +2,8 @@
 
 A :class:`RowTable` keeps its rows in one contiguous ``(capacity, dim)`` array, with every optimizer slot in an
 array of the same shape, and maps ids to row slots with an open-addressing hash index (linear probing, load at
-most 1/2, two int64 cells per entry; :func:`psrt.kernels.rows.index_find`), so a lookup or insert is amortized O(1)
+most 1/2, an id and its slot side by side in a cell: one cache miss a lookup; :func:`psrt.kernels.rows.index_find`),
+so a lookup or insert is amortized O(1)
 and a batch of ids is looked up in one compiled loop. A dict would cost ~100 ns per id in the interpreter; the
 compiled index costs a few ns. The row arrays grow geometrically, by 1.2x, through ``ndarray.resize`` (a
 ``realloc``, which Linux satisfies for large blocks by remapping pages, not copying), so the capacity slack
@@ -115,8 +116,7 @@ class RowTable:
         self.last = np.zeros(cap, np.int64)  # per row: the push clock (``tick``) of its last push
         self.when = np.zeros(cap, np.float64)  # per row: the time of its last push
         self.dirty = np.zeros(cap, bool)  # per row: changed since the last checkpoint
-        self._keys = np.zeros(2 * _MIN_ROWS, np.int64)
-        self._vals = np.full(2 * _MIN_ROWS, -1, np.int64)
+        self._index = rowkernels.index_cells(2 * _MIN_ROWS)
         self.tick = 0  # pushes taken in, the clock of least-recently-pushed eviction
         self.evicted = self.admitted = 0
         self.removed: list[np.ndarray] = []  # ids evicted since the last checkpoint
@@ -149,16 +149,15 @@ class RowTable:
             # writes (its clock, time and checkpoint flag), one random write each per row pushed.
             for a in (self.param, *self.slots.values(), self.last, self.when, self.dirty):
                 advise_huge_pages(a)
-        if 2 * need > len(self._keys):
-            cells = len(self._keys)
+        if 2 * need > len(self._index):
+            cells = len(self._index)
             while 2 * need > cells:
                 cells *= 2
-            self._keys, self._vals = np.zeros(cells, np.int64), np.full(cells, -1, np.int64)
-            advise_huge_pages(self._keys)
-            advise_huge_pages(self._vals)
+            self._index = rowkernels.index_cells(cells)
+            advise_huge_pages(self._index)
             if self.used:  # re-insert every id in slot order, so each keeps its slot
                 known = self.row_ids[:self.used].copy()
-                rowkernels.index_find(self._keys, self._vals, known, np.empty(self.used, np.int64), self.row_ids,
+                rowkernels.index_find(self._index, known, np.empty(self.used, np.int64), self.row_ids,
                                       0, True)
 
     # ------------------------------------------------------------------ rows
@@ -166,7 +165,7 @@ class RowTable:
         """The slot of each id, -1 where the id has no row yet (creates nothing)."""
         out = np.empty(len(ids), np.int64)
         if len(ids):
-            rowkernels.index_find(self._keys, self._vals, ids, out, self.row_ids, self.used, False)
+            rowkernels.index_find(self._index, ids, out, self.row_ids, self.used, False)
         return out
 
     def slots_of(self, ids: np.ndarray) -> np.ndarray:
@@ -175,11 +174,11 @@ class RowTable:
         The caller checked :meth:`room_for` with the number of new ids (an upper bound: ``len(ids)``).
         """
         n = len(ids)
-        if n and self.used + n <= self.capacity and 2 * (self.used + n) <= len(self._keys):
+        if n and self.used + n <= self.capacity and 2 * (self.used + n) <= len(self._index):
             # Room for every id to be new, so nothing would grow: one pass finds the ids and gives the new ones the
             # next slots, in the order they first appear, as the general way below does.
             out, old = np.empty(n, np.int64), self.used
-            self.used = rowkernels.index_find(self._keys, self._vals, ids, out, self.row_ids, old, True)
+            self.used = rowkernels.index_find(self._index, ids, out, self.row_ids, old, True)
             if self.used > old:
                 self._init_new(old, self.used)
             return out
@@ -190,7 +189,7 @@ class RowTable:
         new_ids = np.ascontiguousarray(ids[missing])
         self._reserve(len(new_ids))  # an upper bound: repeats of a new id take one slot
         old, got = self.used, np.empty(len(new_ids), np.int64)
-        self.used = rowkernels.index_find(self._keys, self._vals, new_ids, got, self.row_ids, old, True)
+        self.used = rowkernels.index_find(self._index, new_ids, got, self.row_ids, old, True)
         self._init_new(old, self.used)
         out[missing] = got
         return out
@@ -208,7 +207,7 @@ class RowTable:
         self._reserve(len(ids))
         old = self.used
         out = np.empty(len(ids), np.int64)
-        self.used = rowkernels.index_find(self._keys, self._vals, ids, out, self.row_ids, old, True)
+        self.used = rowkernels.index_find(self._index, ids, out, self.row_ids, old, True)
         if self.used > old:
             self._init_new(old, self.used)  # the slots; the values come next
             new = out >= old
@@ -221,7 +220,7 @@ class RowTable:
             out = np.empty((len(ids), self.spec.dim), self.spec.dtype)
         # The usual pull: every id holds a row, and one kernel call looks them up and copies their rows.
         slots = np.empty(len(ids), np.int64)
-        if not rowkernels.index_gather(self._keys, self._vals, ids, self.param, out, slots):
+        if not rowkernels.index_gather(self._index, ids, self.param, out, slots):
             return out
         if not self.spec.managed:  # rows to make first (in the order the ids first appear), then every row again
             rowkernels.gather_rows(self.param, self.slots_of(ids), out)
@@ -273,7 +272,7 @@ class RowTable:
             new_ids = np.ascontiguousarray(uniq[missing])
             self._reserve(len(new_ids))
             old, got = self.used, np.empty(len(new_ids), np.int64)
-            self.used = rowkernels.index_find(self._keys, self._vals, new_ids, got, self.row_ids, old, True)
+            self.used = rowkernels.index_find(self._index, new_ids, got, self.row_ids, old, True)
             self._init_new(old, self.used, now)
             slots[missing] = got
         rowkernels.touch_rows(self.last, self.when, self.dirty, slots, self.tick, now)
@@ -306,7 +305,7 @@ class RowTable:
         if not len(victims):
             return 0
         columns = [self.param, *self.slots.values(), self.last, self.when, self.dirty]
-        gone, holes, movers = compact(self._keys, self._vals, self.row_ids, self.used, victims, columns)
+        gone, holes, movers = compact(self._index, self.row_ids, self.used, victims, columns)
         if self.round.slots is not None and len(holes):
             where = np.arange(self.used, dtype=np.int64)
             where[movers] = holes
@@ -421,7 +420,7 @@ class RowTable:
         ids = np.ascontiguousarray(ids, np.int64)
         self._reserve(len(ids))
         at = np.empty(len(ids), np.int64)
-        self.used = rowkernels.index_find(self._keys, self._vals, ids, at, self.row_ids, self.used, True)
+        self.used = rowkernels.index_find(self._index, ids, at, self.row_ids, self.used, True)
         dim = self.spec.dim
         self.param[at] = param.reshape(len(ids), dim)
         for name, a in slots.items():
@@ -433,6 +432,6 @@ class RowTable:
     def memory(self) -> dict[str, int]:
         """Bytes allocated: ``rows`` (parameters), ``slots`` (optimizer state), ``index`` (id index, slot ids)."""
         return {"rows": self.param.nbytes, "slots": sum(a.nbytes for a in self.slots.values()),
-                "index": self._keys.nbytes + self._vals.nbytes + self.row_ids.nbytes + self.last.nbytes
+                "index": self._index.nbytes + self.row_ids.nbytes + self.last.nbytes
                 + self.when.nbytes + self.dirty.nbytes,
                 "pending": self.pending.nbytes() if self.pending is not None else 0}

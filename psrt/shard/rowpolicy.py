@@ -134,7 +134,7 @@ def expired(when: np.ndarray, now: float, ttl: float, pinned: Optional[np.ndarra
     return np.flatnonzero(old).astype(np.int64, copy=False)
 
 
-def compact(keys: np.ndarray, vals: np.ndarray, row_ids: np.ndarray, used: int, victims: np.ndarray,
+def compact(index: np.ndarray, row_ids: np.ndarray, used: int, victims: np.ndarray,
             columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Remove the rows ``victims`` (distinct slots below ``used``) and keep the rest in ``[0, used - len)``.
 
@@ -145,7 +145,7 @@ def compact(keys: np.ndarray, vals: np.ndarray, row_ids: np.ndarray, used: int, 
     victims = np.unique(victims)
     end = used - len(victims)
     gone = row_ids[victims].copy()
-    rowkernels.index_remove(keys, vals, gone, np.empty(len(gone), np.int64))
+    rowkernels.index_remove(index, gone, np.empty(len(gone), np.int64))
     is_victim = np.zeros(used - end, bool)
     above = victims[victims >= end]
     is_victim[above - end] = True
@@ -155,7 +155,7 @@ def compact(keys: np.ndarray, vals: np.ndarray, row_ids: np.ndarray, used: int, 
         for a in columns:
             a[holes] = a[movers]
         row_ids[holes] = row_ids[movers]
-        rowkernels.index_set(keys, vals, np.ascontiguousarray(row_ids[holes]), holes)
+        rowkernels.index_set(index, np.ascontiguousarray(row_ids[holes]), holes)
     return gone, holes, movers
 
 
@@ -193,8 +193,7 @@ class Pending:
         self.last = np.zeros(cap, np.int64)
         self.when = np.zeros(cap, np.float64)
         self.dirty = np.zeros(cap, bool)  # counted since the last checkpoint
-        self._keys = np.zeros(_cells_for(cap), np.int64)
-        self._vals = np.full(len(self._keys), -1, np.int64)
+        self._index = rowkernels.index_cells(_cells_for(cap))
 
     def _reserve(self, new: int) -> None:
         need = self.used + new
@@ -202,18 +201,17 @@ class Pending:
             cap = max(need, int(len(self.ids) * 1.5) + 1)
             for a in (self.ids, self.counts, self.last, self.when, self.dirty):
                 a.resize(cap, refcheck=False)
-        if need + 1 >= len(self._keys) // 2:
-            self._keys = np.zeros(_cells_for(need + 1), np.int64)
-            self._vals = np.full(len(self._keys), -1, np.int64)
+        if need + 1 >= len(self._index) // 2:
+            self._index = rowkernels.index_cells(_cells_for(need + 1))
             if self.used:
                 known = self.ids[:self.used].copy()
-                rowkernels.index_find(self._keys, self._vals, known, np.empty(self.used, np.int64), self.ids, 0, True)
+                rowkernels.index_find(self._index, known, np.empty(self.used, np.int64), self.ids, 0, True)
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """The slot of each id, -1 where it is not pending."""
         out = np.empty(len(ids), np.int64)
         if len(ids):
-            rowkernels.index_find(self._keys, self._vals, ids, out, self.ids, self.used, False)
+            rowkernels.index_find(self._index, ids, out, self.ids, self.used, False)
         return out
 
     def count(self, ids: np.ndarray, tick: int, now: float) -> np.ndarray:
@@ -225,7 +223,7 @@ class Pending:
             return np.zeros(0, bool)
         self._reserve(len(ids))
         slots, old = np.empty(len(ids), np.int64), self.used
-        self.used = rowkernels.index_find(self._keys, self._vals, ids, slots, self.ids, self.used, True)
+        self.used = rowkernels.index_find(self._index, ids, slots, self.ids, self.used, True)
         self.counts[old:self.used] = 0  # new ids: their slots may hold a dropped id's count
         self.counts[slots] += 1
         self.last[slots] = tick
@@ -248,7 +246,7 @@ class Pending:
 
     def _drop(self, slots: np.ndarray) -> None:
         if len(slots):
-            gone, _, _ = compact(self._keys, self._vals, self.ids, self.used, slots,
+            gone, _, _ = compact(self._index, self.ids, self.used, slots,
                                  [self.counts, self.last, self.when, self.dirty])
             self.used -= len(gone)
             self.removed.append(gone)
@@ -262,8 +260,7 @@ class Pending:
 
     def nbytes(self) -> int:
         """Bytes allocated."""
-        return sum(a.nbytes for a in (self.ids, self.counts, self.last, self.when, self.dirty, self._keys,
-                                      self._vals))
+        return sum(a.nbytes for a in (self.ids, self.counts, self.last, self.when, self.dirty, self._index))
 
     # ------------------------------------------------------------------ checkpoints
     def state(self, delta: bool = False) -> tuple[dict[str, Any], list[np.ndarray]]:
@@ -288,7 +285,7 @@ class Pending:
         ids = np.ascontiguousarray(ids, np.int64)
         self._reserve(len(ids))
         at = np.empty(len(ids), np.int64)
-        self.used = rowkernels.index_find(self._keys, self._vals, ids, at, self.ids, self.used, True)
+        self.used = rowkernels.index_find(self._index, ids, at, self.ids, self.used, True)
         self.counts[at], self.last[at], self.when[at] = counts, last, when
         if self.used != record["used"]:
             raise ValueError(f"the pending counts hold {self.used} ids after their checkpoints, not {record['used']}")
