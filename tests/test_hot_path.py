@@ -775,6 +775,10 @@ _ROW_REQUESTS = {
     "push_rows": {"v": wire.PROTOCOL_VERSION, "op": "push_rows", "id": 7, "worker": 1, "session": 9, "seq": 5,
                   "clock": 2, "table": "emb", "dim": 16, "dtype": "<f4", "count": 1120,
                   "lane": [4, [4096, 20480], []]},
+    # (a sync job's push says the table version its rows came from: psrt.shard.realign)
+    "push_rows+base": {"v": wire.PROTOCOL_VERSION, "op": "push_rows", "id": 7, "worker": 1, "session": 9, "seq": 5,
+                       "clock": 2, "table": "emb", "dim": 16, "dtype": "<f4", "count": 1120, "base": 4,
+                       "lane": [4, [4096, 20480], []]},
 }
 
 

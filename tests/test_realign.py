@@ -142,3 +142,86 @@ def test_realign_rules_key_by_key():
     b.contributors, b.acc_filled = {0, 1}, True
     store._step_round(b)
     assert store.realigning == 0
+
+
+# Embedding tables: the same scene, with a table's rows. A row push is acknowledged as it arrives (its worker then
+# pulls the version the round will make), so the previous life needs only to have taken one worker's push of a
+# round before it died: the other's, still being computed, goes to the restored shard.
+IDS = np.array([3, 8, 11], np.int64)
+
+
+def _table_checkpoint_at_version_1(tmp_path) -> np.ndarray:
+    """A job's first round of a table (each worker pushes rank + 1 on every row), checkpointed; its rows."""
+    with serving(_server(tmp_path)) as server:
+        clients = [psrt.Client([server.endpoint], rank=r, num_workers=2, config=CFG) for r in range(2)]
+        try:
+            for c in clients:
+                c.init_embedding("emb", dim=4, optimizer=psrt.SGD(lr=LR))
+            for r, c in enumerate(clients):
+                c.push_rows("emb", IDS, np.full((3, 4), r + 1.0, np.float32))
+            got = [c.pull_rows_async("emb", IDS) for c in clients]
+            rows = [h.wait(20) for h in got]
+            np.testing.assert_array_equal(rows[0], rows[1])
+            assert server.tables.tables["emb"].version == 1
+            server.checkpoint()
+            return rows[0]
+        finally:
+            for c in clients:
+                c.close()
+
+
+def _push_rows(rid: int, worker: int, seq: int, grad: float, base: int) -> list:
+    return [bytes(f) for f in wire.encode_push_rows(rid, worker, 900 + worker, seq, "emb", IDS,
+                                                    np.full((3, 4), grad, np.float32), seq + 1, base)]
+
+
+def _acked(peer: RawPeer) -> int:
+    assert peer.answered(5), "a push_rows was not acknowledged"
+    head, _ = peer.recv()
+    assert head["op"] == "ack", head
+    return head["versions"][0]
+
+
+@pytest.mark.parametrize("first", ["behind", "ahead"])
+def test_after_a_restore_a_table_keeps_its_workers_rounds_in_step(tmp_path, first):
+    r1 = _table_checkpoint_at_version_1(tmp_path)
+    with serving(_server(tmp_path, restore=True)) as server:
+        table = server.tables.tables["emb"]
+        assert table.version == 1 and server.tables.realigning == 1
+        with RawPeer(server.endpoint) as ahead, RawPeer(server.endpoint) as behind:
+            if first == "behind":
+                behind.send(_push_rows(1, 1, 0, 10.0, base=3))  # round 3 again: it joins (acknowledged at once)
+                assert _acked(behind) == 4
+                ahead.send(_push_rows(1, 0, 0, 20.0, base=4))  # round 4: round 3 was lost, dropped with its push
+                assert _acked(ahead) == 5
+            else:
+                ahead.send(_push_rows(1, 0, 0, 20.0, base=4))
+                assert _acked(ahead) == 5
+                behind.send(_push_rows(1, 1, 0, 10.0, base=3))  # a push of a lost round: dropped
+                assert _acked(behind) == 4  # (its next pull gets the rows as they are)
+            assert table.version == 4 and table.round.contributors == {0}
+            # Worker 1's pull of what its push reached: the restored rows, nothing of round 3 in them.
+            head, frames = behind.ask(wire.encode_pull_rows(2, 1, "emb", 4, IDS))
+            assert head["op"] == "rows" and head["version"] == 4, head
+            np.testing.assert_array_equal(np.frombuffer(frames[0], np.float32).reshape(3, 4), r1)
+            behind.send(_push_rows(3, 1, 1, 12.0, base=4))  # from version 4: round 4 closes
+            assert _acked(behind) == 5
+            head, frames = ahead.ask(wire.encode_pull_rows(2, 0, "emb", 5, IDS))
+            assert head["version"] == 5, head
+            expected = r1 - LR * np.float32((20.0 + 12.0) / 2)  # worker 0's step and worker 1's, together
+            np.testing.assert_allclose(np.frombuffer(frames[0], np.float32).reshape(3, 4), expected)
+            assert table.skipped is None and server.tables.realigning == 0  # in step: the next round is as any
+        assert server.stats()["dropped_row_pushes"] == (1 if first == "ahead" else 0)
+
+
+def test_a_table_restored_at_the_version_its_workers_saw_takes_an_old_base_into_its_round(tmp_path):
+    """Nothing skipped: a worker that pushes without pulling (an old base) joins, as without a restore."""
+    r1 = _table_checkpoint_at_version_1(tmp_path)
+    with serving(_server(tmp_path, restore=True)) as server:
+        with RawPeer(server.endpoint) as a, RawPeer(server.endpoint) as b:
+            a.send(_push_rows(1, 0, 0, 2.0, base=0))
+            b.send(_push_rows(1, 1, 0, 4.0, base=1))
+            assert _acked(a) == 2 and _acked(b) == 2
+            head, frames = a.ask(wire.encode_pull_rows(2, 0, "emb", 2, IDS))
+            np.testing.assert_allclose(np.frombuffer(frames[0], np.float32).reshape(3, 4), r1 - LR * 3.0)
+        assert server.stats()["dropped_row_pushes"] == 0 and server.tables.realigning == 0

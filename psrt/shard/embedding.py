@@ -109,6 +109,10 @@ class RowTable:
         self.used = 0
         self.version = 0
         self.round = RowRound()
+        #: Sync mode, after a restore (:mod:`psrt.shard.realign`): ``(from, to)``, the versions a push's base moved
+        #: the table past, and the workers whose push of such a round was dropped; None once a round completed.
+        self.skipped: Optional[tuple[int, int]] = None
+        self.realigned: Optional[set[int]] = None
         cap = min(_MIN_ROWS, max_rows)
         self.param = np.zeros((cap, spec.dim), spec.dtype)
         self.slots = {name: np.zeros_like(self.param) for name in spec.optimizer.slots}

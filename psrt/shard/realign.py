@@ -21,13 +21,19 @@ Either way every worker loses the same rounds (those since the checkpoint), and 
 computed from the same parameters. Without a restore a base never exceeds its key's version: the shard looks at
 bases only from a restore until each key has completed a round (:attr:`~psrt.shard.store.Store.realigning`). A
 shard with backup workers drops a push with an old base anyway (:func:`psrt.shard.stragglers.late`).
+
+An embedding table is one such key (:func:`jump_table`, :func:`behind_table`; a ``push_rows`` says its table's
+``base``, :attr:`psrt.wire.PushRowsRequest.base`). A row push is acknowledged as it arrives, so there the window is
+wide: a worker's push of round s taken (and acknowledged) by the previous life, the other's still being computed
+when it died, is enough.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-__all__ = ["behind", "dropped", "jump", "restored", "settled"]
+__all__ = ["behind", "behind_table", "dropped", "dropped_table", "jump", "jump_table", "restored", "restored_tables",
+           "settled"]
 
 
 def _bases(base: Any, n: int) -> Sequence[int]:
@@ -40,6 +46,31 @@ def restored(store: Any) -> None:
     for entry in store.entries.values():
         entry.skipped, entry.realigned = (entry.version, entry.version), set()  # (nothing skipped yet)
     store.realigning = len(store.entries)
+
+
+def restored_tables(service: Any) -> None:
+    """:func:`restored`, for the embedding tables of ``service`` (a :class:`~psrt.shard.tables.TableService`)."""
+    for table in service.tables.values():
+        table.skipped, table.realigned = (table.version, table.version), set()
+    service.realigning = len(service.tables)
+
+
+def _move_up(owner: Any, key: Any, base: int) -> None:
+    """Move ``key``'s version up to ``base``, remembering the versions skipped (``owner.realigning`` counts the keys
+    that have any)."""
+    if key.skipped is None:
+        key.skipped = (key.version, base)
+        key.realigned = set()
+        owner.realigning += 1
+    else:
+        key.skipped = (key.skipped[0], base)
+    key.version = base
+
+
+def _behind(worker: int, key: Any, base: int, contributors: Any) -> bool:
+    skipped = key.skipped
+    return skipped is not None and skipped[0] <= base < skipped[1] and worker not in key.realigned \
+        and worker not in contributors
 
 
 def jump(store: Any, entries: Sequence[Any], base: Any) -> list[int]:
@@ -59,14 +90,20 @@ def jump(store: Any, entries: Sequence[Any], base: Any) -> list[int]:
             entry.held.clear()
             entry.acc_filled = False
             dropped_rounds.append(i)
-        if entry.skipped is None:
-            entry.skipped = (entry.version, b)
-            entry.realigned = set()
-            store.realigning += 1
-        else:
-            entry.skipped = (entry.skipped[0], b)
-        entry.version = b
+        _move_up(store, entry, b)
     return dropped_rounds
+
+
+def jump_table(service: Any, table: Any, base: int) -> bool:
+    """:func:`jump` for an embedding table (a :class:`~psrt.shard.embedding.RowTable`); returns whether its open
+    round was dropped (its pushes were acknowledged as they came: the caller answers what waits on the version)."""
+    if base <= table.version:
+        return False
+    dropped_round = bool(table.round.contributors)
+    if dropped_round:
+        table.round.clear()
+    _move_up(service, table, base)
+    return dropped_round
 
 
 def behind(worker: int, entries: Sequence[Any], base: Any) -> Optional[list[bool]]:
@@ -74,18 +111,28 @@ def behind(worker: int, entries: Sequence[Any], base: Any) -> Optional[list[bool
     not applied, answered with the parameters as they are); None when no key's is."""
     mask = None
     for i, (entry, b) in enumerate(zip(entries, _bases(base, len(entries)))):
-        skipped = entry.skipped
-        if skipped is None:
-            continue
-        if skipped[0] <= b < skipped[1] and worker not in entry.realigned and worker not in entry.contributors:
+        if _behind(worker, entry, b, entry.contributors):
             if mask is None:
                 mask = [False] * len(entries)
             mask[i] = True
     return mask
 
 
+def behind_table(worker: int, table: Any, base: int) -> bool:
+    """:func:`behind` for an embedding table: whether ``worker``'s push from ``base`` is one of a lost round (it is
+    dropped, acknowledged with the table's version; :func:`dropped_table` then lets its next pushes join)."""
+    return _behind(worker, table, base, table.round.contributors)
+
+
+def dropped_table(worker: int, table: Any) -> None:
+    """:func:`dropped` for an embedding table."""
+    if table.realigned is not None:
+        table.realigned.add(worker)
+
+
 def settled(store: Any, entry: Any) -> None:
-    """A round of ``entry`` completed: every worker is in step again, and nothing is skipped any more."""
+    """A round of ``entry`` (a dense key, or a table of a :class:`~psrt.shard.tables.TableService` ``store``)
+    completed: every worker is in step again, and nothing is skipped any more."""
     if entry.skipped is not None:
         entry.skipped = entry.realigned = None
         store.realigning -= 1

@@ -23,7 +23,7 @@ import numpy as np
 from psrt import kernels, optim, wire
 from psrt.config import RowLimits
 from psrt.errors import ConfigError, RequestRefused
-from psrt.shard import replay, stragglers
+from psrt.shard import realign, replay, stragglers
 from psrt.shard.embedding import RowTable
 from psrt.shard.replay import WorkerLog
 from psrt.tablespec import TableSpec
@@ -66,7 +66,10 @@ class TableService:
         self._deferred: dict[tuple[str, int], deque[tuple[bytes, wire.PushRowsRequest]]] = {}
         self._waiting: dict[str, list[tuple[bytes, wire.PullRowsRequest]]] = {}
         self.pushes = self.pulls = self.rounds = 0
-        self.dropped_pushes = 0  # backup workers: push_rows too late for a round closed without them
+        self.dropped_pushes = 0  # push_rows too late for a round closed without them, or of a round a restore lost
+        #: Tables whose pushes' bases are compared with their versions, from a restore until each completes a
+        #: round (:mod:`psrt.shard.realign`).
+        self.realigning = 0
         #: ``ssp``: how many pushes a worker may run ahead of the slowest (set with the job's mode).
         self.staleness = 0
         self._clocks: dict[str, dict[int, int]] = {}  # ssp: per table, each worker's latest applied clock
@@ -165,7 +168,11 @@ class TableService:
         self._check_ids(table, req.ids)
         key = (req.table, req.worker)
         replay.check_window(self.logs.get(key), req.session, req.seq, f"push_rows of worker {req.worker}")
-        late = self._late(table, req)  # (backup workers: a round that closed without this push)
+        if self.realigning and req.base is not None and self.store.rounds \
+                and not replay.is_duplicate(self.logs.get(key), req.session, req.seq) \
+                and realign.jump_table(self, table, req.base):  # (restored behind what its workers saw)
+            self._completed(req.table, table)  # a round of a lost version: what waits on it goes on
+        late = self._late(table, req)  # (a round that closed without this push, or one a restore lost)
         if self.store.finished and not late \
                 and not replay.is_duplicate(self.logs.get(key), req.session, req.seq):
             missing = self.store.missing_finished(table.round, req.worker)
@@ -183,6 +190,7 @@ class TableService:
                 self._reply(identity, wire.encode_ack(req.id, [target], True))
             return
         if self._late(table, req):  # dropped, never applied; taken (its seq), answered with what its pushes reach
+            realign.dropped_table(req.worker, table)  # (one push of a lost round: the next ones join)
             replay.record(self.logs, (req.table, req.worker), req.session, req.seq)
             self.pushes += 1
             self.dropped_pushes += 1
@@ -223,11 +231,14 @@ class TableService:
                                                                 self.store.backup_workers)
 
     def _late(self, table: RowTable, req: wire.PushRowsRequest) -> bool:
-        """Backup workers: whether ``req`` was computed from rows older than the round it could join
-        (:func:`psrt.shard.stragglers.late`)."""
+        """Whether ``req`` joins no round: with backup workers, it was computed from rows older than the round it
+        could join (:func:`psrt.shard.stragglers.late`); in any sync job, it belongs to a round a restore lost
+        (:func:`psrt.shard.realign.behind_table`)."""
         store = self.store
-        if not store.drops_late or not store.rounds:
+        if not store.rounds:
             return False
+        if not store.drops_late:
+            return bool(self.realigning and req.base is not None) and realign.behind_table(req.worker, table, req.base)
         if req.base is None:
             raise RequestRefused("config", f"this shard runs with --backup-workers {store.backup_workers}, whose "
                                  f"push_rows must say which table version their rows were computed from; worker "
@@ -240,6 +251,7 @@ class TableService:
         assert rnd.slots is not None and rnd.acc is not None
         table.apply(rnd.slots, rnd.acc, 1.0 / len(rnd.contributors))  # the mean over the round's workers
         rnd.clear()
+        realign.settled(self, table)
         table.evict_due(self.clock())
         self.rounds += 1
         if self.copies is not None:  # the round's rows held R + 1 times before its pulls and acks are answered
@@ -369,6 +381,7 @@ class TableService:
         self.tables = {t.name: t for t in tables}
         self.logs = {(t, w): WorkerLog.restored(session, seq, holes[0] if holes else None)
                      for t, w, session, seq, *holes in logs}
+        realign.restored_tables(self)  # (its workers may have seen versions the checkpoint does not hold)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

@@ -72,6 +72,7 @@ _LANE_AREAS = {"push_rows": (2, 0), "pull_rows": (1, 1)}
 #: The fields of the usual row requests over a lane (no ``base``), which :func:`_lane_rows` decodes inline.
 _PULL_ROWS_LANE = REQUEST_FIELDS["pull_rows"] | {"lane"}
 _PUSH_ROWS_LANE = REQUEST_FIELDS["push_rows"] | {"lane"}
+_PUSH_ROWS_LANE_BASED = _PUSH_ROWS_LANE | {"base"}  # (a sync job's: the version its rows came from)
 
 
 @dataclass
@@ -271,12 +272,12 @@ def _lane_ok(lane: Any, inputs: int, outputs: int) -> bool:
 
 
 def _lane_rows(h: dict[str, Any], buffers: Sequence[Any], limits: WireLimits) -> Any:
-    """A ``pull_rows`` or ``push_rows`` over a lane (without ``base``), every field checked as the general path
-    checks it, with less Python per field (a row call sends a message to every shard); None when anything is
-    unusual, and the general path then says what."""
+    """A ``pull_rows`` or ``push_rows`` over a lane, every field checked as the general path checks it, with less
+    Python per field (a row call sends a message to every shard); None when anything is unusual, and the general
+    path then says what."""
     op = h["op"]
     keys = h.keys()
-    if buffers or not (keys == _PULL_ROWS_LANE or keys == _PUSH_ROWS_LANE):
+    if buffers or not (keys == _PULL_ROWS_LANE or keys == _PUSH_ROWS_LANE or keys == _PUSH_ROWS_LANE_BASED):
         return None
     rid, worker, clock, count, table = h["id"], h["worker"], h["clock"], h["count"], h["table"]
     if not (type(rid) is int and type(worker) is int and type(clock) is int and type(count) is int
@@ -291,16 +292,18 @@ def _lane_rows(h: dict[str, Any], buffers: Sequence[Any], limits: WireLimits) ->
             return None
         return PullRowsRequest(table, 0, IDS_DTYPE, _NO_IDS, rid, worker, version, clock,
                                LaneRef(lane[0], lane[1], lane[2]), count)
-    if op != "push_rows" or keys != _PUSH_ROWS_LANE:
+    if op != "push_rows" or keys == _PULL_ROWS_LANE:
         return None
-    session, seq, dim = h["session"], h["seq"], h["dim"]
+    based = keys == _PUSH_ROWS_LANE_BASED
+    session, seq, dim, base = h["session"], h["seq"], h["dim"], h["base"] if based else None
     dtype = dtypes.from_wire_name(h["dtype"])
     if not (type(session) is int and type(seq) is int and type(dim) is int and 0 <= session <= MAX_U63
             and 0 <= seq <= MAX_U63 and 1 <= dim <= MAX_ROW_DIM and dtype is not None
-            and count * dim * dtype.itemsize <= limits.max_tensor_bytes and _lane_ok(lane, 2, 0)):
+            and count * dim * dtype.itemsize <= limits.max_tensor_bytes and _lane_ok(lane, 2, 0)
+            and (not based or (type(base) is int and 0 <= base <= MAX_U63))):
         return None
     return PushRowsRequest(table, dim, dtype, _NO_IDS, rid, worker, session, seq, np.empty((0, dim), dtype), clock,
-                           None, LaneRef(lane[0], lane[1], lane[2]), count)
+                           base, LaneRef(lane[0], lane[1], lane[2]), count)
 
 
 def _lane_rows_reply(h: dict[str, Any], limits: WireLimits) -> Optional[RowsReply]:

@@ -211,8 +211,10 @@ class EmbeddingClient:
             lo, hi = int(offsets[shard]), int(offsets[shard + 1])
             seq = seqs[shard]
             seqs[shard] += 1
-            # A shard with backup workers is told the table version the rows were computed from (last pulled).
-            base = self._calls.versions.held_tables[shard].get(name, 0) if sender.backup_workers else None
+            # A sync shard is told the table version the rows were computed from (the last pulled): with backup
+            # workers, to drop a straggler's; after a restore, to keep rounds in step (psrt.shard.realign).
+            base = self._calls.versions.held_tables[shard].get(name, 0) \
+                if sender.backup_workers or sender.sync else None
             if order is None:
                 sender.push_rows(handle, name, seq, a[lo:hi], g[lo:hi], clock, base)
             else:
