@@ -376,12 +376,17 @@ def test_embedding_tables_in_sync_mode_follow_the_same_rule():
         finally:
             for c in clients:
                 c.close()
-    # A push_rows that does not say its base is refused by a shard with backup workers, naming the flag.
+    # A client of tables alone (no dense init to learn b from) says its base all the same: its pushes are taken.
+    # One that does not say it (an older client) is refused by a shard with backup workers, naming the flag.
     with serving(_server(workers=2, backup=1)) as server:
         with psrt.Client([server.endpoint], rank=0, num_workers=2, config=CFG) as c:
             c.init_embedding("e", 4, psrt.SGD(lr=LR), init="zeros")
-            with pytest.raises(ServerError, match="--backup-workers"):
-                c.push_rows("e", ids, rows)
+            c.push_rows("e", ids, rows)  # round 0 closes on its first W - b = 1 push
+            np.testing.assert_array_equal(c.pull_rows("e", ids), -LR * rows)
+        with RawPeer(server.endpoint) as peer:
+            head, _ = peer.ask(wire.encode_push_rows(1, 1, 5, 0, "e", ids, rows))
+            assert head["op"] == "error" and "--backup-workers" in head["message"], head
+        assert server.stats()["row_pushes"] == 1
 
 
 @pytest.mark.parametrize("overlap", [False, True])

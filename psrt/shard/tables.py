@@ -242,8 +242,7 @@ class TableService:
         if req.base is None:
             raise RequestRefused("config", f"this shard runs with --backup-workers {store.backup_workers}, whose "
                                  f"push_rows must say which table version their rows were computed from; worker "
-                                 f"{req.worker}'s does not (an older psrt, or a client given servers=[...] that "
-                                 "initialized no dense tensor): run the same psrt everywhere, under the scheduler")
+                                 f"{req.worker}'s does not (an older psrt): run the same psrt everywhere")
         return req.base < table.version + (1 if req.worker in table.round.contributors else 0)
 
     def _step_round(self, name: str, table: RowTable) -> None:

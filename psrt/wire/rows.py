@@ -16,8 +16,8 @@ request         fields (besides ``v, op, id``) + frames                     repl
                 when all are the defaults)
 ``push_rows``   ``worker, session, seq, table, dim, dtype, count`` + ids,    ``ack`` (``versions``: the version
                 gradient rows (duplicate ids are summed); ``base`` (the      that will include the push)
-                table version they were computed from) to a sync
-                shard
+                table version they were computed from; a sync shard
+                reads it)
 ``pull_rows``   ``worker, table, min_version, count`` + ids                  ``rows``
 ``table_stats`` ``table``                                                    ``stats`` (the table's counters)
 ==============  ==========================================================  ===================================
@@ -72,7 +72,7 @@ _LANE_AREAS = {"push_rows": (2, 0), "pull_rows": (1, 1)}
 #: The fields of the usual row requests over a lane, which :func:`_lane_rows` decodes inline.
 _PULL_ROWS_LANE = REQUEST_FIELDS["pull_rows"] | {"lane"}
 _PUSH_ROWS_LANE = REQUEST_FIELDS["push_rows"] | {"lane"}
-_PUSH_ROWS_LANE_BASED = _PUSH_ROWS_LANE | {"base"}  # (a sync job's: the version its rows came from)
+_PUSH_ROWS_LANE_BASED = _PUSH_ROWS_LANE | {"base"}  # (the version its rows came from: every client's now)
 
 
 @dataclass
@@ -118,8 +118,9 @@ class PushRowsRequest(_Rows):
     grads: np.ndarray
     #: ``ssp``: the worker's count of pushes to this table, this one included.
     clock: int = 0
-    #: The table's version (on this shard) of the rows the gradients were computed from; sent to a sync shard
-    #: (with backup workers, to drop a straggler's; after a restore, :mod:`psrt.shard.realign`); None: not said.
+    #: The table's version (on this shard) of the rows the gradients were computed from, which a sync shard reads
+    #: (with backup workers, to drop a straggler's; after a restore, :mod:`psrt.shard.realign`); None: not said
+    #: (an older client).
     base: Optional[int] = None
     #: Over a shared-memory lane: where the ids and rows are (``ids`` and ``grads`` are empty until the shard
     #: binds them to the segment, :meth:`psrt.shm.lanes.ShardLanes.bind_rows`), and their count.
@@ -215,7 +216,7 @@ def decode_row_request(h: dict[str, Any], buffers: Sequence[Any], limits: WireLi
     op = h["op"]
     if "lane" in h and op in _LANE_AREAS and (req := _lane_rows(h, buffers, limits)) is not None:  # every call's
         return req
-    base = uint(h, "base") if op == "push_rows" and "base" in h else None  # (optional: sync shards)
+    base = uint(h, "base") if op == "push_rows" and "base" in h else None  # (optional: an older client's has none)
     if base is not None:
         del h["base"]
     lane = h.pop("lane") if op in _LANE_AREAS and "lane" in h else None
@@ -370,7 +371,7 @@ def encode_push_rows(rid: int, worker: int, session: int, seq: int, table: str, 
                      grads: np.ndarray, clock: int = 0, base: Optional[int] = None,
                      lane: Optional[LaneRef] = None) -> list[Any]:
     """Frames of a ``push_rows`` request: ids (int64) and ``(len(ids), dim)`` C-contiguous gradient rows; ``base``
-    (to a sync shard): the table version the gradients were computed from; ``lane``: the ids and
+    (read by a sync shard): the table version the gradients were computed from; ``lane``: the ids and
     rows are in a shared-memory segment there (copied in by the caller), and no frame carries them."""
     header = {"op": "push_rows", "id": rid, "worker": worker, "session": session, "seq": seq, "clock": clock,
               "table": table, "dim": grads.shape[1], "dtype": dtypes.WIRE_NAMES[grads.dtype], "count": len(ids)}
