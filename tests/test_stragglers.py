@@ -20,7 +20,7 @@ from psrt.config import ClientConfig, ClusterConfig, ServerConfig
 from psrt.control.metrics import per_worker
 from psrt.control.process import psrt_command
 from psrt.control.scheduler import Scheduler
-from psrt.errors import ConfigError, ProtocolError, ServerError
+from psrt.errors import ConfigError, ProtocolError
 from psrt.shard.server import Server
 from psrt.shard.stragglers import Lateness
 
