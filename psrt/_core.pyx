@@ -701,8 +701,8 @@ cdef inline int64_t _first_index_at(int32_t *index, uint64_t mask, int64_t key, 
 
     A scratch index's cells hold only where a key is among the distinct ones (int32; < 0: empty), and the key
     is read there: four bytes a cell, not a key and its value's sixteen. A batch's index is fresh memory every
-    call, in a worker whose caches the shards it woke have just filled with their tables: its size, not the
-    probing, is what the call costs (8,192 ids: a 64 KiB index instead of 256 KiB, its fill and its misses)."""
+    call, in a process whose caches the others on its core have just filled (a worker's, the shards it woke):
+    its size, not the probing, is what the call costs (8,192 ids: a 64 KiB index instead of 256 KiB)."""
     cdef uint64_t j = h & mask
     cdef int64_t k = index[j]
     while k >= 0 and distinct[k] != key:

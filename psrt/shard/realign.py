@@ -95,15 +95,14 @@ def jump(store: Any, entries: Sequence[Any], base: Any) -> list[int]:
 
 
 def jump_table(service: Any, table: Any, base: int) -> bool:
-    """:func:`jump` for an embedding table (a :class:`~psrt.shard.embedding.RowTable`); returns whether its open
-    round was dropped (its pushes were acknowledged as they came: the caller answers what waits on the version)."""
+    """:func:`jump` for an embedding table (a :class:`~psrt.shard.embedding.RowTable`): returns whether its version
+    moved (the caller then answers the pulls that waited for it, the pushers' of a dropped round among them: a row
+    push is acknowledged as it comes, so nothing else of theirs waits)."""
     if base <= table.version:
         return False
-    dropped_round = bool(table.round.contributors)
-    if dropped_round:
-        table.round.clear()
+    table.round.clear()  # (pushes from an older version, acknowledged by the previous life to someone)
     _move_up(service, table, base)
-    return dropped_round
+    return True
 
 
 def behind(worker: int, entries: Sequence[Any], base: Any) -> Optional[list[bool]]:

@@ -171,7 +171,7 @@ class TableService:
         if self.realigning and req.base is not None and self.store.rounds \
                 and not replay.is_duplicate(self.logs.get(key), req.session, req.seq) \
                 and realign.jump_table(self, table, req.base):  # (restored behind what its workers saw)
-            self._completed(req.table, table)  # a round of a lost version: what waits on it goes on
+            self._completed(req.table, table)  # a version reached: what waits on it goes on
         late = self._late(table, req)  # (a round that closed without this push, or one a restore lost)
         if self.store.finished and not late \
                 and not replay.is_duplicate(self.logs.get(key), req.session, req.seq):
