@@ -11,6 +11,7 @@ end, worker 1's last push waited for a worker that had finished.
 from __future__ import annotations
 
 import time
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -31,22 +32,31 @@ def _server(tmp_path, **kw) -> ServerConfig:
     return ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, shm=False, checkpoint_dir=str(tmp_path), **kw)
 
 
-def _checkpoint_at_version_1(tmp_path) -> np.ndarray:
-    """A job's first round (each worker pushes its rank + 1), checkpointed; the parameters it made."""
+def _checkpointed(tmp_path, first_round: Callable[[list[psrt.Client], Any], np.ndarray]) -> np.ndarray:
+    """A two-worker sync job's first round (``first_round(clients, server)``, which returns what it made),
+    checkpointed."""
     with serving(_server(tmp_path)) as server:
         clients = [psrt.Client([server.endpoint], rank=r, num_workers=2, config=CFG) for r in range(2)]
         try:
-            for c in clients:
-                c.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=LR))
-            assert all(s.sync for c in clients for s in c._senders)
-            handles = [c.push_pull_async({"w": np.full(4, r + 1.0, np.float32)}) for r, c in enumerate(clients)]
-            got = [h.wait(20)["w"] for h in handles]
-            np.testing.assert_array_equal(got[0], got[1])
+            made = first_round(clients, server)
             server.checkpoint()
-            return got[0]
+            return made
         finally:
             for c in clients:
                 c.close()
+
+
+def _checkpoint_at_version_1(tmp_path) -> np.ndarray:
+    """A job's first round (each worker pushes its rank + 1), checkpointed; the parameters it made."""
+    def first_round(clients: list[psrt.Client], server: Any) -> np.ndarray:
+        for c in clients:
+            c.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=LR))
+        assert all(s.sync for c in clients for s in c._senders)
+        handles = [c.push_pull_async({"w": np.full(4, r + 1.0, np.float32)}) for r, c in enumerate(clients)]
+        got = [h.wait(20)["w"] for h in handles]
+        np.testing.assert_array_equal(got[0], got[1])
+        return got[0]
+    return _checkpointed(tmp_path, first_round)
 
 
 def _push(rid: int, worker: int, seq: int, grad: float, base: int) -> list:
@@ -152,22 +162,16 @@ IDS = np.array([3, 8, 11], np.int64)
 
 def _table_checkpoint_at_version_1(tmp_path) -> np.ndarray:
     """A job's first round of a table (each worker pushes rank + 1 on every row), checkpointed; its rows."""
-    with serving(_server(tmp_path)) as server:
-        clients = [psrt.Client([server.endpoint], rank=r, num_workers=2, config=CFG) for r in range(2)]
-        try:
-            for c in clients:
-                c.init_embedding("emb", dim=4, optimizer=psrt.SGD(lr=LR))
-            for r, c in enumerate(clients):
-                c.push_rows("emb", IDS, np.full((3, 4), r + 1.0, np.float32))
-            got = [c.pull_rows_async("emb", IDS) for c in clients]
-            rows = [h.wait(20) for h in got]
-            np.testing.assert_array_equal(rows[0], rows[1])
-            assert server.tables.tables["emb"].version == 1
-            server.checkpoint()
-            return rows[0]
-        finally:
-            for c in clients:
-                c.close()
+    def first_round(clients: list[psrt.Client], server: Any) -> np.ndarray:
+        for c in clients:
+            c.init_embedding("emb", dim=4, optimizer=psrt.SGD(lr=LR))
+        for r, c in enumerate(clients):
+            c.push_rows("emb", IDS, np.full((3, 4), r + 1.0, np.float32))
+        rows = [h.wait(20) for h in [c.pull_rows_async("emb", IDS) for c in clients]]
+        np.testing.assert_array_equal(rows[0], rows[1])
+        assert server.tables.tables["emb"].version == 1
+        return rows[0]
+    return _checkpointed(tmp_path, first_round)
 
 
 def _push_rows(rid: int, worker: int, seq: int, grad: float, base: int) -> list:
