@@ -154,14 +154,17 @@ def test_realign_rules_key_by_key():
     assert store.realigning == 0
 
 
-# Embedding tables: the same scene, with a table's rows. A row push is acknowledged as it arrives (its worker then
-# pulls the version the round will make), so the previous life needs only to have taken one worker's push of a
-# round before it died: the other's, still being computed, goes to the restored shard.
+# Embedding tables. A row push is acknowledged as it arrives, and its worker then pulls the version the round
+# will make; after a restart that pull goes again asking for any version and is answered at once with the
+# restored rows. So bases say nothing of rounds here: a push's clock (the worker's count of pushes to the table)
+# does. The scene: round 1 checkpointed (each worker's push 1); the previous life went on to take worker 0's push 4
+# and died before worker 1's push 4 came.
 IDS = np.array([3, 8, 11], np.int64)
 
 
-def _table_checkpoint_at_version_1(tmp_path) -> np.ndarray:
-    """A job's first round of a table (each worker pushes rank + 1 on every row), checkpointed; its rows."""
+def _table_checkpointed(tmp_path, pushers_of_round_2: tuple[int, ...] = ()) -> np.ndarray:
+    """Round 1 of a table (each worker pushes rank + 1 on every row), then the pushes of round 2 by
+    ``pushers_of_round_2`` (its round left open), checkpointed; the rows after round 1."""
     def first_round(clients: list[psrt.Client], server: Any) -> np.ndarray:
         for c in clients:
             c.init_embedding("emb", dim=4, optimizer=psrt.SGD(lr=LR))
@@ -169,14 +172,18 @@ def _table_checkpoint_at_version_1(tmp_path) -> np.ndarray:
             c.push_rows("emb", IDS, np.full((3, 4), r + 1.0, np.float32))
         rows = [h.wait(20) for h in [c.pull_rows_async("emb", IDS) for c in clients]]
         np.testing.assert_array_equal(rows[0], rows[1])
-        assert server.tables.tables["emb"].version == 1
+        for r in pushers_of_round_2:
+            clients[r].push_rows("emb", IDS, np.full((3, 4), 50.0, np.float32))
+        table = server.tables.tables["emb"]
+        assert table.version == 1 and table.round.contributors == set(pushers_of_round_2)
         return rows[0]
     return _checkpointed(tmp_path, first_round)
 
 
-def _push_rows(rid: int, worker: int, seq: int, grad: float, base: int) -> list:
-    return [bytes(f) for f in wire.encode_push_rows(rid, worker, 900 + worker, seq, "emb", IDS,
-                                                    np.full((3, 4), grad, np.float32), seq + 1, base)]
+def _push_rows(rid: int, worker: int, clock: int, grad: float, base: int = 0) -> list:
+    # (Fresh sessions; a push's seq counts from 0 in each.)
+    return [bytes(f) for f in wire.encode_push_rows(rid, worker, 900 + worker, rid - 1, "emb", IDS,
+                                                    np.full((3, 4), grad, np.float32), clock, base)]
 
 
 def _acked(peer: RawPeer) -> int:
@@ -186,46 +193,76 @@ def _acked(peer: RawPeer) -> int:
     return head["versions"][0]
 
 
+def _rows(peer: RawPeer, worker: int, version: int) -> tuple[int, np.ndarray]:
+    head, frames = peer.ask(wire.encode_pull_rows(100 + version, worker, "emb", version, IDS))
+    assert head["op"] == "rows", head
+    return head["version"], np.frombuffer(frames[0], np.float32).reshape(3, 4)
+
+
 @pytest.mark.parametrize("first", ["behind", "ahead"])
-def test_after_a_restore_a_table_keeps_its_workers_rounds_in_step(tmp_path, first):
-    r1 = _table_checkpoint_at_version_1(tmp_path)
+def test_after_a_restore_a_table_pairs_pushes_of_one_clock_and_every_worker_loses_the_same_rounds(tmp_path, first):
+    r1 = _table_checkpointed(tmp_path)
     with serving(_server(tmp_path, restore=True)) as server:
         table = server.tables.tables["emb"]
         assert table.version == 1 and server.tables.realigning == 1
         with RawPeer(server.endpoint) as ahead, RawPeer(server.endpoint) as behind:
             if first == "behind":
-                behind.send(_push_rows(1, 1, 0, 10.0, base=3))  # round 3 again: it joins (acknowledged at once)
-                assert _acked(behind) == 4
-                ahead.send(_push_rows(1, 0, 0, 20.0, base=4))  # round 4: round 3 was lost, dropped with its push
-                assert _acked(ahead) == 5
+                behind.send(_push_rows(1, 1, 4, 10.0, base=3))  # its push 4: worker 0's was lost with the old life
+                assert _acked(behind) == 2
+                ahead.send(_push_rows(1, 0, 5, 20.0, base=1))  # push 5: round 4 can never close, and is dropped
+                assert _acked(ahead) == 3
+                # Worker 1's pull of what its push 4 would make: the restored rows, nothing of round 4.
+                version, rows = _rows(behind, 1, 2)
+                assert version == 2
+                np.testing.assert_array_equal(rows, r1)
             else:
-                ahead.send(_push_rows(1, 0, 0, 20.0, base=4))
-                assert _acked(ahead) == 5
-                behind.send(_push_rows(1, 1, 0, 10.0, base=3))  # a push of a lost round: dropped
-                assert _acked(behind) == 4  # (its next pull gets the rows as they are)
-            assert table.version == 4 and table.round.contributors == {0}
-            # Worker 1's pull of what its push reached: the restored rows, nothing of round 3 in them.
-            head, frames = behind.ask(wire.encode_pull_rows(2, 1, "emb", 4, IDS))
-            assert head["op"] == "rows" and head["version"] == 4, head
-            np.testing.assert_array_equal(np.frombuffer(frames[0], np.float32).reshape(3, 4), r1)
-            behind.send(_push_rows(3, 1, 1, 12.0, base=4))  # from version 4: round 4 closes
-            assert _acked(behind) == 5
-            head, frames = ahead.ask(wire.encode_pull_rows(2, 0, "emb", 5, IDS))
-            assert head["version"] == 5, head
-            expected = r1 - LR * np.float32((20.0 + 12.0) / 2)  # worker 0's step and worker 1's, together
-            np.testing.assert_allclose(np.frombuffer(frames[0], np.float32).reshape(3, 4), expected)
-            assert table.skipped is None and server.tables.realigning == 0  # in step: the next round is as any
+                ahead.send(_push_rows(1, 0, 5, 20.0, base=1))
+                assert _acked(ahead) == 2
+                behind.send(_push_rows(1, 1, 4, 10.0, base=3))  # a push of a lost round: dropped
+                assert _acked(behind) == 1  # (its pull gets the rows as they are)
+                version, rows = _rows(behind, 1, 1)
+                assert version == 1
+                np.testing.assert_array_equal(rows, r1)
+            assert table.round.contributors == {0} and table.round.clock == 5
+            behind.send(_push_rows(2, 1, 5, 12.0))  # its push 5: round 5 closes with worker 0's
+            v = _acked(behind)
+            version, rows = _rows(ahead, 0, v)
+            assert version == v == table.version
+            np.testing.assert_allclose(rows, r1 - LR * np.float32((20.0 + 12.0) / 2))  # the two pushes 5, together
+            assert not table.realigning and server.tables.realigning == 0  # in step: the next round is as any
         assert server.stats()["dropped_row_pushes"] == (1 if first == "ahead" else 0)
 
 
-def test_a_table_restored_at_the_version_its_workers_saw_takes_an_old_base_into_its_round(tmp_path):
-    """Nothing skipped: a worker that pushes without pulling (an old base) joins, as without a restore."""
-    r1 = _table_checkpoint_at_version_1(tmp_path)
+def test_after_a_restore_pushes_of_one_clock_pair_whatever_their_bases(tmp_path):
+    """The previous life closed round 4 and answered worker 0's pull only: worker 1's pull, sent again, got the
+    restored rows. Their pushes 5 say bases 5 and 1, and still make one round."""
+    r1 = _table_checkpointed(tmp_path)
     with serving(_server(tmp_path, restore=True)) as server:
         with RawPeer(server.endpoint) as a, RawPeer(server.endpoint) as b:
-            a.send(_push_rows(1, 0, 0, 2.0, base=0))
-            b.send(_push_rows(1, 1, 0, 4.0, base=1))
+            a.send(_push_rows(1, 0, 5, 2.0, base=5))
+            b.send(_push_rows(1, 1, 5, 4.0, base=1))
             assert _acked(a) == 2 and _acked(b) == 2
-            head, frames = a.ask(wire.encode_pull_rows(2, 0, "emb", 2, IDS))
-            np.testing.assert_allclose(np.frombuffer(frames[0], np.float32).reshape(3, 4), r1 - LR * 3.0)
-        assert server.stats()["dropped_row_pushes"] == 0 and server.tables.realigning == 0
+            np.testing.assert_allclose(_rows(a, 0, 2)[1], r1 - LR * 3.0)
+            assert server.tables.realigning == 0
+            # Once in step, clocks decide nothing (as in a job never restored).
+            a.send(_push_rows(2, 0, 9, 2.0))
+            b.send(_push_rows(2, 1, 6, 4.0))
+            assert _acked(a) == 3 and _acked(b) == 3
+        assert server.stats()["dropped_row_pushes"] == 0
+
+
+def test_a_round_in_progress_in_the_checkpoint_keeps_its_clock(tmp_path):
+    """Worker 0's push 2 is in the checkpoint's open round; the previous life went further. Worker 1's push 4 shows
+    round 2 lost: it is dropped, and worker 0's push 4, held back behind it, makes round 4 with worker 1's."""
+    r1 = _table_checkpointed(tmp_path, pushers_of_round_2=(0,))
+    with serving(_server(tmp_path, restore=True)) as server:
+        table = server.tables.tables["emb"]
+        assert table.round.contributors == {0} and table.round.clock == 2
+        with RawPeer(server.endpoint) as a, RawPeer(server.endpoint) as b:
+            a.send(_push_rows(1, 0, 4, 2.0))  # worker 0 is in the open round: held back
+            assert not a.answered(0.3)
+            b.send(_push_rows(1, 1, 4, 4.0))
+            assert _acked(a) == 3 and _acked(b) == 3
+            version, rows = _rows(b, 1, 3)
+            assert version == 3
+            np.testing.assert_allclose(rows, r1 - LR * 3.0)  # nothing of round 2's 50s

@@ -203,6 +203,27 @@ def test_i3_a_table_copy_carries_each_log_s_replay_holes():
             rowcopy.decode_replicate_rows([wire.pack_header(header), *frames[1:]], WireLimits())
 
 
+def test_i3_a_table_copy_carries_its_open_round_s_clock():
+    """The clock of the round in progress (psrt.shard.realign reads it after a restore) travels with a copy; a
+    malformed one is a protocol error, a copy without it (an older psrt's) is taken."""
+    from psrt.config import WireLimits
+
+    spec = TableSpec(dim=3, dtype=np.dtype(np.float32), optimizer=psrt.SGD(lr=0.1), init="zeros")
+    table = RowTable(spec, 1000, "emb")
+    table.round.add(1, np.zeros(0, np.int64), np.zeros((0, 3), np.float32), 7)
+    record, arrays = table.state(False)
+    assert record["round_clock"] == 7
+    frames = rowcopy.encode_replicate_rows(9, "t", 0, 0, "emb", record, arrays, [], {}, True)
+    header = wire.unpack_header(bytes(frames[0]), WireLimits())
+    assert rowcopy.decode_replicate_rows([bytes(f) for f in frames], WireLimits()).record["round_clock"] == 7
+    for bad in (-1, "7", 1.5, 2**63):
+        header["record"]["round_clock"] = bad
+        with pytest.raises(ProtocolError, match="round_clock"):
+            rowcopy.decode_replicate_rows([wire.pack_header(header), *frames[1:]], WireLimits())
+    del header["record"]["round_clock"]
+    assert rowcopy.decode_replicate_rows([wire.pack_header(header), *frames[1:]], WireLimits()).record["name"] == "emb"
+
+
 @pytest.mark.parametrize("field", ["token", "sender", "range", "table", "record", "logs", "clocks", "full"])
 @pytest.mark.parametrize("bad", [-1, {"a": 1}, [[1, 2, 3, 4]], None])
 def test_i3_every_malformed_field_of_a_table_copy_is_a_protocol_error(field, bad):

@@ -70,9 +70,14 @@ class RowRound:
     expected: frozenset[int] = frozenset()
     slots: Optional[np.ndarray] = None
     acc: Optional[np.ndarray] = None
+    #: The clock (the worker's count of pushes to the table) of the round's first push: in a sync job, every push
+    #: of a round has it (:mod:`psrt.shard.realign` reads it after a restore). None: not known.
+    clock: Optional[int] = None
 
-    def add(self, worker: int, slots: np.ndarray, rows: np.ndarray) -> None:
-        """Sum a worker's coalesced rows into the round."""
+    def add(self, worker: int, slots: np.ndarray, rows: np.ndarray, clock: Optional[int] = None) -> None:
+        """Sum a worker's coalesced rows into the round (``clock``: its push's)."""
+        if not self.contributors:
+            self.clock = clock
         if self.slots is None or self.acc is None:
             self.slots, self.acc = slots, rows
         else:
@@ -83,6 +88,7 @@ class RowRound:
         """Forget the round (after it was applied)."""
         self.contributors.clear()
         self.slots = self.acc = None
+        self.clock = None
 
     def nbytes(self) -> int:
         """Bytes held by the round's sum."""
@@ -109,10 +115,9 @@ class RowTable:
         self.used = 0
         self.version = 0
         self.round = RowRound()
-        #: Sync mode, after a restore (:mod:`psrt.shard.realign`): ``(from, to)``, the versions a push's base moved
-        #: the table past, and the workers whose push of such a round was dropped; None once a round completed.
-        self.skipped: Optional[tuple[int, int]] = None
-        self.realigned: Optional[set[int]] = None
+        #: Sync mode: restored from a checkpoint and no round completed since, so pushes' clocks decide the rounds
+        #: (:mod:`psrt.shard.realign`).
+        self.realigning = False
         cap = min(_MIN_ROWS, max_rows)
         self.param = np.zeros((cap, spec.dim), spec.dtype)
         self.slots = {name: np.zeros_like(self.param) for name in spec.optimizer.slots}
@@ -333,8 +338,8 @@ class RowTable:
                   "init": spec.init, "a": spec.a, "b": spec.b, "seed": spec.seed, "num_rows": spec.num_rows,
                   "max_rows": self.max_rows, "used": self.used, "version": self.version,
                   "contributors": sorted(self.round.contributors), "expected": sorted(self.round.expected),
-                  "slots": sorted(self.slots), "layout": 2, "delta": delta, "policy": spec.policy(),
-                  "tick": self.tick, "evicted": self.evicted, "admitted": self.admitted}
+                  "round_clock": self.round.clock, "slots": sorted(self.slots), "layout": 2, "delta": delta,
+                  "policy": spec.policy(), "tick": self.tick, "evicted": self.evicted, "admitted": self.admitted}
         rows = np.flatnonzero(self.dirty[:self.used]) if delta else slice(0, self.used)
         removed = np.concatenate(self.removed) if delta and self.removed else np.empty(0, np.int64)
         arrays = [self.param[rows], *(self.slots[n][rows] for n in record["slots"]), self.row_ids[rows],
@@ -408,6 +413,7 @@ class RowTable:
             self.round.slots, self.round.acc = at, acc.reshape(-1, self.spec.dim)
         self.round.contributors = set(record["contributors"])
         self.round.expected = frozenset(record["expected"])
+        self.round.clock = record.get("round_clock")  # (None from a checkpoint written before it was kept)
         if self.pending is not None and record["pending"] is not None:
             self.pending.apply(record["pending"], [next(it) for _ in range(5)])
         if next(it, None) is not None or n != len(self.slots):

@@ -22,18 +22,35 @@ computed from the same parameters. Without a restore a base never exceeds its ke
 bases only from a restore until each key has completed a round (:attr:`~psrt.shard.store.Store.realigning`). A
 shard with backup workers drops a push with an old base anyway (:func:`psrt.shard.stragglers.late`).
 
-An embedding table is one such key (:func:`jump_table`, :func:`behind_table`; a ``push_rows`` says its table's
-``base``, :attr:`psrt.wire.PushRowsRequest.base`). A row push is acknowledged as it arrives, so there the window is
-wide: a worker's push of round s taken (and acknowledged) by the previous life, the other's still being computed
-when it died, is enough.
+An embedding table is kept in step by another mark (:func:`restored_tables`, :func:`stale_round`,
+:func:`lost_push`): a row push is acknowledged as it arrives, its worker then pulls the version the round will
+make, and after a restart that pull is sent again asking for any version, answered at once with the restored
+rows. A base then says what the worker last received, not which round its push is of: two workers whose pushes
+belong together can say different bases. What does say it is the push's ``clock``, the worker's count of pushes
+to the table, the same in every round of a sync job: a round is made of pushes of one clock. The previous life
+may have taken one worker's push of round s and died before another's came (a window as wide as the workers'
+skew); the first worker then pushes round s + 1, the second round s, and by arrival they would be paired for the
+rest of the job, its end waiting on the last push of the worker behind. So, from a restore until the table
+completes a round:
+
+- a push whose clock is below the open round's is of a round whose other pushes were lost: dropped, acknowledged
+  with the table's version as it is (its worker pulls the rows as they are and pushes its next);
+- a push whose clock is above the open round's, from a worker not in it, shows that round's clock lost for
+  someone: the open round is dropped (its pushes were acknowledged; the version moves on by one with the rows
+  unchanged, which answers their pulls), and the push opens the next.
+
+Every worker loses the same rounds, and the next round is made of pushes of the same clock. A round in
+progress in the checkpoint keeps its clock there; an older checkpoint's (no clock) is joined by arrival. Only a
+fixed job's workers count alike (in an elastic job a worker that joined counts from 1): an elastic job's tables
+and a job with backup workers (whose rule is the base's) are joined by arrival after a restore, as before.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-__all__ = ["behind", "behind_table", "dropped", "dropped_table", "jump", "jump_table", "restored", "restored_tables",
-           "settled"]
+__all__ = ["behind", "drop_round", "dropped", "jump", "lost_push", "restored", "restored_tables", "settled",
+           "settled_table", "stale_round"]
 
 
 def _bases(base: Any, n: int) -> Sequence[int]:
@@ -46,31 +63,6 @@ def restored(store: Any) -> None:
     for entry in store.entries.values():
         entry.skipped, entry.realigned = (entry.version, entry.version), set()  # (nothing skipped yet)
     store.realigning = len(store.entries)
-
-
-def restored_tables(service: Any) -> None:
-    """:func:`restored`, for the embedding tables of ``service`` (a :class:`~psrt.shard.tables.TableService`)."""
-    for table in service.tables.values():
-        table.skipped, table.realigned = (table.version, table.version), set()
-    service.realigning = len(service.tables)
-
-
-def _move_up(owner: Any, key: Any, base: int) -> None:
-    """Move ``key``'s version up to ``base``, remembering the versions skipped (``owner.realigning`` counts the keys
-    that have any)."""
-    if key.skipped is None:
-        key.skipped = (key.version, base)
-        key.realigned = set()
-        owner.realigning += 1
-    else:
-        key.skipped = (key.skipped[0], base)
-    key.version = base
-
-
-def _behind(worker: int, key: Any, base: int, contributors: Any) -> bool:
-    skipped = key.skipped
-    return skipped is not None and skipped[0] <= base < skipped[1] and worker not in key.realigned \
-        and worker not in contributors
 
 
 def jump(store: Any, entries: Sequence[Any], base: Any) -> list[int]:
@@ -90,19 +82,14 @@ def jump(store: Any, entries: Sequence[Any], base: Any) -> list[int]:
             entry.held.clear()
             entry.acc_filled = False
             dropped_rounds.append(i)
-        _move_up(store, entry, b)
+        if entry.skipped is None:
+            entry.skipped = (entry.version, b)
+            entry.realigned = set()
+            store.realigning += 1
+        else:
+            entry.skipped = (entry.skipped[0], b)
+        entry.version = b
     return dropped_rounds
-
-
-def jump_table(service: Any, table: Any, base: int) -> bool:
-    """:func:`jump` for an embedding table (a :class:`~psrt.shard.embedding.RowTable`): returns whether its version
-    moved (the caller then answers the pulls that waited for it, the pushers' of a dropped round among them: a row
-    push is acknowledged as it comes, so nothing else of theirs waits)."""
-    if base <= table.version:
-        return False
-    table.round.clear()  # (pushes from an older version, acknowledged by the previous life to someone)
-    _move_up(service, table, base)
-    return True
 
 
 def behind(worker: int, entries: Sequence[Any], base: Any) -> Optional[list[bool]]:
@@ -110,28 +97,18 @@ def behind(worker: int, entries: Sequence[Any], base: Any) -> Optional[list[bool
     not applied, answered with the parameters as they are); None when no key's is."""
     mask = None
     for i, (entry, b) in enumerate(zip(entries, _bases(base, len(entries)))):
-        if _behind(worker, entry, b, entry.contributors):
+        skipped = entry.skipped
+        if skipped is None:
+            continue
+        if skipped[0] <= b < skipped[1] and worker not in entry.realigned and worker not in entry.contributors:
             if mask is None:
                 mask = [False] * len(entries)
             mask[i] = True
     return mask
 
 
-def behind_table(worker: int, table: Any, base: int) -> bool:
-    """:func:`behind` for an embedding table: whether ``worker``'s push from ``base`` is one of a lost round (it is
-    dropped, acknowledged with the table's version; :func:`dropped_table` then lets its next pushes join)."""
-    return _behind(worker, table, base, table.round.contributors)
-
-
-def dropped_table(worker: int, table: Any) -> None:
-    """:func:`dropped` for an embedding table."""
-    if table.realigned is not None:
-        table.realigned.add(worker)
-
-
 def settled(store: Any, entry: Any) -> None:
-    """A round of ``entry`` (a dense key, or a table of a :class:`~psrt.shard.tables.TableService` ``store``)
-    completed: every worker is in step again, and nothing is skipped any more."""
+    """A round of ``entry`` completed: every worker is in step again, and nothing is skipped any more."""
     if entry.skipped is not None:
         entry.skipped = entry.realigned = None
         store.realigning -= 1
@@ -142,3 +119,43 @@ def dropped(worker: int, entries: Sequence[Any], mask: Sequence[bool]) -> None:
     for entry, x in zip(entries, mask):
         if x and entry.realigned is not None:
             entry.realigned.add(worker)
+
+
+# ---------------------------------------------------------------------------------------------- tables
+def restored_tables(service: Any) -> None:
+    """The tables of ``service`` (a :class:`~psrt.shard.tables.TableService`) were restored from a checkpoint:
+    until each completes a round, its pushes' clocks decide the rounds (see the module's docstring)."""
+    for table in service.tables.values():
+        table.realigning = True
+    service.realigning = len(service.tables)
+
+
+def stale_round(table: Any, worker: int, clock: int) -> bool:
+    """Whether a push of ``worker`` at ``clock`` shows the open round of ``table`` (a restored
+    :class:`~psrt.shard.embedding.RowTable`) to be of a clock some worker's push was lost at: the caller drops
+    the round (:func:`drop_round`)."""
+    rnd = table.round
+    return table.realigning and bool(rnd.contributors) and rnd.clock is not None and clock > rnd.clock \
+        and worker not in rnd.contributors
+
+
+def drop_round(table: Any) -> None:
+    """Drop the open round of ``table`` unapplied; the version moves on by one with the rows as they are, so that
+    its pushers' pulls (of the version their acknowledgements named) are answered."""
+    table.round.clear()
+    table.version += 1
+
+
+def lost_push(table: Any, worker: int, clock: int) -> bool:
+    """Whether a push of ``worker`` at ``clock`` is of a round whose other pushes were lost (the open round is of
+    a later clock): it is dropped, acknowledged with the version as it is."""
+    rnd = table.round
+    return table.realigning and bool(rnd.contributors) and rnd.clock is not None and clock < rnd.clock \
+        and worker not in rnd.contributors
+
+
+def settled_table(service: Any, table: Any) -> None:
+    """A round of ``table`` completed: its workers are in step, and clocks decide nothing any more."""
+    if table.realigning:
+        table.realigning = False
+        service.realigning -= 1

@@ -167,7 +167,8 @@ class TableCopies:
                   "init": spec.init, "a": spec.a, "b": spec.b, "seed": spec.seed, "num_rows": spec.num_rows,
                   "max_rows": table.max_rows, "used": table.used, "version": table.version,
                   "contributors": sorted(table.round.contributors), "expected": sorted(table.round.expected),
-                  "slots": sorted(table.slots), "layout": 2, "delta": True, "policy": spec.policy(),
+                  "round_clock": table.round.clock, "slots": sorted(table.slots), "layout": 2, "delta": True,
+                  "policy": spec.policy(),
                   "tick": table.tick, "evicted": table.evicted, "admitted": table.admitted, "rows": len(rows)}
         arrays = [table.param[rows], *(table.slots[n][rows] for n in record["slots"]), table.row_ids[rows],
                   table.last[rows], table.when[rows], removed]

@@ -168,10 +168,10 @@ class TableService:
         self._check_ids(table, req.ids)
         key = (req.table, req.worker)
         replay.check_window(self.logs.get(key), req.session, req.seq, f"push_rows of worker {req.worker}")
-        if self.realigning and req.base is not None and self.store.rounds \
-                and not replay.is_duplicate(self.logs.get(key), req.session, req.seq) \
-                and realign.jump_table(self, table, req.base):  # (restored behind what its workers saw)
-            self._completed(req.table, table)  # a version reached: what waits on it goes on
+        if self._by_clock() and realign.stale_round(table, req.worker, req.clock) \
+                and not replay.is_duplicate(self.logs.get(key), req.session, req.seq):
+            realign.drop_round(table)  # (restored: a push of this round was lost with the previous life)
+            self._completed(req.table, table)  # its pushers' pulls are answered, their next pushes taken
         late = self._late(table, req)  # (a round that closed without this push, or one a restore lost)
         if self.store.finished and not late \
                 and not replay.is_duplicate(self.logs.get(key), req.session, req.seq):
@@ -190,7 +190,6 @@ class TableService:
                 self._reply(identity, wire.encode_ack(req.id, [target], True))
             return
         if self._late(table, req):  # dropped, never applied; taken (its seq), answered with what its pushes reach
-            realign.dropped_table(req.worker, table)  # (one push of a lost round: the next ones join)
             replay.record(self.logs, (req.table, req.worker), req.session, req.seq)
             self.pushes += 1
             self.dropped_pushes += 1
@@ -217,7 +216,7 @@ class TableService:
         rnd = table.round
         if not rnd.contributors and self.store.members is not None:
             rnd.expected = self.store.members
-        rnd.add(req.worker, slots, grads)
+        rnd.add(req.worker, slots, grads, req.clock)
         table.evict_due(now)  # never the round's rows: a capacity may be passed until the round completes
         if self.copies is None or not self.copies.hold(identity, req.id, req.table, table.version + 1, False):
             self._reply(identity, wire.encode_ack(req.id, [table.version + 1], False))
@@ -233,24 +232,31 @@ class TableService:
     def _late(self, table: RowTable, req: wire.PushRowsRequest) -> bool:
         """Whether ``req`` joins no round: with backup workers, it was computed from rows older than the round it
         could join (:func:`psrt.shard.stragglers.late`); in any sync job, it belongs to a round a restore lost
-        (:func:`psrt.shard.realign.behind_table`)."""
+        (:func:`psrt.shard.realign.lost_push`)."""
         store = self.store
         if not store.rounds:
             return False
         if not store.drops_late:
-            return bool(self.realigning and req.base is not None) and realign.behind_table(req.worker, table, req.base)
+            return self._by_clock() and realign.lost_push(table, req.worker, req.clock)
         if req.base is None:
             raise RequestRefused("config", f"this shard runs with --backup-workers {store.backup_workers}, whose "
                                  f"push_rows must say which table version their rows were computed from; worker "
                                  f"{req.worker}'s does not (an older psrt): run the same psrt everywhere")
         return req.base < table.version + (1 if req.worker in table.round.contributors else 0)
 
+    def _by_clock(self) -> bool:
+        """Whether pushes' clocks may decide a restored table's rounds (:mod:`psrt.shard.realign`): a fixed sync
+        job's, whose every worker counts the same pushes (in an elastic one a worker that joined counts from 1;
+        with backup workers a push's base decides)."""
+        store = self.store
+        return bool(self.realigning) and store.rounds and not store.drops_late and store.members is None
+
     def _step_round(self, name: str, table: RowTable) -> None:
         rnd = table.round
         assert rnd.slots is not None and rnd.acc is not None
         table.apply(rnd.slots, rnd.acc, 1.0 / len(rnd.contributors))  # the mean over the round's workers
         rnd.clear()
-        realign.settled(self, table)
+        realign.settled_table(self, table)
         table.evict_due(self.clock())
         self.rounds += 1
         if self.copies is not None:  # the round's rows held R + 1 times before its pulls and acks are answered
@@ -380,7 +386,7 @@ class TableService:
         self.tables = {t.name: t for t in tables}
         self.logs = {(t, w): WorkerLog.restored(session, seq, holes[0] if holes else None)
                      for t, w, session, seq, *holes in logs}
-        realign.restored_tables(self)  # (its workers may have seen versions the checkpoint does not hold)
+        realign.restored_tables(self)  # (its previous life may have taken a push of a round and not another)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

@@ -144,9 +144,12 @@ def _uint_pairs(value: Any, width: int, what: str) -> list[list[int]]:
 
 
 def _check_record(record: Any) -> dict[str, Any]:
-    extra = {"removed", "round_rows"}
+    extra = {"removed", "round_rows", "round_clock"}  # (round_clock: the open round's, or nil; a newer psrt's)
     if type(record) is not dict or not set(_RECORD) <= set(record) <= set(_RECORD) | extra:
         raise ProtocolError(f"field 'record' must be a table record with the fields {sorted(_RECORD)}")
+    clock = record.get("round_clock")
+    if clock is not None and (type(clock) is not int or not 0 <= clock <= MAX_U63):
+        raise ProtocolError("record field 'round_clock' must be an unsigned integer or nil")
     for key, types in _RECORD.items():
         if type(record[key]) not in types:
             raise ProtocolError(f"record field {key!r} has the wrong type ({type(record[key]).__name__})")

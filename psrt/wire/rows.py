@@ -16,8 +16,8 @@ request         fields (besides ``v, op, id``) + frames                     repl
                 when all are the defaults)
 ``push_rows``   ``worker, session, seq, table, dim, dtype, count`` + ids,    ``ack`` (``versions``: the version
                 gradient rows (duplicate ids are summed); ``base`` (the      that will include the push)
-                table version they were computed from; a sync shard
-                reads it)
+                table version they were computed from; a shard with
+                backup workers reads it)
 ``pull_rows``   ``worker, table, min_version, count`` + ids                  ``rows``
 ``table_stats`` ``table``                                                    ``stats`` (the table's counters)
 ==============  ==========================================================  ===================================
@@ -116,11 +116,11 @@ class PushRowsRequest(_Rows):
     session: int
     seq: int
     grads: np.ndarray
-    #: ``ssp``: the worker's count of pushes to this table, this one included.
+    #: The worker's count of pushes to this table, this one included: ``ssp`` bounds staleness by it, and a sync
+    #: shard restored from a checkpoint makes its rounds of pushes of one clock (:mod:`psrt.shard.realign`).
     clock: int = 0
-    #: The table's version (on this shard) of the rows the gradients were computed from, which a sync shard reads
-    #: (with backup workers, to drop a straggler's; after a restore, :mod:`psrt.shard.realign`); None: not said
-    #: (an older client).
+    #: The table's version (on this shard) of the rows the gradients were computed from, by which a shard with
+    #: backup workers drops a straggler's; None: not said (an older client).
     base: Optional[int] = None
     #: Over a shared-memory lane: where the ids and rows are (``ids`` and ``grads`` are empty until the shard
     #: binds them to the segment, :meth:`psrt.shm.lanes.ShardLanes.bind_rows`), and their count.
@@ -371,7 +371,7 @@ def encode_push_rows(rid: int, worker: int, session: int, seq: int, table: str, 
                      grads: np.ndarray, clock: int = 0, base: Optional[int] = None,
                      lane: Optional[LaneRef] = None) -> list[Any]:
     """Frames of a ``push_rows`` request: ids (int64) and ``(len(ids), dim)`` C-contiguous gradient rows; ``base``
-    (read by a sync shard): the table version the gradients were computed from; ``lane``: the ids and
+    (read by a shard with backup workers): the table version the gradients were computed from; ``lane``: the ids and
     rows are in a shared-memory segment there (copied in by the caller), and no frame carries them."""
     header = {"op": "push_rows", "id": rid, "worker": worker, "session": session, "seq": seq, "clock": clock,
               "table": table, "dim": grads.shape[1], "dtype": dtypes.WIRE_NAMES[grads.dtype], "count": len(ids)}

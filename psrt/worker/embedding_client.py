@@ -211,10 +211,10 @@ class EmbeddingClient:
             lo, hi = int(offsets[shard]), int(offsets[shard + 1])
             seq = seqs[shard]
             seqs[shard] += 1
-            # Every push says the table version its rows were computed from (the last pulled from that shard): a sync
-            # shard with backup workers drops a straggler's by it, and one restored behind its workers keeps their
-            # rounds in step (psrt.shard.realign). Always, not only once a shard said it is sync: a worker of
-            # tables alone sends no dense init, whose answer says it (async and ssp shards ignore it).
+            # Every push says the table version its rows were computed from (the last pulled from that shard), by
+            # which a shard with backup workers drops a straggler's. Always, not only once a shard said it has
+            # backup workers: a worker of tables alone sends no dense init, whose answer says it (other shards
+            # ignore it).
             base = self._calls.versions.held_tables[shard].get(name, 0)
             if order is None:
                 sender.push_rows(handle, name, seq, a[lo:hi], g[lo:hi], clock, base)
