@@ -67,8 +67,8 @@ class TableService:
         self._waiting: dict[str, list[tuple[bytes, wire.PullRowsRequest]]] = {}
         self.pushes = self.pulls = self.rounds = 0
         self.dropped_pushes = 0  # push_rows too late for a round closed without them, or of a round a restore lost
-        #: Tables whose pushes' bases are compared with their versions, from a restore until each completes a
-        #: round (:mod:`psrt.shard.realign`).
+        #: Tables whose rounds their pushes' clocks decide, from a restore until each completes a round
+        #: (:mod:`psrt.shard.realign`).
         self.realigning = 0
         #: ``ssp``: how many pushes a worker may run ahead of the slowest (set with the job's mode).
         self.staleness = 0

@@ -293,9 +293,9 @@ def _lane_rows(h: dict[str, Any], buffers: Sequence[Any], limits: WireLimits) ->
             return None
         return PullRowsRequest(table, 0, IDS_DTYPE, _NO_IDS, rid, worker, version, clock,
                                LaneRef(lane[0], lane[1], lane[2]), count)
-    if op != "push_rows" or keys == _PULL_ROWS_LANE:
-        return None
     based = keys == _PUSH_ROWS_LANE_BASED
+    if op != "push_rows" or not (based or keys == _PUSH_ROWS_LANE):
+        return None
     session, seq, dim, base = h["session"], h["seq"], h["dim"], h["base"] if based else None
     dtype = dtypes.from_wire_name(h["dtype"])
     if not (type(session) is int and type(seq) is int and type(dim) is int and 0 <= session <= MAX_U63
