@@ -82,14 +82,15 @@ def sync_slice(servers: list[str], rank: int, workers: int, steps: int, seed: in
 
 
 def ride(servers: Optional[list[str]], rank: int, workers: int, steps: int, step_s: float,
-         settle: bool = False) -> dict:
+         settle: bool = False, plain: bool = False) -> dict:
     """A worker whose every push is recognisable: push (rank, step) adds W at index rank*T + step of ``w``.
 
     With SGD lr=1 in sync mode over W workers, each applied push moves its own index of ``w`` by exactly -1: after
     training, an index at 0 is a push lost, -1 applied once, -2 applied twice. Returns the counts, the longest
     step, and per rank the steps whose push was lost. ``servers`` None: join the job of the scheduler in
     ``PSRT_SCHEDULER``. ``settle`` (async mode, under a scheduler): every worker's pushes are in before the final
-    pull (a barrier first).
+    pull (a barrier first). ``plain``: each step a ``push`` then a ``pull`` (acknowledged as it arrives, the push
+    leaves the pull to wait for its round) instead of one ``push_pull``.
     """
     size = workers * steps
     gaps, last = [], None
@@ -99,7 +100,11 @@ def ride(servers: Optional[list[str]], rank: int, workers: int, steps: int, step
         for step in range(steps):
             grad[:] = 0
             grad[rank * steps + step] = workers
-            client.push_pull({"w": grad})
+            if plain:
+                client.push({"w": grad})
+                client.pull(["w"])
+            else:
+                client.push_pull({"w": grad})
             now = time.monotonic()
             if last is not None:
                 gaps.append(now - last)

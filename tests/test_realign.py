@@ -154,6 +154,111 @@ def test_realign_rules_key_by_key():
     assert store.realigning == 0
 
 
+# Plain pushes (a push, then a pull). A push is acknowledged as it arrives; its worker then pulls the version the
+# round will make, and after a restart that pull goes again (``again``: any version will do) and is answered at
+# once with the restored parameters. So a base cannot tell the worker whose push the previous life took: its next
+# push says the same base as the other worker's push of the round it lost. The pull sent again says it (the
+# version it asks for).
+def _plain_push(rid: int, worker: int, seq: int, grad: float, base: int) -> list:
+    return [bytes(f) for f in wire.encode_push(rid, worker, 900 + worker, seq, ENTRIES,
+                                               [np.full(4, grad, np.float32)], False, seq + 1, base=base)]
+
+
+def _pulled(peer: RawPeer, rid: int, worker: int, version: int, again: bool = False,
+            send: bool = True) -> tuple[int, np.ndarray]:
+    if send:
+        peer.send([bytes(f) for f in wire.encode_pull(rid, worker, [["w", 0, version]], again=again)])
+    assert peer.answered(5), "a pull was not answered"
+    head, frames = peer.recv()
+    assert head["op"] == "params", head
+    return head["versions"][0], np.frombuffer(frames[0], np.float32)
+
+
+def _ack(peer: RawPeer) -> int:
+    assert peer.answered(5), "a push was not acknowledged"
+    head, _ = peer.recv()
+    assert head["op"] == "ack", head
+    return head["versions"][0]
+
+
+@pytest.mark.parametrize("first", ["pull", "push"])
+def test_after_a_restore_a_pull_sent_again_shows_the_push_the_shard_lost(tmp_path, first):
+    """The previous life took worker 0's push of round 2 (acknowledged) and died before worker 1's came: worker 0's
+    pull of version 2 goes again, and worker 1 pushes round 2. Round 2 is lost for both: worker 1's push is dropped
+    (or its round, when it came first), and both workers' next pushes make round 3 together."""
+    v1 = _checkpoint_at_version_1(tmp_path)
+    with serving(_server(tmp_path, restore=True)) as server:
+        entry = server.store.entries[("w", 0)]
+        with RawPeer(server.endpoint) as w0, RawPeer(server.endpoint) as w1:
+            if first == "pull":
+                version, params = _pulled(w0, 1, 0, 2, again=True)
+                assert version == 2
+                w1.send(_plain_push(1, 1, 0, 10.0, base=1))  # its push of round 2: dropped
+                assert _ack(w1) == 2
+            else:
+                w1.send(_plain_push(1, 1, 0, 10.0, base=1))  # it joins round 2, which worker 0's pull then drops
+                assert _ack(w1) == 2
+                w1.send([bytes(f) for f in wire.encode_pull(2, 1, [["w", 0, 2]])])
+                assert not w1.answered(0.3)  # (round 2 waits for worker 0)
+                version, params = _pulled(w0, 1, 0, 2, again=True)
+                assert version == 2
+            np.testing.assert_array_equal(params, v1)  # the restored parameters: nothing of round 2
+            version, params = _pulled(w1, 3, 1, 2, send=first == "pull")
+            assert version == 2
+            np.testing.assert_array_equal(params, v1)
+            assert entry.version == 2 and not entry.contributors
+            # Each worker's next step, from version 2: one round.
+            w0.send(_plain_push(2, 0, 1, 20.0, base=2))
+            w1.send(_plain_push(4, 1, 1, 12.0, base=2))
+            assert _ack(w0) == 3 and _ack(w1) == 3
+            version, params = _pulled(w0, 3, 0, 3)
+            assert version == 3
+            np.testing.assert_allclose(params, v1 - LR * np.float32((20.0 + 12.0) / 2))
+            assert server.store.realigning == 0
+        assert server.stats()["dropped_pushes"] == (1 if first == "pull" else 0)
+
+
+@pytest.mark.parametrize("first", ["pull", "push"])
+def test_after_a_restore_a_pull_sent_again_gets_the_version_the_other_worker_saw(tmp_path, first):
+    """The previous life closed round 2 and answered worker 0's pull only: worker 0 pushes round 3 (from version
+    2), worker 1's pull of version 2 goes again. Worker 1 gets the restored parameters labelled version 2, so its
+    push of round 3 joins worker 0's (asked for any version, it got version 1, and its push from it was then
+    dropped as behind: a step more lost than worker 0's, and the two a step apart to the job's end)."""
+    v1 = _checkpoint_at_version_1(tmp_path)
+    with serving(_server(tmp_path, restore=True)) as server:
+        with RawPeer(server.endpoint) as w0, RawPeer(server.endpoint) as w1:
+            if first == "push":
+                w0.send(_plain_push(1, 0, 0, 20.0, base=2))
+                assert _ack(w0) == 3
+            version, params = _pulled(w1, 1, 1, 2, again=True)
+            assert version == 2
+            np.testing.assert_array_equal(params, v1)
+            if first == "pull":
+                w0.send(_plain_push(1, 0, 0, 20.0, base=2))
+                assert _ack(w0) == 3
+            w1.send(_plain_push(2, 1, 0, 12.0, base=version))
+            assert _ack(w1) == 3
+            version, params = _pulled(w1, 3, 1, 3)
+            assert version == 3
+            np.testing.assert_allclose(params, v1 - LR * np.float32((20.0 + 12.0) / 2))
+        assert server.stats()["dropped_pushes"] == 0
+
+
+def test_a_pull_sent_again_to_a_shard_never_restored_takes_any_version(tmp_path):
+    """Without a restore a pull sent again is answered at once with what the shard holds, whatever it asks for."""
+    with serving(_server(tmp_path)) as server:
+        with RawPeer(server.endpoint) as w0:
+            c = psrt.Client([server.endpoint], rank=1, num_workers=2, config=CFG)
+            try:
+                c.init({"w": np.ones(4, np.float32)}, optimizer=psrt.SGD(lr=LR))
+            finally:
+                c.close()
+            version, params = _pulled(w0, 1, 0, 7, again=True)
+            assert version == 0
+            np.testing.assert_array_equal(params, np.ones(4, np.float32))
+            assert server.store.entries[("w", 0)].version == 0
+
+
 # Embedding tables. A row push is acknowledged as it arrives, and its worker then pulls the version the round
 # will make; after a restart that pull goes again asking for any version and is answered at once with the
 # restored rows. So bases say nothing of rounds here: a push's clock (the worker's count of pushes to the table)

@@ -392,6 +392,19 @@ def test_an_init_check_carries_names_and_sizes_and_no_bytes():
     reject(frames_of(push, [np.zeros(4, np.float32)]), match="unexpected fields", request_id=5)
 
 
+def test_a_pull_sent_again_says_so_and_keeps_its_versions():
+    """``again``: a pull sent again after a restart (any version will do; its versions still say what its pushes
+    targeted); only ``true`` is taken, and only on a pull."""
+    req = wire.decode_request(wire.encode_pull(7, 1, [["w", 0, 3]], 2, again=True), LIMITS)
+    assert isinstance(req, wire.PullRequest) and req.again and [k.min_version for k in req.keys] == [3]
+    assert not wire.decode_request(wire.encode_pull(7, 1, [["w", 0, 3]], 2), LIMITS).again
+    header = {"op": "pull", "id": 7, "worker": 1, "clock": 2, "keys": [["w", 0, 3]]}
+    for value in (False, 1, "yes", None):
+        reject(frames_of({**header, "again": value}), match="'again' must be true", request_id=7)
+    reject(frames_of({**push_header(id=5), "again": True}, [np.zeros(4, np.float32)]), match="unexpected fields",
+           request_id=5)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Tensor entries
 # ---------------------------------------------------------------------------------------------------------------

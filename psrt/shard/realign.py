@@ -17,6 +17,16 @@ So a push to a sync shard carries its ``base`` (:attr:`psrt.wire.PushRequest.bas
   with the parameters as they are, once per worker and key (a worker that only pushes, never pulling, keeps an
   old base: its later pushes join).
 
+A plain ``push`` (then a ``pull``) is acknowledged as it arrives, so the previous life may have taken one worker's
+push of a round and died before another's came: the first worker's pull, sent again after the restart, is answered
+with the restored parameters, and its next push says the same base as the other worker's push of the round it
+lost. What tells them apart is that pull: sent again (:attr:`psrt.wire.PullRequest.again`, any version will do),
+it still asks for the version its worker's push targeted, and a version beyond the key's that no push of that
+worker here targets is of a round whose push from it was lost (:func:`pulled_again`): the key moves up to it, as
+a push's base would move it, so that the other worker's push of that round is dropped (or its open round, when it
+came first). The pull is then answered labelled with that version, and a worker whose round closed in the previous
+life but whose answer was lost gets the version its partner got, so their next pushes pair.
+
 Either way every worker loses the same rounds (those since the checkpoint), and the next round is made of pushes
 computed from the same parameters. Without a restore a base never exceeds its key's version: the shard looks at
 bases only from a restore until each key has completed a round (:attr:`~psrt.shard.store.Store.realigning`). A
@@ -49,8 +59,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-__all__ = ["behind", "drop_round", "dropped", "jump", "lost_push", "restored", "restored_tables", "settled",
-           "settled_table", "stale_round"]
+__all__ = ["behind", "drop_round", "dropped", "jump", "lost_push", "pulled_again", "restored", "restored_tables",
+           "settled", "settled_table", "stale_round"]
 
 
 def _bases(base: Any, n: int) -> Sequence[int]:
@@ -90,6 +100,16 @@ def jump(store: Any, entries: Sequence[Any], base: Any) -> list[int]:
             entry.skipped = (entry.skipped[0], b)
         entry.version = b
     return dropped_rounds
+
+
+def pulled_again(store: Any, entries: Sequence[Any], versions: Sequence[int]) -> list[int]:
+    """A pull sent again after the restart, asking for ``versions`` (per key; 0 where this worker's pushes that
+    reached the restored shard target it): a version beyond a key's is a round whose push from this worker the
+    previous life acknowledged and lost. Its other pushes, here or to come, would pair with this worker's next
+    step; so the round is lost for every worker: the key moves up to that version as a push's base moves it
+    (:func:`jump`; the caller answers the pushes of an open round it drops), and a push of the round still to
+    come is dropped as behind (:func:`behind`). Returns the indices of the keys whose open round was dropped."""
+    return jump(store, entries, list(versions))
 
 
 def behind(worker: int, entries: Sequence[Any], base: Any) -> Optional[list[bool]]:

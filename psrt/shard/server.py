@@ -686,9 +686,12 @@ class Server(Recovery):
         keys: list[Key] = []
         deferred = self._deferred.get(req.worker, ())
         queued = len(deferred)
+        if req.again and self.store.realigning and self.store.rounds:
+            self._pulled_again(req, deferred)
         for pk in req.keys:
             entry = admission.entry_of(self.store, pk.key)
-            if pk.min_version > self.store.reachable(entry, queued):
+            least = 0 if req.again else pk.min_version  # (sent again after a restart: any version will do)
+            if least > self.store.reachable(entry, queued):
                 raise RequestRefused(
                     "version",
                     f"pull of {pk.name!r} part {pk.part} asks for version {pk.min_version} but the key is at "
@@ -701,7 +704,7 @@ class Server(Recovery):
             if self.store.rounds:
                 mine = self.store.targets(req.worker, [entry])[0] + sum(1 for _, r, _, _ in deferred
                                                                          if pk.key in r.keys())
-            want[pk.key] = max(want.get(pk.key, 0), pk.min_version, mine)
+            want[pk.key] = max(want.get(pk.key, 0), least, mine)
             if self.store.finished and want[pk.key] > entry.version:
                 self._refuse_if_finished(None, [entry])
         lane = self.lanes.pull_lane(req, [self.store.entries[k].param for k in keys])
@@ -710,6 +713,18 @@ class Server(Recovery):
             self._wait_for_clock(identity, req.id, keys, req.worker, lane=lane)
         else:
             self._wait_for(identity, req.id, want, keys, lane=lane)
+
+    def _pulled_again(self, req: wire.PullRequest, deferred: Any) -> None:
+        """A restored sync shard got a pull sent again after its restart: a version it asks for that this worker's
+        pushes here do not target is a round whose push the previous life took from it (and acknowledged) and
+        lost; the key moves up to it (:func:`realign.pulled_again`), and the pushes of a round it drops are
+        answered."""
+        entries = [admission.entry_of(self.store, pk.key) for pk in req.keys]
+        mine = self.store.targets(req.worker, entries)
+        versions = [0 if any(pk.key in r.keys() for _, r, _, _ in deferred) or pk.min_version <= m
+                    else pk.min_version for pk, m in zip(req.keys, mine)]
+        for i in realign.pulled_again(self.store, entries, versions):
+            self._wake(req.keys[i].key)
 
     # ------------------------------------------------------------------ waiting pulls
     def _wait_for_clock(self, identity: bytes, request_id: int, keys: list[Key], worker: int,

@@ -25,7 +25,8 @@ request         fields (besides ``v, op, id``)                           reply
 ``push_pull``   as ``push``                                               ``params`` once the push's round
                                                                           is applied
 ``pull``        ``worker, clock, keys``: ``[[name, part, min_version],    ``params``
-                ...]``
+                ...]`` (+ ``again: true``, sent again after the
+                shard restarted: any version will do)
 ``stats``       (none)                                                    ``stats``
 ``checkpoint``  (none): write a checkpoint now                            ``saved``
 ==============  =======================================================  =====================================

@@ -182,6 +182,9 @@ class PullRequest:
     keys: list[PullKey]
     clock: int = 0
     lane: Optional[LaneRef] = None  #: where the parameters are to be written, over a shared-memory lane
+    #: Sent again to a shard that restarted before answering: answer with any version. ``min_version`` still says
+    #: what this worker's pushes targeted, by which a restored shard tells a push it lost (:mod:`psrt.shard.realign`).
+    again: bool = False
     op: ClassVar[str] = "pull"
 
 
@@ -269,6 +272,11 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
         if type(h.get("op")) is str and h["op"] in lanes.REQUEST_FIELDS:  # shared-memory lanes: psrt.wire.lanes
             return lanes.decode_lane_request(h, list(frames[1:]))
         lane = h.pop("lane", None) if "lane" in h else _NO_LANE
+        again = False
+        if "again" in h and h.get("op") == "pull":
+            again = h.pop("again")
+            if again is not True:
+                raise ProtocolError(f"field 'again' must be true when given, got {again!r:.40}")
         check = False
         if "check" in h and h.get("op") == "init":
             check = h.pop("check")
@@ -289,7 +297,7 @@ def decode_request(frames: Sequence[Any], limits: WireLimits) -> Request:
                 return CheckpointRequest(rid)
             keys = _pull_keys(h["keys"], limits)
             ref = None if lane is _NO_LANE else lanes.lane_ref(lane, 0, len(keys))
-            return PullRequest(rid, uint(h, "worker", MAX_WORKER), keys, uint(h, "clock"), ref)
+            return PullRequest(rid, uint(h, "worker", MAX_WORKER), keys, uint(h, "clock"), ref, again)
         worker, session = uint(h, "worker", MAX_WORKER), uint(h, "session")
         seq, clock = (uint(h, "seq"), uint(h, "clock")) if op != "init" else (0, 0)
         if op == "init" and type(h["optimizer"]) is not dict:
@@ -521,11 +529,14 @@ def encode_push_after(prefix: bytes, rid: int, seq: int, clock: int, payload: Se
 
 
 def encode_pull(rid: int, worker: int, keys: list[list[Any]], clock: int = 0,
-                lane: Optional[LaneRef] = None) -> list[Any]:
-    """Frames of a ``pull`` request; ``keys`` are ``[name, part, min_version]`` lists."""
+                lane: Optional[LaneRef] = None, again: bool = False) -> list[Any]:
+    """Frames of a ``pull`` request; ``keys`` are ``[name, part, min_version]`` lists; ``again``: sent again to a
+    shard that restarted before answering (any version will do; see :attr:`PullRequest.again`)."""
     header = {"op": "pull", "id": rid, "worker": worker, "clock": clock, "keys": keys}
     if lane is not None:
         header["lane"] = lane.to_wire()
+    if again:
+        header["again"] = True
     return encode(header)
 
 

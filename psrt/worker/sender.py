@@ -192,9 +192,11 @@ class ShardSender:
         lane = self._lane_for(plan.lane_bytes)
         for msg in (plan.grouped if lane is not None or self._grouped() else plan.joined):
             keys = [[c.name, c.part, known.get(c.key, 0)] for c in msg]
-            any_version = [[c.name, c.part, 0] for c in msg]
             plain = lambda rid, k=keys: wire.encode_pull(rid, rank, k, clock)  # noqa: E731
-            resend = lambda rid, k=any_version: wire.encode_pull(rid, rank, k, clock)  # noqa: E731
+            # Sent again after a restart, any version will do (a restored shard may be behind what this worker saw);
+            # the versions still say what this worker's pushes targeted, by which a restored sync shard tells that
+            # it lost one of them (psrt.shard.realign).
+            resend = lambda rid, k=keys: wire.encode_pull(rid, rank, k, clock, again=True)  # noqa: E731
             if lane is None:
                 self._send(Request(handle, self, msg, None, resend), plain)
                 continue
