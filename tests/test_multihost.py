@@ -133,6 +133,39 @@ def test_a_process_terminated_with_its_cluster_alive_removes_the_namespaces():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+_CLOSED_ELSEWHERE = """
+import signal, threading, time
+from psrt.emulation.netns import VirtualCluster
+
+def close_elsewhere(vc):
+    t = threading.Thread(target=vc.close)
+    t.start()
+    t.join()
+
+close_elsewhere(VirtualCluster(["a"]))  # (no thread but the main one may set a handler: ours stays)
+with VirtualCluster(["a"]):  # taken again
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back on the main thread
+close_elsewhere(VirtualCluster(["a"]))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_sigterm_does_what_it_did_before_once_the_last_cluster_was_closed_from_another_thread():
+    """The last cluster closed from another thread cannot put the handler back; SIGTERM, when it comes, still ends
+    the process as it would have without clusters (not a KeyboardInterrupt the program may catch)."""
+    proc = subprocess.Popen([sys.executable, "-c", _CLOSED_ELSEWHERE], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGTERM and "KeyboardInterrupt" not in err, err
+
+
 def test_a_tensor_crossing_a_network_travels_in_pieces_and_on_one_host_in_one_message():
     """Over a network a split tensor's pieces travel apart, joined two or three to a message for a call that is
     not paced (an async shard's; the shard answers each message as it lands); from the shard's own host, over

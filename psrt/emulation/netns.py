@@ -51,6 +51,12 @@ _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
 def _interrupted(signum: int, frame: Any) -> None:
+    if _sigterm_takers == 0:
+        # The last cluster was closed from another thread, which cannot set a handler: SIGTERM does what it did
+        # before the clusters took it (its default: this process ends), from here on too.
+        signal.signal(signal.SIGTERM, _sigterm_before)
+        signal.raise_signal(signum)
+        return
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -63,14 +69,18 @@ def _take_sigterm() -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     if _sigterm_takers == 0:
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return False
-        _sigterm_before = signal.signal(signal.SIGTERM, _interrupted)
+        handler = signal.getsignal(signal.SIGTERM)
+        if handler is not _interrupted:  # (ours still: given back from another thread, see _give_sigterm_back)
+            if handler is not signal.SIG_DFL:
+                return False
+            _sigterm_before = signal.signal(signal.SIGTERM, _interrupted)
     _sigterm_takers += 1
     return True
 
 
 def _give_sigterm_back() -> None:
+    """One taker fewer; the last gives SIGTERM its action back. Only the main thread may set a handler: from another
+    thread the handler stays, and does what SIGTERM did before when it comes (:func:`_interrupted`)."""
     global _sigterm_takers
     _sigterm_takers -= 1
     if _sigterm_takers == 0 and threading.current_thread() is threading.main_thread():
