@@ -686,8 +686,6 @@ class Server(Recovery):
         keys: list[Key] = []
         deferred = self._deferred.get(req.worker, ())
         queued = len(deferred)
-        if req.again and self.store.realigning and self.store.rounds:
-            self._pulled_again(req, deferred)
         for pk in req.keys:
             entry = admission.entry_of(self.store, pk.key)
             least = 0 if req.again else pk.min_version  # (sent again after a restart: any version will do)
@@ -708,6 +706,10 @@ class Server(Recovery):
             if self.store.finished and want[pk.key] > entry.version:
                 self._refuse_if_finished(None, [entry])
         lane = self.lanes.pull_lane(req, [self.store.entries[k].param for k in keys])
+        # Checked (nothing refuses it now), a pull sent again may move keys up; it then waits on them for nothing
+        # (``want`` holds what the worker's pushes here target, the versions before).
+        if req.again and self.store.realigning and self.store.rounds:
+            self._pulled_again(req, deferred)
         self.counters.pulls += 1
         if self.config.mode == "ssp":
             self._wait_for_clock(identity, req.id, keys, req.worker, lane=lane)
