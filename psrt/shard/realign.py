@@ -109,7 +109,7 @@ def pulled_again(store: Any, entries: Sequence[Any], versions: Sequence[int]) ->
     step; so the round is lost for every worker: the key moves up to that version as a push's base moves it
     (:func:`jump`; the caller answers the pushes of an open round it drops), and a push of the round still to
     come is dropped as behind (:func:`behind`). Returns the indices of the keys whose open round was dropped."""
-    return jump(store, entries, list(versions))
+    return jump(store, entries, versions)
 
 
 def behind(worker: int, entries: Sequence[Any], base: Any) -> Optional[list[bool]]:

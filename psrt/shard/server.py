@@ -686,6 +686,10 @@ class Server(Recovery):
         keys: list[Key] = []
         deferred = self._deferred.get(req.worker, ())
         queued = len(deferred)
+        # A pull sent again to a restored sync shard: the keys whose asked version none of this worker's pushes
+        # here (taken or queued) target, a round whose push from it the previous life took and lost.
+        lost: Optional[list[tuple[Entry, int, Key]]] = \
+            [] if req.again and self.store.realigning and self.store.rounds else None
         for pk in req.keys:
             entry = admission.entry_of(self.store, pk.key)
             least = 0 if req.again else pk.min_version  # (sent again after a restart: any version will do)
@@ -705,28 +709,19 @@ class Server(Recovery):
             want[pk.key] = max(want.get(pk.key, 0), least, mine)
             if self.store.finished and want[pk.key] > entry.version:
                 self._refuse_if_finished(None, [entry])
+            if lost is not None and pk.min_version > mine:
+                lost.append((entry, pk.min_version, pk.key))
         lane = self.lanes.pull_lane(req, [self.store.entries[k].param for k in keys])
-        # Checked (nothing refuses it now), a pull sent again may move keys up; it then waits on them for nothing
-        # (``want`` holds what the worker's pushes here target, the versions before).
-        if req.again and self.store.realigning and self.store.rounds:
-            self._pulled_again(req, deferred)
+        if lost:
+            # Checked (nothing refuses the pull now): the keys move up (realign.pulled_again), the pushes of a round
+            # that drops are answered, and the pull waits on them for nothing (``want``: the versions before).
+            for i in realign.pulled_again(self.store, [e for e, _, _ in lost], [v for _, v, _ in lost]):
+                self._wake(lost[i][2])
         self.counters.pulls += 1
         if self.config.mode == "ssp":
             self._wait_for_clock(identity, req.id, keys, req.worker, lane=lane)
         else:
             self._wait_for(identity, req.id, want, keys, lane=lane)
-
-    def _pulled_again(self, req: wire.PullRequest, deferred: Any) -> None:
-        """A restored sync shard got a pull sent again after its restart: a version it asks for that this worker's
-        pushes here do not target is a round whose push the previous life took from it (and acknowledged) and
-        lost; the key moves up to it (:func:`realign.pulled_again`), and the pushes of a round it drops are
-        answered."""
-        entries = [admission.entry_of(self.store, pk.key) for pk in req.keys]
-        mine = self.store.targets(req.worker, entries)
-        versions = [0 if any(pk.key in r.keys() for _, r, _, _ in deferred) or pk.min_version <= m
-                    else pk.min_version for pk, m in zip(req.keys, mine)]
-        for i in realign.pulled_again(self.store, entries, versions):
-            self._wake(req.keys[i].key)
 
     # ------------------------------------------------------------------ waiting pulls
     def _wait_for_clock(self, identity: bytes, request_id: int, keys: list[Key], worker: int,
