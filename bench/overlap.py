@@ -2,10 +2,14 @@
 
 One shard server and one worker run on two emulated hosts (network namespaces,
 :class:`psrt.emulation.netns.VirtualCluster`) whose links are shaped with ``tc ... tbf``. The link rate is chosen so
-that the serial step's communication (push every gradient, then pull every parameter) takes about as long as the model's
-forward and backward on this machine: the script first times the compute here, then sets ``rate = 2 x model bytes /
-compute time`` (``--link`` overrides it). The worker then measures, each as the median of its steps (the four take
-turns, ``--rounds`` times ``--steps`` steps, so a change in the machine's load touches all of them alike):
+that the serial step's communication (push every gradient, pull every parameter) takes about as long as the model's
+forward and backward on this machine: the script first times the compute here, then sets ``rate = model bytes /
+compute time`` (``--link`` overrides it). Once, not twice the bytes: across hosts a ``push_pull`` sends its pieces
+and receives the answers to the first ones at once (:mod:`psrt.partition`, ``ClientConfig.pipeline``), so the
+model's bytes cross each direction of the link side by side (with ``PSRT_PIPELINE=off``, one after the other:
+twice the time). The printed ``comm / compute`` says how close the calibration came. The worker then measures,
+each as the median of its steps (the four take turns, ``--rounds`` times ``--steps`` steps, so a change in the
+machine's load touches all of them alike):
 
 - ``compute``: forward + backward of the model alone, no psrt;
 - ``comm``: ``client.push_pull`` of every gradient alone, no compute;
@@ -183,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if link is None and not args.loopback:
         time_compute(model, x, y, 2)  # warm up
         compute = time_compute(model, x, y, 9)
-        link = f"{int(2 * nbytes * 8 / compute / 1e6)}mbit"
+        link = f"{int(nbytes * 8 / compute / 1e6)}mbit"  # push and pull cross the link side by side
         print(f"model {nbytes / 1e6:.2f} MB, compute {compute * 1e3:.0f} ms here: link {link}", flush=True)
     with one_shard(args.loopback, link) as (endpoint, start):
         wcmd = [sys.executable, __file__, "--role", "worker", "--server", endpoint, "--depth", str(args.depth),
@@ -290,7 +294,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ms = {k: r[k] * 1e3 for k in ("compute_s", "comm_s", "serial_s", "overlap_s", "overlap_forward_s")}
     print(f"link {r['link']}, model {r['model_bytes'] / 1e6:.2f} MB, batch {r['batch']}")
     print(f"compute (forward + backward)  {ms['compute_s']:7.1f} ms")
-    print(f"communication (push_pull)     {ms['comm_s']:7.1f} ms")
+    print(f"communication (push_pull)     {ms['comm_s']:7.1f} ms  (comm / compute {r['comm_s'] / r['compute_s']:.2f})")
     print(f"serial step                   {ms['serial_s']:7.1f} ms  ({r['serial_ratio']:.2f} x compute + comm)")
     print(f"overlapped step               {ms['overlap_s']:7.1f} ms  ({r['ratio']:.2f} x compute + comm, "
           f"{r['overlap_vs_serial']:.2f} x the serial step)")
