@@ -168,17 +168,21 @@ class PartitionMap:
         :data:`MAX_CHUNKS_PER_MESSAGE` chunks and the header budget.
 
         Small tensors share a message. ``pipelined`` (the messages of a socket): a split tensor's pieces each
-        travel in their own, so that a shard applies one, and answers it, while the next is still on the wire.
-        Otherwise (a shared-memory lane's, whose bytes are all there at once) pieces share messages as small
-        tensors do, and a call costs as few messages as before its tensors were cut for the network.
+        travel in their own, so that a shard applies one, and answers it, while the next is still on the wire;
+        and in a map cut for a network small tensors share messages of at most :data:`MIN_PIECE_BYTES`, for the
+        same reason (a shard answers a message once all of it arrived: a model of many small tensors in one
+        message of ``partition_bytes`` crossed the link one way, then the other). Otherwise (a shared-memory
+        lane's, whose bytes are all there at once) pieces share messages as small tensors do, and a call costs as
+        few messages as before its tensors were cut for the network.
         """
+        most = min(self.partition_bytes, MIN_PIECE_BYTES) if pipelined and self.network else self.partition_bytes
         out: dict[int, list[list[Chunk]]] = {}
         open_msg: dict[int, tuple[list[Chunk], int, int]] = {}
         for chunk in chunks:
             msg, size, header = open_msg.get(chunk.shard, ([], 0, 0))
             entry = len(chunk.name.encode("utf-8", "surrogatepass")) + HEADER_BYTES_PER_CHUNK
             alone = pipelined and chunk.pieces > 1
-            if msg and (alone or size + chunk.nbytes > self.partition_bytes or len(msg) >= MAX_CHUNKS_PER_MESSAGE
+            if msg and (alone or size + chunk.nbytes > most or len(msg) >= MAX_CHUNKS_PER_MESSAGE
                         or header + entry > self.header_budget):
                 out.setdefault(chunk.shard, []).append(msg)
                 msg, size, header = [], 0, 0

@@ -446,6 +446,28 @@ def test_a_sockets_messages_carry_one_piece_each_and_a_lanes_group_them():
     assert sorted(len(socket[shard]) for shard in socket) == [1, 1], "a shard's small tensors share one message"
 
 
+def test_over_a_network_small_tensors_share_messages_of_at_most_min_piece_bytes():
+    """A model of many small tensors (here 16 of 125 KB, none cut) crosses a network in messages of at most
+    MIN_PIECE_BYTES, so the shard answers one while the next arrives (in one message of partition_bytes, the
+    model crossed the link one way, then the other); over a lane, or in a map cut for one host, they share
+    messages up to partition_bytes as before. Every chunk once, in order, either way."""
+    specs = {f"t{i:02d}": ((32_000,), np.dtype(np.float32)) for i in range(16)}
+    network, one_host = PartitionMap(1, 4 << 20), PartitionMap(1, 4 << 20, network=False)
+    for pmap in (network, one_host):
+        pmap.add(specs)
+    names = sorted(specs)
+    socket = network.messages(network.chunks_of(names))[0]
+    assert [len(m) for m in socket] == [2] * 8 and all(sum(c.nbytes for c in m) <= MIN_PIECE_BYTES for m in socket)
+    assert [c for m in socket for c in m] == network.chunks_of(names)
+    assert joined(socket, 4 << 20) == socket, "a call that is not paced sends them as they are"
+    assert [len(m) for m in network.messages(network.chunks_of(names), pipelined=False)[0]] == [16]
+    assert [len(m) for m in one_host.messages(one_host.chunks_of(names))[0]] == [16]
+    # A partition size below MIN_PIECE_BYTES still bounds them.
+    small = PartitionMap(1, 200_000)
+    small.add(specs)
+    assert [len(m) for m in small.messages(small.chunks_of(names))[0]] == [1] * 16
+
+
 
 
 def test_calls_that_are_not_paced_send_a_tensors_pieces_joined():

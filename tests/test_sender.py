@@ -150,5 +150,34 @@ def test_the_pipeline_setting_decides_the_cut_whatever_the_endpoints(shards, pip
             c.close()
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("pipeline, messages_per_step", [("on", 8), ("off", 1)])
+def test_a_model_of_small_tensors_crosses_a_network_in_messages_the_shard_answers_one_by_one(
+        shards, pipeline, messages_per_step):
+    """16 tensors of 125 KB (none cut) on one shard: cut for a network (``on``), a call sends them in messages of
+    at most MIN_PIECE_BYTES, two tensors each, so the shard answers one while the next is on the wire (in one
+    message, the model crossed a link one way and then the other: a push_pull took twice as long); ``off`` keeps
+    one message. Sync rounds stay exact (two workers, the mean of 1 and 3, SGD lr=1)."""
+    names, steps = [f"t{i:02d}" for i in range(16)], 2
+    group = shards(1, workers=2)
+    config = ClientConfig(timeout=30, shm=False, pipeline=pipeline)
+    clients = [psrt.Client(group.endpoints, rank=r, num_workers=2, config=config) for r in range(2)]
+    try:
+        for c in clients:
+            c.init({n: np.zeros(32_000, np.float32) for n in names}, optimizer=psrt.SGD(lr=1.0))
+        for step in range(1, steps + 1):
+            handles = [c.push_pull_async({n: np.full(32_000, 2 * r + 1, np.float32) for n in names})
+                       for r, c in enumerate(clients)]
+            for h in handles:
+                got = h.wait()
+                assert sorted(got) == names
+                for values in got.values():
+                    np.testing.assert_array_equal(values, np.full(32_000, -2.0 * step, np.float32))
+        assert clients[0].stats()[0]["pushes"] == 2 * steps * messages_per_step
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_a_pipeline_setting_other_than_auto_on_or_off_is_refused(monkeypatch):
     check_named_setting(monkeypatch, "pipeline", "PSRT_PIPELINE", "'auto', 'on' or 'off'", ("yes", "always"), "off")
