@@ -217,7 +217,7 @@ def run_loadgen(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = tensors_bytes(model_tensors(args.model, layers=args.layers))
     link = args.link
     if link is None and not args.loopback:
-        link = f"{int(2 * nbytes * 8 / (args.compute_ms / 1e3) / 1e6)}mbit"  # push + pull of the model ~ compute
+        link = f"{int(nbytes * 8 / (args.compute_ms / 1e3) / 1e6)}mbit"  # push and pull side by side ~ compute
     times: dict[str, list[float]] = {"comm": [], "serial": [], "overlap": []}
     with one_shard(args.loopback, link) as (endpoint, start):
 
@@ -250,7 +250,8 @@ def main_loadgen(args: argparse.Namespace) -> int:
     r = run_loadgen(args)
     print(f"link {r['link']}, model {r['model']} ({r['model_bytes'] / 1e6:.2f} MB) in {r['layers']} tensors, "
           f"compute {r['compute_ms']:g} ms (sleep)")
-    print(f"communication (push_pull)     {r['comm_ms']:7.1f} ms")
+    print(f"communication (push_pull)     {r['comm_ms']:7.1f} ms  "
+          f"(comm / compute {r['comm_ms'] / r['compute_ms']:.2f})")
     print(f"serial step                   {r['serial_ms']:7.1f} ms  ({r['serial_vs_sum']:.2f} x compute + comm)")
     print(f"overlapped step (--overlap)   {r['overlap_ms']:7.1f} ms  ({r['overlap_vs_max']:.2f} x max(compute, comm), "
           f"{r['overlap_vs_sum']:.2f} x compute + comm)")
