@@ -9,8 +9,9 @@ when the shards are reached over a network, pieces of at least :data:`NETWORK_PI
 piece flow out while the next piece still arrives, and a step costs a link's traffic one way plus a small tail,
 not both ways in turn (docs/perfmodel.md, "The pull tail"). A 4 MiB tensor on 2 shards is then 32 pieces of
 128 KiB, 16 on each, and a 40 MB one on 3 shards 48 pieces; with every shard on the workers' host
-(``network=False``) 2 and 12. How the pieces travel (a piece a message and paced, or joined and at once:
-:func:`joined`) is each client's choice (:mod:`psrt.worker.pacing`); the keys are the map's.
+(``network=False``) 2 and 12. Small tensors share messages, over a network of at most :data:`MIN_PIECE_BYTES`
+for the same reason (:meth:`PartitionMap.messages`). How the pieces travel (a piece a message and paced, or
+joined and at once: :func:`joined`) is each client's choice (:mod:`psrt.worker.pacing`); the keys are the map's.
 Chunks and whole small tensors are then assigned to shards largest first, each to the shard holding the fewest
 bytes so far (ties to the lowest shard index). The result depends only on the tensors' names, shapes and dtypes,
 the number of shards and the partition size — never on dict order — so every worker computes the same map.
