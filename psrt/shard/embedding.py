@@ -333,25 +333,32 @@ class RowTable:
         ``delta``: only the rows changed since the last checkpoint (:meth:`saved` says when one is on disk) and
         the ids evicted since then; everything else (version, round, counters, pending counts) whole.
         """
-        spec = self.spec
-        record = {"name": self.name, "dim": spec.dim, "dtype": spec.dtype.str, "optimizer": spec.optimizer.to_wire(),
-                  "init": spec.init, "a": spec.a, "b": spec.b, "seed": spec.seed, "num_rows": spec.num_rows,
-                  "max_rows": self.max_rows, "used": self.used, "version": self.version,
-                  "contributors": sorted(self.round.contributors), "expected": sorted(self.round.expected),
-                  "round_clock": self.round.clock, "slots": sorted(self.slots), "layout": 2, "delta": delta,
-                  "policy": spec.policy(), "tick": self.tick, "evicted": self.evicted, "admitted": self.admitted}
         rows = np.flatnonzero(self.dirty[:self.used]) if delta else slice(0, self.used)
         removed = np.concatenate(self.removed) if delta and self.removed else np.empty(0, np.int64)
-        arrays = [self.param[rows], *(self.slots[n][rows] for n in record["slots"]), self.row_ids[rows],
-                  self.last[rows], self.when[rows], removed]
-        record["rows"] = len(arrays[0])
-        record["round"] = self.round.slots is not None and self.round.acc is not None
-        if self.round.slots is not None and self.round.acc is not None:
-            arrays += [self.row_ids[self.round.slots], self.round.acc]  # by id: restored rows lie elsewhere
+        record, arrays = self.rows_state(rows, removed, delta)
         record["pending"] = None
         if self.pending is not None:
             record["pending"], pending = self.pending.state(delta)
             arrays += pending
+        return record, arrays
+
+    def rows_state(self, rows: Any, removed: np.ndarray, delta: bool) -> tuple[dict[str, Any], list[np.ndarray]]:
+        """The record and arrays of the table with only ``rows`` (positions, or a slice) and the evicted ids
+        ``removed``: what a checkpoint (:meth:`state`) and a replica's copy (:mod:`psrt.shard.tablecopy`) both
+        send, before each adds the pending counts its own way."""
+        spec, rnd = self.spec, self.round
+        record = {"name": self.name, "dim": spec.dim, "dtype": spec.dtype.str, "optimizer": spec.optimizer.to_wire(),
+                  "init": spec.init, "a": spec.a, "b": spec.b, "seed": spec.seed, "num_rows": spec.num_rows,
+                  "max_rows": self.max_rows, "used": self.used, "version": self.version,
+                  "contributors": sorted(rnd.contributors), "expected": sorted(rnd.expected),
+                  "round_clock": rnd.clock, "slots": sorted(self.slots), "layout": 2, "delta": delta,
+                  "policy": spec.policy(), "tick": self.tick, "evicted": self.evicted, "admitted": self.admitted}
+        arrays = [self.param[rows], *(self.slots[n][rows] for n in record["slots"]), self.row_ids[rows],
+                  self.last[rows], self.when[rows], removed]
+        record["rows"] = len(arrays[0])
+        record["round"] = rnd.slots is not None and rnd.acc is not None
+        if rnd.slots is not None and rnd.acc is not None:
+            arrays += [self.row_ids[rnd.slots], rnd.acc]  # by id: restored rows lie elsewhere
         return record, arrays
 
     def saved(self) -> None:

@@ -161,21 +161,7 @@ class TableCopies:
         if not table.spec.managed and table.used > self._made[name]:  # rows made by pulls (never moved since)
             rows = np.union1d(rows, np.arange(self._made[name], table.used, dtype=np.int64))
         self._made[name] = table.used
-        removed = _take_list(table.copy_removed)
-        spec = table.spec
-        record = {"name": table.name, "dim": spec.dim, "dtype": spec.dtype.str, "optimizer": spec.optimizer.to_wire(),
-                  "init": spec.init, "a": spec.a, "b": spec.b, "seed": spec.seed, "num_rows": spec.num_rows,
-                  "max_rows": table.max_rows, "used": table.used, "version": table.version,
-                  "contributors": sorted(table.round.contributors), "expected": sorted(table.round.expected),
-                  "round_clock": table.round.clock, "slots": sorted(table.slots), "layout": 2, "delta": True,
-                  "policy": spec.policy(),
-                  "tick": table.tick, "evicted": table.evicted, "admitted": table.admitted, "rows": len(rows)}
-        arrays = [table.param[rows], *(table.slots[n][rows] for n in record["slots"]), table.row_ids[rows],
-                  table.last[rows], table.when[rows], removed]
-        rnd = table.round
-        record["round"] = rnd.slots is not None and rnd.acc is not None
-        if rnd.slots is not None and rnd.acc is not None:
-            arrays += [table.row_ids[rnd.slots], rnd.acc]
+        record, arrays = table.rows_state(rows, _take_list(table.copy_removed), True)
         record["pending"] = None
         pending = table.pending
         if pending is not None:
