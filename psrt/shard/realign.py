@@ -154,9 +154,8 @@ def stale_round(table: Any, worker: int, clock: int) -> bool:
     """Whether a push of ``worker`` at ``clock`` shows the open round of ``table`` (a restored
     :class:`~psrt.shard.embedding.RowTable`) to be of a clock some worker's push was lost at: the caller drops
     the round (:func:`drop_round`)."""
-    rnd = table.round
-    return table.realigning and bool(rnd.contributors) and rnd.clock is not None and clock > rnd.clock \
-        and worker not in rnd.contributors
+    open_clock = _open_clock(table, worker)
+    return open_clock is not None and clock > open_clock
 
 
 def drop_round(table: Any) -> None:
@@ -169,9 +168,17 @@ def drop_round(table: Any) -> None:
 def lost_push(table: Any, worker: int, clock: int) -> bool:
     """Whether a push of ``worker`` at ``clock`` is of a round whose other pushes were lost (the open round is of
     a later clock): it is dropped, acknowledged with the version as it is."""
+    open_clock = _open_clock(table, worker)
+    return open_clock is not None and clock < open_clock
+
+
+def _open_clock(table: Any, worker: int) -> Optional[int]:
+    """The clock of ``table``'s open round when a push of ``worker`` is to be judged by it (the table is restored
+    and not yet settled, the round has pushes of a known clock, none of them ``worker``'s); else None."""
     rnd = table.round
-    return table.realigning and bool(rnd.contributors) and rnd.clock is not None and clock < rnd.clock \
-        and worker not in rnd.contributors
+    if not table.realigning or not rnd.contributors or worker in rnd.contributors:
+        return None
+    return rnd.clock
 
 
 def settled_table(service: Any, table: Any) -> None:
