@@ -62,10 +62,13 @@ from typing import Any, Optional
 
 import numpy as np
 
-# Each above the 64 KiB a call needs to take the shared-memory path; four, so that ssp with s = 2 meets pushes of
-# one step that are further apart in a per-worker count of pushes than the staleness bound. t2 (1.25 MiB) is cut
-# into pieces: a piece per shard, or 4 pieces of 320 KiB when cut for a network.
-SIZES = (17_000, 20_000, 327_680, 18_000)
+# Each above the 64 KiB a call needs to take the shared-memory path; at least four, so that ssp with s = 2 meets
+# pushes of one step that are further apart in a per-worker count of pushes than the staleness bound. t2 (1.25 MiB)
+# is cut into pieces: a piece per shard, or 10 pieces of 128 KiB when cut for a network. Cut for a network, small
+# tensors share messages of at most 256 KiB (psrt.partition.MIN_PIECE_BYTES), so that a shard answers one while the
+# next is on the wire: t3 to t8 make a shard two such messages (t3, t4 and t6, then t7), as a model of many small
+# layers does (tests/test_combinations.py checks they still do).
+SIZES = (17_000, 20_000, 327_680, 18_000, 19_000, 21_000, 22_000, 23_000, 24_000)
 #: The job's shards (S), as the shard map that places the pieces sees them.
 SHARDS = 2
 COUNT = 64.0

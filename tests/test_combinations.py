@@ -33,7 +33,9 @@ What each case checks, from the documented semantics (README, docs/architecture.
 - the cut: one tensor (1.25 MiB) is cut into a piece per shard on this host, or with ``PSRT_PIPELINE=on`` into
   10 pieces of 128 KiB as for shards across a network (lanes still carry them together); in async and ssp each
   piece is applied apart, so each holds its own prefix of the pushes (every piece a network cut makes begins with
-  the workers' counters). Over sockets a blocking sync call's pieces go the way the client times fastest
+  the workers' counters). Cut for a network, the small tensors after it share messages of at most 256 KiB, two a
+  shard (``_combo_worker.SIZES``), each applied apart in async and ssp. Over sockets a blocking sync call's pieces
+  go the way the client times fastest
   (``pipeline=on``: paced, joined or grouped, ``psrt.worker.pacing``), or (``pipeline=paced``) always paced, one
   piece in flight per shard (``PSRT_PACING=paced``, ``PSRT_IN_FLIGHT=1``): every call holds pieces back and the
   waits send them, across restarts and failovers too;
@@ -219,6 +221,21 @@ def test_the_cases_cover_every_valid_pair_of_values():
             assert pair in covered or pair in INVALID, f"no case has {fa}={a} with {fb}={b}"
     assert all(valid(list(case)) for case in CASES)
     print(f"{len(CASES)} cases:\n" + "\n".join(case.id for case in CASES))
+
+
+def test_a_network_cut_sends_the_suites_small_tensors_in_more_than_one_message_a_shard():
+    """The cases with ``pipeline`` on or paced over sockets must meet a shard's small tensors split into messages
+    of at most 256 KiB (``PartitionMap.messages``), one after another: the suite's tensors are chosen so."""
+    from psrt.partition import MIN_PIECE_BYTES, PartitionMap
+
+    pmap = PartitionMap(cw.SHARDS, ClientConfig().partition_bytes, network=True)
+    pmap.add({f"t{t}": ((n,), np.dtype(np.float32)) for t, n in enumerate(cw.SIZES)})
+    chunks = sorted((c for t in range(len(cw.SIZES)) for c in pmap.chunks[f"t{t}"]), key=lambda c: (c.name, c.part))
+    split = [(a, b) for msgs in pmap.messages(chunks).values() for a, b in zip(msgs, msgs[1:])
+             if all(c.pieces == 1 for c in a + b)]
+    assert split, "no shard gets two messages of small tensors in a row: SIZES no longer exercise the network rule"
+    for a, b in split:
+        assert sum(c.nbytes for c in a) <= MIN_PIECE_BYTES < sum(c.nbytes for c in a + b[:1])
 
 
 # ---------------------------------------------------------------------------------------------- jobs
