@@ -41,6 +41,8 @@ def test_every_reply_round_trips_into_its_record():
     assert isinstance(plain, wire.ParamsReply) and plain.job is None
     ack = wire.decode_reply(wire.encode_ack(9, [1, 2], True)[0], LIMITS)
     assert ack == wire.AckReply(9, [1, 2], True)
+    timed = wire.decode_reply(wire.encode_ack(9, [1, 2], False, 123_456_789, 2_000)[0], LIMITS)
+    assert timed == wire.AckReply(9, [1, 2], False, 123_456_789, 2_000)
     stats = wire.decode_reply(wire.encode_stats(10, {"keys": 2, "uptime_s": 1.5, "mode": "sync"})[0], LIMITS)
     assert stats == wire.StatsReply(10, {"keys": 2, "uptime_s": 1.5, "mode": "sync"})
     err = wire.decode_reply(wire.encode_error(11, "protocol", "bad")[0], LIMITS)
@@ -94,6 +96,10 @@ def test_a_reply_whose_op_is_not_a_string_is_a_protocol_error(op):
     ({"op": "ack", "id": 1, "versions": [1], "duplicate": 0}, "duplicate"),
     ({"op": "ack", "id": 1, "versions": "1", "duplicate": False}, "versions"),
     ({"op": "ack", "id": 1, "versions": [1]}, "missing fields"),
+    ({"op": "ack", "id": 1, "versions": [1], "duplicate": False, "taken": 5}, "unexpected fields"),  # both or none
+    ({"op": "ack", "id": 1, "versions": [1], "duplicate": False, "held": 5}, "unexpected fields"),
+    ({"op": "ack", "id": 1, "versions": [1], "duplicate": False, "taken": -5, "held": 0}, "taken"),
+    ({"op": "ack", "id": 1, "versions": [1], "duplicate": False, "taken": 5, "held": 1.5}, "held"),
     ({"op": "stats", "id": 1, "stats": [1]}, "stats"),
     ({"op": "stats", "id": 1, "stats": {"a": [1]}}, "stats"),
     ({"op": "error", "id": 1, "code": 5, "message": "m"}, "code"),

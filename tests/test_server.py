@@ -267,6 +267,30 @@ def test_duplicate_push_is_acknowledged_but_applied_once(shards):
             peer.close()
 
 
+def test_a_push_ack_says_when_the_push_was_taken_in_and_how_long_its_answer_was_held(shards):
+    """A push's ack carries ``taken`` (the shard's clock when it took the message in) and ``held`` (how long until
+    this answer), which a worker's pipeline paces its pushes by. An early sync push, held whole until its round
+    opens, says when it came, not when it joined."""
+    group = shards(1, workers=2, mode="sync")
+    with psrt.Client(group.endpoints, config=small(), rank=0, num_workers=2) as c:
+        c.init({"w": np.zeros(4, np.float32)}, optimizer=psrt.SGD(lr=1.0))
+        a, b = RawPeer(group.endpoints[0]), RawPeer(group.endpoints[0])
+        try:
+            ones = [np.ones(4, np.float32)]
+            first, _ = a.ask([bytes(f) for f in wire.encode(push_header(worker=0, session=7, seq=0), ones)])
+            assert first["op"] == "ack" and 0 <= first["held"] < 1e9 and first["taken"] > 0
+            a.send([bytes(f) for f in wire.encode(push_header(id=10, worker=0, session=7, seq=1), ones)])
+            assert not a.answered(0.3)  # round 2 waits for round 1, which waits for worker 1
+            closing, _ = b.ask([bytes(f) for f in wire.encode(push_header(worker=1, session=8, seq=0), ones)])
+            early, _ = a.recv()
+            assert early["id"] == 10 and early["versions"] == [2]
+            assert first["taken"] < early["taken"] < closing["taken"]
+            assert early["held"] >= 0.3e9 and early["taken"] + early["held"] >= closing["taken"]
+        finally:
+            a.close()
+            b.close()
+
+
 def test_a_push_overtaken_by_a_later_one_is_applied_once_not_taken_for_a_duplicate(shards):
     """A push lost in a dying connection is sent again after the reconnect, behind a later one that sat queued
     in the DEALER's pipe: the shard sees seq 2 before seq 1. Seq 1 is applied (once), seq 2 sent again is not."""

@@ -119,11 +119,12 @@ def peer_keys(directory: Optional[security.PathLike]) -> Optional[security.JobKe
 class _HeldAck:
     """A sync push's ack, held until every key it joined has a round the replicas acknowledged."""
 
-    __slots__ = ("identity", "request_id", "want", "duplicate", "keys")
+    __slots__ = ("identity", "request_id", "want", "duplicate", "keys", "taken")
 
-    def __init__(self, identity: bytes, request_id: int, keys: list[Key], want: list[int], duplicate: bool) -> None:
+    def __init__(self, identity: bytes, request_id: int, keys: list[Key], want: list[int], duplicate: bool,
+                 taken: int) -> None:
         self.identity, self.request_id, self.keys = identity, request_id, keys
-        self.want, self.duplicate = want, duplicate
+        self.want, self.duplicate, self.taken = want, duplicate, taken
 
 
 class _Flight:
@@ -276,12 +277,13 @@ class Copier:
                 self._holds[key] = mine
 
     def hold_ack(self, identity: bytes, request_id: int, keys: list[Key], targets: list[int],
-                 duplicate: bool) -> bool:
-        """A sync push's ack: held (True) until the rounds it joined are held by the replicas too."""
+                 duplicate: bool, taken: int) -> bool:
+        """A sync push's ack: held (True) until the rounds it joined are held by the replicas too (``taken``: when
+        the push was taken in, for the ack)."""
         entries = self.server.store.entries
         if all(entries[k].version >= t for k, t in zip(keys, targets)):
             return False
-        self._acks.append(_HeldAck(identity, request_id, keys, targets, duplicate))
+        self._acks.append(_HeldAck(identity, request_id, keys, targets, duplicate, taken))
         return True
 
     def defer(self, keys: Sequence[Key]) -> None:
@@ -622,7 +624,8 @@ class Copier:
         entries, still = self.server.store.entries, []
         for ack in self._acks:
             if all(entries[k].version >= t for k, t in zip(ack.keys, ack.want)):
-                self.server.replies.reply(ack.identity, wire.encode_ack(ack.request_id, ack.want, ack.duplicate))
+                self.server.replies.reply(ack.identity, wire.encode_ack(ack.request_id, ack.want, ack.duplicate,
+                                                                        ack.taken, time.monotonic_ns() - ack.taken))
             else:
                 still.append(ack)
         self._acks = still
@@ -776,10 +779,10 @@ class Replication:
         self.copier.joined(worker, seq, keys, completed, late)
 
     def hold_ack(self, identity: bytes, request_id: int, keys: list[Key], targets: list[int],
-                 duplicate: bool) -> bool:
+                 duplicate: bool, taken: int) -> bool:
         """:meth:`Copier.hold_ack` of this shard's own range."""
         assert self.copier is not None
-        return self.copier.hold_ack(identity, request_id, keys, targets, duplicate)
+        return self.copier.hold_ack(identity, request_id, keys, targets, duplicate, taken)
 
     def commit(self, keys: list[Key], settle: bool = False, pipelined: bool = False) -> None:
         """:meth:`Copier.commit` of this shard's own range."""

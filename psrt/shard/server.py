@@ -118,8 +118,10 @@ class Server(Recovery):
         self._pulls = PullQueue(lambda key: self.store.entries[key].version)
         # ssp: pulls waiting for the slowest worker's clock (per key) to come within the staleness bound.
         self._stale_pulls = PullQueue(lambda key: self.store.slowest_clock(self.store.entries[key]))
-        self._deferred: dict[int, deque[tuple[bytes, wire.PushRequest, list[Entry], Optional[ShardLane]]]] = {}
+        #: Per worker, its early pushes (sync) held whole until they can join, each with when it was taken in.
+        self._deferred: dict[int, deque[tuple[bytes, wire.PushRequest, list[Entry], Optional[ShardLane], int]]] = {}
         self._draining = False
+        self._taken = 0  # when the message in hand was taken in (time.monotonic_ns)
         self._ckpt = Checkpointer(config)
         self.restored_from: Optional[Path] = None
         self.tables = tables.TableService(self.store, self._reply, self._error, config.nonfinite, config.row_limits)
@@ -307,7 +309,7 @@ class Server(Recovery):
             self._error(waiter.identity, waiter.request_id, "peer_finished",
                         _finished_message(stuck[next(k for k in waiter.keys if k in stuck)]))
         for worker, queue in list(self._deferred.items()):
-            for identity, req, _, _ in queue:
+            for identity, req, _, _, _ in queue:
                 self._error(identity, req.id, "peer_finished", _finished_message(min(self.store.finished)))
             del self._deferred[worker]
         self.tables.set_finished(_finished_message)
@@ -353,6 +355,7 @@ class Server(Recovery):
 
     def handle(self, identity: bytes, frames: list[Any]) -> None:
         """Handle one message from ``identity``; never raises."""
+        self._taken = time.monotonic_ns()  # (a push's ack says it: the spacing of a worker's pushes is their rate)
         self.counters.bytes_in += sum(map(len, frames))
         try:
             req = wire.decode_request(frames, self.config.limits)
@@ -507,7 +510,8 @@ class Server(Recovery):
             counters.pulls += 1  # the pull half of a push_pull is a pull too
             self.replies.params(identity, req.id, keys, entries, False)
         else:
-            self._reply(identity, wire.encode_ack(req.id, [e.version for e in entries], False))
+            self._reply(identity, wire.encode_ack(req.id, [e.version for e in entries], False, self._taken,
+                                                  time.monotonic_ns() - self._taken))
         if self._pulls or self._stale_pulls:
             for key in keys:
                 self._wake(key)
@@ -536,7 +540,7 @@ class Server(Recovery):
             self.counters.shm_bytes_in += sum(m.nbytes for m in req.tensors)
         if self._deferred.get(req.worker) or not self.store.can_join(req.worker, entries, late):
             # This worker is a round ahead on some key: hold the whole (validated) message until it can join.
-            self._deferred.setdefault(req.worker, deque()).append((identity, req, entries, lane))
+            self._deferred.setdefault(req.worker, deque()).append((identity, req, entries, lane, self._taken))
             return
         self._accept(identity, req, entries, lane)
 
@@ -637,8 +641,10 @@ class Server(Recovery):
     def _answer_push(self, identity: bytes, req: wire.PushRequest, keys: list[Key], targets: list[int],
                      duplicate: bool, lane: Optional[ShardLane], entries: list[Entry]) -> None:
         if not req.pull:
-            if self._replication is None or not self._replication.hold_ack(identity, req.id, keys, targets, duplicate):
-                self._reply(identity, wire.encode_ack(req.id, targets, duplicate))
+            taken = self._taken
+            if self._replication is None or not self._replication.hold_ack(identity, req.id, keys, targets, duplicate,
+                                                                           taken):
+                self._reply(identity, wire.encode_ack(req.id, targets, duplicate, taken, time.monotonic_ns() - taken))
             return
         self.counters.pulls += 1  # the pull half of a push_pull is a pull too
         # A worker pushing 16-bit gradients gets the parameters of its push_pull back in the same form.
@@ -669,11 +675,15 @@ class Server(Recovery):
                     queue = self._deferred[worker]
                     while queue:
                         # Validated on arrival; keys are never removed or reshaped, so that still holds.
-                        identity, req, entries, lane = queue[0]
+                        identity, req, entries, lane, taken = queue[0]
                         if not self.store.can_join(worker, entries):
                             break
                         queue.popleft()
-                        self._accept(identity, req, entries, lane)
+                        now, self._taken = self._taken, taken  # (its ack says when it came)
+                        try:
+                            self._accept(identity, req, entries, lane)
+                        finally:
+                            self._taken = now
                         progress = True
                     if not queue:
                         del self._deferred[worker]
@@ -704,7 +714,7 @@ class Server(Recovery):
             # their acks have not reached the worker yet: in sync mode the pull waits for the rounds they joined.
             mine = 0
             if self.store.rounds:
-                mine = self.store.targets(req.worker, [entry])[0] + sum(1 for _, r, _, _ in deferred
+                mine = self.store.targets(req.worker, [entry])[0] + sum(1 for _, r, _, _, _ in deferred
                                                                          if pk.key in r.keys())
             want[pk.key] = max(want.get(pk.key, 0), least, mine)
             if self.store.finished and want[pk.key] > entry.version:

@@ -49,6 +49,8 @@ _PARAMS_LANE = _PARAMS | frozenset({"lane", "places"})
 #: ... sent before the replicas hold the round it tells (a replicated job's pipelined copy): ``held`` is false, and
 #: a ``held`` notice naming its id follows once they do (a reply without the field is held already).
 _PARAMS_EARLY = _PARAMS | frozenset({"held"})
+#: ... of a push, with when the shard took it in and how long it held the answer (:class:`AckReply`).
+_ACK_TIMED = frozenset({"v", "op", "id", "versions", "duplicate", "taken", "held"})
 #: Most request ids one ``held`` notice names (a worker has at most a step's calls per shard in flight).
 MAX_HELD_IDS = 1 << 16
 _REPLY_FIELDS: dict[str, frozenset[str]] = {
@@ -93,11 +95,19 @@ class ParamsReply:
 
 @dataclass
 class AckReply:
-    """``ack``: a push was taken; ``versions`` says which version of each key will include it."""
+    """``ack``: a push was taken; ``versions`` says which version of each key will include it.
+
+    ``taken`` and ``held`` (a push's ack gives both, from the shard's monotonic clock, in ns): when the shard took
+    the push's message in, and how long after that it answered (a replicated job holds a sync push's ack until
+    its round is copied). The spacing of a worker's pushes taken one after another is the rate its pushes reach
+    the shard at, which :class:`psrt.worker.overlap.Pipeline` sizes its window by; None from an ack without them.
+    """
 
     id: int
     versions: list[int]
     duplicate: bool
+    taken: Optional[int] = None
+    held: Optional[int] = None
     op: ClassVar[str] = "ack"
 
 
@@ -175,6 +185,8 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
     if type(op) is str and op == "params" and h.keys() in (_PARAMS_JOB, _PARAMS_LANE, _PARAMS_JOB_BACKUP,
                                                            _PARAMS_EARLY):
         fields = h.keys()
+    elif op == "ack" and h.keys() == _ACK_TIMED:
+        fields = _ACK_TIMED
     else:
         fields = _REPLY_FIELDS.get(op) if type(op) is str else None
         if fields is None:
@@ -200,6 +212,8 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
     if op == "ack":
         if type(h["duplicate"]) is not bool:
             raise ProtocolError("ack reply: 'duplicate' must be true or false")
+        if "taken" in h:
+            return AckReply(rid, uint_list(h, "versions"), h["duplicate"], uint(h, "taken"), uint(h, "held"))
         return AckReply(rid, uint_list(h, "versions"), h["duplicate"])
     if op == "stats":
         stats = h["stats"]
@@ -423,9 +437,14 @@ def _check_packed_layout() -> None:
 _check_packed_layout()
 
 
-def encode_ack(rid: int, versions: list[int], duplicate: bool) -> list[Any]:
-    """Frames of an ``ack`` reply."""
-    return encode({"op": "ack", "id": rid, "versions": versions, "duplicate": duplicate})
+def encode_ack(rid: int, versions: list[int], duplicate: bool, taken: Optional[int] = None,
+               held: int = 0) -> list[Any]:
+    """Frames of an ``ack`` reply; a push's says when its message was ``taken`` in and how long it was ``held``
+    before this answer (ns of the shard's monotonic clock; see :class:`AckReply`)."""
+    if taken is None:
+        return encode({"op": "ack", "id": rid, "versions": versions, "duplicate": duplicate})
+    return encode({"op": "ack", "id": rid, "versions": versions, "duplicate": duplicate, "taken": taken,
+                   "held": held})
 
 
 def encode_stats(rid: int, stats: dict[str, Any]) -> list[Any]:

@@ -226,8 +226,9 @@ class ShardCalls:
         request.handle._outstanding.discard(rid)
 
     # ------------------------------------------------------------------ receiving
-    def wait(self, handle: Handle, timeout: float) -> None:
-        """Take in replies until every request of ``handle`` is answered or ``timeout`` seconds pass."""
+    def wait(self, handle: Handle, timeout: float, wake: Optional[Callable[[], bool]] = None) -> None:
+        """Take in replies until every request of ``handle`` is answered or ``timeout`` seconds pass; or, with
+        ``wake``, until a reply taken in makes it true (``handle`` still waiting, not failed)."""
         if self.closed:
             raise ConnectionLostError("this client is closed")
         # A pipelined caller's reply has most likely arrived (see _take_arrived): taken without the clock's work.
@@ -236,7 +237,7 @@ class ShardCalls:
         eager = True
         if self._check is None and handle._outstanding:
             self._take_arrived(handle)
-            if not handle._outstanding:
+            if not handle._outstanding or (wake is not None and wake()):
                 return
             eager = False
         start = time.monotonic()
@@ -279,6 +280,8 @@ class ShardCalls:
             try:
                 self.progress(handle, wait if self._check is None else min(wait, 0.25), eager)
                 eager = False  # (every reply queued was taken in: the next step polls)
+                if wake is not None and handle._outstanding and wake():
+                    return
             except AuthenticationError as exc:
                 # A refused handshake will not heal by waiting: fail this call now, naming the shard.
                 self._forget(handle)
@@ -578,6 +581,8 @@ class ShardCalls:
                 pending.refused()
             handle._fail(refusal(endpoint, handle.op, reply.code, reply.message))
         elif isinstance(reply, wire.AckReply):
+            if reply.taken is not None:
+                handle._timed(shard, reply.taken, reply.held or 0)
             table = pending.table
             expected = len(pending.chunks) if table is None else 1
             if len(reply.versions) != expected:

@@ -37,6 +37,9 @@ class Handle:
         #: Per shard, requests still to send, one each time the shard answers one of this call's (a paced push:
         #: :meth:`psrt.worker.sender.ShardSender._paced`); None for the calls that send everything at once.
         self._deferred: Optional[dict[int, deque[Callable[[], None]]]] = None
+        #: Per shard, from its acks (a push's): the latest ``taken`` and the longest ``held`` (ns of the shard's
+        #: clock, :class:`psrt.wire.AckReply`), read by :class:`psrt.worker.overlap.Pipeline`; None until one came.
+        self._timing: Optional[dict[int, tuple[int, int]]] = None
 
     def done(self) -> bool:
         """True when every reply has arrived (takes in any replies already queued, never blocks)."""
@@ -78,6 +81,13 @@ class Handle:
         if self._deferred is None:
             self._deferred = {}
         return self._deferred.setdefault(shard, deque())
+
+    def _timed(self, shard: int, taken: int, held: int) -> None:
+        """Note an ack's ``taken`` and ``held`` (a push cut in pieces gets one ack a piece: the last taken counts)."""
+        if self._timing is None:
+            self._timing = {}
+        last = self._timing.get(shard)
+        self._timing[shard] = (taken, held) if last is None else (max(last[0], taken), max(last[1], held))
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None:
