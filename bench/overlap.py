@@ -15,8 +15,9 @@ machine's load touches all of them alike):
 - ``comm``: ``client.push_pull`` of every gradient alone, no compute;
 - ``serial``: a training step with ``DistributedOptimizer(overlap=False)`` (backward, then push and pull all);
 - ``overlap``: a training step with ``DistributedOptimizer()``, the default: pushes from the backward hooks, each
-  pull asked for as soon as its push is acknowledged, first layers first (with a ``--window`` of bytes in
-  flight); ``step()`` returns when every parameter holds its new value;
+  pull asked for as soon as its push is acknowledged, first layers first (at most ``--window`` bytes in flight,
+  the library's default unless given, and no more than keeps the link busy: :class:`psrt.worker.overlap.Pace`);
+  ``step()`` returns when every parameter holds its new value;
 - ``overlap_forward``: the same with ``overlap_forward=True``: ``step()`` returns at once and the next forward
   waits, module by module, for the pulls still in flight.
 
@@ -59,6 +60,7 @@ from psrt.control.process import SERVER_READY, Child, parse_results, psrt_comman
 from psrt.emulation.models import model_bytes as tensors_bytes
 from psrt.emulation.models import model_tensors
 from psrt.emulation.netns import VirtualCluster, check_available
+from psrt.worker.overlap import DEFAULT_WINDOW
 
 try:  # optional: `--help` works without it, and main() says what to install
     import torch
@@ -272,7 +274,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--batch", type=int, default=4096, help="batch size (default 4096)")
     parser.add_argument("--steps", type=int, default=6, help="steps per turn of a measurement (default 6)")
     parser.add_argument("--rounds", type=int, default=4, help="turns of each measurement (default 4)")
-    parser.add_argument("--window", type=int, default=256 << 10, help="gradient bytes in flight (default 256 KiB)")
+    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                        help="most gradient bytes in flight (default: psrt.torch's, %(default)s)")
     parser.add_argument("--link", help="link rate, e.g. 300mbit (default: calibrated so comm ~ compute)")
     parser.add_argument("--loopback", action="store_true", help="no namespaces or shaping (no root needed)")
     parser.add_argument("--json", metavar="PATH", help="write the result record here")

@@ -72,7 +72,16 @@ def clients_made_as(cls: type, monkeypatch) -> list:
     return clients
 
 
+def _whole_window(monkeypatch) -> None:
+    """Pace no shard below the window (a shard slowed by a loaded machine may otherwise keep some gradients in the
+    priority queue, which sends them first layers first): these tests are of the order and the window alone."""
+    from psrt.worker import overlap
+
+    monkeypatch.setattr(overlap, "QUEUE_S", 60.0)
+
+
 def test_an_overlapped_worker_pushes_the_last_layer_first_and_awaits_the_first_layer_first(monkeypatch):
+    _whole_window(monkeypatch)
     clients = clients_made_as(Recording, monkeypatch)
     steps, warmup = 3, 1
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync")) as server:
@@ -105,6 +114,7 @@ class InFlight(psrt.Client):
 
 @pytest.mark.parametrize("window", [16_000, None])
 def test_the_window_bounds_the_pushes_in_flight(monkeypatch, window):
+    _whole_window(monkeypatch)
     clients = clients_made_as(InFlight, monkeypatch)
     steps, warmup = 3, 1
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync")) as server:
@@ -291,3 +301,133 @@ def test_a_trace_folder_gets_a_file_per_process(tmp_path):
     (path,) = tmp_path.glob("trace-*.json")
     assert path.name == f"trace-{os.getpid()}.json"
     assert trace.summarize(*trace.load([str(path)])).workers == 1
+
+
+# ---------------------------------------------------------------------------------------------- the pace
+def _paced(pace, pushes: int, nbytes: int, rate: float, t0: float = 10.0, held_ns: int = 0, gap: float = 0.0,
+           ack_after: float = 0.001) -> None:
+    """Acks of ``pushes`` pushes handed to the sockets together at ``t0`` and taken in one after another at
+    ``rate`` bytes/s by the shard (whose clock starts at 5 s), each seen ``ack_after`` after it was taken."""
+    for i in range(pushes):
+        taken = 5_000_000_000 + round((i + 1) * nbytes / rate * 1e9)
+        seen = t0 + (i + 1) * nbytes / rate + ack_after
+        pace.acked(nbytes, t0, seen, taken, held_ns, gap)
+
+
+def test_the_pace_sizes_the_credit_by_the_rate_pushes_are_taken_in():
+    """Pushes taken one after another, the next sent before the last one's ack was seen: their spacing at the
+    shard gives the rate, and the credit is what keeps the shard busy for the round trip plus QUEUE_S."""
+    from psrt.worker.overlap import QUEUE_S, Pace
+
+    pace = Pace(4 << 20)
+    assert pace.credit == 4 << 20  # nothing measured: the window's share
+    rate, nbytes = 20e6, 125_000  # 160 Mbit/s, a 125 KB tensor: 6.25 ms each
+    _paced(pace, 6, nbytes, rate, ack_after=0.0005)
+    # The first push's ack says nothing of the rate (nothing was taken before it); the rest say 20 MB/s exactly;
+    # the least delay beyond their own bytes' time is the 0.5 ms the acks took back.
+    assert pace.credit == pytest.approx(rate * (0.0005 + QUEUE_S))
+    # A shard that holds its acks (a replicated job's sync round) needs more in flight to stay busy, and so do
+    # a caller's gaps between pumps.
+    held = Pace(4 << 20)
+    _paced(held, 6, nbytes, rate, held_ns=3_000_000, ack_after=0.0035)
+    assert held.credit == pytest.approx(rate * (0.0005 + 0.003 + QUEUE_S))
+    gappy = Pace(4 << 20)
+    _paced(gappy, 6, nbytes, rate, gap=0.010, ack_after=0.0005)
+    assert gappy.credit == pytest.approx(rate * (0.0005 + 0.010 + QUEUE_S))
+    # Never more than the window's share, however fast the shard.
+    fast = Pace(1 << 20)
+    _paced(fast, 6, nbytes, 10e9)
+    assert fast.credit == 1 << 20
+
+
+def test_the_pace_takes_no_rate_from_a_push_sent_after_the_last_ack_was_seen():
+    """A push sent once the one before it was answered found the shard idle: its spacing there counts the idle
+    time too, and says nothing of the rate."""
+    from psrt.worker.overlap import Pace
+
+    pace = Pace(4 << 20)
+    seen = 10.0
+    for i in range(6):
+        sent = seen + 0.050  # 50 ms after the last ack: the shard was idle
+        seen = sent + 0.007
+        pace.acked(125_000, sent, seen, 5_000_000_000 + i * 57_000_000, 0, 0.0)
+    assert pace.credit == 4 << 20
+    # A burst at the start of a busy spell (a token bucket's, a socket buffer's) is averaged over the spell,
+    # not taken for the rate.
+    burst = Pace(4 << 20)
+    burst.acked(125_000, 20.0, 20.001, 9_000_000_000, 0, 0.0)
+    burst.acked(125_000, 20.0, 20.002, 9_000_100_000, 0, 0.0)  # 0.1 ms: 1.25 GB/s, a burst
+    for i in range(2, 10):
+        burst.acked(125_000, 20.0, 20.002 + (i - 1) * 0.00625, 9_000_100_000 + (i - 1) * 6_250_000, 0, 0.0)
+    assert burst.rate() == pytest.approx(20e6)  # (the burst's 1.25 GB/s would make it 2.5 MB for QUEUE_S alone)
+    # So is a shard that stalled once (a checkpoint written, a restart), and the spacing behind a small push
+    # (mostly the shard's work on the push before it): the rate is the median of the spacings' by their bytes.
+    stalled = Pace(4 << 20)
+    taken = 9_000_000_000
+    for i, (nbytes, ns) in enumerate([(0, 0), (125_000, 6_250_000), (125_000, 2_000_000_000), (1024, 400_000)]
+                                     + [(125_000, 6_250_000), (1024, 400_000)] * 4):
+        taken += ns
+        stalled.acked(nbytes, 20.0, 20.0 + i * 0.001, taken, 0, 0.0)
+    assert stalled.rate() == pytest.approx(20e6)
+
+
+def test_a_wait_for_one_tensor_takes_in_the_other_acks_and_asks_for_their_pulls():
+    """While the forward waits for a tensor whose round another worker has not pushed, the pipeline goes on:
+    the push queued behind it (the window holds one) leaves when its ack comes, and the pull of that one is asked
+    for when its own ack comes, before the awaited tensor is in."""
+    import threading
+    import time
+
+    from psrt.worker.overlap import PULLING, Pipeline, Slot
+
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync")) as shard, \
+            psrt.Client([shard.endpoint], rank=0, num_workers=2) as client, \
+            psrt.Client([shard.endpoint], rank=1, num_workers=2) as other:
+        arrays = {"b": np.zeros(256, np.float32), "c": np.zeros(256, np.float32)}
+        stored = client.init(arrays, optimizer=psrt.SGD(lr=1.0))
+        other.init(arrays, optimizer=psrt.SGD(lr=1.0))
+        slots = [Slot(name, i, stored[name]) for i, name in enumerate(arrays)]
+        pipe = Pipeline(client, slots, window=1)  # one push in flight at a time
+        pipe.enqueue(slots[0], np.ones(256, np.float32))
+        pipe.enqueue(slots[1], np.ones(256, np.float32))
+        pipe.end_step()  # b goes; c waits for b's ack
+
+        def late_peer() -> None:
+            time.sleep(1.0)  # b's round (and c's) close only now
+            other.push({"b": np.ones(256, np.float32), "c": np.ones(256, np.float32)})
+
+        peer = threading.Thread(target=late_peer)
+        peer.start()
+        try:
+            pipe.wait_for(slots[0])
+        finally:
+            peer.join()
+        np.testing.assert_array_equal(stored["b"], np.full(256, -1.0, np.float32))
+        # c was pushed and its pull asked for while the wait went on (an older wait_for blocked on b's pull and
+        # left c's ack untaken, c still pushing).
+        assert slots[1].state == PULLING
+        pipe.synchronize()
+        np.testing.assert_array_equal(stored["c"], np.full(256, -1.0, np.float32))
+
+
+def test_the_pipeline_learns_a_shards_rate_from_its_acks():
+    """A real shard's push acks carry when it took each push in: a pipeline that keeps several in flight has a
+    rate, and its credit is then what the rate needs, below the window."""
+    from psrt.worker.overlap import Pipeline, Slot
+
+    with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=1, mode="async")) as shard, \
+            psrt.Client([shard.endpoint]) as client:
+        arrays = {f"t{i}": np.zeros(1 << 14, np.float32) for i in range(8)}
+        stored = client.init(arrays, optimizer=psrt.SGD(lr=1.0))
+        slots = [Slot(name, i, stored[name]) for i, name in enumerate(arrays)]
+        window = 1 << 30
+        pipe = Pipeline(client, slots, window)
+        for _ in range(4):
+            for s in reversed(slots):
+                pipe.enqueue(s, np.ones(1 << 14, np.float32))
+            pipe.end_step()
+            pipe.synchronize()
+        (pace,) = pipe._paces.values()
+        assert pace._spans and 0 < pace.credit < window
+        assert pipe._credit == {0: pace.credit}
+        np.testing.assert_array_equal(stored["t0"], np.full(1 << 14, -4.0, np.float32))

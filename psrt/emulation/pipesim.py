@@ -16,6 +16,10 @@ latency (half the round trip) and are not queued behind bulk data (the emulated 
 as a data-centre network's priority for control traffic does). A shard's CPU serves each of the W messages in
 ``msg_overhead_s`` plus its bytes at ``agg_bytes_per_s``, one at a time.
 
+The pipeline's window is followed as it is; its pace (:class:`psrt.worker.overlap.Pace`, which keeps no more in
+flight than a shard's measured rate needs) is not: here requests and acknowledgements never wait behind bulk
+data, so bytes in flight beyond that cost nothing but the order the links carry them in.
+
 Nothing here is fitted: the inputs are the job's shape, the links, the compute, and the calibrated machine figures
 the rest of the model uses.
 """
@@ -224,7 +228,7 @@ class _Sim:
         kept: set[int] = set()
         for i in sorted(self.queue):
             shards = self.shard_bytes[i]
-            if any(sh in kept or (self.load[sh] and self.load[sh] >= self.credit[sh]) for sh in shards):
+            if any(sh in kept or (self.load[sh] and self.load[sh] + b > self.credit[sh]) for sh, b in shards.items()):
                 kept.update(shards)
                 continue
             self.queue.remove(i)

@@ -7,16 +7,22 @@ Backward produces the gradients last layer first; the next forward needs the par
   ``window`` bytes of pushes are handed to the sockets at a time: when several gradients are queued, the first
   layers' leave first, as they are the first needed. The window is shared out per shard, each shard's link
   getting the part of it that its share of the pushed bytes is (at least one push in flight to each; a frozen
-  tensor, never pushed, counts for nothing): a tensor leaves when every shard it lies on has credit left, and one
-  that waits keeps its shards for itself, so a later layer never overtakes it there. With the model on one
+  tensor, never pushed, counts for nothing): a tensor leaves when every shard it lies on has credit left for its
+  bytes (or nothing in flight), and one that waits keeps its shards for itself, so a later layer never overtakes
+  it there. With the model on one
   shard, or every tensor spread over all shards alike, that is one window of ``window`` bytes; with tensors on
   different shards (S = 16 and layers cut in 4 chunks), a shard whose layers are not the ones in flight no longer
   stands idle while another's wait;
+- the window is also held to what a shard's link (or CPU) takes in a short time (:class:`Pace`): a pull is asked
+  for on the connection the pushes use, behind every byte handed to it before, and the first layers' gradients,
+  queued last, leave behind those too; so bytes in flight beyond what keeps the link busy only add to the wait
+  for the parameters the next forward needs first. Each shard's acks say when it took a push in, and the spacing
+  of pushes taken one after another is the rate they reach it at;
 - as soon as a shard acknowledges a push, the pull of that tensor is asked for, received straight into the
   tensor's own array (the ack told the client the version the push joins: in sync mode the pull waits for that
   round, in async it is answered at once, in ssp when the staleness bound allows);
-- :meth:`Pipeline.wait_for` blocks until one tensor's new value is in its array, sending queued pushes as
-  credit frees, so a forward can wait for each layer's parameters just before it uses them.
+- :meth:`Pipeline.wait_for` blocks until one tensor's new value is in its array, sending queued pushes (and asking
+  for pulls) as acks come in meanwhile, so a forward can wait for each layer's parameters just before it uses them.
 
 The pipeline is driven by its caller, on one thread (a client is not thread-safe): :mod:`psrt.torch` from its
 backward hooks, ``step`` and forward pre-hooks, the load generator (``psrt worker --overlap``) from its emulated
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -36,13 +43,20 @@ import numpy as np
 from psrt.errors import ConfigError, ConnectionLostError
 from psrt.worker.handles import Handle
 
-__all__ = ["Slot", "Pipeline", "IDLE", "QUEUED", "PUSHING", "PULLING", "DEFAULT_WINDOW"]
+__all__ = ["Slot", "Pipeline", "Pace", "IDLE", "QUEUED", "PUSHING", "PULLING", "DEFAULT_WINDOW", "QUEUE_S"]
 
 #: A tensor's place in a step: no work in flight, gradient queued, push in flight, pull in flight.
 IDLE, QUEUED, PUSHING, PULLING = range(4)
 
-#: Gradient bytes handed to the sockets at a time, by default.
+#: Gradient bytes handed to the sockets at a time, by default: the most, whatever the shards' rates (:class:`Pace`).
 DEFAULT_WINDOW = 4 << 20
+
+#: Seconds of a shard's rate that the pushes in flight to it may take beyond what keeps it busy (:class:`Pace`):
+#: about the most a pull asked for, or a first layer's gradient, waits behind them.
+QUEUE_S = 0.002
+
+#: The pushes whose rate, delay and hold a :class:`Pace` keeps (and the caller's gaps between pumps, twice that).
+PACE_SAMPLES = 16
 
 
 def _finished(handle: Handle) -> bool:
@@ -64,7 +78,7 @@ class Slot:
         The C-contiguous, writable array its pulls are received into (a model's own parameter storage).
     """
 
-    __slots__ = ("name", "index", "array", "nbytes", "state", "epoch", "grad", "push", "pull", "shards")
+    __slots__ = ("name", "index", "array", "nbytes", "state", "epoch", "grad", "push", "pull", "shards", "sent")
 
     def __init__(self, name: str, index: int, array: np.ndarray) -> None:
         self.name = name
@@ -77,6 +91,66 @@ class Slot:
         self.push: Optional[Handle] = None
         self.pull: Optional[Handle] = None
         self.shards: tuple[tuple[int, int], ...] = ()  # (shard, bytes) of its push, as the pipeline counts them
+        self.sent = 0.0  # when its push was handed to the sockets (time.perf_counter)
+
+
+class Pace:
+    """How many bytes of pushes may be in flight to one shard: its rate times the time they must cover.
+
+    A shard's ack says when it took the push in and how long it held the answer (:class:`psrt.wire.AckReply`, the
+    shard's clock). Two pushes taken one after the other, the second handed to the sockets before the first's
+    ack was seen, are spaced by the time the second took to reach the shard behind the first: its bytes over that
+    spacing are the rate pushes reach the shard at (its link's or its CPU's, whichever is slower; over the last
+    :data:`PACE_SAMPLES`, :meth:`rate`). The pushes in flight keep the shard busy
+    while an ack comes back and the next push goes: ``rate x (delay + hold + gap)``, with ``delay`` the least of
+    the recent acks' time beyond the shard's hold and the bytes' own time (the round trip, and how late the ack
+    was seen), ``hold`` the most the shard held a recent ack (a replicated job's sync round), ``gap`` the most
+    time the caller let pass between two pumps with pushes outstanding (its compute between two hooks). More
+    than that, by :data:`QUEUE_S`, only waits in the sockets, where the pulls asked for and the first layers'
+    gradients, queued last, wait behind it. The credit is never more than ``cap`` (the ``window``'s share), and
+    stays that until the acks carry times.
+
+    Parameters
+    ----------
+    cap : float
+        The most bytes in flight to the shard (its share of the window).
+    """
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+        self.credit = cap
+        self._spans: deque[tuple[int, int]] = deque(maxlen=PACE_SAMPLES)  # (bytes, ns) taken one after another
+        self._trips: deque[tuple[float, int]] = deque(maxlen=PACE_SAMPLES)  # (s from sent to seen, not held; bytes)
+        self._holds: deque[float] = deque(maxlen=PACE_SAMPLES)  # s
+        self._taken: Optional[int] = None  # the last push's, ns of the shard's clock
+        self._seen = float("-inf")  # when its ack was seen
+
+    def rate(self) -> float:
+        """Bytes/s: the median of the recent spacings' rates, each weighing its bytes (a small push's spacing is
+        mostly the shard's work on the one before; a burst a token bucket let through, or a shard that stalled,
+        is one push among many)."""
+        spans = sorted(self._spans, key=lambda span: span[0] / span[1])
+        half, total = sum(b for b, _ in spans) / 2, 0
+        for nbytes, ns in spans:
+            total += nbytes
+            if total >= half:
+                return nbytes * 1e9 / ns
+        return 0.0
+
+    def acked(self, nbytes: int, sent: float, seen: float, taken: int, held: int, gap: float) -> None:
+        """A push of ``nbytes`` to the shard, handed to the sockets at ``sent``, its ack seen at ``seen``
+        (:func:`time.perf_counter`), ``taken`` in and ``held`` there (ns); ``gap``: the caller's longest recent
+        gap between pumps (s). Updates :attr:`credit`."""
+        if self._taken is not None and sent < self._seen and taken > self._taken:  # taken behind the last one
+            self._spans.append((nbytes, taken - self._taken))
+        self._taken, self._seen = taken, seen
+        self._holds.append(held / 1e9)
+        self._trips.append((seen - sent - held / 1e9, nbytes))
+        if not self._spans:
+            return
+        rate = self.rate()
+        delay = max(0.0, min(trip - b / rate for trip, b in self._trips))
+        self.credit = min(self.cap, rate * (delay + max(self._holds) + gap + QUEUE_S))
 
 
 class Pipeline:
@@ -90,7 +164,8 @@ class Pipeline:
         Every tensor, in forward order: ``slots[i].index == i``.
     window : int
         At most this many gradient bytes handed to the sockets at a time, shared out over the shards by their
-        shares of the pushed slots' bytes (at least one tensor in flight to each shard).
+        shares of the pushed slots' bytes (at least one tensor in flight to each shard); less to a shard whose
+        measured rate keeps busy with less (:class:`Pace`).
     timeout : float, optional
         Seconds to wait for any one reply (the client's timeout by default).
     pushed : sequence of Slot, optional
@@ -129,7 +204,13 @@ class Pipeline:
                 total[shard] = total.get(shard, 0) + nbytes
         model = max(1, sum(total.values()))
         self._credit = {shard: window * nbytes / model for shard, nbytes in total.items()}
+        self._paces = {shard: Pace(credit) for shard, credit in self._credit.items()}
         self._load = dict.fromkeys(total, 0)  # bytes of the pushes in flight, per shard
+        # The caller's gaps between two pumps with pushes outstanding (its compute between two hooks): the last
+        # pump that left some, and the time since spent waiting in this pipeline's own calls.
+        self._gaps: deque[float] = deque(maxlen=2 * PACE_SAMPLES)
+        self._pumped: Optional[float] = None
+        self._blocked = 0.0
         #: A list to note the step's events in, or None (the default: nothing noted). Each is ``(time.time(),
         #: event, tensor)``, the events being ``queued`` (:meth:`enqueue`), ``sent`` (its push handed to the
         #: sockets), ``acked`` (every shard acknowledged it), ``waiting`` and ``ready`` (:meth:`wait_for` began and
@@ -156,11 +237,16 @@ class Pipeline:
 
     def pump(self) -> None:
         """Take in the replies that are there, turn acknowledged pushes into pulls, send queued pushes."""
+        now = time.perf_counter()
+        if self._pumped is not None:  # (the caller's time since the last pump, not this pipeline's own waits)
+            self._gaps.append(now - self._pumped - self._blocked)
+        self._blocked = 0.0
         self._poll()
         done = [s for s in self._sending if _finished(s.push)]  # type: ignore[arg-type]
         for s in done:
             self._sending.remove(s)
-            self._pushed(s)
+            self._pushed(s, now)
+        self._pumped = now if self._sending or self._queue else None
         if not self._queue:
             return
         # First layers first; a tensor that must wait keeps its shards from the ones behind it.
@@ -168,13 +254,16 @@ class Pipeline:
         load, credit = self._load, self._credit
         for index in list(self._queue):
             s = self.slots[index]
-            if any(shard in kept or (load[shard] and load[shard] >= credit[shard]) for shard, _ in s.shards):
+            # (Within the credit with this push's bytes, or alone: a push larger than the credit goes by itself.)
+            if any(shard in kept or (load[shard] and load[shard] + nbytes > credit[shard])
+                   for shard, nbytes in s.shards):
                 kept.update(shard for shard, _ in s.shards)
                 if len(kept) == len(load):
                     break
                 continue
             self._queue.remove(index)
             s.push = self.client.push_async({s.name: s.grad})
+            s.sent = time.perf_counter()
             if self.trace is not None:
                 self.trace.append((time.time(), "sent", s.name))
             s.state = PUSHING
@@ -198,7 +287,9 @@ class Pipeline:
             if handle._calls.closed:
                 raise ConnectionLostError("this client is closed")
             # Wakes on the first reply of any call in flight (short slices: a client closed meanwhile is noticed).
+            start = time.perf_counter()
             handle._calls.progress(handle, min(remaining, 0.25))
+            self._blocked += time.perf_counter() - start
 
     def ready(self, s: Slot) -> bool:
         """Whether ``s``'s new value is in (:meth:`wait_for` would not block), after taking in the replies that
@@ -207,18 +298,30 @@ class Pipeline:
         return s.state == IDLE or (s.state == PULLING and _finished(s.pull))  # type: ignore[arg-type]
 
     def wait_for(self, s: Slot) -> None:
-        """Block until ``s``'s new value is in its array, sending queued pushes as credit frees."""
+        """Block until ``s``'s new value is in its array, taking in every ack meanwhile: queued pushes go as credit
+        frees, and the acknowledged ones' pulls are asked for."""
         if self.trace is not None:
             self.trace.append((time.time(), "waiting", s.name))
+        deadline = None
         while s.state != IDLE:
             self.pump()
-            if s.state == PULLING:
-                s.pull.wait(self.timeout)  # type: ignore[union-attr]
+            if s.state == PULLING and _finished(s.pull):  # type: ignore[arg-type]
+                s.pull.wait(0.0)  # type: ignore[union-attr]  # (raises the shard's error, if any)
                 s.pull = None
                 s.state = IDLE
                 self.busy -= 1
-            elif s.state in (QUEUED, PUSHING):
-                self._sending[0].push.wait(self.timeout)  # type: ignore[union-attr]
+                break
+            # Its pull, or the first push in flight (its own, or one that must go before it leaves): woken by any
+            # ack meanwhile, which may let a queued push go, or ask for a pull.
+            handle = s.pull if s.state == PULLING else self._sending[0].push
+            calls = handle._calls  # type: ignore[union-attr]
+            if deadline is None:
+                deadline = time.monotonic() + (calls.config.timeout if self.timeout is None else self.timeout)
+            start = time.perf_counter()
+            calls.wait(handle, max(0.0, deadline - time.monotonic()), self._acked)
+            self._blocked += time.perf_counter() - start
+            if handle._error is not None:  # type: ignore[union-attr]
+                raise handle._error  # type: ignore[union-attr]
         if self.trace is not None:
             self.trace.append((time.time(), "ready", s.name))
 
@@ -232,7 +335,9 @@ class Pipeline:
         while self._queue or self._sending:
             self.pump()
             if self._sending:
+                start = time.perf_counter()
                 self._sending[0].push.wait(self.timeout)  # type: ignore[union-attr]
+                self._blocked += time.perf_counter() - start
 
     def finish_previous(self) -> None:
         """Finish the work of earlier steps (not the gradients this step has already queued)."""
@@ -257,13 +362,24 @@ class Pipeline:
         if handle is not None:
             handle.done()
 
-    def _pushed(self, s: Slot) -> None:
-        s.push.wait(0.0)  # type: ignore[union-attr]  # finished: raises the shard's error, if any
+    def _acked(self) -> bool:
+        """Whether a push in flight has been answered (:meth:`pump` has work)."""
+        return any(_finished(s.push) for s in self._sending)  # type: ignore[arg-type]
+
+    def _pushed(self, s: Slot, seen: float) -> None:
+        push = s.push
+        push.wait(0.0)  # type: ignore[union-attr]  # finished: raises the shard's error, if any
         if self.trace is not None:
             self.trace.append((time.time(), "acked", s.name))
         self._inflight -= s.nbytes
+        timing = push._timing  # type: ignore[union-attr]
+        gap = max(self._gaps, default=0.0)
         for shard, nbytes in s.shards:
             self._load[shard] -= nbytes
+            if timing is not None and shard in timing:
+                pace = self._paces[shard]
+                pace.acked(nbytes, s.sent, seen, *timing[shard], gap)
+                self._credit[shard] = pace.credit
         s.grad = None
         s.push = None
         # The ack told the client the version this push joins; the pull asks for it (sync: this round).
