@@ -138,10 +138,17 @@ def test_the_transport_alone_echoes_every_byte_across_the_links(tmp_path):
 @pytest.mark.integration
 @needs_namespaces
 def test_ctrl_c_stops_the_hosts_processes_and_removes_the_hosts():
-    proc = subprocess.Popen([sys.executable, str(BENCH / "peers.py"), "--emulated", "--link", "100mbit",
-                             "--elements", "1M", "--workers", "2", "--servers", "1", "--steps", "10000",
-                             "--systems", "psrt", "--timeout", "120"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A terminal's Ctrl-C reaches a process whose SIGINT is not ignored. A suite started in the background by a
+    # non-interactive shell (`pytest &` in a script) ignores SIGINT, and a child inherits that; a handler of this
+    # process's own while the bench starts leaves the child SIGINT's default instead (exec resets a caught signal).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, str(BENCH / "peers.py"), "--emulated", "--link", "100mbit",
+                                 "--elements", "1M", "--workers", "2", "--servers", "1", "--steps", "10000",
+                                 "--systems", "psrt", "--timeout", "120"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:  # the workers are starting on their hosts
