@@ -12,7 +12,8 @@ embedding table, for ``steps`` steps with one call pattern:
   between; it waits at once where the step must leave nothing in flight (a pause, a lead or lockstep's turn, the
   last step, ssp: see :func:`_keeps_in_flight`);
 - ``torch``: :class:`psrt.torch.DistributedOptimizer` on a model whose loss is ``sum(param * G)``, so that each
-  parameter's gradient is exactly the designed ``G``.
+  parameter's gradient is exactly the designed ``G``; ``torch_held``: the same with ``window=1`` (one push in
+  flight to each shard, the rest held in the pipeline's priority queue).
 
 After each step it records what it read (the parameters the step returned, the table's rows), and at the end,
 after a barrier, the final parameters; all of it goes to the ``.npz`` file ``out``, and a JSON line with the
@@ -408,8 +409,11 @@ def _train_torch(args: dict[str, Any], rec: _Recorder) -> None:
     model = Model()
     # A shared process's worker brings its client (its own rank); else the optimizer makes one from the environment.
     client = psrt.Client(rank=args["rank"]) if args.get("rank") is not None else None
+    # torch_held: one push in flight to each shard, the rest held in the priority queue (a shard's pace at its least)
+    held = {"window": 1} if args["calls"] == "torch_held" else {}
     with _as_script(args, client):
-        opt = psrt.torch.DistributedOptimizer(model.named_parameters(), optimizer=psrt.SGD(lr=1.0), client=client)
+        opt = psrt.torch.DistributedOptimizer(model.named_parameters(), optimizer=psrt.SGD(lr=1.0), client=client,
+                                              **held)
         _torch_steps(model, opt, args, rec)
 
 
@@ -500,7 +504,7 @@ def _worker(args: dict[str, Any]) -> None:
     if args.get("calls") == "torch_embedding":
         _torch_embedding(args)
         return
-    (_train_torch if args["calls"] == "torch" else _train_client)(args, _Recorder(args["out"]))
+    (_train_torch if args["calls"] in ("torch", "torch_held") else _train_client)(args, _Recorder(args["out"]))
 
 
 def main(spec: Any) -> None:

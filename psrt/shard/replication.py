@@ -119,12 +119,11 @@ def peer_keys(directory: Optional[security.PathLike]) -> Optional[security.JobKe
 class _HeldAck:
     """A sync push's ack, held until every key it joined has a round the replicas acknowledged."""
 
-    __slots__ = ("identity", "request_id", "want", "duplicate", "keys", "taken")
+    __slots__ = ("identity", "request_id", "want", "duplicate", "keys")
 
-    def __init__(self, identity: bytes, request_id: int, keys: list[Key], want: list[int], duplicate: bool,
-                 taken: int) -> None:
+    def __init__(self, identity: bytes, request_id: int, keys: list[Key], want: list[int], duplicate: bool) -> None:
         self.identity, self.request_id, self.keys = identity, request_id, keys
-        self.want, self.duplicate, self.taken = want, duplicate, taken
+        self.want, self.duplicate = want, duplicate
 
 
 class _Flight:
@@ -277,13 +276,12 @@ class Copier:
                 self._holds[key] = mine
 
     def hold_ack(self, identity: bytes, request_id: int, keys: list[Key], targets: list[int],
-                 duplicate: bool, taken: int) -> bool:
-        """A sync push's ack: held (True) until the rounds it joined are held by the replicas too (``taken``: when
-        the push was taken in, for the ack)."""
+                 duplicate: bool) -> bool:
+        """A sync push's ack: held (True) until the rounds it joined are held by the replicas too."""
         entries = self.server.store.entries
         if all(entries[k].version >= t for k, t in zip(keys, targets)):
             return False
-        self._acks.append(_HeldAck(identity, request_id, keys, targets, duplicate, taken))
+        self._acks.append(_HeldAck(identity, request_id, keys, targets, duplicate))
         return True
 
     def defer(self, keys: Sequence[Key]) -> None:
@@ -624,8 +622,7 @@ class Copier:
         entries, still = self.server.store.entries, []
         for ack in self._acks:
             if all(entries[k].version >= t for k, t in zip(ack.keys, ack.want)):
-                self.server.replies.reply(ack.identity, wire.encode_ack(ack.request_id, ack.want, ack.duplicate,
-                                                                        ack.taken, time.monotonic_ns() - ack.taken))
+                self.server.replies.reply(ack.identity, wire.encode_ack(ack.request_id, ack.want, ack.duplicate))
             else:
                 still.append(ack)
         self._acks = still
@@ -779,10 +776,10 @@ class Replication:
         self.copier.joined(worker, seq, keys, completed, late)
 
     def hold_ack(self, identity: bytes, request_id: int, keys: list[Key], targets: list[int],
-                 duplicate: bool, taken: int) -> bool:
+                 duplicate: bool) -> bool:
         """:meth:`Copier.hold_ack` of this shard's own range."""
         assert self.copier is not None
-        return self.copier.hold_ack(identity, request_id, keys, targets, duplicate, taken)
+        return self.copier.hold_ack(identity, request_id, keys, targets, duplicate)
 
     def commit(self, keys: list[Key], settle: bool = False, pipelined: bool = False) -> None:
         """:meth:`Copier.commit` of this shard's own range."""

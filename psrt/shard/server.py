@@ -641,10 +641,14 @@ class Server(Recovery):
     def _answer_push(self, identity: bytes, req: wire.PushRequest, keys: list[Key], targets: list[int],
                      duplicate: bool, lane: Optional[ShardLane], entries: list[Entry]) -> None:
         if not req.pull:
-            taken = self._taken
-            if self._replication is None or not self._replication.hold_ack(identity, req.id, keys, targets, duplicate,
-                                                                           taken):
-                self._reply(identity, wire.encode_ack(req.id, targets, duplicate, taken, time.monotonic_ns() - taken))
+            if self._replication is None:
+                self._reply(identity, wire.encode_ack(req.id, targets, duplicate, self._taken,
+                                                      time.monotonic_ns() - self._taken))
+            # A replicated job's ack says nothing of when its push came: the ack of a sync push waits for its
+            # round, which waits for the other workers' pushes, and a worker that paced its pushes by such acks
+            # could hold back the very push another worker's held ack waits for (psrt.worker.overlap.Pace).
+            elif not self._replication.hold_ack(identity, req.id, keys, targets, duplicate):
+                self._reply(identity, wire.encode_ack(req.id, targets, duplicate))
             return
         self.counters.pulls += 1  # the pull half of a push_pull is a pull too
         # A worker pushing 16-bit gradients gets the parameters of its push_pull back in the same form.

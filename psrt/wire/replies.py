@@ -98,9 +98,11 @@ class AckReply:
     """``ack``: a push was taken; ``versions`` says which version of each key will include it.
 
     ``taken`` and ``held`` (a push's ack gives both, from the shard's monotonic clock, in ns): when the shard took
-    the push's message in, and how long after that it answered (a replicated job holds a sync push's ack until
-    its round is copied). The spacing of a worker's pushes taken one after another is the rate its pushes reach
-    the shard at, which :class:`psrt.worker.overlap.Pipeline` sizes its window by; None from an ack without them.
+    the push's message in, and how long after that it answered (an early sync push waits for its round to open).
+    The spacing of a worker's pushes taken one after another is the rate its pushes reach the shard at, which
+    :class:`psrt.worker.overlap.Pipeline` sizes its window by; None from an ack without them: a replicated job's,
+    whose sync acks wait for every worker's push of the round, which a worker pacing its pushes by them could hold
+    back.
     """
 
     id: int

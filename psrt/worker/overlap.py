@@ -104,11 +104,12 @@ class Pace:
     :data:`PACE_SAMPLES`, :meth:`rate`). The pushes in flight keep the shard busy
     while an ack comes back and the next push goes: ``rate x (delay + hold + gap)``, with ``delay`` the least of
     the recent acks' time beyond the shard's hold and the bytes' own time (the round trip, and how late the ack
-    was seen), ``hold`` the most the shard held a recent ack (a replicated job's sync round), ``gap`` the most
-    time the caller let pass between two pumps with pushes outstanding (its compute between two hooks). More
+    was seen), ``hold`` the most the shard held a recent ack (an early sync push's, until its round opened),
+    ``gap`` the most time the caller let pass between two pumps with pushes outstanding (its compute between two
+    hooks). More
     than that, by :data:`QUEUE_S`, only waits in the sockets, where the pulls asked for and the first layers'
     gradients, queued last, wait behind it. The credit is never more than ``cap`` (the ``window``'s share), and
-    stays that until the acks carry times.
+    stays that until the acks carry times (a replicated job's never do: see :class:`psrt.wire.AckReply`).
 
     Parameters
     ----------
