@@ -42,7 +42,9 @@ What each case checks, from the documented semantics (README, docs/architecture.
 - ``calls=torch_held``: psrt.torch with a window of one byte, so one push in flight to each shard and the rest
   held in the pipeline's priority queue, sent first layers first as acks free credit (taken in while ``step()``
   waits): what a shard's pace does where its measured rate needs less than a tensor in flight
-  (``psrt.worker.overlap.Pace``); the same reads, exactly;
+  (``psrt.worker.overlap.Pace``); the same reads, exactly. A replicated sync shard, which holds each ack until
+  every worker pushed its round, gets every push at once whatever the window (two workers each holding back the
+  push the other's held ack waits for would wait for ever);
 - ``calls=pipelined``: a worker that sends each step's call before waiting for the last one's (never a moment with
   nothing in flight, so on one host it moves onto its local connection by waiting once) reads exactly what a
   ``push_pull`` each step reads (it waits at once where the case needs nothing in flight: ``_combo_worker.py``);
@@ -69,10 +71,9 @@ What each case checks, from the documented semantics (README, docs/architecture.
   checkpoint may be behind, and they start from zero there).
 
 Pairs psrt cannot run together are left out (:data:`INVALID`, :func:`valid`) and tested apart, each refused up
-front with a clear error: a replicated job is not elastic. One pair is left out as a known defect, not refused (see
-:data:`INVALID`): a window smaller than the model (``torch_held``) in a replicated sync job. The refusals at the
-other factors' edges are tested at the end, with separate and with shared processes, and under a scheduler a
-refusing worker must end the job promptly.
+front with a clear error: a replicated job is not elastic. The refusals at the other factors' edges are tested
+at the end, with separate and with shared processes, and under a scheduler a refusing worker must end the job
+promptly.
 """
 
 from __future__ import annotations
@@ -146,8 +147,7 @@ class Case(NamedTuple):
         return "-".join(self)
 
 
-#: Pairs psrt cannot run together, each with a refusal test (and one known defect, said below):
-#: {(factor, value), (factor, value)}. None of these:
+#: Pairs psrt cannot run together, each with a refusal test: {(factor, value), (factor, value)}. None today:
 #: psrt.torch uses its client's compression (it pushes and pulls through the client); an embedding table's rows
 #: travel uncompressed beside top-k or fp16 gradients, as compressed gradients leave shared memory unused; ssp's
 #: bound counts the members of an elastic job. A torch ``nn.Embedding(sparse=True)`` is refused (tested below);
@@ -158,12 +158,6 @@ INVALID: set[frozenset[tuple[str, str]]] = {
     # (tests/test_replication.py, test_replication_is_refused_with_elastic).
     frozenset({("replicas", "1"), ("event", "leave")}),
     frozenset({("replicas", "1"), ("event", "crash")}),
-    # Not refused, and not run: a known defect. A replicated sync shard holds a push's ack until its round is
-    # copied, so until every worker pushed it; a window smaller than the model lets each worker hold back a push
-    # the other's held ack waits for when their queues sent in different orders, and both wait to the timeout.
-    # The default window holds these models whole, and a shard's pace never holds pushes back there (its acks
-    # carry no times); a window below the model in a replicated sync job is the open case.
-    frozenset({("replicas", "1"), ("calls", "torch_held")}),
 }
 
 

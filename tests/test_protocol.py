@@ -37,6 +37,10 @@ def test_every_reply_round_trips_into_its_record():
     assert isinstance(reply, wire.ParamsReply) and reply.id == 7 and reply.versions == [4, 5]
     assert [m.key for m in reply.tensors] == [("w", 0), ("b", 1)] and reply.job == job
     assert bytes(frames[1]) == a.tobytes() and bytes(frames[2]) == b.tobytes()
+    for backup in (0, 2):  # a replicated shard says so, with or without backup workers
+        replicated = wire.JobInfo("sync", 3, [], backup, True)
+        got = wire.decode_reply(bytes(wire.encode_params(7, entries, [4, 5], [a, b], replicated)[0]), LIMITS)
+        assert isinstance(got, wire.ParamsReply) and got.job == replicated
     plain = wire.decode_reply(bytes(wire.encode_params(8, entries, [0, 0], [a, b])[0]), LIMITS)
     assert isinstance(plain, wire.ParamsReply) and plain.job is None
     ack = wire.decode_reply(wire.encode_ack(9, [1, 2], True)[0], LIMITS)
@@ -90,6 +94,7 @@ def test_a_reply_whose_op_is_not_a_string_is_a_protocol_error(op):
     (params_header(mode="sync", num_workers=0, conflicts=[]), "num_workers"),
     (params_header(mode="sync", num_workers=2.0, conflicts=[]), "num_workers"),
     (params_header(extra=1), "unexpected fields"),
+    (params_header(mode="sync", num_workers=2, conflicts=[], replicated=False), "replicated"),
     ({**params_header(), "versions": [4]}, "versions"),
     ({**params_header(), "versions": [4, -1]}, "versions"),
     ({**params_header(), "versions": [4, False]}, "versions"),

@@ -467,7 +467,7 @@ class Server(Recovery):
         self.counters.inits += 1
         members = self.store.members
         job = wire.JobInfo(self.config.mode, self.config.num_workers if members is None else len(members), conflicts,
-                           self._backup_of_job() if self.store.rounds else 0)
+                           self._backup_of_job() if self.store.rounds else 0, self._replication is not None)
         self._send_params(identity, req.id, req.keys(), entries, job)
 
     def _at_once(self, identity: bytes, req: wire.PushRequest) -> bool:

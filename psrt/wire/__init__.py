@@ -44,9 +44,10 @@ frames, and the ``params`` and ``rows`` replies a ``lane`` field (the segment's 
 
 Replies: ``params {tensors, versions}`` + buffers (after ``init`` also ``mode, num_workers, conflicts``: the
 shard's mode and W, and the indices of tensors that exist with another optimizer; and ``backup_workers`` where
-the shard has some); ``ack {versions, duplicate}`` (a push's also ``taken, held``: when the shard took it in and
-how long it held the answer, ns of its monotonic clock, by which a worker's overlapped pushes are paced);
-``stats {stats}``; ``saved {path}``; ``error {code, message}``, to any request.
+the shard has some, and ``replicated: true`` where its range has replicas); ``ack {versions, duplicate}`` (a
+push's also ``taken, held``: when the shard took it in and how long it held the answer, ns of its monotonic clock,
+by which a worker's overlapped pushes are paced); ``stats {stats}``; ``saved {path}``; ``error {code, message}``,
+to any request.
 
 Control plane (:mod:`psrt.wire.control`), one header frame each, no buffers:
 

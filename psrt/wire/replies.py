@@ -45,6 +45,8 @@ _PARAMS = frozenset({"v", "op", "id", "tensors", "versions"})
 _PARAMS_JOB = _PARAMS | frozenset({"mode", "num_workers", "conflicts"})
 #: ... of a shard with backup workers (only then: a job without them answers as older shards do).
 _PARAMS_JOB_BACKUP = _PARAMS_JOB | frozenset({"backup_workers"})
+#: ... of a shard whose range has replicas (only then), with or without backup workers.
+_PARAMS_JOB_REPLICATED = (_PARAMS_JOB | frozenset({"replicated"}), _PARAMS_JOB_BACKUP | frozenset({"replicated"}))
 _PARAMS_LANE = _PARAMS | frozenset({"lane", "places"})
 #: ... sent before the replicas hold the round it tells (a replicated job's pipelined copy): ``held`` is false, and
 #: a ``held`` notice naming its id follows once they do (a reply without the field is held already).
@@ -74,6 +76,9 @@ class JobInfo:
     #: Sync mode: the shard's backup workers b (> 0: its workers' pushes say which version they were computed
     #: from, :mod:`psrt.shard.stragglers`).
     backup_workers: int = 0
+    #: The shard's range has replicas: in sync mode a push's ack waits until its round is copied, so until every
+    #: worker pushed it (a pipeline then holds no push back there: :class:`psrt.worker.overlap.Pipeline`).
+    replicated: bool = False
 
 
 @dataclass
@@ -185,7 +190,7 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
     if type(op) is str and op in lanes.REPLY_FIELDS:
         return lanes.decode_lane_reply(h)
     if type(op) is str and op == "params" and h.keys() in (_PARAMS_JOB, _PARAMS_LANE, _PARAMS_JOB_BACKUP,
-                                                           _PARAMS_EARLY):
+                                                           _PARAMS_EARLY, *_PARAMS_JOB_REPLICATED):
         fields = h.keys()
     elif op == "ack" and h.keys() == _ACK_TIMED:
         fields = _ACK_TIMED
@@ -202,8 +207,11 @@ def decode_reply(data: Any, limits: WireLimits) -> Reply:
             conflicts = uint_list(h, "conflicts")
             if any(i >= len(metas) for i in conflicts):
                 raise ProtocolError("params reply: 'conflicts' must index the reply's tensors")
+            if "replicated" in h and h["replicated"] is not True:
+                raise ProtocolError("params reply: 'replicated' is true when given (a shard without replicas leaves "
+                                    "it out)")
             job = JobInfo(string(h, "mode", allowed=MODES), uint(h, "num_workers", MAX_WORKER, lo=1), conflicts,
-                          uint(h, "backup_workers", MAX_WORKER) if "backup_workers" in h else 0)
+                          uint(h, "backup_workers", MAX_WORKER) if "backup_workers" in h else 0, "replicated" in h)
         if "held" in h:
             if h["held"] is not False:
                 raise ProtocolError("params reply: 'held' is false when given (a held reply leaves it out)")
@@ -387,6 +395,8 @@ def encode_params(rid: int, entries: list[list[Any]], versions: list[int], paylo
         header.update(mode=job.mode, num_workers=job.num_workers, conflicts=job.conflicts)
         if job.backup_workers:
             header["backup_workers"] = job.backup_workers
+        if job.replicated:
+            header["replicated"] = True
     if lane is not None:
         header.update(lane=lane, places=places)
     return encode(header, payload)

@@ -195,6 +195,13 @@ class Client:
         """The shard map of the initialized tensors."""
         return self._map
 
+    @property
+    def holding_shards(self) -> frozenset[int]:
+        """The shards that hold a push's ack until its round is copied, so until every worker pushed it (a
+        replicated sync job's, as their answers to :meth:`init` said): a pipeline that held a push back there could
+        keep another worker's held ack waiting for it (:class:`psrt.worker.overlap.Pipeline` holds none back)."""
+        return frozenset(s.shard for s in self._senders if s.sync and s.replicated)
+
     # ------------------------------------------------------------------ public API
     def init(self, params: Mapping[str, Any], optimizer: Optional[Optimizer] = None,
              timeout: Optional[float] = None) -> dict[str, np.ndarray]:
@@ -334,6 +341,7 @@ class Client:
         for shard, job in handle._answers.items():
             self._senders[shard].backup_workers = job.backup_workers
             self._senders[shard].sync = job.mode == "sync"
+            self._senders[shard].replicated = job.replicated
             if not self._elastic and job.num_workers != self._num_workers:
                 raise ConfigError(f"shard {self.servers[shard]} runs with --workers {job.num_workers} "
                                   f"but this client has num_workers={self._num_workers}")

@@ -34,6 +34,7 @@ leaves the thread free).
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections import deque
 from typing import Any, Optional, Sequence
@@ -166,7 +167,8 @@ class Pipeline:
     window : int
         At most this many gradient bytes handed to the sockets at a time, shared out over the shards by their
         shares of the pushed slots' bytes (at least one tensor in flight to each shard); less to a shard whose
-        measured rate keeps busy with less (:class:`Pace`).
+        measured rate keeps busy with less (:class:`Pace`); no limit to a shard that holds its acks until every
+        worker pushed the round (:attr:`psrt.Client.holding_shards`).
     timeout : float, optional
         Seconds to wait for any one reply (the client's timeout by default).
     pushed : sequence of Slot, optional
@@ -204,7 +206,12 @@ class Pipeline:
             for shard, nbytes in s.shards:
                 total[shard] = total.get(shard, 0) + nbytes
         model = max(1, sum(total.values()))
-        self._credit = {shard: window * nbytes / model for shard, nbytes in total.items()}
+        # A shard that holds each ack until every worker pushed the round (a replicated sync job's) gets every push
+        # at once: one held back here could be the push another worker's held ack waits for, while that worker
+        # holds back the one this worker's waits for.
+        holding = client.holding_shards
+        self._credit = {shard: math.inf if shard in holding else window * nbytes / model
+                        for shard, nbytes in total.items()}
         self._paces = {shard: Pace(credit) for shard, credit in self._credit.items()}
         self._load = dict.fromkeys(total, 0)  # bytes of the pushes in flight, per shard
         # The caller's gaps between two pumps with pushes outstanding (its compute between two hooks): the last

@@ -101,6 +101,8 @@ class ShardSender:
         self.rows_lane = True
         #: Whether the shard runs sync rounds (its answer to ``init`` says): a blocking call's pieces are paced.
         self.sync = False
+        #: Whether its range has replicas (its answer to ``init`` says): a sync push's ack then waits for its round.
+        self.replicated = False
         #: Whether requests in flight were waited for once, to move onto the attached local connection
         #: (:meth:`_settle`); False again with each new local connection.
         self._settled = False
