@@ -69,11 +69,15 @@ def local_optimizer(group, model, rank=0, workers=1, **kw):
     return psrt.torch.DistributedOptimizer(model.named_parameters(), optimizer=psrt.SGD(**SGD), client=client, **kw)
 
 
+def _whole_window(monkeypatch) -> None:
+    """Nothing held back: a shard slowed by a loaded machine may otherwise keep some gradients in the pipeline's
+    priority queue (sent first layers first, as acks come) where a test counts or orders the pushes backward made."""
+    monkeypatch.setattr(psrt.worker.overlap, "QUEUE_S", 60.0)
+
+
 @pytest.mark.parametrize("overlap, overlap_forward", [(True, False), (True, True), (False, False)])
 def test_hooks_push_each_parameter_once_per_step_in_backward_order(shards, monkeypatch, overlap, overlap_forward):
-    # (Nothing held back: a shard slowed by a loaded machine may otherwise keep some gradients in the priority
-    # queue, which sends them first layers first; here each pipeline keeps its whole window.)
-    monkeypatch.setattr(psrt.worker.overlap, "QUEUE_S", 60.0)
+    _whole_window(monkeypatch)
     model = make_cnn(0)
     initial = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     opt = local_optimizer(shards(1), model, overlap=overlap, overlap_forward=overlap_forward)
@@ -100,7 +104,8 @@ def test_hooks_push_each_parameter_once_per_step_in_backward_order(shards, monke
 
 
 @pytest.mark.parametrize("overlap_forward", [False, True])
-def test_accumulation_pushes_the_sum_once_after_the_last_pass(shards, overlap_forward):
+def test_accumulation_pushes_the_sum_once_after_the_last_pass(shards, monkeypatch, overlap_forward):
+    _whole_window(monkeypatch)
     model = make_cnn(0)
     initial = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     opt = local_optimizer(shards(1), model, backward_passes_per_step=2, overlap_forward=overlap_forward)
