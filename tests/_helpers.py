@@ -42,6 +42,15 @@ __all__ = ["packed", "frames_of", "push_header", "RawPeer", "Relay", "serving", 
 
 
 # ---------------------------------------------------------------------------------------------- headers by hand
+def whole_window(monkeypatch: Any) -> None:
+    """Pace no shard below a pipeline's window, for tests of the order, the count or the window of pushes alone: a
+    shard slowed by a loaded machine may otherwise keep some gradients in the pipeline's priority queue, which
+    sends them first layers first as acks come (:class:`psrt.worker.overlap.Pace`)."""
+    from psrt.worker import overlap
+
+    monkeypatch.setattr(overlap, "QUEUE_S", 60.0)
+
+
 def packed(header: Mapping[Any, Any], version: int = wire.PROTOCOL_VERSION) -> bytes:
     """``header`` as msgpack, as a peer might send it, without the encoders' checks: the protocol version ``v``
     first, unless ``header`` has its own."""

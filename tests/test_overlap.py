@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from _helpers import BENCH, launched_results, serving
+from _helpers import BENCH, launched_results, serving, whole_window
 
 import psrt
 from psrt import cli
@@ -72,16 +72,8 @@ def clients_made_as(cls: type, monkeypatch) -> list:
     return clients
 
 
-def _whole_window(monkeypatch) -> None:
-    """Pace no shard below the window (a shard slowed by a loaded machine may otherwise keep some gradients in the
-    priority queue, which sends them first layers first): these tests are of the order and the window alone."""
-    from psrt.worker import overlap
-
-    monkeypatch.setattr(overlap, "QUEUE_S", 60.0)
-
-
 def test_an_overlapped_worker_pushes_the_last_layer_first_and_awaits_the_first_layer_first(monkeypatch):
-    _whole_window(monkeypatch)
+    whole_window(monkeypatch)
     clients = clients_made_as(Recording, monkeypatch)
     steps, warmup = 3, 1
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync")) as server:
@@ -114,7 +106,7 @@ class InFlight(psrt.Client):
 
 @pytest.mark.parametrize("window", [16_000, None])
 def test_the_window_bounds_the_pushes_in_flight(monkeypatch, window):
-    _whole_window(monkeypatch)
+    whole_window(monkeypatch)
     clients = clients_made_as(InFlight, monkeypatch)
     steps, warmup = 3, 1
     with serving(ServerConfig(bind="tcp://127.0.0.1:*", num_workers=2, mode="sync")) as server:

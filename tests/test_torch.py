@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from _helpers import run_workers  # noqa: E402
+from _helpers import run_workers, whole_window  # noqa: E402
 from _workers import batches, make_cnn  # noqa: E402
 
 import psrt  # noqa: E402
@@ -69,15 +69,9 @@ def local_optimizer(group, model, rank=0, workers=1, **kw):
     return psrt.torch.DistributedOptimizer(model.named_parameters(), optimizer=psrt.SGD(**SGD), client=client, **kw)
 
 
-def _whole_window(monkeypatch) -> None:
-    """Nothing held back: a shard slowed by a loaded machine may otherwise keep some gradients in the pipeline's
-    priority queue (sent first layers first, as acks come) where a test counts or orders the pushes backward made."""
-    monkeypatch.setattr(psrt.worker.overlap, "QUEUE_S", 60.0)
-
-
 @pytest.mark.parametrize("overlap, overlap_forward", [(True, False), (True, True), (False, False)])
 def test_hooks_push_each_parameter_once_per_step_in_backward_order(shards, monkeypatch, overlap, overlap_forward):
-    _whole_window(monkeypatch)
+    whole_window(monkeypatch)
     model = make_cnn(0)
     initial = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     opt = local_optimizer(shards(1), model, overlap=overlap, overlap_forward=overlap_forward)
@@ -105,7 +99,7 @@ def test_hooks_push_each_parameter_once_per_step_in_backward_order(shards, monke
 
 @pytest.mark.parametrize("overlap_forward", [False, True])
 def test_accumulation_pushes_the_sum_once_after_the_last_pass(shards, monkeypatch, overlap_forward):
-    _whole_window(monkeypatch)
+    whole_window(monkeypatch)
     model = make_cnn(0)
     initial = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     opt = local_optimizer(shards(1), model, backward_passes_per_step=2, overlap_forward=overlap_forward)
