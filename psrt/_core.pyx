@@ -691,19 +691,13 @@ cdef inline bint _scratch_fits(int32_t[::1] index, Py_ssize_t n) noexcept nogil:
 cdef inline int64_t _first_index(int32_t *index, uint64_t mask, int64_t key, int64_t *distinct, Py_ssize_t *used,
                                  bint *new) noexcept nogil:
     """``key``'s index among the distinct ids of a scratch index, in the order they first appear: a key not seen
-    before is added (``distinct[used]``, ``used`` counted on, ``new`` set)."""
-    return _first_index_at(index, mask, key, psrt_mix64(<uint64_t>key), distinct, used, new)
-
-
-cdef inline int64_t _first_index_at(int32_t *index, uint64_t mask, int64_t key, uint64_t h, int64_t *distinct,
-                                    Py_ssize_t *used, bint *new) noexcept nogil:
-    """:func:`_first_index`, for a caller that has ``key``'s hash ``h`` already (and uses it again).
+    before is added (``distinct[used]``, ``used`` counted on, ``new`` set).
 
     A scratch index's cells hold only where a key is among the distinct ones (int32; < 0: empty), and the key
     is read there: four bytes a cell, not a key and its value's sixteen. A batch's index is fresh memory every
     call, in a process whose caches the others on its core have just filled (a worker's, the shards it woke):
     its size, not the probing, is what the call costs (8,192 ids: a 64 KiB index instead of 256 KiB)."""
-    cdef uint64_t j = h & mask
+    cdef uint64_t j = psrt_mix64(<uint64_t>key) & mask
     cdef int64_t k = index[j]
     while k >= 0 and distinct[k] != key:
         j = (j + 1) & mask
@@ -731,6 +725,29 @@ def unique_ids(int32_t[::1] index, const int64_t[::1] ids, int64_t[::1] inverse,
             inverse[i] = _first_index(&index[0], mask, ids[i], &distinct[0], &used, &new)
     return used
 
+
+
+def move_rows(const real[:, ::1] src, const int64_t[::1] src_rows, real[:, ::1] dst, const int64_t[::1] dst_rows):
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` for every i: a gather and a scatter in one pass, so that rows
+    answered for distinct ids go straight to every place the caller asked for them (a pair with a row out of
+    range is skipped)."""
+    cdef Py_ssize_t n = _min2(src_rows.shape[0], dst_rows.shape[0]), i, s, d
+    cdef Py_ssize_t dim = _min2(src.shape[1], dst.shape[1]), src_count = src.shape[0], dst_count = dst.shape[0]
+    cdef Py_ssize_t nbytes = dim * sizeof(real)
+    if n == 0 or dim == 0:
+        return
+    with nogil:
+        for i in range(n):
+            # The rows written lie scattered through dst, which the caller's other work has just pushed out of
+            # cache: each is fetched before it is written, and asked for ahead, those fetches overlap.
+            if i + PSRT_AHEAD < n:
+                d = dst_rows[i + PSRT_AHEAD]
+                if 0 <= d < dst_count:
+                    psrt_prefetch_w(&dst[d, 0], nbytes)
+            s = src_rows[i]
+            d = dst_rows[i]
+            if 0 <= s < src_count and 0 <= d < dst_count:
+                psrt_copy_row(&dst[d, 0], &src[s, 0], nbytes)
 
 def coalesce_rows(int32_t[::1] index, const int64_t[::1] ids, const real[:, ::1] rows, int64_t[::1] distinct,
                   real[:, ::1] summed):
@@ -918,47 +935,45 @@ cdef inline void _places(int64_t *offsets, Py_ssize_t num_shards, int64_t *place
     offsets[0] = 0
 
 
-def unique_by_shard(int32_t[::1] index, const int64_t[::1] ids, int64_t num_shards, int64_t[::1] firsts,
-                    int64_t[::1] place, int64_t[::1] distinct, int64_t[::1] offsets, int64_t[::1] gather):
-    """The distinct ids sorted by shard, and where each id's row comes back: :func:`unique_ids`, then
-    :func:`shard_order` of the distinct ids, then each id's position, in a pass over the ids, one over the
-    distinct ones and one more over the ids (each id hashed once: its scratch cell and its shard come from the
-    same ``mix64``).
+def unique_by_shard(int32_t[::1] index, const int64_t[::1] ids, int64_t num_shards, int64_t[::1] order,
+                    int64_t[::1] offsets, int64_t[::1] distinct, int64_t[::1] starts, int64_t[::1] inverse):
+    """A pull's ids by shard, and each shard's distinct ones: :func:`shard_order`, then :func:`unique_ids` of
+    each shard's part, in a pass over the ids and one over their order.
 
-    ``distinct[:k]`` gets the k distinct ids, shard s's in ``distinct[offsets[s]:offsets[s + 1]]`` in the order
-    they first appear in ``ids``; ``gather[i]`` the position of ``ids[i]`` in ``distinct``. ``index`` is a fresh
-    scratch index (as :func:`unique_ids` takes); ``firsts`` and ``place`` are scratch of ``len(ids)`` entries.
-    Returns k (0, and nothing written, unless every array has its size).
+    ``order`` and ``offsets`` as :func:`shard_order` gives them (shard s's ids are ``ids[order[m]]`` for m in
+    ``offsets[s]:offsets[s + 1]``, in the order they come); ``distinct[:k]`` the k distinct ids, shard s's in
+    ``distinct[starts[s]:starts[s + 1]]`` in the order they first come; ``inverse[m]`` the index of
+    ``ids[order[m]]`` among its shard's distinct ids. ``index`` is a fresh scratch index (as :func:`unique_ids`
+    takes; one serves every shard, as an id has one shard). Returns k (0, and nothing written, unless every
+    array has its size).
     """
-    cdef Py_ssize_t n = ids.shape[0], i, s, used = 0
-    cdef uint64_t h, mask, shards = <uint64_t>num_shards
-    cdef int64_t k, key
+    cdef Py_ssize_t n = ids.shape[0], i, m, s, used = 0, base
+    cdef uint64_t mask, shards = <uint64_t>num_shards
+    cdef int64_t key
     cdef int32_t *c
-    cdef int64_t *first
     cdef bint new
-    if (num_shards <= 0 or offsets.shape[0] != num_shards + 1 or firsts.shape[0] != n or place.shape[0] != n
-            or distinct.shape[0] != n or gather.shape[0] != n or not _scratch_fits(index, n)):
+    if (num_shards <= 0 or offsets.shape[0] != num_shards + 1 or starts.shape[0] != num_shards + 1
+            or order.shape[0] != n or distinct.shape[0] != n or inverse.shape[0] != n or not _scratch_fits(index, n)):
         return 0
     c, mask = &index[0], <uint64_t>index.shape[0] - 1
-    first = &firsts[0] if n else NULL
     with nogil:
         for s in range(num_shards + 1):
             offsets[s] = 0
-        for i in range(n):  # each id's index among the distinct ones; each new one's shard, counted one entry on
-            key = ids[i]
-            h = psrt_mix64(<uint64_t>key)
-            k = _first_index_at(c, mask, key, h, first, &used, &new)
-            if new:
-                s = _shard(h, shards)
-                place[k] = s
-                offsets[s + 1] += 1
-            gather[i] = k
+        for i in range(n):  # each id's shard (held in inverse until the order is made), counted one entry on
+            s = _shard(psrt_mix64(<uint64_t>ids[i]), shards)
+            inverse[i] = s
+            offsets[s + 1] += 1
         if n:
-            _places(&offsets[0], num_shards, &place[0], used)
-            for k in range(used):
-                distinct[place[k]] = firsts[k]
+            _places(&offsets[0], num_shards, &inverse[0], n)
             for i in range(n):
-                gather[i] = place[gather[i]]
+                order[inverse[i]] = i
+        for s in range(num_shards):  # shard by shard: its distinct ids follow the last shard's
+            base = used
+            starts[s] = base
+            for m in range(offsets[s], offsets[s + 1]):
+                key = ids[order[m]]
+                inverse[m] = _first_index(c, mask, key, &distinct[0], &used, &new) - base
+        starts[num_shards] = used
     return used
 
 

@@ -256,24 +256,64 @@ def test_shard_order_is_a_stable_sort_by_shard(num_shards):
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 7, 64])
 def test_unique_by_shard_is_its_twin(num_shards):
-    """The pull's one kernel call: the distinct ids, shard by shard in the order they first appear, and where
-    each id is among them; what unique_first, then shard_order of the distinct ids, give."""
+    """The pull's one kernel call: the ids by shard (shard_order's order and offsets), each shard's distinct ids
+    in the order they first come there, and each id's index among its shard's; what shard_order, then
+    unique_first of each shard's part, give."""
     rng = np.random.default_rng(num_shards)
     for ids in (np.empty(0, np.int64), np.array([5], np.int64), np.array([9, 9, 9], np.int64),
                 rng.integers(-2**63, 2**63 - 1, 5000), (rng.zipf(1.1, 8192) - 1) % 1000,
                 (rng.zipf(1.1, 8192) - 1) * -(2**40)):
         ids = ids.astype(np.int64)
-        distinct, offsets, gather = rowkernels.unique_by_shard(ids, num_shards)
-        for got, expected in zip((distinct, offsets, gather), reference.unique_by_shard(ids, num_shards)):
-            assert got.dtype == np.int64 and np.array_equal(got, expected)
-        assert np.array_equal(distinct[gather], ids) and len(np.unique(distinct)) == len(distinct)
-        shards = rowkernels.shard_of(distinct, num_shards)
+        got = rowkernels.unique_by_shard(ids, num_shards)
+        for g, expected in zip(got, reference.unique_by_shard(ids, num_shards)):
+            assert g.dtype == np.int64 and np.array_equal(g, expected)
+        order, offsets, distinct, starts, inverse = got
+        assert len(np.unique(distinct)) == len(distinct) == len(np.unique(ids))
+        shards = rowkernels.shard_of(ids, num_shards)
         for s in range(num_shards):
-            assert (shards[offsets[s]:offsets[s + 1]] == s).all()
+            mine = distinct[starts[s]:starts[s + 1]]
+            part = order[offsets[s]:offsets[s + 1]]
+            assert np.array_equal(part, np.flatnonzero(shards == s))
+            assert np.array_equal(mine[inverse[offsets[s]:offsets[s + 1]]], ids[part])
     with pytest.raises(KernelArgumentError):
         rowkernels.unique_by_shard(np.arange(3, dtype=np.int64), 0)
     with pytest.raises(KernelTypeError):
         rowkernels.unique_by_shard(np.arange(3, dtype=np.int32), num_shards)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_move_rows_is_its_twin_and_moves_nothing_outside(dtype):
+    """Each shard's answer moved to every place it was asked for: the twin's rows, every place written once;
+    a pair with a row outside either array is skipped when checked, and refused, naming the range, when not."""
+    rng = np.random.default_rng(5)
+    ids = ((rng.zipf(1.1, 3000) - 1) % 500).astype(np.int64)
+    order, offsets, distinct, starts, inverse = rowkernels.unique_by_shard(ids, 3)
+    table = rng.standard_normal((500, 9)).astype(dtype)
+    out, want = np.full((3000, 9), np.nan, dtype), np.full((3000, 9), np.nan, dtype)
+    for s in range(3):
+        answer = table[distinct[starts[s]:starts[s + 1]]]  # one row per distinct id of the shard
+        part, inv = order[offsets[s]:offsets[s + 1]], inverse[offsets[s]:offsets[s + 1]]
+        rowkernels.move_rows(answer, inv, out, part, checked=bool(s % 2))
+        reference.move_rows(answer, inv, want, part)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(out, table[ids])
+    src = rng.standard_normal((4, 9)).astype(dtype)
+    got = np.zeros((5, 9), dtype)
+    rowkernels.move_rows(src, np.array([0, 4, 3, -1, 1], np.int64), got, np.array([4, 0, 5, 1, 2], np.int64),
+                         checked=True)
+    np.testing.assert_array_equal(got[4], src[0])
+    np.testing.assert_array_equal(got[2], src[1])
+    np.testing.assert_array_equal(got[[0, 1, 3]], 0)
+    for bad_src, bad_dst in ((np.array([4], np.int64), np.array([0], np.int64)),
+                             (np.array([0], np.int64), np.array([5], np.int64))):
+        with pytest.raises(KernelArgumentError, match=r"must lie in \[0, "):
+            rowkernels.move_rows(src, bad_src, got, bad_dst)
+    with pytest.raises(KernelArgumentError):
+        rowkernels.move_rows(src, np.array([0, 1], np.int64), got, np.array([0], np.int64))
+    with pytest.raises(KernelTypeError):
+        rowkernels.move_rows(src, np.array([0], np.int64), got.astype(np.float16), np.array([0], np.int64))
+    with pytest.raises(KernelArgumentError):
+        rowkernels.move_rows(src, np.array([0], np.int64), np.zeros((5, 8), dtype), np.array([0], np.int64))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -383,18 +423,18 @@ def test_wrappers_refuse_what_the_kernels_cannot_check():
 
 
 def test_gather_rows_of_slots_a_kernel_checked_skips_the_scan_and_still_reads_nothing_outside():
-    """``checked=True`` (slots from unique_by_shard or shard_order) gives the same rows without the scan for a slot
+    """``checked=True`` (slots from unique_first or shard_order) gives the same rows without the scan for a slot
     outside the table; one that is outside anyway leaves its row as it is, as the kernel always does."""
     rng = np.random.default_rng(11)
     table = rng.standard_normal((30, 5)).astype(np.float32)
-    ids = rng.integers(0, 1 << 40, 400).astype(np.int64)
-    distinct, offsets, gather = rowkernels.unique_by_shard(ids, 3)
+    ids = ((rng.zipf(1.1, 400) - 1) % (1 << 40)).astype(np.int64)
+    distinct, inverse = rowkernels.unique_first(ids)
     rows = rng.standard_normal((len(distinct), 5)).astype(np.float32)
     out, again = np.empty((400, 5), np.float32), np.empty((400, 5), np.float32)
-    rowkernels.gather_rows(rows, gather, out)
-    rowkernels.gather_rows(rows, gather, again, checked=True)
+    rowkernels.gather_rows(rows, inverse, out)
+    rowkernels.gather_rows(rows, inverse, again, checked=True)
     np.testing.assert_array_equal(again, out)
-    np.testing.assert_array_equal(out, reference.gather_rows(rows, gather))
+    np.testing.assert_array_equal(out, reference.gather_rows(rows, inverse))
     outside = np.array([2, 30, -1, 29], np.int64)
     got = np.full((4, 5), 7, np.float32)
     rowkernels.gather_rows(table, outside, got, checked=True)

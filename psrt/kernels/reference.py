@@ -10,7 +10,7 @@ import numpy as np
 
 __all__ = ["accumulate", "sgd_step", "momentum_step", "adam_step", "adagrad_step", "all_finite", "mix64", "shard_of",
            "shard_order", "init_rows", "gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows",
-           "adam_rows", "unique_first", "coalesce_rows", "touch_rows", "index_gather", "first_outside"]
+           "adam_rows", "unique_first", "move_rows", "coalesce_rows", "touch_rows", "index_gather", "first_outside"]
 
 
 def accumulate(dst: np.ndarray, src: np.ndarray) -> None:
@@ -96,12 +96,17 @@ def shard_order(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarra
     return order, offsets, where
 
 
-def unique_by_shard(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The distinct ids (in the order they first appear) sorted stably by shard, each shard's range, and each
-    id's position among them: ``(distinct, offsets, gather)``."""
-    firsts, inverse = unique_first(ids)
-    order, offsets, where = shard_order(firsts, num_shards)
-    return firsts[order], offsets, where[inverse]
+def unique_by_shard(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                                np.ndarray]:
+    """The ids sorted stably by shard, and each shard's distinct ids (in the order they first come) with each id's
+    index among them: ``(order, offsets, distinct, starts, inverse)``."""
+    order, offsets, _ = shard_order(ids, num_shards)
+    parts = [unique_first(ids[order[offsets[s]:offsets[s + 1]]]) for s in range(num_shards)]
+    starts = np.zeros(num_shards + 1, np.int64)
+    np.cumsum([len(d) for d, _ in parts], out=starts[1:])
+    distinct = np.concatenate([np.empty(0, np.int64)] + [d for d, _ in parts])
+    inverse = np.concatenate([np.empty(0, np.int64)] + [i for _, i in parts])
+    return order, offsets, distinct, starts, inverse
 
 
 def init_rows(ids: np.ndarray, dim: int, dtype, seed: int, kind: int, a: float, b: float) -> np.ndarray:
@@ -132,6 +137,12 @@ def unique_first(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rank = np.empty(len(order), np.int64)
     rank[order] = np.arange(len(order))
     return uniq[order].astype(np.int64), rank[inverse.reshape(-1)]
+
+
+def move_rows(src: np.ndarray, src_rows: np.ndarray, dst: np.ndarray, dst_rows: np.ndarray) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` in order (a repeated destination row gets the last)."""
+    for i, j in zip(src_rows.tolist(), dst_rows.tolist()):
+        dst[j] = src[i]
 
 
 def coalesce_rows(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

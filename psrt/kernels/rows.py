@@ -16,7 +16,7 @@ import numpy as np
 from psrt import _core, dtypes
 from psrt.errors import KernelArgumentError, KernelTypeError
 
-__all__ = ["gather_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows", "adam_rows",
+__all__ = ["gather_rows", "move_rows", "scatter_add_rows", "sgd_rows", "momentum_rows", "adagrad_rows", "adam_rows",
            "index_cells", "index_find", "index_gather", "index_remove", "index_set", "unique_first", "coalesce_rows",
            "touch_rows", "shard_of", "shard_order", "unique_by_shard", "init_rows", "INIT_KINDS", "INITIALIZERS"]
 
@@ -86,10 +86,10 @@ def gather_rows(table: np.ndarray, slots: np.ndarray, out: np.ndarray, checked: 
     out : numpy.ndarray
         Writable ``(len(slots), dim)`` array of the table's dtype.
     checked : bool
-        The slots come from a kernel of this module that puts them in range (:func:`unique_by_shard`'s gather,
+        The slots come from a kernel of this module that puts them in range (:func:`unique_first`'s inverse,
         :func:`shard_order`'s order): the pass that looks for one outside is skipped (10 us of the ~490 us a
-        4-shard ``pull_rows`` costs its worker, here). The kernel never reads outside the table either way; a
-        slot outside leaves its row as it is.
+        4-shard ``pull_rows`` cost its worker, when its rows were gathered this way). The kernel never reads
+        outside the table either way; a slot outside leaves its row as it is.
     """
     t, o = _table("table", table, writable=False), _table("out", out)
     _same(t, ("out", o), rows=False)
@@ -254,6 +254,37 @@ def unique_first(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     distinct, inverse = np.empty(n, _I64), np.empty(n, _I64)
     used = int(_core.unique_ids(_scratch(n), i, inverse, distinct))
     return distinct[:used], inverse
+
+
+def move_rows(src: np.ndarray, src_rows: np.ndarray, dst: np.ndarray, dst_rows: np.ndarray,
+              checked: bool = False) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` for every i, in one pass: rows answered once per distinct id, put
+    in every place they were asked for (a ``pull_rows`` answer, straight from its shared-memory area).
+
+    Parameters
+    ----------
+    src : numpy.ndarray
+        ``(rows, dim)`` rows (may be read-only).
+    src_rows, dst_rows : numpy.ndarray
+        int64, as many of each: rows of ``src``, each in ``[0, len(src))`` (repeats allowed), and of ``dst``,
+        each in ``[0, len(dst))`` (a repeated one gets the last row moved to it).
+    dst : numpy.ndarray
+        Writable ``(rows, dim)`` array of ``src``'s dtype and dim.
+    checked : bool
+        The rows come from a kernel of this module that puts them in range (:func:`unique_by_shard`'s
+        inverse and order): the passes that look for one outside are skipped. The kernel never reads
+        or writes outside either way; a pair with a row outside is skipped.
+    """
+    s, d = _table("src", src, writable=False), _table("dst", dst)
+    _same(s, ("dst", d), rows=False)
+    a, b = _ids("src_rows", src_rows), _ids("dst_rows", dst_rows)
+    if len(a) != len(b):
+        raise KernelArgumentError(f"src_rows has {len(a)} entries and dst_rows {len(b)}; give one of each per row")
+    if not checked:
+        for name, rows, n in (("src_rows", a, len(s)), ("dst_rows", b, len(d))):
+            if len(rows) and _core.first_outside(rows, n) >= 0:
+                raise KernelArgumentError(f"{name} must lie in [0, {n}): the array has {n} rows")
+    _core.move_rows(s, a, d, b)
 
 
 #: The most ids a scratch index takes (its cells are int32 positions).
@@ -421,14 +452,17 @@ def shard_order(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarra
     return order, offsets, where
 
 
-def unique_by_shard(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The distinct ids sorted by shard, and where each id's row is among theirs: ``(distinct, offsets, gather)``.
+def unique_by_shard(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                                np.ndarray]:
+    """A pull's ids sorted by shard, and each shard's distinct ones: ``(order, offsets, distinct, starts,
+    inverse)``.
 
-    Shard s's distinct ids are ``distinct[offsets[s]:offsets[s + 1]]``, in the order they first appear in
-    ``ids``, and ``distinct[gather[i]] == ids[i]``: a pull asks each shard for its distinct ids once and gathers
-    the caller's rows back with ``gather``. What :func:`unique_first`, :func:`shard_order` of the distinct ids
-    and the two lookups between them give, in one kernel call (:func:`psrt._core.unique_by_shard`: each id
-    hashed once, no sort, no array between the steps).
+    Shard s's ids are ``ids[order[offsets[s]:offsets[s + 1]]]`` (:func:`shard_order`); its distinct ids, in the
+    order they first come there, are ``distinct[starts[s]:starts[s + 1]]``; and ``inverse[m]`` is the index of
+    ``ids[order[m]]`` among them. A pull asks each shard for its distinct ids once and moves each row of an
+    answer to every place it was asked for (:func:`move_rows` of ``inverse`` and ``order``, a shard's part of
+    each). What :func:`shard_order`, then :func:`unique_first` of each shard's part, give, in one kernel call
+    (:func:`psrt._core.unique_by_shard`).
 
     Parameters
     ----------
@@ -439,22 +473,23 @@ def unique_by_shard(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.nd
 
     Returns
     -------
+    order, offsets : numpy.ndarray
+        int64, as :func:`shard_order` gives them.
     distinct : numpy.ndarray
-        The distinct ids (int64), shard s's in ``distinct[offsets[s]:offsets[s + 1]]``.
-    offsets : numpy.ndarray
-        The S + 1 shard boundaries (int64).
-    gather : numpy.ndarray
-        Each id's position in ``distinct`` (int64, one per id).
+        The distinct ids (int64), shard s's in ``distinct[starts[s]:starts[s + 1]]``.
+    starts : numpy.ndarray
+        The S + 1 shard boundaries of ``distinct`` (int64).
+    inverse : numpy.ndarray
+        int64, one per id: ``distinct[starts[s] + inverse[m]] == ids[order[m]]`` for m in shard s's range.
     """
     i = _ids("ids", ids)
     _check_shards(num_shards)
     n = len(i)
-    # (Arrays of their own: the rows of one (3, n) array lie a multiple of 64 KiB apart at n = 8,192, in the same
-    # cache sets, and the kernel reads them side by side: four times slower.)
-    firsts, place, distinct = np.empty(n, _I64), np.empty(n, _I64), np.empty(n, _I64)
-    offsets, gather = np.empty(num_shards + 1, _I64), np.empty(n, _I64)
-    used = int(_core.unique_by_shard(_scratch(n), i, num_shards, firsts, place, distinct, offsets, gather))
-    return distinct[:used], offsets, gather
+    order, offsets, distinct, inverse = np.empty(n, _I64), np.empty(num_shards + 1, _I64), np.empty(n, _I64), \
+        np.empty(n, _I64)
+    starts = np.empty(num_shards + 1, _I64)
+    used = int(_core.unique_by_shard(_scratch(n), i, num_shards, order, offsets, distinct, starts, inverse))
+    return order, offsets, distinct[:used], starts, inverse
 
 
 def init_rows(table: np.ndarray, start: int, ids: np.ndarray, seed: int, kind: str, a: float, b: float) -> None:

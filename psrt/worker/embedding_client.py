@@ -3,14 +3,14 @@
 :class:`EmbeddingClient` serves these calls for :class:`psrt.Client`. A table's rows are spread over the S shards
 by a stable hash of the id, ``shard = mix64(id) % S`` (splitmix64's finaliser, :func:`psrt.kernels.rows.shard_of`),
 so rows spread evenly whatever the id pattern (contiguous, strided, or hot ids alike) and every worker computes
-the same map. A call sorts its ids by shard once (a counting sort, :func:`psrt.kernels.rows.shard_order`),
-sends one message per shard with that shard's ids as a contiguous int64 frame, receives each shard's rows
-straight into one buffer, and puts them back in the caller's order with one gather
-(:func:`psrt.kernels.rows.gather_rows`): no Python loop over rows. A pull sends each distinct id once and
-gathers the rows of repeated ids back from the one copy received; its distinct ids, their shards and the gather
-come from one kernel call (:func:`psrt.kernels.rows.unique_by_shard`: hashing, no sort). With S = 1 and every id
-once, the rows land in the output directly. To a shard of this host, a call of at least 64 KiB carries its ids
-and rows in the shard's shared-memory lane (:meth:`psrt.worker.sender.ShardSender.pull_rows`, ``push_rows``).
+the same map. A call sorts its ids by shard once (a counting sort, :func:`psrt.kernels.rows.shard_order`) and
+sends one message per shard with that shard's ids as a contiguous int64 frame: no Python loop over rows. A pull
+asks each shard for its distinct ids once (the shards' parts and their distinct ids come from one kernel call,
+:func:`psrt.kernels.rows.unique_by_shard`: hashing, no sort) and puts each answer in place as it comes, every
+row moved straight from the answer to each place it was asked for (:func:`psrt.kernels.rows.move_rows`); with
+S = 1 and every id once, the rows land in the output directly. To a shard of this host, a call of at least
+64 KiB carries its ids and rows in the shard's shared-memory lane (:meth:`psrt.worker.sender.ShardSender.pull_rows`,
+``push_rows``), and a pull's answer is moved from there.
 
 A push goes to every shard, even one with no ids this time (an empty message), so that in sync mode every
 shard's round counts every worker.
@@ -41,42 +41,61 @@ _INIT_ROWS = 1 << 20
 class RowsHandle(Handle):
     """A ``pull_rows`` in flight; :meth:`wait` returns the ``(len(ids), dim)`` rows in the caller's order.
 
-    ``buf`` receives the shards' rows, shard s's in ``buf[offsets[s]:offsets[s + 1]]``; the caller's row i is
-    ``buf[gather[i]]``; without ``gather``, ``buf`` is ``out``.
+    Each shard's answer is put in place as it comes, while the others' are on their way: it has one row per
+    distinct id the shard was asked for, and row ``asked.inverse[m]`` of it goes to ``out[asked.places[m]]``
+    (:func:`psrt.kernels.rows.move_rows`), straight from the request's lane area or the socket's frame. Without
+    ``places`` (S = 1) the caller's row m is answer row ``inverse[m]``; without ``inverse`` either (S = 1, every
+    id once), the answer is ``out`` itself.
     """
 
-    def __init__(self, calls: Any, name: str, out: np.ndarray, buf: np.ndarray, offsets: np.ndarray,
-                 gather: Optional[np.ndarray]) -> None:
+    def __init__(self, calls: Any, name: str, out: np.ndarray, num_shards: int) -> None:
         super().__init__(calls, "pull_rows", None)
-        self._name, self._out, self._buf, self._offsets = name, out, buf, offsets
-        self._gather = gather
+        self._name, self._out = name, out
+        #: Per shard, what it was asked for (set before its request is sent; None: nothing).
+        self.asked: list[Optional[_Asked]] = [None] * num_shards
 
     def wait(self, timeout: Optional[float] = None) -> np.ndarray:  # type: ignore[override]
         """Wait for every shard's rows and return them (see :meth:`psrt.Handle.wait` for the errors)."""
         super().wait(timeout)
-        if self._gather is not None:  # (the row kernel: np.take copies a short row with a call of its own)
-            rowkernels.gather_rows(self._buf, self._gather, self._out, checked=True)  # (unique_by_shard's)
-            self._gather = None
         return self._out
 
     def _take_rows(self, ch: Any, reply: wire.RowsReply, shard: int, lane: Optional[LaneUse] = None) -> None:
-        """Receive ``shard``'s ``rows`` frame straight into place, or copy them from the request's lane area
-        (called by :mod:`psrt.worker.calls`, which then takes the table's version in)."""
-        dest = self._buf[int(self._offsets[shard]):int(self._offsets[shard + 1])]
-        if (reply.table != self._name or reply.count != len(dest) or reply.dim != dest.shape[1]
-                or reply.dtype != dest.dtype):
+        """Put ``shard``'s ``rows`` in place, from the socket's frame or the request's lane area (called by
+        :mod:`psrt.worker.calls`, which then takes the table's version in)."""
+        asked, out = self.asked[shard], self._out
+        if (asked is None or reply.table != self._name or reply.count != asked.count or reply.dim != out.shape[1]
+                or reply.dtype != out.dtype):
             raise ProtocolError(f"rows reply for {reply.table!r} ({reply.count} x {reply.dim}) does not match "
-                                f"the request ({len(dest)} x {dest.shape[1]} of {self._name!r})")
+                                f"the request ({asked.count if asked else 0} x {out.shape[1]} of {self._name!r})")
+        count = asked.count
+        shape = (count, out.shape[1])
         if reply.lane is not None:  # the shard wrote the rows into this request's area of the lane
             if lane is None or reply.lane != lane.ref.generation or len(lane.ref.outputs) != 1 or ch.more():
                 raise ProtocolError("rows reply names a shared-memory lane this request did not use")
-            np.copyto(dest, lane.output(0, dest.dtype, dest.size).reshape(dest.shape))
-            return
-        if not ch.more():
-            raise ProtocolError("rows reply has no rows frame")
-        got = ch.recv_into(memoryview(dest).cast("B") if dest.size else bytearray())
-        if got != reply.nbytes or ch.more():
-            raise ProtocolError(f"rows frame has {got} bytes (or extra frames); expected {reply.nbytes}")
+            rows = lane.output(0, out.dtype, count * out.shape[1]).reshape(shape)
+        else:
+            if not ch.more():
+                raise ProtocolError("rows reply has no rows frame")
+            rows = out if asked.inverse is None else np.empty(shape, out.dtype)  # (out itself: every id once)
+            got = ch.recv_into(memoryview(rows).cast("B") if rows.size else bytearray())
+            if got != reply.nbytes or ch.more():
+                raise ProtocolError(f"rows frame has {got} bytes (or extra frames); expected {reply.nbytes}")
+        if asked.inverse is None:
+            if rows is not out:
+                np.copyto(out, rows)
+        elif asked.places is None:  # (the row kernel: np.take copies a short row with a call of its own)
+            rowkernels.gather_rows(rows, asked.inverse, out, checked=True)  # (unique_first's)
+        else:
+            rowkernels.move_rows(rows, asked.inverse, out, asked.places, checked=True)  # (and shard_order's)
+
+
+@dataclass
+class _Asked:
+    """What one shard was asked for by a ``pull_rows``: ``count`` distinct ids, and where their rows go."""
+
+    count: int
+    inverse: Optional[np.ndarray]
+    places: Optional[np.ndarray]
 
 
 @dataclass
@@ -178,21 +197,29 @@ class EmbeddingClient:
         elif (not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != table.dtype
               or not out.flags.c_contiguous or not out.flags.writeable):
             raise ConfigError(f"out must be a writable C-contiguous array of shape {shape} and dtype {table.dtype}")
-        # A repeated id travels once: the shards send one row per distinct id, gathered back in the caller's order.
-        sorted_ids, offsets, gather = rowkernels.unique_by_shard(a, len(self._senders))
-        if len(self._senders) == 1 and len(sorted_ids) == len(a):
-            gather = None  # every id once, in the caller's order: the rows land in out as they come
-        buf = out if gather is None else np.empty((len(sorted_ids), table.dim), table.dtype)
-        handle = RowsHandle(self._calls, name, out, buf, offsets, gather)
+        # A repeated id travels once: each shard is asked for its distinct ids, and its answer is put in place as
+        # it comes (RowsHandle), while the others' are on their way.
+        num_shards = len(self._senders)
+        handle = RowsHandle(self._calls, name, out, num_shards)
         versions = self._calls.versions.tables
         clock = self._clock.get(name, 0)
         row_bytes = table.dim * table.dtype.itemsize
+        if num_shards == 1:
+            distinct, inverse = rowkernels.unique_first(a)
+            if len(a):
+                handle.asked[0] = _Asked(len(distinct), None if len(distinct) == len(a) else inverse, None)
+                self._senders[0].pull_rows(handle, self._rank, name, versions[0].get(name, 0), distinct, clock,
+                                           len(distinct) * row_bytes)
+            return handle
+        order, offsets, distinct, starts, inverse = rowkernels.unique_by_shard(a, num_shards)
         for shard, sender in enumerate(self._senders):
             lo, hi = int(offsets[shard]), int(offsets[shard + 1])
             if lo == hi:
                 continue
-            sender.pull_rows(handle, self._rank, name, versions[shard].get(name, 0), sorted_ids[lo:hi], clock,
-                             (hi - lo) * row_bytes)
+            first, last = int(starts[shard]), int(starts[shard + 1])
+            handle.asked[shard] = _Asked(last - first, inverse[lo:hi], order[lo:hi])
+            sender.pull_rows(handle, self._rank, name, versions[shard].get(name, 0), distinct[first:last], clock,
+                             (last - first) * row_bytes)
         return handle
 
     def push_rows_async(self, name: str, ids: Any, grads: Any) -> Handle:
