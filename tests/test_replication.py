@@ -429,6 +429,34 @@ def test_i4_a_round_is_answered_only_once_the_replica_holds_it_and_the_copy_is_e
         _close(pair, threads)
 
 
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_replicated_jobs_acks_say_nothing_of_when_a_push_came_and_its_init_says_replicated(mode):
+    """A replicated job's push acks carry no ``taken``/``held`` (a sync push's ack waits for its round, so a
+    pipeline pacing by them could hold back the very push another worker's held ack waits for), and its answer to
+    ``init`` says ``replicated``: a sync job's pipeline then holds nothing back there (``holding_shards``). The
+    same pushes to a job without replicas are timed (tests/test_server.py)."""
+    from psrt.config import ClientConfig
+    from psrt.optim import SGD
+    from psrt.worker.client import Client
+
+    pair, threads, _ = _pair(mode=mode)
+    primary = pair[0]
+    peer = RawPeer(primary.endpoint)
+    try:
+        with Client(servers=[primary.endpoint], rank=0, num_workers=1, config=ClientConfig(timeout=10)) as client:
+            client.init({"w": np.zeros(4, np.float32)}, optimizer=SGD(lr=1.0))
+            assert client.holding_shards == (frozenset({0}) if mode == "sync" else frozenset())
+            for seq in range(2):
+                ack, _ = peer.ask([bytes(f) for f in wire.encode(push_header(worker=0, session=7, seq=seq),
+                                                                 [np.ones(4, np.float32)])])
+                assert ack["op"] == "ack" and ack["duplicate"] is False, ack
+                assert "taken" not in ack and "held" not in ack, ack
+            np.testing.assert_array_equal(client.pull()["w"], np.full(4, -2.0, np.float32))
+    finally:
+        peer.close()
+        _close(pair, threads)
+
 def _early_came(client) -> bool:
     """Whether every call of ``client`` in flight has its parameters, sent before the replicas held them."""
     pending = client._calls._pending.values()
