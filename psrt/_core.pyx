@@ -529,6 +529,29 @@ def gather_rows(const real[:, ::1] table, const int64_t[::1] slots, real[:, ::1]
                 psrt_copy_row(&out[i, 0], &table[s, 0], nbytes)
 
 
+def move_rows(const real[:, ::1] src, const int64_t[::1] src_rows, real[:, ::1] dst, const int64_t[::1] dst_rows):
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` for every i: a gather and a scatter in one pass, so that rows
+    answered for distinct ids go straight to every place the caller asked for them (a pair with a row out of
+    range is skipped)."""
+    cdef Py_ssize_t n = _min2(src_rows.shape[0], dst_rows.shape[0]), i, s, d
+    cdef Py_ssize_t dim = _min2(src.shape[1], dst.shape[1]), src_count = src.shape[0], dst_count = dst.shape[0]
+    cdef Py_ssize_t nbytes = dim * sizeof(real)
+    if n == 0 or dim == 0:
+        return
+    with nogil:
+        for i in range(n):
+            # The rows written lie scattered through dst, which the caller's other work has just pushed out of
+            # cache: each is fetched before it is written, and asked for ahead, those fetches overlap.
+            if i + PSRT_AHEAD < n:
+                d = dst_rows[i + PSRT_AHEAD]
+                if 0 <= d < dst_count:
+                    psrt_prefetch_w(&dst[d, 0], nbytes)
+            s = src_rows[i]
+            d = dst_rows[i]
+            if 0 <= s < src_count and 0 <= d < dst_count:
+                psrt_copy_row(&dst[d, 0], &src[s, 0], nbytes)
+
+
 def scatter_add_rows(real[:, ::1] dst, const int64_t[::1] slots, const real[:, ::1] src):
     """``dst[slots[i]] += src[i]`` for every i, in order, so duplicate slots sum (coalescing a sparse gradient)."""
     cdef Py_ssize_t n = _min2(slots.shape[0], src.shape[0]), i, s
@@ -725,29 +748,6 @@ def unique_ids(int32_t[::1] index, const int64_t[::1] ids, int64_t[::1] inverse,
             inverse[i] = _first_index(&index[0], mask, ids[i], &distinct[0], &used, &new)
     return used
 
-
-
-def move_rows(const real[:, ::1] src, const int64_t[::1] src_rows, real[:, ::1] dst, const int64_t[::1] dst_rows):
-    """``dst[dst_rows[i]] = src[src_rows[i]]`` for every i: a gather and a scatter in one pass, so that rows
-    answered for distinct ids go straight to every place the caller asked for them (a pair with a row out of
-    range is skipped)."""
-    cdef Py_ssize_t n = _min2(src_rows.shape[0], dst_rows.shape[0]), i, s, d
-    cdef Py_ssize_t dim = _min2(src.shape[1], dst.shape[1]), src_count = src.shape[0], dst_count = dst.shape[0]
-    cdef Py_ssize_t nbytes = dim * sizeof(real)
-    if n == 0 or dim == 0:
-        return
-    with nogil:
-        for i in range(n):
-            # The rows written lie scattered through dst, which the caller's other work has just pushed out of
-            # cache: each is fetched before it is written, and asked for ahead, those fetches overlap.
-            if i + PSRT_AHEAD < n:
-                d = dst_rows[i + PSRT_AHEAD]
-                if 0 <= d < dst_count:
-                    psrt_prefetch_w(&dst[d, 0], nbytes)
-            s = src_rows[i]
-            d = dst_rows[i]
-            if 0 <= s < src_count and 0 <= d < dst_count:
-                psrt_copy_row(&dst[d, 0], &src[s, 0], nbytes)
 
 def coalesce_rows(int32_t[::1] index, const int64_t[::1] ids, const real[:, ::1] rows, int64_t[::1] distinct,
                   real[:, ::1] summed):

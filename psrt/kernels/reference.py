@@ -139,12 +139,6 @@ def unique_first(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return uniq[order].astype(np.int64), rank[inverse.reshape(-1)]
 
 
-def move_rows(src: np.ndarray, src_rows: np.ndarray, dst: np.ndarray, dst_rows: np.ndarray) -> None:
-    """``dst[dst_rows[i]] = src[src_rows[i]]`` in order (a repeated destination row gets the last)."""
-    for i, j in zip(src_rows.tolist(), dst_rows.tolist()):
-        dst[j] = src[i]
-
-
 def coalesce_rows(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct ids in the order they first appear, and each one's rows summed in the order they come."""
     distinct, inverse = unique_first(ids)
@@ -179,6 +173,12 @@ def first_outside(slots: np.ndarray, rows: int) -> int:
 def gather_rows(table: np.ndarray, slots: np.ndarray) -> np.ndarray:
     """``table[slots]``."""
     return table[slots]
+
+
+def move_rows(src: np.ndarray, src_rows: np.ndarray, dst: np.ndarray, dst_rows: np.ndarray) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` in order (a repeated destination row gets the last)."""
+    for i, j in zip(src_rows.tolist(), dst_rows.tolist()):
+        dst[j] = src[i]
 
 
 def scatter_add_rows(dst: np.ndarray, slots: np.ndarray, src: np.ndarray) -> None:
