@@ -21,7 +21,7 @@ from psrt.shm import lanes
 pytestmark = needs_shm(256)
 
 DIM = 16
-BATCH = 4096  # 4096 x 16 float32 = 256 KiB a call: over the lane threshold on every shard of two
+BATCH = 4096  # 4096 x 16 float32 = 256 KiB a call: over the lane threshold on every shard of up to three
 
 
 def _steps(seed: int = 3, steps: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -55,9 +55,11 @@ def _oracle(admit_after: int = 1) -> list[np.ndarray]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("admit_after", [1, 2])
-def test_rows_over_lanes_give_bit_for_bit_what_sockets_give_and_match_the_oracle(shards, admit_after):
-    lane_group, socket_group = shards(2, mode="async"), shards(2, mode="async")
+@pytest.mark.parametrize("num_shards, admit_after", [(1, 1), (2, 1), (2, 2), (3, 2)])
+def test_rows_over_lanes_give_bit_for_bit_what_sockets_give_and_match_the_oracle(shards, num_shards, admit_after):
+    """S = 1 (the answer gathered from its lane area into the caller's order), 2 and 3 (each shard's answer moved
+    to its places as it comes; 3 splits the ids by a division, not a mask)."""
+    lane_group, socket_group = shards(num_shards, mode="async"), shards(num_shards, mode="async")
     over_lanes, lane_stats = _train(lane_group.endpoints, True, admit_after)
     over_sockets, socket_stats = _train(socket_group.endpoints, False, admit_after)
     assert all(s["shm_bytes_in"] > 0 and s["shm_bytes_out"] > 0 for s in lane_stats), "the rows took the lanes"
