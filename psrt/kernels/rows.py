@@ -489,7 +489,11 @@ def unique_by_shard(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.nd
     # cache sets, and the kernel reads them side by side: four times slower.)
     order, distinct, inverse = np.empty(n, _I64), np.empty(n, _I64), np.empty(n, _I64)
     offsets, starts = np.empty(num_shards + 1, _I64), np.empty(num_shards + 1, _I64)
-    used = int(_core.unique_by_shard(_scratch(n), i, num_shards, order, offsets, distinct, starts, inverse))
+    if n > _MAX_SCRATCH_IDS:
+        raise KernelArgumentError(f"{n} ids in one call; at most {_MAX_SCRATCH_IDS} (split the call)")
+    index = np.empty(4 * n + 16 * num_shards, np.int32)  # (each shard's part: at most 4x its ids, and 16)
+    index.fill(-1)
+    used = int(_core.unique_by_shard(index, i, num_shards, order, offsets, distinct, starts, inverse))
     return order, offsets, distinct[:used], starts, inverse
 
 
