@@ -720,7 +720,7 @@ cdef inline int64_t _first_index(int32_t *index, uint64_t mask, int64_t key, int
 
 cdef inline int64_t _first_index_at(int32_t *index, uint64_t mask, int64_t key, uint64_t h, int64_t *distinct,
                                     Py_ssize_t *used, bint *new) noexcept nogil:
-    """:func:`_first_index` with the probe starting at cell ``h & mask``.
+    """:func:`_first_index`, for a caller that has ``key``'s hash ``h`` already (and uses it again).
 
     A scratch index's cells hold only where a key is among the distinct ones (int32; < 0: empty), and the key
     is read there: four bytes a cell, not a key and its value's sixteen. A batch's index is fresh memory every
@@ -941,63 +941,67 @@ cdef inline void _places(int64_t *offsets, Py_ssize_t num_shards, int64_t *place
     offsets[0] = 0
 
 
-cdef inline Py_ssize_t _region_cells(Py_ssize_t count) noexcept nogil:
-    """The cells of one shard's part of :func:`unique_by_shard`'s scratch: a power of two, at least 16 and twice
-    ``count`` (a load of at most a half)."""
-    cdef Py_ssize_t cap = 16
-    while cap < 2 * count:
-        cap *= 2
-    return cap
+def unique_by_shard(int32_t[::1] index, const int64_t[::1] ids, int64_t num_shards, int64_t[::1] firsts,
+                    int64_t[::1] place, int64_t[::1] distinct, int64_t[::1] starts, int64_t[::1] gather,
+                    int64_t[::1] order, int64_t[::1] offsets, int64_t[::1] inverse):
+    """The distinct ids sorted by shard, and where each id's row comes back: :func:`unique_ids`, then
+    :func:`shard_order` of the distinct ids, then each id's position, in a pass over the ids, one over the
+    distinct ones and one more over the ids (each id hashed once: its scratch cell and its shard come from the
+    same ``mix64``).
 
-
-def unique_by_shard(int32_t[::1] index, const int64_t[::1] ids, int64_t num_shards, int64_t[::1] order,
-                    int64_t[::1] offsets, int64_t[::1] distinct, int64_t[::1] starts, int64_t[::1] inverse):
-    """A pull's ids by shard, and each shard's distinct ones: :func:`shard_order`, then :func:`unique_ids` of
-    each shard's part, in a pass over the ids and one over their order.
-
-    ``order`` and ``offsets`` as :func:`shard_order` gives them (shard s's ids are ``ids[order[m]]`` for m in
-    ``offsets[s]:offsets[s + 1]``, in the order they come); ``distinct[:k]`` the k distinct ids, shard s's in
-    ``distinct[starts[s]:starts[s + 1]]`` in the order they first come; ``inverse[m]`` the index of
-    ``ids[order[m]]`` among its shard's distinct ids. ``index`` is fresh scratch (every cell < 0) of at least
-    ``4 * len(ids) + 16 * num_shards`` cells: each shard finds its distinct ids in a part of its own, sized for
-    its ids, which stays in the nearest cache where one index for all would not (8,192 ids, 4 shards: four
-    8-16 KiB parts against one of 64 KiB). Returns k (0, and nothing written, unless every array has its size).
+    ``distinct[:k]`` gets the k distinct ids, shard s's in ``distinct[starts[s]:starts[s + 1]]`` in the order
+    they first appear in ``ids``; ``gather[i]`` the position of ``ids[i]`` in ``distinct``. Unless ``offsets`` is
+    empty, also the ids by shard, as :func:`shard_order` gives them (``order``, ``offsets``), and ``inverse[m]``,
+    the index of ``ids[order[m]]`` among its shard's distinct ids: each shard's answer can then be moved to its
+    places as it comes (two passes more over the ids). ``index`` is a fresh scratch index (as :func:`unique_ids`
+    takes); ``firsts`` and ``place`` are scratch of ``len(ids)`` entries. Returns k (0, and nothing written,
+    unless every array has its size).
     """
-    cdef Py_ssize_t n = ids.shape[0], i, m, s, used, base, at = 0, cells
+    cdef Py_ssize_t n = ids.shape[0], i, m, s, used = 0
     cdef uint64_t h, mask, shards = <uint64_t>num_shards
-    cdef int64_t key
+    cdef int64_t k, key
     cdef int32_t *c
-    cdef bint new
-    if (num_shards <= 0 or offsets.shape[0] != num_shards + 1 or starts.shape[0] != num_shards + 1
-            or order.shape[0] != n or distinct.shape[0] != n or inverse.shape[0] != n or n > 0x7fffffff
-            or index.shape[0] < 4 * n + 16 * num_shards):
+    cdef int64_t *first
+    cdef bint new, by_shard = offsets.shape[0] != 0
+    if (num_shards <= 0 or starts.shape[0] != num_shards + 1 or firsts.shape[0] != n or place.shape[0] != n
+            or distinct.shape[0] != n or gather.shape[0] != n or not _scratch_fits(index, n)
+            or (by_shard and (order.shape[0] != n or offsets.shape[0] != num_shards + 1 or inverse.shape[0] != n))):
         return 0
+    c, mask = &index[0], <uint64_t>index.shape[0] - 1
+    first = &firsts[0] if n else NULL
     with nogil:
         for s in range(num_shards + 1):
-            offsets[s] = 0
-        for i in range(n):  # each id's shard (held in inverse until the order is made), counted one entry on
-            s = _shard(psrt_mix64(<uint64_t>ids[i]), shards)
-            inverse[i] = s
-            offsets[s + 1] += 1
+            starts[s] = 0
+        for i in range(n):  # each id's index among the distinct ones; each new one's shard, counted one entry on
+            key = ids[i]
+            h = psrt_mix64(<uint64_t>key)
+            k = _first_index_at(c, mask, key, h, first, &used, &new)
+            if new:
+                s = _shard(h, shards)
+                place[k] = s
+                starts[s + 1] += 1
+            gather[i] = k
         if n:
-            _places(&offsets[0], num_shards, &inverse[0], n)
+            _places(&starts[0], num_shards, &place[0], used)
+            for k in range(used):
+                distinct[place[k]] = firsts[k]
             for i in range(n):
-                order[inverse[i]] = i
-        base = 0
-        for s in range(num_shards):  # shard by shard: its distinct ids follow the last shard's
-            starts[s] = base
-            cells = _region_cells(offsets[s + 1] - offsets[s])
-            c, mask = &index[at], <uint64_t>cells - 1
-            at += cells
-            used = 0
-            for m in range(offsets[s], offsets[s + 1]):
-                key = ids[order[m]]
-                h = psrt_mix64(<uint64_t>key)
-                # A cell from the hash's other half: its low bits chose the shard, the same for every id here.
-                inverse[m] = _first_index_at(c, mask, key, (h >> 32) | (h << 32), &distinct[base], &used, &new)
-            base += used
-        starts[num_shards] = base
-    return base
+                gather[i] = place[gather[i]]
+        if by_shard:
+            for s in range(num_shards + 1):
+                offsets[s] = 0
+            for i in range(n):  # each id's shard (held in inverse until the order is made), counted one entry on
+                s = _shard(psrt_mix64(<uint64_t>ids[i]), shards)
+                inverse[i] = s
+                offsets[s + 1] += 1
+            if n:
+                _places(&offsets[0], num_shards, &inverse[0], n)
+                for i in range(n):
+                    order[inverse[i]] = i
+            for s in range(num_shards):
+                for m in range(offsets[s], offsets[s + 1]):
+                    inverse[m] = gather[order[m]] - starts[s]
+    return used
 
 
 def shard_order(const int64_t[::1] ids, int64_t num_shards, int64_t[::1] order, int64_t[::1] offsets,

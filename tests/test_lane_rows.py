@@ -24,30 +24,31 @@ DIM = 16
 BATCH = 4096  # 4096 x 16 float32 = 256 KiB a call: over the lane threshold on every shard of up to three
 
 
-def _steps(seed: int = 3, steps: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
+def _steps(seed: int = 3, steps: int = 4, dim: int = DIM) -> list[tuple[np.ndarray, np.ndarray]]:
     """Zipf ids (many repeated) and their gradient rows, per step."""
     rng = np.random.default_rng(seed)
-    return [((rng.zipf(1.05, BATCH) - 1) % 50_000, rng.standard_normal((BATCH, DIM)).astype(np.float32))
+    return [((rng.zipf(1.05, BATCH) - 1) % 50_000, rng.standard_normal((BATCH, dim)).astype(np.float32))
             for _ in range(steps)]
 
 
-def _train(endpoints: list[str], shm_on: bool, admit_after: int = 1) -> tuple[list[np.ndarray], list[dict]]:
+def _train(endpoints: list[str], shm_on: bool, admit_after: int = 1, dim: int = DIM) -> tuple[list[np.ndarray],
+                                                                                               list[dict]]:
     """Pull, push, pull again per step; returns every pull's rows and the shards' stats."""
     pulled = []
     with psrt.Client(endpoints, config=ClientConfig(timeout=30, shm=shm_on)) as c:
-        c.init_embedding("t", dim=DIM, optimizer=psrt.AdaGrad(lr=0.1, eps=1e-10), std=0.1, seed=7,
+        c.init_embedding("t", dim=dim, optimizer=psrt.AdaGrad(lr=0.1, eps=1e-10), std=0.1, seed=7,
                          admit_after=admit_after)
-        for ids, grads in _steps():
+        for ids, grads in _steps(dim=dim):
             pulled.append(c.pull_rows("t", ids))
             c.push_rows("t", ids, grads)
             pulled.append(c.pull_rows("t", ids))
         return pulled, c.stats()
 
 
-def _oracle(admit_after: int = 1) -> list[np.ndarray]:
-    table = OracleTable(DIM, 7, optimizer="adagrad", lr=0.1, eps=1e-10, admit_after=admit_after, b=0.1)
+def _oracle(admit_after: int = 1, dim: int = DIM) -> list[np.ndarray]:
+    table = OracleTable(dim, 7, optimizer="adagrad", lr=0.1, eps=1e-10, admit_after=admit_after, b=0.1)
     pulled = []
-    for ids, grads in _steps():
+    for ids, grads in _steps(dim=dim):
         pulled.append(table.pull(ids))
         table.push(ids, grads)
         pulled.append(table.pull(ids))
@@ -55,16 +56,22 @@ def _oracle(admit_after: int = 1) -> list[np.ndarray]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("num_shards, admit_after", [(1, 1), (2, 1), (2, 2), (3, 2)])
-def test_rows_over_lanes_give_bit_for_bit_what_sockets_give_and_match_the_oracle(shards, num_shards, admit_after):
-    """S = 1 (the answer gathered from its lane area into the caller's order), 2 and 3 (each shard's answer moved
-    to its places as it comes; 3 splits the ids by a division, not a mask)."""
+@pytest.mark.parametrize("num_shards, admit_after, dim", [(1, 1, 16), (2, 1, 16), (2, 2, 16), (3, 2, 16), (2, 1, 32),
+                                                          (3, 2, 32)])
+def test_rows_over_lanes_give_bit_for_bit_what_sockets_give_and_match_the_oracle(shards, num_shards, admit_after,
+                                                                                  dim):
+    """S = 1 (the answer gathered from its lane area into the caller's order), 2 and 3 (3 splits the ids by a
+    division, not a mask); rows of 64 bytes (dim 16: the answers gathered into order at the end) and of 128
+    (dim 32: each answer moved to its places as it comes, psrt.worker.embedding_client.MOVED_ROW_BYTES)."""
+    from psrt.worker.embedding_client import MOVED_ROW_BYTES
+
+    assert (dim * 4 >= MOVED_ROW_BYTES) == (dim == 32), "each way of taking answers in has its cases"
     lane_group, socket_group = shards(num_shards, mode="async"), shards(num_shards, mode="async")
-    over_lanes, lane_stats = _train(lane_group.endpoints, True, admit_after)
-    over_sockets, socket_stats = _train(socket_group.endpoints, False, admit_after)
+    over_lanes, lane_stats = _train(lane_group.endpoints, True, admit_after, dim)
+    over_sockets, socket_stats = _train(socket_group.endpoints, False, admit_after, dim)
     assert all(s["shm_bytes_in"] > 0 and s["shm_bytes_out"] > 0 for s in lane_stats), "the rows took the lanes"
     assert all(s["shm_bytes_in"] == 0 == s["shm_bytes_out"] for s in socket_stats)
-    for a, b, want in zip(over_lanes, over_sockets, _oracle(admit_after)):
+    for a, b, want in zip(over_lanes, over_sockets, _oracle(admit_after, dim)):
         assert a.tobytes() == b.tobytes()
         np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-6)
 

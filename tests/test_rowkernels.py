@@ -256,25 +256,28 @@ def test_shard_order_is_a_stable_sort_by_shard(num_shards):
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 7, 64])
 def test_unique_by_shard_is_its_twin(num_shards):
-    """The pull's one kernel call: the ids by shard (shard_order's order and offsets), each shard's distinct ids
-    in the order they first come there, and each id's index among its shard's; what shard_order, then
-    unique_first of each shard's part, give."""
+    """The pull's one kernel call: the distinct ids, shard by shard in the order they first appear, and where
+    each id is among them; what unique_first, then shard_order of the distinct ids, give. With by_shard, also the
+    ids by shard (shard_order's) and each one's index among its shard's distinct ids."""
     rng = np.random.default_rng(num_shards)
     for ids in (np.empty(0, np.int64), np.array([5], np.int64), np.array([9, 9, 9], np.int64),
                 rng.integers(-2**63, 2**63 - 1, 5000), (rng.zipf(1.1, 8192) - 1) % 1000,
                 (rng.zipf(1.1, 8192) - 1) * -(2**40)):
         ids = ids.astype(np.int64)
-        got = rowkernels.unique_by_shard(ids, num_shards)
-        for g, expected in zip(got, reference.unique_by_shard(ids, num_shards)):
+        plain = rowkernels.unique_by_shard(ids, num_shards)
+        got = rowkernels.unique_by_shard(ids, num_shards, by_shard=True)
+        assert plain[3:] == (None, None, None)
+        for g, p, expected in zip(got, plain, reference.unique_by_shard(ids, num_shards, by_shard=True)):
             assert g.dtype == np.int64 and np.array_equal(g, expected)
-        order, offsets, distinct, starts, inverse = got
-        assert len(np.unique(distinct)) == len(distinct) == len(np.unique(ids))
+            assert p is None or np.array_equal(p, expected)
+        distinct, starts, gather, order, offsets, inverse = got
+        assert np.array_equal(distinct[gather], ids) and len(np.unique(distinct)) == len(distinct)
         shards = rowkernels.shard_of(ids, num_shards)
         for s in range(num_shards):
-            mine = distinct[starts[s]:starts[s + 1]]
+            assert (rowkernels.shard_of(distinct[starts[s]:starts[s + 1]], num_shards) == s).all()
             part = order[offsets[s]:offsets[s + 1]]
             assert np.array_equal(part, np.flatnonzero(shards == s))
-            assert np.array_equal(mine[inverse[offsets[s]:offsets[s + 1]]], ids[part])
+            assert np.array_equal(distinct[starts[s]:starts[s + 1]][inverse[offsets[s]:offsets[s + 1]]], ids[part])
     with pytest.raises(KernelArgumentError):
         rowkernels.unique_by_shard(np.arange(3, dtype=np.int64), 0)
     with pytest.raises(KernelTypeError):
@@ -287,7 +290,7 @@ def test_move_rows_is_its_twin_and_moves_nothing_outside(dtype):
     a pair with a row outside either array is skipped when checked, and refused, naming the range, when not."""
     rng = np.random.default_rng(5)
     ids = ((rng.zipf(1.1, 3000) - 1) % 500).astype(np.int64)
-    order, offsets, distinct, starts, inverse = rowkernels.unique_by_shard(ids, 3)
+    distinct, starts, _, order, offsets, inverse = rowkernels.unique_by_shard(ids, 3, by_shard=True)
     table = rng.standard_normal((500, 9)).astype(dtype)
     out, want = np.full((3000, 9), np.nan, dtype), np.full((3000, 9), np.nan, dtype)
     for s in range(3):

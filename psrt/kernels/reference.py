@@ -96,17 +96,18 @@ def shard_order(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarra
     return order, offsets, where
 
 
-def unique_by_shard(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-                                                                np.ndarray]:
-    """The ids sorted stably by shard, and each shard's distinct ids (in the order they first come) with each id's
-    index among them: ``(order, offsets, distinct, starts, inverse)``."""
+def unique_by_shard(ids: np.ndarray, num_shards: int, by_shard: bool = False) -> tuple:
+    """The distinct ids (in the order they first appear) sorted stably by shard, each shard's range, and each
+    id's position among them; with ``by_shard``, the ids by shard and each one's index among its shard's distinct
+    ids: ``(distinct, starts, gather, order, offsets, inverse)``."""
+    firsts, inv = unique_first(ids)
+    by, starts, where = shard_order(firsts, num_shards)
+    distinct, gather = firsts[by], where[inv]
+    if not by_shard:
+        return distinct, starts, gather, None, None, None
     order, offsets, _ = shard_order(ids, num_shards)
-    parts = [unique_first(ids[order[offsets[s]:offsets[s + 1]]]) for s in range(num_shards)]
-    starts = np.zeros(num_shards + 1, np.int64)
-    np.cumsum([len(d) for d, _ in parts], out=starts[1:])
-    distinct = np.concatenate([np.empty(0, np.int64)] + [d for d, _ in parts])
-    inverse = np.concatenate([np.empty(0, np.int64)] + [i for _, i in parts])
-    return order, offsets, distinct, starts, inverse
+    inverse = gather[order] - starts[shard_of(ids[order], num_shards)]
+    return distinct, starts, gather, order, offsets, inverse
 
 
 def init_rows(ids: np.ndarray, dim: int, dtype, seed: int, kind: int, a: float, b: float) -> np.ndarray:

@@ -10,6 +10,7 @@ are 1-D C-contiguous int64 arrays. :mod:`psrt.kernels.reference` holds the NumPy
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 
@@ -452,17 +453,19 @@ def shard_order(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarra
     return order, offsets, where
 
 
-def unique_by_shard(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-                                                                np.ndarray]:
-    """A pull's ids sorted by shard, and each shard's distinct ones: ``(order, offsets, distinct, starts,
-    inverse)``.
+def unique_by_shard(ids: np.ndarray, num_shards: int, by_shard: bool = False) -> tuple[
+        np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray], Optional[np.ndarray]]:
+    """The distinct ids sorted by shard, and where each id's row is among theirs: ``(distinct, starts, gather,
+    order, offsets, inverse)``.
 
-    Shard s's ids are ``ids[order[offsets[s]:offsets[s + 1]]]`` (:func:`shard_order`); its distinct ids, in the
-    order they first come there, are ``distinct[starts[s]:starts[s + 1]]``; and ``inverse[m]`` is the index of
-    ``ids[order[m]]`` among them. A pull asks each shard for its distinct ids once and moves each row of an
-    answer to every place it was asked for (:func:`move_rows` of ``inverse`` and ``order``, a shard's part of
-    each). What :func:`shard_order`, then :func:`unique_first` of each shard's part, give, in one kernel call
-    (:func:`psrt._core.unique_by_shard`).
+    Shard s's distinct ids are ``distinct[starts[s]:starts[s + 1]]``, in the order they first appear in ``ids``,
+    and ``distinct[gather[i]] == ids[i]``: a pull asks each shard for its distinct ids once and gathers the
+    caller's rows back with ``gather``. With ``by_shard``, also the ids by shard as :func:`shard_order` gives them
+    (``order``, ``offsets``) and ``inverse[m]``, the index of ``ids[order[m]]`` among its shard's distinct ids: a
+    pull then moves each shard's answer to its places as it comes (:func:`move_rows` of a shard's part of
+    ``inverse`` and ``order``); without it, these three are None. What :func:`unique_first`, :func:`shard_order`
+    of the distinct ids and the two lookups between them give, in one kernel call
+    (:func:`psrt._core.unique_by_shard`: each id hashed once, no sort, no array between the steps).
 
     Parameters
     ----------
@@ -470,31 +473,35 @@ def unique_by_shard(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.nd
         1-D int64 ids, repeats allowed.
     num_shards : int
         S, positive (the shards of :func:`shard_of`).
+    by_shard : bool
+        Also give ``order``, ``offsets`` and ``inverse``.
 
     Returns
     -------
-    order, offsets : numpy.ndarray
-        int64, as :func:`shard_order` gives them.
     distinct : numpy.ndarray
         The distinct ids (int64), shard s's in ``distinct[starts[s]:starts[s + 1]]``.
     starts : numpy.ndarray
         The S + 1 shard boundaries of ``distinct`` (int64).
-    inverse : numpy.ndarray
-        int64, one per id: ``distinct[starts[s] + inverse[m]] == ids[order[m]]`` for m in shard s's range.
+    gather : numpy.ndarray
+        Each id's position in ``distinct`` (int64, one per id).
+    order, offsets, inverse : numpy.ndarray or None
+        With ``by_shard``: :func:`shard_order`'s order and offsets of ``ids``, and (int64, one per id)
+        ``distinct[starts[s] + inverse[m]] == ids[order[m]]`` for m in shard s's range.
     """
     i = _ids("ids", ids)
     _check_shards(num_shards)
     n = len(i)
     # (Arrays of their own: the rows of one (3, n) array lie a multiple of 64 KiB apart at n = 8,192, in the same
     # cache sets, and the kernel reads them side by side: four times slower.)
-    order, distinct, inverse = np.empty(n, _I64), np.empty(n, _I64), np.empty(n, _I64)
-    offsets, starts = np.empty(num_shards + 1, _I64), np.empty(num_shards + 1, _I64)
-    if n > _MAX_SCRATCH_IDS:
-        raise KernelArgumentError(f"{n} ids in one call; at most {_MAX_SCRATCH_IDS} (split the call)")
-    index = np.empty(4 * n + 16 * num_shards, np.int32)  # (each shard's part: at most 4x its ids, and 16)
-    index.fill(-1)
-    used = int(_core.unique_by_shard(index, i, num_shards, order, offsets, distinct, starts, inverse))
-    return order, offsets, distinct[:used], starts, inverse
+    firsts, place, distinct = np.empty(n, _I64), np.empty(n, _I64), np.empty(n, _I64)
+    starts, gather = np.empty(num_shards + 1, _I64), np.empty(n, _I64)
+    m = n if by_shard else 0
+    order, offsets, inverse = np.empty(m, _I64), np.empty(num_shards + 1 if by_shard else 0, _I64), np.empty(m, _I64)
+    used = int(_core.unique_by_shard(_scratch(n), i, num_shards, firsts, place, distinct, starts, gather, order,
+                                     offsets, inverse))
+    if not by_shard:
+        return distinct[:used], starts, gather, None, None, None
+    return distinct[:used], starts, gather, order, offsets, inverse
 
 
 def init_rows(table: np.ndarray, start: int, ids: np.ndarray, seed: int, kind: str, a: float, b: float) -> None:

@@ -7,10 +7,11 @@ the same map. A call sorts its ids by shard once (a counting sort, :func:`psrt.k
 sends one message per shard with that shard's ids as a contiguous int64 frame: no Python loop over rows. A pull
 asks each shard for its distinct ids once (the shards' parts and their distinct ids come from one kernel call,
 :func:`psrt.kernels.rows.unique_by_shard`: hashing, no sort) and puts each answer in place as it comes, every
-row moved straight from the answer to each place it was asked for (:func:`psrt.kernels.rows.move_rows`); with
-S = 1 and every id once, the rows land in the output directly. To a shard of this host, a call of at least
-64 KiB carries its ids and rows in the shard's shared-memory lane (:meth:`psrt.worker.sender.ShardSender.pull_rows`,
-``push_rows``), and a pull's answer is moved from there.
+row moved straight from the answer to each place it was asked for (:func:`psrt.kernels.rows.move_rows`), or, for
+rows shorter than :data:`MOVED_ROW_BYTES`, gathers them all into the caller's order once the last answer is in
+(:func:`psrt.kernels.rows.gather_rows`); with S = 1 and every id once, the rows land in the output directly. To
+a shard of this host, a call of at least 64 KiB carries its ids and rows in the shard's shared-memory lane
+(:meth:`psrt.worker.sender.ShardSender.pull_rows`, ``push_rows``), and a pull's answer is taken from there.
 
 A push goes to every shard, even one with no ids this time (an empty message), so that in sync mode every
 shard's round counts every worker.
@@ -38,25 +39,37 @@ __all__ = ["EmbeddingClient", "RowsHandle"]
 _INIT_ROWS = 1 << 20
 
 
+#: Rows of at least this many bytes are moved into the caller's output as each shard's answer comes; shorter ones
+#: are put in a buffer as they come and into the caller's order by one gather at the end, whose writes run in
+#: order: a scatter of 64-byte rows into an output other work pushed out of cache made a pull at S = 4 3-5 %
+#: slower, while 128-byte rows moved made it 5 % faster and 1 KiB rows 16 % (docs/measurements.md).
+MOVED_ROW_BYTES = 128
+
+
 class RowsHandle(Handle):
     """A ``pull_rows`` in flight; :meth:`wait` returns the ``(len(ids), dim)`` rows in the caller's order.
 
-    Each shard's answer is put in place as it comes, while the others' are on their way: it has one row per
-    distinct id the shard was asked for, and row ``asked.inverse[m]`` of it goes to ``out[asked.places[m]]``
-    (:func:`psrt.kernels.rows.move_rows`), straight from the request's lane area or the socket's frame. Without
-    ``places`` (S = 1) the caller's row m is answer row ``inverse[m]``; without ``inverse`` either (S = 1, every
-    id once), the answer is ``out`` itself.
+    Each shard's answer has one row per distinct id the shard was asked for (``asked``). With ``buf`` it lands in
+    ``buf[asked.start:asked.start + asked.count]`` and :meth:`wait` gathers the caller's rows from there
+    (``gather``). Else it is put in place as it comes, while the others' are on their way: row
+    ``asked.inverse[m]`` goes to ``out[asked.places[m]]`` (:func:`psrt.kernels.rows.move_rows`), straight from the
+    request's lane area or the socket's frame; without ``places`` (S = 1) the caller's row m is answer row
+    ``inverse[m]``; without ``inverse`` either (S = 1, every id once), the answer is ``out`` itself.
     """
 
-    def __init__(self, calls: Any, name: str, out: np.ndarray, num_shards: int) -> None:
+    def __init__(self, calls: Any, name: str, out: np.ndarray, num_shards: int, buf: Optional[np.ndarray] = None,
+                 gather: Optional[np.ndarray] = None) -> None:
         super().__init__(calls, "pull_rows", None)
-        self._name, self._out = name, out
+        self._name, self._out, self._buf, self._gather = name, out, buf, gather
         #: Per shard, what it was asked for (set before its request is sent; None: nothing).
         self.asked: list[Optional[_Asked]] = [None] * num_shards
 
     def wait(self, timeout: Optional[float] = None) -> np.ndarray:  # type: ignore[override]
         """Wait for every shard's rows and return them (see :meth:`psrt.Handle.wait` for the errors)."""
         super().wait(timeout)
+        if self._gather is not None and self._buf is not None:
+            rowkernels.gather_rows(self._buf, self._gather, self._out, checked=True)  # (unique_by_shard's)
+            self._gather = None
         return self._out
 
     def _take_rows(self, ch: Any, reply: wire.RowsReply, shard: int, lane: Optional[LaneUse] = None) -> None:
@@ -69,33 +82,41 @@ class RowsHandle(Handle):
                                 f"the request ({asked.count if asked else 0} x {out.shape[1]} of {self._name!r})")
         count = asked.count
         shape = (count, out.shape[1])
+        # Where the answer lands as it is: its part of the buffer, or out itself (S = 1, every id once).
+        dest = out if asked.inverse is None else None
+        if self._buf is not None:
+            dest = self._buf[asked.start:asked.start + count]
         if reply.lane is not None:  # the shard wrote the rows into this request's area of the lane
             if lane is None or reply.lane != lane.ref.generation or len(lane.ref.outputs) != 1 or ch.more():
                 raise ProtocolError("rows reply names a shared-memory lane this request did not use")
             rows = lane.output(0, out.dtype, count * out.shape[1]).reshape(shape)
+            if dest is not None:
+                np.copyto(dest, rows)
+                return
         else:
             if not ch.more():
                 raise ProtocolError("rows reply has no rows frame")
-            rows = out if asked.inverse is None else np.empty(shape, out.dtype)  # (out itself: every id once)
+            rows = dest if dest is not None else np.empty(shape, out.dtype)
             got = ch.recv_into(memoryview(rows).cast("B") if rows.size else bytearray())
             if got != reply.nbytes or ch.more():
                 raise ProtocolError(f"rows frame has {got} bytes (or extra frames); expected {reply.nbytes}")
-        if asked.inverse is None:
-            if rows is not out:
-                np.copyto(out, rows)
-        elif asked.places is None:  # (the row kernel: np.take copies a short row with a call of its own)
+            if dest is not None:
+                return
+        if asked.places is None:  # (the row kernel: np.take copies a short row with a call of its own)
             rowkernels.gather_rows(rows, asked.inverse, out, checked=True)  # (unique_first's)
         else:
-            rowkernels.move_rows(rows, asked.inverse, out, asked.places, checked=True)  # (and shard_order's)
+            rowkernels.move_rows(rows, asked.inverse, out, asked.places, checked=True)  # (unique_by_shard's)
 
 
 @dataclass
 class _Asked:
-    """What one shard was asked for by a ``pull_rows``: ``count`` distinct ids, and where their rows go."""
+    """What one shard was asked for by a ``pull_rows``: ``count`` distinct ids, and where their rows go (see
+    :class:`RowsHandle`)."""
 
     count: int
     inverse: Optional[np.ndarray]
     places: Optional[np.ndarray]
+    start: int = 0
 
 
 @dataclass
@@ -198,7 +219,7 @@ class EmbeddingClient:
               or not out.flags.c_contiguous or not out.flags.writeable):
             raise ConfigError(f"out must be a writable C-contiguous array of shape {shape} and dtype {table.dtype}")
         # A repeated id travels once: each shard is asked for its distinct ids, and its answer is put in place as
-        # it comes (RowsHandle), while the others' are on their way.
+        # it comes, or, rows shorter than MOVED_ROW_BYTES, gathered into place once at the end (RowsHandle).
         num_shards = len(self._senders)
         handle = RowsHandle(self._calls, name, out, num_shards)
         versions = self._calls.versions.tables
@@ -211,13 +232,19 @@ class EmbeddingClient:
                 self._senders[0].pull_rows(handle, self._rank, name, versions[0].get(name, 0), distinct, clock,
                                            len(distinct) * row_bytes)
             return handle
-        order, offsets, distinct, starts, inverse = rowkernels.unique_by_shard(a, num_shards)
+        moved = row_bytes >= MOVED_ROW_BYTES
+        distinct, starts, gather, order, offsets, inverse = rowkernels.unique_by_shard(a, num_shards, moved)
+        if not moved:
+            handle._buf, handle._gather = np.empty((len(distinct), table.dim), table.dtype), gather
         for shard, sender in enumerate(self._senders):
-            lo, hi = int(offsets[shard]), int(offsets[shard + 1])
-            if lo == hi:
-                continue
             first, last = int(starts[shard]), int(starts[shard + 1])
-            handle.asked[shard] = _Asked(last - first, inverse[lo:hi], order[lo:hi])
+            if first == last:
+                continue
+            if order is None or offsets is None or inverse is None:
+                handle.asked[shard] = _Asked(last - first, None, None, first)
+            else:
+                lo, hi = int(offsets[shard]), int(offsets[shard + 1])
+                handle.asked[shard] = _Asked(last - first, inverse[lo:hi], order[lo:hi], first)
             sender.pull_rows(handle, self._rank, name, versions[shard].get(name, 0), distinct[first:last], clock,
                              (last - first) * row_bytes)
         return handle
