@@ -41,8 +41,8 @@ _INIT_ROWS = 1 << 20
 
 #: Rows of at least this many bytes are moved into the caller's output as each shard's answer comes; shorter ones
 #: are put in a buffer as they come and into the caller's order by one gather at the end, whose writes run in
-#: order: a scatter of 64-byte rows into an output other work pushed out of cache made a pull at S = 4 3-5 %
-#: slower, while 128-byte rows moved made it 5 % faster and 1 KiB rows 16 % (docs/measurements.md).
+#: order: moving 64-byte rows into an output other work pushed out of cache made a pull at S = 4 level to 5 %
+#: slower, while moving 128-byte rows made it 3-5 % faster and 1 KiB rows 12-16 % (docs/measurements.md).
 MOVED_ROW_BYTES = 128
 
 
@@ -221,11 +221,11 @@ class EmbeddingClient:
         # A repeated id travels once: each shard is asked for its distinct ids, and its answer is put in place as
         # it comes, or, rows shorter than MOVED_ROW_BYTES, gathered into place once at the end (RowsHandle).
         num_shards = len(self._senders)
-        handle = RowsHandle(self._calls, name, out, num_shards)
         versions = self._calls.versions.tables
         clock = self._clock.get(name, 0)
         row_bytes = table.dim * table.dtype.itemsize
         if num_shards == 1:
+            handle = RowsHandle(self._calls, name, out, 1)
             distinct, inverse = rowkernels.unique_first(a)
             if len(a):
                 handle.asked[0] = _Asked(len(distinct), None if len(distinct) == len(a) else inverse, None)
@@ -234,8 +234,8 @@ class EmbeddingClient:
             return handle
         moved = row_bytes >= MOVED_ROW_BYTES
         distinct, starts, gather, order, offsets, inverse = rowkernels.unique_by_shard(a, num_shards, moved)
-        if not moved:
-            handle._buf, handle._gather = np.empty((len(distinct), table.dim), table.dtype), gather
+        handle = RowsHandle(self._calls, name, out, num_shards) if moved else RowsHandle(
+            self._calls, name, out, num_shards, np.empty((len(distinct), table.dim), table.dtype), gather)
         for shard, sender in enumerate(self._senders):
             first, last = int(starts[shard]), int(starts[shard + 1])
             if first == last:
