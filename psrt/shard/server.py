@@ -510,8 +510,7 @@ class Server(Recovery):
             counters.pulls += 1  # the pull half of a push_pull is a pull too
             self.replies.params(identity, req.id, keys, entries, False)
         else:
-            self._reply(identity, wire.encode_ack(req.id, [e.version for e in entries], False, self._taken,
-                                                  time.monotonic_ns() - self._taken))
+            self._reply(identity, self._timed_ack(req.id, [e.version for e in entries], False))
         if self._pulls or self._stale_pulls:
             for key in keys:
                 self._wake(key)
@@ -638,12 +637,15 @@ class Server(Recovery):
             self._replication.settle()
         self._answer_push(identity, req, keys, self.store.targets(req.worker, entries), False, lane, entries)
 
+    def _timed_ack(self, rid: int, versions: list[int], duplicate: bool) -> list[Any]:
+        """A push's ``ack``, saying when its message was taken in and how long until now (:class:`wire.AckReply`)."""
+        return wire.encode_ack(rid, versions, duplicate, self._taken, time.monotonic_ns() - self._taken)
+
     def _answer_push(self, identity: bytes, req: wire.PushRequest, keys: list[Key], targets: list[int],
                      duplicate: bool, lane: Optional[ShardLane], entries: list[Entry]) -> None:
         if not req.pull:
             if self._replication is None:
-                self._reply(identity, wire.encode_ack(req.id, targets, duplicate, self._taken,
-                                                      time.monotonic_ns() - self._taken))
+                self._reply(identity, self._timed_ack(req.id, targets, duplicate))
             # A replicated job's ack says nothing of when its push came: the ack of a sync push waits for its
             # round, which waits for the other workers' pushes, and a worker that paced its pushes by such acks
             # could hold back the very push another worker's held ack waits for (psrt.worker.overlap.Pace).

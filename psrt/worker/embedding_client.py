@@ -240,11 +240,11 @@ class EmbeddingClient:
             first, last = int(starts[shard]), int(starts[shard + 1])
             if first == last:
                 continue
-            if order is None or offsets is None or inverse is None:
-                handle.asked[shard] = _Asked(last - first, None, None, first)
+            if moved:
+                lo, hi = int(offsets[shard]), int(offsets[shard + 1])  # type: ignore[index]
+                handle.asked[shard] = _Asked(last - first, inverse[lo:hi], order[lo:hi])  # type: ignore[index]
             else:
-                lo, hi = int(offsets[shard]), int(offsets[shard + 1])
-                handle.asked[shard] = _Asked(last - first, inverse[lo:hi], order[lo:hi], first)
+                handle.asked[shard] = _Asked(last - first, None, None, first)
             sender.pull_rows(handle, self._rank, name, versions[shard].get(name, 0), distinct[first:last], clock,
                              (last - first) * row_bytes)
         return handle
